@@ -1,0 +1,46 @@
+"""Tracking: experiments, trials, metrics, lineage rows and the hash-chained audit log.
+
+``TrackingStore.open(url)`` migrates the database (Alembic, ``migrations/``) and returns the store;
+``AuditLog(store)`` appends and verifies governance events.
+"""
+
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore, current_revision, upgrade
+from govray.tracking.tables import (
+    AttestationRecord,
+    AuditEvent,
+    CheckpointRecord,
+    CheckpointState,
+    CorpusRecord,
+    Experiment,
+    ExperimentState,
+    LedgerRow,
+    Metric,
+    MetricKind,
+    ModelVersion,
+    RegisteredModel,
+    Trial,
+    TrialState,
+)
+
+__all__ = [
+    "AttestationRecord",
+    "AuditEvent",
+    "AuditEventType",
+    "AuditLog",
+    "CheckpointRecord",
+    "CheckpointState",
+    "CorpusRecord",
+    "Experiment",
+    "ExperimentState",
+    "LedgerRow",
+    "Metric",
+    "MetricKind",
+    "ModelVersion",
+    "RegisteredModel",
+    "TrackingStore",
+    "Trial",
+    "TrialState",
+    "current_revision",
+    "upgrade",
+]

@@ -1,0 +1,373 @@
+"""The tracking store: one database (a ``sqlite:///`` file or PostgreSQL) behind small verbs.
+
+>>> store = TrackingStore.open("sqlite:///runs/tracking.db")     # doctest: +SKIP
+>>> exp = store.create_experiment("demo", "{}", "ab12...", "/runs/demo")  # doctest: +SKIP
+>>> store.set_experiment_state(exp.id, ExperimentState.RUNNING)  # doctest: +SKIP
+
+Only the driver and the Ray Train controller write here, never the workers (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+from pydantic import ValidationError
+from sqlalchemy import Connection, Engine, create_engine, delete, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+from sqlmodel import Session, col, select
+
+from govray.errors import TrackingError
+from govray.tracking.tables import (
+    TERMINAL_TRIAL_STATES,
+    CorpusRecord,
+    Experiment,
+    ExperimentState,
+    Metric,
+    MetricKind,
+    Trial,
+    TrialState,
+    utcnow,
+)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind)
+Row = TypeVar("Row", Experiment, Trial)
+
+# What a caller describes about a corpus; the store fills in the rest.
+CORPUS_FIELDS = frozenset(CorpusRecord.model_fields) - {"id", "experiment_id", "created_at"}
+
+
+def masked(url: str | URL) -> str:
+    """``url`` with its password hidden, fit for an error message or a log line."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable database URL>"
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers run beside the one writer; the busy timeout makes writers queue instead
+    # of failing at once; SQLite leaves foreign keys off unless asked, per connection.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+def create_tracking_engine(url: str) -> Engine:
+    """An engine for ``url``, connected once so a bad URL fails here with a TrackingError."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise TrackingError(f"tracking store URL {url!r} is not a database URL: {exc}") from exc
+    where = masked(parsed)
+    options: dict[str, Any] = {}
+    if parsed.get_backend_name() == "sqlite":
+        options["connect_args"] = {"check_same_thread": False}
+        if parsed.database in (None, "", ":memory:"):
+            options["poolclass"] = StaticPool  # one shared connection, or each sees its own db
+        else:
+            try:
+                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise TrackingError(f"cannot open tracking store {where}: {exc}") from exc
+    try:
+        engine = create_engine(parsed, **options)
+        if parsed.get_backend_name() == "sqlite":
+            event.listen(engine, "connect", _sqlite_pragmas)
+        with engine.connect():
+            pass
+    except (SQLAlchemyError, ImportError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise TrackingError(f"cannot open tracking store {where}: {reason}") from exc
+    return engine
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic config for the packaged migrations, independent of the working directory."""
+    config = Config()
+    # ConfigParser interpolates '%', so a path containing one must be escaped.
+    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The migration revision the database is at (``None`` for an empty database)."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def upgrade(target: str | Engine) -> str:
+    """Run ``alembic upgrade head`` on a URL or an engine; return the revision reached.
+
+    Raises TrackingError if the database is at a revision this govray does not know (written
+    by a newer govray, say) or a migration fails.
+    """
+    engine = create_tracking_engine(target) if isinstance(target, str) else target
+    where = masked(engine.url)
+    scripts = ScriptDirectory.from_config(alembic_config())
+    known = [script.revision for script in scripts.walk_revisions()]  # newest first
+    try:
+        with engine.begin() as connection:
+            found = MigrationContext.configure(connection).get_current_revision()
+            if found is not None and found not in known:
+                raise TrackingError(
+                    f"tracking store {where} is at revision {found!r}, which this govray does "
+                    f"not know (newest known: {known[0]!r}); upgrade govray"
+                )
+            command.upgrade(alembic_config(connection), "head")
+    except (SQLAlchemyError, CommandError) as exc:
+        raise TrackingError(f"migrating tracking store {where} failed: {exc}") from exc
+    finally:
+        if isinstance(target, str):
+            engine.dispose()
+    return known[0]
+
+
+class TrackingStore:
+    """Experiments, trials, corpora and metrics in one database.
+
+    ``TrackingStore(url)`` connects; ``TrackingStore.open(url)`` also migrates to the newest
+    schema first, which is what callers normally want.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = create_tracking_engine(url)
+
+    @classmethod
+    def open(cls, url: str) -> TrackingStore:
+        """Connect to ``url``, migrate it to head, and return the store."""
+        store = cls(url)
+        upgrade(store.engine)
+        return store
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self.engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"TrackingStore({masked(self.url)!r})"
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """A unit of work: commits when the block ends normally, rolls back on an exception.
+
+        Objects stay readable after the block (``expire_on_commit=False``).
+        """
+        with Session(self.engine, expire_on_commit=False) as session:
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    # -- experiments -------------------------------------------------------------------------
+
+    def create_experiment(
+        self,
+        name: str,
+        config_json: str,
+        config_digest: str,
+        storage_path: str,
+        description: str = "",
+        policy_digest: str | None = None,
+    ) -> Experiment:
+        """Record a new experiment in state ``created``."""
+        experiment = Experiment(
+            name=name,
+            description=description,
+            config_json=config_json,
+            config_digest=config_digest,
+            policy_digest=policy_digest,
+            storage_path=storage_path,
+        )
+        with self.session() as session:
+            session.add(experiment)
+        return experiment
+
+    def get_experiment(self, id_or_name: int | str) -> Experiment:
+        """The experiment with this id, or the newest one with this name.
+
+        A string of digits that names no experiment is read as an id (what a CLI passes).
+        """
+        with self.session() as session:
+            if isinstance(id_or_name, int):
+                found = session.get(Experiment, id_or_name)
+            else:
+                newest_first = col(Experiment.id).desc()
+                query = select(Experiment).where(Experiment.name == id_or_name)
+                found = session.exec(query.order_by(newest_first)).first()
+                if found is None and id_or_name.isdigit():
+                    found = session.get(Experiment, int(id_or_name))
+        if found is None:
+            raise TrackingError(f"no experiment {id_or_name!r} in tracking store {masked(self.url)}")
+        return found
+
+    def list_experiments(self) -> list[Experiment]:
+        """All experiments, oldest first."""
+        with self.session() as session:
+            return list(session.exec(select(Experiment).order_by(col(Experiment.id))))
+
+    def set_experiment_state(self, experiment_id: int, state: ExperimentState | str) -> Experiment:
+        """Move an experiment to ``state`` (one of ExperimentState) and stamp ``updated_at``."""
+        new_state = _member(ExperimentState, state)
+        with self.session() as session:
+            experiment = _require(session, Experiment, experiment_id)
+            experiment.state = new_state.value
+            experiment.updated_at = utcnow()
+            session.add(experiment)
+        return experiment
+
+    # -- corpora -----------------------------------------------------------------------------
+
+    def record_corpora(self, experiment_id: int, records: Iterable[Mapping[str, Any]]) -> list[CorpusRecord]:
+        """Store the ingested corpora of an experiment, replacing any from an earlier ingest.
+
+        Each record holds CorpusRecord's fields (corpus_id, role, fingerprint, rows, train_rows,
+        holdout_rows, credential_json, route_counts_json); unknown or missing fields and a
+        corpus id given twice are refused, leaving the earlier rows in place.
+        """
+        rows = [_corpus_record(experiment_id, record) for record in records]
+        corpus_ids = [row.corpus_id for row in rows]
+        if twice := sorted({cid for cid in corpus_ids if corpus_ids.count(cid) > 1}):
+            raise TrackingError(f"corpus ids given more than once: {', '.join(twice)}")
+        with self.session() as session:
+            _require(session, Experiment, experiment_id)
+            owned = col(CorpusRecord.experiment_id) == experiment_id
+            session.execute(delete(CorpusRecord).where(owned))
+            session.add_all(rows)
+        return rows
+
+    def list_corpora(self, experiment_id: int) -> list[CorpusRecord]:
+        """The corpora recorded for an experiment, by corpus id."""
+        with self.session() as session:
+            query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
+            return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
+
+    # -- trials and metrics ------------------------------------------------------------------
+
+    def create_trial(
+        self,
+        experiment_id: int,
+        hparams_json: str,
+        seed: int,
+        ray_run_name: str | None = None,
+        cloned_from: int | None = None,
+    ) -> Trial:
+        """Record a new trial of an experiment in state ``pending``."""
+        trial = Trial(
+            experiment_id=experiment_id,
+            hparams_json=hparams_json,
+            seed=seed,
+            ray_run_name=ray_run_name,
+            cloned_from=cloned_from,
+        )
+        with self.session() as session:
+            _require(session, Experiment, experiment_id)
+            session.add(trial)
+        return trial
+
+    def get_trial(self, trial_id: int) -> Trial:
+        """The trial with this id."""
+        with self.session() as session:
+            return _require(session, Trial, trial_id)
+
+    def list_trials(self, experiment_id: int) -> list[Trial]:
+        """The trials of an experiment, oldest first."""
+        with self.session() as session:
+            query = select(Trial).where(Trial.experiment_id == experiment_id)
+            return list(session.exec(query.order_by(col(Trial.id))))
+
+    def set_trial_state(
+        self, trial_id: int, state: TrialState | str, ray_run_name: str | None = None
+    ) -> Trial:
+        """Move a trial to ``state``; a terminal state stamps ``ended_at``."""
+        new_state = _member(TrialState, state)
+        with self.session() as session:
+            trial = _require(session, Trial, trial_id)
+            trial.state = new_state.value
+            if ray_run_name is not None:
+                trial.ray_run_name = ray_run_name
+            if new_state in TERMINAL_TRIAL_STATES:
+                trial.ended_at = utcnow()
+            session.add(trial)
+        return trial
+
+    def log_metrics(
+        self, trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
+    ) -> None:
+        """Record the scalars a trial reported at ``step``.
+
+        NaN is refused (SQLite would silently store it as NULL); the caller decides what a NaN
+        loss means. Infinities are stored as they are.
+        """
+        metric_kind = _member(MetricKind, kind).value
+        if nans := sorted(name for name, value in values.items() if math.isnan(value)):
+            raise TrackingError(f"trial {trial_id} reported NaN at step {step} for: {', '.join(nans)}")
+        now = utcnow()
+        rows = [
+            Metric(
+                trial_id=trial_id, step=step, kind=metric_kind, name=name, value=float(value), recorded_at=now
+            )
+            for name, value in values.items()
+        ]
+        try:
+            with self.session() as session:
+                session.add_all(rows)
+        except IntegrityError as exc:
+            raise TrackingError(f"cannot log metrics for trial {trial_id}: {exc.orig}") from exc
+
+    def metrics(self, trial_id: int, name: str | None = None) -> list[Metric]:
+        """A trial's metrics (only ``name`` when given), ordered by name then step."""
+        query = select(Metric).where(Metric.trial_id == trial_id)
+        if name is not None:
+            query = query.where(Metric.name == name)
+        order = (col(Metric.name), col(Metric.step), col(Metric.id))
+        with self.session() as session:
+            return list(session.exec(query.order_by(*order)))
+
+
+def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in enum)
+        raise TrackingError(f"unknown {enum.__name__} {value!r}; expected one of: {allowed}") from None
+
+
+def _require(session: Session, table: type[Row], row_id: int) -> Row:
+    found = session.get(table, row_id)
+    if found is None:
+        raise TrackingError(f"no {table.__name__.lower()} with id {row_id} in the tracking store")
+    return found
+
+
+def _corpus_record(experiment_id: int, record: Mapping[str, Any]) -> CorpusRecord:
+    unknown = set(record) - CORPUS_FIELDS
+    if unknown:
+        raise TrackingError(f"corpus record has unexpected fields: {', '.join(sorted(unknown))}")
+    try:
+        return CorpusRecord.model_validate({**record, "experiment_id": experiment_id})
+    except ValidationError as exc:
+        corpus = record.get("corpus_id", "?")
+        raise TrackingError(f"corpus record {corpus!r} is invalid: {exc}") from exc

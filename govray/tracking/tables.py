@@ -1,0 +1,237 @@
+"""The tracking schema: one SQLModel class per table, declared once.
+
+JSON documents are stored as text and timestamps as timezone-aware UTC, so the same rows read
+back identically from SQLite and PostgreSQL. The hand-written migration
+``migrations/versions/0001_initial.py`` creates exactly this metadata; a test compares them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import DateTime, Dialect, Index, Text, TypeDecorator, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware, in UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is stored in UTC and always read back timezone-aware.
+
+    SQLite keeps no offset, so values are normalised to UTC on the way in and tagged UTC on the
+    way out; naive datetimes are refused rather than guessed at.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()} given; use a UTC-aware one")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if not isinstance(value, datetime):
+            raise TypeError(f"expected a datetime from the database, got {value!r}")
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class ExperimentState(StrEnum):
+    CREATED = "created"
+    INGESTED = "ingested"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+class TrialState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+TERMINAL_TRIAL_STATES = frozenset({TrialState.COMPLETED, TrialState.FAILED, TrialState.STOPPED})
+
+
+class MetricKind(StrEnum):
+    TRAINING = "training"
+    VALIDATION = "validation"
+
+
+class CheckpointState(StrEnum):
+    ACTIVE = "active"
+    DELETED = "deleted"
+
+
+class Experiment(SQLModel, table=True):
+    """One governed experiment: its frozen config and the policy it runs under."""
+
+    __tablename__ = "experiments"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True)
+    description: str = ""
+    config_json: str = Field(sa_type=Text)
+    config_digest: str
+    policy_digest: str | None = None
+    storage_path: str
+    state: str = ExperimentState.CREATED.value
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class Trial(SQLModel, table=True):
+    """One training run of an experiment with fixed hyper-parameters and seed."""
+
+    __tablename__ = "trials"
+
+    id: int | None = Field(default=None, primary_key=True)
+    experiment_id: int = Field(foreign_key="experiments.id", index=True)
+    hparams_json: str = Field(sa_type=Text)
+    seed: int
+    state: str = TrialState.PENDING.value
+    ray_run_name: str | None = None
+    cloned_from: int | None = Field(default=None, foreign_key="trials.id")
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class Metric(SQLModel, table=True):
+    """One scalar reported by a trial at one step."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_trial_name_step", "trial_id", "name", "step"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    trial_id: int = Field(foreign_key="trials.id")
+    step: int
+    kind: str
+    name: str
+    value: float
+    recorded_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class CorpusRecord(SQLModel, table=True):
+    """One corpus as ingested for an experiment: its fingerprint, credential and routes."""
+
+    __tablename__ = "corpora"
+    __table_args__ = (UniqueConstraint("experiment_id", "corpus_id", name="uq_corpora_experiment_corpus"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    experiment_id: int = Field(foreign_key="experiments.id")
+    corpus_id: str = Field(index=True)
+    role: str
+    fingerprint: str
+    rows: int
+    train_rows: int
+    holdout_rows: int
+    credential_json: str = Field(sa_type=Text)
+    route_counts_json: str = Field(sa_type=Text)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class CheckpointRecord(SQLModel, table=True):
+    """A checkpoint a trial saved; GC marks it deleted and keeps the row (and attestations)."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("uuid", name="uq_checkpoints_uuid"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    trial_id: int = Field(foreign_key="trials.id", index=True)
+    uuid: str
+    path: str
+    step: int
+    manifest_digest: str
+    state: str = CheckpointState.ACTIVE.value
+    metrics_json: str = Field(sa_type=Text)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    deleted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class RegisteredModel(SQLModel, table=True):
+    """A named model in the registry; its versions point at checkpoints."""
+
+    __tablename__ = "registered_models"
+
+    name: str = Field(primary_key=True)
+    description: str = ""
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class ModelVersion(SQLModel, table=True):
+    """Version ``version`` of a registered model: one checkpoint plus tags."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model_name", "version", name="uq_model_versions_name_version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_name: str = Field(foreign_key="registered_models.name", index=True)
+    version: int
+    checkpoint_id: int = Field(foreign_key="checkpoints.id")
+    tags_json: str = Field(default="{}", sa_type=Text)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class AttestationRecord(SQLModel, table=True):
+    """A signed attestation envelope about a checkpoint or a model version."""
+
+    __tablename__ = "attestations"
+
+    id: int | None = Field(default=None, primary_key=True)
+    checkpoint_id: int | None = Field(default=None, foreign_key="checkpoints.id")
+    model_version_id: int | None = Field(default=None, foreign_key="model_versions.id")
+    subject_digest: str = Field(index=True)
+    envelope_json: str = Field(sa_type=Text)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class LedgerRow(SQLModel, table=True):
+    """How much of one corpus reached one parameter tensor in one trial (the lineage ledger)."""
+
+    __tablename__ = "ledger_rows"
+    __table_args__ = (
+        Index("ix_ledger_rows_corpus_parameter", "corpus_id", "parameter"),
+        Index("ix_ledger_rows_trial_parameter", "trial_id", "parameter"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    trial_id: int = Field(foreign_key="trials.id")
+    checkpoint_id: int | None = Field(default=None, foreign_key="checkpoints.id")
+    corpus_id: str
+    parameter: str
+    layer_index: int | None = None
+    examples: int
+    tokens: int
+    steps: int
+
+
+class AuditEvent(SQLModel, table=True):
+    """One link of the append-only, hash-chained audit log (see ``govray.tracking.audit``).
+
+    ``seq`` is the chain position and the primary key, so two writers racing for the same
+    position collide on it. ``at`` is ISO text so the hashed bytes never depend on a driver's
+    datetime handling. ``experiment_id`` has no foreign key: the log outlives what it audits.
+    """
+
+    __tablename__ = "audit_events"
+
+    seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    at: str
+    event_type: str = Field(index=True)
+    experiment_id: int | None = Field(default=None, index=True)
+    actor: str
+    payload_json: str = Field(sa_type=Text)
+    prev_hash: str
+    hash: str

@@ -1,0 +1,395 @@
+"""Promises of the tracking layer: migrations equal the tables, the audit chain catches tampering
+and loses nothing under concurrent writers, and the store round-trips what it is given."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlmodel import SQLModel
+
+from govray.canonical import canonical_json, sha256_hex
+from govray.errors import TrackingError
+from govray.tracking import audit
+from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore, current_revision, upgrade
+from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TrackingStore]:
+    opened = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
+    yield opened
+    opened.close()
+
+
+def raw(store: TrackingStore, sql: str, **params: Any) -> None:
+    """Tamper with the database the way an attacker with SQL access would."""
+    with store.engine.begin() as connection:
+        connection.execute(sa.text(sql), params)
+
+
+def corpus(corpus_id: str, fingerprint: str, rows: int = 10) -> dict[str, Any]:
+    return {
+        "corpus_id": corpus_id,
+        "role": "train",
+        "fingerprint": fingerprint,
+        "rows": rows,
+        "train_rows": rows - 2,
+        "holdout_rows": 2,
+        "credential_json": json.dumps({"license": "cc-by-4.0"}),
+        "route_counts_json": json.dumps({"full": rows - 2}),
+    }
+
+
+# -- migrations ------------------------------------------------------------------------------
+
+
+def test_migrations_bring_an_empty_sqlite_file_to_exactly_the_table_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "empty.db"
+    db.touch()
+    monkeypatch.chdir(tmp_path)  # the migrations are found from the package, not the cwd
+    url = f"sqlite:///{db}"
+
+    assert upgrade(url) == "0001_initial"
+
+    engine = sa.create_engine(url)
+    try:
+        assert current_revision(engine) == "0001_initial"
+        with engine.connect() as connection:
+            assert compare_metadata(MigrationContext.configure(connection), SQLModel.metadata) == []
+        tables = set(sa.inspect(engine).get_table_names())
+        assert tables == set(SQLModel.metadata.tables) | {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_upgrading_twice_is_a_no_op(store: TrackingStore) -> None:
+    store.create_experiment("kept", "{}", "digest", "/runs/kept")
+    assert upgrade(store.engine) == "0001_initial"
+    assert [e.name for e in store.list_experiments()] == ["kept"]
+
+
+def test_a_database_from_a_newer_govray_is_refused(store: TrackingStore) -> None:
+    raw(store, "UPDATE alembic_version SET version_num = '0099_future'")
+    with pytest.raises(TrackingError, match="0099_future"):
+        upgrade(store.engine)
+
+
+def test_an_unreachable_url_names_the_url_without_its_password() -> None:
+    url = "postgresql://govray:s3cret-pw@127.0.0.1:1/tracking"
+    with pytest.raises(TrackingError) as caught:
+        TrackingStore(url)
+    message = str(caught.value)
+    assert "govray:***@127.0.0.1:1/tracking" in message
+    assert "s3cret-pw" not in message
+
+
+def test_a_sqlite_path_under_a_regular_file_cannot_be_opened(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(TrackingError, match=r"cannot open tracking store sqlite:///.*not-a-dir"):
+        TrackingStore(f"sqlite:///{blocker / 'tracking.db'}")
+
+
+# -- audit chain -----------------------------------------------------------------------------
+
+
+def append_events(log: AuditLog, count: int) -> None:
+    for index in range(count):
+        log.append(AuditEventType.POLICY_VERIFIED, {"index": index, "policy": "default"})
+
+
+def test_the_chain_verifies_and_each_hash_is_the_documented_formula(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    append_events(log, 12)
+
+    assert log.verify() == 12
+    events = log.list()
+    assert [e.seq for e in events] == list(range(1, 13))
+    assert events[0].prev_hash == GENESIS_HASH
+    for before, after in itertools.pairwise(events):
+        assert after.prev_hash == before.hash
+    for event in events:
+        content = {
+            "seq": event.seq,
+            "at": event.at,
+            "event_type": event.event_type,
+            "experiment_id": event.experiment_id,
+            "actor": event.actor,
+            "payload": json.loads(event.payload_json),
+            "prev_hash": event.prev_hash,
+        }
+        assert event.hash == sha256_hex(canonical_json(content))
+    assert json.loads(events[4].payload_json) == {"index": 4, "policy": "default"}
+
+
+def test_an_edited_payload_is_named_by_its_seq(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    append_events(log, 10)
+    raw(store, "UPDATE audit_events SET payload_json = :p WHERE seq = 7", p='{"index":666}')
+
+    with pytest.raises(TrackingError, match=r"broken at seq 7: content was edited"):
+        log.verify()
+
+
+def test_a_deleted_middle_event_is_named_as_missing(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    append_events(log, 10)
+    raw(store, "DELETE FROM audit_events WHERE seq = 5")
+
+    with pytest.raises(TrackingError, match=r"broken at seq 5: expected seq 5 .* seq 6 \(missing\)"):
+        log.verify()
+
+
+def test_relinking_a_forged_hash_is_caught_because_content_no_longer_hashes(
+    store: TrackingStore,
+) -> None:
+    log = AuditLog(store)
+    append_events(log, 10)
+    forged = "f" * 64
+    raw(store, "UPDATE audit_events SET hash = :h WHERE seq = 4", h=forged)
+    raw(store, "UPDATE audit_events SET prev_hash = :h WHERE seq = 5", h=forged)
+
+    with pytest.raises(TrackingError, match=r"broken at seq 4: content was edited"):
+        log.verify()
+
+
+def test_a_broken_link_alone_is_named(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    append_events(log, 6)
+    # Re-hash seq 3 over a wrong prev_hash so its content is self-consistent but unlinked.
+    with store.session() as session:
+        event = session.get(AuditEvent, 3)
+        assert event is not None
+        event.prev_hash = "a" * 64
+        event.hash = audit.event_hash(event)
+        session.add(event)
+
+    with pytest.raises(TrackingError, match=r"broken at seq 3: broken link"):
+        log.verify()
+
+
+def test_eight_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'tracking.db'}"
+    TrackingStore.open(url).close()
+    writers, per_writer = 8, 25
+    start = threading.Barrier(writers)
+    failures: list[BaseException] = []
+
+    def write(writer: int) -> None:
+        writer_store = TrackingStore(url)  # its own engine, connections and sessions
+        try:
+            log = AuditLog(writer_store)
+            start.wait()
+            for index in range(per_writer):
+                log.append(AuditEventType.GC_DELETED, {"writer": writer, "index": index})
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            writer_store.close()
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert failures == []
+    reader = TrackingStore(url)
+    try:
+        log = AuditLog(reader)
+        events = log.list()
+        total = writers * per_writer
+        assert [e.seq for e in events] == list(range(1, total + 1))
+        written = {(p["writer"], p["index"]) for p in (json.loads(e.payload_json) for e in events)}
+        assert written == {(w, i) for w in range(writers) for i in range(per_writer)}
+        assert log.verify() == total
+    finally:
+        reader.close()
+
+
+def test_append_retries_when_another_writer_takes_its_seq(
+    store: TrackingStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, rival = AuditLog(store), AuditLog(store)
+    log.append(AuditEventType.POLICY_VERIFIED, {"first": True})
+    real_next_event = audit._next_event
+    calls = 0
+
+    def racing_next_event(*args: Any) -> AuditEvent:
+        nonlocal calls
+        calls += 1
+        planned = real_next_event(*args)
+        if calls == 1:  # a rival commits seq 2 between our read and our insert
+            monkeypatch.setattr(audit, "_next_event", real_next_event)
+            rival.append(AuditEventType.RUN_REFUSED, {"rival": True})
+            monkeypatch.setattr(audit, "_next_event", racing_next_event)
+        return planned
+
+    monkeypatch.setattr(audit, "_next_event", racing_next_event)
+    mine = log.append(AuditEventType.INGEST_COMPLETED, {"mine": True})
+
+    assert calls == 2
+    assert mine.seq == 3
+    assert [e.event_type for e in log.list()] == ["policy.verified", "run.refused", "ingest.completed"]
+    assert log.verify() == 3
+
+
+def test_append_accepts_only_the_closed_set_of_event_types(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    with pytest.raises(TrackingError, match=r"unknown audit event type 'policy\.ignored'"):
+        log.append("policy.ignored", {})
+    assert log.append("run.refused", {}).event_type == AuditEventType.RUN_REFUSED
+    assert log.verify() == 1
+
+
+def test_list_filters_by_experiment_type_and_time(store: TrackingStore) -> None:
+    log = AuditLog(store)
+    before = datetime.now(UTC) - timedelta(seconds=1)
+    log.append(AuditEventType.EXPERIMENT_CREATED, {}, experiment_id=1, actor="alice")
+    log.append(AuditEventType.INGEST_COMPLETED, {}, experiment_id=1)
+    log.append(AuditEventType.EXPERIMENT_CREATED, {}, experiment_id=2)
+    after = datetime.now(UTC) + timedelta(seconds=1)
+
+    assert [e.seq for e in log.list(experiment_id=1)] == [1, 2]
+    assert [e.seq for e in log.list(event_type=AuditEventType.EXPERIMENT_CREATED)] == [1, 3]
+    assert [e.seq for e in log.list(experiment_id=2, event_type="experiment.created")] == [3]
+    assert len(log.list(since=before, until=after)) == 3
+    assert log.list(since=after) == []
+    assert log.list(until=before) == []
+    assert log.list()[0].actor == "alice"
+
+
+# -- experiments, corpora, trials, metrics ---------------------------------------------------
+
+
+def test_experiments_are_created_listed_and_found_by_name(store: TrackingStore) -> None:
+    first = store.create_experiment("alpha", '{"lr": 0.1}', "d1", "/runs/a1")
+    store.create_experiment("beta", "{}", "d2", "/runs/b", policy_digest="p2")
+    newest = store.create_experiment("alpha", '{"lr": 0.2}', "d3", "/runs/a2", description="v2")
+    assert first.id is not None
+
+    assert [(e.id, e.name) for e in store.list_experiments()] == [
+        (first.id, "alpha"),
+        (first.id + 1, "beta"),
+        (newest.id, "alpha"),
+    ]
+    found = store.get_experiment("alpha")
+    assert (found.id, found.config_digest, found.description) == (newest.id, "d3", "v2")
+    assert store.get_experiment(first.id).config_json == '{"lr": 0.1}'
+    assert store.get_experiment("beta").policy_digest == "p2"
+    assert found.state == ExperimentState.CREATED
+    assert found.created_at.tzinfo == UTC
+
+
+def test_an_unknown_experiment_is_named_in_the_error(store: TrackingStore) -> None:
+    with pytest.raises(TrackingError, match="no experiment 'no-such-run'"):
+        store.get_experiment("no-such-run")
+
+
+def test_experiment_state_changes_are_validated(store: TrackingStore) -> None:
+    experiment = store.create_experiment("gamma", "{}", "d", "/runs/g")
+    assert experiment.id is not None
+    store.set_experiment_state(experiment.id, ExperimentState.RUNNING)
+    assert store.get_experiment("gamma").state == "running"
+    with pytest.raises(TrackingError, match="unknown ExperimentState 'paused'"):
+        store.set_experiment_state(experiment.id, "paused")
+    assert store.get_experiment("gamma").state == "running"
+
+
+def test_record_corpora_replaces_the_previous_ingest(store: TrackingStore) -> None:
+    mine = store.create_experiment("mine", "{}", "d", "/runs/m")
+    other = store.create_experiment("other", "{}", "d", "/runs/o")
+    assert mine.id is not None and other.id is not None
+    store.record_corpora(mine.id, [corpus("news", "aa" * 32), corpus("code", "bb" * 32)])
+    store.record_corpora(other.id, [corpus("news", "cc" * 32)])
+
+    store.record_corpora(mine.id, [corpus("news", "dd" * 32, rows=40)])
+
+    (news,) = store.list_corpora(mine.id)
+    assert (news.corpus_id, news.fingerprint, news.rows, news.train_rows) == ("news", "dd" * 32, 40, 38)
+    assert [(c.corpus_id, c.fingerprint) for c in store.list_corpora(other.id)] == [("news", "cc" * 32)]
+
+
+def test_record_corpora_refuses_unknown_fields_and_keeps_the_old_rows(
+    store: TrackingStore,
+) -> None:
+    experiment = store.create_experiment("strict", "{}", "d", "/runs/s")
+    assert experiment.id is not None
+    store.record_corpora(experiment.id, [corpus("news", "aa" * 32)])
+    with pytest.raises(TrackingError, match="unexpected fields: colour"):
+        store.record_corpora(experiment.id, [{**corpus("news", "bb" * 32), "colour": "red"}])
+    assert [c.fingerprint for c in store.list_corpora(experiment.id)] == ["aa" * 32]
+
+
+def test_metrics_round_trip_exactly(store: TrackingStore) -> None:
+    experiment = store.create_experiment("metrics", "{}", "d", "/runs/m")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, '{"lr": 0.1}', seed=7)
+    assert trial.id is not None
+    store.log_metrics(trial.id, 2, "training", {"loss": 1 / 3, "lr": 1e-300})
+    store.log_metrics(trial.id, 1, "training", {"loss": 0.1, "lr": 2.5e-4})
+    store.log_metrics(trial.id, 2, "validation", {"val_loss": 0.7})
+
+    loss = store.metrics(trial.id, "loss")
+    assert [(m.step, m.kind, m.value) for m in loss] == [(1, "training", 0.1), (2, "training", 1 / 3)]
+    everything = [(m.name, m.step, m.value) for m in store.metrics(trial.id)]
+    assert everything == [
+        ("loss", 1, 0.1),
+        ("loss", 2, 1 / 3),
+        ("lr", 1, 2.5e-4),
+        ("lr", 2, 1e-300),
+        ("val_loss", 2, 0.7),
+    ]
+    with pytest.raises(TrackingError, match="unknown MetricKind 'test'"):
+        store.log_metrics(trial.id, 3, "test", {"loss": 0.0})
+
+
+def test_a_nan_metric_is_refused_and_nothing_of_that_report_is_stored(store: TrackingStore) -> None:
+    experiment = store.create_experiment("diverged", "{}", "d", "/runs/d")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=3)
+    assert trial.id is not None
+    with pytest.raises(TrackingError, match=f"trial {trial.id} reported NaN at step 5 for: loss"):
+        store.log_metrics(trial.id, 5, "training", {"lr": 0.01, "loss": float("nan")})
+    store.log_metrics(trial.id, 6, "training", {"loss": float("inf")})
+    assert [(m.step, m.value) for m in store.metrics(trial.id)] == [(6, float("inf"))]
+
+
+def test_record_corpora_refuses_a_corpus_given_twice(store: TrackingStore) -> None:
+    experiment = store.create_experiment("twice", "{}", "d", "/runs/t")
+    assert experiment.id is not None
+    with pytest.raises(TrackingError, match="corpus ids given more than once: news"):
+        store.record_corpora(experiment.id, [corpus("news", "aa" * 32), corpus("news", "bb" * 32)])
+    assert store.list_corpora(experiment.id) == []
+
+
+def test_trials_record_their_lifecycle(store: TrackingStore) -> None:
+    experiment = store.create_experiment("trials", "{}", "d", "/runs/t")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=1)
+    assert trial.id is not None
+    clone = store.create_trial(experiment.id, "{}", seed=1, cloned_from=trial.id)
+
+    running = store.set_trial_state(trial.id, TrialState.RUNNING, ray_run_name="run-1")
+    assert (running.state, running.ray_run_name, running.ended_at) == ("running", "run-1", None)
+    done = store.set_trial_state(trial.id, "completed")
+    assert done.ended_at is not None and done.ended_at.tzinfo == UTC
+    assert [(t.id, t.state, t.cloned_from) for t in store.list_trials(experiment.id)] == [
+        (trial.id, "completed", None),
+        (clone.id, "pending", trial.id),
+    ]
+    with pytest.raises(TrackingError, match="no trial with id 999"):
+        store.get_trial(999)
