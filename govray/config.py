@@ -1,0 +1,419 @@
+"""The experiment file (YAML), Determined-style, validated into pydantic models.
+
+Relative paths (corpora, policy, trust, a local ``storage_path``) are relative to the directory
+of the experiment file. Errors name the file and the field path::
+
+    ConfigError: jobs/examples/digits/experiment.yaml: data.corpora.1.credential.license_class:
+    Input should be 'public-domain', 'permissive', ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from govray.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
+from govray.errors import ConfigError, describe_validation_error
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- hyperparameters (Determined's types) -----------------------------------------------------
+
+
+class ConstHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["const"] = "const"
+    val: Any
+
+
+class IntHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["int"]
+    minval: int
+    maxval: int
+    count: int | None = Field(default=None, ge=1)  # grid points
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IntHP:
+        if self.maxval < self.minval:
+            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
+        return self
+
+
+class DoubleHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["double"]
+    minval: float
+    maxval: float
+    count: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DoubleHP:
+        if self.maxval < self.minval:
+            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
+        return self
+
+
+class LogHP(BaseModel):
+    """``base ** x`` for x uniform in [minval, maxval]."""
+
+    model_config = _STRICT
+    type: Literal["log"]
+    minval: float
+    maxval: float
+    base: float = Field(default=10.0, gt=1.0)
+    count: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LogHP:
+        if self.maxval < self.minval:
+            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
+        return self
+
+
+class CategoricalHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["categorical"]
+    vals: list[Any] = Field(min_length=1)
+
+
+Hyperparameter = Annotated[ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP, Field(discriminator="type")]
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+class CorpusFormat(StrEnum):
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+    CSV = "csv"
+
+
+_EXTENSIONS = {".parquet": CorpusFormat.PARQUET, ".jsonl": CorpusFormat.JSONL, ".csv": CorpusFormat.CSV}
+
+
+class CorpusRole(StrEnum):
+    TRAIN = "train"  # routed by the policy; split into training and holdout by row hash
+    VALIDATION = "validation"  # evaluation only, never routed
+    PROBE = "probe"  # memorization probes and canaries, never routed
+
+
+class CorpusSpec(BaseModel):
+    """One corpus: where it is, its credential, and which columns override it per row."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=CORPUS_ID_PATTERN)
+    path: Path
+    format: CorpusFormat | None = None  # inferred from the file extension when omitted
+    role: CorpusRole = CorpusRole.TRAIN
+    credential: dict[str, Any]  # every credential field but corpus_id (taken from ``id``)
+    credential_columns: dict[str, str] = Field(default_factory=dict)  # field → column name
+    holdout_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
+
+    @field_validator("credential", mode="before")
+    @classmethod
+    def _plain_json(cls, credential: Any) -> Any:
+        # YAML reads 1998-01-01 as a date; keep the credential JSON-plain so it can be hashed.
+        return json.loads(json.dumps(credential, default=str)) if isinstance(credential, dict) else credential
+
+    @field_validator("credential_columns")
+    @classmethod
+    def _overridable(cls, columns: dict[str, str]) -> dict[str, str]:
+        for field in columns:
+            if field not in ROW_OVERRIDABLE_FIELDS:
+                raise ValueError(
+                    f"'{field}' cannot be set per row (allowed: {', '.join(ROW_OVERRIDABLE_FIELDS)})"
+                )
+        return columns
+
+    @model_validator(mode="after")
+    def _credential_complete(self) -> CorpusSpec:
+        if "corpus_id" in self.credential and self.credential["corpus_id"] != self.id:
+            raise ValueError(
+                f"credential.corpus_id '{self.credential['corpus_id']}' differs from id '{self.id}'"
+            )
+        # Fields set per row may be absent at corpus level; everything else must validate now.
+        probe = {**self.credential, "corpus_id": self.id}
+        for field in self.credential_columns:
+            probe.setdefault(field, _placeholder(field))
+        try:
+            Credential.model_validate(probe)
+        except ValidationError as error:
+            raise ValueError(f"credential: {describe_validation_error(error)}") from None
+        return self
+
+    @property
+    def resolved_format(self) -> CorpusFormat:
+        if self.format is not None:
+            return self.format
+        suffix = self.path.suffix.lower()
+        if suffix not in _EXTENSIONS:
+            raise ConfigError(
+                f"corpus '{self.id}': cannot tell the format of {self.path}; set 'format' "
+                f"({', '.join(f.value for f in CorpusFormat)})"
+            )
+        return _EXTENSIONS[suffix]
+
+    def base_credential(self) -> dict[str, Any]:
+        return {**self.credential, "corpus_id": self.id}
+
+
+def _placeholder(field: str) -> Any:
+    """A valid stand-in for a field that each row supplies (only for the corpus-level check)."""
+    return {
+        "license_class": "unknown",
+        "jurisdiction": "INTL",
+        "sensitivity": "public",
+        "source_type": "other",
+        "modality": "other",
+        "tdm_opt_out": False,
+    }[field]
+
+
+class DataConfig(BaseModel):
+    model_config = _STRICT
+
+    holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    corpora: list[CorpusSpec] = Field(min_length=1)
+
+    @field_validator("corpora")
+    @classmethod
+    def _unique_ids(cls, corpora: list[CorpusSpec]) -> list[CorpusSpec]:
+        seen: set[str] = set()
+        for corpus in corpora:
+            if corpus.id in seen:
+                raise ValueError(f"corpus id '{corpus.id}' appears more than once")
+            seen.add(corpus.id)
+        return corpora
+
+
+# --- the rest ---------------------------------------------------------------------------------
+
+
+class PolicyRef(BaseModel):
+    model_config = _STRICT
+
+    file: Path
+    signature: Path | None = None  # default: FILE.sig
+    trust: Path | None = None
+    allow_unsigned: bool = False
+
+    @property
+    def signature_path(self) -> Path:
+        return self.signature if self.signature is not None else self.file.with_name(self.file.name + ".sig")
+
+
+class Resources(BaseModel):
+    model_config = _STRICT
+
+    workers: int = Field(default=1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+
+
+class TrackingConfig(BaseModel):
+    model_config = _STRICT
+
+    database: str | None = None  # default: sqlite:///<storage_path>/govray.db
+
+    @field_validator("database")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg2://")):
+            raise ValueError("database URL must start with sqlite:/// or postgresql://")
+        return url
+
+
+class CheckpointConfig(BaseModel):
+    """When to checkpoint and which checkpoints to keep (Determined's GC fields)."""
+
+    model_config = _STRICT
+
+    period: int = Field(default=100, ge=1)  # steps
+    save_experiment_best: int = Field(default=0, ge=0)
+    save_trial_best: int = Field(default=1, ge=0)
+    save_trial_latest: int = Field(default=1, ge=0)
+
+
+class Length(BaseModel):
+    model_config = _STRICT
+
+    batches: int | None = Field(default=None, ge=1)
+    epochs: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Length:
+        if (self.batches is None) == (self.epochs is None):
+            raise ValueError("give exactly one of 'batches' or 'epochs'")
+        return self
+
+
+class _SearcherBase(BaseModel):
+    model_config = _STRICT
+
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    max_length: Length = Field(default_factory=lambda: Length(epochs=1))
+    memorization_lambda: float = Field(default=0.0, ge=0.0)  # objective = metric + λ·score
+
+
+class SingleSearcher(_SearcherBase):
+    name: Literal["single"] = "single"
+
+
+class GridSearcher(_SearcherBase):
+    name: Literal["grid"]
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+class RandomSearcher(_SearcherBase):
+    name: Literal["random"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+class AshaSearcher(_SearcherBase):
+    """Determined's adaptive ASHA; ``grace_period = max_length / divisor**(max_rungs-1)``."""
+
+    name: Literal["asha"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    time_metric: str = "batches"
+    divisor: float = Field(default=4.0, gt=1.0)
+    max_rungs: int = Field(default=5, ge=1)
+    brackets: int = Field(default=1, ge=1)
+
+
+class PbtSearcher(_SearcherBase):
+    name: Literal["pbt"]
+    population_size: int = Field(ge=2)
+    perturbation_interval: int = Field(ge=1)  # in batches
+    hyperparam_mutations: dict[str, Hyperparameter] = Field(min_length=1)
+    quantile_fraction: float = Field(default=0.25, gt=0.0, le=0.5)
+    resample_probability: float = Field(default=0.25, ge=0.0, le=1.0)
+
+
+class BayesianSearcher(_SearcherBase):
+    name: Literal["bayesian"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    n_startup_trials: int = Field(default=4, ge=1)
+
+
+Searcher = Annotated[
+    SingleSearcher | GridSearcher | RandomSearcher | AshaSearcher | PbtSearcher | BayesianSearcher,
+    Field(discriminator="name"),
+]
+
+
+class ExperimentConfig(BaseModel):
+    """An experiment: a trial class, its hyperparameter space, credentialed data and a policy."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    trial: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:Class"
+    hyperparameters: dict[str, Hyperparameter] = Field(default_factory=dict)
+    data: DataConfig
+    policy: PolicyRef
+    resources: Resources = Field(default_factory=Resources)
+    seed: int = Field(default=0, ge=0, lt=2**31)
+    storage_path: str = "./govray-storage"
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    max_restarts: int = Field(default=0, ge=0)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    searcher: Searcher = Field(default_factory=SingleSearcher)
+
+    @field_validator("hyperparameters", mode="before")
+    @classmethod
+    def _bare_values_are_const(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        return {
+            k: v if isinstance(v, dict) and "type" in v else {"type": "const", "val": v}
+            for k, v in raw.items()
+        }
+
+    def default_hparams(self) -> dict[str, Any]:
+        """One point of the space without sampling: const values, lower bounds, first choices."""
+        return {name: _default_value(hp) for name, hp in self.hyperparameters.items()}
+
+    @property
+    def database_url(self) -> str:
+        if self.tracking.database is not None:
+            return self.tracking.database
+        if "://" in self.storage_path:
+            raise ConfigError("tracking.database is required when storage_path is remote")
+        return f"sqlite:///{Path(self.storage_path) / 'govray.db'}"
+
+
+def _default_value(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> Any:
+    if isinstance(hp, ConstHP):
+        return hp.val
+    if isinstance(hp, CategoricalHP):
+        return hp.vals[0]
+    if isinstance(hp, LogHP):
+        return hp.base**hp.minval
+    return hp.minval
+
+
+def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Resolve relative paths in the raw document against the experiment file's directory."""
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str) and not Path(value).is_absolute():
+            return os.path.normpath(base / value)
+        return value
+
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("corpora"), list):
+        for corpus in data["corpora"]:
+            if isinstance(corpus, dict) and "path" in corpus:
+                corpus["path"] = resolve(corpus["path"])
+    policy = raw.get("policy")
+    if isinstance(policy, dict):
+        for key in ("file", "signature", "trust"):
+            if key in policy and policy[key] is not None:
+                policy[key] = resolve(policy[key])
+    storage = raw.get("storage_path")
+    if isinstance(storage, str) and "://" not in storage:
+        raw["storage_path"] = resolve(storage)
+    tracking = raw.get("tracking")
+    if isinstance(tracking, dict) and isinstance(tracking.get("database"), str):
+        url: str = tracking["database"]
+        prefix = "sqlite:///"
+        if url.startswith(prefix) and not url[len(prefix) :].startswith("/"):
+            tracking["database"] = prefix + os.path.normpath(base / url[len(prefix) :])
+    return raw
+
+
+def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: an experiment file is a mapping (name, trial, data, policy, ...)")
+    raw = _absolutize(raw, source.resolve().parent)
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {describe_validation_error(error)}") from None
+
+
+def load_experiment(path: Path) -> ExperimentConfig:
+    """Read and validate an experiment file."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read experiment file {path}: {error.strerror}") from None
+    return parse_experiment(text, source=path)

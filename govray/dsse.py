@@ -1,0 +1,105 @@
+"""DSSE envelopes (https://github.com/secure-systems-lab/dsse), signed with Ed25519.
+
+govray signs every document a third party must check — policy signatures now, manifests and
+attestations later — as a DSSE envelope: the signature covers the pre-authentication encoding
+``PAE(payloadType, payload)``, so securesystemslib's ``Envelope.verify`` accepts govray's
+envelopes without govray's code.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from govray.errors import SignatureError, describe_validation_error
+from govray.keys import KeyRole, SigningKey, TrustConfig
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE v1 pre-authentication encoding."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
+
+
+class EnvelopeSignature(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keyid: str
+    sig: str  # base64
+
+
+class Envelope(BaseModel):
+    """A DSSE envelope as JSON: ``{"payload", "payloadType", "signatures"}``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    payload: str  # base64
+    payload_type: str = Field(alias="payloadType")
+    signatures: list[EnvelopeSignature]
+
+    def payload_bytes(self) -> bytes:
+        try:
+            return base64.b64decode(self.payload, validate=True)
+        except binascii.Error as error:
+            raise SignatureError(f"envelope payload is not base64: {error}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(by_alias=True), indent=2, sort_keys=True) + "\n"
+
+
+def sign_envelope(payload: bytes, payload_type: str, key: SigningKey) -> Envelope:
+    signature = key.sign(pae(payload_type, payload))
+    return Envelope(
+        payload=base64.b64encode(payload).decode(),
+        payloadType=payload_type,
+        signatures=[EnvelopeSignature(keyid=key.keyid, sig=base64.b64encode(signature).decode())],
+    )
+
+
+def verify_envelope(
+    envelope: Envelope, trust: TrustConfig, role: KeyRole, *, expected_type: str, what: str
+) -> tuple[bytes, str]:
+    """Return (payload, keyid) if a signature verifies under a trusted, unrevoked ``role`` key.
+
+    ``what`` names the document in errors ("signature of policy 'digits' v3").
+    """
+    if envelope.payload_type != expected_type:
+        raise SignatureError(f"{what}: payload type '{envelope.payload_type}', expected '{expected_type}'")
+    if not envelope.signatures:
+        raise SignatureError(f"{what}: the envelope holds no signature")
+    payload = envelope.payload_bytes()
+    message = pae(envelope.payload_type, payload)
+    problems = []
+    for entry in envelope.signatures:
+        try:
+            key = trust.trusted_key(entry.keyid, role)
+        except SignatureError as error:
+            problems.append(str(error))
+            continue
+        try:
+            raw = base64.b64decode(entry.sig, validate=True)
+        except binascii.Error:
+            problems.append(f"signature by key {entry.keyid} is not base64")
+            continue
+        if key.verify(raw, message):
+            return payload, entry.keyid
+        problems.append(f"signature by key {entry.keyid} does not verify (tampered signature or payload)")
+    raise SignatureError(f"{what}: " + "; ".join(problems))
+
+
+def read_envelope(path: Path) -> Envelope:
+    try:
+        raw: Any = json.loads(path.read_text())
+    except OSError as error:
+        raise SignatureError(f"cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise SignatureError(f"{path}: not a JSON DSSE envelope: {error}") from None
+    try:
+        return Envelope.model_validate(raw)
+    except ValidationError as error:
+        raise SignatureError(f"{path}: not a DSSE envelope: {describe_validation_error(error)}") from None

@@ -1,0 +1,115 @@
+"""Experiment files: the example loads; errors name the file and the field path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from govray.config import AshaSearcher, CorpusFormat, LogHP, load_experiment
+from govray.credentials import Credential
+from govray.errors import ConfigError
+from tests.conftest import BASE_CREDENTIAL, EXAMPLE_CONFIG
+
+
+def test_example_experiment_loads_with_paths_relative_to_the_file() -> None:
+    config = load_experiment(EXAMPLE_CONFIG)
+    assert [c.id for c in config.data.corpora] == ["digits-public", "digits-licensed", "digits-writers"]
+    assert [c.resolved_format for c in config.data.corpora] == [
+        CorpusFormat.PARQUET,
+        CorpusFormat.JSONL,
+        CorpusFormat.CSV,
+    ]
+    assert config.policy.file == EXAMPLE_CONFIG.parents[3] / "policies" / "digits.policy.yaml"
+    assert config.policy.signature_path.name == "digits.policy.yaml.sig"
+    assert isinstance(config.hyperparameters["lr"], LogHP)
+    assert config.default_hparams() == {"hidden": 64, "dropout": 0.1, "lr": 10**-2.5, "batch_size": 32}
+    assert config.database_url == f"sqlite:///{EXAMPLE_CONFIG.parents[3] / 'govray-storage' / 'govray.db'}"
+
+
+def write(tmp_path: Path, mutate: Any) -> Path:
+    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    mutate(raw)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            lambda r: r["data"]["corpora"][1]["credential"].update(license_class="open"),
+            r"data.corpora.1: Value error, credential: license_class: Input should be 'public-domain'",
+        ),
+        (
+            lambda r: r["data"]["corpora"][0]["credential"].update(jurisdiction="Germany"),
+            r"data.corpora.0: .*jurisdiction: String should match pattern",
+        ),
+        (
+            lambda r: r["data"]["corpora"][0]["credential"].update(
+                collection_period={"start": "2020-02-01", "end": "2020-01-01"}
+            ),
+            r"collection period ends \(2020-01-01\) before it starts \(2020-02-01\)",
+        ),
+        (
+            lambda r: r["data"]["corpora"][2].update(credential_columns={"corpus_id": "who"}),
+            r"data.corpora.2.credential_columns: .*'corpus_id' cannot be set per row",
+        ),
+        (
+            lambda r: r["hyperparameters"].update(lr={"type": "loguniform", "minval": 1}),
+            r"hyperparameters.lr: Input tag 'loguniform' found using 'type' does not match",
+        ),
+        (
+            lambda r: r["hyperparameters"].update(hidden={"type": "int", "minval": 9, "maxval": 3}),
+            r"hyperparameters.hidden.int: Value error, maxval 3 < minval 9",
+        ),
+        (
+            lambda r: r.update(searcher={"name": "asha", "metric": "loss"}),
+            r"searcher.asha.max_trials: Field required",
+        ),
+        (
+            lambda r: r.update(resources={"workers": 0}),
+            r"resources.workers: Input should be greater than or equal to 1",
+        ),
+        (lambda r: r.update(trial="not a path"), r"trial: String should match pattern"),
+        (
+            lambda r: r.update(tracking={"database": "mysql://x"}),
+            r"tracking.database: .*sqlite:/// or postgresql://",
+        ),
+        (lambda r: r.update(surprise=1), r"surprise: Extra inputs are not permitted"),
+        (
+            lambda r: r["data"].update(holdout_fraction=1.5),
+            r"data.holdout_fraction: Input should be less than 1",
+        ),
+    ],
+)
+def test_errors_name_the_file_and_the_field_path(tmp_path: Path, mutate: Any, message: str) -> None:
+    path = write(tmp_path, mutate)
+    with pytest.raises(ConfigError, match=rf"{path}: .*{message}"):
+        load_experiment(path)
+
+
+def test_unreadable_or_non_mapping_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read experiment file .*missing.yaml"):
+        load_experiment(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="list.yaml: an experiment file is a mapping"):
+        load_experiment(tmp_path / "list.yaml")
+
+
+def test_asha_fields_follow_determined() -> None:
+    asha = AshaSearcher.model_validate({"name": "asha", "max_trials": 16, "max_length": {"batches": 1024}})
+    assert (asha.divisor, asha.max_rungs, asha.brackets, asha.smaller_is_better) == (4.0, 5, 1, True)
+
+
+def test_credentials_have_closed_vocabularies() -> None:
+    good = Credential.model_validate({**BASE_CREDENTIAL, "corpus_id": "news-2024"})
+    assert good.field_value("license_class") == "public-domain"
+    for field, value in [("source_type", "scraped"), ("modality", "smell"), ("sensitivity", "secret")]:
+        with pytest.raises(ValueError, match=field):
+            Credential.model_validate({**BASE_CREDENTIAL, "corpus_id": "c", field: value})
+    with pytest.raises(ValueError, match="corpus_id"):
+        Credential.model_validate({**BASE_CREDENTIAL, "corpus_id": "Bad Id!"})
