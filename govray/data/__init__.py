@@ -1,0 +1,1 @@
+"""Data layer: corpus fingerprints, Ray Data ingest, route-partitioned shards."""
