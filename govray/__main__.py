@@ -1,0 +1,5 @@
+import sys
+
+from govray.cli import main
+
+sys.exit(main())

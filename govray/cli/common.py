@@ -1,0 +1,34 @@
+"""Options and helpers shared by the CLI's command groups."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from govray.config import ExperimentConfig, load_experiment
+from govray.tracking.store import TrackingStore
+
+# Piped output (logs, CI) gets wide lines rather than folded ids and digests.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+ConfigArgument = typer.Argument(..., exists=False, help="Experiment file (YAML).")
+AllowUnsigned = typer.Option(
+    False, "--allow-unsigned-policy", help="Run with an unsigned policy (recorded in the audit log)."
+)
+
+
+def open_experiment(path: Path) -> tuple[ExperimentConfig, TrackingStore]:
+    config = load_experiment(path)
+    return config, TrackingStore.open(config.database_url)
+
+
+def table(*headers: str) -> Table:
+    """A table whose cells wrap instead of cutting ids and digests short."""
+    result = Table()
+    for header in headers:
+        result.add_column(header, overflow="fold")
+    return result

@@ -1,0 +1,85 @@
+"""``govray policy keygen | sign | verify | check``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
+from govray.dsse import read_envelope
+from govray.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
+from govray.policy import load_verified_policy, sign_policy
+from govray.preflight import check_policy
+
+app = typer.Typer(help="Manage signed depth policies.", no_args_is_help=True)
+
+
+@app.command()
+def keygen(
+    out: Path = typer.Option(..., "--out", help="Path prefix: writes PREFIX.key and PREFIX.pub."),
+    role: KeyRole = typer.Option(KeyRole.POLICY_AUTHORITY, "--role", help="Which role the key signs for."),
+    trust: Path | None = typer.Option(None, "--trust", help="Add the public key to this trust file."),
+) -> None:
+    """Generate an Ed25519 key pair for a signing role."""
+    key = SigningKey.generate(role)
+    private, public = key.save(out)
+    console.print(
+        f"{role.value} key [bold]{key.keyid}[/]\n  private: {private} (keep secret)\n  public:  {public}"
+    )
+    if trust is not None:
+        config = load_trust(trust) if trust.exists() else TrustConfig()
+        config.add(key.public_key)
+        save_trust(config, trust)
+        console.print(f"  trusted in {trust}")
+
+
+@app.command()
+def sign(
+    policy: Path = typer.Argument(..., help="Policy file (YAML)."),
+    key: Path = typer.Option(..., "--key", help="The policy authority's private key (.key)."),
+    out: Path | None = typer.Option(None, "--out", help="Signature file (default: POLICY.sig)."),
+) -> None:
+    """Sign a policy with the policy authority's key (a DSSE envelope over its digest)."""
+    envelope = sign_policy(policy, SigningKey.load(key))
+    target = out or policy.with_name(policy.name + ".sig")
+    target.write_text(envelope.to_json())
+    console.print(f"signed {policy} with key {envelope.signatures[0].keyid} → {target}")
+
+
+@app.command()
+def verify(
+    policy: Path = typer.Argument(..., help="Policy file (YAML)."),
+    trust: Path = typer.Option(..., "--trust", help="Trust file listing the policy authority keys."),
+    signature: Path | None = typer.Option(None, "--signature", help="Signature file (default: POLICY.sig)."),
+) -> None:
+    """Verify a policy's signature; exits 5 when it does not verify."""
+    target = signature or policy.with_name(policy.name + ".sig")
+    read_envelope(target)  # a clear error for a missing or malformed envelope
+    verified = load_verified_policy(policy, target, load_trust(trust))
+    assert verified.signature is not None
+    signed = verified.signature
+    console.print(
+        f"[green]OK[/] policy '{verified.policy.name}' v{verified.policy.version} sha256 {verified.digest} "
+        f"signed by {signed.keyid} at {signed.signed_at.isoformat()}"
+    )
+
+
+@app.command()
+def check(config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned) -> None:
+    """Verify the experiment's policy and resolve it against the trial's model."""
+    config, store = open_experiment(config_path)
+    checked = check_policy(config, store, allow_unsigned=allow_unsigned)
+    policy, routing = checked.policy, checked.routing
+    state = f"signed by {policy.signature.keyid[:16]}…" if policy.signature else "[yellow]UNSIGNED[/]"
+    layers = ", ".join(routing.layers)
+    console.print(f"policy '{policy.policy.name}' v{policy.policy.version} ({state}); layers: {layers}")
+    listing = table("route", "may update", "frozen share")
+    for route in routing.routes:
+        allowed = routing.allowed(route)
+        if route in routing.adapter_targets:
+            updates = f"adapter on {', '.join(routing.adapter_targets[route])} only"
+        else:
+            updates = ", ".join(allowed)
+        listing.add_row(route, updates, f"{routing.masked_fraction(route):.1%}")
+    console.print(listing)

@@ -1,0 +1,1 @@
+"""The user's contract: trials, and the context they run in."""

@@ -1,0 +1,142 @@
+"""What runs before any training: the signed policy, the routing table, and the ingest.
+
+Each step records what a reviewer must be able to see later in the audit log: a run allowed
+with an unsigned policy, a verified policy, a refused ingest, a completed ingest.
+
+Example::
+
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)   # SignatureError if unsigned
+    result = ingest_experiment(config, checked, store)             # IngestError names the row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from govray.canonical import canonical_json, sha256_hex
+from govray.config import ExperimentConfig
+from govray.data.ingest import IngestResult, ingest
+from govray.errors import GovrayError
+from govray.harness.trial import load_trial_class
+from govray.keys import load_trust
+from govray.policy import VerifiedPolicy, load_verified_policy
+from govray.routing import RoutingTable, resolve_routes
+from govray.runtime import ensure_ray
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Experiment
+
+
+def config_digest(config: ExperimentConfig) -> str:
+    return sha256_hex(canonical_json(config.model_dump(mode="json")))
+
+
+@dataclass(frozen=True)
+class CheckedPolicy:
+    policy: VerifiedPolicy
+    routing: RoutingTable
+
+
+def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
+    """Verify the policy's signature and resolve it against the trial's model.
+
+    ``allow_unsigned`` (or ``policy.allow_unsigned`` in the config) lets an unsigned policy
+    through, and the audit log records that it did.
+    """
+    audit = AuditLog(store)
+    ref = config.policy
+    trust = load_trust(ref.trust) if ref.trust is not None else None
+    try:
+        verified = load_verified_policy(
+            ref.file, ref.signature_path, trust, allow_unsigned=allow_unsigned or ref.allow_unsigned
+        )
+    except GovrayError as error:
+        audit.append(AuditEventType.RUN_REFUSED, {"experiment": config.name, "reason": str(error)})
+        raise
+    if verified.signature is None:
+        audit.append(
+            AuditEventType.POLICY_UNSIGNED_ALLOWED,
+            {"experiment": config.name, "policy": verified.path, "policy_digest": verified.digest},
+        )
+    else:
+        audit.append(
+            AuditEventType.POLICY_VERIFIED,
+            {
+                "experiment": config.name,
+                "policy": verified.policy.name,
+                "version": verified.policy.version,
+                "policy_digest": verified.digest,
+                "keyid": verified.signature.keyid,
+                "signed_at": verified.signature.signed_at.isoformat(),
+            },
+        )
+    trial = load_trial_class(config.trial)(config.default_hparams())
+    model = trial.build_model()
+    routing = resolve_routes(verified.policy, model, trial.layers(model))
+    return CheckedPolicy(policy=verified, routing=routing)
+
+
+def _experiment_for(config: ExperimentConfig, store: TrackingStore, policy: VerifiedPolicy) -> Experiment:
+    """The newest experiment of this name with the same config, else a new one."""
+    digest = config_digest(config)
+    for experiment in reversed(store.list_experiments()):
+        if experiment.name == config.name and experiment.config_digest == digest:
+            return experiment
+    experiment = store.create_experiment(
+        name=config.name,
+        config_json=config.model_dump_json(),
+        config_digest=digest,
+        storage_path=config.storage_path,
+        description=config.description,
+        policy_digest=policy.digest,
+    )
+    assert experiment.id is not None
+    AuditLog(store).append(
+        AuditEventType.EXPERIMENT_CREATED,
+        {"name": config.name, "config_digest": digest},
+        experiment_id=experiment.id,
+    )
+    return experiment
+
+
+def ingest_experiment(
+    config: ExperimentConfig, checked: CheckedPolicy, store: TrackingStore, *, force: bool = False
+) -> tuple[Experiment, IngestResult]:
+    """Ingest the experiment's corpora and record them (and the outcome) in the tracking store."""
+    experiment = _experiment_for(config, store, checked.policy)
+    assert experiment.id is not None
+    audit = AuditLog(store)
+    ensure_ray()
+    try:
+        result = ingest(config, checked.policy, force=force)
+    except GovrayError as error:
+        audit.append(AuditEventType.INGEST_REFUSED, {"reason": str(error)}, experiment_id=experiment.id)
+        raise
+    store.record_corpora(
+        experiment.id,
+        [
+            {
+                "corpus_id": corpus.corpus_id,
+                "role": corpus.role,
+                "fingerprint": corpus.fingerprint,
+                "rows": corpus.rows,
+                "train_rows": corpus.train_rows,
+                "holdout_rows": corpus.holdout_rows,
+                "credential_json": canonical_json(corpus.credential).decode(),
+                "route_counts_json": canonical_json(corpus.route_counts).decode(),
+            }
+            for corpus in result.manifest.corpora
+        ],
+    )
+    store.set_experiment_state(experiment.id, "ingested")
+    audit.append(
+        AuditEventType.INGEST_COMPLETED,
+        {
+            "shards": result.manifest.key,
+            "reused": result.reused,
+            "fingerprints": {c.corpus_id: c.fingerprint for c in result.manifest.corpora},
+        },
+        experiment_id=experiment.id,
+    )
+    return experiment, result

@@ -1,0 +1,1 @@
+"""The digits example: scikit-learn's bundled 8x8 handwritten digits as three credentialed corpora."""
