@@ -44,6 +44,7 @@ class RoutingTable:
     parameters: tuple[ParameterInfo, ...]
     masks: dict[str, tuple[bool, ...]]  # route key → one flag per parameter, in model order
     adapter_targets: dict[str, tuple[str, ...]]  # adapter route key → Linear modules it wraps
+    adapter_names: dict[str, str]  # adapter route key → adapter name
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -67,6 +68,17 @@ class RoutingTable:
         """Names of the base parameters ``route`` may update, in model order."""
         return tuple(info.name for info, ok in zip(self.parameters, self._mask(route), strict=True) if ok)
 
+    def updated_tensors(self, route: str) -> tuple[str, ...]:
+        """Every tensor ``route`` updates: its base parameters, or its adapter's tensors."""
+        if route in self.adapter_names:
+            adapter = self.adapter_names[route]
+            return tuple(
+                name
+                for target in self.adapter_targets[route]
+                for name in adapter_tensor_names(adapter, target)
+            )
+        return self.allowed(route)
+
     def routes_updating(self, parameter: str) -> tuple[str, ...]:
         index = self._index(parameter)
         return tuple(route for route, mask in self.masks.items() if mask[index])
@@ -78,6 +90,11 @@ class RoutingTable:
             info.numel for info, ok in zip(self.parameters, self._mask(route), strict=True) if not ok
         )
         return frozen / total if total else 0.0
+
+
+def adapter_tensor_names(adapter: str, target: str) -> tuple[str, str]:
+    """Ledger and attestation names of the LoRA tensors of ``adapter`` on module ``target``."""
+    return f"adapter/{adapter}/{target}.lora_A", f"adapter/{adapter}/{target}.lora_B"
 
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:
@@ -202,10 +219,12 @@ def resolve_routes(
     parameters = describe_parameters(model, ordered)
     masks: dict[str, tuple[bool, ...]] = {}
     adapter_targets: dict[str, tuple[str, ...]] = {}
+    adapter_names: dict[str, str] = {}
     for key, route in policy.routes().items():
         masks[key] = _route_mask(route, key, parameters, ordered)
         if isinstance(route, AdapterRoute):
             adapter_targets[key] = _adapter_targets(model, route, key, policy)
+            adapter_names[key] = route.adapter
         elif not any(masks[key]):
             raise RoutingError(
                 f"route '{key}' may update no parameter: a tied parameter needs every layer "
@@ -218,6 +237,7 @@ def resolve_routes(
         parameters=parameters,
         masks=masks,
         adapter_targets=adapter_targets,
+        adapter_names=adapter_names,
     )
 
 

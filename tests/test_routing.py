@@ -159,6 +159,12 @@ def test_adapter_route_updates_no_base_parameter_and_names_its_targets() -> None
     assert table.allowed("pii") == ()
     assert table.adapter_targets["pii"] == ("l1", "l2")
     assert table.masked_fraction("pii") == 1.0
+    assert table.updated_tensors("pii") == (
+        "adapter/a/l1.lora_A",
+        "adapter/a/l1.lora_B",
+        "adapter/a/l2.lora_A",
+        "adapter/a/l2.lora_B",
+    )
     bad = spec.model_copy(
         update={"adapters": {"a": spec.adapters["a"].model_copy(update={"targets": ("conv*",)})}}
     )
