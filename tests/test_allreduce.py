@@ -1,0 +1,218 @@
+"""The governance-aware allreduce, as a property over random policies and slots, in one persistent
+2-process gloo group: the applied gradient is the masked per-example mean of a single-process
+reference; masked slots leak nothing (not even NaN); an unreachable parameter is untouched."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from govray.allreduce import GradientGovernor, NonFiniteGradientError, governed_allreduce_hook
+
+ROUTES = ("a", "b", "c")
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    allowed: tuple[frozenset[str], ...]  # per parameter (4 tensors: l0.weight, l0.bias, l1.weight, l1.bias)
+    slots: tuple[str | None, ...]  # per rank
+    sizes: tuple[int, ...]  # examples per rank
+    nan_rank: int | None  # this rank's inputs are NaN
+    steps: int = 1  # governed steps on the same DDP module (DDP rebuilds buckets after the first)
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(case.seed * 10 + rank)
+    x = torch.randn(case.sizes[rank], 5, generator=generator)
+    y = torch.randn(case.sizes[rank], 3, generator=generator)
+    if case.nan_rank == rank:
+        x = torch.full_like(x, float("nan"))
+    return x, y
+
+
+def per_example_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).sum(dim=1)
+
+
+def route_counts(case: Case) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for route, size in zip(case.slots, case.sizes, strict=True):
+        if route is not None:
+            counts[route] = counts.get(route, 0) + size
+    return counts
+
+
+def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
+    """One member of the persistent group: runs cases until it receives None."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    while (case := tasks.get()) is not None:
+        try:
+            model = build_model(case.seed)
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
+            governor = GradientGovernor(list(model.named_parameters()), case.allowed)
+            ddp = DistributedDataParallel(model, broadcast_buffers=False)  # rank-local buffers, as govray
+            ddp.register_comm_hook(governor, governed_allreduce_hook)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+            try:
+                for step in range(case.steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    governor.begin_step(step, case.slots[rank], route_counts(case))
+                    x, y = inputs(case, rank)
+                    per_example_loss(ddp, x, y).sum().backward()
+                    governor.finish_step()
+                    grads = {
+                        name: None if p.grad is None else p.grad.clone()
+                        for name, p in model.named_parameters()
+                    }
+                    optimizer.step()
+            except NonFiniteGradientError as error:
+                results.put((rank, "nonfinite", str(error)))
+                continue
+            after = {name: p.detach().clone() for name, p in model.named_parameters()}
+            results.put((rank, "ok", (grads, before, after)))
+        except Exception:
+            results.put((rank, "crash", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    context = mp.get_context("spawn")
+    init_file = str(Path(tmp_path_factory.mktemp("gloo")) / "init")
+    tasks = [context.Queue() for _ in range(WORLD)]
+    results = context.Queue()
+    processes = [
+        context.Process(target=worker_main, args=(rank, init_file, tasks[rank], results), daemon=True)
+        for rank in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+
+    def run(case: Case) -> dict[int, tuple[str, Any]]:
+        for task in tasks:
+            task.put(case)
+        answers = {}
+        for _ in range(WORLD):
+            try:
+                rank, status, payload = results.get(timeout=60)
+            except queue.Empty:
+                pytest.fail("a gloo worker did not answer within 60 s")
+            answers[rank] = (status, payload)
+        return answers
+
+    yield run
+    for task in tasks:
+        task.put(None)
+    for process in processes:
+        process.join(timeout=10)
+
+
+def reference(case: Case) -> dict[str, torch.Tensor | None]:
+    """Single process: per-slot sums of per-example gradients, masked mean per parameter."""
+    model = build_model(case.seed)
+    names = [name for name, _ in model.named_parameters()]
+    slot_grads = []
+    for rank in range(WORLD):
+        model.zero_grad(set_to_none=False)
+        x, y = inputs(case, rank)
+        per_example_loss(model, x, y).sum().backward()
+        slot_grads.append({name: p.grad.clone() for name, p in model.named_parameters()})  # type: ignore[union-attr]
+    expected: dict[str, torch.Tensor | None] = {}
+    for index, name in enumerate(names):
+        members = [
+            r for r in range(WORLD) if case.slots[r] is not None and case.slots[r] in case.allowed[index]
+        ]
+        count = sum(case.sizes[r] for r in members)
+        expected[name] = None if count == 0 else sum(slot_grads[r][name] for r in members) / count  # type: ignore[misc]
+    return expected
+
+
+route_sets = st.frozensets(st.sampled_from(ROUTES))
+cases = st.builds(
+    Case,
+    seed=st.integers(0, 10_000),
+    allowed=st.tuples(route_sets, route_sets, route_sets, route_sets),
+    slots=st.tuples(st.sampled_from((*ROUTES, None)), st.sampled_from((*ROUTES, None))),
+    sizes=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    nan_rank=st.none(),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_applied_gradient_is_the_masked_per_example_mean(gloo_pair: Any, case: Case) -> None:
+    answers = gloo_pair(case)
+    expected = reference(case)
+    for rank in range(WORLD):
+        status, payload = answers[rank]
+        assert status == "ok", payload
+        grads, before, after = payload
+        for name, want in expected.items():
+            got = grads[name]
+            if want is None:
+                assert got is None, f"{name}: no slot may update it, yet it has a gradient"
+                assert torch.equal(before[name], after[name]), f"{name} moved (AdamW with weight decay)"
+            else:
+                assert got is not None
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max()) + 1e-12)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases, nan_rank=st.integers(0, WORLD - 1))
+def test_nan_on_a_masked_slot_leaks_nothing_and_on_an_allowed_slot_stops(
+    gloo_pair: Any, case: Case, nan_rank: int
+) -> None:
+    case = Case(case.seed, case.allowed, case.slots, case.sizes, nan_rank)
+    answers = gloo_pair(case)
+    route = case.slots[nan_rank]
+    reaches = route is not None and any(route in allowed for allowed in case.allowed)
+    for rank in range(WORLD):
+        status, payload = answers[rank]
+        if reaches:
+            assert status == "nonfinite", payload
+            assert "non-finite gradient" in payload and "training stopped" in payload
+            continue
+        assert status == "ok", payload
+        grads, _, _ = payload
+        clean = Case(case.seed, case.allowed, case.slots, case.sizes, None)
+        for name, want in reference(clean).items():
+            got = grads[name]
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert bool(torch.isfinite(got).all()), f"NaN leaked into {name}"
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max()) + 1e-12)
+
+
+def test_bucket_layout_cache_survives_ddp_rebuilding_buckets(gloo_pair: Any) -> None:
+    """DDP rebuilds its buckets after step 1: several steps in a row in the same process."""
+    case = Case(
+        7, (frozenset("c"), frozenset("ab"), frozenset("b"), frozenset("abc")), ("a", "b"), (3, 2), None, 4
+    )
+    answers = gloo_pair(case)
+    for status, payload in answers.values():
+        assert status == "ok", payload
+        grads, before, after = payload
+        assert grads["0.weight"] is None and torch.equal(before["0.weight"], after["0.weight"])
+        assert grads["0.bias"] is not None and not torch.equal(before["0.bias"], after["0.bias"])
