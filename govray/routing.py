@@ -79,6 +79,14 @@ class RoutingTable:
             )
         return self.allowed(route)
 
+    def layer_of_tensor(self, tensor: str) -> int | None:
+        """The layer index holding a base parameter or an adapter tensor (None: outside layers)."""
+        if tensor.startswith("adapter/"):
+            target = tensor.split("/", 2)[2].rsplit(".", 1)[0]
+            return _layer_of(target, self.layers)
+        info = self.parameters[self._index(tensor)]
+        return info.layers[info.aliases.index(tensor)] if tensor in info.aliases else info.layers[0]
+
     def routes_updating(self, parameter: str) -> tuple[str, ...]:
         index = self._index(parameter)
         return tuple(route for route, mask in self.masks.items() if mask[index])

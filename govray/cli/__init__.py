@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from govray.cli import data, experiments, policy
+from govray.cli.run import run
 from govray.errors import GovrayError
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
 app.add_typer(policy.app, name="policy")
 app.add_typer(data.app, name="data")
 app.add_typer(experiments.app, name="experiments")
+app.command(name="run")(run)
 
 
 def main(argv: list[str] | None = None) -> int:

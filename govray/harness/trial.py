@@ -1,5 +1,9 @@
 """The trial: what a user writes. govray supplies data, DDP, governance and checkpoints.
 
+A trial says how to build the model and the optimizer, how to turn shard rows into a batch, the
+per-example loss, and per-example evaluation values. It contains no DDP, no Ray Data and no
+governance code; the same class runs in-process (one worker) and on N Ray Train workers.
+
 Example::
 
     class DigitsTrial(Trial):
@@ -8,6 +12,12 @@ Example::
 
         def layers(self, model: nn.Module) -> list[str]:
             return ["embed", "hidden", "head"]      # optional: default = top-level children
+
+        def collate(self, rows: pa.Table) -> dict[str, torch.Tensor]:
+            return {"x": torch.tensor(...), "y": torch.tensor(...)}
+
+        def loss(self, model, batch) -> torch.Tensor:          # shape [batch]: one loss per example
+            return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 """
 
 from __future__ import annotations
@@ -16,12 +26,16 @@ import importlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import pyarrow as pa
+import torch
 from torch import nn
 
 from govray.errors import ConfigError
+
+Batch = dict[str, torch.Tensor]
 
 
 class Trial(ABC):
@@ -32,10 +46,48 @@ class Trial(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A fresh model; govray seeds the generator before calling it."""
+        """A fresh model; govray seeds torch's generator before calling it."""
 
     def layers(self, model: nn.Module) -> Sequence[str] | None:
         """The model's ordered layers (module names) for depth ranges; None: top-level children."""
+        return None
+
+    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over every trainable tensor (base and adapters). Default: AdamW."""
+        return torch.optim.AdamW(
+            parameters,
+            lr=float(self.hparams.get("lr", 1e-3)),
+            weight_decay=float(self.hparams.get("weight_decay", 0.01)),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per worker per step (one schedule slot)."""
+        return int(self.hparams.get("batch_size", 32))
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip each route group's gradient norm to this (None: no clipping)."""
+        value = self.hparams.get("max_grad_norm")
+        return None if value is None else float(value)
+
+    @abstractmethod
+    def collate(self, rows: pa.Table) -> Batch:
+        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting)."""
+
+    def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-example evaluation values; govray averages each over the evaluation rows.
+
+        Default: ``{"loss": self.loss(model, batch)}`` (reported as ``validation_loss``).
+        """
+        return {"loss": self.loss(model, batch)}
+
+    def tokens(self, rows: pa.Table) -> list[int] | None:
+        """Tokens per row for the ledger (text trials); None: not a text trial."""
         return None
 
 

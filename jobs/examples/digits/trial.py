@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import pyarrow as pa
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from govray.harness.trial import Trial
+from govray.harness.trial import Batch, Trial
+
+PIXELS = [f"p{index:02d}" for index in range(64)]
 
 
 class DigitsMLP(nn.Module):
@@ -30,3 +35,20 @@ class DigitsTrial(Trial):
 
     def layers(self, model: nn.Module) -> Sequence[str]:
         return ["embed", "hidden", "head"]  # the dropout module holds no parameters
+
+    def collate(self, rows: pa.Table) -> Batch:
+        pixels = np.stack([rows[name].to_numpy(zero_copy_only=False) for name in PIXELS], axis=1)
+        return {
+            "pixels": torch.as_tensor(pixels.astype(np.float32)).reshape(rows.num_rows, 64),
+            "label": torch.as_tensor(rows["label"].to_numpy(zero_copy_only=False).astype(np.int64)),
+        }
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch["pixels"]), batch["label"], reduction="none")
+
+    def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        logits = model(batch["pixels"])
+        return {
+            "loss": F.cross_entropy(logits, batch["label"], reduction="none"),
+            "accuracy": (logits.argmax(dim=1) == batch["label"]).float(),
+        }

@@ -1,0 +1,256 @@
+"""The governed training loop that runs on every Ray Train worker (or in-process, one worker).
+
+The step, top to bottom::
+
+    slots = step_slots(schedule, step)            # the schedule: one route and its rows per worker
+    seed per (experiment, trial, step, rank)      # no RNG stream carried across steps
+    activate the slot's adapter (or none)         # base weights never see another route's adapter
+    losses = trial.loss(model, batch)             # per-example losses
+    losses.sum().backward()                       # DDP comm hook: mask, scale 1/|S|, allreduce
+    governor.finish_step()                        # grad None where no slot may update; NaN; clip
+    optimizer.step()
+    ledger.record_step(slots, routing)            # what reached which tensor, from the schedule
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from govray.adapters import GovernedModel, save_adapter, save_base
+from govray.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+from govray.data.shards import ShardSet
+from govray.harness.trial import Trial, load_trial_class
+from govray.ledger import Ledger
+from govray.policy import DepthPolicy
+from govray.routing import RoutingTable, resolve_routes
+from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
+
+Report = Callable[[dict[str, Any]], None]
+
+
+class RunSpec(BaseModel):
+    """Everything a worker needs, as JSON (it crosses process and node boundaries)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trial: str
+    hparams: dict[str, Any]
+    policy: DepthPolicy
+    shard_root: str
+    seed: int
+    trial_seed: int
+    max_steps: int
+    report_every: int
+    threads: int = 1
+    excluded_corpora: tuple[str, ...] = ()
+    code_dir: str = ""  # the driver's working directory: where the trial's module is importable
+    weights_dir: str = ""  # rank 0 writes base and adapter weights here at every report (safetensors)
+
+
+@dataclass
+class Worker:
+    """One worker's view: rank, world size, and whether a process group exists."""
+
+    rank: int
+    world_size: int
+
+    @classmethod
+    def detect(cls) -> Worker:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls(0, 1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+class RouteRows:
+    """Training rows of each route, loaded once per worker; a slot reads its rows by index."""
+
+    def __init__(self, shards: ShardSet) -> None:
+        self._shards = shards
+        self._tables: dict[str, pa.Table] = {}
+        routes = [route.route for route in shards.manifest.routes if route.rows]
+        self._empty = shards.route_table(routes[0]).slice(0, 0)
+
+    def take(self, slot: Slot) -> pa.Table:
+        if slot.empty or slot.route is None:
+            return self._empty
+        if slot.route not in self._tables:
+            self._tables[slot.route] = self._shards.route_table(slot.route)
+        return self._tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
+
+
+def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
+    """For every trainable tensor of ``model`` (in order), the routes that may update it."""
+    by_id: dict[int, frozenset[str]] = {
+        id(parameter): frozenset(table.routes_updating(name))
+        for name, parameter in model.base.named_parameters()
+    }
+    for route, adapter in table.adapter_names.items():
+        for parameter in model.adapter_parameters(adapter):
+            by_id[id(parameter)] = frozenset({route})
+    return [by_id[id(parameter)] for _, parameter in parameters_by_name(model)]
+
+
+class GovernedTraining:
+    """Model, optimizer, governor and ledger of one worker; ``step()`` is one governed step."""
+
+    def __init__(self, spec: RunSpec, worker: Worker) -> None:
+        self.spec = spec
+        self.worker = worker
+        self.trial: Trial = load_trial_class(spec.trial)(spec.hparams)
+        torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
+        base = self.trial.build_model()
+        self.routing = resolve_routes(spec.policy, base, self.trial.layers(base))
+        self.model = GovernedModel(
+            base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
+        )
+        self.shards = ShardSet.open(Path(spec.shard_root))
+        self.schedule = ScheduleSpec.from_manifest(
+            self.shards.manifest,
+            seed=derive_seed(spec.seed, spec.trial_seed, "schedule"),
+            world_size=worker.world_size,
+            batch_size=self.trial.batch_size,
+            excluded_corpora=spec.excluded_corpora,
+        )
+        self.rows = RouteRows(self.shards)
+        named = parameters_by_name(self.model)
+        self.governor = GradientGovernor(named, allowed_route_sets(self.model, self.routing))
+        self.forward: nn.Module = self.model
+        if worker.distributed:
+            ddp = DistributedDataParallel(
+                self.model,
+                broadcast_buffers=False,  # running statistics are refused by routing, never synced
+                find_unused_parameters=bool(self.routing.adapter_names),  # inactive adapters
+            )
+            ddp.register_comm_hook(self.governor, governed_allreduce_hook)
+            self.forward = ddp
+        self.optimizer = self.trial.build_optimizer([parameter for _, parameter in named])
+        self.ledger = Ledger()
+
+    def step(self, step: int) -> tuple[float, int]:
+        """One governed step; returns this worker's (loss sum, examples)."""
+        slots = step_slots(self.schedule, step)
+        mine = slots[self.worker.rank]
+        torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
+        route = None if mine.empty else mine.route
+        self.governor.begin_step(step, route, route_counts(slots))
+        adapter = self.routing.adapter_names.get(route) if route is not None else None
+        self.model.train()
+        with self.model.active(adapter):
+            batch = self.trial.collate(self.rows.take(mine))
+            losses = self.trial.loss(self.forward, batch)
+            losses.sum().backward()
+        if not self.worker.distributed:
+            self.governor.govern_local()
+        self.governor.finish_step(self.trial.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ledger.record_step(slots, self.routing)
+        return float(losses.detach().sum()), len(mine.rows)
+
+    def save_weights(self, directory: Path) -> None:
+        """``model.safetensors`` (the base, whose digest never depends on adapters) and one
+        ``adapter-NAME.safetensors`` per adapter."""
+        directory.mkdir(parents=True, exist_ok=True)
+        save_base(self.model, directory / "model.safetensors")
+        for adapter in self.model.adapter_names():
+            save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics of the base model (adapters inactive) over every holdout row, split
+        across workers and summed; also per corpus (``validation_loss/CORPUS``)."""
+        self.model.eval()
+        sums: dict[str, float] = {}
+        for corpus in self.shards.manifest.holdout:
+            table = self.shards.holdout_table(corpus)
+            mine = table.take(pa.array(range(self.worker.rank, table.num_rows, self.worker.world_size)))
+            values = self.trial.evaluate(self.model, self.trial.collate(mine))
+            for name, per_example in values.items():
+                total = float(per_example.double().sum())
+                sums[name] = sums.get(name, 0.0) + total
+                sums[f"{name}/{corpus}"] = total
+            sums["count"] = sums.get("count", 0.0) + mine.num_rows
+            sums[f"count/{corpus}"] = float(mine.num_rows)
+        totals = all_reduce_sums(sums, self.worker)
+        metrics = {}
+        for key, value in totals.items():
+            if key.startswith("count"):
+                continue
+            name, _, corpus = key.partition("/")
+            count = totals[f"count/{corpus}"] if corpus else totals["count"]
+            metrics[f"validation_{key}"] = value / count if count else float("nan")
+        return metrics
+
+
+def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, float]:
+    """Sum named floats over all workers (in a fixed key order)."""
+    keys = sorted(values)
+    if not worker.distributed:
+        return {key: values[key] for key in keys}
+    gathered: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(gathered, {key: values[key] for key in keys})
+    names = sorted({key for part in gathered for key in part})
+    return {name: sum(part.get(name, 0.0) for part in gathered) for name in names}
+
+
+def train_worker(config: dict[str, Any], on_report: Report | None = None) -> None:
+    """``train_loop_per_worker`` for Ray Train: the whole governed run of one worker."""
+    import ray.train
+
+    spec = RunSpec.model_validate(config)
+    if spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
+        sys.path.insert(0, spec.code_dir)  # Ray Train moves workers into the run directory
+    torch.set_num_threads(spec.threads)
+    worker = Worker.detect()
+    training = GovernedTraining(spec, worker)
+    loss_sum, examples = 0.0, 0
+    for step in range(spec.max_steps):
+        step_loss, step_examples = training.step(step)
+        loss_sum, examples = loss_sum + step_loss, examples + step_examples
+        last = step + 1 == spec.max_steps
+        if (step + 1) % spec.report_every and not last:
+            continue
+        totals = all_reduce_sums({"loss": loss_sum, "examples": float(examples)}, worker)
+        metrics: dict[str, Any] = {
+            "step": step + 1,
+            "epoch": training.schedule.locate(step)[0],
+            "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
+            "examples": int(totals["examples"]),
+        }
+        if last:
+            metrics.update(training.evaluate())
+            metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
+            metrics["masked_fraction"] = {
+                route: training.routing.masked_fraction(route) for route in training.routing.routes
+            }
+        loss_sum, examples = 0.0, 0
+        if spec.weights_dir and worker.rank == 0:
+            training.save_weights(Path(spec.weights_dir) / f"step-{step + 1:08d}")
+        ray.train.report(metrics)
+        if on_report is not None:
+            on_report(metrics)
+
+
+def default_threads(cpus_per_worker: float) -> int:
+    return (
+        max(1, int(cpus_per_worker))
+        if "OMP_NUM_THREADS" not in os.environ
+        else int(os.environ["OMP_NUM_THREADS"])
+    )

@@ -1,0 +1,250 @@
+"""Running a governed trial on Ray Train, from the driver.
+
+The driver owns lifecycle states (trial pending → running → completed/failed); a
+``ray.train.UserCallback`` (on the Ray Train controller) writes the metrics workers report every
+K steps; in local mode (one worker, in-process) the driver writes them itself. The ledger reported
+by rank 0 at the end is stored per (corpus, tensor).
+
+Example::
+
+    outcome = run_trial(config, checked, experiment, shard_root, store)
+    print(outcome.metrics["validation_accuracy"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.callback import UserCallback
+
+from govray.config import ExperimentConfig
+from govray.data.shards import ShardSet
+from govray.errors import GovrayError
+from govray.harness.loop import RunSpec, default_threads, train_worker
+from govray.harness.trial import load_trial_class
+from govray.ledger import Ledger, LedgerEntry
+from govray.preflight import CheckedPolicy
+from govray.schedule import ScheduleSpec, derive_seed
+from govray.tracking.lineage import ledger_rows, record_ledger
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Experiment
+
+Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
+
+
+class TrainingFailed(GovrayError):
+    """The Ray Train run failed; the message carries the workers' error."""
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Split a report into (training, validation) scalars; drops the ledger and non-numbers."""
+    training: dict[str, float] = {}
+    validation: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or name == "step":
+            continue
+        if value != value:  # NaN: not storable, and means "no rows" here
+            continue
+        (validation if name.startswith("validation_") else training)[name] = float(value)
+    return training, validation
+
+
+class TrackingCallback(UserCallback):
+    """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store."""
+
+    def __init__(self, database_url: str, trial_id: int, layer_index: dict[str, int | None]) -> None:
+        self.database_url = database_url
+        self.trial_id = trial_id
+        self.layer_index = layer_index  # tensor name → layer, for the ledger rows
+        self._store: TrackingStore | None = None
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        if self._store is None:
+            self._store = TrackingStore.open(self.database_url)
+        step = int(metrics["step"])
+        training, validation = scalar_metrics(metrics)
+        if training:
+            self._store.log_metrics(self.trial_id, step, "training", training)
+        if validation:
+            self._store.log_metrics(self.trial_id, step, "validation", validation)
+        if "ledger" in metrics:
+            ledger = Ledger.from_json(json.loads(metrics["ledger"]))
+            rows = [
+                (corpus, tensor, self.layer_index.get(tensor), entry.examples, entry.tokens, entry.steps)
+                for corpus, tensor, entry in ledger.rows()
+            ]
+            record_ledger(self._store, self.trial_id, rows)
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics:
+            self.record(metrics[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_store": None}
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    trial_id: int
+    run_name: str
+    weights_dir: Path
+    max_steps: int
+    metrics: dict[str, Any]
+    ledger: Ledger
+
+
+def plan_steps(
+    config: ExperimentConfig, manifest_root: Path, hparams: dict[str, Any], trial_seed: int
+) -> int:
+    """Total steps from the searcher's ``max_length`` (batches, or epochs of the schedule)."""
+    length = config.searcher.max_length
+    if length.batches is not None:
+        return length.batches
+    assert length.epochs is not None
+    trial = load_trial_class(config.trial)(hparams)
+    schedule = ScheduleSpec.from_manifest(
+        ShardSet.open(manifest_root).manifest,
+        seed=derive_seed(config.seed, trial_seed, "schedule"),
+        world_size=config.resources.workers,
+        batch_size=trial.batch_size,
+    )
+    return length.epochs * schedule.steps_per_epoch
+
+
+def run_trial(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    shard_root: Path,
+    store: TrackingStore,
+    *,
+    hparams: dict[str, Any] | None = None,
+    report_every: int = 20,
+    progress: Progress | None = None,
+) -> TrialOutcome:
+    """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``."""
+    assert experiment.id is not None
+    values = hparams if hparams is not None else config.default_hparams()
+    trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=config.seed)
+    assert trial_row.id is not None
+    trial_id = trial_row.id
+    run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
+    max_steps = plan_steps(config, shard_root, values, trial_seed=trial_id)
+    spec = RunSpec(
+        trial=config.trial,
+        hparams=values,
+        policy=checked.policy.policy,
+        shard_root=str(shard_root),
+        seed=config.seed,
+        trial_seed=trial_id,
+        max_steps=max_steps,
+        report_every=report_every,
+        threads=default_threads(config.resources.cpus_per_worker),
+        code_dir=os.getcwd(),
+        weights_dir=str(Path(config.storage_path) / "weights" / run_name),
+    )
+    tensors = [info.name for info in checked.routing.parameters] + [
+        tensor for route in checked.routing.adapter_names for tensor in checked.routing.updated_tensors(route)
+    ]
+    callback = TrackingCallback(
+        config.database_url, trial_id, {tensor: checked.routing.layer_of_tensor(tensor) for tensor in tensors}
+    )
+    workers = config.resources.workers
+    trainer = TorchTrainer(
+        # One worker runs in-process (Train V2 local mode), where no controller callback runs.
+        partial(train_worker, on_report=callback.record) if workers == 1 else train_worker,
+        train_loop_config=spec.model_dump(mode="json"),
+        scaling_config=ScalingConfig(
+            num_workers=0 if workers == 1 else workers,
+            use_gpu=config.resources.use_gpu,
+            resources_per_worker={"CPU": config.resources.cpus_per_worker},
+        ),
+        torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(Path(config.storage_path) / "ray"),
+            failure_config=FailureConfig(max_failures=config.max_restarts),
+            callbacks=[callback] if workers > 1 else [],  # type: ignore[list-item]  # V2 UserCallback
+        ),
+    )
+    store.set_trial_state(trial_id, "running", ray_run_name=run_name)
+    try:
+        _fit_with_progress(trainer, store, trial_id, max_steps, progress)
+    except Exception as error:
+        store.set_trial_state(trial_id, "failed")
+        raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
+    # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
+    metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
+    ledger = stored_ledger(store, trial_id)
+    store.set_trial_state(trial_id, "completed")
+    return TrialOutcome(
+        trial_id=trial_id,
+        run_name=run_name,
+        weights_dir=Path(spec.weights_dir),
+        max_steps=max_steps,
+        metrics=metrics,
+        ledger=ledger,
+    )
+
+
+def stored_ledger(store: TrackingStore, trial_id: int) -> Ledger:
+    """The ledger the trial's final report recorded in the tracking store."""
+    rows = ledger_rows(store, trial_id)
+    if not rows:
+        raise TrainingFailed(f"trial {trial_id} finished without recording its ledger")
+    return Ledger(
+        entries={
+            (row.corpus_id, row.parameter): LedgerEntry(
+                examples=row.examples, tokens=row.tokens, steps=row.steps
+            )
+            for row in rows
+        }
+    )
+
+
+def _fit_with_progress(
+    trainer: TorchTrainer, store: TrackingStore, trial_id: int, max_steps: int, progress: Progress | None
+) -> ray.train.Result:
+    """``trainer.fit()`` in a thread while the driver follows the metrics in the tracking store."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # re-raised in the driver thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=fit, name="govray-fit", daemon=True)
+    thread.start()
+    seen = 0
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        if progress is None:
+            continue
+        latest = {metric.name: metric.value for metric in store.metrics(trial_id) if metric.step >= seen}
+        steps = [metric.step for metric in store.metrics(trial_id, "training_loss")]
+        if steps and steps[-1] > seen:
+            seen = steps[-1]
+            progress(seen, max_steps, latest)
+    if "error" in outcome:
+        raise outcome["error"]
+    result: ray.train.Result = outcome["result"]
+    return result
+
+
+def _worker_error(error: BaseException) -> str:
+    """The innermost cause, which is usually the worker's own exception."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {error}"

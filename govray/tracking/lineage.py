@@ -1,0 +1,48 @@
+"""Ledger rows in the tracking store: which corpus reached which tensor, per trial."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlmodel import col, delete, select
+
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import LedgerRow
+
+
+def record_ledger(
+    store: TrackingStore,
+    trial_id: int,
+    rows: Iterable[tuple[str, str, int | None, int, int, int]],
+    checkpoint_id: int | None = None,
+) -> int:
+    """Replace the trial's ledger (for ``checkpoint_id``) with ``(corpus, tensor, layer, examples,
+    tokens, steps)`` rows; returns how many were written."""
+    records = [
+        LedgerRow(
+            trial_id=trial_id,
+            checkpoint_id=checkpoint_id,
+            corpus_id=corpus,
+            parameter=tensor,
+            layer_index=layer,
+            examples=examples,
+            tokens=tokens,
+            steps=steps,
+        )
+        for corpus, tensor, layer, examples, tokens, steps in rows
+    ]
+    with store.session() as session:
+        session.exec(
+            delete(LedgerRow).where(
+                col(LedgerRow.trial_id) == trial_id, col(LedgerRow.checkpoint_id).is_(checkpoint_id)
+            )
+        )
+        session.add_all(records)
+    return len(records)
+
+
+def ledger_rows(store: TrackingStore, trial_id: int) -> list[LedgerRow]:
+    """A trial's ledger rows, by corpus then tensor."""
+    with store.session() as session:
+        query = select(LedgerRow).where(LedgerRow.trial_id == trial_id)
+        return list(session.exec(query.order_by(col(LedgerRow.corpus_id), col(LedgerRow.parameter))))

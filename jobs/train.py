@@ -1,0 +1,25 @@
+"""Entry point for ``ray job submit``: a governed training run of one experiment file.
+
+    ray job submit --working-dir . -- python jobs/train.py --config jobs/examples/digits/experiment.yaml
+
+The same as ``govray run CONFIG``; inside a Ray job the driver joins the job's cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from govray.cli import main
+
+
+def parse(argv: list[str]) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="experiment file (YAML)")
+    parser.add_argument("--allow-unsigned-policy", action="store_true")
+    args = parser.parse_args(argv)
+    return ["run", args.config, *(["--allow-unsigned-policy"] if args.allow_unsigned_policy else [])]
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse(sys.argv[1:])))
