@@ -130,25 +130,33 @@ def run_trial(
     store: TrackingStore,
     *,
     hparams: dict[str, Any] | None = None,
+    trial_seed: int = 0,
+    excluded_corpora: tuple[str, ...] = (),
     report_every: int = 20,
     progress: Progress | None = None,
 ) -> TrialOutcome:
-    """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``."""
+    """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
+
+    ``trial_seed`` (with the experiment seed) fixes initialisation, schedule and per-step
+    randomness: a replay with the same seeds and ``excluded_corpora`` leaves those corpora's
+    schedule slots empty and everything else identical.
+    """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
     trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=config.seed)
     assert trial_row.id is not None
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
-    max_steps = plan_steps(config, shard_root, values, trial_seed=trial_id)
+    max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     spec = RunSpec(
         trial=config.trial,
         hparams=values,
         policy=checked.policy.policy,
         shard_root=str(shard_root),
         seed=config.seed,
-        trial_seed=trial_id,
+        trial_seed=trial_seed,
         max_steps=max_steps,
+        excluded_corpora=excluded_corpora,
         report_every=report_every,
         threads=default_threads(config.resources.cpus_per_worker),
         code_dir=os.getcwd(),

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,90 @@ def example_copy(tmp_path: Path) -> Path:
     path = root / "experiment.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+# --- golden runs: a few real Ray Train runs that many tests read ---------------------------------
+
+GOLDEN_HPARAMS: dict[str, Any] = {
+    "hidden": 24,
+    "dropout": 0.1,  # exercises per-step randomness
+    "lr": 0.05,
+    "optimizer": "sgd",  # the reference test recovers updates exactly from SGD steps
+    "batch_size": 16,
+}
+GOLDEN_STEPS = 30
+GOLDEN_REPORT_EVERY = 10
+
+
+@dataclass
+class GoldenRun:
+    config: Any
+    checked: Any
+    shard_root: Path
+    store: Any
+    outcome: Any
+
+
+def _golden_example(
+    root: Path, workers: int, max_length: dict[str, int], hparams: dict[str, Any] | None = None
+) -> Path:
+    shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
+    shutil.copytree(REPO / "policies", root / "policies")
+    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    raw["policy"] = {"file": "policies/digits.policy.yaml", "trust": "policies/trust.yaml"}
+    raw["storage_path"] = "storage"
+    raw["hyperparameters"] = hparams or GOLDEN_HPARAMS
+    raw["resources"] = {"workers": workers, "cpus_per_worker": 1}
+    raw["searcher"] = {"name": "single", "max_length": max_length}
+    path = root / "experiment.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def _golden_run(path: Path, excluded: tuple[str, ...] = ()) -> GoldenRun:
+    from govray.config import load_experiment
+    from govray.preflight import check_policy, ingest_experiment
+    from govray.runner import run_trial
+    from govray.tracking.store import TrackingStore
+
+    config = load_experiment(path)
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)
+    experiment, ingested = ingest_experiment(config, checked, store)
+    outcome = run_trial(
+        config,
+        checked,
+        experiment,
+        ingested.root,
+        store,
+        excluded_corpora=excluded,
+        report_every=GOLDEN_REPORT_EVERY,
+    )
+    return GoldenRun(config, checked, ingested.root, store, outcome)
+
+
+@pytest.fixture(scope="session")
+def golden_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _golden_example(tmp_path_factory.mktemp("golden"), workers=2, max_length={"batches": GOLDEN_STEPS})
+
+
+@pytest.fixture(scope="session")
+def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
+    """2 Ray Train workers, 30 governed steps of the digits example, weights every 10 steps."""
+    return _golden_run(golden_example)
+
+
+@pytest.fixture(scope="session")
+def golden_run_without_writers(ray_session: None, golden_example: Path) -> GoldenRun:
+    """The same run with the PII corpus (routed to the adapter) excluded: its slots left empty."""
+    return _golden_run(golden_example, excluded=("digits-writers",))
+
+
+@pytest.fixture(scope="session")
+def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> GoldenRun:
+    """One worker in-process (Train V2 local mode), exactly one epoch, AdamW."""
+    hparams = {**GOLDEN_HPARAMS, "optimizer": "adamw", "lr": 0.01}
+    path = _golden_example(
+        tmp_path_factory.mktemp("local"), workers=1, max_length={"epochs": 1}, hparams=hparams
+    )
+    return _golden_run(path)

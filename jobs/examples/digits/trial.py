@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,11 @@ class DigitsTrial(Trial):
 
     def layers(self, model: nn.Module) -> Sequence[str]:
         return ["embed", "hidden", "head"]  # the dropout module holds no parameters
+
+    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.hparams.get("optimizer") == "sgd":
+            return torch.optim.SGD(parameters, lr=float(self.hparams["lr"]))
+        return super().build_optimizer(parameters)
 
     def collate(self, rows: pa.Table) -> Batch:
         pixels = np.stack([rows[name].to_numpy(zero_copy_only=False) for name in PIXELS], axis=1)
