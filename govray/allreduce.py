@@ -5,7 +5,8 @@ The applied gradient is the sum over S of per-example gradients divided by the n
 in S; slots outside S contribute exactly zero. Every worker knows S and its size from the
 schedule, so nothing extra is communicated: before the (otherwise plain DDP) allreduce, each worker
 overwrites the regions of the flat bucket its route may not update with zeros (selection, so a NaN
-there cannot leak) and scales the rest by ``1 / |S|``; the summed bucket is the masked mean.
+there cannot leak); after it, each region is divided by ``|S|`` in one fused pass that also flags
+any non-finite value (what plain DDP spends on dividing by the world size).
 
 A parameter with empty S gets ``grad = None``: no optimizer step, no momentum, no weight decay.
 A non-finite value that survives masking came from an allowed slot, so every rank sees it after
@@ -21,7 +22,6 @@ Example (inside a worker, around ``loss.backward()``)::
 """
 
 # No ``from __future__ import annotations``: DDP checks the comm hook's annotations at runtime.
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +69,8 @@ class GradientGovernor:
         self.step = -1
         self.local_route: str | None = None
         self.counts: list[int] = [0] * len(self.parameters)
-        self._nonfinite_buckets = 0
+        self._found_nonfinite = torch.zeros(1)
+        self._inverse: dict[int, torch.Tensor] = {}  # count → tensor([1 / count]), reused
 
     # -- per step --------------------------------------------------------------------------
 
@@ -79,24 +80,31 @@ class GradientGovernor:
         self.local_route = local_route
         group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
         self.counts = [group_counts[group] for group in self._group_of]
-        self._nonfinite_buckets = 0
+        self._found_nonfinite.zero_()
 
-    def local_scale(self, index: int) -> float:
-        """What this worker multiplies parameter ``index``'s gradient by (0.0: masked)."""
-        count = self.counts[index]
-        if self.local_route is None or count == 0 or self.local_route not in self.allowed_routes[index]:
-            return 0.0
-        return 1.0 / count
+    def contributes(self, index: int) -> bool:
+        """Whether this worker's slot may update parameter ``index`` at this step."""
+        return self.local_route is not None and self.local_route in self.allowed_routes[index]
 
-    def govern_flat(self, buffer: torch.Tensor, regions: Sequence[_Region]) -> None:
-        """Mask (by overwriting with zeros) and scale a flat gradient buffer in place."""
+    def mask(self, tensor: torch.Tensor, regions: Sequence[_Region]) -> None:
+        """Overwrite with zeros the regions this worker may not update (selection: a NaN or inf
+        there is replaced, never multiplied)."""
         for region in regions:
-            view = buffer.narrow(0, region.offset, region.numel)
-            scale = self.local_scale(region.index)
-            if scale == 0.0:
-                view.zero_()  # selection: NaN or inf here is overwritten, never multiplied
-            elif scale != 1.0:
-                view.mul_(scale)
+            if not self.contributes(region.index):
+                tensor.narrow(0, region.offset, region.numel).zero_()
+
+    def average(self, tensor: torch.Tensor, regions: Sequence[_Region]) -> None:
+        """Divide each summed region by its example count, flagging non-finite values (one pass)."""
+        by_count: dict[int, list[torch.Tensor]] = {}
+        for region in regions:
+            count = self.counts[region.index]
+            if count:  # count 0: every worker zeroed it, and its grad becomes None
+                by_count.setdefault(count, []).append(tensor.narrow(0, region.offset, region.numel))
+        for count, views in by_count.items():
+            inverse = self._inverse.get(count)
+            if inverse is None:
+                inverse = self._inverse[count] = torch.tensor([1.0 / count])
+            torch._amp_foreach_non_finite_check_and_unscale_(views, self._found_nonfinite, inverse)
 
     def layout(self, parameters: Sequence[torch.Tensor]) -> tuple[_Region, ...]:
         key = tuple(id(parameter) for parameter in parameters)
@@ -109,29 +117,22 @@ class GradientGovernor:
             cached = self._layouts[key] = tuple(regions)
         return cached
 
-    def note_reduced(self, reduced: torch.Tensor) -> None:
-        # One read pass; a NaN/inf anywhere makes the sum non-finite.
-        if not math.isfinite(float(reduced.sum())):
-            self._nonfinite_buckets += 1
-
     def govern_local(self) -> None:
-        """The same masks and scaling without DDP (one worker): applied to ``.grad`` directly."""
+        """The same masks and averaging without DDP (one worker), on each ``.grad``."""
         for index, parameter in enumerate(self.parameters):
             if parameter.grad is None:
                 continue
-            scale = self.local_scale(index)
-            if scale == 0.0:
-                parameter.grad.zero_()
-            elif scale != 1.0:
-                parameter.grad.mul_(scale)
-            self.note_reduced(parameter.grad)
+            regions = (_Region(index, 0, parameter.numel()),)
+            flat = parameter.grad.view(-1)
+            self.mask(flat, regions)
+            self.average(flat, regions)
 
     def finish_step(self, max_grad_norm: float | None = None) -> None:
         """After backward (and the allreduce): drop grads nobody may apply, check, clip per group."""
         for index, parameter in enumerate(self.parameters):
             if self.counts[index] == 0:
                 parameter.grad = None  # no slot may update it: no step, no momentum, no decay
-        if self._nonfinite_buckets:
+        if bool(self._found_nonfinite.item()):
             self._raise_nonfinite()
         if max_grad_norm is not None:
             self.clip_per_group(max_grad_norm)
@@ -172,15 +173,16 @@ class GradientGovernor:
 def governed_allreduce_hook(
     governor: GradientGovernor, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: mask and scale this worker's bucket, then sum it over all workers."""
+    """DDP comm hook: mask this worker's bucket, sum it over all workers, divide by the counts."""
     buffer = bucket.buffer()
-    governor.govern_flat(buffer, governor.layout(bucket.parameters()))
+    regions = governor.layout(bucket.parameters())
+    governor.mask(buffer, regions)
     work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
 
     def reduced(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         result = future.value()[0]
-        governor.note_reduced(result)
+        governor.average(result, regions)
         return result
 
     return work.get_future().then(reduced)

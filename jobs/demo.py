@@ -1,8 +1,9 @@
-"""The main demo: the digits example under its signed depth policy, on local Ray + SQLite.
+"""The main demo: a governed 2-worker run of the digits example on local Ray + SQLite.
 
-For now it verifies the signed policy, resolves it against the model (which layers each
-corpus may update), ingests the three credentialed corpora with Ray Data into route-partitioned
-shards, and lists the experiment in the embedded tracking store. Governed training follows.
+It verifies the signed depth policy and shows which parameters each corpus may update, ingests
+the three credentialed corpora with Ray Data into route-partitioned shards, trains on two Ray Train
+workers with the governance-aware allreduce (progress bar), prints validation accuracy and the
+per-corpus x per-layer ledger, and lists the experiment in the embedded tracking store.
 
 Run from the repository root: ``python -m jobs.demo``.
 """
@@ -19,8 +20,8 @@ EXPERIMENT = Path(__file__).resolve().parent / "examples" / "digits" / "experime
 
 def demo() -> int:
     steps = [
-        ("verify the signed policy and resolve it against the model", ["policy", "check", str(EXPERIMENT)]),
-        ("ingest the credentialed corpora with Ray Data", ["data", "ingest", str(EXPERIMENT)]),
+        ("the signed policy, resolved against the model", ["policy", "check", str(EXPERIMENT)]),
+        ("ingest and governed training on 2 Ray Train workers", ["run", str(EXPERIMENT)]),
         ("the experiment in the tracking store", ["experiments", "list", "--config", str(EXPERIMENT)]),
     ]
     for title, argv in steps:
