@@ -192,9 +192,8 @@ def main() -> None:
     ddp, ratios = ddp_ratio(args.steps, args.warmup)
     print(f"2 workers, interleaved pairs: min {min(ratios):.3f}, median {ddp:.3f}, max {max(ratios):.3f}")
     single, govray_rate, torch_rate = single_worker_ratio(args.steps, args.warmup, args.threads)
-    print(
-        f"1 worker, {args.threads} thread(s): govray {govray_rate:.2f} steps/s, torch {torch_rate:.2f} steps/s"
-    )
+    rates = f"govray {govray_rate:.2f} steps/s, torch {torch_rate:.2f} steps/s"
+    print(f"1 worker, {args.threads} thread(s): {rates}")
     print(f"governed/plain step ratio: {ddp:.3f}")
     print(f"govray-1worker/torch throughput ratio: {single:.3f}")
 

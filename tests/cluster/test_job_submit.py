@@ -47,7 +47,8 @@ def test_ray_job_submit_runs_a_governed_experiment(ray_head: str, tmp_path: Path
     raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     for corpus in raw["data"]["corpora"]:
         corpus["path"] = str(tmp_path / corpus["path"])
-    raw["policy"] = {"file": str(REPO / "policies" / "digits.policy.yaml"), "trust": str(REPO / "policies" / "trust.yaml")}
+    policies = REPO / "policies"
+    raw["policy"] = {"file": str(policies / "digits.policy.yaml"), "trust": str(policies / "trust.yaml")}
     raw["storage_path"] = str(tmp_path / "storage")
     raw["searcher"]["max_length"] = {"batches": 12}
     config = tmp_path / "experiment.yaml"
