@@ -141,13 +141,13 @@ class GradientGovernor:
         """Clip each route group (parameters updated by the same routes) on its own norm, so one
         route's gradients never rescale another's."""
         for group_index in range(len(self.groups)):
-            grads = [
-                parameter.grad
+            members = [
+                parameter
                 for parameter, group in zip(self.parameters, self._group_of, strict=True)
                 if group == group_index and parameter.grad is not None
             ]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+            if members:
+                torch.nn.utils.clip_grad_norm_(members, max_norm, foreach=True)
 
     def _raise_nonfinite(self) -> None:
         culprits = [

@@ -216,3 +216,18 @@ def test_bucket_layout_cache_survives_ddp_rebuilding_buckets(gloo_pair: Any) -> 
         grads, before, after = payload
         assert grads["0.weight"] is None and torch.equal(before["0.weight"], after["0.weight"])
         assert grads["0.bias"] is not None and not torch.equal(before["0.bias"], after["0.bias"])
+
+
+def test_clipping_is_per_route_group() -> None:
+    """One route's huge gradient never rescales another route's tensors."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    allowed = (frozenset("a"), frozenset("a"), frozenset("b"), frozenset("b"))
+    governor = GradientGovernor(list(model.named_parameters()), allowed)
+    governor.begin_step(0, "a", {"a": 1, "b": 1})
+    for index, parameter in enumerate(model.parameters()):
+        parameter.grad = torch.full_like(parameter, 100.0 if index < 2 else 0.01)
+    small = [p.grad.clone() for p in list(model.parameters())[2:]]  # type: ignore[union-attr]
+    governor.finish_step(max_grad_norm=1.0)
+    big = [p.grad for p in list(model.parameters())[:2]]
+    assert abs(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in big]))) - 1.0) < 1e-5  # type: ignore[union-attr]
+    assert all(torch.equal(p.grad, g) for p, g in zip(list(model.parameters())[2:], small, strict=True))

@@ -82,17 +82,22 @@ class RouteRows:
     """Training rows of each route, loaded once per worker; a slot reads its rows by index."""
 
     def __init__(self, shards: ShardSet) -> None:
-        self._shards = shards
-        self._tables: dict[str, pa.Table] = {}
-        routes = [route.route for route in shards.manifest.routes if route.rows]
-        self._empty = shards.route_table(routes[0]).slice(0, 0)
+        self.tables = {
+            route.route: shards.route_table(route.route) for route in shards.manifest.routes if route.rows
+        }
+        self._empty = next(iter(self.tables.values())).slice(0, 0)
 
     def take(self, slot: Slot) -> pa.Table:
         if slot.empty or slot.route is None:
             return self._empty
-        if slot.route not in self._tables:
-            self._tables[slot.route] = self._shards.route_table(slot.route)
-        return self._tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
+        return self.tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
+
+    def tokens(self, trial: Trial) -> dict[str, list[int]] | None:
+        """Tokens per route-local row, for the ledger; None unless the trial counts tokens."""
+        counts = {route: trial.tokens(table) for route, table in self.tables.items()}
+        if any(value is None for value in counts.values()):
+            return None
+        return {route: list(value) for route, value in counts.items() if value is not None}
 
 
 def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
@@ -129,6 +134,7 @@ class GovernedTraining:
             excluded_corpora=spec.excluded_corpora,
         )
         self.rows = RouteRows(self.shards)
+        self.tokens = self.rows.tokens(self.trial)
         named = parameters_by_name(self.model)
         self.governor = GradientGovernor(named, allowed_route_sets(self.model, self.routing))
         self.forward: nn.Module = self.model
@@ -161,7 +167,7 @@ class GovernedTraining:
         self.governor.finish_step(self.trial.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ledger.record_step(slots, self.routing)
+        self.ledger.record_step(slots, self.routing, self.tokens)
         return float(losses.detach().sum()), len(mine.rows)
 
     def save_weights(self, directory: Path) -> None:

@@ -32,9 +32,21 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port, dashboard = free_port(), free_port()
     temp = tmp_path_factory.mktemp("ray-head")
     subprocess.run(
-        ["ray", "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=2",
-         "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp}"],
-        check=True, capture_output=True, text=True, timeout=120,
+        [
+            "ray",
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     try:
         yield f"http://127.0.0.1:{dashboard}"
@@ -56,9 +68,25 @@ def test_ray_job_submit_runs_a_governed_experiment(ray_head: str, tmp_path: Path
     environment = {**os.environ, "RAY_AUTH_MODE": "token"}  # the client sends ~/.ray/auth_token
     environment.pop("RAY_ADDRESS", None)
     job = subprocess.run(
-        ["ray", "job", "submit", "--address", ray_head, "--working-dir", str(REPO), "--",
-         "python", "jobs/train.py", "--config", str(config)],
-        capture_output=True, text=True, timeout=600, env=environment, cwd=REPO,
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            ray_head,
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "jobs/train.py",
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+        cwd=REPO,
     )
     output = job.stdout + job.stderr
     assert job.returncode == 0, output
@@ -70,5 +98,7 @@ def test_ray_job_submit_runs_a_governed_experiment(ray_head: str, tmp_path: Path
     assert trial.state == "completed" and trial.ray_run_name
     assert [m.step for m in store.metrics(trial.id, "training_loss")] == [12]  # type: ignore[arg-type]
     assert {row.corpus_id for row in ledger_rows(store, trial.id)} == {  # type: ignore[arg-type]
-        "digits-public", "digits-licensed", "digits-writers",
+        "digits-public",
+        "digits-licensed",
+        "digits-writers",
     }
