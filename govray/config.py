@@ -15,10 +15,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from govray.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
+from govray.documents import parse_yaml_mapping, read_text
 from govray.errors import ConfigError, describe_validation_error
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -33,49 +33,34 @@ class ConstHP(BaseModel):
     val: Any
 
 
-class IntHP(BaseModel):
+class _RangeHP(BaseModel):
     model_config = _STRICT
-    type: Literal["int"]
-    minval: int
-    maxval: int
+    minval: float
+    maxval: float
     count: int | None = Field(default=None, ge=1)  # grid points
 
     @model_validator(mode="after")
-    def _ordered(self) -> IntHP:
+    def _ordered(self) -> _RangeHP:
         if self.maxval < self.minval:
             raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
         return self
 
 
-class DoubleHP(BaseModel):
-    model_config = _STRICT
+class IntHP(_RangeHP):
+    type: Literal["int"]
+    minval: int
+    maxval: int
+
+
+class DoubleHP(_RangeHP):
     type: Literal["double"]
-    minval: float
-    maxval: float
-    count: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> DoubleHP:
-        if self.maxval < self.minval:
-            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
-        return self
 
 
-class LogHP(BaseModel):
+class LogHP(_RangeHP):
     """``base ** x`` for x uniform in [minval, maxval]."""
 
-    model_config = _STRICT
     type: Literal["log"]
-    minval: float
-    maxval: float
     base: float = Field(default=10.0, gt=1.0)
-    count: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> LogHP:
-        if self.maxval < self.minval:
-            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
-        return self
 
 
 class CategoricalHP(BaseModel):
@@ -397,13 +382,8 @@ def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
 
 
 def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: not valid YAML: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: an experiment file is a mapping (name, trial, data, policy, ...)")
-    raw = _absolutize(raw, source.resolve().parent)
+    shape = "an experiment file is a mapping (name, trial, data, policy, ...)"
+    raw = _absolutize(parse_yaml_mapping(text, str(source), ConfigError, shape), source.resolve().parent)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as error:
@@ -412,8 +392,4 @@ def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
 
 def load_experiment(path: Path) -> ExperimentConfig:
     """Read and validate an experiment file."""
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"cannot read experiment file {path}: {error.strerror}") from None
-    return parse_experiment(text, source=path)
+    return parse_experiment(read_text(path, ConfigError, "experiment file"), source=path)

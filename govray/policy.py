@@ -32,11 +32,11 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from govray.canonical import file_sha256
 from govray.credentials import MATCHABLE_FIELDS, Credential
+from govray.documents import parse_yaml_mapping, read_text
 from govray.dsse import Envelope, read_envelope, sign_envelope, verify_envelope
 from govray.errors import PolicyError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
@@ -204,12 +204,9 @@ class DepthPolicy(BaseModel):
 
 
 def parse_policy(text: str, *, source: str) -> DepthPolicy:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise PolicyError(f"{source}: not valid YAML: {error}") from None
-    if not isinstance(raw, dict):
-        raise PolicyError(f"{source}: a policy is a mapping with 'name', 'version' and 'rules'")
+    raw = parse_yaml_mapping(
+        text, source, PolicyError, "a policy is a mapping with 'name', 'version' and 'rules'"
+    )
     for index, rule in enumerate(raw.get("rules") or []):
         if isinstance(rule, dict) and "route" not in rule:
             name = rule.get("name", f"#{index}")
@@ -221,11 +218,7 @@ def parse_policy(text: str, *, source: str) -> DepthPolicy:
 
 
 def load_policy(path: Path) -> DepthPolicy:
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise PolicyError(f"cannot read policy {path}: {error.strerror}") from None
-    return parse_policy(text, source=str(path))
+    return parse_policy(read_text(path, PolicyError, "policy"), source=str(path))
 
 
 class PolicySignature(BaseModel):
