@@ -15,6 +15,7 @@ revocation is an entry in ``revoked``::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 from enum import StrEnum
@@ -223,3 +224,33 @@ def load_trust(path: Path) -> TrustConfig:
 def save_trust(trust: TrustConfig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(trust.model_dump(mode="json"), sort_keys=False))
+
+
+def govray_home() -> Path:
+    """Where this machine keeps govray's own keys: ``$GOVRAY_HOME`` or ``~/.govray``."""
+    return Path(os.environ.get("GOVRAY_HOME", "~/.govray")).expanduser()
+
+
+def platform_key(home: Path | None = None) -> SigningKey:
+    """The platform's signing key, created on first use under ``HOME/keys/platform.key``.
+
+    On a cluster, provision the same file on every node (it signs checkpoints on rank 0).
+    """
+    prefix = (home or govray_home()) / "keys" / "platform"
+    private = prefix.with_suffix(".key")
+    if not private.exists():
+        with contextlib.suppress(SignatureError):  # another process created it first
+            SigningKey.generate(KeyRole.PLATFORM).save(prefix)
+    key = SigningKey.load(private)
+    if key.role != KeyRole.PLATFORM:
+        raise SignatureError(f"{private} is a {key.role.value} key, not the platform key")
+    return key
+
+
+def platform_trust(key: SigningKey, extra: TrustConfig | None = None) -> TrustConfig:
+    """Trust for the platform role: this platform key plus any platform keys in ``extra``."""
+    trust = TrustConfig(keys=[key.public_key], revoked=list(extra.revoked) if extra else [])
+    for public in extra.keys if extra else []:
+        if public.role == KeyRole.PLATFORM:
+            trust.add(public)
+    return trust

@@ -33,10 +33,11 @@ from govray.data.shards import ShardSet
 from govray.errors import GovrayError
 from govray.harness.loop import RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
+from govray.keys import govray_home, load_trust, platform_key, platform_trust
 from govray.ledger import Ledger, LedgerEntry
-from govray.preflight import CheckedPolicy
+from govray.preflight import CheckedPolicy, config_digest
 from govray.schedule import ScheduleSpec, derive_seed
-from govray.tracking.lineage import ledger_rows, record_ledger
+from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 
@@ -68,11 +69,17 @@ class TrackingCallback(UserCallback):
         self.trial_id = trial_id
         self.layer_index = layer_index  # tensor name → layer, for the ledger rows
         self._store: TrackingStore | None = None
+        self._last_step = 0
 
-    def record(self, metrics: dict[str, Any]) -> None:
+    def record(self, metrics: dict[str, Any], checkpoint_path: str | None = None) -> None:
         if self._store is None:
             self._store = TrackingStore.open(self.database_url)
         step = int(metrics["step"])
+        if checkpoint_path is not None:
+            record_checkpoint(self._store, self.trial_id, checkpoint_path, step)
+        if step <= self._last_step:
+            return  # a restarted worker group re-reports the steps after its checkpoint
+        self._last_step = step
         training, validation = scalar_metrics(metrics)
         if training:
             self._store.log_metrics(self.trial_id, step, "training", training)
@@ -88,7 +95,7 @@ class TrackingCallback(UserCallback):
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
-            self.record(metrics[0])
+            self.record(metrics[0], checkpoint.path if checkpoint is not None else None)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}
@@ -98,7 +105,7 @@ class TrackingCallback(UserCallback):
 class TrialOutcome:
     trial_id: int
     run_name: str
-    weights_dir: Path
+    run_dir: Path  # Ray Train's run directory: checkpoint_* below it
     max_steps: int
     metrics: dict[str, Any]
     ledger: Ledger
@@ -147,6 +154,9 @@ def run_trial(
     assert trial_row.id is not None
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
+    run_dir = Path(config.storage_path) / "ray" / run_name
+    key = platform_key()
+    key_path = govray_home() / "keys" / "platform.key"
     max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     spec = RunSpec(
         trial=config.trial,
@@ -160,7 +170,12 @@ def run_trial(
         report_every=report_every,
         threads=default_threads(config.resources.cpus_per_worker),
         code_dir=os.getcwd(),
-        weights_dir=str(Path(config.storage_path) / "weights" / run_name),
+        checkpoint_period=config.checkpoint.period,
+        platform_key=str(key_path),
+        trust=platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None),
+        config_digest=config_digest(config),
+        policy_digest=checked.policy.digest,
+        run_dir=str(run_dir),
     )
     tensors = [info.name for info in checked.routing.parameters] + [
         tensor for route in checked.routing.adapter_names for tensor in checked.routing.updated_tensors(route)
@@ -199,7 +214,7 @@ def run_trial(
     return TrialOutcome(
         trial_id=trial_id,
         run_name=run_name,
-        weights_dir=Path(spec.weights_dir),
+        run_dir=run_dir,
         max_steps=max_steps,
         metrics=metrics,
         ledger=ledger,

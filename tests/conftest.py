@@ -160,6 +160,7 @@ def _golden_example(
     raw["hyperparameters"] = hparams or GOLDEN_HPARAMS
     raw["resources"] = {"workers": workers, "cpus_per_worker": 1}
     raw["searcher"] = {"name": "single", "max_length": max_length}
+    raw["checkpoint"] = {"period": GOLDEN_REPORT_EVERY}
     path = root / "experiment.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 
 from govray.adapters import GovernedModel
 from govray.allreduce import parameters_by_name
+from govray.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
 from govray.data.shards import ShardSet
 from govray.harness.loop import RouteRows, allowed_route_sets
 from govray.harness.trial import load_trial_class
+from govray.keys import platform_key, platform_trust
 from govray.ledger import recompute_ledger
 from govray.routing import resolve_routes
 from govray.schedule import ScheduleSpec, derive_seed, step_slots
@@ -27,7 +29,10 @@ REPORT_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_E
 
 
 def snapshot(run: GoldenRun, step: int, name: str = "model.safetensors") -> Path:
-    return run.outcome.weights_dir / f"step-{step:08d}" / name
+    """A file of the run's checkpoint at ``step`` (verified: signature and digests)."""
+    (directory,) = [path for path in find_checkpoints(run.outcome.run_dir) if checkpoint_step(path) == step]
+    verify_checkpoint(directory, platform_trust(platform_key()))
+    return directory / name
 
 
 def schedule_of(run: GoldenRun, workers: int, excluded: tuple[str, ...] = ()) -> ScheduleSpec:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +27,22 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from govray.adapters import GovernedModel, save_adapter, save_base
+from govray.adapters import GovernedModel, load_adapter, save_adapter, save_base
 from govray.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, load_checkpoint, seal_checkpoint
 from govray.data.shards import ShardSet
 from govray.harness.trial import Trial, load_trial_class
+from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
 from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
 
-Report = Callable[[dict[str, Any]], None]
+Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 
 
 class RunSpec(BaseModel):
@@ -57,7 +61,12 @@ class RunSpec(BaseModel):
     threads: int = 1
     excluded_corpora: tuple[str, ...] = ()
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
-    weights_dir: str = ""  # rank 0 writes base and adapter weights here at every report (safetensors)
+    checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
+    platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
+    trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
+    config_digest: str = ""
+    policy_digest: str = ""
+    run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
 
 
 @dataclass
@@ -170,13 +179,41 @@ class GovernedTraining:
         self.ledger.record_step(slots, self.routing, self.tokens)
         return float(losses.detach().sum()), len(mine.rows)
 
-    def save_weights(self, directory: Path) -> None:
-        """``model.safetensors`` (the base, whose digest never depends on adapters) and one
-        ``adapter-NAME.safetensors`` per adapter."""
+    def checkpoint_state(self, steps_done: int) -> CheckpointState:
+        return CheckpointState(
+            step=steps_done,
+            epoch=self.schedule.locate(steps_done)[0],
+            seed=self.spec.seed,
+            trial_seed=self.spec.trial_seed,
+            schedule=self.schedule.to_json(),
+            schedule_digest=self.schedule.digest(),
+            policy_digest=self.spec.policy_digest,
+            config_digest=self.spec.config_digest,
+            ledger=self.ledger.to_json(),
+            adapters=list(self.model.adapter_names()),
+        )
+
+    def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:
+        """Base and adapter weights, optimizer and governance state, signed by the platform key."""
         directory.mkdir(parents=True, exist_ok=True)
-        save_base(self.model, directory / "model.safetensors")
+        save_base(self.model, directory / MODEL_FILE)
         for adapter in self.model.adapter_names():
             save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+        seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
+
+    def restore(self, directory: Path) -> int:
+        """Resume from a verified checkpoint; returns the number of steps it had completed."""
+        loaded = load_checkpoint(directory, self.spec.trust)
+        if loaded.state.schedule_digest != self.schedule.digest():
+            raise CheckpointError(
+                f"{directory}: its schedule inputs differ from this run's (a different run?)"
+            )
+        self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
+        for adapter in self.model.adapter_names():
+            load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+        self.optimizer.load_state_dict(loaded.optimizer_state)
+        self.ledger = Ledger.from_json(loaded.state.ledger)
+        return loaded.state.step
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -217,7 +254,11 @@ def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, fl
 
 
 def train_worker(config: dict[str, Any], on_report: Report | None = None) -> None:
-    """``train_loop_per_worker`` for Ray Train: the whole governed run of one worker."""
+    """``train_loop_per_worker`` for Ray Train: the whole governed run of one worker.
+
+    After a failure Ray Train restarts every worker; each resumes from the latest checkpoint and
+    recomputes the schedule from there (per-step randomness needs no RNG state).
+    """
     import ray.train
 
     spec = RunSpec.model_validate(config)
@@ -226,16 +267,24 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()
     training = GovernedTraining(spec, worker)
+    start = 0
+    resume_from = ray.train.get_checkpoint()
+    if resume_from is not None:
+        with resume_from.as_directory() as directory:
+            start = training.restore(Path(directory))
+    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     loss_sum, examples = 0.0, 0
-    for step in range(spec.max_steps):
+    for step in range(start, spec.max_steps):
         step_loss, step_examples = training.step(step)
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
-        last = step + 1 == spec.max_steps
-        if (step + 1) % spec.report_every and not last:
+        done = step + 1
+        last = done == spec.max_steps
+        period_end = done % spec.checkpoint_period == 0
+        if done % spec.report_every and not last and not period_end:
             continue
         totals = all_reduce_sums({"loss": loss_sum, "examples": float(examples)}, worker)
         metrics: dict[str, Any] = {
-            "step": step + 1,
+            "step": done,
             "epoch": training.schedule.locate(step)[0],
             "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
             "examples": int(totals["examples"]),
@@ -243,15 +292,21 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
         if last:
             metrics.update(training.evaluate())
             metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
-            metrics["masked_fraction"] = {
-                route: training.routing.masked_fraction(route) for route in training.routing.routes
-            }
         loss_sum, examples = 0.0, 0
-        if spec.weights_dir and worker.rank == 0:
-            training.save_weights(Path(spec.weights_dir) / f"step-{step + 1:08d}")
-        ray.train.report(metrics)
+        saved: str | None = None
+        if key is not None and (period_end or last) and on_report is not None:
+            # Local mode has no controller to persist checkpoints: write them into the run directory.
+            saved = str(Path(spec.run_dir) / f"checkpoint_{done:08d}")
+            training.save_checkpoint(Path(saved), done, key)
+            ray.train.report(metrics)
+        elif key is not None and (period_end or last):
+            with tempfile.TemporaryDirectory(prefix="govray-checkpoint-") as scratch:
+                training.save_checkpoint(Path(scratch), done, key)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(scratch))
+        else:
+            ray.train.report(metrics)
         if on_report is not None:
-            on_report(metrics)
+            on_report(metrics, saved)
 
 
 def default_threads(cpus_per_worker: float) -> int:

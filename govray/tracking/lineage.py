@@ -1,13 +1,16 @@
-"""Ledger rows in the tracking store: which corpus reached which tensor, per trial."""
+"""Lineage in the tracking store: checkpoints of a trial, and which corpus reached which tensor."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
+from pathlib import Path
 
 from sqlmodel import col, delete, select
 
+from govray.canonical import file_sha256
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import LedgerRow
+from govray.tracking.tables import CheckpointRecord, LedgerRow
 
 
 def record_ledger(
@@ -46,3 +49,28 @@ def ledger_rows(store: TrackingStore, trial_id: int) -> list[LedgerRow]:
     with store.session() as session:
         query = select(LedgerRow).where(LedgerRow.trial_id == trial_id)
         return list(session.exec(query.order_by(col(LedgerRow.corpus_id), col(LedgerRow.parameter))))
+
+
+def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int) -> CheckpointRecord:
+    """Record a persisted checkpoint (its manifest digest read from storage)."""
+    manifest = Path(path) / "manifest.json"
+    digest = file_sha256(manifest) if manifest.exists() else ""
+    record = CheckpointRecord(
+        trial_id=trial_id,
+        uuid=uuid.uuid4().hex,
+        path=path,
+        step=step,
+        manifest_digest=digest,
+        state="active",
+        metrics_json="{}",
+    )
+    with store.session() as session:
+        session.add(record)
+    return record
+
+
+def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
+    """A trial's checkpoints, by step."""
+    with store.session() as session:
+        query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
+        return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))

@@ -1,0 +1,204 @@
+"""Governance-state checkpoints: weights, optimizer and governance state, signed.
+
+A checkpoint is a directory::
+
+    model.safetensors            the base model (its digest never depends on adapters)
+    adapter-NAME.safetensors     one file per adapter
+    optimizer.safetensors        optimizer tensors (``state.<param index>.<name>``)
+    optimizer.json               the rest of the optimizer state and its param groups
+    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines
+    manifest.json                sha256 of every file above
+    manifest.sig                 DSSE envelope over manifest.json, by the platform key
+
+No pickle anywhere. Loading verifies the signature (a trusted, unrevoked platform key), that the
+envelope's payload is the manifest byte for byte, and every file's digest; any mismatch, missing
+or extra file is refused, naming the file.
+
+Example::
+
+    save_base(model, directory / MODEL_FILE)           # weights first (govray.adapters)
+    seal_checkpoint(directory, optimizer.state_dict(), state, platform_key)
+    loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from govray.canonical import file_sha256
+from govray.dsse import read_envelope, sign_envelope, verify_envelope
+from govray.errors import GovrayError, SignatureError, describe_validation_error
+from govray.keys import KeyRole, SigningKey, TrustConfig
+
+CHECKPOINT_FORMAT = "govray-checkpoint-v1"
+MANIFEST_TYPE = "application/vnd.govray.checkpoint-manifest+json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "manifest.sig"
+
+
+class CheckpointError(GovrayError):
+    """A checkpoint is missing, unsigned, tampered with, or does not fit the run."""
+
+    exit_code = 10
+
+
+class CheckpointState(BaseModel):
+    """``state.json``: everything besides tensors that a resume or replay needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: str = CHECKPOINT_FORMAT
+    step: int = Field(ge=0)  # global steps completed
+    epoch: int = Field(ge=0)
+    seed: int
+    trial_seed: int
+    schedule: dict[str, Any]  # ScheduleSpec.to_json(): every input of the schedule
+    schedule_digest: str
+    policy_digest: str
+    config_digest: str
+    ledger: dict[str, Any]  # Ledger.to_json()
+    adapters: list[str] = Field(default_factory=list)
+    memorization_baselines: dict[str, Any] = Field(default_factory=dict)
+    reproducibility: dict[str, Any] = Field(default_factory=dict)
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: str = CHECKPOINT_FORMAT
+    step: int
+    files: dict[str, str]  # file name → sha256
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.model_dump(), indent=2, sort_keys=True) + "\n").encode()
+
+
+def _optimizer_files(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors (safetensors) and plain JSON."""
+    tensors: dict[str, torch.Tensor] = {}
+    plain_state: dict[str, dict[str, Any]] = {}
+    for index, values in optimizer_state["state"].items():
+        plain_state[str(index)] = {}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach().contiguous()
+            else:
+                plain_state[str(index)][name] = value
+    meta = {"state": plain_state, "param_groups": optimizer_state["param_groups"]}
+    return tensors, meta
+
+
+def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of the split: a dict ``optimizer.load_state_dict`` accepts."""
+    state: dict[int, dict[str, Any]] = {int(index): dict(values) for index, values in meta["state"].items()}
+    for key, tensor in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = tensor
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def seal_checkpoint(
+    directory: Path, optimizer_state: dict[str, Any], state: CheckpointState, key: SigningKey
+) -> str:
+    """Add optimizer state and ``state.json`` to a directory holding the weight files, then write
+    and sign the manifest over every file. Returns the manifest's sha256."""
+    if key.role != KeyRole.PLATFORM:
+        raise SignatureError(f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key")
+    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
+    save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
+    (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
+    (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
+    names = sorted(path.name for path in directory.iterdir() if path.is_file())
+    manifest = Manifest(step=state.step, files={name: file_sha256(directory / name) for name in names})
+    payload = manifest.to_bytes()
+    (directory / MANIFEST_FILE).write_bytes(payload)
+    (directory / SIGNATURE_FILE).write_text(sign_envelope(payload, MANIFEST_TYPE, key).to_json())
+    return file_sha256(directory / MANIFEST_FILE)
+
+
+class LoadedCheckpoint(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    directory: Path
+    state: CheckpointState
+    optimizer_state: dict[str, Any]
+    manifest_digest: str
+    signer: str
+
+
+def verify_checkpoint(directory: Path, trust: TrustConfig) -> tuple[Manifest, str]:
+    """Check signature, manifest and every digest; returns (manifest, signer keyid)."""
+    if not (directory / MANIFEST_FILE).is_file():
+        raise CheckpointError(f"{directory}: not a govray checkpoint ({MANIFEST_FILE} missing)")
+    signature = directory / SIGNATURE_FILE
+    if not signature.is_file():
+        raise CheckpointError(f"{signature}: missing; an unsigned checkpoint is refused")
+    try:
+        payload, signer = verify_envelope(
+            read_envelope(signature),
+            trust,
+            KeyRole.PLATFORM,
+            expected_type=MANIFEST_TYPE,
+            what=f"checkpoint signature {signature}",
+        )
+    except SignatureError as error:
+        raise CheckpointError(str(error)) from None
+    if payload != (directory / MANIFEST_FILE).read_bytes():
+        raise CheckpointError(f"{directory / MANIFEST_FILE} differs from the manifest its signature covers")
+    try:
+        manifest = Manifest.model_validate_json(payload)
+    except ValidationError as error:
+        raise CheckpointError(f"{directory / MANIFEST_FILE}: {describe_validation_error(error)}") from None
+    present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
+    for extra in sorted(present - set(manifest.files)):
+        raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")
+    for name, digest in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the signed manifest but missing")
+        if file_sha256(path) != digest:
+            raise CheckpointError(f"{path}: sha256 does not match the signed manifest (tampered)")
+    return manifest, signer
+
+
+def load_checkpoint(directory: Path, trust: TrustConfig) -> LoadedCheckpoint:
+    """Verify, then read a checkpoint (safetensors and JSON only)."""
+    manifest, signer = verify_checkpoint(directory, trust)
+    try:
+        state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
+        optimizer_state = optimizer_state_from_files(
+            load_file(str(directory / OPTIMIZER_TENSORS)),
+            json.loads((directory / OPTIMIZER_META).read_text()),
+        )
+    except (ValidationError, SafetensorError, json.JSONDecodeError, ValueError) as error:
+        raise CheckpointError(f"{directory}: signed but unreadable: {error}") from None
+    if MODEL_FILE not in manifest.files:
+        raise CheckpointError(f"{directory}: the signed manifest lists no {MODEL_FILE}")
+    return LoadedCheckpoint(
+        directory=directory,
+        state=state,
+        optimizer_state=optimizer_state,
+        manifest_digest=file_sha256(directory / MANIFEST_FILE),
+        signer=signer,
+    )
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The step of a checkpoint, from its manifest (unverified: for listing only)."""
+    return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])
+
+
+def find_checkpoints(root: Path) -> list[Path]:
+    """Every checkpoint directory below ``root``, by step."""
+    return sorted((path.parent for path in root.rglob(MANIFEST_FILE)), key=checkpoint_step)

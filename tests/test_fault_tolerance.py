@@ -1,0 +1,161 @@
+"""Checkpoints: a killed worker resumes bit-identically; a tampered checkpoint is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from govray.checkpoint import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_step,
+    find_checkpoints,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
+from govray.tracking.lineage import checkpoints
+from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    found = find_checkpoints(run_dir)
+    assert found and checkpoint_step(found[-1]) == GOLDEN_STEPS
+    return found[-1]
+
+
+def train_worker_pids() -> list[int]:
+    """PIDs of live Ray Train worker processes (their title is ``ray::RayTrainWorker...``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if title.startswith(b"ray::RayTrainWorker"):
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def killed_run(golden_run: GoldenRun, golden_example: Path) -> GoldenRun:
+    """The golden configuration again, with one Ray Train worker SIGKILLed after the first
+    checkpoint (step 10) is recorded: Ray Train restarts the worker group, which resumes."""
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(run=_golden_run(golden_example)), daemon=True)
+    known = {trial.id for trial in golden_run.store.list_trials(1)}
+    thread.start()
+    deadline = time.monotonic() + 300
+    killed = None
+    while killed is None and time.monotonic() < deadline and thread.is_alive():
+        new = [t for t in golden_run.store.list_trials(1) if t.id not in known]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(golden_run.store, new[0].id)):  # type: ignore[arg-type]
+            pids = train_worker_pids()
+            if pids:
+                killed = pids[-1]
+                os.kill(killed, signal.SIGKILL)  # a real kill, not a raised exception
+        time.sleep(0.05)
+    thread.join(timeout=600)
+    assert killed is not None, "never saw the first checkpoint of the run to kill"
+    assert "run" in result, "the killed run did not finish"
+    return result["run"]
+
+
+def test_killed_worker_resumes_bit_identically(golden_run: GoldenRun, killed_run: GoldenRun) -> None:
+    original, resumed = (
+        final_checkpoint(golden_run.outcome.run_dir),
+        final_checkpoint(killed_run.outcome.run_dir),
+    )
+    for name in (
+        "model.safetensors",
+        "adapter-pii-lora.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+    ):
+        assert (original / name).read_bytes() == (resumed / name).read_bytes(), name
+    ledger = [json.loads((d / STATE_FILE).read_text())["ledger"] for d in (original, resumed)]
+    assert ledger[0] == ledger[1]
+    assert killed_run.outcome.ledger == golden_run.outcome.ledger
+    # The restarted group re-ran the steps after the checkpoint; metrics are stored once per step.
+    steps = [m.step for m in killed_run.store.metrics(killed_run.outcome.trial_id, "training_loss")]
+    assert steps == sorted(set(steps))
+
+
+@pytest.fixture
+def checkpoint_copy(golden_run: GoldenRun, tmp_path: Path) -> Path:
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(final_checkpoint(golden_run.outcome.run_dir), copy)
+    return copy
+
+
+def trust() -> Any:
+    return platform_trust(platform_key())
+
+
+def test_checkpoint_round_trips(checkpoint_copy: Path) -> None:
+    loaded = load_checkpoint(checkpoint_copy, trust())
+    assert loaded.state.step == GOLDEN_STEPS and loaded.state.adapters == ["pii-lora"]
+    assert loaded.signer == platform_key().keyid
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.safetensors",
+        "adapter-pii-lora.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "state.json",
+        MANIFEST_FILE,
+    ],
+)
+def test_any_flipped_byte_is_refused_naming_the_file(checkpoint_copy: Path, name: str) -> None:
+    path = checkpoint_copy / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{name}"):
+        verify_checkpoint(checkpoint_copy, trust())
+
+
+def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> None:
+    """A tamperer who edits a file and rewrites the manifest (and even re-signs it with another
+    key) is still refused."""
+    from govray.canonical import file_sha256
+    from govray.checkpoint import MANIFEST_TYPE, Manifest
+    from govray.dsse import sign_envelope
+
+    (checkpoint_copy / STATE_FILE).write_text(
+        (checkpoint_copy / STATE_FILE).read_text().replace('"step": 30', '"step": 31')
+    )
+    manifest = Manifest.model_validate_json((checkpoint_copy / MANIFEST_FILE).read_text())
+    files = {**manifest.files, STATE_FILE: file_sha256(checkpoint_copy / STATE_FILE)}
+    forged = Manifest(step=manifest.step, files=files).to_bytes()
+    (checkpoint_copy / MANIFEST_FILE).write_bytes(forged)
+    with pytest.raises(CheckpointError, match="differs from the manifest its signature covers"):
+        verify_checkpoint(checkpoint_copy, trust())
+    stranger = SigningKey.generate(KeyRole.PLATFORM)
+    (checkpoint_copy / SIGNATURE_FILE).write_text(sign_envelope(forged, MANIFEST_TYPE, stranger).to_json())
+    with pytest.raises(CheckpointError, match=f"key {stranger.keyid} is not trusted"):
+        verify_checkpoint(checkpoint_copy, trust())
+
+
+def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) -> None:
+    (checkpoint_copy / "extra.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="extra.bin: not listed in the signed manifest"):
+        verify_checkpoint(checkpoint_copy, trust())
+    (checkpoint_copy / "extra.bin").unlink()
+    (checkpoint_copy / SIGNATURE_FILE).unlink()
+    with pytest.raises(CheckpointError, match="unsigned checkpoint is refused"):
+        verify_checkpoint(checkpoint_copy, trust())
