@@ -150,7 +150,9 @@ def run_trial(
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
-    trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=config.seed)
+    # The trial row keeps the trial seed: with the experiment's seed it fixes init, schedule and
+    # per-step randomness, which is what a replay needs.
+    trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=trial_seed)
     assert trial_row.id is not None
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident

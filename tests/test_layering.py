@@ -22,10 +22,12 @@ LAYERS: list[set[str]] = [
     {"allreduce"},
     {"ledger"},
     {"checkpoint"},
-    {"harness"},
+    {"harness", "reproducibility"},
     {"tracking"},
+    {"gc"},
     {"preflight"},
     {"runner"},
+    {"replay"},
     {"attest"},
     {"cli", "__main__"},
 ]

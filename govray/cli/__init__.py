@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from govray.cli import data, experiments, policy
+from govray.cli.replay import replay
 from govray.cli.run import run
 from govray.errors import GovrayError
 
@@ -27,6 +28,7 @@ app.add_typer(policy.app, name="policy")
 app.add_typer(data.app, name="data")
 app.add_typer(experiments.app, name="experiments")
 app.command(name="run")(run)
+app.command(name="replay")(replay)
 
 
 def main(argv: list[str] | None = None) -> int:

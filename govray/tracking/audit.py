@@ -51,6 +51,7 @@ class AuditEventType(StrEnum):
     REGISTRY_CHANGED = "registry.changed"
     MEMORIZATION_GATE = "memorization.gate"
     MEMORIZATION_ROLLBACK = "memorization.rollback"
+    REPLAY_COMPLETED = "replay.completed"
 
 
 def default_actor() -> str:

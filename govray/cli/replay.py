@@ -1,0 +1,31 @@
+"""``govray replay EXPERIMENT --exclude-corpus X``: the counterfactual run and its influence report."""
+
+from __future__ import annotations
+
+import typer
+
+from govray.cli.common import console
+from govray.replay import format_influence, replay_trial
+from govray.tracking.store import TrackingStore
+
+
+def replay(
+    experiment: str = typer.Argument(..., help="Experiment id or name in the tracking store."),
+    exclude_corpus: list[str] = typer.Option(
+        ..., "--exclude-corpus", help="Corpus to leave out (repeatable)."
+    ),
+    database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+    trial: int | None = typer.Option(
+        None, "--trial", help="Trial to replay (default: the latest completed)."
+    ),
+) -> None:
+    """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
+    store = TrackingStore.open(database)
+    replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)
+    report = replayed.report
+    console.print(
+        f"replay trial {report.replay_trial} ({report.replay_run}) of trial {report.original_trial} without "
+        f"{', '.join(report.excluded_corpora)}: {report.step} steps"
+    )
+    console.print(format_influence(report), highlight=False)
+    console.print(f"influence report: {replayed.report_path}")
