@@ -12,18 +12,20 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from govray.canonical import canonical_json, sha256_hex
 from govray.config import ExperimentConfig
 from govray.data.ingest import IngestResult, ingest
-from govray.errors import GovrayError
+from govray.errors import GovrayError, IngestError
 from govray.harness.trial import load_trial_class
 from govray.keys import load_trust
 from govray.policy import VerifiedPolicy, load_verified_policy
 from govray.routing import RoutingTable, resolve_routes
 from govray.runtime import ensure_ray
 from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.drift import changed_corpora
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 
@@ -101,9 +103,19 @@ def _experiment_for(config: ExperimentConfig, store: TrackingStore, policy: Veri
 
 
 def ingest_experiment(
-    config: ExperimentConfig, checked: CheckedPolicy, store: TrackingStore, *, force: bool = False
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    store: TrackingStore,
+    *,
+    force: bool = False,
+    strict: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Experiment, IngestResult]:
-    """Ingest the experiment's corpora and record them (and the outcome) in the tracking store."""
+    """Ingest the experiment's corpora and record them (and the outcome) in the tracking store.
+
+    A corpus whose fingerprint differs from the previous run of this experiment is reported
+    through ``warn`` and the audit log; with ``strict`` the ingest is refused instead.
+    """
     experiment = _experiment_for(config, store, checked.policy)
     assert experiment.id is not None
     audit = AuditLog(store)
@@ -113,6 +125,21 @@ def ingest_experiment(
     except GovrayError as error:
         audit.append(AuditEventType.INGEST_REFUSED, {"reason": str(error)}, experiment_id=experiment.id)
         raise
+    fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in result.manifest.corpora}
+    for change in changed_corpora(store, config.name, fingerprints):
+        message = (
+            f"corpus '{change.corpus_id}' changed since the previous run of '{config.name}' "
+            f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
+        )
+        audit.append(
+            AuditEventType.DATA_CHANGED,
+            {"corpus": change.corpus_id, "before": change.before, "after": change.after, "strict": strict},
+            experiment_id=experiment.id,
+        )
+        if strict:
+            raise IngestError(f"{message}; refused (--strict)")
+        if warn is not None:
+            warn(message)
     store.record_corpora(
         experiment.id,
         [

@@ -31,11 +31,13 @@ from ray.train.v2.api.callback import UserCallback
 from govray.config import ExperimentConfig
 from govray.data.shards import ShardSet
 from govray.errors import GovrayError
+from govray.gc import GcPolicy, apply_gc
 from govray.harness.loop import RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
 from govray.keys import govray_home, load_trust, platform_key, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.preflight import CheckedPolicy, config_digest
+from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
 from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
@@ -61,13 +63,26 @@ def scalar_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str,
     return training, validation
 
 
+@dataclass(frozen=True)
+class GcSettings:
+    """What the controller needs to apply checkpoint GC as the run goes (Ray keeps every checkpoint)."""
+
+    experiment_id: int
+    policy: GcPolicy
+    metric: str
+    smaller_is_better: bool
+
+
 class TrackingCallback(UserCallback):
     """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store."""
 
-    def __init__(self, database_url: str, trial_id: int, layer_index: dict[str, int | None]) -> None:
+    def __init__(
+        self, database_url: str, trial_id: int, layer_index: dict[str, int | None], gc: GcSettings
+    ) -> None:
         self.database_url = database_url
         self.trial_id = trial_id
         self.layer_index = layer_index  # tensor name → layer, for the ledger rows
+        self.gc = gc
         self._store: TrackingStore | None = None
         self._last_step = 0
 
@@ -75,23 +90,32 @@ class TrackingCallback(UserCallback):
         if self._store is None:
             self._store = TrackingStore.open(self.database_url)
         step = int(metrics["step"])
+        if step > self._last_step:  # a restarted worker group re-reports the steps after its checkpoint
+            self._last_step = step
+            self._record_metrics(self._store, step, metrics)
         if checkpoint_path is not None:
             record_checkpoint(self._store, self.trial_id, checkpoint_path, step)
-        if step <= self._last_step:
-            return  # a restarted worker group re-reports the steps after its checkpoint
-        self._last_step = step
+            apply_gc(
+                self._store,
+                self.gc.experiment_id,
+                self.gc.policy,
+                metric=self.gc.metric,
+                smaller_is_better=self.gc.smaller_is_better,
+            )
+
+    def _record_metrics(self, store: TrackingStore, step: int, metrics: dict[str, Any]) -> None:
         training, validation = scalar_metrics(metrics)
         if training:
-            self._store.log_metrics(self.trial_id, step, "training", training)
+            store.log_metrics(self.trial_id, step, "training", training)
         if validation:
-            self._store.log_metrics(self.trial_id, step, "validation", validation)
+            store.log_metrics(self.trial_id, step, "validation", validation)
         if "ledger" in metrics:
             ledger = Ledger.from_json(json.loads(metrics["ledger"]))
             rows = [
                 (corpus, tensor, self.layer_index.get(tensor), entry.examples, entry.tokens, entry.steps)
                 for corpus, tensor, entry in ledger.rows()
             ]
-            record_ledger(self._store, self.trial_id, rows)
+            record_ledger(store, self.trial_id, rows)
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
@@ -160,6 +184,11 @@ def run_trial(
     key = platform_key()
     key_path = govray_home() / "keys" / "platform.key"
     max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
+    threads = default_threads(config.resources.cpus_per_worker)
+    record = build_record(
+        config, Path(config.storage_path), config_digest=config_digest(config), threads=threads
+    )
+    store.set_trial_reproducibility(trial_id, record.model_dump_json())
     spec = RunSpec(
         trial=config.trial,
         hparams=values,
@@ -170,7 +199,8 @@ def run_trial(
         max_steps=max_steps,
         excluded_corpora=excluded_corpora,
         report_every=report_every,
-        threads=default_threads(config.resources.cpus_per_worker),
+        threads=threads,
+        reproducibility=record.model_dump(mode="json"),
         code_dir=os.getcwd(),
         checkpoint_period=config.checkpoint.period,
         platform_key=str(key_path),
@@ -182,9 +212,14 @@ def run_trial(
     tensors = [info.name for info in checked.routing.parameters] + [
         tensor for route in checked.routing.adapter_names for tensor in checked.routing.updated_tensors(route)
     ]
-    callback = TrackingCallback(
-        config.database_url, trial_id, {tensor: checked.routing.layer_of_tensor(tensor) for tensor in tensors}
+    gc = GcSettings(
+        experiment_id=experiment.id,
+        policy=GcPolicy.from_config(config.checkpoint),
+        metric=config.searcher.metric,
+        smaller_is_better=config.searcher.smaller_is_better,
     )
+    layer_index = {tensor: checked.routing.layer_of_tensor(tensor) for tensor in tensors}
+    callback = TrackingCallback(config.database_url, trial_id, layer_index, gc)
     workers = config.resources.workers
     trainer = TorchTrainer(
         # One worker runs in-process (Train V2 local mode), where no controller callback runs.

@@ -150,7 +150,11 @@ class GoldenRun:
 
 
 def _golden_example(
-    root: Path, workers: int, max_length: dict[str, int], hparams: dict[str, Any] | None = None
+    root: Path,
+    workers: int,
+    max_length: dict[str, int],
+    hparams: dict[str, Any] | None = None,
+    keep_all_checkpoints: bool = True,
 ) -> Path:
     shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
     shutil.copytree(REPO / "policies", root / "policies")
@@ -161,6 +165,8 @@ def _golden_example(
     raw["resources"] = {"workers": workers, "cpus_per_worker": 1}
     raw["searcher"] = {"name": "single", "max_length": max_length}
     raw["checkpoint"] = {"period": GOLDEN_REPORT_EVERY}
+    if keep_all_checkpoints:
+        raw["checkpoint"]["save_trial_latest"] = 100  # tests read every one
     path = root / "experiment.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -207,9 +213,13 @@ def golden_run_without_writers(ray_session: None, golden_example: Path) -> Golde
 
 @pytest.fixture(scope="session")
 def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> GoldenRun:
-    """One worker in-process (Train V2 local mode), exactly one epoch, AdamW."""
+    """One worker in-process (Train V2 local mode), exactly one epoch, AdamW, default checkpoint GC."""
     hparams = {**GOLDEN_HPARAMS, "optimizer": "adamw", "lr": 0.01}
     path = _golden_example(
-        tmp_path_factory.mktemp("local"), workers=1, max_length={"epochs": 1}, hparams=hparams
+        tmp_path_factory.mktemp("local"),
+        workers=1,
+        max_length={"epochs": 1},
+        hparams=hparams,
+        keep_all_checkpoints=False,  # Determined's default GC: the trial's best and latest
     )
     return _golden_run(path)

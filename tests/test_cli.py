@@ -105,3 +105,21 @@ def test_python_dash_m_and_the_console_script_are_the_same() -> None:
     assert script is not None, "the govray console script is installed"
     console = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
     assert module.stdout.replace("python -m govray", "govray").split() == console.stdout.split()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_changed_row_warns_and_strict_refuses_naming_the_corpus(
+    example_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["data", "ingest", str(example_copy)]) == 0
+    capsys.readouterr()
+    licensed = example_copy.parent / "data" / "licensed.jsonl"
+    lines = licensed.read_text().splitlines()
+    lines[3] = lines[3].replace('"label": ', '"label": 1') if '"label": ' in lines[3] else lines[3]
+    licensed.write_text("\n".join(lines) + "\n")
+    assert main(["data", "ingest", str(example_copy), "--strict"]) == 7
+    assert "corpus 'digits-licensed' changed since the previous run" in capsys.readouterr().err
+    assert main(["data", "ingest", str(example_copy)]) == 0
+    out = capsys.readouterr().out
+    assert "warning:" in out and "corpus 'digits-licensed' changed" in out
+    assert "digits-public" not in out.split("warning:")[1].splitlines()[0]

@@ -62,11 +62,11 @@ def test_migrations_bring_an_empty_sqlite_file_to_exactly_the_table_metadata(
     monkeypatch.chdir(tmp_path)  # the migrations are found from the package, not the cwd
     url = f"sqlite:///{db}"
 
-    assert upgrade(url) == "0001_initial"
+    assert upgrade(url) == "0002_trial_reproducibility"
 
     engine = sa.create_engine(url)
     try:
-        assert current_revision(engine) == "0001_initial"
+        assert current_revision(engine) == "0002_trial_reproducibility"
         with engine.connect() as connection:
             assert compare_metadata(MigrationContext.configure(connection), SQLModel.metadata) == []
         tables = set(sa.inspect(engine).get_table_names())
@@ -77,7 +77,7 @@ def test_migrations_bring_an_empty_sqlite_file_to_exactly_the_table_metadata(
 
 def test_upgrading_twice_is_a_no_op(store: TrackingStore) -> None:
     store.create_experiment("kept", "{}", "digest", "/runs/kept")
-    assert upgrade(store.engine) == "0001_initial"
+    assert upgrade(store.engine) == "0002_trial_reproducibility"
     assert [e.name for e in store.list_experiments()] == ["kept"]
 
 

@@ -174,3 +174,43 @@ def test_weights_are_safetensors_without_pickle(
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     assert "head.weight" in load_file(snapshot(golden_run, GOLDEN_STEPS))
+
+
+def test_gc_runs_as_the_run_goes(golden_local_epoch: GoldenRun) -> None:
+    """Default policy (trial best 1, latest 1): the final checkpoint (also the only one with a
+    validation metric) survives, every earlier one is deleted, each deletion audited."""
+    from govray.tracking.audit import AuditEventType, AuditLog
+    from govray.tracking.lineage import checkpoints
+
+    store, outcome = golden_local_epoch.store, golden_local_epoch.outcome
+    records = checkpoints(store, outcome.trial_id)
+    assert len(records) == -(-outcome.max_steps // GOLDEN_REPORT_EVERY)  # every period, and the end
+    active = [r for r in records if r.state == "active"]
+    assert [r.step for r in active] == [outcome.max_steps]
+    assert [path.name for path in find_checkpoints(outcome.run_dir)] == [Path(active[0].path).name]
+    deleted = AuditLog(store).list(event_type=AuditEventType.GC_DELETED)
+    assert sorted(event.payload_json for event in deleted) == sorted(
+        event.payload_json
+        for event in deleted
+        if json.loads(event.payload_json)["trial_id"] == outcome.trial_id
+    )
+    assert len(deleted) == len(records) - 1
+    assert AuditLog(store).verify() > len(deleted)
+
+
+def test_reproducibility_record_is_in_the_store_and_every_checkpoint(golden_run: GoldenRun) -> None:
+    import ray
+
+    trial = golden_run.store.get_trial(golden_run.outcome.trial_id)
+    record = json.loads(trial.reproducibility_json or "{}")
+    assert (
+        record["environment"]["torch"] == torch.__version__
+        and record["environment"]["ray"] == ray.__version__
+    )
+    manifest = ShardSet.open(golden_run.shard_root).manifest
+    assert {c["corpus_id"]: c["fingerprint"] for c in record["corpora"]} == {
+        c.corpus_id: c.fingerprint for c in manifest.corpora
+    }
+    assert record["code"]["module"] == "jobs.examples.digits.trial"
+    state = json.loads(snapshot(golden_run, GOLDEN_STEPS, "state.json").read_text())
+    assert state["reproducibility"] == record

@@ -32,3 +32,12 @@ def table(*headers: str) -> Table:
     for header in headers:
         result.add_column(header, overflow="fold")
     return result
+
+
+Strict = typer.Option(
+    False, "--strict", help="Refuse (instead of warn) when a corpus changed since the last run."
+)
+
+
+def warn(message: str) -> None:
+    console.print(f"[bold yellow]warning:[/] {message}", highlight=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
+from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 from govray.preflight import check_policy, ingest_experiment
 
 app = typer.Typer(help="Ingest credentialed corpora into route-partitioned shards.", no_args_is_help=True)
@@ -17,11 +17,12 @@ def ingest(
     config_path: Path = ConfigArgument,
     allow_unsigned: bool = AllowUnsigned,
     force: bool = typer.Option(False, "--force", help="Rewrite shards even if identical ones exist."),
+    strict: bool = Strict,
 ) -> None:
     """Validate every row's credential, fingerprint each corpus and write route-partitioned shards."""
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    experiment, result = ingest_experiment(config, checked, store, force=force)
+    experiment, result = ingest_experiment(config, checked, store, force=force, strict=strict, warn=warn)
     manifest = result.manifest
     verb = "reused" if result.reused else "wrote"
     console.print(f"experiment {experiment.id} '{experiment.name}': {verb} shards {result.root}")

@@ -6,17 +6,19 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment
+from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
 from govray.ledger import format_ledger
 from govray.preflight import check_policy, ingest_experiment
 from govray.runner import TrainingFailed, run_trial
 
 
-def run(config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned) -> None:
+def run(
+    config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned, strict: bool = Strict
+) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    experiment, ingested = ingest_experiment(config, checked, store)
+    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn)
     assert experiment.id is not None
     workers = config.resources.workers
     policy = checked.policy.policy

@@ -67,6 +67,7 @@ class RunSpec(BaseModel):
     config_digest: str = ""
     policy_digest: str = ""
     run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
+    reproducibility: dict[str, Any] = {}  # the trial's ReproducibilityRecord, kept in every checkpoint
 
 
 @dataclass
@@ -191,6 +192,7 @@ class GovernedTraining:
             config_digest=self.spec.config_digest,
             ledger=self.ledger.to_json(),
             adapters=list(self.model.adapter_names()),
+            reproducibility=self.spec.reproducibility,
         )
 
     def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:

@@ -52,6 +52,7 @@ class AuditEventType(StrEnum):
     MEMORIZATION_GATE = "memorization.gate"
     MEMORIZATION_ROLLBACK = "memorization.rollback"
     REPLAY_COMPLETED = "replay.completed"
+    DATA_CHANGED = "data.changed"
 
 
 def default_actor() -> str:

@@ -313,6 +313,14 @@ class TrackingStore:
             session.add(trial)
         return trial
 
+    def set_trial_reproducibility(self, trial_id: int, record_json: str) -> Trial:
+        """Keep the trial's reproducibility record (environment, code, corpus snapshots)."""
+        with self.session() as session:
+            trial = _require(session, Trial, trial_id)
+            trial.reproducibility_json = record_json
+            session.add(trial)
+        return trial
+
     def log_metrics(
         self, trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
     ) -> None:

@@ -106,6 +106,7 @@ class Trial(SQLModel, table=True):
     cloned_from: int | None = Field(default=None, foreign_key="trials.id")
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    reproducibility_json: str | None = Field(default=None, sa_type=Text)  # migration 0002
 
 
 class Metric(SQLModel, table=True):
