@@ -209,6 +209,64 @@ def run_trial(
         policy_digest=checked.policy.digest,
         run_dir=str(run_dir),
     )
+    spec_path = run_spec_path(config, run_name)
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
+    return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
+
+
+def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:
+    return Path(config.storage_path) / "runs" / f"{run_name}.json"
+
+
+def resume_trial(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    store: TrackingStore,
+    *,
+    progress: Progress | None = None,
+) -> TrialOutcome:
+    """Continue the experiment's interrupted trial (its driver died) from its latest checkpoint.
+
+    The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
+    the schedule from there. Refused if the policy changed since the run started.
+    """
+    assert experiment.id is not None
+    interrupted = [
+        t for t in store.list_trials(experiment.id) if t.state in ("running", "failed") and t.ray_run_name
+    ]
+    if not interrupted:
+        raise TrainingFailed(
+            f"experiment {experiment.id} '{experiment.name}' has no interrupted trial to resume"
+        )
+    trial = interrupted[-1]
+    assert trial.id is not None and trial.ray_run_name is not None
+    path = run_spec_path(config, trial.ray_run_name)
+    if not path.exists():
+        raise TrainingFailed(f"trial {trial.id}: {path} is missing; the run cannot be rebuilt")
+    spec = RunSpec.model_validate_json(path.read_text())
+    if spec.policy_digest != checked.policy.digest:
+        raise TrainingFailed(
+            f"trial {trial.id} ran under policy digest {spec.policy_digest[:16]}…, the policy is now "
+            f"{checked.policy.digest[:16]}…: resume refused"
+        )
+    return _train(config, checked, experiment, store, trial.id, trial.ray_run_name, spec, progress)
+
+
+def _train(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    store: TrackingStore,
+    trial_id: int,
+    run_name: str,
+    spec: RunSpec,
+    progress: Progress | None,
+) -> TrialOutcome:
+    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run)."""
+    assert experiment.id is not None
+    max_steps = spec.max_steps
     tensors = [info.name for info in checked.routing.parameters] + [
         tensor for route in checked.routing.adapter_names for tensor in checked.routing.updated_tensors(route)
     ]
@@ -251,7 +309,7 @@ def run_trial(
     return TrialOutcome(
         trial_id=trial_id,
         run_name=run_name,
-        run_dir=run_dir,
+        run_dir=Path(spec.run_dir),
         max_steps=max_steps,
         metrics=metrics,
         ledger=ledger,

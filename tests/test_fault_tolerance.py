@@ -159,3 +159,57 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
     (checkpoint_copy / SIGNATURE_FILE).unlink()
     with pytest.raises(CheckpointError, match="unsigned checkpoint is refused"):
         verify_checkpoint(checkpoint_copy, trust())
+
+
+@pytest.fixture(scope="module")
+def resumed_after_driver_kill(golden_run: GoldenRun, golden_example: Path) -> Any:
+    """`govray run` in its own process on the session's Ray, SIGKILLed after its first checkpoint;
+    then `govray resume` in this process."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from govray.cli import main
+
+    store = golden_run.store
+    known = {trial.id for trial in store.list_trials(1)}
+    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "govray", "run", str(golden_example)],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    trial_id = None
+    while driver.poll() is None and time.monotonic() < deadline:
+        new = [t for t in store.list_trials(1) if t.id not in known]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+            trial_id = new[0].id
+            driver.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    driver.wait(timeout=60)
+    assert trial_id is not None, "never saw the first checkpoint of the driver to kill"
+    assert store.get_trial(trial_id).state == "running"  # nobody marked it done: the driver died
+    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    assert main(["resume", golden_run.config.name, "--database", golden_run.config.database_url]) == 0
+    return store.get_trial(trial_id)
+
+
+def test_killed_driver_resumes_bit_identically(golden_run: GoldenRun, resumed_after_driver_kill: Any) -> None:
+    trial = resumed_after_driver_kill
+    assert trial.state == "completed"
+    # Step 10 was reported before the kill and never again: the resume started from checkpoint 10.
+    steps = [m.step for m in golden_run.store.metrics(trial.id, "training_loss")]
+    assert steps == [10, 20, 30]
+    run_dir = golden_run.config.storage_path
+    resumed = final_checkpoint(Path(run_dir) / "ray" / trial.ray_run_name)
+    original = final_checkpoint(golden_run.outcome.run_dir)
+    for name in ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors"):
+        assert (original / name).read_bytes() == (resumed / name).read_bytes(), name
+    assert (
+        json.loads((original / STATE_FILE).read_text())["ledger"]
+        == json.loads((resumed / STATE_FILE).read_text())["ledger"]
+    )

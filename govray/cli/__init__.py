@@ -14,6 +14,7 @@ from rich.console import Console
 
 from govray.cli import data, experiments, policy
 from govray.cli.replay import replay
+from govray.cli.resume import resume
 from govray.cli.run import run
 from govray.errors import GovrayError
 
@@ -29,6 +30,7 @@ app.add_typer(data.app, name="data")
 app.add_typer(experiments.app, name="experiments")
 app.command(name="run")(run)
 app.command(name="replay")(replay)
+app.command(name="resume")(resume)
 
 
 def main(argv: list[str] | None = None) -> int:
