@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import ray
 
@@ -19,3 +20,17 @@ def ensure_ray(address: str | None = None) -> None:
     else:
         # Small machines: no dashboard, and quiet workers; everything else as Ray defaults.
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+def train_worker_pids() -> list[int]:
+    """PIDs of this machine's live Ray Train worker processes (titled ``ray::RayTrainWorker``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if title.startswith(b"ray::RayTrainWorker"):
+                pids.append(int(entry.name))
+    return pids

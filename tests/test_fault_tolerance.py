@@ -24,6 +24,7 @@ from govray.checkpoint import (
     verify_checkpoint,
 )
 from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
+from govray.runtime import train_worker_pids
 from govray.tracking.lineage import checkpoints
 from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
 
@@ -32,20 +33,6 @@ def final_checkpoint(run_dir: Path) -> Path:
     found = find_checkpoints(run_dir)
     assert found and checkpoint_step(found[-1]) == GOLDEN_STEPS
     return found[-1]
-
-
-def train_worker_pids() -> list[int]:
-    """PIDs of live Ray Train worker processes (their title is ``ray::RayTrainWorker...``)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if title.startswith(b"ray::RayTrainWorker"):
-                pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")

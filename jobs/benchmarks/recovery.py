@@ -29,7 +29,7 @@ from govray.checkpoint import MANIFEST_FILE, MODEL_FILE, SIGNATURE_FILE, STATE_F
 from govray.config import load_experiment
 from govray.preflight import check_policy, ingest_experiment
 from govray.runner import TrialOutcome, run_trial
-from govray.runtime import ensure_ray
+from govray.runtime import ensure_ray, train_worker_pids
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 
@@ -54,19 +54,6 @@ def experiment_file(root: Path, steps: int, period: int) -> Path:
     return path
 
 
-def worker_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if title.startswith(b"ray::RayTrainWorker"):
-                pids.append(int(entry.name))
-    return pids
-
-
 def timed_run(path: Path, kill_after: int | None) -> tuple[float, TrialOutcome, int | None]:
     """(wall seconds of training, outcome, last step reported before the kill)."""
     config = load_experiment(path)
@@ -87,7 +74,7 @@ def timed_run(path: Path, kill_after: int | None) -> tuple[float, TrialOutcome, 
         if trials and trials[-1].id is not None:
             steps = [m.step for m in store.metrics(trials[-1].id, "training_loss")]
             if steps and steps[-1] >= kill_after and checkpoints(store, trials[-1].id):
-                pids = worker_pids()
+                pids = train_worker_pids()
                 if pids:
                     os.kill(pids[-1], signal.SIGKILL)
                     reported_at_kill = steps[-1]
