@@ -105,7 +105,7 @@ class Credential(BaseModel):
         return value.value if isinstance(value, StrEnum) else value
 
 
-# Fields a policy rule may match on, and that per-row credential columns may set.
+# Fields a policy rule may match on; per-row credential columns may set all but the corpus id.
 MATCHABLE_FIELDS: tuple[str, ...] = (
     "corpus_id",
     "license_class",
@@ -115,14 +115,7 @@ MATCHABLE_FIELDS: tuple[str, ...] = (
     "modality",
     "tdm_opt_out",
 )
-ROW_OVERRIDABLE_FIELDS: tuple[str, ...] = (
-    "license_class",
-    "jurisdiction",
-    "sensitivity",
-    "source_type",
-    "modality",
-    "tdm_opt_out",
-)
+ROW_OVERRIDABLE_FIELDS: tuple[str, ...] = tuple(field for field in MATCHABLE_FIELDS if field != "corpus_id")
 
 
 def build_credential(base: dict[str, Any], *, where: str) -> Credential:

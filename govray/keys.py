@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from govray.canonical import canonical_json, sha256_hex
+from govray.documents import parse_yaml_mapping, read_text
 from govray.errors import SignatureError, describe_validation_error
 
 KEYTYPE = "ed25519"
@@ -209,12 +210,10 @@ class TrustConfig(BaseModel):
 
 
 def load_trust(path: Path) -> TrustConfig:
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as error:
-        raise SignatureError(f"cannot read trust file {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise SignatureError(f"{path}: not valid YAML: {error}") from None
+    text = read_text(path, SignatureError, "trust file")
+    raw = parse_yaml_mapping(
+        text, str(path), SignatureError, "a trust file is a mapping with 'keys' and 'revoked'"
+    )
     try:
         return TrustConfig.model_validate(raw)
     except ValidationError as error:
