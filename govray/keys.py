@@ -230,13 +230,18 @@ def govray_home() -> Path:
     return Path(os.environ.get("GOVRAY_HOME", "~/.govray")).expanduser()
 
 
+def platform_key_path(home: Path | None = None) -> Path:
+    """``HOME/keys/platform.key``: where the platform's private key lives on every node."""
+    return (home or govray_home()) / "keys" / "platform.key"
+
+
 def platform_key(home: Path | None = None) -> SigningKey:
-    """The platform's signing key, created on first use under ``HOME/keys/platform.key``.
+    """The platform's signing key, created on first use at :func:`platform_key_path`.
 
     On a cluster, provision the same file on every node (it signs checkpoints on rank 0).
     """
-    prefix = (home or govray_home()) / "keys" / "platform"
-    private = prefix.with_suffix(".key")
+    private = platform_key_path(home)
+    prefix = private.with_suffix("")
     if not private.exists():
         with contextlib.suppress(SignatureError):  # another process created it first
             SigningKey.generate(KeyRole.PLATFORM).save(prefix)

@@ -87,6 +87,12 @@ class RoutingTable:
         info = self.parameters[self._index(tensor)]
         return info.layers[info.aliases.index(tensor)] if tensor in info.aliases else info.layers[0]
 
+    def tensor_layers(self) -> dict[str, int | None]:
+        """Every tensor a route can update (base parameters and adapter tensors) → its layer."""
+        tensors = [info.name for info in self.parameters]
+        tensors += [tensor for route in self.adapter_names for tensor in self.updated_tensors(route)]
+        return {tensor: self.layer_of_tensor(tensor) for tensor in tensors}
+
     def routes_updating(self, parameter: str) -> tuple[str, ...]:
         index = self._index(parameter)
         return tuple(route for route, mask in self.masks.items() if mask[index])

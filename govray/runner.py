@@ -34,7 +34,7 @@ from govray.errors import GovrayError
 from govray.gc import GcPolicy, apply_gc
 from govray.harness.loop import RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
-from govray.keys import govray_home, load_trust, platform_key, platform_trust
+from govray.keys import load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
@@ -182,7 +182,6 @@ def run_trial(
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
     run_dir = Path(config.storage_path) / "ray" / run_name
     key = platform_key()
-    key_path = govray_home() / "keys" / "platform.key"
     max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
@@ -203,7 +202,7 @@ def run_trial(
         reproducibility=record.model_dump(mode="json"),
         code_dir=os.getcwd(),
         checkpoint_period=config.checkpoint.period,
-        platform_key=str(key_path),
+        platform_key=str(platform_key_path()),
         trust=platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None),
         config_digest=config_digest(config),
         policy_digest=checked.policy.digest,
@@ -267,16 +266,13 @@ def _train(
     """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run)."""
     assert experiment.id is not None
     max_steps = spec.max_steps
-    tensors = [info.name for info in checked.routing.parameters] + [
-        tensor for route in checked.routing.adapter_names for tensor in checked.routing.updated_tensors(route)
-    ]
     gc = GcSettings(
         experiment_id=experiment.id,
         policy=GcPolicy.from_config(config.checkpoint),
         metric=config.searcher.metric,
         smaller_is_better=config.searcher.smaller_is_better,
     )
-    layer_index = {tensor: checked.routing.layer_of_tensor(tensor) for tensor in tensors}
+    layer_index = checked.routing.tensor_layers()
     callback = TrackingCallback(config.database_url, trial_id, layer_index, gc)
     workers = config.resources.workers
     trainer = TorchTrainer(
