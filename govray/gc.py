@@ -43,7 +43,7 @@ from govray.tracking.tables import (
 )
 
 # A pending trial may be about to resume from its latest checkpoint, a running one surely will.
-LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.RUNNING.value})
+LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value, TrialState.PAUSED.value})
 
 
 class GcPolicy(BaseModel):

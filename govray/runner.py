@@ -233,7 +233,7 @@ def resume_trial(
     """
     assert experiment.id is not None
     interrupted = [
-        t for t in store.list_trials(experiment.id) if t.state in ("running", "failed") and t.ray_run_name
+        t for t in store.list_trials(experiment.id) if t.state in ("active", "errored") and t.ray_run_name
     ]
     if not interrupted:
         raise TrainingFailed(
@@ -292,11 +292,11 @@ def _train(
             callbacks=[callback] if workers > 1 else [],  # type: ignore[list-item]  # V2 UserCallback
         ),
     )
-    store.set_trial_state(trial_id, "running", ray_run_name=run_name)
+    store.set_trial_state(trial_id, "active", ray_run_name=run_name)
     try:
         _fit_with_progress(trainer, store, trial_id, max_steps, progress)
     except Exception as error:
-        store.set_trial_state(trial_id, "failed")
+        store.set_trial_state(trial_id, "errored")
         raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name

@@ -179,7 +179,7 @@ def resumed_after_driver_kill(golden_run: GoldenRun, golden_example: Path) -> An
         time.sleep(0.05)
     driver.wait(timeout=60)
     assert trial_id is not None, "never saw the first checkpoint of the driver to kill"
-    assert store.get_trial(trial_id).state == "running"  # nobody marked it done: the driver died
+    assert store.get_trial(trial_id).state == "active"  # nobody marked it done: the driver died
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
     assert main(["resume", golden_run.config.name, "--database", golden_run.config.database_url]) == 0
     return store.get_trial(trial_id)

@@ -255,7 +255,7 @@ def test_a_registered_checkpoint_survives_a_policy_that_keeps_nothing(run: Run) 
     assert run.active() == run.on_disk() == {"a10"}
 
 
-@pytest.mark.parametrize("state", [TrialState.RUNNING, TrialState.PENDING])
+@pytest.mark.parametrize("state", [TrialState.ACTIVE, TrialState.PAUSED, TrialState.PENDING])
 def test_a_live_trials_latest_checkpoint_survives_a_policy_that_keeps_nothing(
     run: Run, state: TrialState
 ) -> None:

@@ -24,6 +24,8 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
+HEAD = "0003_lifecycle"
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[TrackingStore]:
@@ -62,11 +64,11 @@ def test_migrations_bring_an_empty_sqlite_file_to_exactly_the_table_metadata(
     monkeypatch.chdir(tmp_path)  # the migrations are found from the package, not the cwd
     url = f"sqlite:///{db}"
 
-    assert upgrade(url) == "0002_trial_reproducibility"
+    assert upgrade(url) == HEAD
 
     engine = sa.create_engine(url)
     try:
-        assert current_revision(engine) == "0002_trial_reproducibility"
+        assert current_revision(engine) == HEAD
         with engine.connect() as connection:
             assert compare_metadata(MigrationContext.configure(connection), SQLModel.metadata) == []
         tables = set(sa.inspect(engine).get_table_names())
@@ -75,9 +77,42 @@ def test_migrations_bring_an_empty_sqlite_file_to_exactly_the_table_metadata(
         engine.dispose()
 
 
+def test_0003_renames_old_lifecycle_states_to_determineds(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade_to = "0002_trial_reproducibility"
+    engine = sa.create_engine(url)
+    try:
+        from alembic import command
+
+        from govray.tracking.store import alembic_config
+
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), upgrade_to)
+            connection.execute(
+                sa.text(
+                    "INSERT INTO experiments (id, name, description, config_json, config_digest, "
+                    "storage_path, state, created_at, updated_at) VALUES "
+                    "(1, 'old', '', '{}', 'd', '/s', 'running', '2026-01-01', '2026-01-01'), "
+                    "(2, 'gone', '', '{}', 'd', '/s', 'canceled', '2026-01-01', '2026-01-01')"
+                )
+            )
+            connection.execute(
+                sa.text(
+                    "INSERT INTO trials (id, experiment_id, hparams_json, seed, state, created_at) "
+                    "VALUES (1, 1, '{}', 0, 'failed', '2026-01-01'), (2, 1, '{}', 0, 'stopped', '2026-01-01')"
+                )
+            )
+    finally:
+        engine.dispose()
+    assert upgrade(url) == HEAD
+    store = TrackingStore(url)
+    assert [e.state for e in store.list_experiments()] == ["active", "killed"]
+    assert [t.state for t in store.list_trials(1)] == ["errored", "killed"]
+
+
 def test_upgrading_twice_is_a_no_op(store: TrackingStore) -> None:
     store.create_experiment("kept", "{}", "digest", "/runs/kept")
-    assert upgrade(store.engine) == "0002_trial_reproducibility"
+    assert upgrade(store.engine) == HEAD
     assert [e.name for e in store.list_experiments()] == ["kept"]
 
 
@@ -302,11 +337,42 @@ def test_an_unknown_experiment_is_named_in_the_error(store: TrackingStore) -> No
 def test_experiment_state_changes_are_validated(store: TrackingStore) -> None:
     experiment = store.create_experiment("gamma", "{}", "d", "/runs/g")
     assert experiment.id is not None
-    store.set_experiment_state(experiment.id, ExperimentState.RUNNING)
-    assert store.get_experiment("gamma").state == "running"
-    with pytest.raises(TrackingError, match="unknown ExperimentState 'paused'"):
-        store.set_experiment_state(experiment.id, "paused")
-    assert store.get_experiment("gamma").state == "running"
+    store.set_experiment_state(experiment.id, ExperimentState.ACTIVE)
+    assert store.get_experiment("gamma").state == "active"
+    with pytest.raises(TrackingError, match="unknown ExperimentState 'sleeping'"):
+        store.set_experiment_state(experiment.id, "sleeping")
+    assert store.get_experiment("gamma").state == "active"
+
+
+def test_decisions_are_stored_once_and_a_different_rewrite_is_refused(store: TrackingStore) -> None:
+    experiment = store.create_experiment("delta", "{}", "d", "/runs/d")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    first = {"seq": 0, "step": 20, "kind": "lr_scale", "scale": 0.5, "metric": "validation_loss"}
+    assert store.record_decisions(trial.id, [first], replayed=False) == 1
+    # A restarted worker group reports the same record again, plus one more decision.
+    second = {"seq": 1, "step": 40, "kind": "lr_scale", "scale": 0.25, "metric": "validation_loss"}
+    assert store.record_decisions(trial.id, [first, second], replayed=False) == 1
+    assert [(d.seq, d.step, json.loads(d.payload_json)["scale"]) for d in store.decisions(trial.id)] == [
+        (0, 20, 0.5),
+        (1, 40, 0.25),
+    ]
+    with pytest.raises(TrackingError, match="decision 1 differs"):
+        store.record_decisions(trial.id, [{**second, "step": 41}], replayed=False)
+    with pytest.raises(TrackingError, match="unknown DecisionKind"):
+        store.record_decisions(trial.id, [{"seq": 2, "step": 50, "kind": "vibes"}], replayed=False)
+    assert len(store.decisions(trial.id)) == 2
+
+
+def test_pause_and_kill_requests_are_validated(store: TrackingStore) -> None:
+    experiment = store.create_experiment("epsilon", "{}", "d", "/runs/e")
+    assert experiment.id is not None
+    assert store.request(experiment.id, "pause").requested == "pause"
+    with pytest.raises(TrackingError, match="unknown ControlRequest 'nap'"):
+        store.request(experiment.id, "nap")
+    assert store.get_experiment(experiment.id).requested == "pause"
+    assert store.request(experiment.id, None).requested is None
 
 
 def test_record_corpora_replaces_the_previous_ingest(store: TrackingStore) -> None:
@@ -383,8 +449,8 @@ def test_trials_record_their_lifecycle(store: TrackingStore) -> None:
     assert trial.id is not None
     clone = store.create_trial(experiment.id, "{}", seed=1, cloned_from=trial.id)
 
-    running = store.set_trial_state(trial.id, TrialState.RUNNING, ray_run_name="run-1")
-    assert (running.state, running.ray_run_name, running.ended_at) == ("running", "run-1", None)
+    running = store.set_trial_state(trial.id, TrialState.ACTIVE, ray_run_name="run-1")
+    assert (running.state, running.ray_run_name, running.ended_at) == ("active", "run-1", None)
     done = store.set_trial_state(trial.id, "completed")
     assert done.ended_at is not None and done.ended_at.tzinfo == UTC
     assert [(t.id, t.state, t.cloned_from) for t in store.list_trials(experiment.id)] == [

@@ -21,7 +21,7 @@ def resume(
     assert recorded.id is not None
     config = ExperimentConfig.model_validate_json(recorded.config_json)
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    store.set_experiment_state(recorded.id, "running")
+    store.set_experiment_state(recorded.id, "active")
     outcome = resume_trial(config, checked, recorded, store)
     store.set_experiment_state(recorded.id, "completed")
     console.print(

@@ -26,7 +26,7 @@ def run(
         f"experiment {experiment.id} '{config.name}': {workers} worker{'s' if workers > 1 else ''}, "
         f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]}"
     )
-    store.set_experiment_state(experiment.id, "running")
+    store.set_experiment_state(experiment.id, "active")
     columns = (
         TextColumn("training"),
         BarColumn(),
@@ -44,7 +44,7 @@ def run(
         try:
             outcome = run_trial(config, checked, experiment, ingested.root, store, progress=update)
         except TrainingFailed:
-            store.set_experiment_state(experiment.id, "failed")
+            store.set_experiment_state(experiment.id, "errored")
             raise
         progress.update(task, completed=outcome.max_steps, total=outcome.max_steps)
     store.set_experiment_state(experiment.id, "completed")

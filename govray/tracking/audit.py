@@ -53,6 +53,9 @@ class AuditEventType(StrEnum):
     MEMORIZATION_ROLLBACK = "memorization.rollback"
     REPLAY_COMPLETED = "replay.completed"
     DATA_CHANGED = "data.changed"
+    GC_POLICY_CHANGED = "gc.policy_changed"
+    EXPERIMENT_REQUESTED = "experiment.requested"  # pause or kill asked by a user
+    EXPERIMENT_FORKED = "experiment.forked"
 
 
 def default_actor() -> str:

@@ -2,7 +2,7 @@
 
 >>> store = TrackingStore.open("sqlite:///runs/tracking.db")     # doctest: +SKIP
 >>> exp = store.create_experiment("demo", "{}", "ab12...", "/runs/demo")  # doctest: +SKIP
->>> store.set_experiment_state(exp.id, ExperimentState.RUNNING)  # doctest: +SKIP
+>>> store.set_experiment_state(exp.id, ExperimentState.ACTIVE)  # doctest: +SKIP
 
 Only the driver and the Ray Train controller write here, never the workers (see DESIGN.md).
 """
@@ -10,6 +10,7 @@ Only the driver and the Ray Train controller write here, never the workers (see 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -30,7 +31,10 @@ from sqlmodel import Session, col, select
 from govray.errors import TrackingError
 from govray.tracking.tables import (
     TERMINAL_TRIAL_STATES,
+    ControlRequest,
     CorpusRecord,
+    Decision,
+    DecisionKind,
     Experiment,
     ExperimentState,
     Metric,
@@ -43,7 +47,7 @@ from govray.tracking.tables import (
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
-StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind)
+StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind, ControlRequest, DecisionKind)
 Row = TypeVar("Row", Experiment, Trial)
 
 # What a caller describes about a corpus; the store fills in the rest.
@@ -238,6 +242,34 @@ class TrackingStore:
             session.add(experiment)
         return experiment
 
+    def request(self, experiment_id: int, request: ControlRequest | str | None) -> Experiment:
+        """Ask the experiment's driver to pause or kill it at the next step boundary (None clears)."""
+        value = None if request is None else _member(ControlRequest, request).value
+        with self.session() as session:
+            experiment = _require(session, Experiment, experiment_id)
+            experiment.requested = value
+            experiment.updated_at = utcnow()
+            session.add(experiment)
+        return experiment
+
+    def set_gc_policy(self, experiment_id: int, policy_json: str | None) -> Experiment:
+        """Replace the experiment's checkpoint GC policy (None: back to its config's)."""
+        with self.session() as session:
+            experiment = _require(session, Experiment, experiment_id)
+            experiment.gc_policy_json = policy_json
+            experiment.updated_at = utcnow()
+            session.add(experiment)
+        return experiment
+
+    def set_parent(self, experiment_id: int, parent_id: int) -> Experiment:
+        """Record that ``experiment_id`` was forked from ``parent_id``."""
+        with self.session() as session:
+            _require(session, Experiment, parent_id)
+            experiment = _require(session, Experiment, experiment_id)
+            experiment.parent_id = parent_id
+            session.add(experiment)
+        return experiment
+
     # -- corpora -----------------------------------------------------------------------------
 
     def record_corpora(self, experiment_id: int, records: Iterable[Mapping[str, Any]]) -> list[CorpusRecord]:
@@ -320,6 +352,57 @@ class TrackingStore:
             trial.reproducibility_json = record_json
             session.add(trial)
         return trial
+
+    def set_trial_source(self, trial_id: int, source_json: str) -> Trial:
+        """Record the checkpoint a trial started from (its lineage parent)."""
+        with self.session() as session:
+            trial = _require(session, Trial, trial_id)
+            trial.source_checkpoint_json = source_json
+            session.add(trial)
+        return trial
+
+    def record_decisions(self, trial_id: int, decisions: Iterable[Mapping[str, Any]], replayed: bool) -> int:
+        """Store decisions (``seq``, ``step``, ``kind`` and the rest as payload) not yet stored.
+
+        A restarted worker group re-reports decisions it made before its checkpoint: rows already
+        recorded under the same ``seq`` are kept, and a different decision there is refused.
+        Returns how many rows were added.
+        """
+        added = 0
+        with self.session() as session:
+            _require(session, Trial, trial_id)
+            known = {
+                row.seq: row
+                for row in session.exec(select(Decision).where(Decision.trial_id == trial_id))
+            }
+            for decision in decisions:
+                payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}
+                row = Decision(
+                    trial_id=trial_id,
+                    seq=int(decision["seq"]),
+                    step=int(decision["step"]),
+                    kind=_member(DecisionKind, decision["kind"]).value,
+                    payload_json=json.dumps(payload, sort_keys=True),
+                    replayed=replayed,
+                )
+                if row.seq in known:
+                    old = known[row.seq]
+                    if (old.step, old.kind, old.payload_json) != (row.step, row.kind, row.payload_json):
+                        raise TrackingError(
+                            f"trial {trial_id} decision {row.seq} differs from the recorded one "
+                            f"(step {old.step} {old.kind} vs step {row.step} {row.kind})"
+                        )
+                    continue
+                session.add(row)
+                known[row.seq] = row
+                added += 1
+        return added
+
+    def decisions(self, trial_id: int) -> list[Decision]:
+        """A trial's recorded decisions, in order."""
+        with self.session() as session:
+            query = select(Decision).where(Decision.trial_id == trial_id)
+            return list(session.exec(query.order_by(col(Decision.seq))))
 
     def log_metrics(
         self, trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]

@@ -46,23 +46,47 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 class ExperimentState(StrEnum):
+    """Determined's lifecycle: the driver sets ``active``/``completed``/``errored``; ``paused`` and
+    ``killed`` follow a request (``govray experiment pause|kill``) at the next step boundary."""
+
     CREATED = "created"
     INGESTED = "ingested"
-    RUNNING = "running"
+    ACTIVE = "active"
+    PAUSED = "paused"
     COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELED = "canceled"
+    ERRORED = "errored"
+    KILLED = "killed"
 
 
 class TrialState(StrEnum):
     PENDING = "pending"
-    RUNNING = "running"
+    ACTIVE = "active"
+    PAUSED = "paused"
     COMPLETED = "completed"
-    FAILED = "failed"
-    STOPPED = "stopped"
+    ERRORED = "errored"
+    KILLED = "killed"
 
 
-TERMINAL_TRIAL_STATES = frozenset({TrialState.COMPLETED, TrialState.FAILED, TrialState.STOPPED})
+TERMINAL_TRIAL_STATES = frozenset({TrialState.COMPLETED, TrialState.ERRORED, TrialState.KILLED})
+TERMINAL_EXPERIMENT_STATES = frozenset(
+    {ExperimentState.COMPLETED, ExperimentState.ERRORED, ExperimentState.KILLED}
+)
+
+
+class ControlRequest(StrEnum):
+    """What a user asked of a running experiment; its driver acts on it at a step boundary."""
+
+    PAUSE = "pause"
+    KILL = "kill"
+
+
+class DecisionKind(StrEnum):
+    """Decisions driven by metrics, recorded so a replay applies them instead of recomputing."""
+
+    LR_SCALE = "lr_scale"
+    EARLY_STOP = "early_stop"
+    GATE = "gate"
+    ROLLBACK = "rollback"
 
 
 class MetricKind(StrEnum):
@@ -90,6 +114,10 @@ class Experiment(SQLModel, table=True):
     state: str = ExperimentState.CREATED.value
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    # migration 0003: lineage, a GC policy set after creation, and a pending pause/kill request
+    parent_id: int | None = Field(default=None, foreign_key="experiments.id")
+    gc_policy_json: str | None = Field(default=None, sa_type=Text)
+    requested: str | None = None
 
 
 class Trial(SQLModel, table=True):
@@ -107,6 +135,27 @@ class Trial(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     reproducibility_json: str | None = Field(default=None, sa_type=Text)  # migration 0002
+    source_checkpoint_json: str | None = Field(default=None, sa_type=Text)  # migration 0003
+
+
+class Decision(SQLModel, table=True):
+    """A decision a trial made from its metrics (LR on plateau, early stop, gate, rollback).
+
+    ``replayed`` marks a decision a counterfactual replay applied from its source trial's record
+    rather than computing it.
+    """
+
+    __tablename__ = "decisions"
+    __table_args__ = (UniqueConstraint("trial_id", "seq", name="uq_decisions_trial_seq"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    trial_id: int = Field(foreign_key="trials.id", index=True)
+    seq: int  # position in the trial's decision record
+    step: int
+    kind: str
+    payload_json: str = Field(sa_type=Text)
+    replayed: bool = False
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
 class Metric(SQLModel, table=True):
