@@ -6,7 +6,8 @@ A checkpoint is a directory::
     adapter-NAME.safetensors     one file per adapter
     optimizer.safetensors        optimizer tensors (``state.<param index>.<name>``)
     optimizer.json               the rest of the optimizer state and its param groups
-    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines
+    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines,
+                                 recorded decisions, the checkpoint a forked run started from
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
@@ -71,6 +72,8 @@ class CheckpointState(BaseModel):
     adapters: list[str] = Field(default_factory=list)
     memorization_baselines: dict[str, Any] = Field(default_factory=dict)
     reproducibility: dict[str, Any] = Field(default_factory=dict)
+    plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
+    source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
 
 
 class Manifest(BaseModel):

@@ -228,6 +228,23 @@ class CheckpointConfig(BaseModel):
     save_trial_latest: int = Field(default=1, ge=0)
 
 
+class PlateauSchedule(BaseModel):
+    """Cut the learning rate when a validation metric stops improving (torch's
+    ``ReduceLROnPlateau``, ``threshold_mode="rel"``). Each cut is a recorded decision: a replay
+    applies the record instead of watching its own metrics."""
+
+    model_config = _STRICT
+
+    type: Literal["plateau"] = "plateau"
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    factor: float = Field(default=0.1, gt=0.0, lt=1.0)
+    patience: int = Field(default=10, ge=0)  # evaluations without improvement before a cut
+    threshold: float = Field(default=1e-4, ge=0.0)
+    cooldown: int = Field(default=0, ge=0)  # evaluations after a cut before counting again
+    min_scale: float = Field(default=0.0, ge=0.0)  # of the initial learning rate
+
+
 class Length(BaseModel):
     model_config = _STRICT
 
@@ -317,6 +334,15 @@ class ExperimentConfig(BaseModel):
     max_restarts: int = Field(default=0, ge=0)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     searcher: Searcher = Field(default_factory=SingleSearcher)
+    # Steps between validations (each also saves a checkpoint); None: only at the end.
+    min_validation_period: int | None = Field(default=None, ge=1)
+    lr_schedule: PlateauSchedule | None = None
+
+    @model_validator(mode="after")
+    def _plateau_needs_validations(self) -> ExperimentConfig:
+        if self.lr_schedule is not None and self.min_validation_period is None:
+            raise ValueError("lr_schedule watches validations: set min_validation_period (steps)")
+        return self
 
     @field_validator("hyperparameters", mode="before")
     @classmethod

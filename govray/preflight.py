@@ -79,11 +79,13 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     return CheckedPolicy(policy=verified, routing=routing)
 
 
-def _experiment_for(config: ExperimentConfig, store: TrackingStore, policy: VerifiedPolicy) -> Experiment:
-    """The newest experiment of this name with the same config, else a new one."""
+def _experiment_for(
+    config: ExperimentConfig, store: TrackingStore, policy: VerifiedPolicy, fork_of: int | None
+) -> Experiment:
+    """The newest experiment of this name with the same config, else (or when forking) a new one."""
     digest = config_digest(config)
     for experiment in reversed(store.list_experiments()):
-        if experiment.name == config.name and experiment.config_digest == digest:
+        if fork_of is None and experiment.name == config.name and experiment.config_digest == digest:
             return experiment
     experiment = store.create_experiment(
         name=config.name,
@@ -99,6 +101,13 @@ def _experiment_for(config: ExperimentConfig, store: TrackingStore, policy: Veri
         {"name": config.name, "config_digest": digest},
         experiment_id=experiment.id,
     )
+    if fork_of is not None:
+        store.set_parent(experiment.id, fork_of)
+        AuditLog(store).append(
+            AuditEventType.EXPERIMENT_FORKED,
+            {"parent": fork_of, "child": experiment.id, "config_digest": digest},
+            experiment_id=experiment.id,
+        )
     return experiment
 
 
@@ -110,13 +119,15 @@ def ingest_experiment(
     force: bool = False,
     strict: bool = False,
     warn: Callable[[str], None] | None = None,
+    fork_of: int | None = None,
 ) -> tuple[Experiment, IngestResult]:
     """Ingest the experiment's corpora and record them (and the outcome) in the tracking store.
 
     A corpus whose fingerprint differs from the previous run of this experiment is reported
     through ``warn`` and the audit log; with ``strict`` the ingest is refused instead.
+    ``fork_of`` makes a new experiment whose lineage parent is that one, even for the same config.
     """
-    experiment = _experiment_for(config, store, checked.policy)
+    experiment = _experiment_for(config, store, checked.policy, fork_of)
     assert experiment.id is not None
     audit = AuditLog(store)
     ensure_ray()

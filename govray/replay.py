@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from govray.checkpoint import find_checkpoints, verify_checkpoint
 from govray.config import ExperimentConfig
+from govray.decisions import LrDecision
 from govray.errors import GovrayError
 from govray.keys import load_trust, platform_key, platform_trust
 from govray.ledger import Ledger
@@ -32,7 +33,7 @@ from govray.preflight import check_policy, ingest_experiment
 from govray.runner import Progress, TrialOutcome, run_trial, stored_ledger
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Trial
+from govray.tracking.tables import DecisionKind, Trial
 
 
 class ReplayError(GovrayError):
@@ -85,6 +86,17 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
         which = f"trial {trial_id}" if trial_id is not None else "a completed trial"
         raise ReplayError(f"experiment {experiment_id} has no {which} to replay")
     return trials[-1]
+
+
+def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[LrDecision, ...]:
+    """The learning-rate decisions a trial recorded, for a replay to apply as they were."""
+    return tuple(
+        LrDecision.model_validate(
+            {"seq": row.seq, "step": row.step, "kind": row.kind, **json.loads(row.payload_json)}
+        )
+        for row in store.decisions(trial_id)
+        if row.kind == DecisionKind.LR_SCALE
+    )
 
 
 def final_checkpoint(run_dir: Path, trust_file: Path | None) -> Path:
@@ -166,7 +178,13 @@ def replay_trial(
         trial_seed=original.seed,
         excluded_corpora=tuple(exclude),
         progress=progress,
+        recorded_decisions=recorded_decisions(store, original.id) if config.lr_schedule else None,
     )
+    if outcome.state != "completed":
+        raise ReplayError(
+            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
+            f"finish it with `govray resume {recorded.id}`, then compare"
+        )
     assert original.ray_run_name is not None
     original_dir = final_checkpoint(
         Path(config.storage_path) / "ray" / original.ray_run_name, config.policy.trust

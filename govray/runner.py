@@ -28,11 +28,13 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
+from govray.checkpoint import load_checkpoint
 from govray.config import ExperimentConfig
 from govray.data.shards import ShardSet
+from govray.decisions import LrDecision
 from govray.errors import GovrayError
 from govray.gc import GcPolicy, apply_gc
-from govray.harness.loop import RunSpec, default_threads, train_worker
+from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
 from govray.keys import load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
@@ -41,7 +43,7 @@ from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
 from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Experiment
+from govray.tracking.tables import Experiment, ExperimentState, Trial, TrialState
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
 
@@ -77,12 +79,18 @@ class TrackingCallback(UserCallback):
     """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store."""
 
     def __init__(
-        self, database_url: str, trial_id: int, layer_index: dict[str, int | None], gc: GcSettings
+        self,
+        database_url: str,
+        trial_id: int,
+        layer_index: dict[str, int | None],
+        gc: GcSettings,
+        replaying: bool = False,
     ) -> None:
         self.database_url = database_url
         self.trial_id = trial_id
         self.layer_index = layer_index  # tensor name → layer, for the ledger rows
         self.gc = gc
+        self.replaying = replaying  # decisions reported are the source trial's, applied
         self._store: TrackingStore | None = None
         self._last_step = 0
 
@@ -109,6 +117,8 @@ class TrackingCallback(UserCallback):
             store.log_metrics(self.trial_id, step, "training", training)
         if validation:
             store.log_metrics(self.trial_id, step, "validation", validation)
+        if "decisions" in metrics:
+            store.record_decisions(self.trial_id, json.loads(metrics["decisions"]), replayed=self.replaying)
         if "ledger" in metrics:
             ledger = Ledger.from_json(json.loads(metrics["ledger"]))
             rows = [
@@ -132,7 +142,9 @@ class TrialOutcome:
     run_dir: Path  # Ray Train's run directory: checkpoint_* below it
     max_steps: int
     metrics: dict[str, Any]
-    ledger: Ledger
+    ledger: Ledger | None  # None unless the trial completed
+    state: str = TrialState.COMPLETED.value  # completed, or paused / killed on request
+    steps_done: int = 0
 
 
 def plan_steps(
@@ -165,12 +177,16 @@ def run_trial(
     excluded_corpora: tuple[str, ...] = (),
     report_every: int = 20,
     progress: Progress | None = None,
+    recorded_decisions: tuple[LrDecision, ...] | None = None,
+    start_checkpoint: Path | None = None,
 ) -> TrialOutcome:
     """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
 
     ``trial_seed`` (with the experiment seed) fixes initialisation, schedule and per-step
     randomness: a replay with the same seeds and ``excluded_corpora`` leaves those corpora's
-    schedule slots empty and everything else identical.
+    schedule slots empty and everything else identical, and applies ``recorded_decisions`` (the
+    source trial's) instead of taking its own. ``start_checkpoint`` starts from another run's
+    verified weights and ledger (recorded as the trial's lineage source).
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
@@ -182,6 +198,11 @@ def run_trial(
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
     run_dir = Path(config.storage_path) / "ray" / run_name
     key = platform_key()
+    trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
+    if start_checkpoint is not None:
+        loaded = load_checkpoint(start_checkpoint, trust)  # refuse a tampered source before anything runs
+        source = {"path": str(start_checkpoint), "manifest_sha256": loaded.manifest_digest}
+        store.set_trial_source(trial_id, json.dumps({**source, "step": loaded.state.step}))
     max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
@@ -203,10 +224,15 @@ def run_trial(
         code_dir=os.getcwd(),
         checkpoint_period=config.checkpoint.period,
         platform_key=str(platform_key_path()),
-        trust=platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None),
+        trust=trust,
         config_digest=config_digest(config),
         policy_digest=checked.policy.digest,
         run_dir=str(run_dir),
+        validation_period=config.min_validation_period,
+        lr_schedule=config.lr_schedule,
+        recorded_decisions=recorded_decisions,
+        control_file=str(control_path(config, run_name)),
+        start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
     )
     spec_path = run_spec_path(config, run_name)
     spec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +244,23 @@ def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:
     return Path(config.storage_path) / "runs" / f"{run_name}.json"
 
 
+def control_path(config: ExperimentConfig, run_name: str) -> Path:
+    """Where the driver passes a pause/kill request to the run's rank 0 (shared storage)."""
+    return Path(config.storage_path) / "control" / run_name
+
+
+RESUMABLE_STATES = (TrialState.ACTIVE.value, TrialState.ERRORED.value, TrialState.PAUSED.value)
+
+
+def interrupted_trial(store: TrackingStore, experiment: Experiment) -> Trial | None:
+    """The experiment's newest trial that started and did not finish (driver died, error, pause)."""
+    assert experiment.id is not None
+    interrupted = [
+        t for t in store.list_trials(experiment.id) if t.state in RESUMABLE_STATES and t.ray_run_name
+    ]
+    return interrupted[-1] if interrupted else None
+
+
 def resume_trial(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -226,20 +269,16 @@ def resume_trial(
     *,
     progress: Progress | None = None,
 ) -> TrialOutcome:
-    """Continue the experiment's interrupted trial (its driver died) from its latest checkpoint.
+    """Continue the experiment's interrupted or paused trial from its latest checkpoint.
 
     The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
     the schedule from there. Refused if the policy changed since the run started.
     """
-    assert experiment.id is not None
-    interrupted = [
-        t for t in store.list_trials(experiment.id) if t.state in ("active", "errored") and t.ray_run_name
-    ]
-    if not interrupted:
+    trial = interrupted_trial(store, experiment)
+    if trial is None:
         raise TrainingFailed(
             f"experiment {experiment.id} '{experiment.name}' has no interrupted trial to resume"
         )
-    trial = interrupted[-1]
     assert trial.id is not None and trial.ray_run_name is not None
     path = run_spec_path(config, trial.ray_run_name)
     if not path.exists():
@@ -263,7 +302,11 @@ def _train(
     spec: RunSpec,
     progress: Progress | None,
 ) -> TrialOutcome:
-    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run)."""
+    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run).
+
+    The driver owns the lifecycle: trial and experiment go ``active``, then ``completed``,
+    ``paused`` or ``killed`` (on a request) or ``errored``.
+    """
     assert experiment.id is not None
     max_steps = spec.max_steps
     gc = GcSettings(
@@ -273,7 +316,9 @@ def _train(
         smaller_is_better=config.searcher.smaller_is_better,
     )
     layer_index = checked.routing.tensor_layers()
-    callback = TrackingCallback(config.database_url, trial_id, layer_index, gc)
+    callback = TrackingCallback(
+        config.database_url, trial_id, layer_index, gc, replaying=spec.recorded_decisions is not None
+    )
     workers = config.resources.workers
     trainer = TorchTrainer(
         # One worker runs in-process (Train V2 local mode), where no controller callback runs.
@@ -292,24 +337,54 @@ def _train(
             callbacks=[callback] if workers > 1 else [],  # type: ignore[list-item]  # V2 UserCallback
         ),
     )
-    store.set_trial_state(trial_id, "active", ray_run_name=run_name)
+    control = Path(spec.control_file)
+    control.unlink(missing_ok=True)
+    store.request(experiment.id, None)  # a request made while nothing ran is void
+    store.set_trial_state(trial_id, TrialState.ACTIVE, ray_run_name=run_name)
+    store.set_experiment_state(experiment.id, ExperimentState.ACTIVE)
     try:
-        _fit_with_progress(trainer, store, trial_id, max_steps, progress)
+        _fit_with_progress(trainer, store, experiment.id, trial_id, max_steps, control, progress)
     except Exception as error:
-        store.set_trial_state(trial_id, "errored")
+        store.set_trial_state(trial_id, TrialState.ERRORED)
+        store.set_experiment_state(experiment.id, ExperimentState.ERRORED)
         raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
+    finally:
+        control.unlink(missing_ok=True)
+        store.request(experiment.id, None)
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
+    steps_done = last_step(store, trial_id)
+    if steps_done < max_steps:
+        stopped = _requested_stop(store, trial_id, run_name, steps_done, max_steps)
+        store.set_trial_state(trial_id, stopped)
+        store.set_experiment_state(experiment.id, stopped.value)
+        return TrialOutcome(
+            trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
+        )
     ledger = stored_ledger(store, trial_id)
-    store.set_trial_state(trial_id, "completed")
+    store.set_trial_state(trial_id, TrialState.COMPLETED)
+    store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
     return TrialOutcome(
-        trial_id=trial_id,
-        run_name=run_name,
-        run_dir=Path(spec.run_dir),
-        max_steps=max_steps,
-        metrics=metrics,
-        ledger=ledger,
+        trial_id, run_name, Path(spec.run_dir), max_steps, metrics, ledger, steps_done=max_steps
     )
+
+
+def last_step(store: TrackingStore, trial_id: int) -> int:
+    """The last step the trial reported (0 if none)."""
+    steps = [metric.step for metric in store.metrics(trial_id, "training_loss")]
+    return max(steps, default=0)
+
+
+def _requested_stop(
+    store: TrackingStore, trial_id: int, run_name: str, steps_done: int, max_steps: int
+) -> TrialState:
+    """The state a run that ended early is in: what the driver had passed to its workers."""
+    stopped = [m for m in store.metrics(trial_id, "stopped_on_request")]
+    if not stopped:
+        raise TrainingFailed(
+            f"trial {trial_id} ({run_name}) ended after {steps_done} of {max_steps} steps without a request"
+        )
+    return TrialState.PAUSED if stopped[-1].value == STOP_CODES["pause"] else TrialState.KILLED
 
 
 def stored_ledger(store: TrackingStore, trial_id: int) -> Ledger:
@@ -328,9 +403,16 @@ def stored_ledger(store: TrackingStore, trial_id: int) -> Ledger:
 
 
 def _fit_with_progress(
-    trainer: TorchTrainer, store: TrackingStore, trial_id: int, max_steps: int, progress: Progress | None
+    trainer: TorchTrainer,
+    store: TrackingStore,
+    experiment_id: int,
+    trial_id: int,
+    max_steps: int,
+    control: Path,
+    progress: Progress | None,
 ) -> ray.train.Result:
-    """``trainer.fit()`` in a thread while the driver follows the metrics in the tracking store."""
+    """``trainer.fit()`` in a thread while the driver follows the tracking store: it shows the
+    metrics, and passes a pause/kill request (``govray experiment pause|kill``) to rank 0."""
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -342,14 +424,22 @@ def _fit_with_progress(
     thread = threading.Thread(target=fit, name="govray-fit", daemon=True)
     thread.start()
     seen = 0
+    passed: str | None = None
     while thread.is_alive():
         thread.join(timeout=0.5)
+        requested = store.get_experiment(experiment_id).requested
+        if requested is not None and requested != passed:
+            control.parent.mkdir(parents=True, exist_ok=True)
+            scratch = control.with_suffix(".tmp")
+            scratch.write_text(requested)
+            scratch.replace(control)  # rank 0 never reads half a word
+            passed = requested
         if progress is None:
             continue
         latest = {metric.name: metric.value for metric in store.metrics(trial_id) if metric.step >= seen}
-        steps = [metric.step for metric in store.metrics(trial_id, "training_loss")]
-        if steps and steps[-1] > seen:
-            seen = steps[-1]
+        step = last_step(store, trial_id)
+        if step > seen:
+            seen = step
             progress(seen, max_steps, latest)
     if "error" in outcome:
         raise outcome["error"]

@@ -18,7 +18,9 @@ def parse(argv: list[str]) -> list[str]:
     parser.add_argument("--config", required=True, help="experiment file (YAML)")
     parser.add_argument("--allow-unsigned-policy", action="store_true")
     args = parser.parse_args(argv)
-    return ["run", args.config, *(["--allow-unsigned-policy"] if args.allow_unsigned_policy else [])]
+    flags = ["--allow-unsigned-policy"] if args.allow_unsigned_policy else []
+    # A resubmitted job continues the trial its dead driver left behind.
+    return ["run", args.config, "--resume-interrupted", *flags]
 
 
 if __name__ == "__main__":

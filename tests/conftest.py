@@ -155,6 +155,7 @@ def _golden_example(
     max_length: dict[str, int],
     hparams: dict[str, Any] | None = None,
     keep_all_checkpoints: bool = True,
+    lr_schedule: bool = True,
 ) -> Path:
     shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
     shutil.copytree(REPO / "policies", root / "policies")
@@ -165,6 +166,12 @@ def _golden_example(
     raw["resources"] = {"workers": workers, "cpus_per_worker": 1}
     raw["searcher"] = {"name": "single", "max_length": max_length}
     raw["checkpoint"] = {"period": GOLDEN_REPORT_EVERY}
+    # A metric-driven LR schedule in play: demanding a 90% better validation loss each time, it
+    # cuts the learning rate at steps 20 and 30 — decisions a replay must apply, not recompute.
+    raw["min_validation_period"] = GOLDEN_REPORT_EVERY
+    raw["lr_schedule"] = {"metric": "validation_loss", "factor": 0.5, "patience": 0, "threshold": 0.9}
+    if not lr_schedule:
+        del raw["lr_schedule"], raw["min_validation_period"]
     if keep_all_checkpoints:
         raw["checkpoint"]["save_trial_latest"] = 100  # tests read every one
     path = root / "experiment.yaml"
@@ -221,5 +228,6 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
         max_length={"epochs": 1},
         hparams=hparams,
         keep_all_checkpoints=False,  # Determined's default GC: the trial's best and latest
+        lr_schedule=False,
     )
     return _golden_run(path)

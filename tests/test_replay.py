@@ -3,6 +3,7 @@ empty under a fresh run name, and its influence report separates direct from ind
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from govray.cli import main
 from govray.errors import GovrayError
 from govray.replay import Replay, replay_trial
+from govray.tracking.store import TrackingStore
 from tests.conftest import GoldenRun
 
 
@@ -33,8 +35,36 @@ def test_upper_layer_corpus_has_no_direct_but_indirect_influence_below(
     for tensor in ("hidden.weight", "head.weight"):
         assert rows[tensor].kind == "direct" and rows[tensor].direct_examples > 0
     # Ledger of the replay: the excluded corpus is gone, nothing else is.
-    assert "digits-licensed" not in replay_without_licensed.outcome.ledger.corpora()
+    ledger = replay_without_licensed.outcome.ledger
+    assert ledger is not None and "digits-licensed" not in ledger.corpora()
     assert replay_without_licensed.report_path.exists()
+
+
+def decision_record(store: TrackingStore, trial_id: int) -> list[tuple[int, int, str, float]]:
+    return [
+        (row.seq, row.step, row.kind, json.loads(row.payload_json)["scale"])
+        for row in store.decisions(trial_id)
+    ]
+
+
+def test_the_replay_applies_the_recorded_lr_cuts_although_its_own_metrics_differ(
+    golden_run: GoldenRun, replay_without_licensed: Replay
+) -> None:
+    """The golden run's plateau rule cut the LR at steps 20 and 30. Without the licensed corpus
+    the validation losses differ, yet the replay cuts at exactly those steps, by the record."""
+    store = golden_run.store
+    original = decision_record(store, golden_run.outcome.trial_id)
+    assert original == [(0, 20, "lr_scale", 0.5), (1, 30, "lr_scale", 0.25)]
+    replayed_trial = replay_without_licensed.outcome.trial_id
+    assert decision_record(store, replayed_trial) == original
+    assert all(row.replayed for row in store.decisions(replayed_trial))
+    assert not any(row.replayed for row in store.decisions(golden_run.outcome.trial_id))
+
+    def losses(trial_id: int) -> dict[int, float]:
+        return {m.step: m.value for m in store.metrics(trial_id, "validation_loss")}
+
+    assert set(losses(replayed_trial)) == {10, 20, 30}
+    assert all(losses(replayed_trial)[step] != losses(golden_run.outcome.trial_id)[step] for step in (20, 30))
 
 
 def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(

@@ -151,7 +151,8 @@ def test_run_is_in_the_tracking_store(golden_run: GoldenRun) -> None:
     trial = store.get_trial(outcome.trial_id)
     assert trial.state == "completed" and trial.ray_run_name == outcome.run_name
     assert [m.step for m in store.metrics(outcome.trial_id, "training_loss")] == REPORT_STEPS
-    assert [m.step for m in store.metrics(outcome.trial_id, "validation_loss")] == [GOLDEN_STEPS]
+    # Validation every 10 steps (min_validation_period), each with a checkpoint.
+    assert [m.step for m in store.metrics(outcome.trial_id, "validation_loss")] == [10, 20, GOLDEN_STEPS]
     rows = ledger_rows(store, outcome.trial_id)
     assert {(r.corpus_id, r.parameter, r.examples, r.steps) for r in rows} == {
         (c, t, e.examples, e.steps) for c, t, e in outcome.ledger.rows()

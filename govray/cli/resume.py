@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from govray.cli.common import console
+from govray.cli.run import progress_bar, report
 from govray.config import ExperimentConfig
 from govray.preflight import check_policy
 from govray.runner import resume_trial
@@ -15,15 +16,12 @@ def resume(
     experiment: str = typer.Argument(..., help="Experiment id or name in the tracking store."),
     database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
 ) -> None:
-    """Resume the experiment's interrupted trial under its own Ray Train run name."""
+    """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name."""
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
-    assert recorded.id is not None
     config = ExperimentConfig.model_validate_json(recorded.config_json)
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    store.set_experiment_state(recorded.id, "active")
-    outcome = resume_trial(config, checked, recorded, store)
-    store.set_experiment_state(recorded.id, "completed")
-    console.print(
-        f"trial {outcome.trial_id} ({outcome.run_name}) resumed and completed {outcome.max_steps} steps"
-    )
+    console.print(f"resuming experiment {recorded.id} '{recorded.name}'")
+    with progress_bar() as update:
+        outcome = resume_trial(config, checked, recorded, store, progress=update)
+    report(outcome, checked, recorded)

@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
 from govray.ledger import format_ledger
-from govray.preflight import check_policy, ingest_experiment
-from govray.runner import TrainingFailed, run_trial
+from govray.preflight import CheckedPolicy, check_policy, ingest_experiment
+from govray.runner import Progress as ProgressCallback
+from govray.runner import TrialOutcome, interrupted_trial, resume_trial, run_trial
+from govray.tracking.tables import Experiment
+
+FromCheckpoint = typer.Option(
+    None,
+    "--from-checkpoint",
+    help="Start from this checkpoint directory's weights and ledger (verified; kept as lineage).",
+)
 
 
 def run(
-    config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned, strict: bool = Strict
+    config_path: Path = ConfigArgument,
+    allow_unsigned: bool = AllowUnsigned,
+    strict: bool = Strict,
+    from_checkpoint: Path | None = FromCheckpoint,
+    resume_interrupted: bool = typer.Option(
+        False,
+        "--resume-interrupted",
+        help="If this experiment has an interrupted or paused trial, continue it instead of starting anew.",
+    ),
 ) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
     config, store = open_experiment(config_path)
@@ -26,33 +52,70 @@ def run(
         f"experiment {experiment.id} '{config.name}': {workers} worker{'s' if workers > 1 else ''}, "
         f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]}"
     )
-    store.set_experiment_state(experiment.id, "active")
+    if resume_interrupted and (trial := interrupted_trial(store, experiment)) is not None:
+        console.print(f"continuing interrupted trial {trial.id} ({trial.ray_run_name})")
+        with progress_bar() as update:
+            outcome = resume_trial(config, checked, experiment, store, progress=update)
+    else:
+        with progress_bar() as update:
+            outcome = run_trial(
+                config,
+                checked,
+                experiment,
+                ingested.root,
+                store,
+                progress=update,
+                start_checkpoint=from_checkpoint,
+            )
+    report(outcome, checked, experiment)
+
+
+@contextmanager
+def progress_bar() -> Iterator[ProgressCallback]:
+    """A terminal progress bar: steps, elapsed, ETA and the latest metrics."""
     columns = (
         TextColumn("training"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[loss]}"),
         TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[metrics]}"),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=None, loss="")
+        task = progress.add_task("train", total=None, metrics="")
 
         def update(step: int, max_steps: int, latest: dict[str, float]) -> None:
-            loss = latest.get("training_loss")
-            progress.update(task, completed=step, total=max_steps, loss=f"loss {loss:.4f}" if loss else "")
+            shown = [f"loss {latest['training_loss']:.4f}"] if "training_loss" in latest else []
+            shown += [
+                f"{name.removeprefix('validation_')} {value:.4f}"
+                for name, value in sorted(latest.items())
+                if name.startswith("validation_") and "/" not in name
+            ]
+            progress.update(task, completed=step, total=max_steps, metrics="  ".join(shown))
 
-        try:
-            outcome = run_trial(config, checked, experiment, ingested.root, store, progress=update)
-        except TrainingFailed:
-            store.set_experiment_state(experiment.id, "errored")
-            raise
-        progress.update(task, completed=outcome.max_steps, total=outcome.max_steps)
-    store.set_experiment_state(experiment.id, "completed")
+        yield update
+
+
+def report(outcome: TrialOutcome, checked: CheckedPolicy, experiment: Experiment) -> None:
+    """What a finished, paused or killed run prints."""
+    if outcome.state != "completed":
+        console.print(
+            f"trial {outcome.trial_id} ({outcome.run_name}) {outcome.state} after {outcome.steps_done} "
+            f"of {outcome.max_steps} steps"
+            + (
+                f"; continue with: govray experiment activate {experiment.id}"
+                if outcome.state == "paused"
+                else ""
+            )
+        )
+        return
     metrics = outcome.metrics
     console.print(
         f"trial {outcome.trial_id} ({outcome.run_name}) completed {outcome.max_steps} steps: "
         f"validation loss {metrics.get('validation_loss', float('nan')):.4f}"
         + (f", accuracy {metrics['validation_accuracy']:.3f}" if "validation_accuracy" in metrics else "")
     )
+    assert outcome.ledger is not None
     console.print("ledger: training examples that directly reached each layer (per corpus)")
     console.print(format_ledger(outcome.ledger, checked.routing), highlight=False)

@@ -33,8 +33,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from govray.adapters import GovernedModel, load_adapter, save_adapter, save_base
 from govray.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
-from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, load_checkpoint, seal_checkpoint
+from govray.checkpoint import (
+    MODEL_FILE,
+    CheckpointError,
+    CheckpointState,
+    find_checkpoints,
+    load_checkpoint,
+    seal_checkpoint,
+)
+from govray.config import PlateauSchedule
 from govray.data.shards import ShardSet
+from govray.decisions import DecisionError, LrDecision, Plateau, PlateauState
 from govray.harness.trial import Trial, load_trial_class
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
@@ -43,6 +52,8 @@ from govray.routing import RoutingTable, resolve_routes
 from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
+STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
+STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
 
 
 class RunSpec(BaseModel):
@@ -68,6 +79,14 @@ class RunSpec(BaseModel):
     policy_digest: str = ""
     run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
     reproducibility: dict[str, Any] = {}  # the trial's ReproducibilityRecord, kept in every checkpoint
+    validation_period: int | None = None  # steps between validations (each saves a checkpoint)
+    lr_schedule: PlateauSchedule | None = None
+    # A replay applies its source trial's decisions instead of taking its own.
+    recorded_decisions: tuple[LrDecision, ...] | None = None
+    # Rank 0 reads a pause/kill request from this file at every step boundary (the driver writes it).
+    control_file: str = ""
+    # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
+    start_checkpoint: str = ""
 
 
 @dataclass
@@ -157,7 +176,13 @@ class GovernedTraining:
             ddp.register_comm_hook(self.governor, governed_allreduce_hook)
             self.forward = ddp
         self.optimizer = self.trial.build_optimizer([parameter for _, parameter in named])
+        for group in self.optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])  # decisions scale it
+        self.plateau = (
+            Plateau(spec.lr_schedule, recorded=spec.recorded_decisions) if spec.lr_schedule else None
+        )
         self.ledger = Ledger()
+        self.source: dict[str, Any] = {}
 
     def step(self, step: int) -> tuple[float, int]:
         """One governed step; returns this worker's (loss sum, examples)."""
@@ -193,6 +218,8 @@ class GovernedTraining:
             ledger=self.ledger.to_json(),
             adapters=list(self.model.adapter_names()),
             reproducibility=self.spec.reproducibility,
+            plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
+            source=self.source,
         )
 
     def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:
@@ -215,7 +242,70 @@ class GovernedTraining:
             load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
         self.optimizer.load_state_dict(loaded.optimizer_state)
         self.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = loaded.state.source
+        if self.plateau is not None and loaded.state.plateau:
+            self.plateau.state = PlateauState.model_validate(loaded.state.plateau)
+            self._apply_lr_scale()
         return loaded.state.step
+
+    def start_from(self, directory: Path) -> None:
+        """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
+        both runs have) and its ledger — what reached the weights stays on the record. The
+        optimizer starts fresh; the source is kept in every checkpoint of this run."""
+        loaded = load_checkpoint(directory, self.spec.trust)
+        try:
+            self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
+        except RuntimeError as error:
+            raise CheckpointError(
+                f"{directory / MODEL_FILE} does not fit this trial's model: {error}"
+            ) from None
+        for adapter in self.model.adapter_names():
+            if (directory / f"adapter-{adapter}.safetensors").is_file():
+                load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+        self.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = {
+            "path": str(directory),
+            "manifest_sha256": loaded.manifest_digest,
+            "signer": loaded.signer,
+            "step": loaded.state.step,
+            "config_digest": loaded.state.config_digest,
+            "policy_digest": loaded.state.policy_digest,
+        }
+
+    def observe(self, steps_done: int, validation: Mapping[str, float]) -> LrDecision | None:
+        """Take (or, in a replay, apply the recorded) decision due after a validation."""
+        if self.plateau is None:
+            return None
+        decision = self.plateau.observe(steps_done, validation)
+        if decision is not None:
+            self._apply_lr_scale()
+        return decision
+
+    def check_decisions_applied(self, steps_done: int) -> None:
+        if self.plateau is not None and (missed := self.plateau.unapplied(steps_done)):
+            raise DecisionError(
+                f"the replay never reached recorded decisions {[d.seq for d in missed]} "
+                f"(steps {[d.step for d in missed]})"
+            )
+
+    def _apply_lr_scale(self) -> None:
+        assert self.plateau is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * self.plateau.scale
+
+    def stop_request(self) -> str | None:
+        """``pause`` or ``kill`` if the driver asked for it; every rank gets rank 0's answer."""
+        code = 0
+        if self.worker.rank == 0 and self.spec.control_file:
+            try:
+                code = STOP_CODES.get(Path(self.spec.control_file).read_text().strip(), 0)
+            except FileNotFoundError:
+                code = 0
+        if self.worker.distributed:
+            flag = torch.tensor([code], dtype=torch.int64)
+            dist.broadcast(flag, src=0)
+            code = int(flag.item())
+        return STOP_NAMES.get(code)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -259,9 +349,9 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
     """``train_loop_per_worker`` for Ray Train: the whole governed run of one worker.
 
     After a failure Ray Train restarts every worker; each resumes from the latest checkpoint and
-    recomputes the schedule from there (per-step randomness needs no RNG state).
+    recomputes the schedule from there (per-step randomness needs no RNG state). A pause request
+    checkpoints at the next step boundary and returns; a kill request returns without one.
     """
-    import ray.train
 
     spec = RunSpec.model_validate(config)
     if spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
@@ -270,10 +360,12 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
     worker = Worker.detect()
     training = GovernedTraining(spec, worker)
     start = 0
-    resume_from = ray.train.get_checkpoint()
+    resume_from = _resume_checkpoint(spec)
     if resume_from is not None:
         with resume_from.as_directory() as directory:
             start = training.restore(Path(directory))
+    elif spec.start_checkpoint:
+        training.start_from(Path(spec.start_checkpoint))
     key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     loss_sum, examples = 0.0, 0
     for step in range(start, spec.max_steps):
@@ -281,8 +373,10 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
         done = step + 1
         last = done == spec.max_steps
-        period_end = done % spec.checkpoint_period == 0
-        if done % spec.report_every and not last and not period_end:
+        stop = None if last else training.stop_request()
+        validate = last or bool(spec.validation_period and done % spec.validation_period == 0)
+        save = validate or done % spec.checkpoint_period == 0 or stop == "pause"
+        if done % spec.report_every and not save and stop is None:
             continue
         totals = all_reduce_sums({"loss": loss_sum, "examples": float(examples)}, worker)
         metrics: dict[str, Any] = {
@@ -291,24 +385,61 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
             "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
             "examples": int(totals["examples"]),
         }
-        if last:
-            metrics.update(training.evaluate())
-            metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
         loss_sum, examples = 0.0, 0
-        saved: str | None = None
-        if key is not None and (period_end or last) and on_report is not None:
-            # Local mode has no controller to persist checkpoints: write them into the run directory.
-            saved = str(Path(spec.run_dir) / f"checkpoint_{done:08d}")
-            training.save_checkpoint(Path(saved), done, key)
-            ray.train.report(metrics)
-        elif key is not None and (period_end or last):
-            with tempfile.TemporaryDirectory(prefix="govray-checkpoint-") as scratch:
-                training.save_checkpoint(Path(scratch), done, key)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(scratch))
-        else:
-            ray.train.report(metrics)
-        if on_report is not None:
-            on_report(metrics, saved)
+        if validate:
+            validation = training.evaluate()
+            metrics.update(validation)
+            training.observe(done, validation)
+            if training.plateau is not None and training.plateau.decisions:
+                metrics["decisions"] = json.dumps(
+                    [decision.model_dump(mode="json") for decision in training.plateau.decisions]
+                )
+        if last:
+            training.check_decisions_applied(done)
+            metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
+        if stop is not None:
+            metrics["stopped_on_request"] = STOP_CODES[stop]
+        _report(training, metrics, done, key if save else None, on_report)
+        if stop is not None:
+            return
+
+
+def _resume_checkpoint(spec: RunSpec) -> Any:
+    """Ray Train's latest checkpoint of this run; in local mode (no controller) the run directory's."""
+    import ray.train
+
+    found = ray.train.get_checkpoint()
+    if found is None and spec.run_dir and Path(spec.run_dir).is_dir():
+        local = find_checkpoints(Path(spec.run_dir))
+        if local:
+            found = ray.train.Checkpoint.from_directory(str(local[-1]))
+    return found
+
+
+def _report(
+    training: GovernedTraining,
+    metrics: dict[str, Any],
+    done: int,
+    key: SigningKey | None,
+    on_report: Report | None,
+) -> None:
+    """Report to Ray Train, with a signed checkpoint when ``key`` is given (rank 0 holds it)."""
+    import ray.train
+
+    saved: str | None = None
+    if key is not None and on_report is not None:
+        # Local mode has no controller to persist checkpoints: write them into the run directory.
+        saved = str(Path(training.spec.run_dir) / f"checkpoint_{done:08d}")
+        training.save_checkpoint(Path(saved), done, key)
+        ray.train.report(metrics)
+    elif key is not None:
+        with tempfile.TemporaryDirectory(prefix="govray-checkpoint-") as scratch:
+            training.save_checkpoint(Path(scratch), done, key)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(scratch))
+    else:
+        ray.train.report(metrics)
+    if on_report is not None:
+        on_report(metrics, saved)
 
 
 def default_threads(cpus_per_worker: float) -> int:

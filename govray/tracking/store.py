@@ -372,8 +372,7 @@ class TrackingStore:
         with self.session() as session:
             _require(session, Trial, trial_id)
             known = {
-                row.seq: row
-                for row in session.exec(select(Decision).where(Decision.trial_id == trial_id))
+                row.seq: row for row in session.exec(select(Decision).where(Decision.trial_id == trial_id))
             }
             for decision in decisions:
                 payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}

@@ -50,13 +50,15 @@ def upgrade() -> None:
     op.create_index("ix_decisions_trial_id", "decisions", ["trial_id"])
     for table, renames in RENAMED.items():
         for old, new in renames.items():
-            op.execute(sa.text(f"UPDATE {table} SET state = :new WHERE state = :old").bindparams(old=old, new=new))
+            rename = sa.text(f"UPDATE {table} SET state = :new WHERE state = :old")
+            op.execute(rename.bindparams(old=old, new=new))
 
 
 def downgrade() -> None:
     for table, renames in RENAMED.items():
         for old, new in renames.items():
-            op.execute(sa.text(f"UPDATE {table} SET state = :old WHERE state = :new").bindparams(old=old, new=new))
+            restore = sa.text(f"UPDATE {table} SET state = :old WHERE state = :new")
+            op.execute(restore.bindparams(old=old, new=new))
     op.drop_index("ix_decisions_trial_id", table_name="decisions")
     op.drop_table("decisions")
     op.drop_column("trials", "source_checkpoint_json")  # SQLite ≥ 3.35 drops columns in place

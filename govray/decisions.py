@@ -1,0 +1,161 @@
+"""Decisions driven by metrics, made once and recorded, so a replay applies the record.
+
+A learning rate cut on a plateau depends on validation metrics, and a counterfactual replay
+(``govray replay --exclude-corpus X``) has different metrics: recomputing the decision there
+would couple X to every other route's updates. So a trial records each decision (its step, what
+it changed, what it saw); a replay is handed the record and applies it at the same steps,
+whatever its own metrics say.
+
+Example::
+
+    plateau = Plateau(config.lr_schedule)                    # or Plateau(settings, recorded=record)
+    decision = plateau.observe(step=40, metrics={"validation_loss": 0.71})
+    if decision is not None:
+        set_lr_scale(optimizer, plateau.scale)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from govray.config import PlateauSchedule
+from govray.errors import GovrayError
+
+SCALE_EPSILON = 1e-8  # torch's ``eps``: a smaller cut is not made
+
+
+class DecisionError(GovrayError):
+    """A recorded decision cannot be applied to this run, or a metric it needs is missing."""
+
+    exit_code = 13
+
+
+class LrDecision(BaseModel):
+    """Scale every parameter group's learning rate to ``scale`` times its initial value from ``step`` on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)  # steps completed when the decision was taken (applies to later steps)
+    kind: Literal["lr_scale"] = "lr_scale"
+    metric: str
+    observed: float | None  # None in a replay: the value is the source trial's, not observed here
+    previous_scale: float
+    scale: float
+
+
+class PlateauState(BaseModel):
+    """What the plateau rule remembers between evaluations (kept in every checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    best: float | None = None
+    bad_evaluations: int = 0
+    cooldown_left: int = 0
+    scale: float = 1.0
+    decisions: tuple[LrDecision, ...] = ()
+
+
+class Plateau:
+    """torch's ``ReduceLROnPlateau`` over validation evaluations, or the replay of a recorded one.
+
+    After more than ``patience`` evaluations without improvement, the learning-rate scale is
+    multiplied by ``factor`` (not below ``min_scale``) and ``cooldown`` evaluations pass before
+    counting again — the same sequence torch computes, as a scale of each group's initial LR.
+    """
+
+    def __init__(
+        self,
+        settings: PlateauSchedule,
+        state: PlateauState | None = None,
+        recorded: Sequence[LrDecision] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = state or PlateauState()
+        self.recorded = None if recorded is None else tuple(sorted(recorded, key=lambda d: d.seq))
+        self.replaying = recorded is not None
+
+    @property
+    def scale(self) -> float:
+        return self.state.scale
+
+    @property
+    def decisions(self) -> tuple[LrDecision, ...]:
+        return self.state.decisions
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> LrDecision | None:
+        """Take (or replay) the decision due after ``step`` completed steps; None if nothing changes."""
+        if self.recorded is not None:
+            return self._replay(step)
+        name = self.settings.metric
+        if name not in metrics:
+            raise DecisionError(
+                f"lr_schedule watches {name!r} but the trial's validation reported only: "
+                f"{', '.join(sorted(metrics)) or 'nothing'}"
+            )
+        value = float(metrics[name])
+        state = self.state
+        best, bad = state.best, state.bad_evaluations
+        if self._improved(value, best):
+            best, bad = value, 0
+        else:
+            bad += 1
+        cooldown_left = state.cooldown_left
+        if cooldown_left:
+            cooldown_left, bad = cooldown_left - 1, 0
+        scale, decisions, decision = state.scale, state.decisions, None
+        if bad > self.settings.patience:
+            cooldown_left, bad = self.settings.cooldown, 0
+            reduced = max(scale * self.settings.factor, self.settings.min_scale)
+            if scale - reduced > SCALE_EPSILON:
+                decision = LrDecision(
+                    seq=len(decisions),
+                    step=step,
+                    metric=name,
+                    observed=value,
+                    previous_scale=scale,
+                    scale=reduced,
+                )
+                scale, decisions = reduced, (*decisions, decision)
+        self.state = PlateauState(
+            best=best, bad_evaluations=bad, cooldown_left=cooldown_left, scale=scale, decisions=decisions
+        )
+        return decision
+
+    def _improved(self, value: float, best: float | None) -> bool:
+        """torch's ``threshold_mode="rel"``: better than ``best·(1 ∓ threshold)``; NaN never is."""
+        if value != value:
+            return False
+        if best is None:
+            return True
+        if self.settings.smaller_is_better:
+            return value < best * (1.0 - self.settings.threshold)
+        return value > best * (1.0 + self.settings.threshold)
+
+    def _replay(self, step: int) -> LrDecision | None:
+        assert self.recorded is not None
+        applied = len(self.state.decisions)
+        due = [d for d in self.recorded[applied:] if d.step <= step]
+        if not due:
+            return None
+        if due[0].step < step or len(due) > 1:
+            raise DecisionError(
+                f"recorded decision {due[0].seq} was taken after step {due[0].step}, but this run "
+                f"evaluated only at step {step}: the replay's validation steps differ from the record's"
+            )
+        source = due[0]
+        decision = source.model_copy(update={"observed": None, "previous_scale": self.state.scale})
+        self.state = self.state.model_copy(
+            update={"scale": source.scale, "decisions": (*self.state.decisions, decision)}
+        )
+        return decision
+
+    def unapplied(self, steps_done: int) -> list[LrDecision]:
+        """Recorded decisions due by ``steps_done`` that a replay never reached (should be none)."""
+        if self.recorded is None:
+            return []
+        applied = {decision.seq for decision in self.state.decisions}
+        return [d for d in self.recorded if d.step <= steps_done and d.seq not in applied]

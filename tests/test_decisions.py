@@ -1,0 +1,99 @@
+"""Decisions driven by metrics: the plateau rule is torch's ``ReduceLROnPlateau``, and a replay
+applies a recorded decision at its step whatever its own metrics say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from govray.config import PlateauSchedule
+from govray.decisions import DecisionError, LrDecision, Plateau
+
+losses = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=losses,
+    factor=st.sampled_from([0.1, 0.5, 0.9]),
+    patience=st.integers(0, 3),
+    threshold=st.sampled_from([0.0, 1e-4, 0.05, 0.5]),
+    cooldown=st.integers(0, 2),
+    min_scale=st.sampled_from([0.0, 0.01, 0.3]),
+    smaller_is_better=st.booleans(),
+)
+def test_the_plateau_rule_cuts_exactly_when_torch_does(
+    values: list[float],
+    factor: float,
+    patience: int,
+    threshold: float,
+    cooldown: int,
+    min_scale: float,
+    smaller_is_better: bool,
+) -> None:
+    settings_ = PlateauSchedule(
+        factor=factor,
+        patience=patience,
+        threshold=threshold,
+        cooldown=cooldown,
+        min_scale=min_scale,
+        smaller_is_better=smaller_is_better,
+    )
+    plateau = Plateau(settings_)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer,
+        mode="min" if smaller_is_better else "max",
+        factor=factor,
+        patience=patience,
+        threshold=threshold,
+        threshold_mode="rel",
+        cooldown=cooldown,
+        min_lr=min_scale,
+    )
+    for index, value in enumerate(values):
+        before = plateau.scale
+        decision = plateau.observe(step=10 * (index + 1), metrics={"validation_loss": value})
+        reference.step(value)
+        assert plateau.scale == optimizer.param_groups[0]["lr"]
+        assert (decision is not None) == (plateau.scale != before)
+    assert [d.seq for d in plateau.decisions] == list(range(len(plateau.decisions)))
+
+
+def test_a_missing_metric_is_a_clear_error() -> None:
+    plateau = Plateau(PlateauSchedule(metric="validation_accuracy"))
+    with pytest.raises(DecisionError, match="watches 'validation_accuracy'.*validation_loss"):
+        plateau.observe(10, {"validation_loss": 1.0})
+
+
+def record(*steps_and_scales: tuple[int, float]) -> list[LrDecision]:
+    return [
+        LrDecision(
+            seq=seq, step=step, metric="validation_loss", observed=1.0, previous_scale=1.0, scale=scale
+        )
+        for seq, (step, scale) in enumerate(steps_and_scales)
+    ]
+
+
+def test_a_replay_applies_the_record_and_ignores_its_own_metrics() -> None:
+    plateau = Plateau(PlateauSchedule(patience=0), recorded=record((20, 0.5), (40, 0.25)))
+    # Steadily improving metrics would never cut the LR; the record does, at its steps.
+    seen = [plateau.observe(step, {"validation_loss": 1.0 / step}) for step in (10, 20, 30, 40, 50)]
+    assert [None if d is None else (d.step, d.scale, d.observed) for d in seen] == [
+        None,
+        (20, 0.5, None),
+        None,
+        (40, 0.25, None),
+        None,
+    ]
+    assert plateau.scale == 0.25 and plateau.unapplied(50) == []
+
+
+def test_a_replay_that_skips_a_recorded_step_is_refused() -> None:
+    plateau = Plateau(PlateauSchedule(), recorded=record((25, 0.5)))
+    assert plateau.observe(20, {}) is None
+    with pytest.raises(DecisionError, match="after step 25, but this run evaluated only at step 30"):
+        plateau.observe(30, {})
+    assert [d.seq for d in Plateau(PlateauSchedule(), recorded=record((25, 0.5))).unapplied(30)] == [0]
