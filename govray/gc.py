@@ -14,6 +14,12 @@ attestations and one ``gc.deleted`` audit event remain as the record::
 
 A checkpoint's metric is its trial's ``validation`` metric of that name at the checkpoint's
 step; a checkpoint without one can only be kept as a latest or by protection.
+
+An experiment's policy is its config's ``checkpoint:`` section until someone overrides it;
+``set_gc_policy`` records the override, audits the change and applies it at once::
+
+    set_gc_policy(store, experiment_id, GcPolicy(save_trial_best=3))  # -> the plan it carried out
+    effective_gc_policy(store, experiment_id)                         # -> GcPolicy(save_trial_best=3)
 """
 
 from __future__ import annotations
@@ -24,16 +30,17 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlmodel import col, select
 
-from govray.config import CheckpointConfig
-from govray.errors import GovrayError
+from govray.config import CheckpointConfig, ExperimentConfig
+from govray.errors import GovrayError, TrackingError, describe_validation_error
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
     CheckpointRecord,
     CheckpointState,
+    Experiment,
     Metric,
     MetricKind,
     ModelVersion,
@@ -162,6 +169,43 @@ def apply_gc(
     return plan
 
 
+def effective_gc_policy(store: TrackingStore, experiment: int | str) -> GcPolicy:
+    """The policy GC applies to an experiment (id or name): its override if one was set, else
+    its config's ``checkpoint:`` section."""
+    found = store.get_experiment(experiment)
+    override = _override(found)
+    return override if override is not None else GcPolicy.from_config(_recorded_config(found).checkpoint)
+
+
+def set_gc_policy(
+    store: TrackingStore, experiment: int | str, policy: GcPolicy, actor: str | None = None
+) -> GcPlan:
+    """Make ``policy`` the experiment's GC policy and apply it now; return the plan carried out.
+
+    Records the override, appends a ``gc.policy_changed`` audit event (old and new policy, and
+    whether the old one was an override), then runs ``apply_gc`` with the metric the
+    experiment's searcher optimises. An experiment whose recorded config does not validate is
+    refused before anything changes.
+    """
+    found = store.get_experiment(experiment)
+    config = _recorded_config(found)
+    experiment_id = found.id
+    assert experiment_id is not None  # read from the store
+    override = _override(found)
+    old = override if override is not None else GcPolicy.from_config(config.checkpoint)
+    store.set_gc_policy(experiment_id, policy.model_dump_json())
+    AuditLog(store).append(
+        AuditEventType.GC_POLICY_CHANGED,
+        {"old": old.model_dump(), "old_overridden": override is not None, "new": policy.model_dump()},
+        experiment_id=experiment_id,
+        actor=actor,
+    )
+    searcher = config.searcher
+    return apply_gc(
+        store, experiment_id, policy, metric=searcher.metric, smaller_is_better=searcher.smaller_is_better
+    )
+
+
 def remove_checkpoint_directory(path: str) -> None:
     """Delete a checkpoint's directory; one already gone is fine.
 
@@ -236,6 +280,29 @@ def _checkpoint_id(record: CheckpointRecord) -> int:
     if record.id is None:
         raise GovrayError(f"checkpoint {record.uuid} has no id: GC only handles rows read from the store")
     return record.id
+
+
+def _recorded_config(experiment: Experiment) -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate_json(experiment.config_json)
+    except ValidationError as exc:
+        raise TrackingError(
+            f"experiment {experiment.id} '{experiment.name}': its recorded config does not validate "
+            f"({describe_validation_error(exc)})"
+        ) from None
+
+
+def _override(experiment: Experiment) -> GcPolicy | None:
+    """The GC policy set on the experiment after its creation, if any."""
+    if experiment.gc_policy_json is None:
+        return None
+    try:
+        return GcPolicy.model_validate_json(experiment.gc_policy_json)
+    except ValidationError as exc:
+        raise TrackingError(
+            f"experiment {experiment.id} '{experiment.name}': its stored GC policy does not validate "
+            f"({describe_validation_error(exc)})"
+        ) from None
 
 
 def _deletion_payload(record: CheckpointRecord, policy: GcPolicy) -> dict[str, object]:

@@ -33,11 +33,12 @@ from govray.config import ExperimentConfig
 from govray.data.shards import ShardSet
 from govray.decisions import LrDecision
 from govray.errors import GovrayError
-from govray.gc import GcPolicy, apply_gc
+from govray.gc import apply_gc, effective_gc_policy
 from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
 from govray.keys import load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
+from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
@@ -67,10 +68,10 @@ def scalar_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str,
 
 @dataclass(frozen=True)
 class GcSettings:
-    """What the controller needs to apply checkpoint GC as the run goes (Ray keeps every checkpoint)."""
+    """What the controller needs to apply checkpoint GC as the run goes (Ray keeps every checkpoint).
+    The policy is read at every checkpoint: ``govray experiment set gc-policy`` applies mid-run."""
 
     experiment_id: int
-    policy: GcPolicy
     metric: str
     smaller_is_better: bool
 
@@ -106,7 +107,7 @@ class TrackingCallback(UserCallback):
             apply_gc(
                 self._store,
                 self.gc.experiment_id,
-                self.gc.policy,
+                effective_gc_policy(self._store, self.gc.experiment_id),
                 metric=self.gc.metric,
                 smaller_is_better=self.gc.smaller_is_better,
             )
@@ -232,6 +233,7 @@ def run_trial(
         lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,
         control_file=str(control_path(config, run_name)),
+        log_dir=str(log_dir(config.storage_path, run_name)),
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
     )
     spec_path = run_spec_path(config, run_name)
@@ -311,7 +313,6 @@ def _train(
     max_steps = spec.max_steps
     gc = GcSettings(
         experiment_id=experiment.id,
-        policy=GcPolicy.from_config(config.checkpoint),
         metric=config.searcher.metric,
         smaller_is_better=config.searcher.smaller_is_better,
     )

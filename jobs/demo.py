@@ -22,7 +22,7 @@ def demo() -> int:
     steps = [
         ("the signed policy, resolved against the model", ["policy", "check", str(EXPERIMENT)]),
         ("ingest and governed training on 2 Ray Train workers", ["run", str(EXPERIMENT)]),
-        ("the experiment in the tracking store", ["experiments", "list", "--config", str(EXPERIMENT)]),
+        ("the experiment in the tracking store", ["experiment", "list", "--config", str(EXPERIMENT)]),
     ]
     for title, argv in steps:
         print(f"\n== {title}: govray {' '.join(argv)}", flush=True)

@@ -1,8 +1,8 @@
 """The ``govray`` command line (``python -m govray`` is the same).
 
-Exit codes: 0 success; 2 bad experiment file; 3 bad credential; 4 bad policy; 5 signature
-refused; 6 routing refused; 7 ingest refused; 8 tracking store problem; 1 anything else govray
-refused on purpose.
+Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument or option; 3 bad
+credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
+store problem; 1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from govray.cli import data, experiments, policy
+from govray.cli import data, experiment, policy, trial
 from govray.cli.replay import replay
 from govray.cli.resume import resume
 from govray.cli.run import run
@@ -27,32 +28,29 @@ app = typer.Typer(
 )
 app.add_typer(policy.app, name="policy")
 app.add_typer(data.app, name="data")
-app.add_typer(experiments.app, name="experiments")
+app.add_typer(experiment.app, name="experiment")
+app.add_typer(experiment.app, name="experiments", hidden=True)  # its earlier name, kept for scripts
+app.add_typer(trial.app, name="trial")
 app.command(name="run")(run)
 app.command(name="replay")(replay)
 app.command(name="resume")(resume)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; a ``GovrayError`` becomes one red line and its exit code."""
+    """Run the CLI; a ``GovrayError`` or a usage error becomes one red line and its exit code."""
+    errors = Console(stderr=True, soft_wrap=True)
     try:
         app(args=argv, standalone_mode=False)
     except GovrayError as error:
-        Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]{type(error).__name__}:[/] {error}", highlight=False
-        )
+        errors.print(f"[bold red]{type(error).__name__}:[/] {escape(str(error))}", highlight=False)
+        return error.exit_code
+    except typer.TyperException as error:  # a missing or invalid argument or option: exit 2
+        errors.print(f"[bold red]usage:[/] {escape(error.format_message())}", highlight=False)
         return error.exit_code
     except typer.Exit as done:
         return int(done.exit_code or 0)
     except (typer.Abort, KeyboardInterrupt):
         return 130
-    except Exception as error:  # click's usage errors
-        import click
-
-        if isinstance(error, click.ClickException):
-            error.show()
-            return error.exit_code
-        raise
     return 0
 
 

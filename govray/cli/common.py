@@ -16,6 +16,7 @@ from govray.tracking.store import TrackingStore
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 ConfigArgument = typer.Argument(..., exists=False, help="Experiment file (YAML).")
+Database = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL.")
 AllowUnsigned = typer.Option(
     False, "--allow-unsigned-policy", help="Run with an unsigned policy (recorded in the audit log)."
 )

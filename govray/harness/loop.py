@@ -14,10 +14,12 @@ The step, top to bottom::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,7 @@ from govray.decisions import DecisionError, LrDecision, Plateau, PlateauState
 from govray.harness.trial import Trial, load_trial_class
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
+from govray.logs import WorkerLog
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
 from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
@@ -87,6 +90,7 @@ class RunSpec(BaseModel):
     control_file: str = ""
     # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
     start_checkpoint: str = ""
+    log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
 
 
 @dataclass
@@ -350,22 +354,47 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
 
     After a failure Ray Train restarts every worker; each resumes from the latest checkpoint and
     recomputes the schedule from there (per-step randomness needs no RNG state). A pause request
-    checkpoints at the next step boundary and returns; a kill request returns without one.
+    checkpoints at the next step boundary and returns; a kill request returns without one. Each
+    rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray trial logs``); a Ray worker process
+    also tees its stdout and stderr there.
     """
-
     spec = RunSpec.model_validate(config)
     if spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
         sys.path.insert(0, spec.code_dir)  # Ray Train moves workers into the run directory
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()
+    if not spec.log_dir:
+        _train_steps(spec, worker, None, on_report)
+        return
+    log = WorkerLog(Path(spec.log_dir) / f"rank-{worker.rank}.log", worker.rank)
+    # In local mode the worker is the driver, whose terminal shows a progress bar: no tee.
+    with log, log.capture() if on_report is None else contextlib.nullcontext():
+        try:
+            _train_steps(spec, worker, log, on_report)
+        except BaseException:
+            log.write(traceback.format_exc())
+            raise
+
+
+def _train_steps(spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report: Report | None) -> None:
+    def note(message: str) -> None:
+        if log is not None:
+            log.write(message)
+
     training = GovernedTraining(spec, worker)
     start = 0
     resume_from = _resume_checkpoint(spec)
     if resume_from is not None:
         with resume_from.as_directory() as directory:
             start = training.restore(Path(directory))
+        note(f"resumed from a verified checkpoint at step {start}")
     elif spec.start_checkpoint:
         training.start_from(Path(spec.start_checkpoint))
+        note(f"starting from checkpoint {spec.start_checkpoint} (its step {training.source['step']})")
+    note(
+        f"rank {worker.rank} of {worker.world_size}: steps {start + 1}..{spec.max_steps}, "
+        f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
+    )
     key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     loss_sum, examples = 0.0, 0
     for step in range(start, spec.max_steps):
@@ -389,7 +418,13 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
         if validate:
             validation = training.evaluate()
             metrics.update(validation)
-            training.observe(done, validation)
+            decision = training.observe(done, validation)
+            if decision is not None:
+                seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
+                note(
+                    f"decision {decision.seq}: learning rate x{decision.previous_scale:g} -> "
+                    f"x{decision.scale:g} after step {done} ({decision.metric} {seen})"
+                )
             if training.plateau is not None and training.plateau.decisions:
                 metrics["decisions"] = json.dumps(
                     [decision.model_dump(mode="json") for decision in training.plateau.decisions]
@@ -399,9 +434,19 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
             metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
         if stop is not None:
             metrics["stopped_on_request"] = STOP_CODES[stop]
+        note(
+            " ".join(
+                f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
+                for name, value in metrics.items()
+                if name not in ("ledger", "decisions") and "/" not in name
+            )
+            + (" (checkpoint)" if save and key is not None else "")
+        )
         _report(training, metrics, done, key if save else None, on_report)
         if stop is not None:
+            note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
             return
+    note(f"completed {spec.max_steps} steps")
 
 
 def _resume_checkpoint(spec: RunSpec) -> Any:
