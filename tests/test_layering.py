@@ -9,7 +9,7 @@ GOVRAY = Path(__file__).resolve().parents[1] / "govray"
 
 # Bottom to top. A module may import its own layer and those below it, never above.
 LAYERS: list[set[str]] = [
-    {"errors", "canonical", "documents", "runtime"},
+    {"errors", "canonical", "documents", "runtime", "logs"},
     {"credentials"},
     {"keys"},
     {"dsse"},
@@ -20,14 +20,15 @@ LAYERS: list[set[str]] = [
     {"routing"},
     {"adapters"},
     {"allreduce"},
-    {"ledger"},
+    {"ledger", "decisions"},
     {"checkpoint"},
     {"harness", "reproducibility"},
     {"tracking"},
     {"gc"},
+    {"describe"},
     {"preflight"},
     {"runner"},
-    {"replay"},
+    {"replay", "lifecycle"},
     {"attest"},
     {"cli", "__main__"},
 ]
