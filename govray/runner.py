@@ -191,6 +191,10 @@ def run_trial(
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
+    key = platform_key()
+    trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
+    # A tampered or foreign source checkpoint is refused before anything is recorded.
+    source = load_checkpoint(start_checkpoint, trust) if start_checkpoint is not None else None
     # The trial row keeps the trial seed: with the experiment's seed it fixes init, schedule and
     # per-step randomness, which is what a replay needs.
     trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=trial_seed)
@@ -198,12 +202,9 @@ def run_trial(
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
     run_dir = Path(config.storage_path) / "ray" / run_name
-    key = platform_key()
-    trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
-    if start_checkpoint is not None:
-        loaded = load_checkpoint(start_checkpoint, trust)  # refuse a tampered source before anything runs
-        source = {"path": str(start_checkpoint), "manifest_sha256": loaded.manifest_digest}
-        store.set_trial_source(trial_id, json.dumps({**source, "step": loaded.state.step}))
+    if source is not None:
+        recorded = {"path": str(source.directory), "manifest_sha256": source.manifest_digest}
+        store.set_trial_source(trial_id, json.dumps({**recorded, "step": source.state.step}))
     max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(

@@ -1,0 +1,216 @@
+"""The experiment lifecycle: pause checkpoints at a step boundary and activate continues to the
+uninterrupted run's exact weights; kill stops for good; a fork records its parent and starts from
+a verified checkpoint, keeping that checkpoint's ledger on the record."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from govray.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
+from govray.cli import main
+from govray.config import ExperimentConfig, load_experiment
+from govray.data.shards import ShardSet
+from govray.harness.loop import GovernedTraining, RunSpec, Worker
+from govray.ledger import Ledger, recompute_ledger
+from govray.lifecycle import LifecycleError, request_kill, request_pause
+from govray.logs import log_dir, read_logs
+from govray.preflight import check_policy, ingest_experiment
+from govray.runner import TrialOutcome, run_spec_path, run_trial
+from govray.schedule import ScheduleSpec, derive_seed
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore
+from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_example
+
+WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
+
+
+def slow_example(root: Path, workers: int) -> Path:
+    path = _golden_example(root, workers=workers, max_length={"batches": GOLDEN_STEPS})
+    raw = yaml.safe_load(path.read_text())
+    raw["trial"] = "tests.slow_trial:SlowDigitsTrial"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def run_and_request(path: Path, command: str) -> tuple[TrialOutcome, TrackingStore, int]:
+    """Train the example; once the first report (step 10) is in, `govray experiment COMMAND` it."""
+    config = load_experiment(path)
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)
+    experiment, ingested = ingest_experiment(config, checked, store)
+    assert experiment.id is not None
+    asked: list[int] = []
+
+    def progress(step: int, max_steps: int, latest: dict[str, float]) -> None:
+        if not asked:
+            asked.append(step)
+            code = main(["experiment", command, str(experiment.id), "--database", config.database_url])
+            assert code == 0
+
+    outcome = run_trial(
+        config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY, progress=progress
+    )
+    assert asked == [GOLDEN_REPORT_EVERY]
+    return outcome, store, experiment.id
+
+
+@pytest.fixture(scope="module")
+def paused(
+    ray_session: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TrialOutcome, TrackingStore, int]:
+    return run_and_request(slow_example(tmp_path_factory.mktemp("paused"), workers=2), "pause")
+
+
+def test_pause_checkpoints_at_a_step_boundary_and_activate_finishes_bit_identically(
+    paused: tuple[TrialOutcome, TrackingStore, int], golden_run: GoldenRun
+) -> None:
+    outcome, store, experiment_id = paused
+    assert outcome.state == "paused" and GOLDEN_REPORT_EVERY <= outcome.steps_done < GOLDEN_STEPS
+    assert store.get_trial(outcome.trial_id).state == "paused"
+    assert store.get_experiment(experiment_id).state == "paused"
+    assert store.get_experiment(experiment_id).requested is None  # the request was carried out
+    saved = find_checkpoints(outcome.run_dir)
+    assert checkpoint_step(saved[-1]) == outcome.steps_done  # the pause checkpoint
+
+    assert main(["experiment", "activate", str(experiment_id), "--database", store.url]) == 0
+    assert store.get_trial(outcome.trial_id).state == "completed"
+    assert store.get_experiment(experiment_id).state == "completed"
+    final = find_checkpoints(outcome.run_dir)[-1]
+    golden = find_checkpoints(golden_run.outcome.run_dir)[-1]
+    assert checkpoint_step(final) == checkpoint_step(golden) == GOLDEN_STEPS
+    for name in WEIGHT_FILES:
+        assert (final / name).read_bytes() == (golden / name).read_bytes(), name
+    state, golden_state = (json.loads((d / STATE_FILE).read_text()) for d in (final, golden))
+    assert state["ledger"] == golden_state["ledger"]
+    assert state["plateau"]["decisions"] == golden_state["plateau"]["decisions"]
+
+    lines = read_logs(log_dir(load_experiment_config(store, experiment_id).storage_path, outcome.run_name))
+    assert any(
+        f"pause requested: stopped after step {outcome.steps_done} with a checkpoint" in line
+        for line in lines
+    )
+    assert any(f"resumed from a verified checkpoint at step {outcome.steps_done}" in line for line in lines)
+    assert sum("completed 30 steps" in line for line in lines) == 2  # both ranks
+    requested = [e for e in AuditLog(store).list() if e.event_type == AuditEventType.EXPERIMENT_REQUESTED]
+    assert [json.loads(e.payload_json)["request"] for e in requested] == ["pause"]
+
+
+def load_experiment_config(store: TrackingStore, experiment_id: int) -> ExperimentConfig:
+    return ExperimentConfig.model_validate_json(store.get_experiment(experiment_id).config_json)
+
+
+def test_kill_stops_a_local_run_for_good(ray_session: None, tmp_path: Path) -> None:
+    outcome, store, experiment_id = run_and_request(slow_example(tmp_path, workers=1), "kill")
+    assert outcome.state == "killed" and GOLDEN_REPORT_EVERY <= outcome.steps_done < GOLDEN_STEPS
+    assert outcome.ledger is None
+    assert store.get_trial(outcome.trial_id).state == "killed"
+    assert store.get_experiment(experiment_id).state == "killed"
+    # No checkpoint after the kill: the last one is from a period or validation boundary.
+    assert all(checkpoint_step(c) % GOLDEN_REPORT_EVERY == 0 for c in find_checkpoints(outcome.run_dir))
+    url = store.url
+    assert main(["experiment", "activate", str(experiment_id), "--database", url]) == 14
+    assert main(["experiment", "kill", str(experiment_id), "--database", url]) == 14
+    assert main(["resume", str(experiment_id), "--database", url]) != 0  # nothing left to resume
+
+
+def test_requests_follow_the_state_machine(tmp_path: Path) -> None:
+    store = TrackingStore.open(f"sqlite:///{tmp_path / 'lifecycle.db'}")
+    experiment = store.create_experiment("machine", "{}", "d", str(tmp_path))
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    with pytest.raises(LifecycleError, match="is created: only an active one can be paused"):
+        request_pause(store, experiment.id)
+    store.set_experiment_state(experiment.id, "active")
+    store.set_trial_state(trial.id, "active")
+    assert request_pause(store, experiment.id).requested == "pause"
+    assert request_kill(store, experiment.id).requested == "kill"  # the running driver acts on it
+    assert store.get_experiment(experiment.id).state == "active"
+    # A paused experiment has no driver: killing it is immediate, trial and all.
+    store.set_experiment_state(experiment.id, "paused")
+    store.set_trial_state(trial.id, "paused")
+    killed = request_kill(store, experiment.id)
+    assert (killed.state, killed.requested, store.get_trial(trial.id).state) == ("killed", None, "killed")
+    with pytest.raises(LifecycleError, match="is killed: nothing to pause"):
+        request_pause(store, experiment.id)
+
+
+def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_ledger(
+    golden_run: GoldenRun, golden_example: Path
+) -> None:
+    store = golden_run.store
+    parent = store.get_experiment(golden_run.config.name)
+    raw = yaml.safe_load(golden_example.read_text())
+    raw["resources"] = {"workers": 1, "cpus_per_worker": 1}
+    raw["searcher"]["max_length"] = {"batches": 5}
+    del raw["lr_schedule"], raw["min_validation_period"]
+    edited = golden_example.parent / "forked.yaml"
+    edited.write_text(yaml.safe_dump(raw, sort_keys=False))
+    code = main(
+        [
+            "experiment",
+            "fork",
+            str(parent.id),
+            "--config",
+            str(edited),
+            "--from-checkpoint",
+            "latest",
+            "--database",
+            store.url,
+        ]
+    )
+    assert code == 0
+    child = store.list_experiments()[-1]
+    assert child.parent_id == parent.id and child.state == "completed"
+    (trial,) = store.list_trials(child.id)
+    source = json.loads(trial.source_checkpoint_json or "{}")
+    golden_final = find_checkpoints(golden_run.outcome.run_dir)[-1]
+    assert Path(source["path"]) == golden_final and source["step"] == GOLDEN_STEPS
+    forked_events = [e for e in AuditLog(store).list() if e.event_type == AuditEventType.EXPERIMENT_FORKED]
+    assert json.loads(forked_events[-1].payload_json)["parent"] == parent.id
+
+    # The fork's ledger: the source checkpoint's, plus exactly what its own 5 steps routed.
+    final = find_checkpoints(Path(golden_run.config.storage_path) / "ray" / trial.ray_run_name)[-1]
+    state = json.loads((final / STATE_FILE).read_text())
+    assert state["source"]["manifest_sha256"] == source["manifest_sha256"]
+    schedule = ScheduleSpec.from_manifest(
+        ShardSet.open(golden_run.shard_root).manifest,
+        seed=derive_seed(golden_run.config.seed, 0, "schedule"),
+        world_size=1,
+        batch_size=GOLDEN_HPARAMS["batch_size"],
+    )
+    own = recompute_ledger(schedule, golden_run.checked.routing, 5)
+    golden_ledger = json.loads((golden_final / STATE_FILE).read_text())["ledger"]
+    assert Ledger.from_json(state["ledger"]) == Ledger.from_json(golden_ledger).merge(own)
+
+    # Step 0 of the fork is the source's weights exactly.
+    spec = RunSpec.model_validate_json(run_spec_path(golden_run.config, trial.ray_run_name).read_text())
+    training = GovernedTraining(spec, Worker(0, 1))
+    training.start_from(golden_final)
+    expected = load_file(str(golden_final / MODEL_FILE))
+    assert all(training.model.base.state_dict()[name].equal(tensor) for name, tensor in expected.items())
+
+
+def test_a_tampered_source_checkpoint_is_refused_before_anything_is_recorded(
+    golden_run: GoldenRun, golden_example: Path, tmp_path: Path
+) -> None:
+    tampered = tmp_path / "tampered"
+    shutil.copytree(find_checkpoints(golden_run.outcome.run_dir)[-1], tampered)
+    weights = bytearray((tampered / MODEL_FILE).read_bytes())
+    weights[-1] ^= 1
+    (tampered / MODEL_FILE).write_bytes(bytes(weights))
+    trials_before = len(store_trials(golden_run))
+    code = main(["run", str(golden_example), "--from-checkpoint", str(tampered)])
+    assert code == 10  # CheckpointError
+    assert len(store_trials(golden_run)) == trials_before
+
+
+def store_trials(run: GoldenRun) -> list[Any]:
+    return [t for e in run.store.list_experiments() for t in run.store.list_trials(e.id)]
