@@ -135,6 +135,7 @@ GOLDEN_HPARAMS: dict[str, Any] = {
     "lr": 0.05,
     "optimizer": "sgd",  # the reference test recovers updates exactly from SGD steps
     "batch_size": 16,
+    "max_grad_norm": 0.25,  # per-route-group clipping in play (it clips most early steps)
 }
 GOLDEN_STEPS = 30
 GOLDEN_REPORT_EVERY = 10

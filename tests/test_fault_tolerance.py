@@ -26,7 +26,7 @@ from govray.checkpoint import (
 from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.runtime import train_worker_pids
 from govray.tracking.lineage import checkpoints
-from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
+from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, REPO, GoldenRun, _golden_run
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -148,10 +148,13 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
         verify_checkpoint(checkpoint_copy, trust())
 
 
-@pytest.fixture(scope="module")
-def resumed_after_driver_kill(golden_run: GoldenRun, golden_example: Path) -> Any:
-    """`govray run` in its own process on the session's Ray, SIGKILLed after its first checkpoint;
-    then `govray resume` in this process."""
+@pytest.fixture(scope="module", params=["govray resume", "jobs/train.py"])
+def resumed_after_driver_kill(
+    request: pytest.FixtureRequest, golden_run: GoldenRun, golden_example: Path
+) -> Any:
+    """`jobs/train.py` (what `ray job submit` runs) in its own process on the session's Ray,
+    SIGKILLed after its first checkpoint; then, in this process, `govray resume EXPERIMENT` or the
+    same `jobs/train.py` call (a resubmitted job continues the interrupted trial)."""
     import subprocess
     import sys
 
@@ -163,7 +166,8 @@ def resumed_after_driver_kill(golden_run: GoldenRun, golden_example: Path) -> An
     known = {trial.id for trial in store.list_trials(1)}
     environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     driver = subprocess.Popen(
-        [sys.executable, "-m", "govray", "run", str(golden_example)],
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(golden_example)],
+        cwd=REPO,
         env=environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -181,7 +185,13 @@ def resumed_after_driver_kill(golden_run: GoldenRun, golden_example: Path) -> An
     assert trial_id is not None, "never saw the first checkpoint of the driver to kill"
     assert store.get_trial(trial_id).state == "active"  # nobody marked it done: the driver died
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
-    assert main(["resume", golden_run.config.name, "--database", golden_run.config.database_url]) == 0
+    if request.param == "govray resume":
+        assert main(["resume", golden_run.config.name, "--database", golden_run.config.database_url]) == 0
+    else:
+        from jobs.train import parse
+
+        assert main(parse(["--config", str(golden_example)])) == 0
+    assert len(store.list_trials(1)) == len(known) + 1  # continued, not started anew
     return store.get_trial(trial_id)
 
 

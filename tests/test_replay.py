@@ -71,7 +71,9 @@ def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(
     golden_run: GoldenRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The product's strongest promise, through the CLI: the PII corpus trains only its adapter,
-    so the replay without it has a byte-identical base model (and a fresh run name)."""
+    so the replay without it has a byte-identical base model (and a fresh run name) — with a
+    metric-driven LR schedule cutting the LR twice (applied from the record) and per-route-group
+    gradient clipping active (GOLDEN_HPARAMS' max_grad_norm)."""
     code = main(
         [
             "replay",

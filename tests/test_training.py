@@ -45,8 +45,12 @@ def schedule_of(run: GoldenRun, workers: int, excluded: tuple[str, ...] = ()) ->
     )
 
 
-def reference_weights(run: GoldenRun, steps: int) -> dict[str, torch.Tensor]:
-    """One process, no DDP: each slot's per-example gradient sum, masked mean per tensor, SGD."""
+def reference_weights(
+    run: GoldenRun, steps: int, clipped: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """One process, no DDP: each slot's per-example gradient sum, masked mean per tensor, each
+    route group (tensors updated by the same routes) clipped on its own norm, SGD. ``clipped``
+    collects the steps where some group's norm was over the limit."""
     config = run.config
     trial = load_trial_class(config.trial)(GOLDEN_HPARAMS)
     torch.manual_seed(derive_seed(config.seed, 0, "init"))
@@ -72,11 +76,27 @@ def reference_weights(run: GoldenRun, steps: int) -> dict[str, torch.Tensor]:
                 {name: torch.zeros_like(p) if p.grad is None else p.grad.clone() for name, p in named}
             )
         with torch.no_grad():
-            for index, (name, parameter) in enumerate(named):
+            update: dict[str, torch.Tensor] = {}
+            for index, (name, _) in enumerate(named):
                 members = [r for r, s in enumerate(slots) if not s.empty and s.route in allowed[index]]
                 count = sum(len(slots[r].rows) for r in members)
                 if count:
-                    parameter -= GOLDEN_HPARAMS["lr"] * sum(slot_grads[r][name] for r in members) / count
+                    update[name] = sum(slot_grads[r][name] for r in members) / count
+            for group in {allowed[index] for index in range(len(named))}:
+                names = [name for index, (name, _) in enumerate(named) if allowed[index] == group]
+                grads = [update[name] for name in names if name in update]
+                if not grads:
+                    continue
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                limit = GOLDEN_HPARAMS["max_grad_norm"]
+                if norm > limit:
+                    if clipped is not None:
+                        clipped.append(step)
+                    for grad in grads:
+                        grad.mul_(limit / (norm + 1e-6))
+            for name, parameter in named:
+                if name in update:
+                    parameter -= GOLDEN_HPARAMS["lr"] * update[name]
     weights = dict(model.base_state())
     for adapter in model.adapter_names():
         weights.update(model.adapter_tensors(adapter))
@@ -85,7 +105,9 @@ def reference_weights(run: GoldenRun, steps: int) -> dict[str, torch.Tensor]:
 
 def test_two_worker_update_equals_single_process_masked_mean(golden_run: GoldenRun) -> None:
     step = REPORT_STEPS[0]
-    expected = reference_weights(golden_run, step)
+    clipped: list[int] = []
+    expected = reference_weights(golden_run, step, clipped)
+    assert clipped, "per-route-group clipping was never in play"
     got = load_file(snapshot(golden_run, step))
     got.update(load_file(snapshot(golden_run, step, "adapter-pii-lora.safetensors")))
     assert set(got) == set(expected)
