@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"routing"},
     {"adapters"},
     {"allreduce"},
-    {"ledger", "decisions"},
+    {"ledger", "decisions", "memorization"},
     {"checkpoint"},
     {"harness", "reproducibility"},
     {"tracking"},

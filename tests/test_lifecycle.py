@@ -19,7 +19,7 @@ from govray.config import ExperimentConfig, load_experiment
 from govray.data.shards import ShardSet
 from govray.harness.loop import GovernedTraining, RunSpec, Worker
 from govray.ledger import Ledger, recompute_ledger
-from govray.lifecycle import LifecycleError, request_kill, request_pause
+from govray.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
 from govray.logs import log_dir, read_logs
 from govray.preflight import check_policy, ingest_experiment
 from govray.runner import TrialOutcome, run_spec_path, run_trial
@@ -148,6 +148,7 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
     store = golden_run.store
     parent = store.get_experiment(golden_run.config.name)
     raw = yaml.safe_load(golden_example.read_text())
+    raw["name"] = "digits-forked"  # the golden experiment's name keeps finding the golden experiment
     raw["resources"] = {"workers": 1, "cpus_per_worker": 1}
     raw["searcher"]["max_length"] = {"batches": 5}
     del raw["lr_schedule"], raw["min_validation_period"]
@@ -171,7 +172,10 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
     assert child.parent_id == parent.id and child.state == "completed"
     (trial,) = store.list_trials(child.id)
     source = json.loads(trial.source_checkpoint_json or "{}")
-    golden_final = find_checkpoints(golden_run.outcome.run_dir)[-1]
+    # "latest": the parent's newest kept checkpoint (other tests may have added trials to it).
+    golden_final = parent_checkpoint(store, parent.id)  # type: ignore[arg-type]
+    parent_runs = {t.ray_run_name for t in store.list_trials(parent.id)}
+    assert golden_final.parent.name in parent_runs and checkpoint_step(golden_final) == GOLDEN_STEPS
     assert Path(source["path"]) == golden_final and source["step"] == GOLDEN_STEPS
     forked_events = [e for e in AuditLog(store).list() if e.event_type == AuditEventType.EXPERIMENT_FORKED]
     assert json.loads(forked_events[-1].payload_json)["parent"] == parent.id
