@@ -74,6 +74,7 @@ class CheckpointState(BaseModel):
     reproducibility: dict[str, Any] = Field(default_factory=dict)
     plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
+    run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
 
 
 class Manifest(BaseModel):

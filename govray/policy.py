@@ -40,6 +40,7 @@ from govray.documents import parse_yaml_mapping, read_text
 from govray.dsse import Envelope, read_envelope, sign_envelope, verify_envelope
 from govray.errors import PolicyError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
+from govray.memorization import MemorizationThresholds
 
 POLICY_SIGNATURE_TYPE = "application/vnd.govray.policy-signature+json"
 POLICY_SIGNATURE_PREDICATE = "https://govray.dev/PolicySignature/v1"
@@ -160,6 +161,8 @@ class DepthPolicy(BaseModel):
     adapters: dict[str, AdapterSpec] = Field(default_factory=dict)
     rules: list[Rule] = Field(min_length=1)
     default: Route | None = None
+    # What counts as memorizing, and what a flag does (flag / gate / rollback); None: the defaults.
+    memorization: MemorizationThresholds | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> DepthPolicy:

@@ -36,7 +36,7 @@ from govray.errors import GovrayError
 from govray.gc import apply_gc, effective_gc_policy
 from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
 from govray.harness.trial import load_trial_class
-from govray.keys import load_trust, platform_key, platform_key_path, platform_trust
+from govray.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
@@ -201,46 +201,81 @@ def run_trial(
     assert trial_row.id is not None
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
-    run_dir = Path(config.storage_path) / "ray" / run_name
     if source is not None:
         recorded = {"path": str(source.directory), "manifest_sha256": source.manifest_digest}
         store.set_trial_source(trial_id, json.dumps({**recorded, "step": source.state.step}))
-    max_steps = plan_steps(config, shard_root, values, trial_seed=trial_seed)
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
         config, Path(config.storage_path), config_digest=config_digest(config), threads=threads
     )
     store.set_trial_reproducibility(trial_id, record.model_dump_json())
-    spec = RunSpec(
-        trial=config.trial,
+    spec = new_run_spec(
+        config,
+        checked,
+        shard_root,
+        run_name,
         hparams=values,
-        policy=checked.policy.policy,
-        shard_root=str(shard_root),
-        seed=config.seed,
         trial_seed=trial_seed,
-        max_steps=max_steps,
+        reproducibility=record.model_dump(mode="json"),
+        trust=trust,
         excluded_corpora=excluded_corpora,
         report_every=report_every,
-        threads=threads,
-        reproducibility=record.model_dump(mode="json"),
-        code_dir=os.getcwd(),
-        checkpoint_period=config.checkpoint.period,
-        platform_key=str(platform_key_path()),
-        trust=trust,
-        config_digest=config_digest(config),
-        policy_digest=checked.policy.digest,
-        run_dir=str(run_dir),
-        validation_period=config.min_validation_period,
-        lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,
-        control_file=str(control_path(config, run_name)),
-        log_dir=str(log_dir(config.storage_path, run_name)),
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
     )
     spec_path = run_spec_path(config, run_name)
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
     return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
+
+
+def new_run_spec(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    shard_root: Path,
+    run_name: str,
+    *,
+    hparams: dict[str, Any],
+    trial_seed: int,
+    reproducibility: dict[str, Any],
+    trust: TrustConfig,
+    excluded_corpora: tuple[str, ...] = (),
+    report_every: int = 20,
+    recorded_decisions: tuple[LrDecision, ...] | None = None,
+    start_checkpoint: str = "",
+    validation_period: int | None = None,
+) -> RunSpec:
+    """Everything the workers of run ``run_name`` need, from the experiment and one hyperparameter
+    sample (a searcher may impose a ``validation_period`` when the config sets none)."""
+    return RunSpec(
+        trial=config.trial,
+        hparams=hparams,
+        policy=checked.policy.policy,
+        shard_root=str(shard_root),
+        seed=config.seed,
+        trial_seed=trial_seed,
+        max_steps=plan_steps(config, shard_root, hparams, trial_seed=trial_seed),
+        excluded_corpora=excluded_corpora,
+        report_every=report_every,
+        threads=default_threads(config.resources.cpus_per_worker),
+        reproducibility=reproducibility,
+        code_dir=os.getcwd(),
+        checkpoint_period=config.checkpoint.period,
+        platform_key=str(platform_key_path()),
+        trust=trust,
+        config_digest=config_digest(config),
+        policy_digest=checked.policy.digest,
+        run_dir=str(Path(config.storage_path) / "ray" / run_name),
+        validation_period=config.min_validation_period or validation_period,
+        lr_schedule=config.lr_schedule,
+        recorded_decisions=recorded_decisions,
+        control_file=str(control_path(config, run_name)),
+        log_dir=str(log_dir(config.storage_path, run_name)),
+        start_checkpoint=start_checkpoint,
+        objective_metric=config.searcher.metric,
+        smaller_is_better=config.searcher.smaller_is_better,
+        memorization_lambda=config.searcher.memorization_lambda,
+    )
 
 
 def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:

@@ -1,3 +1,6 @@
-"""Search strategies as Ray Tune configurations, one module per strategy (grid, random, ASHA, PBT,
-Bayesian), and the memorization-penalized objective. The experiment file's ``searcher`` section is
-already validated by ``govray.config``; the strategies arrive with the search issue."""
+"""Search strategies: each turns an experiment's ``searcher:`` section into a Ray Tune plan.
+
+govray finds them through the ``govray.searchers`` entry points (pyproject.toml), never by import:
+``single``, ``grid``, ``random``, ``asha``, ``pbt``, ``bayesian``. A strategy is
+``plan(config, max_steps) -> govray.search.TunePlan``.
+"""

@@ -9,7 +9,7 @@ GOVRAY = Path(__file__).resolve().parents[1] / "govray"
 
 # Bottom to top. A module may import its own layer and those below it, never above.
 LAYERS: list[set[str]] = [
-    {"errors", "canonical", "documents", "runtime", "logs"},
+    {"errors", "canonical", "documents", "runtime", "logs", "memorization"},
     {"credentials"},
     {"keys"},
     {"dsse"},
@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"routing"},
     {"adapters"},
     {"allreduce"},
-    {"ledger", "decisions", "memorization"},
+    {"ledger", "decisions"},
     {"checkpoint"},
     {"harness", "reproducibility"},
     {"tracking"},
@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"describe"},
     {"preflight"},
     {"runner"},
-    {"replay", "lifecycle"},
+    {"replay", "lifecycle", "search"},
     {"attest"},
     {"cli", "__main__"},
 ]

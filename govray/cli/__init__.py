@@ -17,6 +17,7 @@ from govray.cli import data, experiment, policy, trial
 from govray.cli.replay import replay
 from govray.cli.resume import resume
 from govray.cli.run import run
+from govray.cli.search import search
 from govray.errors import GovrayError
 
 app = typer.Typer(
@@ -32,6 +33,7 @@ app.add_typer(experiment.app, name="experiment")
 app.add_typer(experiment.app, name="experiments", hidden=True)  # its earlier name, kept for scripts
 app.add_typer(trial.app, name="trial")
 app.command(name="run")(run)
+app.command(name="search")(search)
 app.command(name="replay")(replay)
 app.command(name="resume")(resume)
 

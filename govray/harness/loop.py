@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
@@ -50,11 +51,19 @@ from govray.harness.trial import Trial, load_trial_class
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
 from govray.logs import WorkerLog
+from govray.memorization import (
+    CorpusMeasures,
+    MemorizationReport,
+    MemorizationThresholds,
+    memorization_report,
+    objective,
+)
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
 from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
+MEMORIZATION_SAMPLE = 512  # training rows per corpus the loss gap compares with its holdout
 STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
 STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
 
@@ -92,6 +101,13 @@ class RunSpec(BaseModel):
     # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
     start_checkpoint: str = ""
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
+    # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
+    # trial restored, or a PBT clone continuing its donor.
+    resume_checkpoint: str = ""
+    # The search objective, reported at every validation: metric + lambda * memorization_score.
+    objective_metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    memorization_lambda: float = 0.0
 
 
 @dataclass
@@ -125,6 +141,14 @@ class RouteRows:
         if slot.empty or slot.route is None:
             return self._empty
         return self.tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
+
+    def corpus_sample(self, corpus_id: str, count: int) -> pa.Table:
+        """``count`` training rows of a corpus (over all its routes): those with the lowest row
+        hashes, so every run and every rank picks the same ones."""
+        parts = [table.filter(pc.equal(table.column("_corpus"), corpus_id)) for table in self.tables.values()]
+        rows = pa.concat_tables([part for part in parts if part.num_rows] or [self._empty])
+        order = pc.sort_indices(rows, sort_keys=[("_row_hash", "ascending"), ("_row", "ascending")])
+        return rows.take(order).slice(0, count)
 
     def tokens(self, trial: Trial) -> dict[str, list[int]] | None:
         """Tokens per route-local row, for the ledger; None unless the trial counts tokens."""
@@ -180,7 +204,8 @@ class GovernedTraining:
             )
             ddp.register_comm_hook(self.governor, governed_allreduce_hook)
             self.forward = ddp
-        self.optimizer = self.trial.build_optimizer([parameter for _, parameter in named])
+        self.trainable = [parameter for _, parameter in named]
+        self.optimizer = self.trial.build_optimizer(self.trainable)
         for group in self.optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])  # decisions scale it
         self.plateau = (
@@ -189,6 +214,7 @@ class GovernedTraining:
         self.ledger = Ledger()
         self.source: dict[str, Any] = {}
         self._stop_check: tuple[torch.Tensor, Any] | None = None
+        self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
 
     def step(self, step: int) -> tuple[float, int]:
         """One governed step; returns this worker's (loss sum, examples)."""
@@ -229,6 +255,7 @@ class GovernedTraining:
             reproducibility=self.spec.reproducibility,
             plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
             source=self.source,
+            run=Path(self.spec.run_dir).name,
         )
 
     def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:
@@ -250,12 +277,25 @@ class GovernedTraining:
         for adapter in self.model.adapter_names():
             load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
         self.optimizer.load_state_dict(loaded.optimizer_state)
+        self._take_hyperparameters()
         self.ledger = Ledger.from_json(loaded.state.ledger)
         self.source = loaded.state.source
+        self.restored_from_run = loaded.state.run
         if self.plateau is not None and loaded.state.plateau:
             self.plateau.state = PlateauState.model_validate(loaded.state.plateau)
             self._apply_lr_scale()
         return loaded.state.step
+
+    def _take_hyperparameters(self) -> None:
+        """After a restore: optimizer state from the checkpoint, settings (lr, betas, decay) from
+        this trial's hyperparameters — the same values on a plain resume, a PBT clone's mutated
+        ones when it continues its donor."""
+        fresh = self.trial.build_optimizer(self.trainable)
+        for restored, configured in zip(self.optimizer.param_groups, fresh.param_groups, strict=True):
+            for name, value in configured.items():
+                if name != "params":
+                    restored[name] = value
+            restored["initial_lr"] = configured["lr"]
 
     def start_from(self, directory: Path) -> None:
         """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
@@ -326,6 +366,65 @@ class GovernedTraining:
         return STOP_NAMES.get(int(flag.item()))
 
     @torch.no_grad()
+    def memorization(self) -> MemorizationReport:
+        """Per corpus, the loss gap (Yeom et al.): mean holdout loss minus mean training loss, both
+        through the corpus's own route (its adapter active, where memorized PII would live), over
+        a fixed sample of its training rows (lowest row hashes, as many as its holdout rows, at
+        most ``MEMORIZATION_SAMPLE``); split across ranks and summed. Scored by the policy's
+        thresholds (or the defaults)."""
+        self.model.eval()
+        sums: dict[str, float] = {}
+        manifest = self.shards.manifest
+        for corpus in manifest.corpora:
+            if corpus.corpus_id not in manifest.holdout or not corpus.train_rows:
+                continue
+            holdout = self.shards.holdout_table(corpus.corpus_id)
+            sample = min(holdout.num_rows, MEMORIZATION_SAMPLE)
+            for kind, table in (
+                ("train", self.rows.corpus_sample(corpus.corpus_id, sample)),
+                ("holdout", holdout),
+            ):
+                mine = table.take(pa.array(range(self.worker.rank, table.num_rows, self.worker.world_size)))
+                total = 0.0
+                for route in sorted(set(mine.column("_route").to_pylist())):
+                    part = mine.filter(pc.equal(mine.column("_route"), route))
+                    with self.model.active(self.routing.adapter_names.get(route)):
+                        total += float(self.trial.loss(self.model, self.trial.collate(part)).double().sum())
+                sums[f"{kind}/{corpus.corpus_id}"] = total
+                sums[f"{kind}_count/{corpus.corpus_id}"] = float(mine.num_rows)
+        totals = all_reduce_sums(sums, self.worker)
+        measures = {}
+        for key in totals:
+            kind, _, corpus_id = key.partition("/")
+            if (
+                kind != "train"
+                or not totals[f"holdout_count/{corpus_id}"]
+                or not totals[f"train_count/{corpus_id}"]
+            ):
+                continue
+            gap = (
+                totals[f"holdout/{corpus_id}"] / totals[f"holdout_count/{corpus_id}"]
+                - totals[key] / totals[f"train_count/{corpus_id}"]
+            )
+            measures[corpus_id] = CorpusMeasures(loss_gap=gap)
+        thresholds = self.spec.policy.memorization or MemorizationThresholds()
+        return memorization_report(measures, thresholds)
+
+    def objective(self, metrics: Mapping[str, float], report: MemorizationReport) -> float:
+        """The search objective: the searcher's metric penalized by the memorization score."""
+        if self.spec.objective_metric not in metrics:
+            raise DecisionError(
+                f"the searcher's metric {self.spec.objective_metric!r} was not reported; "
+                f"validation reported: {', '.join(sorted(metrics))}"
+            )
+        return objective(
+            float(metrics[self.spec.objective_metric]),
+            report.score,
+            self.spec.memorization_lambda,
+            self.spec.smaller_is_better,
+        )
+
+    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation metrics of the base model (adapters inactive) over every holdout row, split
         across workers and summed; also per corpus (``validation_loss/CORPUS``)."""
@@ -363,12 +462,14 @@ def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, fl
     return {name: sum(part.get(name, 0.0) for part in gathered) for name in names}
 
 
-def train_worker(config: dict[str, Any], on_report: Report | None = None) -> None:
+def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_train: bool = True) -> None:
     """``train_loop_per_worker`` for Ray Train: the whole governed run of one worker.
 
     After a failure Ray Train restarts every worker; each resumes from the latest checkpoint and
     recomputes the schedule from there (per-step randomness needs no RNG state). A pause request
-    checkpoints at the next step boundary and returns; a kill request returns without one. Each
+    checkpoints at the next step boundary and returns; a kill request returns without one.
+    Without ``ray_train`` (a Ray Tune trial, where Ray refuses Ray Train's session API) only
+    ``on_report`` hears the reports and ``spec.resume_checkpoint`` is the resume point. Each
     rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray trial logs``); a Ray worker process
     also tees its stdout and stderr there.
     """
@@ -378,26 +479,28 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None) -> Non
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()
     if not spec.log_dir:
-        _train_steps(spec, worker, None, on_report)
+        _train_steps(spec, worker, None, on_report, ray_train)
         return
     log = WorkerLog(Path(spec.log_dir) / f"rank-{worker.rank}.log", worker.rank)
     # In local mode the worker is the driver, whose terminal shows a progress bar: no tee.
     with log, log.capture() if on_report is None else contextlib.nullcontext():
         try:
-            _train_steps(spec, worker, log, on_report)
+            _train_steps(spec, worker, log, on_report, ray_train)
         except BaseException:
             log.write(traceback.format_exc())
             raise
 
 
-def _train_steps(spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report: Report | None) -> None:
+def _train_steps(
+    spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report: Report | None, ray_train: bool
+) -> None:
     def note(message: str) -> None:
         if log is not None:
             log.write(message)
 
     training = GovernedTraining(spec, worker)
     start = 0
-    resume_from = _resume_checkpoint(spec)
+    resume_from = _resume_checkpoint(spec, ray_train)
     if resume_from is not None:
         with resume_from.as_directory() as directory:
             start = training.restore(Path(directory))
@@ -434,6 +537,13 @@ def _train_steps(spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report
         if validate:
             validation = training.evaluate()
             metrics.update(validation)
+            report = training.memorization()
+            metrics["memorization_score"] = report.score
+            metrics["memorization_flagged"] = len(report.flagged)
+            for corpus_id, verdict in report.corpora.items():
+                if verdict.measures.loss_gap is not None:
+                    metrics[f"loss_gap/{corpus_id}"] = verdict.measures.loss_gap
+            metrics["objective"] = training.objective(validation, report)
             decision = training.observe(done, validation)
             if decision is not None:
                 seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
@@ -450,6 +560,8 @@ def _train_steps(spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report
             metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
         if stop is not None:
             metrics["stopped_on_request"] = STOP_CODES[stop]
+        if training.restored_from_run not in ("", Path(spec.run_dir).name):
+            metrics["cloned_from_run"] = training.restored_from_run  # a PBT clone of that run
         note(
             " ".join(
                 f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
@@ -458,18 +570,20 @@ def _train_steps(spec: RunSpec, worker: Worker, log: WorkerLog | None, on_report
             )
             + (" (checkpoint)" if save and key is not None else "")
         )
-        _report(training, metrics, done, key if save else None, on_report)
+        _report(training, metrics, done, key if save else None, on_report, ray_train)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
             return
     note(f"completed {spec.max_steps} steps")
 
 
-def _resume_checkpoint(spec: RunSpec) -> Any:
+def _resume_checkpoint(spec: RunSpec, ray_train: bool) -> Any:
     """Ray Train's latest checkpoint of this run; in local mode (no controller) the run directory's."""
     import ray.train
 
-    found = ray.train.get_checkpoint()
+    found = ray.train.get_checkpoint() if ray_train else None
+    if found is None and spec.resume_checkpoint:
+        found = ray.train.Checkpoint.from_directory(spec.resume_checkpoint)
     if found is None and spec.run_dir and Path(spec.run_dir).is_dir():
         local = find_checkpoints(Path(spec.run_dir))
         if local:
@@ -483,8 +597,10 @@ def _report(
     done: int,
     key: SigningKey | None,
     on_report: Report | None,
+    ray_train: bool,
 ) -> None:
-    """Report to Ray Train, with a signed checkpoint when ``key`` is given (rank 0 holds it)."""
+    """Report to Ray Train (and/or ``on_report``), with a signed checkpoint when ``key`` is given
+    (rank 0 holds it)."""
     import ray.train
 
     saved: str | None = None
@@ -492,12 +608,13 @@ def _report(
         # Local mode has no controller to persist checkpoints: write them into the run directory.
         saved = str(Path(training.spec.run_dir) / f"checkpoint_{done:08d}")
         training.save_checkpoint(Path(saved), done, key)
-        ray.train.report(metrics)
+        if ray_train:
+            ray.train.report(metrics)
     elif key is not None:
         with tempfile.TemporaryDirectory(prefix="govray-checkpoint-") as scratch:
             training.save_checkpoint(Path(scratch), done, key)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(scratch))
-    else:
+    elif ray_train:
         ray.train.report(metrics)
     if on_report is not None:
         on_report(metrics, saved)

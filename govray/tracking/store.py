@@ -353,6 +353,15 @@ class TrackingStore:
             session.add(trial)
         return trial
 
+    def set_cloned_from(self, trial_id: int, donor_id: int) -> Trial:
+        """Record that a trial continued another's state (a PBT exploit): its lineage parent."""
+        with self.session() as session:
+            _require(session, Trial, donor_id)
+            trial = _require(session, Trial, trial_id)
+            trial.cloned_from = donor_id
+            session.add(trial)
+        return trial
+
     def set_trial_source(self, trial_id: int, source_json: str) -> Trial:
         """Record the checkpoint a trial started from (its lineage parent)."""
         with self.session() as session:

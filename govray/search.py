@@ -1,0 +1,413 @@
+"""Hyperparameter search on Ray Tune: every trial a governed run, recorded in the tracking store.
+
+A strategy (``searchers/`` — grid, random, asha, pbt, bayesian) turns the experiment's
+``searcher:`` section into a ``TunePlan``: the parameter space, a search algorithm and a trial
+scheduler. govray finds strategies through the ``govray.searchers`` entry points, so it never
+imports ``searchers/``. Each Tune trial runs the governed training loop: one worker in Train V2
+local mode inside the Tune trial, N workers in a nested ``TorchTrainer``. At every validation it
+reports ``objective = metric ± λ·memorization_score`` (all-reduced over ranks), with a signed
+govray checkpoint as the Tune checkpoint, so ASHA stops memorizers and PBT clones a donor's full
+state (weights, optimizer, ledger).
+
+The driver's ``SearchTracking`` (a Tune ``Callback``) is the only writer of the search's rows:
+trials, states, metrics, checkpoints, decisions, ledgers.
+
+Example::
+
+    outcome = run_search(config, checked, experiment, shard_root, store)
+    print(outcome.best_trial_id, outcome.best_objective)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import ray.tune
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from govray.checkpoint import checkpoint_step
+from govray.config import ExperimentConfig
+from govray.errors import ConfigError, GovrayError
+from govray.gc import apply_gc, effective_gc_policy
+from govray.harness.loop import RunSpec, train_worker
+from govray.keys import TrustConfig, load_trust, platform_key, platform_trust
+from govray.ledger import Ledger
+from govray.preflight import CheckedPolicy, config_digest
+from govray.reproducibility import build_record
+from govray.runner import last_step, new_run_spec, scalar_metrics
+from govray.tracking.lineage import record_checkpoint, record_ledger
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import DecisionKind, Experiment, TrialState
+
+ENTRY_POINTS = "govray.searchers"
+REPORT_KEY = "govray_reports"  # the loop's reports since the last Tune result, as a JSON list
+
+
+class SearchError(GovrayError):
+    """The search cannot start or finished without a usable trial."""
+
+    exit_code = 15
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """What a strategy asks of Ray Tune for one experiment."""
+
+    param_space: dict[str, Any]
+    num_samples: int
+    max_concurrent_trials: int
+    search_alg: Any = None  # a ray.tune.search.Searcher, or None: Tune's variant generator
+    scheduler: Any = None  # a ray.tune.schedulers.TrialScheduler, or None: FIFO
+    validation_period: int | None = None  # steps between reports, when the config sets none
+    notes: dict[str, Any] = field(default_factory=dict)  # derived settings, shown to the user
+
+
+Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
+
+
+def strategy(name: str) -> Strategy:
+    """The installed strategy called ``name`` (an entry point in ``govray.searchers``)."""
+    found = {point.name: point for point in entry_points(group=ENTRY_POINTS)}
+    if name not in found:
+        installed = ", ".join(sorted(found)) or "none"
+        raise ConfigError(f"no searcher '{name}' is installed (entry points {ENTRY_POINTS}: {installed})")
+    loaded: Strategy = found[name].load()
+    return loaded
+
+
+@dataclass(frozen=True)
+class SearchSetup:
+    """What every Tune trial needs besides its hyperparameters (plain data: it crosses processes)."""
+
+    config_json: str
+    checked: CheckedPolicy
+    shard_root: str
+    trust_json: str
+    reproducibility: dict[str, Any]
+    report_every: int
+    validation_period: int | None
+    database_url: str
+
+
+def trial_run_name(config: ExperimentConfig, tune_trial_id: str) -> str:
+    return f"{config.name}-{tune_trial_id}"
+
+
+def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
+    """The Tune function trainable: one governed trial, reporting at every validation with its
+    signed checkpoint (Tune hands a restored or PBT-cloned trial that checkpoint back)."""
+    config = ExperimentConfig.model_validate_json(setup.config_json)
+    hparams = {name: params[name] for name in config.hyperparameters}
+    run_name = trial_run_name(config, ray.tune.get_context().get_trial_id())
+    restored = ray.tune.get_checkpoint()
+    with restored.as_directory() if restored is not None else tempfile.TemporaryDirectory() as scratch:
+        spec = new_run_spec(
+            config,
+            setup.checked,
+            Path(setup.shard_root),
+            run_name,
+            hparams=hparams,
+            trial_seed=0,
+            reproducibility=setup.reproducibility,
+            trust=TrustConfig.model_validate_json(setup.trust_json),
+            report_every=setup.report_every,
+            validation_period=setup.validation_period,
+        ).model_copy(update={"resume_checkpoint": scratch if restored is not None else ""})
+        if config.resources.workers == 1:
+            _local_trial(config, spec)
+        else:
+            _segmented_trial(config, spec)
+
+
+def _tune_result(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One Tune result for a validation: its objective and step, with every report since the
+    previous validation (Tune insists on the objective in each result)."""
+    last = reports[-1]
+    return {
+        REPORT_KEY: json.dumps(reports, sort_keys=True),
+        "step": last["step"],
+        "objective": last["objective"],
+    }
+
+
+def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
+    """One worker, in this Tune trial's process (Ray 2.60 refuses Ray Train's session API inside
+    Tune functions, also in Train V2 local mode); every report goes to Tune, each checkpoint as
+    the Tune checkpoint (Tune keeps the copy)."""
+    from ray.train import Checkpoint
+
+    pending: list[dict[str, Any]] = []
+
+    def relay(metrics: dict[str, Any], saved: str | None) -> None:
+        pending.append(metrics)
+        if "objective" in metrics:  # a validation (the last step always is one)
+            checkpoint = Checkpoint.from_directory(saved) if saved else None
+            ray.tune.report(_tune_result(pending), checkpoint=checkpoint)
+            pending.clear()
+        if saved is not None:
+            shutil.rmtree(saved, ignore_errors=True)
+
+    local = spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")})
+    train_worker(local.model_dump(mode="json"), on_report=relay, ray_train=False)
+
+
+def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
+    """N workers in nested TorchTrainers, one per segment between validations. Each segment ends
+    with a signed checkpoint that becomes the Tune checkpoint, so Tune (PBT) can hand any trial's
+    state to another; the next segment resumes from it under a fresh Ray Train run name."""
+    from ray.train import Checkpoint
+
+    resume = spec.resume_checkpoint
+    start = checkpoint_step(Path(resume)) if resume else 0
+    period = spec.validation_period or spec.max_steps
+    while start < spec.max_steps:
+        end = min(spec.max_steps, (start // period + 1) * period)
+        segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
+        name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
+        result = TorchTrainer(
+            train_worker,
+            train_loop_config=segment.model_copy(
+                update={"run_dir": str(Path(config.storage_path) / "ray" / name)}
+            ).model_dump(mode="json"),
+            scaling_config=ScalingConfig(
+                num_workers=config.resources.workers,
+                use_gpu=config.resources.use_gpu,
+                resources_per_worker={"CPU": config.resources.cpus_per_worker},
+            ),
+            torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
+            run_config=RunConfig(
+                name=name,
+                storage_path=str(Path(config.storage_path) / "ray"),
+                failure_config=FailureConfig(max_failures=config.max_restarts),
+            ),
+        ).fit()
+        if result.checkpoint is None or result.metrics is None:
+            raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
+        ray.tune.report(_tune_result([result.metrics]), checkpoint=Checkpoint(result.checkpoint.path))
+        resume, start = result.checkpoint.path, end
+
+
+class SearchTracking(ray.tune.Callback):
+    """On the driver: the search's trials in the tracking store (one owner per row)."""
+
+    def __init__(
+        self, database_url: str, experiment_id: int, config: ExperimentConfig, layers: dict[str, int | None]
+    ):
+        self.database_url = database_url
+        self.experiment_id = experiment_id
+        self.config = config
+        self.layers = layers
+        self._store: TrackingStore | None = None
+        self.rows: dict[str, int] = {}  # Tune trial id → trial row
+        self.last: dict[str, dict[str, Any]] = {}  # Tune trial id → its latest govray report
+
+    @property
+    def store(self) -> TrackingStore:
+        if self._store is None:
+            self._store = TrackingStore.open(self.database_url)
+        return self._store
+
+    def row(self, trial: Any) -> int:
+        """The trial's row, created on first sight (a restored search finds its rows by run name)."""
+        if trial.trial_id in self.rows:
+            return self.rows[trial.trial_id]
+        run_name = trial_run_name(self.config, trial.trial_id)
+        known = [t for t in self.store.list_trials(self.experiment_id) if t.ray_run_name == run_name]
+        if known:
+            row_id = known[0].id
+        else:
+            hparams = {name: trial.config[name] for name in self.config.hyperparameters}
+            created = self.store.create_trial(self.experiment_id, json.dumps(hparams, sort_keys=True), seed=0)
+            row_id = created.id
+            self.store.set_trial_state(row_id, TrialState.ACTIVE, ray_run_name=run_name)  # type: ignore[arg-type]
+        assert row_id is not None
+        self.rows[trial.trial_id] = row_id
+        return row_id
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        row_id = self.row(trial)
+        self.store.set_trial_state(row_id, TrialState.ACTIVE)
+
+    def on_trial_result(
+        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+    ) -> None:
+        if REPORT_KEY not in result:
+            return
+        for report in json.loads(result[REPORT_KEY]):
+            self._record(trial, report)
+
+    def _record(self, trial: Any, report: dict[str, Any]) -> None:
+        row_id = self.row(trial)
+        self.last[trial.trial_id] = report
+        step = int(report["step"])
+        if step <= last_step(self.store, row_id):
+            return  # a restarted trial re-reports the steps after its checkpoint
+        training, validation = scalar_metrics(report)
+        if training:
+            self.store.log_metrics(row_id, step, "training", training)
+        if validation:
+            self.store.log_metrics(row_id, step, "validation", validation)
+        if "decisions" in report:
+            self.store.record_decisions(row_id, json.loads(report["decisions"]), replayed=False)
+        if "cloned_from_run" in report:
+            donor = [
+                t
+                for t in self.store.list_trials(self.experiment_id)
+                if t.ray_run_name == report["cloned_from_run"]
+            ]
+            if donor:
+                self.store.set_cloned_from(row_id, donor[0].id)  # type: ignore[arg-type]
+
+    def on_checkpoint(
+        self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
+    ) -> None:
+        row_id = self.row(trial)
+        path = Path(checkpoint.path)
+        record_checkpoint(self.store, row_id, str(path), checkpoint_step(path))
+        apply_gc(
+            self.store,
+            self.experiment_id,
+            effective_gc_policy(self.store, self.experiment_id),
+            metric=self.config.searcher.metric,
+            smaller_is_better=self.config.searcher.smaller_is_better,
+        )
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        row_id = self.row(trial)
+        report = self.last.get(trial.trial_id, {})
+        if "ledger" in report:
+            ledger = Ledger.from_json(json.loads(report["ledger"]))
+            rows = [
+                (corpus, tensor, self.layers.get(tensor), entry.examples, entry.tokens, entry.steps)
+                for corpus, tensor, entry in ledger.rows()
+            ]
+            record_ledger(self.store, row_id, rows)
+        else:  # stopped by the scheduler before its last step: a recorded early stop
+            seq = len(self.store.decisions(row_id))
+            step = last_step(self.store, row_id)
+            decision = {"seq": seq, "step": step, "kind": DecisionKind.EARLY_STOP.value, "by": "scheduler"}
+            self.store.record_decisions(row_id, [decision], replayed=False)
+        self.store.set_trial_state(row_id, TrialState.COMPLETED)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.store.set_trial_state(self.row(trial), TrialState.ERRORED)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_store": None}
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    trial_ids: list[int]  # every trial of the search, in the order Tune started them
+    best_trial_id: int
+    best_hparams: dict[str, Any]
+    best_objective: float
+    plan: TunePlan
+
+
+def search_path(config: ExperimentConfig, experiment: Experiment) -> Path:
+    return Path(config.storage_path) / "tune" / f"{config.name}-search{experiment.id}"
+
+
+def run_search(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    shard_root: Path,
+    store: TrackingStore,
+    *,
+    report_every: int = 20,
+) -> SearchOutcome:
+    """Run (or, when its Tune state exists, resume) the experiment's search; returns the best trial."""
+    from ray.tune import TuneConfig, Tuner
+
+    assert experiment.id is not None
+    max_steps = new_run_spec(
+        config,
+        checked,
+        shard_root,
+        "plan",
+        hparams=config.default_hparams(),
+        trial_seed=0,
+        reproducibility={},
+        trust=platform_trust(platform_key()),
+    ).max_steps
+    plan = strategy(config.searcher.name)(config, max_steps)
+    key = platform_key()
+    trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
+    record = build_record(config, Path(config.storage_path), config_digest=config_digest(config), threads=1)
+    setup = SearchSetup(
+        config_json=config.model_dump_json(),
+        checked=checked,
+        shard_root=str(shard_root),
+        trust_json=trust.model_dump_json(),
+        reproducibility=record.model_dump(mode="json"),
+        report_every=report_every,
+        validation_period=plan.validation_period,
+        database_url=config.database_url,
+    )
+    tracking = SearchTracking(config.database_url, experiment.id, config, checked.routing.tensor_layers())
+    trainable = ray.tune.with_resources(
+        ray.tune.with_parameters(tune_trial, setup=setup),
+        {"CPU": config.resources.cpus_per_worker} if config.resources.workers == 1 else {"CPU": 0.1},
+    )
+    path = search_path(config, experiment)
+    store.set_experiment_state(experiment.id, "active")
+    try:
+        if Tuner.can_restore(str(path)):
+            tuner = Tuner.restore(
+                str(path), trainable=trainable, resume_errored=True, param_space=plan.param_space
+            )
+        else:
+            tuner = Tuner(
+                trainable,
+                param_space=plan.param_space,
+                tune_config=TuneConfig(
+                    metric="objective",
+                    mode="min" if config.searcher.smaller_is_better else "max",
+                    num_samples=plan.num_samples,
+                    max_concurrent_trials=plan.max_concurrent_trials,
+                    search_alg=plan.search_alg,
+                    scheduler=plan.scheduler,
+                ),
+                run_config=ray.tune.RunConfig(
+                    name=path.name, storage_path=str(path.parent), callbacks=[tracking], verbose=0
+                ),
+            )
+        results = tuner.fit()
+    except Exception:
+        store.set_experiment_state(experiment.id, "errored")
+        raise
+    trials = [
+        t
+        for t in store.list_trials(experiment.id)
+        if t.ray_run_name and t.ray_run_name.startswith(config.name)
+    ]
+    best = results.get_best_result(
+        metric="objective", mode="min" if config.searcher.smaller_is_better else "max", scope="all"
+    )
+    if best.metrics is None or "objective" not in best.metrics:
+        store.set_experiment_state(experiment.id, "errored")
+        raise SearchError(
+            f"search of experiment {experiment.id} finished without any trial reporting an objective"
+        )
+    best_run = trial_run_name(config, best.metrics["trial_id"])
+    best_row = next(t for t in trials if t.ray_run_name == best_run)
+    store.set_experiment_state(experiment.id, "completed")
+    assert best_row.id is not None
+    return SearchOutcome(
+        trial_ids=[t.id for t in trials if t.id is not None],
+        best_trial_id=best_row.id,
+        best_hparams=json.loads(best_row.hparams_json),
+        best_objective=float(best.metrics["objective"]),
+        plan=plan,
+    )

@@ -1,0 +1,43 @@
+"""``searcher: {name: asha}``: Determined's adaptive ASHA on Ray Tune's ``ASHAScheduler``.
+
+Determined's fields map as: ``max_length`` → ``max_t`` (in steps, Tune's time attribute
+``step``), ``divisor`` → ``reduction_factor``, ``max_rungs`` → ``grace_period = max_t /
+divisor^(max_rungs - 1)`` (rounded down, at least 1), ``brackets`` → ``brackets``; ``max_trials``
+random samples (seeded), at most ``max_concurrent_trials`` at a time. Trials validate every
+``grace_period`` steps unless the experiment sets ``min_validation_period``, so every rung sees a
+report; the objective they report is penalized by memorization.
+"""
+
+from __future__ import annotations
+
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from govray.config import AshaSearcher, ExperimentConfig
+from govray.search import TunePlan
+from searchers.space import sampled_space
+
+
+def grace_period(max_t: int, divisor: float, max_rungs: int) -> int:
+    return max(1, int(max_t / divisor ** (max_rungs - 1)))
+
+
+def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    searcher = config.searcher
+    assert isinstance(searcher, AshaSearcher)
+    grace = grace_period(max_steps, searcher.divisor, searcher.max_rungs)
+    return TunePlan(
+        param_space=sampled_space(config),
+        num_samples=searcher.max_trials,
+        max_concurrent_trials=searcher.max_concurrent_trials,
+        search_alg=BasicVariantGenerator(random_state=config.seed),
+        scheduler=ASHAScheduler(
+            time_attr="step",
+            max_t=max_steps,
+            grace_period=grace,
+            reduction_factor=searcher.divisor,
+            brackets=searcher.brackets,
+        ),
+        validation_period=grace,
+        notes={"max_t": max_steps, "grace_period": grace},
+    )

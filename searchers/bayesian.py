@@ -1,0 +1,30 @@
+"""``searcher: {name: bayesian}``: Tree-structured Parzen Estimator search through Ray Tune's
+Optuna integration, seeded by the experiment's seed: ``n_startup_trials`` random points, then
+TPE proposals from the reported objectives; ``max_trials`` in all."""
+
+from __future__ import annotations
+
+import optuna
+from ray.tune.search import ConcurrencyLimiter
+from ray.tune.search.optuna import OptunaSearch
+
+from govray.config import BayesianSearcher, ExperimentConfig
+from govray.search import TunePlan
+from searchers.space import sampled_space
+
+
+def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    searcher = config.searcher
+    assert isinstance(searcher, BayesianSearcher)
+    sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=searcher.n_startup_trials)
+    algorithm = OptunaSearch(
+        sampler=sampler,
+        metric="objective",
+        mode="min" if searcher.smaller_is_better else "max",
+    )
+    return TunePlan(
+        param_space=sampled_space(config),
+        num_samples=searcher.max_trials,
+        max_concurrent_trials=searcher.max_concurrent_trials,
+        search_alg=ConcurrencyLimiter(algorithm, max_concurrent=searcher.max_concurrent_trials),
+    )

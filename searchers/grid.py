@@ -1,0 +1,18 @@
+"""``searcher: {name: grid}``: every combination of the hyperparameters' grid points, once."""
+
+from __future__ import annotations
+
+from govray.config import ExperimentConfig, GridSearcher
+from govray.search import TunePlan
+from searchers.space import grid_size, grid_space
+
+
+def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    searcher = config.searcher
+    assert isinstance(searcher, GridSearcher)
+    return TunePlan(
+        param_space=grid_space(config),
+        num_samples=1,  # grid_search already enumerates every point
+        max_concurrent_trials=searcher.max_concurrent_trials,
+        notes={"trials": grid_size(config)},
+    )

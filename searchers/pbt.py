@@ -1,0 +1,48 @@
+"""``searcher: {name: pbt}``: Population Based Training on Ray Tune.
+
+``population_size`` trials train side by side; every ``perturbation_interval`` steps each one
+validates and checkpoints (a signed govray checkpoint held by the Tune checkpoint), and the bottom
+``quantile_fraction`` exploit the top: they continue a donor's full state — weights, optimizer,
+ledger, decisions — with mutated hyperparameters (resampled from ``hyperparam_mutations`` with
+``resample_probability``, else perturbed). A clone records the donor as ``cloned_from``, and its
+ledger includes the donor's, so lineage stays true across exploits. ``batch_size`` cannot be
+mutated: it fixes the schedule a clone continues.
+"""
+
+from __future__ import annotations
+
+from ray.tune.schedulers import PopulationBasedTraining
+
+from govray.config import ExperimentConfig, PbtSearcher
+from govray.errors import ConfigError
+from govray.search import TunePlan
+from searchers.space import sampled, sampled_space
+
+
+def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    searcher = config.searcher
+    assert isinstance(searcher, PbtSearcher)
+    unknown = sorted(set(searcher.hyperparam_mutations) - set(config.hyperparameters))
+    if unknown:
+        raise ConfigError(
+            f"searcher.hyperparam_mutations names unknown hyperparameters: {', '.join(unknown)}"
+        )
+    if "batch_size" in searcher.hyperparam_mutations:
+        raise ConfigError(
+            "searcher.hyperparam_mutations: batch_size fixes the schedule a PBT clone continues"
+        )
+    return TunePlan(
+        param_space=sampled_space(config),
+        num_samples=searcher.population_size,
+        max_concurrent_trials=searcher.population_size,
+        scheduler=PopulationBasedTraining(
+            time_attr="step",
+            perturbation_interval=searcher.perturbation_interval,
+            hyperparam_mutations={name: sampled(hp) for name, hp in searcher.hyperparam_mutations.items()},
+            quantile_fraction=searcher.quantile_fraction,
+            resample_probability=searcher.resample_probability,
+            synch=True,
+        ),
+        validation_period=searcher.perturbation_interval,
+        notes={"perturbation_interval": searcher.perturbation_interval},
+    )

@@ -1,0 +1,153 @@
+"""Hyperparameter search on Ray Tune: each strategy maps Determined's fields exactly, and a real
+small search records every trial (state, hyperparameters, metrics, objective) in the store."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ray import tune
+
+from govray.config import load_experiment
+from govray.errors import ConfigError
+from govray.preflight import check_policy, ingest_experiment
+from govray.search import SearchOutcome, TunePlan, run_search, strategy
+from govray.tracking.store import TrackingStore
+from searchers.asha import grace_period
+from searchers.space import grid_points, grid_space
+from tests.conftest import _golden_example
+
+SEARCH_HPARAMS: dict[str, Any] = {
+    "hidden": {"type": "categorical", "vals": [8, 16]},
+    "dropout": 0.0,
+    "lr": {"type": "log", "minval": -2.0, "maxval": -1.0, "base": 10, "count": 2},
+    "optimizer": "sgd",
+    "batch_size": 16,
+}
+
+
+def search_example(root: Path, searcher: dict[str, Any], workers: int = 1) -> Path:
+    path = _golden_example(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
+    raw = yaml.safe_load(path.read_text())
+    raw["searcher"] = {"metric": "validation_loss", "smaller_is_better": True, **searcher}
+    del raw["lr_schedule"], raw["min_validation_period"]
+    raw["checkpoint"] = {"period": 10, "save_trial_latest": 1, "save_trial_best": 1}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def plan_of(root: Path, searcher: dict[str, Any], max_steps: int = 64) -> TunePlan:
+    config = load_experiment(search_example(root, searcher))
+    return strategy(config.searcher.name)(config, max_steps)
+
+
+# -- the mapping to Tune, no Ray needed ---------------------------------------------------------
+
+
+def test_every_strategy_is_an_installed_entry_point() -> None:
+    for name in ("single", "grid", "random", "asha", "pbt", "bayesian"):
+        assert callable(strategy(name))
+    with pytest.raises(ConfigError, match="no searcher 'hyperband' is installed.*asha, bayesian, grid"):
+        strategy("hyperband")
+
+
+def test_grid_points_follow_determineds_count(tmp_path: Path) -> None:
+    config = load_experiment(search_example(tmp_path, {"name": "grid"}))
+    assert grid_points("lr", config.hyperparameters["lr"]) == pytest.approx([0.01, 0.1])
+    space = grid_space(config)
+    assert space["dropout"] == 0.0 and space["hidden"] == tune.grid_search([8, 16])
+    assert plan_of(tmp_path / "b", {"name": "grid"}).notes == {"trials": 4}
+
+
+def test_asha_grace_period_is_max_t_over_divisor_to_the_rungs_minus_one(tmp_path: Path) -> None:
+    assert grace_period(64, 4.0, 3) == 4 and grace_period(64, 2.0, 4) == 8 and grace_period(10, 4.0, 5) == 1
+    plan = plan_of(tmp_path, {"name": "asha", "max_trials": 6, "divisor": 2, "max_rungs": 3, "brackets": 1})
+    assert plan.notes == {"max_t": 64, "grace_period": 16} and plan.validation_period == 16
+    assert plan.num_samples == 6 and plan.scheduler._reduction_factor == 2
+
+
+def test_pbt_refuses_mutating_what_fixes_the_schedule(tmp_path: Path) -> None:
+    searcher = {
+        "name": "pbt",
+        "population_size": 2,
+        "perturbation_interval": 5,
+        "hyperparam_mutations": {"batch_size": {"type": "categorical", "vals": [8, 16]}},
+    }
+    with pytest.raises(ConfigError, match="batch_size fixes the schedule"):
+        plan_of(tmp_path, searcher)
+
+
+# -- real searches on Ray Tune ------------------------------------------------------------------
+
+
+def searched(root: Path, searcher: dict[str, Any], workers: int = 1) -> tuple[SearchOutcome, TrackingStore]:
+    config = load_experiment(search_example(root, searcher, workers))
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)
+    experiment, ingested = ingest_experiment(config, checked, store)
+    return run_search(config, checked, experiment, ingested.root, store, report_every=5), store
+
+
+def assert_recorded(outcome: SearchOutcome, store: TrackingStore, trials: int) -> None:
+    assert len(outcome.trial_ids) == trials
+    for trial_id in outcome.trial_ids:
+        trial = store.get_trial(trial_id)
+        assert trial.state == "completed", trial
+        assert set(json.loads(trial.hparams_json)) == set(SEARCH_HPARAMS)
+        assert [m.step for m in store.metrics(trial_id, "objective")], "no objective reported"
+    objectives = {t: store.metrics(t, "objective")[-1].value for t in outcome.trial_ids}
+    best = min(objectives, key=objectives.__getitem__)
+    assert outcome.best_trial_id == best and math.isclose(outcome.best_objective, objectives[best])
+
+
+def test_grid_search_runs_every_point_once(ray_session: None, tmp_path: Path) -> None:
+    outcome, store = searched(tmp_path, {"name": "grid", "max_length": {"batches": 10}})
+    assert_recorded(outcome, store, trials=4)
+    points = sorted(
+        (
+            json.loads(store.get_trial(t).hparams_json)["hidden"],
+            round(json.loads(store.get_trial(t).hparams_json)["lr"], 6),
+        )
+        for t in outcome.trial_ids
+    )
+    assert points == [(8, 0.01), (8, 0.1), (16, 0.01), (16, 0.1)]
+    for trial_id in outcome.trial_ids:
+        assert store.metrics(trial_id, "validation_loss")[-1].step == 10
+        assert store.metrics(trial_id, "memorization_score")
+
+
+def test_random_search_samples_max_trials_points_inside_the_space(ray_session: None, tmp_path: Path) -> None:
+    outcome, store = searched(tmp_path, {"name": "random", "max_trials": 3, "max_length": {"batches": 10}})
+    assert_recorded(outcome, store, trials=3)
+    for trial_id in outcome.trial_ids:
+        hparams = json.loads(store.get_trial(trial_id).hparams_json)
+        assert hparams["hidden"] in (8, 16) and 0.01 <= hparams["lr"] <= 0.1
+
+
+def test_bayesian_search_runs_through_optuna(ray_session: None, tmp_path: Path) -> None:
+    searcher = {"name": "bayesian", "max_trials": 3, "n_startup_trials": 2, "max_length": {"batches": 10}}
+    outcome, store = searched(tmp_path, searcher)
+    assert_recorded(outcome, store, trials=3)
+
+
+def test_asha_stops_weak_trials_at_a_rung_and_records_the_early_stop(
+    ray_session: None, tmp_path: Path
+) -> None:
+    searcher = {
+        "name": "asha",
+        "max_trials": 4,
+        "divisor": 2,
+        "max_rungs": 2,  # grace period 20 / 2 = 10: rungs at steps 10 and 20
+        "max_length": {"batches": 20},
+    }
+    outcome, store = searched(tmp_path, searcher)
+    assert_recorded(outcome, store, trials=4)
+    last = {t: store.metrics(t, "objective")[-1].step for t in outcome.trial_ids}
+    assert set(last.values()) == {10, 20}, last  # some stopped at the first rung, some finished
+    for trial_id, step in last.items():
+        kinds = [d.kind for d in store.decisions(trial_id)]
+        assert kinds == (["early_stop"] if step == 10 else []), (trial_id, kinds)
