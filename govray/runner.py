@@ -266,6 +266,7 @@ def new_run_spec(
         config_digest=config_digest(config),
         policy_digest=checked.policy.digest,
         run_dir=str(Path(config.storage_path) / "ray" / run_name),
+        run_name=run_name,
         validation_period=config.min_validation_period or validation_period,
         lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,

@@ -33,6 +33,7 @@ from typing import Any
 import ray.tune
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.tune.schedulers import PopulationBasedTraining
 
 from govray.checkpoint import checkpoint_step
 from govray.config import ExperimentConfig
@@ -49,6 +50,7 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
 
 ENTRY_POINTS = "govray.searchers"
+TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 REPORT_KEY = "govray_reports"  # the loop's reports since the last Tune result, as a JSON list
 
 
@@ -200,9 +202,16 @@ class SearchTracking(ray.tune.Callback):
     """On the driver: the search's trials in the tracking store (one owner per row)."""
 
     def __init__(
-        self, database_url: str, experiment_id: int, config: ExperimentConfig, layers: dict[str, int | None]
+        self,
+        database_url: str,
+        experiment_id: int,
+        config: ExperimentConfig,
+        layers: dict[str, int | None],
+        gc_as_trials_go: bool = True,
     ):
         self.database_url = database_url
+        # PBT may clone any earlier checkpoint it kept for a donor: GC waits for the search's end.
+        self.gc_as_trials_go = gc_as_trials_go
         self.experiment_id = experiment_id
         self.config = config
         self.layers = layers
@@ -273,6 +282,10 @@ class SearchTracking(ray.tune.Callback):
         row_id = self.row(trial)
         path = Path(checkpoint.path)
         record_checkpoint(self.store, row_id, str(path), checkpoint_step(path))
+        if self.gc_as_trials_go:
+            self.collect_garbage()
+
+    def collect_garbage(self) -> None:
         apply_gc(
             self.store,
             self.experiment_id,
@@ -355,10 +368,21 @@ def run_search(
         validation_period=plan.validation_period,
         database_url=config.database_url,
     )
-    tracking = SearchTracking(config.database_url, experiment.id, config, checked.routing.tensor_layers())
+    tracking = SearchTracking(
+        config.database_url,
+        experiment.id,
+        config,
+        checked.routing.tensor_layers(),
+        gc_as_trials_go=not isinstance(plan.scheduler, PopulationBasedTraining),
+    )
     trainable = ray.tune.with_resources(
         ray.tune.with_parameters(tune_trial, setup=setup),
-        {"CPU": config.resources.cpus_per_worker} if config.resources.workers == 1 else {"CPU": 0.1},
+        # An N-worker trial's nested TorchTrainer reserves its workers' CPUs itself (a placement
+        # group); a Tune trial holding any CPU would starve it (0.1 + 2 x 1 CPU > 2 cores), and Tune
+        # refuses an empty request: the Tune trial asks for a little memory instead.
+        {"CPU": config.resources.cpus_per_worker}
+        if config.resources.workers == 1
+        else {"memory": TUNE_TRIAL_MEMORY},
     )
     path = search_path(config, experiment)
     store.set_experiment_state(experiment.id, "active")
@@ -384,6 +408,7 @@ def run_search(
                 ),
             )
         results = tuner.fit()
+        tracking.collect_garbage()  # every trial is done: nothing can be cloned any more
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
         raise

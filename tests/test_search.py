@@ -16,6 +16,7 @@ from govray.config import load_experiment
 from govray.errors import ConfigError
 from govray.preflight import check_policy, ingest_experiment
 from govray.search import SearchOutcome, TunePlan, run_search, strategy
+from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
@@ -151,3 +152,32 @@ def test_asha_stops_weak_trials_at_a_rung_and_records_the_early_stop(
     for trial_id, step in last.items():
         kinds = [d.kind for d in store.decisions(trial_id)]
         assert kinds == (["early_stop"] if step == 10 else []), (trial_id, kinds)
+
+
+def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
+    ray_session: None, tmp_path: Path
+) -> None:
+    """Two 2-worker trials in segments of 5 steps; at each perturbation the worse one continues
+    the better one's signed state (weights, optimizer, ledger) with a mutated learning rate."""
+    searcher = {
+        "name": "pbt",
+        "population_size": 2,
+        "perturbation_interval": 5,
+        "quantile_fraction": 0.5,
+        "resample_probability": 1.0,
+        "hyperparam_mutations": {"lr": SEARCH_HPARAMS["lr"]},
+        "max_length": {"batches": 10},
+    }
+    outcome, store = searched(tmp_path, searcher, workers=2)
+    assert_recorded(outcome, store, trials=2)
+    clones = [t for t in outcome.trial_ids if store.get_trial(t).cloned_from is not None]
+    assert clones, "PBT never exploited"
+    for clone in clones:
+        donor = store.get_trial(clone).cloned_from
+        assert donor in outcome.trial_ids and donor != clone
+    # Every trial continued one schedule (same seed, batch size, world size): after 10 steps, the
+    # clone's ledger is the donor's first steps plus its own, i.e. all 10 steps' contributions.
+    ledgers = {
+        t: {(r.corpus_id, r.parameter): r.examples for r in ledger_rows(store, t)} for t in outcome.trial_ids
+    }
+    assert ledgers[clones[0]] and ledgers[clones[0]] == ledgers[store.get_trial(clones[0]).cloned_from]

@@ -101,6 +101,7 @@ class RunSpec(BaseModel):
     # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
     start_checkpoint: str = ""
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
+    run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
     # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
     # trial restored, or a PBT clone continuing its donor.
     resume_checkpoint: str = ""
@@ -215,6 +216,7 @@ class GovernedTraining:
         self.source: dict[str, Any] = {}
         self._stop_check: tuple[torch.Tensor, Any] | None = None
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
+        self.run_name = spec.run_name or Path(spec.run_dir).name
 
     def step(self, step: int) -> tuple[float, int]:
         """One governed step; returns this worker's (loss sum, examples)."""
@@ -255,7 +257,7 @@ class GovernedTraining:
             reproducibility=self.spec.reproducibility,
             plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
             source=self.source,
-            run=Path(self.spec.run_dir).name,
+            run=self.run_name,
         )
 
     def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:
@@ -560,7 +562,7 @@ def _train_steps(
             metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
         if stop is not None:
             metrics["stopped_on_request"] = STOP_CODES[stop]
-        if training.restored_from_run not in ("", Path(spec.run_dir).name):
+        if training.restored_from_run not in ("", training.run_name):
             metrics["cloned_from_run"] = training.restored_from_run  # a PBT clone of that run
         note(
             " ".join(
