@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -385,6 +386,9 @@ def run_search(
         else {"memory": TUNE_TRIAL_MEMORY},
     )
     path = search_path(config, experiment)
+    # Tune saves its experiment state at most this often: a trial finished before an interruption
+    # is known finished to the resumed search (Tune's "auto" waits 10 s or more).
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     store.set_experiment_state(experiment.id, "active")
     try:
         if Tuner.can_restore(str(path)):

@@ -20,7 +20,7 @@ from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
-from tests.conftest import _golden_example
+from tests.conftest import REPO, _golden_example
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -180,4 +180,58 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     ledgers = {
         t: {(r.corpus_id, r.parameter): r.examples for r in ledger_rows(store, t)} for t in outcome.trial_ids
     }
-    assert ledgers[clones[0]] and ledgers[clones[0]] == ledgers[store.get_trial(clones[0]).cloned_from]
+    donor = store.get_trial(clones[0]).cloned_from
+    assert donor is not None and ledgers[clones[0]] and ledgers[clones[0]] == ledgers[donor]
+
+
+def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
+    ray_session: None, tmp_path: Path
+) -> None:
+    """`jobs/search.py` in its own process, SIGKILLed once two of four grid trials finished;
+    the same call again resumes Tune's state and runs only the other two."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from govray.cli import main
+    from jobs.search import parse
+
+    path = search_example(tmp_path, {"name": "grid", "max_length": {"batches": 10}})
+    database = load_experiment(path).database_url
+    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "search.py"), "--config", str(path)],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    finished: list[int] = []
+    while driver.poll() is None and time.monotonic() < deadline:
+        if Path(database.removeprefix("sqlite:///")).exists():
+            store = TrackingStore(database)
+            finished = [t.id for t in store.list_trials(1) if t.state == "completed"]  # type: ignore[misc]
+            store.close()
+            if len(finished) >= 2:
+                time.sleep(2)  # Tune saves its state within a second of a trial's end
+                driver.send_signal(signal.SIGKILL)
+                break
+        time.sleep(0.2)
+    driver.wait(timeout=60)
+    assert len(finished) >= 2, "the first driver never finished two trials"
+    store = TrackingStore.open(database)
+    before = {t: len(store.metrics(t)) for t in finished}
+    time.sleep(3)  # the dead driver's Tune trials die with it
+    assert main(parse(["--config", str(path)])) == 0
+    trials = store.list_trials(1)
+    assert len(trials) == 4 and all(t.state == "completed" for t in trials)
+    assert {t: len(store.metrics(t)) for t in finished} == before  # not run again
+    sampled = sorted(
+        (json.loads(t.hparams_json)["hidden"], round(json.loads(t.hparams_json)["lr"], 6)) for t in trials
+    )
+    assert sampled == [(8, 0.01), (8, 0.1), (16, 0.01), (16, 0.1)]
