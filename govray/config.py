@@ -245,6 +245,26 @@ class PlateauSchedule(BaseModel):
     min_scale: float = Field(default=0.0, ge=0.0)  # of the initial learning rate
 
 
+class EarlyStoppingPolicy(BaseModel):
+    """Stop a trial early (Determined's policies): once its validation metric reaches
+    ``threshold``, or after ``patience`` validations without an improvement above ``min_delta``.
+    Each stop is a recorded decision that a replay applies instead of recomputing."""
+
+    model_config = _STRICT
+
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    patience: int | None = Field(default=None, ge=1)
+    min_delta: float = Field(default=0.0, ge=0.0)
+    threshold: float | None = None
+
+    @model_validator(mode="after")
+    def _some_rule(self) -> EarlyStoppingPolicy:
+        if self.patience is None and self.threshold is None:
+            raise ValueError("early_stopping needs 'patience', 'threshold' or both")
+        return self
+
+
 class Length(BaseModel):
     model_config = _STRICT
 
@@ -337,11 +357,14 @@ class ExperimentConfig(BaseModel):
     # Steps between validations (each also saves a checkpoint); None: only at the end.
     min_validation_period: int | None = Field(default=None, ge=1)
     lr_schedule: PlateauSchedule | None = None
+    early_stopping: EarlyStoppingPolicy | None = None
 
     @model_validator(mode="after")
     def _plateau_needs_validations(self) -> ExperimentConfig:
         if self.lr_schedule is not None and self.min_validation_period is None:
             raise ValueError("lr_schedule watches validations: set min_validation_period (steps)")
+        if self.early_stopping is not None and self.min_validation_period is None:
+            raise ValueError("early_stopping watches validations: set min_validation_period (steps)")
         return self
 
     @field_validator("hyperparameters", mode="before")

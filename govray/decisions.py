@@ -17,11 +17,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from govray.config import PlateauSchedule
+from govray.config import EarlyStoppingPolicy, PlateauSchedule
 from govray.errors import GovrayError
 
 SCALE_EPSILON = 1e-8  # torch's ``eps``: a smaller cut is not made
@@ -86,7 +86,7 @@ class Plateau:
     def decisions(self) -> tuple[LrDecision, ...]:
         return self.state.decisions
 
-    def observe(self, step: int, metrics: Mapping[str, float]) -> LrDecision | None:
+    def observe(self, step: int, metrics: Mapping[str, float], seq: int | None = None) -> LrDecision | None:
         """Take (or replay) the decision due after ``step`` completed steps; None if nothing changes."""
         if self.recorded is not None:
             return self._replay(step)
@@ -112,7 +112,7 @@ class Plateau:
             reduced = max(scale * self.settings.factor, self.settings.min_scale)
             if scale - reduced > SCALE_EPSILON:
                 decision = LrDecision(
-                    seq=len(decisions),
+                    seq=len(decisions) if seq is None else seq,
                     step=step,
                     metric=name,
                     observed=value,
@@ -159,3 +159,94 @@ class Plateau:
             return []
         applied = {decision.seq for decision in self.state.decisions}
         return [d for d in self.recorded if d.step <= steps_done and d.seq not in applied]
+
+
+class EarlyStopDecision(BaseModel):
+    """Stop the trial after ``step``: its metric stopped improving (``patience``), reached the
+    target (``threshold``), or a search scheduler (ASHA) stopped it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["early_stop"] = "early_stop"
+    reason: Literal["patience", "threshold", "scheduler"]
+    metric: str
+    observed: float | None  # None in a replay, or when a scheduler decided
+
+
+class EarlyStopState(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    best: float | None = None
+    bad_evaluations: int = 0
+    decision: EarlyStopDecision | None = None
+
+
+class EarlyStopping:
+    """Determined's early stopping over validation evaluations, or the replay of a record.
+
+    Stops once the metric is at least as good as ``threshold`` (when set), or after ``patience``
+    evaluations without an improvement larger than ``min_delta``. A replay stops at the recorded
+    step whatever its own metrics say.
+    """
+
+    def __init__(
+        self,
+        settings: EarlyStoppingPolicy,
+        state: EarlyStopState | None = None,
+        recorded: Sequence[EarlyStopDecision] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = state or EarlyStopState()
+        self.recorded = (
+            None if recorded is None else (min(recorded, key=lambda d: d.step) if recorded else None)
+        )
+        self.replaying = recorded is not None
+
+    @property
+    def decision(self) -> EarlyStopDecision | None:
+        return self.state.decision
+
+    def observe(self, step: int, metrics: Mapping[str, float], seq: int) -> EarlyStopDecision | None:
+        """The decision to stop after ``step`` completed steps, or None to go on."""
+        if self.state.decision is not None:
+            return self.state.decision
+        if self.replaying:
+            if self.recorded is not None and self.recorded.step == step:
+                self.state = self.state.model_copy(
+                    update={"decision": self.recorded.model_copy(update={"observed": None})}
+                )
+            elif self.recorded is not None and self.recorded.step < step:
+                raise DecisionError(
+                    f"the recorded early stop after step {self.recorded.step} was missed: this run "
+                    f"evaluated at step {step} first"
+                )
+            return self.state.decision
+        name = self.settings.metric
+        if name not in metrics:
+            raise DecisionError(
+                f"early_stopping watches {name!r} but the trial's validation reported only: "
+                f"{', '.join(sorted(metrics)) or 'nothing'}"
+            )
+        value = float(metrics[name])
+        sign = 1.0 if self.settings.smaller_is_better else -1.0
+        state = self.state
+        improved = value == value and (
+            state.best is None or sign * (state.best - value) > self.settings.min_delta
+        )
+        best = value if improved else state.best
+        bad = 0 if improved else state.bad_evaluations + 1
+        reason: Literal["patience", "threshold"] | None = None
+        if self.settings.threshold is not None and sign * (value - self.settings.threshold) <= 0:
+            reason = "threshold"
+        elif self.settings.patience is not None and bad >= self.settings.patience:
+            reason = "patience"
+        decision = None
+        if reason is not None:
+            decision = EarlyStopDecision(seq=seq, step=step, reason=reason, metric=name, observed=value)
+        self.state = EarlyStopState(best=best, bad_evaluations=bad, decision=decision)
+        return decision
+
+
+RecordedDecision = Annotated[LrDecision | EarlyStopDecision, Field(discriminator="kind")]

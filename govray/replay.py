@@ -20,12 +20,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 from safetensors.torch import load_file
 
 from govray.checkpoint import find_checkpoints, verify_checkpoint
 from govray.config import ExperimentConfig
-from govray.decisions import LrDecision
+from govray.decisions import RecordedDecision
 from govray.errors import GovrayError
 from govray.keys import load_trust, platform_key, platform_trust
 from govray.ledger import Ledger
@@ -88,14 +88,14 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
     return trials[-1]
 
 
-def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[LrDecision, ...]:
-    """The learning-rate decisions a trial recorded, for a replay to apply as they were."""
+def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
+    """The decisions a trial recorded (LR cuts, early stops), for a replay to apply as they were."""
     return tuple(
-        LrDecision.model_validate(
+        TypeAdapter(RecordedDecision).validate_python(
             {"seq": row.seq, "step": row.step, "kind": row.kind, **json.loads(row.payload_json)}
         )
         for row in store.decisions(trial_id)
-        if row.kind == DecisionKind.LR_SCALE
+        if row.kind in (DecisionKind.LR_SCALE, DecisionKind.EARLY_STOP)
     )
 
 
@@ -178,7 +178,7 @@ def replay_trial(
         trial_seed=original.seed,
         excluded_corpora=tuple(exclude),
         progress=progress,
-        recorded_decisions=recorded_decisions(store, original.id) if config.lr_schedule else None,
+        recorded_decisions=recorded_decisions(store, original.id),
     )
     if outcome.state != "completed":
         raise ReplayError(
@@ -196,7 +196,7 @@ def replay_trial(
         replay_trial=outcome.trial_id,
         replay_run=outcome.run_name,
         excluded_corpora=list(exclude),
-        step=outcome.max_steps,
+        step=outcome.steps_done,
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         tensors=influence(original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude)),
     )

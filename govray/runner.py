@@ -31,7 +31,7 @@ from ray.train.v2.api.callback import UserCallback
 from govray.checkpoint import load_checkpoint
 from govray.config import ExperimentConfig
 from govray.data.shards import ShardSet
-from govray.decisions import LrDecision
+from govray.decisions import RecordedDecision
 from govray.errors import GovrayError
 from govray.gc import apply_gc, effective_gc_policy
 from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
@@ -178,7 +178,7 @@ def run_trial(
     excluded_corpora: tuple[str, ...] = (),
     report_every: int = 20,
     progress: Progress | None = None,
-    recorded_decisions: tuple[LrDecision, ...] | None = None,
+    recorded_decisions: tuple[RecordedDecision, ...] | None = None,
     start_checkpoint: Path | None = None,
 ) -> TrialOutcome:
     """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
@@ -241,7 +241,7 @@ def new_run_spec(
     trust: TrustConfig,
     excluded_corpora: tuple[str, ...] = (),
     report_every: int = 20,
-    recorded_decisions: tuple[LrDecision, ...] | None = None,
+    recorded_decisions: tuple[RecordedDecision, ...] | None = None,
     start_checkpoint: str = "",
     validation_period: int | None = None,
 ) -> RunSpec:
@@ -270,6 +270,7 @@ def new_run_spec(
         validation_period=config.min_validation_period or validation_period,
         lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,
+        early_stopping=config.early_stopping,
         control_file=str(control_path(config, run_name)),
         log_dir=str(log_dir(config.storage_path, run_name)),
         start_checkpoint=start_checkpoint,
@@ -392,7 +393,7 @@ def _train(
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
     steps_done = last_step(store, trial_id)
-    if steps_done < max_steps:
+    if steps_done < max_steps and not store.metrics(trial_id, "early_stopped"):
         stopped = _requested_stop(store, trial_id, run_name, steps_done, max_steps)
         store.set_trial_state(trial_id, stopped)
         store.set_experiment_state(experiment.id, stopped.value)
@@ -403,7 +404,7 @@ def _train(
     store.set_trial_state(trial_id, TrialState.COMPLETED)
     store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
     return TrialOutcome(
-        trial_id, run_name, Path(spec.run_dir), max_steps, metrics, ledger, steps_done=max_steps
+        trial_id, run_name, Path(spec.run_dir), max_steps, metrics, ledger, steps_done=steps_done
     )
 
 

@@ -308,7 +308,14 @@ class SearchTracking(ray.tune.Callback):
         else:  # stopped by the scheduler before its last step: a recorded early stop
             seq = len(self.store.decisions(row_id))
             step = last_step(self.store, row_id)
-            decision = {"seq": seq, "step": step, "kind": DecisionKind.EARLY_STOP.value, "by": "scheduler"}
+            decision = {
+                "seq": seq,
+                "step": step,
+                "kind": DecisionKind.EARLY_STOP.value,
+                "reason": "scheduler",
+                "metric": self.config.searcher.metric,
+                "observed": None,
+            }
             self.store.record_decisions(row_id, [decision], replayed=False)
         self.store.set_trial_state(row_id, TrialState.COMPLETED)
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from govray.config import PlateauSchedule
-from govray.decisions import DecisionError, LrDecision, Plateau
+from govray.config import EarlyStoppingPolicy, PlateauSchedule
+from govray.decisions import DecisionError, EarlyStopDecision, EarlyStopping, LrDecision, Plateau
 
 losses = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False), min_size=1, max_size=40)
 
@@ -97,3 +97,37 @@ def test_a_replay_that_skips_a_recorded_step_is_refused() -> None:
     with pytest.raises(DecisionError, match="after step 25, but this run evaluated only at step 30"):
         plateau.observe(30, {})
     assert [d.seq for d in Plateau(PlateauSchedule(), recorded=record((25, 0.5))).unapplied(30)] == [0]
+
+
+def test_early_stopping_by_patience_and_by_threshold() -> None:
+    patience = EarlyStopping(EarlyStoppingPolicy(patience=2, min_delta=0.1))
+    seen = [
+        patience.observe(step, {"validation_loss": loss}, seq=0)
+        for step, loss in ((10, 1.0), (20, 0.95), (30, 0.5), (40, 0.45), (50, 0.42))
+    ]
+    # 0.95 and 0.45 improve by less than 0.1: the second such evaluation in a row stops it.
+    assert [d is not None for d in seen] == [False, False, False, False, True]
+    assert seen[-1] == EarlyStopDecision(
+        seq=0, step=50, reason="patience", metric="validation_loss", observed=0.42
+    )
+    accuracy = EarlyStopping(
+        EarlyStoppingPolicy(metric="validation_accuracy", smaller_is_better=False, threshold=0.9)
+    )
+    assert accuracy.observe(10, {"validation_accuracy": 0.85}, seq=3) is None
+    stop = accuracy.observe(20, {"validation_accuracy": 0.9}, seq=3)
+    assert stop is not None and (stop.reason, stop.step, stop.seq) == ("threshold", 20, 3)
+
+
+def test_a_replayed_early_stop_happens_at_the_recorded_step_only() -> None:
+    recorded = EarlyStopDecision(seq=1, step=20, reason="scheduler", metric="validation_loss", observed=None)
+    rule = EarlyStopping(EarlyStoppingPolicy(patience=1), recorded=[recorded])
+    assert rule.observe(10, {"validation_loss": 9.0}, seq=0) is None  # its own metrics do not matter
+    assert rule.observe(20, {"validation_loss": 0.1}, seq=0) == recorded
+    skipped = EarlyStopping(EarlyStoppingPolicy(patience=1), recorded=[recorded])
+    with pytest.raises(DecisionError, match="recorded early stop after step 20 was missed"):
+        skipped.observe(30, {}, seq=0)
+
+
+def test_early_stopping_needs_a_rule() -> None:
+    with pytest.raises(ValueError, match="needs 'patience', 'threshold' or both"):
+        EarlyStoppingPolicy()

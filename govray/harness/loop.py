@@ -44,9 +44,18 @@ from govray.checkpoint import (
     load_checkpoint,
     seal_checkpoint,
 )
-from govray.config import PlateauSchedule
+from govray.config import EarlyStoppingPolicy, PlateauSchedule
 from govray.data.shards import ShardSet
-from govray.decisions import DecisionError, LrDecision, Plateau, PlateauState
+from govray.decisions import (
+    DecisionError,
+    EarlyStopDecision,
+    EarlyStopping,
+    EarlyStopState,
+    LrDecision,
+    Plateau,
+    PlateauState,
+    RecordedDecision,
+)
 from govray.harness.trial import Trial, load_trial_class
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
@@ -64,6 +73,7 @@ from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 MEMORIZATION_SAMPLE = 512  # training rows per corpus the loss gap compares with its holdout
+REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
 STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
 STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
 
@@ -94,7 +104,8 @@ class RunSpec(BaseModel):
     validation_period: int | None = None  # steps between validations (each saves a checkpoint)
     lr_schedule: PlateauSchedule | None = None
     # A replay applies its source trial's decisions instead of taking its own.
-    recorded_decisions: tuple[LrDecision, ...] | None = None
+    recorded_decisions: tuple[RecordedDecision, ...] | None = None
+    early_stopping: EarlyStoppingPolicy | None = None
     # Rank 0 reads a pause/kill request from this file at every step boundary (the driver writes it).
     control_file: str = ""
     control_period: int = 5  # steps between looks (a broadcast costs ~0.3 ms on 2 CPU workers)
@@ -209,8 +220,15 @@ class GovernedTraining:
         self.optimizer = self.trial.build_optimizer(self.trainable)
         for group in self.optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])  # decisions scale it
-        self.plateau = (
-            Plateau(spec.lr_schedule, recorded=spec.recorded_decisions) if spec.lr_schedule else None
+        recorded = spec.recorded_decisions
+        lr_record = None if recorded is None else [d for d in recorded if isinstance(d, LrDecision)]
+        stop_record = None if recorded is None else [d for d in recorded if isinstance(d, EarlyStopDecision)]
+        self.plateau = Plateau(spec.lr_schedule, recorded=lr_record) if spec.lr_schedule else None
+        # A replay stops where its source stopped, also when a scheduler (ASHA) made that call.
+        self.early = (
+            EarlyStopping(spec.early_stopping or REPLAY_ONLY, recorded=stop_record)
+            if spec.early_stopping or stop_record
+            else None
         )
         self.ledger = Ledger()
         self.source: dict[str, Any] = {}
@@ -256,6 +274,7 @@ class GovernedTraining:
             adapters=list(self.model.adapter_names()),
             reproducibility=self.spec.reproducibility,
             plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
+            early_stopping=self.early.state.model_dump(mode="json") if self.early else {},
             source=self.source,
             run=self.run_name,
         )
@@ -286,6 +305,8 @@ class GovernedTraining:
         if self.plateau is not None and loaded.state.plateau:
             self.plateau.state = PlateauState.model_validate(loaded.state.plateau)
             self._apply_lr_scale()
+        if self.early is not None and loaded.state.early_stopping:
+            self.early.state = EarlyStopState.model_validate(loaded.state.early_stopping)
         return loaded.state.step
 
     def _take_hyperparameters(self) -> None:
@@ -323,14 +344,33 @@ class GovernedTraining:
             "policy_digest": loaded.state.policy_digest,
         }
 
-    def observe(self, steps_done: int, validation: Mapping[str, float]) -> LrDecision | None:
-        """Take (or, in a replay, apply the recorded) decision due after a validation."""
-        if self.plateau is None:
-            return None
-        decision = self.plateau.observe(steps_done, validation)
-        if decision is not None:
-            self._apply_lr_scale()
-        return decision
+    @property
+    def decisions(self) -> list[LrDecision | EarlyStopDecision]:
+        """Every decision taken (or applied) so far, in order."""
+        taken: list[LrDecision | EarlyStopDecision] = list(self.plateau.decisions) if self.plateau else []
+        if self.early is not None and self.early.decision is not None:
+            taken.append(self.early.decision)
+        return sorted(taken, key=lambda decision: decision.seq)
+
+    def observe(
+        self, steps_done: int, validation: Mapping[str, float]
+    ) -> list[LrDecision | EarlyStopDecision]:
+        """Take (or, in a replay, apply the recorded) decisions due after a validation."""
+        made: list[LrDecision | EarlyStopDecision] = []
+        if self.plateau is not None:
+            lr = self.plateau.observe(steps_done, validation, seq=len(self.decisions))
+            if lr is not None:
+                self._apply_lr_scale()
+                made.append(lr)
+        if self.early is not None and self.early.decision is None:
+            stop = self.early.observe(steps_done, validation, seq=len(self.decisions))
+            if stop is not None:
+                made.append(stop)
+        return made
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.early is not None and self.early.decision is not None
 
     def check_decisions_applied(self, steps_done: int) -> None:
         if self.plateau is not None and (missed := self.plateau.unapplied(steps_done)):
@@ -514,6 +554,9 @@ def _train_steps(
         f"rank {worker.rank} of {worker.world_size}: steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
+    if training.stopped_early:
+        note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
+        return
     key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     loss_sum, examples = 0.0, 0
     for step in range(start, spec.max_steps):
@@ -546,17 +589,18 @@ def _train_steps(
                 if verdict.measures.loss_gap is not None:
                     metrics[f"loss_gap/{corpus_id}"] = verdict.measures.loss_gap
             metrics["objective"] = training.objective(validation, report)
-            decision = training.observe(done, validation)
-            if decision is not None:
+            for decision in training.observe(done, validation):
                 seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
-                note(
-                    f"decision {decision.seq}: learning rate x{decision.previous_scale:g} -> "
-                    f"x{decision.scale:g} after step {done} ({decision.metric} {seen})"
-                )
-            if training.plateau is not None and training.plateau.decisions:
-                metrics["decisions"] = json.dumps(
-                    [decision.model_dump(mode="json") for decision in training.plateau.decisions]
-                )
+                if isinstance(decision, LrDecision):
+                    what = f"learning rate x{decision.previous_scale:g} -> x{decision.scale:g}"
+                else:
+                    what = f"early stop ({decision.reason})"
+                note(f"decision {decision.seq}: {what} after step {done} ({decision.metric} {seen})")
+            if training.decisions:
+                metrics["decisions"] = json.dumps([d.model_dump(mode="json") for d in training.decisions])
+            if training.stopped_early:
+                metrics["early_stopped"] = 1
+                last = True  # the trial ends here, with its ledger
         if last:
             training.check_decisions_applied(done)
             metrics["ledger"] = json.dumps(training.ledger.to_json(), sort_keys=True)
@@ -575,6 +619,9 @@ def _train_steps(
         _report(training, metrics, done, key if save else None, on_report, ray_train)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
+            return
+        if training.stopped_early:
+            note(f"stopped early after step {done} of {spec.max_steps}")
             return
     note(f"completed {spec.max_steps} steps")
 
