@@ -44,14 +44,15 @@ def test_a_memorizing_configuration_is_flagged_and_a_normal_one_is_not(
     ray_session: None, tmp_path: Path
 ) -> None:
     memorizer = {"hidden": 256, "dropout": 0.0, "lr": 0.003, "optimizer": "adamw", "batch_size": 32}
-    outcome, store = trained(tmp_path / "memorizer", memorizer, steps=600, random_labels=True)
+    outcome, store = trained(tmp_path / "memorizer", memorizer, steps=1500, random_labels=True)
     metrics = latest(store, outcome.trial_id)
     # Random labels can only be memorized: training rows are fit, held-out rows stay at chance.
-    assert metrics["loss_gap/digits-public"] > 0.5, metrics
+    assert metrics["loss_gap/digits-public"] > 1.0, metrics
     assert metrics["memorization_score"] >= 1.0 and metrics["memorization_flagged"] >= 1
 
-    normal = {"hidden": 24, "dropout": 0.1, "lr": 0.05, "optimizer": "sgd", "batch_size": 16}
-    outcome, store = trained(tmp_path / "normal", normal, steps=60, random_labels=False)
+    normal = {"hidden": 64, "dropout": 0.1, "lr": 0.01, "optimizer": "adamw", "batch_size": 32}
+    outcome, store = trained(tmp_path / "normal", normal, steps=200, random_labels=False)
     metrics = latest(store, outcome.trial_id)
+    assert metrics["validation_accuracy"] > 0.8, metrics  # it learned, and generalizes
     assert metrics["memorization_flagged"] == 0 and metrics["memorization_score"] < 1.0, metrics
     assert all(abs(value) < 0.5 for name, value in metrics.items() if name.startswith("loss_gap/"))
