@@ -1,11 +1,11 @@
 """``searcher: {name: bayesian}``: Tree-structured Parzen Estimator search through Ray Tune's
 Optuna integration, seeded by the experiment's seed: ``n_startup_trials`` random points, then
-TPE proposals from the reported objectives; ``max_trials`` in all."""
+TPE proposals from the reported objectives; ``max_trials`` in all, at most
+``max_concurrent_trials`` at a time."""
 
 from __future__ import annotations
 
 import optuna
-from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.optuna import OptunaSearch
 
 from govray.config import BayesianSearcher, ExperimentConfig
@@ -26,5 +26,5 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         param_space=sampled_space(config),
         num_samples=searcher.max_trials,
         max_concurrent_trials=searcher.max_concurrent_trials,
-        search_alg=ConcurrencyLimiter(algorithm, max_concurrent=searcher.max_concurrent_trials),
+        search_alg=algorithm,  # Tune limits it to max_concurrent_trials
     )
