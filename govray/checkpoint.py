@@ -74,6 +74,7 @@ class CheckpointState(BaseModel):
     reproducibility: dict[str, Any] = Field(default_factory=dict)
     plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
     early_stopping: dict[str, Any] = Field(default_factory=dict)  # EarlyStopState
+    gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
 

@@ -249,4 +249,17 @@ class EarlyStopping:
         return decision
 
 
-RecordedDecision = Annotated[LrDecision | EarlyStopDecision, Field(discriminator="kind")]
+class GateDecision(BaseModel):
+    """Stop routing ``corpus_id``'s rows from global step ``step`` on (the steps already done):
+    the policy's ``gate`` action on a memorization flag, as a schedule event."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["gate"] = "gate"
+    corpus_id: str
+    score: float | None  # the corpus's normalized memorization measure; None in a replay
+
+
+RecordedDecision = Annotated[LrDecision | EarlyStopDecision | GateDecision, Field(discriminator="kind")]

@@ -95,7 +95,7 @@ def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDec
             {"seq": row.seq, "step": row.step, "kind": row.kind, **json.loads(row.payload_json)}
         )
         for row in store.decisions(trial_id)
-        if row.kind in (DecisionKind.LR_SCALE, DecisionKind.EARLY_STOP)
+        if row.kind in (DecisionKind.LR_SCALE, DecisionKind.EARLY_STOP, DecisionKind.GATE)
     )
 
 

@@ -409,8 +409,9 @@ def _train(
 
 
 def last_step(store: TrackingStore, trial_id: int) -> int:
-    """The last step the trial reported (0 if none)."""
-    steps = [metric.step for metric in store.metrics(trial_id, "training_loss")]
+    """The last step the trial reported (0 if none). Every report counts its ``examples``; the
+    training loss is missing (NaN) where every slot was empty (all corpora gated or excluded)."""
+    steps = [metric.step for metric in store.metrics(trial_id, "examples")]
     return max(steps, default=0)
 
 

@@ -3,6 +3,7 @@ on a corpus, a wide model, many epochs) gets that corpus flagged; a normal one g
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,29 +12,49 @@ import pyarrow.parquet as pq
 import yaml
 
 from govray.config import load_experiment
+from govray.data.shards import ShardSet
+from govray.keys import SigningKey, TrustConfig, save_trust
+from govray.ledger import recompute_ledger
 from govray.preflight import check_policy, ingest_experiment
+from govray.replay import replay_trial
 from govray.runner import TrialOutcome, run_trial
+from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.tracking.store import TrackingStore
-from tests.conftest import _golden_example
+from tests.conftest import _golden_example, write_signed_policy
 
 
 def trained(
-    root: Path, hparams: dict[str, Any], steps: int, random_labels: bool
+    root: Path,
+    hparams: dict[str, Any],
+    steps: int,
+    random_labels: bool,
+    validate_every: int | None = None,
+    policy: tuple[SigningKey, TrustConfig, dict[str, Any]] | None = None,
 ) -> tuple[TrialOutcome, TrackingStore]:
     path = _golden_example(root, workers=1, max_length={"batches": steps}, hparams=hparams, lr_schedule=False)
+    if policy is not None:  # the example policy plus a memorization section, signed by a test authority
+        key, trust, memorization = policy
+        document = yaml.safe_load((root / "policies" / "digits.policy.yaml").read_text())
+        write_signed_policy(
+            root / "policies", {**document, "memorization": memorization}, key, name="digits.policy"
+        )
+        save_trust(trust, root / "policies" / "trust.yaml")
     if random_labels:
         public = root / "data" / "public.parquet"
         table = pq.read_table(public)
         shuffled = np.random.default_rng(0).permutation(table.column("label").to_numpy())
         pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", [shuffled]), public)
     raw = yaml.safe_load(path.read_text())
-    raw["min_validation_period"] = steps  # one validation, at the end
+    raw["min_validation_period"] = validate_every or steps  # by default one validation, at the end
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     config = load_experiment(path)
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, store)
-    return run_trial(config, checked, experiment, ingested.root, store, report_every=steps), store
+    outcome = run_trial(
+        config, checked, experiment, ingested.root, store, report_every=validate_every or steps
+    )
+    return outcome, store
 
 
 def latest(store: TrackingStore, trial_id: int) -> dict[str, float]:
@@ -56,3 +77,43 @@ def test_a_memorizing_configuration_is_flagged_and_a_normal_one_is_not(
     assert metrics["validation_accuracy"] > 0.8, metrics  # it learned, and generalizes
     assert metrics["memorization_flagged"] == 0 and metrics["memorization_score"] < 1.0, metrics
     assert all(abs(value) < 0.5 for name, value in metrics.items() if name.startswith("loss_gap/"))
+
+
+MEMORIZER = {"hidden": 256, "dropout": 0.0, "lr": 0.003, "optimizer": "adamw", "batch_size": 32}
+
+
+def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_there_too(
+    ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
+) -> None:
+    policy = (authority_key, trust, {"loss_gap": 0.5, "action": "gate"})
+    outcome, store = trained(
+        tmp_path, MEMORIZER, steps=1500, random_labels=True, validate_every=300, policy=policy
+    )
+    gaps = {m.step: m.value for m in store.metrics(outcome.trial_id, "loss_gap/digits-public")}
+    gates = [d for d in store.decisions(outcome.trial_id) if d.kind == "gate"]
+    assert gates, gaps
+    first = min(step for step, gap in gaps.items() if gap >= 0.5)  # the first flag gates
+    assert {(d.step, json.loads(d.payload_json)["corpus_id"]) for d in gates if d.step == first} >= {
+        (first, "digits-public")
+    }
+    # The ledger is exactly the schedule's with those gates as events: nothing of a gated corpus
+    # reached any tensor after its gate step.
+    config = load_experiment(tmp_path / "experiment.yaml")
+    routing = check_policy(config, store, allow_unsigned=False).routing
+    manifest = ShardSet.open(next((Path(config.storage_path) / "shards").iterdir())).manifest
+    events = [
+        ScheduleEvent(step=d.step, kind="gate", corpus_id=json.loads(d.payload_json)["corpus_id"])
+        for d in gates
+    ]
+    seed = derive_seed(config.seed, 0, "schedule")
+    gated = ScheduleSpec.from_manifest(manifest, seed=seed, world_size=1, batch_size=32, events=events)
+    ungated = ScheduleSpec.from_manifest(manifest, seed=seed, world_size=1, batch_size=32)
+    assert outcome.ledger == recompute_ledger(gated, routing, 1500)
+    assert outcome.ledger != recompute_ledger(ungated, routing, 1500)
+
+    replayed = replay_trial(store, config.name, ("digits-licensed",), trial_id=outcome.trial_id)
+    applied = [d for d in store.decisions(replayed.outcome.trial_id) if d.kind == "gate"]
+    assert [(d.step, json.loads(d.payload_json)["corpus_id"]) for d in applied] == [
+        (d.step, json.loads(d.payload_json)["corpus_id"]) for d in gates
+    ]
+    assert all(d.replayed and json.loads(d.payload_json)["score"] is None for d in applied)

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from govray.decisions import (
     EarlyStopDecision,
     EarlyStopping,
     EarlyStopState,
+    GateDecision,
     LrDecision,
     Plateau,
     PlateauState,
@@ -69,7 +70,7 @@ from govray.memorization import (
 )
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
-from govray.schedule import ScheduleSpec, Slot, derive_seed, route_counts, step_slots
+from govray.schedule import ScheduleEvent, ScheduleSpec, Slot, derive_seed, route_counts, step_slots
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 MEMORIZATION_SAMPLE = 512  # training rows per corpus the loss gap compares with its holdout
@@ -196,13 +197,8 @@ class GovernedTraining:
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
         self.shards = ShardSet.open(Path(spec.shard_root))
-        self.schedule = ScheduleSpec.from_manifest(
-            self.shards.manifest,
-            seed=derive_seed(spec.seed, spec.trial_seed, "schedule"),
-            world_size=worker.world_size,
-            batch_size=self.trial.batch_size,
-            excluded_corpora=spec.excluded_corpora,
-        )
+        self.gates: list[GateDecision] = []
+        self.schedule = self._schedule(())
         self.rows = RouteRows(self.shards)
         self.tokens = self.rows.tokens(self.trial)
         named = parameters_by_name(self.model)
@@ -230,6 +226,12 @@ class GovernedTraining:
             if spec.early_stopping or stop_record
             else None
         )
+        self.gate_record = None if recorded is None else [d for d in recorded if isinstance(d, GateDecision)]
+        thresholds = spec.policy.memorization
+        if thresholds is not None and thresholds.action == "rollback":
+            raise DecisionError(
+                "the policy's memorization action 'rollback' is not implemented yet; use flag or gate"
+            )
         self.ledger = Ledger()
         self.source: dict[str, Any] = {}
         self._stop_check: tuple[torch.Tensor, Any] | None = None
@@ -275,6 +277,7 @@ class GovernedTraining:
             reproducibility=self.spec.reproducibility,
             plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
             early_stopping=self.early.state.model_dump(mode="json") if self.early else {},
+            gates=[gate.model_dump(mode="json") for gate in self.gates],
             source=self.source,
             run=self.run_name,
         )
@@ -287,9 +290,27 @@ class GovernedTraining:
             save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
         seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
 
+    def _schedule(self, gates: Sequence[GateDecision]) -> ScheduleSpec:
+        """The run's schedule with its gates as events (a gate only empties later slots)."""
+        return ScheduleSpec.from_manifest(
+            self.shards.manifest,
+            seed=derive_seed(self.spec.seed, self.spec.trial_seed, "schedule"),
+            world_size=self.worker.world_size,
+            batch_size=self.trial.batch_size,
+            excluded_corpora=self.spec.excluded_corpora,
+            events=[ScheduleEvent(step=gate.step, kind="gate", corpus_id=gate.corpus_id) for gate in gates],
+        )
+
+    def gate(self, decisions: Sequence[GateDecision]) -> None:
+        self.gates.extend(decisions)
+        self.schedule = self._schedule(self.gates)
+
     def restore(self, directory: Path) -> int:
         """Resume from a verified checkpoint; returns the number of steps it had completed."""
         loaded = load_checkpoint(directory, self.spec.trust)
+        if loaded.state.gates:
+            self.gates = [GateDecision.model_validate(gate) for gate in loaded.state.gates]
+            self.schedule = self._schedule(self.gates)
         if loaded.state.schedule_digest != self.schedule.digest():
             raise CheckpointError(
                 f"{directory}: its schedule inputs differ from this run's (a different run?)"
@@ -345,12 +366,39 @@ class GovernedTraining:
         }
 
     @property
-    def decisions(self) -> list[LrDecision | EarlyStopDecision]:
+    def decisions(self) -> list[LrDecision | EarlyStopDecision | GateDecision]:
         """Every decision taken (or applied) so far, in order."""
-        taken: list[LrDecision | EarlyStopDecision] = list(self.plateau.decisions) if self.plateau else []
+        taken: list[LrDecision | EarlyStopDecision | GateDecision] = list(self.gates)
+        if self.plateau is not None:
+            taken.extend(self.plateau.decisions)
         if self.early is not None and self.early.decision is not None:
             taken.append(self.early.decision)
         return sorted(taken, key=lambda decision: decision.seq)
+
+    def observe_memorization(self, steps_done: int, report: MemorizationReport) -> list[GateDecision]:
+        """The policy's action on flagged corpora: ``gate`` stops routing them from here on. A
+        replay gates where its source gated, whatever its own flags."""
+        gated = {gate.corpus_id for gate in self.gates}
+        if self.gate_record is not None:
+            due = [g for g in self.gate_record if g.step == steps_done and g.corpus_id not in gated]
+            if missed := [g for g in self.gate_record if g.step < steps_done and g.corpus_id not in gated]:
+                raise DecisionError(f"recorded gates {[g.seq for g in missed]} were missed by this replay")
+            made = [g.model_copy(update={"score": None}) for g in due]
+        elif report.action == "gate":
+            made = [
+                GateDecision(
+                    seq=len(self.decisions) + index,
+                    step=steps_done,
+                    corpus_id=corpus_id,
+                    score=report.corpora[corpus_id].score,
+                )
+                for index, corpus_id in enumerate(c for c in report.flagged if c not in gated)
+            ]
+        else:
+            made = []
+        if made:
+            self.gate(made)
+        return made
 
     def observe(
         self, steps_done: int, validation: Mapping[str, float]
@@ -589,11 +637,17 @@ def _train_steps(
                 if verdict.measures.loss_gap is not None:
                     metrics[f"loss_gap/{corpus_id}"] = verdict.measures.loss_gap
             metrics["objective"] = training.objective(validation, report)
+            gates = training.observe_memorization(done, report)
+            for gate in gates:
+                seen = (
+                    "replayed from the record" if gate.score is None else f"normalized score {gate.score:.3g}"
+                )
+                note(f"decision {gate.seq}: gate {gate.corpus_id} from step {done} (memorization, {seen})")
             for decision in training.observe(done, validation):
                 seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
                 if isinstance(decision, LrDecision):
                     what = f"learning rate x{decision.previous_scale:g} -> x{decision.scale:g}"
-                else:
+                elif isinstance(decision, EarlyStopDecision):
                     what = f"early stop ({decision.reason})"
                 note(f"decision {decision.seq}: {what} after step {done} ({decision.metric} {seen})")
             if training.decisions:
