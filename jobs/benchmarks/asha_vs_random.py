@@ -1,7 +1,8 @@
 """ASHA vs random search on scikit-learn's digits: epochs spent until a trial reaches the target.
 
-Same space, same trial budget, same seeds for both (and Bayesian/TPE for its best accuracy); one
-worker per trial, trials one after another, so "epochs until the target" is well defined: the
+Same space, same trial budget, same seeds, same validation period for all (and Bayesian/TPE for
+its best accuracy); one worker per trial, trials one after another, so "epochs until the target"
+is well defined: the
 training epochs of every trial started before the first validation at or above the target
 accuracy, plus that trial's epochs up to it. A search that never reaches the target counts its
 whole budget. The ratio is the mean over seeds of ASHA's epochs over random's.
@@ -40,7 +41,9 @@ SPACE = {
 }
 
 
-def experiment_file(root: Path, name: str, seed: int, searcher: dict[str, Any], epochs: int) -> Path:
+def experiment_file(
+    root: Path, name: str, seed: int, searcher: dict[str, Any], epochs: int, validation_period: int
+) -> Path:
     if not (root / "data").exists():
         shutil.copytree(EXAMPLE / "data", root / "data")
     raw = yaml.safe_load((EXAMPLE / "experiment.yaml").read_text())
@@ -55,8 +58,8 @@ def experiment_file(root: Path, name: str, seed: int, searcher: dict[str, Any], 
     raw["resources"] = {"workers": 1, "cpus_per_worker": 1}
     raw["searcher"] = {"metric": "validation_loss", "max_length": {"epochs": epochs}, **searcher}
     raw["checkpoint"] = {"period": 10_000, "save_trial_best": 1, "save_trial_latest": 1}
-    for key in ("lr_schedule", "min_validation_period"):
-        raw.pop(key, None)
+    raw.pop("lr_schedule", None)
+    raw["min_validation_period"] = validation_period  # the same for every strategy: a fair count
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -83,7 +86,9 @@ def search(root: Path, strategy: str, seed: int, args: argparse.Namespace) -> tu
         searcher.update(divisor=4, max_rungs=3, brackets=1)
     if strategy == "bayesian":
         searcher.update(n_startup_trials=max(2, args.trials // 4))
-    path = experiment_file(root, f"bench-{strategy}-{seed}", seed, searcher, args.epochs)
+    path = experiment_file(
+        root, f"bench-{strategy}-{seed}", seed, searcher, args.epochs, args.validation_period
+    )
     config = load_experiment(path)
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
@@ -100,6 +105,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--validation-period", type=int, default=12, help="steps (about 1/4 epoch)")
     args = parser.parse_args()
     ensure_ray()
     ratios = []
