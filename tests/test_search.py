@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from ray import tune
+from sqlalchemy.exc import SQLAlchemyError
 
 from govray.config import load_experiment
 from govray.errors import ConfigError
@@ -215,8 +216,12 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     while driver.poll() is None and time.monotonic() < deadline:
         if Path(database.removeprefix("sqlite:///")).exists():
             store = TrackingStore(database)
-            finished = [t.id for t in store.list_trials(1) if t.state == "completed"]  # type: ignore[misc]
-            store.close()
+            try:
+                finished = [t.id for t in store.list_trials(1) if t.state == "completed"]  # type: ignore[misc]
+            except SQLAlchemyError:  # the driver is still creating or migrating the database
+                finished = []
+            finally:
+                store.close()
             if len(finished) >= 2:
                 time.sleep(2)  # Tune saves its state within a second of a trial's end
                 driver.send_signal(signal.SIGKILL)
