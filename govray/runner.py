@@ -76,6 +76,63 @@ class GcSettings:
     smaller_is_better: bool
 
 
+def record_report(
+    store: TrackingStore,
+    trial_id: int,
+    step: int,
+    report: dict[str, Any],
+    layers: dict[str, int | None],
+    *,
+    replaying: bool,
+) -> None:
+    """Store one report of the governed loop: its scalars (training / validation), the decisions
+    taken so far and, in the last report, the ledger (tensor rows with their ``layers``)."""
+    training, validation = scalar_metrics(report)
+    if training:
+        store.log_metrics(trial_id, step, "training", training)
+    if validation:
+        store.log_metrics(trial_id, step, "validation", validation)
+    if "decisions" in report:
+        store.record_decisions(trial_id, json.loads(report["decisions"]), replayed=replaying)
+    if "ledger" in report:
+        ledger = Ledger.from_json(json.loads(report["ledger"]))
+        rows = [
+            (corpus, tensor, layers.get(tensor), entry.examples, entry.tokens, entry.steps)
+            for corpus, tensor, entry in ledger.rows()
+        ]
+        record_ledger(store, trial_id, rows)
+
+
+def governed_trainer(
+    config: ExperimentConfig,
+    spec: RunSpec,
+    run_name: str,
+    *,
+    on_report: Callable[[dict[str, Any], str | None], None] | None = None,
+    callbacks: list[UserCallback] | None = None,
+) -> TorchTrainer:
+    """The TorchTrainer that runs ``spec``'s governed loop: one worker in-process (Train V2 local
+    mode, where no controller callback runs: ``on_report`` hears the reports), N on Ray Train
+    workers with ``callbacks`` on the controller."""
+    workers = config.resources.workers
+    return TorchTrainer(
+        partial(train_worker, on_report=on_report) if workers == 1 else train_worker,
+        train_loop_config=spec.model_dump(mode="json"),
+        scaling_config=ScalingConfig(
+            num_workers=0 if workers == 1 else workers,
+            use_gpu=config.resources.use_gpu,
+            resources_per_worker={"CPU": config.resources.cpus_per_worker},
+        ),
+        torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(Path(config.storage_path) / "ray"),
+            failure_config=FailureConfig(max_failures=config.max_restarts),
+            callbacks=callbacks if workers > 1 else [],  # type: ignore[arg-type]  # V2 UserCallback
+        ),
+    )
+
+
 class TrackingCallback(UserCallback):
     """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store."""
 
@@ -113,20 +170,7 @@ class TrackingCallback(UserCallback):
             )
 
     def _record_metrics(self, store: TrackingStore, step: int, metrics: dict[str, Any]) -> None:
-        training, validation = scalar_metrics(metrics)
-        if training:
-            store.log_metrics(self.trial_id, step, "training", training)
-        if validation:
-            store.log_metrics(self.trial_id, step, "validation", validation)
-        if "decisions" in metrics:
-            store.record_decisions(self.trial_id, json.loads(metrics["decisions"]), replayed=self.replaying)
-        if "ledger" in metrics:
-            ledger = Ledger.from_json(json.loads(metrics["ledger"]))
-            rows = [
-                (corpus, tensor, self.layer_index.get(tensor), entry.examples, entry.tokens, entry.steps)
-                for corpus, tensor, entry in ledger.rows()
-            ]
-            record_ledger(store, self.trial_id, rows)
+        record_report(store, self.trial_id, step, metrics, self.layer_index, replaying=self.replaying)
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
@@ -358,24 +402,7 @@ def _train(
     callback = TrackingCallback(
         config.database_url, trial_id, layer_index, gc, replaying=spec.recorded_decisions is not None
     )
-    workers = config.resources.workers
-    trainer = TorchTrainer(
-        # One worker runs in-process (Train V2 local mode), where no controller callback runs.
-        partial(train_worker, on_report=callback.record) if workers == 1 else train_worker,
-        train_loop_config=spec.model_dump(mode="json"),
-        scaling_config=ScalingConfig(
-            num_workers=0 if workers == 1 else workers,
-            use_gpu=config.resources.use_gpu,
-            resources_per_worker={"CPU": config.resources.cpus_per_worker},
-        ),
-        torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
-        run_config=RunConfig(
-            name=run_name,
-            storage_path=str(Path(config.storage_path) / "ray"),
-            failure_config=FailureConfig(max_failures=config.max_restarts),
-            callbacks=[callback] if workers > 1 else [],  # type: ignore[list-item]  # V2 UserCallback
-        ),
-    )
+    trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void

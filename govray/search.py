@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import ray.tune
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
 from ray.tune.schedulers import PopulationBasedTraining
 
 from govray.checkpoint import checkpoint_step
@@ -42,11 +40,10 @@ from govray.errors import ConfigError, GovrayError
 from govray.gc import apply_gc, effective_gc_policy
 from govray.harness.loop import RunSpec, train_worker
 from govray.keys import TrustConfig, load_trust, platform_key, platform_trust
-from govray.ledger import Ledger
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
-from govray.runner import last_step, new_run_spec, scalar_metrics
-from govray.tracking.lineage import record_checkpoint, record_ledger
+from govray.runner import governed_trainer, last_step, new_run_spec, record_report
+from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
 
@@ -176,22 +173,10 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         end = min(spec.max_steps, (start // period + 1) * period)
         segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
         name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
-        result = TorchTrainer(
-            train_worker,
-            train_loop_config=segment.model_copy(
-                update={"run_dir": str(Path(config.storage_path) / "ray" / name)}
-            ).model_dump(mode="json"),
-            scaling_config=ScalingConfig(
-                num_workers=config.resources.workers,
-                use_gpu=config.resources.use_gpu,
-                resources_per_worker={"CPU": config.resources.cpus_per_worker},
-            ),
-            torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
-            run_config=RunConfig(
-                name=name,
-                storage_path=str(Path(config.storage_path) / "ray"),
-                failure_config=FailureConfig(max_failures=config.max_restarts),
-            ),
+        result = governed_trainer(
+            config,
+            segment.model_copy(update={"run_dir": str(Path(config.storage_path) / "ray" / name)}),
+            name,
         ).fit()
         if result.checkpoint is None or result.metrics is None:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
@@ -261,13 +246,7 @@ class SearchTracking(ray.tune.Callback):
         step = int(report["step"])
         if step <= last_step(self.store, row_id):
             return  # a restarted trial re-reports the steps after its checkpoint
-        training, validation = scalar_metrics(report)
-        if training:
-            self.store.log_metrics(row_id, step, "training", training)
-        if validation:
-            self.store.log_metrics(row_id, step, "validation", validation)
-        if "decisions" in report:
-            self.store.record_decisions(row_id, json.loads(report["decisions"]), replayed=False)
+        record_report(self.store, row_id, step, report, self.layers, replaying=False)
         if "cloned_from_run" in report:
             donor = [
                 t
@@ -298,14 +277,7 @@ class SearchTracking(ray.tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         row_id = self.row(trial)
         report = self.last.get(trial.trial_id, {})
-        if "ledger" in report:
-            ledger = Ledger.from_json(json.loads(report["ledger"]))
-            rows = [
-                (corpus, tensor, self.layers.get(tensor), entry.examples, entry.tokens, entry.steps)
-                for corpus, tensor, entry in ledger.rows()
-            ]
-            record_ledger(self.store, row_id, rows)
-        else:  # stopped by the scheduler before its last step: a recorded early stop
+        if "ledger" not in report:  # stopped by the scheduler before its last step: a recorded early stop
             seq = len(self.store.decisions(row_id))
             step = last_step(self.store, row_id)
             decision = {
