@@ -75,6 +75,9 @@ class CheckpointState(BaseModel):
     plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
     early_stopping: dict[str, Any] = Field(default_factory=dict)  # EarlyStopState
     gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
+    rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
+    clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from govray.canaries import CanaryProbe, CanarySet
 from govray.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
 from govray.documents import parse_yaml_mapping, read_text
 from govray.errors import ConfigError, describe_validation_error
@@ -90,6 +91,17 @@ class CorpusRole(StrEnum):
     PROBE = "probe"  # memorization probes and canaries, never routed
 
 
+class CanaryConfig(BaseModel):
+    """A corpus's inserted canaries (a :class:`govray.canaries.CanarySet` JSON file) and how many
+    never-trained candidates each canary is ranked among for its exposure (the rank definition:
+    at most log2(references + 1) bits)."""
+
+    model_config = _STRICT
+
+    file: Path
+    references: int = Field(default=1000, ge=10)
+
+
 class CorpusSpec(BaseModel):
     """One corpus: where it is, its credential, and which columns override it per row."""
 
@@ -102,6 +114,7 @@ class CorpusSpec(BaseModel):
     credential: dict[str, Any]  # every credential field but corpus_id (taken from ``id``)
     credential_columns: dict[str, str] = Field(default_factory=dict)  # field → column name
     holdout_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
+    canaries: CanaryConfig | None = None
 
     @field_validator("credential", mode="before")
     @classmethod
@@ -413,6 +426,9 @@ def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         for corpus in data["corpora"]:
             if isinstance(corpus, dict) and "path" in corpus:
                 corpus["path"] = resolve(corpus["path"])
+            canaries = corpus.get("canaries") if isinstance(corpus, dict) else None
+            if isinstance(canaries, dict) and "file" in canaries:
+                canaries["file"] = resolve(corpus["canaries"]["file"])
     policy = raw.get("policy")
     if isinstance(policy, dict):
         for key in ("file", "signature", "trust"):
@@ -442,3 +458,27 @@ def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
 def load_experiment(path: Path) -> ExperimentConfig:
     """Read and validate an experiment file."""
     return parse_experiment(read_text(path, ConfigError, "experiment file"), source=path)
+
+
+def load_canaries(config: ExperimentConfig) -> dict[str, CanaryProbe]:
+    """Each corpus's canary set with its reference count; a missing or malformed file, or one
+    written for another corpus, is a ``ConfigError``."""
+    probes = {}
+    for corpus in config.data.corpora:
+        if corpus.canaries is None:
+            continue
+        path = corpus.canaries.file
+        try:
+            canaries = CanarySet.load(path)
+        except OSError as error:
+            raise ConfigError(f"corpus '{corpus.id}': cannot read its canaries {path}: {error}") from None
+        except ValidationError as error:
+            raise ConfigError(
+                f"corpus '{corpus.id}': {path} is not a canary set: {describe_validation_error(error)}"
+            ) from None
+        if canaries.corpus_id != corpus.id:
+            raise ConfigError(f"corpus '{corpus.id}': {path} holds the canaries of '{canaries.corpus_id}'")
+        if corpus.role != CorpusRole.TRAIN:
+            raise ConfigError(f"corpus '{corpus.id}': canaries need a training corpus (role: train)")
+        probes[corpus.id] = CanaryProbe(canaries=canaries, references=corpus.canaries.references)
+    return probes

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from govray.config import EarlyStoppingPolicy, PlateauSchedule
 from govray.errors import GovrayError
@@ -262,4 +262,30 @@ class GateDecision(BaseModel):
     score: float | None  # the corpus's normalized memorization measure; None in a replay
 
 
-RecordedDecision = Annotated[LrDecision | EarlyStopDecision | GateDecision, Field(discriminator="kind")]
+class RollbackDecision(BaseModel):
+    """The policy's ``rollback`` action: after ``step`` global steps a validation flagged
+    ``corpora``; the weights, adapters, optimizer state and ledger went back to the last clean
+    checkpoint, taken after ``to_step`` steps, and gate decisions (the next ``seq`` numbers) stop
+    ``corpora`` from ``step`` on. Training continues at ``step``: the steps ``to_step .. step-1``
+    are discarded, not repeated, so step numbers, metrics and the schedule only move forward and
+    a gated corpus is never rolled back twice (no loop)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["rollback"] = "rollback"
+    to_step: int = Field(ge=0)
+    corpora: list[str] = Field(min_length=1)
+    score: float | None  # the largest normalized memorization measure of ``corpora``; None in a replay
+
+    @model_validator(mode="after")
+    def _backwards(self) -> RollbackDecision:
+        if self.to_step >= self.step:
+            raise ValueError(f"rollback at step {self.step} to step {self.to_step}: must go back")
+        return self
+
+
+RecordedDecision = Annotated[
+    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision, Field(discriminator="kind")
+]

@@ -170,9 +170,12 @@ def recompute_ledger(
     steps: int,
     tokens: Mapping[str, Sequence[int]] | None = None,
 ) -> Ledger:
-    """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone."""
+    """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone
+    (steps a rollback discarded reached nothing)."""
     ledger = Ledger()
     for global_step in range(steps):
+        if spec.reverted(global_step):
+            continue
         ledger.record_step(step_slots(spec, global_step), table, tokens)
     return ledger
 

@@ -265,6 +265,10 @@ class MemorizationThresholds(BaseModel):
     """The policy's memorization thresholds and what a flag does.
 
     ``entropy_drop`` is in bits below the calibrated band (1 bit halves the effective rank);
+    None measures and reports the entropy profile without letting it raise a flag (it has no
+    published validation: ``jobs/benchmarks/memorization_study.py`` measures its agreement with
+    exposure). ``exposure_bits`` must be reachable: the rank definition tops out at
+    log2(references + 1) bits (about 10 for the default 1,000 references).
     ``monitored_corpora`` None monitors every corpus measured.
     """
 
@@ -272,7 +276,7 @@ class MemorizationThresholds(BaseModel):
 
     loss_gap: float = Field(default=0.5, gt=0.0)
     exposure_bits: float = Field(default=8.0, gt=0.0)
-    entropy_drop: float = Field(default=1.0, gt=0.0)
+    entropy_drop: float | None = Field(default=1.0, gt=0.0)
     action: Literal["flag", "gate", "rollback"] = "flag"
     monitored_corpora: list[str] | None = None
 
@@ -326,10 +330,11 @@ def memorization_report(
     """Normalize each monitored corpus's measures by their thresholds and take the largest.
 
     For corpus c, ``m_c = max(gap / loss_gap, exposure / exposure_bits, drop / entropy_drop)``
-    over the measures computed for c, each clipped below at 0 (a negative loss gap is no evidence
-    and must not reward a trial in the objective). c is flagged when ``m_c ≥ 1``. The
-    ``memorization_score`` is ``max_c m_c`` over monitored corpora, 0.0 when none is monitored.
-    A monitored corpus absent from ``per_corpus`` is refused rather than silently unmonitored.
+    over the measures computed for c (whose thresholds are set), each clipped below at 0 (a
+    negative loss gap is no evidence and must not reward a trial in the objective). c is flagged
+    when ``m_c ≥ 1``. The ``memorization_score`` is ``max_c m_c`` over monitored corpora, 0.0
+    when none is monitored. A monitored corpus absent from ``per_corpus`` is refused rather than
+    silently unmonitored.
     """
     monitored = list(per_corpus) if thresholds.monitored_corpora is None else thresholds.monitored_corpora
     missing = sorted(set(monitored) - set(per_corpus))
@@ -346,7 +351,7 @@ def memorization_report(
         normalized = {
             name: max(0.0, value / limit)
             for name, limit in limits.items()
-            if (value := getattr(measures, name)) is not None
+            if limit is not None and (value := getattr(measures, name)) is not None
         }
         score = max(normalized.values(), default=0.0)
         verdicts[corpus] = CorpusVerdict(

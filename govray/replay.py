@@ -33,7 +33,7 @@ from govray.preflight import check_policy, ingest_experiment
 from govray.runner import Progress, TrialOutcome, run_trial, stored_ledger
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import DecisionKind, Trial
+from govray.tracking.tables import Trial
 
 
 class ReplayError(GovrayError):
@@ -89,13 +89,13 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
 
 
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
-    """The decisions a trial recorded (LR cuts, early stops), for a replay to apply as they were."""
+    """The decisions a trial recorded (LR cuts, early stops, gates, rollbacks), for a replay to
+    apply as they were."""
     return tuple(
         TypeAdapter(RecordedDecision).validate_python(
             {"seq": row.seq, "step": row.step, "kind": row.kind, **json.loads(row.payload_json)}
         )
         for row in store.decisions(trial_id)
-        if row.kind in (DecisionKind.LR_SCALE, DecisionKind.EARLY_STOP, DecisionKind.GATE)
     )
 
 

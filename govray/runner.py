@@ -29,13 +29,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
 from govray.checkpoint import load_checkpoint
-from govray.config import ExperimentConfig
+from govray.config import ExperimentConfig, load_canaries
 from govray.data.shards import ShardSet
 from govray.decisions import RecordedDecision
-from govray.errors import GovrayError
+from govray.errors import ConfigError, GovrayError
 from govray.gc import apply_gc, effective_gc_policy
 from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import defines_sequence_scores, load_trial_class
 from govray.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
@@ -291,6 +291,12 @@ def new_run_spec(
 ) -> RunSpec:
     """Everything the workers of run ``run_name`` need, from the experiment and one hyperparameter
     sample (a searcher may impose a ``validation_period`` when the config sets none)."""
+    canaries = load_canaries(config)
+    if canaries and not defines_sequence_scores(load_trial_class(config.trial)):
+        raise ConfigError(
+            f"corpora {sorted(canaries)} declare canaries, but trial {config.trial} defines no "
+            "sequence_scores(model, texts) to score them"
+        )
     return RunSpec(
         trial=config.trial,
         hparams=hparams,
@@ -321,6 +327,7 @@ def new_run_spec(
         objective_metric=config.searcher.metric,
         smaller_is_better=config.searcher.smaller_is_better,
         memorization_lambda=config.searcher.memorization_lambda,
+        canaries=canaries,
     )
 
 
@@ -503,11 +510,11 @@ def _fit_with_progress(
             passed = requested
         if progress is None:
             continue
-        latest = {metric.name: metric.value for metric in store.metrics(trial_id) if metric.step >= seen}
-        step = last_step(store, trial_id)
-        if step > seen:
-            seen = step
-            progress(seen, max_steps, latest)
+        fresh = store.metrics(trial_id, since_step=seen + 1)  # what the reports since the last look added
+        reported = [metric.step for metric in fresh if metric.name == "examples"]  # every report counts them
+        if reported:
+            seen = max(reported)
+            progress(seen, max_steps, {metric.name: metric.value for metric in fresh})
     if "error" in outcome:
         raise outcome["error"]
     result: ray.train.Result = outcome["result"]

@@ -106,14 +106,24 @@ class RouteRows:
 
 @dataclass(frozen=True)
 class ScheduleEvent:
-    """A recorded governance decision that changes routing from global ``step`` on.
+    """A recorded governance decision taken after ``step`` global steps.
 
-    ``gate``: stop routing ``corpus_id``'s rows (memorization gate, or the gate of a rollback).
+    ``gate``: stop routing ``corpus_id``'s rows from global step ``step`` on (memorization gate,
+    or the gate of a rollback). ``rollback``: the weights went back to those of the clean
+    checkpoint at ``to_step``, so global steps ``to_step .. step-1`` reached nothing (their slots
+    were trained, then discarded); the schedule's slots do not change.
     """
 
     step: int
-    kind: Literal["gate"]
-    corpus_id: str
+    kind: Literal["gate", "rollback"]
+    corpus_id: str = ""  # gate: the gated corpus
+    to_step: int | None = None  # rollback: the clean checkpoint's step
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {"step": self.step, "kind": self.kind, "corpus_id": self.corpus_id}
+        if self.to_step is not None:
+            document["to_step"] = self.to_step
+        return document
 
 
 @dataclass(frozen=True)
@@ -165,7 +175,14 @@ class ScheduleSpec:
         if unknown:
             raise ScheduleError(f"excluded corpus '{unknown[0]}' has no training rows (corpora: {listing})")
         for event in self.events:
-            if event.kind != "gate":
+            if event.kind == "rollback":
+                if event.to_step is None or not 0 <= event.to_step < event.step or event.corpus_id:
+                    raise ScheduleError(
+                        f"rollback at step {event.step} must go back to an earlier step (to_step "
+                        f"{event.to_step}) and name no corpus"
+                    )
+                continue
+            if event.kind != "gate" or event.to_step is not None:
                 raise ScheduleError(f"unknown schedule event kind '{event.kind}' at step {event.step}")
             if event.step < 0:
                 raise ScheduleError(f"gate of corpus '{event.corpus_id}' at negative step {event.step}")
@@ -236,8 +253,19 @@ class ScheduleSpec:
 
     def withheld_corpora(self, global_step: int) -> frozenset[str]:
         """Corpora whose rows are dropped at ``global_step``: excluded, or gated at or before it."""
-        gated = {event.corpus_id for event in self.events if event.step <= global_step}
+        gated = {
+            event.corpus_id for event in self.events if event.kind == "gate" and event.step <= global_step
+        }
         return self.excluded_corpora | gated
+
+    def reverted(self, global_step: int) -> bool:
+        """Whether a later rollback discarded what ``global_step`` trained."""
+        return any(
+            event.kind == "rollback"
+            and event.to_step is not None
+            and event.to_step <= global_step < event.step
+            for event in self.events
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The spec as a JSON document (stable ordering); ``from_json`` reads it back."""
@@ -251,10 +279,7 @@ class ScheduleSpec:
                 for route in self.routes
             ],
             "excluded_corpora": sorted(self.excluded_corpora),
-            "events": [
-                {"step": event.step, "kind": event.kind, "corpus_id": event.corpus_id}
-                for event in self.events
-            ],
+            "events": [event.to_json() for event in self.events],
         }
 
     @classmethod
@@ -275,7 +300,12 @@ class ScheduleSpec:
                 ),
                 excluded_corpora=frozenset(str(c) for c in data["excluded_corpora"]),
                 events=tuple(
-                    ScheduleEvent(step=int(e["step"]), kind=e["kind"], corpus_id=str(e["corpus_id"]))
+                    ScheduleEvent(
+                        step=int(e["step"]),
+                        kind=e["kind"],
+                        corpus_id=str(e["corpus_id"]),
+                        to_step=None if e.get("to_step") is None else int(e["to_step"]),
+                    )
                     for e in data["events"]
                 ),
             )

@@ -11,14 +11,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
+from govray.checkpoint import load_checkpoint
 from govray.config import load_experiment
 from govray.data.shards import ShardSet
-from govray.keys import SigningKey, TrustConfig, save_trust
+from govray.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
 from govray.ledger import recompute_ledger
 from govray.preflight import check_policy, ingest_experiment
 from govray.replay import replay_trial
 from govray.runner import TrialOutcome, run_trial
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed
+from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from tests.conftest import _golden_example, write_signed_policy
 
@@ -117,3 +119,68 @@ def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_
         (d.step, json.loads(d.payload_json)["corpus_id"]) for d in gates
     ]
     assert all(d.replayed and json.loads(d.payload_json)["score"] is None for d in applied)
+
+
+def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
+    ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
+) -> None:
+    policy = (authority_key, trust, {"loss_gap": 0.5, "action": "rollback"})
+    outcome, store = trained(
+        tmp_path, MEMORIZER, steps=1500, random_labels=True, validate_every=300, policy=policy
+    )
+    assert outcome.steps_done == 1500  # it went on after the rollback, to the end
+    gaps = {m.step: m.value for m in store.metrics(outcome.trial_id, "loss_gap/digits-public")}
+    first = min(step for step, gap in gaps.items() if gap >= 0.5)
+    decisions = store.decisions(outcome.trial_id)
+    rollbacks = [json.loads(d.payload_json) | {"step": d.step} for d in decisions if d.kind == "rollback"]
+    # No loop: each corpus is rolled back at most once, the memorizing one at its first flag, to
+    # the validation before it (the last clean state; step 0 when the first validation flags).
+    rolled = [corpus for rollback in rollbacks for corpus in rollback["corpora"]]
+    assert len(rolled) == len(set(rolled)) and "digits-public" in rolled, rollbacks
+    public = next(r for r in rollbacks if "digits-public" in r["corpora"])
+    assert (public["step"], public["to_step"]) == (first, first - 300), (rollbacks, gaps)
+    gates = {(d.step, json.loads(d.payload_json)["corpus_id"]) for d in decisions if d.kind == "gate"}
+    assert {(r["step"], corpus) for r in rollbacks for corpus in r["corpora"]} == gates
+
+    # The checkpoint written after the rollback holds exactly the clean state's weights and ledger.
+    by_step = {c.step: Path(c.path) for c in checkpoints(store, outcome.trial_id)}
+    trust_config = platform_trust(platform_key())
+    clean, after = (load_checkpoint(by_step[step], trust_config) for step in (public["to_step"], first))
+    if public["to_step"]:
+        for name in ("model.safetensors", *(f.name for f in by_step[first].glob("adapter-*"))):
+            assert (by_step[first] / name).read_bytes() == (by_step[public["to_step"]] / name).read_bytes()
+    assert after.state.ledger == clean.state.ledger
+    assert after.state.clean_step == first and after.state.rollbacks
+
+    # The final ledger is the schedule's with the gates and the discarded steps as events.
+    config = load_experiment(tmp_path / "experiment.yaml")
+    routing = check_policy(config, store, allow_unsigned=False).routing
+    manifest = ShardSet.open(next((Path(config.storage_path) / "shards").iterdir())).manifest
+    events = [ScheduleEvent(step=step, kind="gate", corpus_id=corpus) for step, corpus in gates]
+    events += [ScheduleEvent(step=r["step"], kind="rollback", to_step=r["to_step"]) for r in rollbacks]
+    seed = derive_seed(config.seed, 0, "schedule")
+    spec = ScheduleSpec.from_manifest(manifest, seed=seed, world_size=1, batch_size=32, events=events)
+    assert outcome.ledger == recompute_ledger(spec, routing, 1500)
+    assert outcome.ledger != recompute_ledger(
+        ScheduleSpec.from_manifest(manifest, seed=seed, world_size=1, batch_size=32, events=events[:-1]),
+        routing,
+        1500,
+    )
+
+    # A replay rolls back and gates where its source did, whatever its own measures say.
+    replayed = replay_trial(store, config.name, ("digits-licensed",), trial_id=outcome.trial_id)
+    applied = store.decisions(replayed.outcome.trial_id)
+    assert [(d.seq, d.step, d.kind) for d in applied] == [(d.seq, d.step, d.kind) for d in decisions]
+    assert all(d.replayed for d in applied)
+    assert replayed.outcome.ledger == recompute_ledger(
+        ScheduleSpec.from_manifest(
+            manifest,
+            seed=seed,
+            world_size=1,
+            batch_size=32,
+            excluded_corpora=("digits-licensed",),
+            events=events,
+        ),
+        routing,
+        1500,
+    )

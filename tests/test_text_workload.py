@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from govray.adapters import GovernedModel
+from govray.canaries import CanarySet
 from govray.policy import load_policy
 from govray.routing import resolve_routes
-from jobs.examples.text.canaries import CanarySet
 from jobs.examples.text.make_corpora import DATA, ROW_CHARS, source_problem, write_corpora
 from jobs.examples.text.trial import CharTransformer, CharTransformerTrial
 

@@ -15,6 +15,7 @@ The step, top to bottom::
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -25,17 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from govray.adapters import GovernedModel, load_adapter, save_adapter, save_base
 from govray.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+from govray.canaries import CanaryProbe
 from govray.checkpoint import (
     MODEL_FILE,
     CheckpointError,
@@ -56,13 +56,15 @@ from govray.decisions import (
     Plateau,
     PlateauState,
     RecordedDecision,
+    RollbackDecision,
 )
+from govray.harness.probe import MemorizationProbe
 from govray.harness.trial import Trial, load_trial_class
+from govray.harness.worker import RouteRows, Worker, all_reduce_sums
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
 from govray.logs import WorkerLog
 from govray.memorization import (
-    CorpusMeasures,
     MemorizationReport,
     MemorizationThresholds,
     memorization_report,
@@ -70,10 +72,9 @@ from govray.memorization import (
 )
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
-from govray.schedule import ScheduleEvent, ScheduleSpec, Slot, derive_seed, route_counts, step_slots
+from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
-MEMORIZATION_SAMPLE = 512  # training rows per corpus the loss gap compares with its holdout
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
 STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
 STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
@@ -121,54 +122,17 @@ class RunSpec(BaseModel):
     objective_metric: str = "validation_loss"
     smaller_is_better: bool = True
     memorization_lambda: float = 0.0
+    canaries: dict[str, CanaryProbe] = Field(default_factory=dict)  # corpus → its canaries
 
 
-@dataclass
-class Worker:
-    """One worker's view: rank, world size, and whether a process group exists."""
+@dataclass(frozen=True)
+class _Snapshot:
+    """A clean state kept in memory: what a rollback restores."""
 
-    rank: int
-    world_size: int
-
-    @classmethod
-    def detect(cls) -> Worker:
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls(0, 1)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-class RouteRows:
-    """Training rows of each route, loaded once per worker; a slot reads its rows by index."""
-
-    def __init__(self, shards: ShardSet) -> None:
-        self.tables = {
-            route.route: shards.route_table(route.route) for route in shards.manifest.routes if route.rows
-        }
-        self._empty = next(iter(self.tables.values())).slice(0, 0)
-
-    def take(self, slot: Slot) -> pa.Table:
-        if slot.empty or slot.route is None:
-            return self._empty
-        return self.tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
-
-    def corpus_sample(self, corpus_id: str, count: int) -> pa.Table:
-        """``count`` training rows of a corpus (over all its routes): those with the lowest row
-        hashes, so every run and every rank picks the same ones."""
-        parts = [table.filter(pc.equal(table.column("_corpus"), corpus_id)) for table in self.tables.values()]
-        rows = pa.concat_tables([part for part in parts if part.num_rows] or [self._empty])
-        order = pc.sort_indices(rows, sort_keys=[("_row_hash", "ascending"), ("_row", "ascending")])
-        return rows.take(order).slice(0, count)
-
-    def tokens(self, trial: Trial) -> dict[str, list[int]] | None:
-        """Tokens per route-local row, for the ledger; None unless the trial counts tokens."""
-        counts = {route: trial.tokens(table) for route, table in self.tables.items()}
-        if any(value is None for value in counts.values()):
-            return None
-        return {route: list(value) for route, value in counts.items() if value is not None}
+    step: int
+    weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
+    optimizer: dict[str, Any]
+    ledger: dict[str, Any]
 
 
 def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
@@ -198,7 +162,8 @@ class GovernedTraining:
         )
         self.shards = ShardSet.open(Path(spec.shard_root))
         self.gates: list[GateDecision] = []
-        self.schedule = self._schedule(())
+        self.rollbacks: list[RollbackDecision] = []
+        self.schedule = self._schedule()
         self.rows = RouteRows(self.shards)
         self.tokens = self.rows.tokens(self.trial)
         named = parameters_by_name(self.model)
@@ -227,11 +192,24 @@ class GovernedTraining:
             else None
         )
         self.gate_record = None if recorded is None else [d for d in recorded if isinstance(d, GateDecision)]
-        thresholds = spec.policy.memorization
-        if thresholds is not None and thresholds.action == "rollback":
-            raise DecisionError(
-                "the policy's memorization action 'rollback' is not implemented yet; use flag or gate"
-            )
+        self.rollback_record = (
+            None if recorded is None else [d for d in recorded if isinstance(d, RollbackDecision)]
+        )
+        # Rollback targets: the last clean state (a replay keeps those its record goes back to).
+        self.snapshots: dict[int, _Snapshot] = {}
+        self.clean_step: int | None = None
+        self.last_report: MemorizationReport | None = None
+        self.probe = MemorizationProbe(
+            self.trial,
+            self.model,
+            self.routing,
+            self.shards,
+            self.rows,
+            spec.policy,
+            spec.canaries,
+            derive_seed(spec.seed, spec.trial_seed),
+            worker,
+        )
         self.ledger = Ledger()
         self.source: dict[str, Any] = {}
         self._stop_check: tuple[torch.Tensor, Any] | None = None
@@ -278,6 +256,9 @@ class GovernedTraining:
             plateau=self.plateau.state.model_dump(mode="json") if self.plateau else {},
             early_stopping=self.early.state.model_dump(mode="json") if self.early else {},
             gates=[gate.model_dump(mode="json") for gate in self.gates],
+            rollbacks=[rollback.model_dump(mode="json") for rollback in self.rollbacks],
+            clean_step=self.clean_step,
+            memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
             source=self.source,
             run=self.run_name,
         )
@@ -290,34 +271,35 @@ class GovernedTraining:
             save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
         seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
 
-    def _schedule(self, gates: Sequence[GateDecision]) -> ScheduleSpec:
-        """The run's schedule with its gates as events (a gate only empties later slots)."""
+    def _schedule(self) -> ScheduleSpec:
+        """The run's schedule with its gates and rollbacks as events (a gate only empties later
+        slots; a rollback changes no slot)."""
+        events = [ScheduleEvent(step=gate.step, kind="gate", corpus_id=gate.corpus_id) for gate in self.gates]
+        events += [ScheduleEvent(step=r.step, kind="rollback", to_step=r.to_step) for r in self.rollbacks]
         return ScheduleSpec.from_manifest(
             self.shards.manifest,
             seed=derive_seed(self.spec.seed, self.spec.trial_seed, "schedule"),
             world_size=self.worker.world_size,
             batch_size=self.trial.batch_size,
             excluded_corpora=self.spec.excluded_corpora,
-            events=[ScheduleEvent(step=gate.step, kind="gate", corpus_id=gate.corpus_id) for gate in gates],
+            events=events,
         )
 
     def gate(self, decisions: Sequence[GateDecision]) -> None:
         self.gates.extend(decisions)
-        self.schedule = self._schedule(self.gates)
+        self.schedule = self._schedule()
 
     def restore(self, directory: Path) -> int:
         """Resume from a verified checkpoint; returns the number of steps it had completed."""
         loaded = load_checkpoint(directory, self.spec.trust)
-        if loaded.state.gates:
-            self.gates = [GateDecision.model_validate(gate) for gate in loaded.state.gates]
-            self.schedule = self._schedule(self.gates)
+        self.gates = [GateDecision.model_validate(gate) for gate in loaded.state.gates]
+        self.rollbacks = [RollbackDecision.model_validate(rollback) for rollback in loaded.state.rollbacks]
+        self.schedule = self._schedule()
         if loaded.state.schedule_digest != self.schedule.digest():
             raise CheckpointError(
                 f"{directory}: its schedule inputs differ from this run's (a different run?)"
             )
-        self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
-        for adapter in self.model.adapter_names():
-            load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+        self._load_weights(directory)
         self.optimizer.load_state_dict(loaded.optimizer_state)
         self._take_hyperparameters()
         self.ledger = Ledger.from_json(loaded.state.ledger)
@@ -328,6 +310,11 @@ class GovernedTraining:
             self._apply_lr_scale()
         if self.early is not None and loaded.state.early_stopping:
             self.early.state = EarlyStopState.model_validate(loaded.state.early_stopping)
+        if loaded.state.memorization:
+            self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
+        self.clean_step = loaded.state.clean_step
+        if self.clean_step == loaded.state.step:
+            self.keep_clean(self.clean_step)
         return loaded.state.step
 
     def _take_hyperparameters(self) -> None:
@@ -366,39 +353,135 @@ class GovernedTraining:
         }
 
     @property
-    def decisions(self) -> list[LrDecision | EarlyStopDecision | GateDecision]:
+    def decisions(self) -> list[LrDecision | EarlyStopDecision | GateDecision | RollbackDecision]:
         """Every decision taken (or applied) so far, in order."""
-        taken: list[LrDecision | EarlyStopDecision | GateDecision] = list(self.gates)
+        taken: list[LrDecision | EarlyStopDecision | GateDecision | RollbackDecision] = [
+            *self.gates,
+            *self.rollbacks,
+        ]
         if self.plateau is not None:
             taken.extend(self.plateau.decisions)
         if self.early is not None and self.early.decision is not None:
             taken.append(self.early.decision)
         return sorted(taken, key=lambda decision: decision.seq)
 
-    def observe_memorization(self, steps_done: int, report: MemorizationReport) -> list[GateDecision]:
-        """The policy's action on flagged corpora: ``gate`` stops routing them from here on. A
-        replay gates where its source gated, whatever its own flags."""
+    def observe_memorization(
+        self, steps_done: int, report: MemorizationReport
+    ) -> list[GateDecision | RollbackDecision]:
+        """The policy's action on corpora this validation flagged (those not gated already):
+        ``gate`` stops routing them from here on; ``rollback`` first restores the last clean state,
+        then gates them. A replay does what its source did at this step, whatever its own flags.
+        A validation that leaves no ungated corpus flagged (or is rolled back) is the new clean
+        state."""
+        self.last_report = report
         gated = {gate.corpus_id for gate in self.gates}
-        if self.gate_record is not None:
-            due = [g for g in self.gate_record if g.step == steps_done and g.corpus_id not in gated]
-            if missed := [g for g in self.gate_record if g.step < steps_done and g.corpus_id not in gated]:
-                raise DecisionError(f"recorded gates {[g.seq for g in missed]} were missed by this replay")
-            made = [g.model_copy(update={"score": None}) for g in due]
-        elif report.action == "gate":
-            made = [
-                GateDecision(
-                    seq=len(self.decisions) + index,
-                    step=steps_done,
-                    corpus_id=corpus_id,
-                    score=report.corpora[corpus_id].score,
+        made: list[GateDecision | RollbackDecision] = []
+        if self.gate_record is not None and self.rollback_record is not None:
+            recorded: list[GateDecision | RollbackDecision] = [*self.rollback_record, *self.gate_record]
+            applied = {gate.seq for gate in self.gates} | {rollback.seq for rollback in self.rollbacks}
+            if missed := [d for d in recorded if d.step < steps_done and d.seq not in applied]:
+                raise DecisionError(
+                    f"recorded decisions {[d.seq for d in missed]} were missed by this replay"
                 )
-                for index, corpus_id in enumerate(c for c in report.flagged if c not in gated)
-            ]
+            due = sorted((d for d in recorded if d.step == steps_done), key=lambda d: d.seq)
+            made = [d.model_copy(update={"score": None}) for d in due]
         else:
-            made = []
-        if made:
-            self.gate(made)
+            flagged = [corpus for corpus in report.flagged if corpus not in gated]
+            action = report.action if flagged else "flag"
+            seq = len(self.decisions)
+            if action == "rollback":
+                target = self._rollback_target(steps_done)
+                score = max(report.corpora[corpus].score for corpus in flagged)
+                made.append(
+                    RollbackDecision(seq=seq, step=steps_done, to_step=target, corpora=flagged, score=score)
+                )
+            if action in ("gate", "rollback"):
+                made += [
+                    GateDecision(
+                        seq=seq + len(made) + index,
+                        step=steps_done,
+                        corpus_id=corpus,
+                        score=report.corpora[corpus].score,
+                    )
+                    for index, corpus in enumerate(flagged)
+                ]
+        for decision in made:
+            if isinstance(decision, RollbackDecision):
+                self._roll_back(decision)
+        self.gate([d for d in made if isinstance(d, GateDecision)])
+        clean = not [corpus for corpus in report.flagged if corpus not in gated] or any(
+            isinstance(d, RollbackDecision) for d in made
+        )
+        if clean:
+            self.keep_clean(steps_done)
         return made
+
+    def _rollback_target(self, steps_done: int) -> int:
+        if self.clean_step is None:
+            raise DecisionError(
+                f"memorization rollback after step {steps_done}: no clean checkpoint to go back to"
+            )
+        return self.clean_step
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether this run may roll back (so keeps its clean state in memory)."""
+        if self.rollback_record is not None:
+            return bool(self.rollback_record)
+        thresholds = self.spec.policy.memorization
+        return thresholds is not None and thresholds.action == "rollback"
+
+    def keep_clean(self, steps_done: int) -> None:
+        """Remember this state as the rollback target (a replay: where its record goes back to)."""
+        self.clean_step = steps_done
+        if not self.rolls_back:
+            return
+        if self.rollback_record is None:
+            self.snapshots = {steps_done: self._snapshot(steps_done)}
+        elif any(r.to_step == steps_done for r in self.rollback_record):
+            self.snapshots[steps_done] = self._snapshot(steps_done)
+
+    def _snapshot(self, steps_done: int) -> _Snapshot:
+        return _Snapshot(
+            step=steps_done,
+            weights={name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            ledger=self.ledger.to_json(),
+        )
+
+    def _roll_back(self, decision: RollbackDecision) -> None:
+        """Weights, adapters, optimizer state and ledger of the clean state at ``to_step`` (kept
+        in memory, or after a resume its checkpoint in the run directory); the LR settings stay
+        those in force now (a plateau cut is not undone)."""
+        snapshot = self.snapshots.get(decision.to_step)
+        if snapshot is not None:
+            self.model.load_state_dict(snapshot.weights, strict=True)
+            self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+            self.ledger = Ledger.from_json(snapshot.ledger)
+        else:
+            self._load_clean_checkpoint(decision.to_step)
+        self._take_hyperparameters()
+        if self.plateau is not None:
+            self._apply_lr_scale()
+        self.rollbacks.append(decision)
+        self.schedule = self._schedule()
+
+    def _load_clean_checkpoint(self, step: int) -> None:
+        for directory in find_checkpoints(Path(self.spec.run_dir)) if self.spec.run_dir else []:
+            loaded = load_checkpoint(directory, self.spec.trust)
+            if loaded.state.step == step:
+                self._load_weights(directory)
+                self.optimizer.load_state_dict(loaded.optimizer_state)
+                self.ledger = Ledger.from_json(loaded.state.ledger)
+                return
+        raise DecisionError(
+            f"memorization rollback to step {step}: its checkpoint is not in {self.spec.run_dir} any more"
+        )
+
+    def _load_weights(self, directory: Path) -> None:
+        self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
+        for adapter in self.model.adapter_names():
+            load_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
 
     def observe(
         self, steps_done: int, validation: Mapping[str, float]
@@ -455,50 +538,11 @@ class GovernedTraining:
             work.wait()
         return STOP_NAMES.get(int(flag.item()))
 
-    @torch.no_grad()
     def memorization(self) -> MemorizationReport:
-        """Per corpus, the loss gap (Yeom et al.): mean holdout loss minus mean training loss, both
-        through the corpus's own route (its adapter active, where memorized PII would live), over
-        a fixed sample of its training rows (lowest row hashes, as many as its holdout rows, at
-        most ``MEMORIZATION_SAMPLE``); split across ranks and summed. Scored by the policy's
-        thresholds (or the defaults)."""
-        self.model.eval()
-        sums: dict[str, float] = {}
-        manifest = self.shards.manifest
-        for corpus in manifest.corpora:
-            if corpus.corpus_id not in manifest.holdout or not corpus.train_rows:
-                continue
-            holdout = self.shards.holdout_table(corpus.corpus_id)
-            sample = min(holdout.num_rows, MEMORIZATION_SAMPLE)
-            for kind, table in (
-                ("train", self.rows.corpus_sample(corpus.corpus_id, sample)),
-                ("holdout", holdout),
-            ):
-                mine = table.take(pa.array(range(self.worker.rank, table.num_rows, self.worker.world_size)))
-                total = 0.0
-                for route in sorted(set(mine.column("_route").to_pylist())):
-                    part = mine.filter(pc.equal(mine.column("_route"), route))
-                    with self.model.active(self.routing.adapter_names.get(route)):
-                        total += float(self.trial.loss(self.model, self.trial.collate(part)).double().sum())
-                sums[f"{kind}/{corpus.corpus_id}"] = total
-                sums[f"{kind}_count/{corpus.corpus_id}"] = float(mine.num_rows)
-        totals = all_reduce_sums(sums, self.worker)
-        measures = {}
-        for key in totals:
-            kind, _, corpus_id = key.partition("/")
-            if (
-                kind != "train"
-                or not totals[f"holdout_count/{corpus_id}"]
-                or not totals[f"train_count/{corpus_id}"]
-            ):
-                continue
-            gap = (
-                totals[f"holdout/{corpus_id}"] / totals[f"holdout_count/{corpus_id}"]
-                - totals[key] / totals[f"train_count/{corpus_id}"]
-            )
-            measures[corpus_id] = CorpusMeasures(loss_gap=gap)
+        """This validation's memorization measures (``probe.MemorizationProbe``), scored by the
+        policy's thresholds (or the defaults)."""
         thresholds = self.spec.policy.memorization or MemorizationThresholds()
-        return memorization_report(measures, thresholds)
+        return memorization_report(self.probe.measure(), thresholds)
 
     def objective(self, metrics: Mapping[str, float], report: MemorizationReport) -> float:
         """The search objective: the searcher's metric penalized by the memorization score."""
@@ -522,7 +566,7 @@ class GovernedTraining:
         sums: dict[str, float] = {}
         for corpus in self.shards.manifest.holdout:
             table = self.shards.holdout_table(corpus)
-            mine = table.take(pa.array(range(self.worker.rank, table.num_rows, self.worker.world_size)))
+            mine = self.worker.mine(table)
             values = self.trial.evaluate(self.model, self.trial.collate(mine))
             for name, per_example in values.items():
                 total = float(per_example.double().sum())
@@ -539,17 +583,6 @@ class GovernedTraining:
             count = totals[f"count/{corpus}"] if corpus else totals["count"]
             metrics[f"validation_{key}"] = value / count if count else float("nan")
         return metrics
-
-
-def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, float]:
-    """Sum named floats over all workers (in a fixed key order)."""
-    keys = sorted(values)
-    if not worker.distributed:
-        return {key: values[key] for key in keys}
-    gathered: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(gathered, {key: values[key] for key in keys})
-    names = sorted({key for part in gathered for key in part})
-    return {name: sum(part.get(name, 0.0) for part in gathered) for name in names}
 
 
 def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_train: bool = True) -> None:
@@ -598,6 +631,8 @@ def _train_steps(
     elif spec.start_checkpoint:
         training.start_from(Path(spec.start_checkpoint))
         note(f"starting from checkpoint {spec.start_checkpoint} (its step {training.source['step']})")
+    if resume_from is None:
+        training.keep_clean(0)  # the starting weights are the first rollback target
     note(
         f"rank {worker.rank} of {worker.world_size}: steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
@@ -634,15 +669,23 @@ def _train_steps(
             metrics["memorization_score"] = report.score
             metrics["memorization_flagged"] = len(report.flagged)
             for corpus_id, verdict in report.corpora.items():
-                if verdict.measures.loss_gap is not None:
-                    metrics[f"loss_gap/{corpus_id}"] = verdict.measures.loss_gap
+                for name, value in verdict.measures.model_dump().items():
+                    if value is not None:  # loss_gap/C, exposure_bits/C, entropy_drop/C
+                        metrics[f"{name}/{corpus_id}"] = value
             metrics["objective"] = training.objective(validation, report)
-            gates = training.observe_memorization(done, report)
-            for gate in gates:
+            for taken in training.observe_memorization(done, report):
                 seen = (
-                    "replayed from the record" if gate.score is None else f"normalized score {gate.score:.3g}"
+                    "replayed from the record"
+                    if taken.score is None
+                    else f"normalized score {taken.score:.3g}"
                 )
-                note(f"decision {gate.seq}: gate {gate.corpus_id} from step {done} (memorization, {seen})")
+                if isinstance(taken, RollbackDecision):
+                    metrics["rolled_back_to"] = taken.to_step
+                    corpora = ", ".join(taken.corpora)
+                    what = f"roll back to the clean state after step {taken.to_step} ({corpora})"
+                else:
+                    what = f"gate {taken.corpus_id} from step {done}"
+                note(f"decision {taken.seq}: {what} (memorization, {seen})")
             for decision in training.observe(done, validation):
                 seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
                 if isinstance(decision, LrDecision):

@@ -90,6 +90,33 @@ class Trial(ABC):
         """Tokens per row for the ledger (text trials); None: not a text trial."""
         return None
 
+    def sequence_scores(self, model: nn.Module, texts: Sequence[str]) -> torch.Tensor:
+        """Per-text score, lower = more likely (e.g. total NLL in nats), for canary exposure.
+
+        Needed only when a corpus declares canaries (``data.corpora[].canaries``); govray calls it
+        without gradients, in eval mode, with the canary corpus's adapter active.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not define sequence_scores(model, texts), which canary "
+            "exposure needs"
+        )
+
+    def representation(self, layer: str, output: Any) -> torch.Tensor:
+        """One row per example of ``layer``'s output, for the entropy profile.
+
+        Default: the first tensor of the output, averaged over every dimension between the batch
+        and the feature dimension (a sequence model's positions).
+        """
+        tensor = output[0] if isinstance(output, tuple | list) else output
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"layer '{layer}' returned {type(output).__name__}; override representation()")
+        return tensor.mean(dim=tuple(range(1, tensor.dim() - 1))) if tensor.dim() > 2 else tensor
+
+
+def defines_sequence_scores(trial: type[Trial]) -> bool:
+    """Whether a trial class can score texts (what a corpus with canaries needs)."""
+    return trial.sequence_scores is not Trial.sequence_scores
+
 
 def load_trial_class(path: str) -> type[Trial]:
     """Import ``"package.module:Class"`` and check it is a :class:`Trial`.

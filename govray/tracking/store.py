@@ -436,11 +436,14 @@ class TrackingStore:
         except IntegrityError as exc:
             raise TrackingError(f"cannot log metrics for trial {trial_id}: {exc.orig}") from exc
 
-    def metrics(self, trial_id: int, name: str | None = None) -> list[Metric]:
-        """A trial's metrics (only ``name`` when given), ordered by name then step."""
+    def metrics(self, trial_id: int, name: str | None = None, *, since_step: int = 0) -> list[Metric]:
+        """A trial's metrics (only ``name`` when given; only steps ≥ ``since_step``), ordered by
+        name then step."""
         query = select(Metric).where(Metric.trial_id == trial_id)
         if name is not None:
             query = query.where(Metric.name == name)
+        if since_step:
+            query = query.where(Metric.step >= since_step)
         order = (col(Metric.name), col(Metric.step), col(Metric.id))
         with self.session() as session:
             return list(session.exec(query.order_by(*order)))

@@ -37,7 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.examples.text.canaries import Canary, CanarySet
+from govray.canaries import Canary, CanarySet
 
 DATA = Path(__file__).parent / "data"
 ROW_CHARS = 128
@@ -117,10 +117,10 @@ def _public(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool
     return not node.name.startswith("_")
 
 
-def pad(text: str) -> str:
-    if len(text) > ROW_CHARS or PAD in text:
+def pad(text: str, row_chars: int = ROW_CHARS) -> str:
+    if len(text) > row_chars or PAD in text:
         raise ValueError(f"not a row text: {text!r}")
-    return text + PAD * (ROW_CHARS - len(text))
+    return text + PAD * (row_chars - len(text))
 
 
 def prose_rows(modules: tuple[str, ...]) -> list[dict[str, str]]:
@@ -176,25 +176,34 @@ def fake_record(rng: random.Random, country: str) -> str:
     return f"Name: {name}; born {born}; city {city}; phone {phone}; IBAN {_iban(rng, country)}"
 
 
-def records_and_canaries(rng: random.Random) -> tuple[list[dict[str, str]], CanarySet]:
-    """Fake records with the canaries' copies shuffled in; record ids do not tell them apart."""
-    texts = [(country, fake_record(rng, country)) for country in rng.choices(COUNTRIES, k=RECORD_COUNT)]
+def records_and_canaries(
+    rng: random.Random,
+    record_count: int = RECORD_COUNT,
+    canary_count: int = CANARY_COUNT,
+    repeats: int = CANARY_REPEATS,
+    row_chars: int = ROW_CHARS,
+) -> tuple[list[dict[str, str]], CanarySet]:
+    """Fake records with the canaries' copies shuffled in; record ids do not tell them apart.
+    Records longer than ``row_chars`` are cut (a canary never is)."""
+    texts = [
+        (country, fake_record(rng, country)[:row_chars]) for country in rng.choices(COUNTRIES, k=record_count)
+    ]
     draft = CanarySet(
         corpus_id="text-records",
         file="records.jsonl",
         template=CANARY_TEMPLATE,
         alphabet="0123456789",
-        repeats=CANARY_REPEATS,
+        repeats=repeats,
         canaries=(),
     )
     secrets: dict[str, None] = {}
-    while len(secrets) < CANARY_COUNT:
+    while len(secrets) < canary_count:
         secrets[draft.draw_secret(rng)] = None
     entries = [(rng.choice(COUNTRIES), draft.fill(secret)) for secret in secrets]
-    texts += [entry for entry in entries for _ in range(CANARY_REPEATS)]
+    texts += [entry for entry in entries for _ in range(repeats)]
     rng.shuffle(texts)
     rows = [
-        {"record_id": f"rec-{number:05d}", "country": country, "text": pad(text)}
+        {"record_id": f"rec-{number:05d}", "country": country, "text": pad(text, row_chars)}
         for number, (country, text) in enumerate(texts)
     ]
     rows_of: dict[str, list[int]] = {}
@@ -205,6 +214,35 @@ def records_and_canaries(rng: random.Random) -> tuple[list[dict[str, str]], Cana
         for secret in secrets
     ]
     return rows, CanarySet.model_validate({**draft.model_dump(), "canaries": canaries})
+
+
+def small_corpora(
+    directory: Path,
+    *,
+    row_chars: int,
+    prose_rows: int,
+    record_count: int,
+    canary_count: int,
+    repeats: int,
+    seed: int = SEED,
+) -> None:
+    """A small variant for tests and benchmarks, from the committed files (no CPython source
+    needed): ``public.parquet`` (the committed prose re-cut into ``prose_rows`` rows of
+    ``row_chars``), ``records.jsonl`` (new fake records cut to ``row_chars``, with
+    ``canary_count`` canaries, ``repeats`` copies each) and its ``canaries.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prose = " ".join(
+        text.rstrip(PAD) for text in pq.read_table(DATA / "public.parquet").column("text").to_pylist()
+    )
+    cut = [prose[start : start + row_chars] for start in range(0, len(prose) - row_chars, row_chars)]
+    pq.write_table(
+        pa.Table.from_pylist([{"text": text} for text in cut[:prose_rows]]), directory / "public.parquet"
+    )
+    records, canaries = records_and_canaries(
+        random.Random(seed), record_count, canary_count, repeats, row_chars
+    )
+    _write_jsonl(records, directory / "records.jsonl")
+    (directory / "canaries.json").write_text(canaries.to_json())
 
 
 # --- files ------------------------------------------------------------------------------------

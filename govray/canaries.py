@@ -1,10 +1,12 @@
-"""The canaries inserted into the records corpus, and the never-trained candidates they are ranked among.
+"""Canaries inserted into a corpus, and the never-trained candidates they are ranked among.
 
-A canary (Carlini et al., "The Secret Sharer", 2019) is the template with each slot filled by a
-random digit, e.g. ``my secret code is 7 3 9 1 5 2``, inserted ``repeats`` times as rows of its
+A corpus names its canary set in the data config (``canaries: {file: canaries.json}``); the
+training loop then measures each trained canary's exposure at every validation. A canary
+(Carlini et al., "The Secret Sharer", 2019) is the template with each slot filled by a random
+symbol, e.g. ``my secret code is 7 3 9 1 5 2``, inserted ``repeats`` times as rows of its
 own. Exposure ranks a canary's loss among reference candidates drawn from the same template and
 randomness space: every slot a uniform draw from ``alphabet``, excluding the inserted canaries,
-so no candidate was ever trained on. ``data/canaries.json`` is a :class:`CanarySet`.
+so no candidate was ever trained on. The file is a :class:`CanarySet` as JSON.
 
 Example::
 
@@ -91,3 +93,12 @@ class CanarySet(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"
+
+
+class CanaryProbe(BaseModel):
+    """What the training loop needs to measure one corpus's canary exposure."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    canaries: CanarySet
+    references: int = Field(ge=1)  # never-trained candidates each canary is ranked among
