@@ -6,7 +6,11 @@ import csv
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,3 +236,30 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
         lr_schedule=False,
     )
     return _golden_run(path)
+
+
+def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settle: float = 0.0) -> None:
+    """Run ``jobs/SCRIPT --config CONFIG`` in its own process on this session's Ray cluster (as
+    ``ray job submit`` would), SIGKILL it once ``ready()`` holds (polled every 0.05 s, at most
+    300 s; ``settle`` seconds later), and wait until it is gone. Fails if it never got ready."""
+    import ray
+
+    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / script), "--config", str(config)],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    killed = False
+    while driver.poll() is None and time.monotonic() < deadline:
+        if ready():
+            time.sleep(settle)
+            driver.send_signal(signal.SIGKILL)  # a real kill, no cleanup
+            killed = True
+            break
+        time.sleep(0.05)
+    driver.wait(timeout=60)
+    assert killed, f"jobs/{script} ended or timed out before it was ready to be killed"

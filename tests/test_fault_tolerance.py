@@ -26,7 +26,7 @@ from govray.checkpoint import (
 from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.runtime import train_worker_pids
 from govray.tracking.lineage import checkpoints
-from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, REPO, GoldenRun, _golden_run
+from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run, kill_driver_when
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -155,34 +155,21 @@ def resumed_after_driver_kill(
     """`jobs/train.py` (what `ray job submit` runs) in its own process on the session's Ray,
     SIGKILLed after its first checkpoint; then, in this process, `govray resume EXPERIMENT` or the
     same `jobs/train.py` call (a resubmitted job continues the interrupted trial)."""
-    import subprocess
-    import sys
-
-    import ray
 
     from govray.cli import main
 
     store = golden_run.store
     known = {trial.id for trial in store.list_trials(1)}
-    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    driver = subprocess.Popen(
-        [sys.executable, str(REPO / "jobs" / "train.py"), "--config", str(golden_example)],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    trial_id = None
-    while driver.poll() is None and time.monotonic() < deadline:
+    found: list[int] = []
+
+    def first_checkpoint_written() -> bool:
         new = [t for t in store.list_trials(1) if t.id not in known]
         if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
-            trial_id = new[0].id
-            driver.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    driver.wait(timeout=60)
-    assert trial_id is not None, "never saw the first checkpoint of the driver to kill"
+            found.append(new[0].id)  # type: ignore[arg-type]
+        return bool(found)
+
+    kill_driver_when("train.py", golden_example, first_checkpoint_written)
+    trial_id = found[0]
     assert store.get_trial(trial_id).state == "active"  # nobody marked it done: the driver died
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
     if request.param == "govray resume":

@@ -21,7 +21,7 @@ from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
-from tests.conftest import REPO, _golden_example
+from tests.conftest import _golden_example, kill_driver_when
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -190,45 +190,29 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
 ) -> None:
     """`jobs/search.py` in its own process, SIGKILLed once two of four grid trials finished;
     the same call again resumes Tune's state and runs only the other two."""
-    import os
-    import signal
-    import subprocess
-    import sys
     import time
-
-    import ray
 
     from govray.cli import main
     from jobs.search import parse
 
     path = search_example(tmp_path, {"name": "grid", "max_length": {"batches": 10}})
     database = load_experiment(path).database_url
-    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    driver = subprocess.Popen(
-        [sys.executable, str(REPO / "jobs" / "search.py"), "--config", str(path)],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
     finished: list[int] = []
-    while driver.poll() is None and time.monotonic() < deadline:
-        if Path(database.removeprefix("sqlite:///")).exists():
-            store = TrackingStore(database)
-            try:
-                finished = [t.id for t in store.list_trials(1) if t.state == "completed"]  # type: ignore[misc]
-            except SQLAlchemyError:  # the driver is still creating or migrating the database
-                finished = []
-            finally:
-                store.close()
-            if len(finished) >= 2:
-                time.sleep(2)  # Tune saves its state within a second of a trial's end
-                driver.send_signal(signal.SIGKILL)
-                break
-        time.sleep(0.2)
-    driver.wait(timeout=60)
-    assert len(finished) >= 2, "the first driver never finished two trials"
+
+    def two_trials_finished() -> bool:
+        if not Path(database.removeprefix("sqlite:///")).exists():
+            return False
+        store = TrackingStore(database)
+        try:
+            finished[:] = [t.id for t in store.list_trials(1) if t.state == "completed"]  # type: ignore[misc]
+        except SQLAlchemyError:  # the driver is still creating or migrating the database
+            finished.clear()
+        finally:
+            store.close()
+        return len(finished) >= 2
+
+    # Tune saves its state within a second of a trial's end: kill 2 s after the second one.
+    kill_driver_when("search.py", path, two_trials_finished, settle=2.0)
     store = TrackingStore.open(database)
     before = {t: len(store.metrics(t)) for t in finished}
     time.sleep(3)  # the dead driver's Tune trials die with it
