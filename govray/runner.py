@@ -42,6 +42,7 @@ from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
+from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, ExperimentState, Trial, TrialState
@@ -93,7 +94,13 @@ def record_report(
     if validation:
         store.log_metrics(trial_id, step, "validation", validation)
     if "decisions" in report:
-        store.record_decisions(trial_id, json.loads(report["decisions"]), replayed=replaying)
+        decisions = json.loads(report["decisions"])
+        known = {decision.seq for decision in store.decisions(trial_id)}
+        store.record_decisions(trial_id, decisions, replayed=replaying)
+        _audit_memorization(store, trial_id, [d for d in decisions if d["seq"] not in known], replaying)
+    if "memorization_flagged_corpora" in report:
+        flagged = json.loads(report["memorization_flagged_corpora"])
+        _audit(store, trial_id, AuditEventType.MEMORIZATION_FLAGGED, {"step": step, **flagged})
     if "ledger" in report:
         ledger = Ledger.from_json(json.loads(report["ledger"]))
         rows = [
@@ -101,6 +108,21 @@ def record_report(
             for corpus, tensor, entry in ledger.rows()
         ]
         record_ledger(store, trial_id, rows)
+
+
+def _audit_memorization(
+    store: TrackingStore, trial_id: int, decisions: list[dict[str, Any]], replaying: bool
+) -> None:
+    """One audit event per memorization gate or rollback a trial just took (or replayed)."""
+    kinds = {"gate": AuditEventType.MEMORIZATION_GATE, "rollback": AuditEventType.MEMORIZATION_ROLLBACK}
+    for decision in decisions:
+        if decision["kind"] in kinds:
+            _audit(store, trial_id, kinds[decision["kind"]], {**decision, "replayed": replaying})
+
+
+def _audit(store: TrackingStore, trial_id: int, kind: AuditEventType, payload: dict[str, Any]) -> None:
+    experiment_id = store.get_trial(trial_id).experiment_id
+    AuditLog(store).append(kind, {"trial_id": trial_id, **payload}, experiment_id=experiment_id)
 
 
 def governed_trainer(

@@ -20,6 +20,7 @@ from govray.preflight import check_policy, ingest_experiment
 from govray.replay import replay_trial
 from govray.runner import TrialOutcome, run_trial
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed
+from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from tests.conftest import _golden_example, write_signed_policy
@@ -141,6 +142,17 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     assert (public["step"], public["to_step"]) == (first, first - 300), (rollbacks, gaps)
     gates = {(d.step, json.loads(d.payload_json)["corpus_id"]) for d in decisions if d.kind == "gate"}
     assert {(r["step"], corpus) for r in rollbacks for corpus in r["corpora"]} == gates
+    # A compliance reviewer finds each flag, rollback and gate in the audit log.
+    audit = AuditLog(store)
+    flags = [json.loads(e.payload_json) for e in audit.list(event_type="memorization.flagged")]
+    assert {f["step"] for f in flags} >= {r["step"] for r in rollbacks}
+    assert all(f["trial_id"] == outcome.trial_id and f["action"] == "rollback" for f in flags)
+    audited = [json.loads(e.payload_json) for e in audit.list(event_type="memorization.rollback")]
+    assert [(a["step"], a["to_step"], a["corpora"]) for a in audited] == [
+        (r["step"], r["to_step"], r["corpora"]) for r in rollbacks
+    ]
+    assert len(audit.list(event_type="memorization.gate")) == len(gates)
+    assert audit.verify() > 0  # the chain still verifies
 
     # The checkpoint written after the rollback holds exactly the clean state's weights and ledger.
     by_step = {c.step: Path(c.path) for c in checkpoints(store, outcome.trial_id)}

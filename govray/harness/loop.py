@@ -668,6 +668,14 @@ def _train_steps(
             report = training.memorization()
             metrics["memorization_score"] = report.score
             metrics["memorization_flagged"] = len(report.flagged)
+            if report.flagged:  # the tracking store audits it (the policy's "flag": a record)
+                metrics["memorization_flagged_corpora"] = json.dumps(
+                    {
+                        "corpora": {c: report.corpora[c].normalized for c in report.flagged},
+                        "action": report.action,
+                    },
+                    sort_keys=True,
+                )
             for corpus_id, verdict in report.corpora.items():
                 for name, value in verdict.measures.model_dump().items():
                     if value is not None:  # loss_gap/C, exposure_bits/C, entropy_drop/C
@@ -709,7 +717,7 @@ def _train_steps(
             " ".join(
                 f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
                 for name, value in metrics.items()
-                if name not in ("ledger", "decisions") and "/" not in name
+                if name not in ("ledger", "decisions", "memorization_flagged_corpora") and "/" not in name
             )
             + (" (checkpoint)" if save and key is not None else "")
         )

@@ -49,6 +49,7 @@ class AuditEventType(StrEnum):
     RUN_REFUSED = "run.refused"
     GC_DELETED = "gc.deleted"
     REGISTRY_CHANGED = "registry.changed"
+    MEMORIZATION_FLAGGED = "memorization.flagged"
     MEMORIZATION_GATE = "memorization.gate"
     MEMORIZATION_ROLLBACK = "memorization.rollback"
     REPLAY_COMPLETED = "replay.completed"
