@@ -33,6 +33,7 @@ from typing import Any
 
 import ray.tune
 from ray.tune.schedulers import PopulationBasedTraining
+from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.checkpoint import checkpoint_step
 from govray.config import ExperimentConfig
@@ -382,7 +383,10 @@ def run_search(
                     metric="objective",
                     mode="min" if config.searcher.smaller_is_better else "max",
                     num_samples=plan.num_samples,
-                    max_concurrent_trials=plan.max_concurrent_trials,
+                    # A sampler given as search_alg holds its own limit (Tune would ignore this one).
+                    max_concurrent_trials=None
+                    if isinstance(plan.search_alg, BasicVariantGenerator)
+                    else plan.max_concurrent_trials,
                     search_alg=plan.search_alg,
                     scheduler=plan.scheduler,
                 ),

@@ -11,11 +11,10 @@ report; the objective they report is penalized by memorization.
 from __future__ import annotations
 
 from ray.tune.schedulers import ASHAScheduler
-from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config import AshaSearcher, ExperimentConfig
 from govray.search import TunePlan
-from searchers.space import sampled_space
+from searchers.space import sampled_space, seeded_samples
 
 
 def grace_period(max_t: int, divisor: float, max_rungs: int) -> int:
@@ -30,7 +29,7 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         param_space=sampled_space(config),
         num_samples=searcher.max_trials,
         max_concurrent_trials=searcher.max_concurrent_trials,
-        search_alg=BasicVariantGenerator(random_state=config.seed),
+        search_alg=seeded_samples(config, searcher.max_concurrent_trials),
         scheduler=ASHAScheduler(
             time_attr="step",
             max_t=max_steps,

@@ -3,11 +3,9 @@ experiment's seed (the same experiment samples the same points)."""
 
 from __future__ import annotations
 
-from ray.tune.search.basic_variant import BasicVariantGenerator
-
 from govray.config import ExperimentConfig, RandomSearcher
 from govray.search import TunePlan
-from searchers.space import sampled_space
+from searchers.space import sampled_space, seeded_samples
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
@@ -17,5 +15,5 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         param_space=sampled_space(config),
         num_samples=searcher.max_trials,
         max_concurrent_trials=searcher.max_concurrent_trials,
-        search_alg=BasicVariantGenerator(random_state=config.seed),
+        search_alg=seeded_samples(config, searcher.max_concurrent_trials),
     )

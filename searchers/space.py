@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from ray import tune
+from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config import CategoricalHP, ConstHP, DoubleHP, ExperimentConfig, Hyperparameter, IntHP, LogHP
 from govray.errors import ConfigError
@@ -69,3 +70,10 @@ def grid_size(config: ExperimentConfig) -> int:
     for name, hp in config.hyperparameters.items():
         size *= len(grid_points(name, hp))
     return size
+
+
+def seeded_samples(config: ExperimentConfig, max_concurrent: int) -> BasicVariantGenerator:
+    """Tune's random sampler seeded by the experiment's seed, running at most ``max_concurrent``
+    trials at a time (Tune ignores ``TuneConfig.max_concurrent_trials`` once a sampler is given,
+    so the sampler itself must hold the limit)."""
+    return BasicVariantGenerator(random_state=config.seed, max_concurrent=max_concurrent)

@@ -3,6 +3,7 @@ small search records every trial (state, hyperparameters, metrics, objective) in
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -72,6 +73,12 @@ def test_asha_grace_period_is_max_t_over_divisor_to_the_rungs_minus_one(tmp_path
     assert plan.num_samples == 6 and plan.scheduler._reduction_factor == 2
 
 
+def test_samplers_hold_the_concurrency_limit_tune_would_ignore(tmp_path: Path) -> None:
+    for index, name in enumerate(("random", "asha")):
+        searcher = {"name": name, "max_trials": 4, "max_concurrent_trials": 2}
+        assert plan_of(tmp_path / str(index), searcher).search_alg.max_concurrent == 2
+
+
 def test_pbt_refuses_mutating_what_fixes_the_schedule(tmp_path: Path) -> None:
     searcher = {
         "name": "pbt",
@@ -128,6 +135,10 @@ def test_random_search_samples_max_trials_points_inside_the_space(ray_session: N
     for trial_id in outcome.trial_ids:
         hparams = json.loads(store.get_trial(trial_id).hparams_json)
         assert hparams["hidden"] in (8, 16) and 0.01 <= hparams["lr"] <= 0.1
+    # max_concurrent_trials (default 1) held: each trial started after the previous one ended.
+    trials = sorted((store.get_trial(t) for t in outcome.trial_ids), key=lambda t: t.created_at)
+    for earlier, later in itertools.pairwise(trials):
+        assert earlier.ended_at is not None and later.created_at >= earlier.ended_at, (earlier, later)
 
 
 def test_bayesian_search_runs_through_optuna(ray_session: None, tmp_path: Path) -> None:
