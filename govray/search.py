@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import ray.tune
+from ray.train.v2.api.callback import UserCallback
 from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -161,10 +162,37 @@ def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
     train_worker(local.model_dump(mode="json"), on_report=relay, ray_train=False)
 
 
+class _ReportLog(UserCallback):
+    """On a segment's Ray Train controller: every report rank 0 makes, one JSON line each, so the
+    Tune trial relays the training reports between validations too (a Ray Train result keeps only
+    the checkpointed ones)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(metrics[0], sort_keys=True) + "\n")
+
+
+def _segment_reports(path: Path, last: dict[str, Any]) -> list[dict[str, Any]]:
+    """The segment's reports in step order, ending with its result (a restarted worker group
+    re-reports the steps after its checkpoint: the later copy counts)."""
+    by_step = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            report = json.loads(line)
+            by_step[int(report["step"])] = report
+    by_step[int(last["step"])] = last
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
     """N workers in nested TorchTrainers, one per segment between validations. Each segment ends
     with a signed checkpoint that becomes the Tune checkpoint, so Tune (PBT) can hand any trial's
-    state to another; the next segment resumes from it under a fresh Ray Train run name."""
+    state to another; the next segment resumes from it under a fresh Ray Train run name. Every
+    report of the segment reaches Tune with its validation."""
     from ray.train import Checkpoint
 
     resume = spec.resume_checkpoint
@@ -174,14 +202,19 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         end = min(spec.max_steps, (start // period + 1) * period)
         segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
         name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
+        run_dir = Path(config.storage_path) / "ray" / name
+        reports = Path(config.storage_path) / "ray" / f"{name}.reports.jsonl"
         result = governed_trainer(
             config,
-            segment.model_copy(update={"run_dir": str(Path(config.storage_path) / "ray" / name)}),
+            segment.model_copy(update={"run_dir": str(run_dir)}),
             name,
+            callbacks=[_ReportLog(reports)],
         ).fit()
         if result.checkpoint is None or result.metrics is None:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        ray.tune.report(_tune_result([result.metrics]), checkpoint=Checkpoint(result.checkpoint.path))
+        relayed = _tune_result(_segment_reports(reports, result.metrics))
+        reports.unlink(missing_ok=True)
+        ray.tune.report(relayed, checkpoint=Checkpoint(result.checkpoint.path))
         resume, start = result.checkpoint.path, end
 
 

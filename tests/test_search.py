@@ -93,12 +93,14 @@ def test_pbt_refuses_mutating_what_fixes_the_schedule(tmp_path: Path) -> None:
 # -- real searches on Ray Tune ------------------------------------------------------------------
 
 
-def searched(root: Path, searcher: dict[str, Any], workers: int = 1) -> tuple[SearchOutcome, TrackingStore]:
+def searched(
+    root: Path, searcher: dict[str, Any], workers: int = 1, report_every: int = 5
+) -> tuple[SearchOutcome, TrackingStore]:
     config = load_experiment(search_example(root, searcher, workers))
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, store)
-    return run_search(config, checked, experiment, ingested.root, store, report_every=5), store
+    return run_search(config, checked, experiment, ingested.root, store, report_every=report_every), store
 
 
 def assert_recorded(outcome: SearchOutcome, store: TrackingStore, trials: int) -> None:
@@ -180,8 +182,11 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
         "hyperparam_mutations": {"lr": SEARCH_HPARAMS["lr"]},
         "max_length": {"batches": 10},
     }
-    outcome, store = searched(tmp_path, searcher, workers=2)
+    outcome, store = searched(tmp_path, searcher, workers=2, report_every=2)
     assert_recorded(outcome, store, trials=2)
+    for trial_id in outcome.trial_ids:  # the reports between validations reach the store too
+        assert [m.step for m in store.metrics(trial_id, "training_loss")] == [2, 4, 5, 6, 8, 10]
+        assert [m.step for m in store.metrics(trial_id, "validation_loss")] == [5, 10]
     clones = [t for t in outcome.trial_ids if store.get_trial(t).cloned_from is not None]
     assert clones, "PBT never exploited"
     for clone in clones:
