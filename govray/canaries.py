@@ -52,7 +52,17 @@ class CanarySet(BaseModel):
 
     @model_validator(mode="after")
     def _canaries_fill_the_template(self) -> CanarySet:
+        if len(set(self.alphabet)) != len(self.alphabet):
+            raise ValueError(f"alphabet '{self.alphabet}' repeats a symbol")
+        if (
+            self.slots == 0
+            or self.template.replace(SLOT, "").count("{")
+            or self.template.replace(SLOT, "").count("}")
+        ):
+            raise ValueError(f"template '{self.template}' needs at least one '{{}}' slot and no other braces")
         for canary in self.canaries:
+            if any(row < 0 for row in canary.rows):
+                raise ValueError(f"canary '{canary.text}' lists a negative row")
             if self.fill(canary.secret) != canary.text:
                 raise ValueError(f"canary '{canary.text}' is not the template filled with '{canary.secret}'")
         return self

@@ -8,6 +8,9 @@ A checkpoint is a directory::
     optimizer.json               the rest of the optimizer state and its param groups
     state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines,
                                  recorded decisions, the checkpoint a forked run started from
+    clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
+                                 under a memorization rollback policy, the last clean state when
+                                 it is an earlier step (what a rollback after a resume restores)
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
@@ -77,6 +80,7 @@ class CheckpointState(BaseModel):
     gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
     rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
     clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    clean_ledgers: dict[str, dict[str, Any]] = Field(default_factory=dict)  # step → ledger of clean-STEP-*
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
@@ -134,6 +138,46 @@ def seal_checkpoint(
     (directory / MANIFEST_FILE).write_bytes(payload)
     (directory / SIGNATURE_FILE).write_text(sign_envelope(payload, MANIFEST_TYPE, key).to_json())
     return file_sha256(directory / MANIFEST_FILE)
+
+
+def save_clean_state(
+    directory: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+) -> None:
+    """Write an earlier clean state (weights of the governed model, optimizer state) beside a
+    checkpoint's own files, before ``seal_checkpoint`` signs them all; its ledger goes in
+    ``CheckpointState.clean_ledgers``."""
+    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        str(directory / _clean(step, "weights.safetensors")),
+    )
+    save_file(optimizer_tensors, str(directory / _clean(step, "optimizer.safetensors")))
+    (directory / _clean(step, "optimizer.json")).write_text(
+        json.dumps(optimizer_meta, indent=1, sort_keys=True)
+    )
+
+
+def load_clean_states(loaded: LoadedCheckpoint) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    """The clean states a verified checkpoint carries: step → (weights, optimizer state)."""
+    states = {}
+    for key in loaded.state.clean_ledgers:
+        step = int(key)
+        try:
+            weights = load_file(str(loaded.directory / _clean(step, "weights.safetensors")))
+            optimizer_state = optimizer_state_from_files(
+                load_file(str(loaded.directory / _clean(step, "optimizer.safetensors"))),
+                json.loads((loaded.directory / _clean(step, "optimizer.json")).read_text()),
+            )
+        except (OSError, SafetensorError, json.JSONDecodeError, ValueError) as error:
+            raise CheckpointError(
+                f"{loaded.directory}: its clean state of step {step} is unreadable: {error}"
+            ) from None
+        states[step] = (weights, optimizer_state)
+    return states
+
+
+def _clean(step: int, name: str) -> str:
+    return f"clean-{step:08d}-{name}"
 
 
 class LoadedCheckpoint(BaseModel):

@@ -480,5 +480,11 @@ def load_canaries(config: ExperimentConfig) -> dict[str, CanaryProbe]:
             raise ConfigError(f"corpus '{corpus.id}': {path} holds the canaries of '{canaries.corpus_id}'")
         if corpus.role != CorpusRole.TRAIN:
             raise ConfigError(f"corpus '{corpus.id}': canaries need a training corpus (role: train)")
+        available = canaries.space_size - len(canaries.canaries)
+        if corpus.canaries.references > available:
+            raise ConfigError(
+                f"corpus '{corpus.id}': {corpus.canaries.references} reference candidates asked, but "
+                f"the template of {path} admits only {available} besides the canaries"
+            )
         probes[corpus.id] = CanaryProbe(canaries=canaries, references=corpus.canaries.references)
     return probes

@@ -2,9 +2,9 @@
 
 Determined's semantics: a checkpoint is kept when it is among the experiment's N best, its
 trial's N best or its trial's N latest (the union of the three). Whatever the policy says, GC
-never deletes the latest checkpoint of a live trial (it resumes from it), the one a live trial's
-memorization rollback would return to (its latest checkpoint's ``clean_step``), a checkpoint a
-registered model version points at, or one the caller protects. Deleting removes the directory
+never deletes the latest checkpoint of a live trial (it resumes from it; it also carries the
+clean state a memorization rollback returns to), a checkpoint a registered model version points
+at, or one the caller protects. Deleting removes the directory
 and marks the row ``deleted``; the row, its attestations and one ``gc.deleted`` audit event
 remain as the record::
 
@@ -26,17 +26,14 @@ An experiment's policy is its config's ``checkpoint:`` section until someone ove
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlmodel import col, select
 
-from govray.checkpoint import STATE_FILE
 from govray.config import CheckpointConfig, ExperimentConfig
 from govray.errors import GovrayError, TrackingError, describe_validation_error
 from govray.tracking.audit import AuditEventType, AuditLog
@@ -125,7 +122,6 @@ def plan_gc(
         keep(latest[: policy.save_trial_latest], f"trial {trial_id} latest")
         if trial_id in inventory.live_trials:
             keep(latest[:1], "live trial latest")
-            keep(_rollback_target(latest), f"trial {trial_id} rollback target")
     for checkpoint_id, versions in inventory.registered.items():
         reasons[checkpoint_id].extend(f"registered model {version}" for version in versions)
     active = {_checkpoint_id(record) for record in inventory.checkpoints}
@@ -134,21 +130,6 @@ def plan_gc(
 
     doomed = tuple(record for record in inventory.checkpoints if _checkpoint_id(record) not in reasons)
     return GcPlan(keep=frozenset(reasons), delete=doomed, reasons=dict(reasons))
-
-
-def _rollback_target(latest_first: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:
-    """The checkpoint a live trial's memorization rollback would go back to (its latest
-    checkpoint's ``clean_step``), when that is an earlier one."""
-    if not latest_first:
-        return []
-    try:
-        state = json.loads((Path(latest_first[0].path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return []
-    step = state.get("clean_step") if isinstance(state, dict) else None
-    if step is None or step == latest_first[0].step:
-        return []
-    return [record for record in latest_first if record.step == step][:1]
 
 
 def apply_gc(

@@ -28,9 +28,10 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
+from govray.canaries import CanaryProbe
 from govray.checkpoint import load_checkpoint
 from govray.config import ExperimentConfig, load_canaries
-from govray.data.shards import ShardSet
+from govray.data.shards import ShardManifest, ShardSet
 from govray.decisions import RecordedDecision
 from govray.errors import ConfigError, GovrayError
 from govray.gc import apply_gc, effective_gc_policy
@@ -319,6 +320,7 @@ def new_run_spec(
             f"corpora {sorted(canaries)} declare canaries, but trial {config.trial} defines no "
             "sequence_scores(model, texts) to score them"
         )
+    check_memorization_inputs(checked, ShardSet.open(shard_root).manifest, canaries)
     return RunSpec(
         trial=config.trial,
         hparams=hparams,
@@ -351,6 +353,34 @@ def new_run_spec(
         memorization_lambda=config.searcher.memorization_lambda,
         canaries=canaries,
     )
+
+
+def check_memorization_inputs(
+    checked: CheckedPolicy, manifest: ShardManifest, canaries: dict[str, CanaryProbe]
+) -> None:
+    """Refuse, before any worker starts, what the memorization measures cannot honour: canary
+    rows outside their corpus, and a monitored corpus with nothing to measure (no training rows,
+    or neither held-out rows nor canaries)."""
+    summaries = {corpus.corpus_id: corpus for corpus in manifest.corpora}
+    for corpus_id, probe in canaries.items():
+        rows = summaries[corpus_id].rows
+        if outside := sorted(row for c in probe.canaries.canaries for row in c.rows if row >= rows):
+            raise ConfigError(
+                f"corpus '{corpus_id}' has {rows} rows, but its canaries name rows {outside[:5]}"
+            )
+    thresholds = checked.policy.policy.memorization
+    for corpus_id in (thresholds.monitored_corpora or []) if thresholds else []:
+        summary = summaries.get(corpus_id)
+        if summary is None:
+            raise ConfigError(
+                f"the policy monitors corpus '{corpus_id}', which this experiment does not have "
+                f"(corpora: {', '.join(sorted(summaries))})"
+            )
+        if not summary.train_rows or not (summary.holdout_rows or corpus_id in canaries):
+            raise ConfigError(
+                f"the policy monitors corpus '{corpus_id}', but it has {summary.train_rows} training "
+                f"rows, {summary.holdout_rows} held-out rows and no canaries: nothing to measure"
+            )
 
 
 def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:

@@ -182,8 +182,10 @@ class ScheduleSpec:
                         f"{event.to_step}) and name no corpus"
                     )
                 continue
-            if event.kind != "gate" or event.to_step is not None:
+            if event.kind != "gate":
                 raise ScheduleError(f"unknown schedule event kind '{event.kind}' at step {event.step}")
+            if event.to_step is not None:
+                raise ScheduleError(f"gate of corpus '{event.corpus_id}' at step {event.step} has a to_step")
             if event.step < 0:
                 raise ScheduleError(f"gate of corpus '{event.corpus_id}' at negative step {event.step}")
             if event.corpus_id not in known:

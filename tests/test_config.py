@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from govray.config import AshaSearcher, CorpusFormat, LogHP, load_experiment
+from govray.config import AshaSearcher, CorpusFormat, LogHP, load_canaries, load_experiment
 from govray.credentials import Credential
 from govray.errors import ConfigError
 from tests.conftest import BASE_CREDENTIAL, EXAMPLE_CONFIG
@@ -113,3 +114,53 @@ def test_credentials_have_closed_vocabularies() -> None:
             Credential.model_validate({**BASE_CREDENTIAL, "corpus_id": "c", field: value})
     with pytest.raises(ValueError, match="corpus_id"):
         Credential.model_validate({**BASE_CREDENTIAL, "corpus_id": "Bad Id!"})
+
+
+def canary_set(**changes: Any) -> dict[str, Any]:
+    document = {
+        "corpus_id": "digits-writers",
+        "file": "pii.csv",
+        "template": "code {} {}",
+        "alphabet": "0123456789",
+        "repeats": 1,
+        "canaries": [{"text": "code 1 2", "secret": "12", "rows": [3]}],
+    }
+    return {**document, **changes}
+
+
+@pytest.mark.parametrize(
+    ("document", "references", "message"),
+    [
+        (canary_set(), 100, "the template of .* admits only 99 besides the canaries"),
+        (canary_set(corpus_id="digits-public"), 10, "holds the canaries of 'digits-public'"),
+        (canary_set(template="code {} {x}"), 10, "no other braces"),
+        (canary_set(alphabet="0012345678"), 10, "repeats a symbol"),
+        (canary_set(canaries=[{"text": "code 1 2", "secret": "12", "rows": [-1]}]), 10, "negative row"),
+        ("not json", 10, "is not a canary set"),
+    ],
+)
+def test_a_bad_canary_set_is_refused_before_training(
+    tmp_path: Path, document: Any, references: int, message: str
+) -> None:
+    path = tmp_path / "canaries.json"
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+
+    def mutate(raw: dict[str, Any]) -> None:
+        pii = next(c for c in raw["data"]["corpora"] if c["id"] == "digits-writers")
+        pii["canaries"] = {"file": str(path), "references": references}
+
+    with pytest.raises(ConfigError, match=message):
+        load_canaries(load_experiment(write(tmp_path, mutate)))
+
+
+def test_a_good_canary_set_loads_with_its_reference_count(tmp_path: Path) -> None:
+    path = tmp_path / "canaries.json"
+    path.write_text(json.dumps(canary_set()))
+
+    def mutate(raw: dict[str, Any]) -> None:
+        pii = next(c for c in raw["data"]["corpora"] if c["id"] == "digits-writers")
+        pii["canaries"] = {"file": "canaries.json", "references": 50}  # relative to the experiment file
+
+    probes = load_canaries(load_experiment(write(tmp_path, mutate)))
+    assert list(probes) == ["digits-writers"] and probes["digits-writers"].references == 50
+    assert probes["digits-writers"].canaries.canaries[0].rows == (3,)

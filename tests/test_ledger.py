@@ -205,3 +205,20 @@ def test_format_shows_examples_per_corpus_and_layer() -> None:
             "wiki    12  12  12          -",
         ]
     )
+
+
+def test_discarded_steps_reach_nothing_and_two_rollbacks_compose() -> None:
+    """A rollback after step 6 to the clean state of step 2, and one after step 9 to step 7: the
+    ledger is the one of steps 0-1, 6 and 9-11 trained in sequence, step by step."""
+    events = (
+        ScheduleEvent(step=6, kind="rollback", to_step=2),
+        ScheduleEvent(step=9, kind="rollback", to_step=7),
+    )
+    spec = replace(SPEC, events=events)
+    kept = [0, 1, 6, 9, 10, 11]
+    assert [step for step in range(12) if not spec.reverted(step)] == kept
+    expected = Ledger()
+    for step in kept:
+        expected.record_step(step_slots(SPEC, step), TABLE)  # the slots themselves are unchanged
+    assert recompute_ledger(spec, TABLE, steps=12) == expected
+    assert recompute_ledger(spec, TABLE, steps=12) != recompute_ledger(SPEC, TABLE, steps=12)

@@ -1,5 +1,6 @@
 """The memorization score in a real governed run: a configuration made to memorize (random labels
-on a corpus, a wide model, many epochs) gets that corpus flagged; a normal one gets none."""
+on a corpus, a wide model, many epochs) gets that corpus flagged; a normal one gets none; the
+policy's gate and rollback actions act on the flag, are recorded, audited and replayed."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from govray.checkpoint import load_checkpoint
 from govray.config import load_experiment
 from govray.data.shards import ShardSet
+from govray.harness.loop import GovernedTraining, RunSpec
+from govray.harness.worker import Worker
 from govray.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
-from govray.ledger import recompute_ledger
+from govray.ledger import Ledger, recompute_ledger
+from govray.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
 from govray.preflight import check_policy, ingest_experiment
 from govray.replay import replay_trial
-from govray.runner import TrialOutcome, run_trial
+from govray.runner import TrialOutcome, run_spec_path, run_trial
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
@@ -49,6 +55,7 @@ def trained(
         pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", [shuffled]), public)
     raw = yaml.safe_load(path.read_text())
     raw["min_validation_period"] = validate_every or steps  # by default one validation, at the end
+    raw["checkpoint"]["save_trial_latest"] = 1000  # tests read every one
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     config = load_experiment(path)
     store = TrackingStore.open(config.database_url)
@@ -131,6 +138,8 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     )
     assert outcome.steps_done == 1500  # it went on after the rollback, to the end
     gaps = {m.step: m.value for m in store.metrics(outcome.trial_id, "loss_gap/digits-public")}
+    # At a rollback step the flagged model's measures are kept as pre_rollback/...
+    gaps |= {m.step: m.value for m in store.metrics(outcome.trial_id, "pre_rollback/loss_gap/digits-public")}
     first = min(step for step, gap in gaps.items() if gap >= 0.5)
     decisions = store.decisions(outcome.trial_id)
     rollbacks = [json.loads(d.payload_json) | {"step": d.step} for d in decisions if d.kind == "rollback"]
@@ -158,11 +167,43 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     by_step = {c.step: Path(c.path) for c in checkpoints(store, outcome.trial_id)}
     trust_config = platform_trust(platform_key())
     clean, after = (load_checkpoint(by_step[step], trust_config) for step in (public["to_step"], first))
+    assert public["to_step"] > 0  # the first flag is at 600 (not the first validation): deterministic
     if public["to_step"]:
         for name in ("model.safetensors", *(f.name for f in by_step[first].glob("adapter-*"))):
             assert (by_step[first] / name).read_bytes() == (by_step[public["to_step"]] / name).read_bytes()
     assert after.state.ledger == clean.state.ledger
     assert after.state.clean_step == first and after.state.rollbacks
+
+    # What the run reports at the rollback step describes the weights that go on: the clean
+    # ones, evaluated again (bit-identical to their own validation); the flagged model's values
+    # stay as pre_rollback/...
+    at_rollback = {m.name: m.value for m in store.metrics(outcome.trial_id) if m.step == first}
+    at_clean = {m.name: m.value for m in store.metrics(outcome.trial_id) if m.step == public["to_step"]}
+    assert at_rollback["validation_loss"] == at_clean["validation_loss"]
+    assert at_rollback["pre_rollback/validation_loss"] != at_rollback["validation_loss"]
+    assert at_rollback["rolled_back_to"] == public["to_step"]
+
+    # A run resumed between the clean state and the flag still rolls back to it: every
+    # checkpoint since carries the clean state, signed with the rest.
+    between = min(step for step in by_step if public["to_step"] < step < first)
+    assert list(by_step[between].glob("clean-*-weights.safetensors"))
+    run = store.get_trial(outcome.trial_id).ray_run_name
+    spec = RunSpec.model_validate_json(
+        run_spec_path(load_experiment(tmp_path / "experiment.yaml"), run).read_text()
+    )
+    resumed = GovernedTraining(spec, Worker(0, 1))
+    assert resumed.restore(by_step[between]) == between
+    flag = memorization_report(
+        {"digits-public": CorpusMeasures(loss_gap=1.0)}, MemorizationThresholds(action="rollback")
+    )
+    taken = resumed.observe_memorization(first, flag)
+    assert [(d.kind, getattr(d, "to_step", None)) for d in taken] == [
+        ("rollback", public["to_step"]),
+        ("gate", None),
+    ]
+    clean_weights = load_file(str(by_step[public["to_step"]] / "model.safetensors"))
+    assert all(torch.equal(resumed.model.base.state_dict()[k], v) for k, v in clean_weights.items())
+    assert resumed.ledger == Ledger.from_json(clean.state.ledger)
 
     # The final ledger is the schedule's with the gates and the discarded steps as events.
     config = load_experiment(tmp_path / "experiment.yaml")

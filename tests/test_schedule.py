@@ -342,3 +342,31 @@ def test_a_rank_or_step_outside_the_schedule_is_refused() -> None:
         slot(spec, -1, 0)
     with pytest.raises(ScheduleError, match="route 'r' lists a corpus twice"):
         RouteRows("r", (("x", 1), ("x", 2)))
+
+
+def test_rollback_events_round_trip_change_no_slot_and_leave_gate_documents_as_they_were() -> None:
+    gate = ScheduleEvent(step=4, kind="gate", corpus_id="wiki")
+    rollback = ScheduleEvent(step=6, kind="rollback", to_step=2)
+    spec = spec_of(events=(gate, rollback))
+    assert ScheduleSpec.from_json(spec.to_json()) == spec
+    # A gate's JSON is what it was before rollbacks existed, so recorded digests still match.
+    assert gate.to_json() == {"step": 4, "kind": "gate", "corpus_id": "wiki"}
+    assert rollback.to_json() == {"step": 6, "kind": "rollback", "corpus_id": "", "to_step": 2}
+    gated = spec_of(events=(gate,))
+    assert gated.digest() != spec.digest()
+    assert [step_slots(spec, step) for step in range(9)] == [step_slots(gated, step) for step in range(9)]
+    assert [spec.reverted(step) for step in range(8)] == [False, False, True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (ScheduleEvent(step=3, kind="rollback", to_step=3), "must go back to an earlier step"),
+        (ScheduleEvent(step=3, kind="rollback"), "must go back to an earlier step"),
+        (ScheduleEvent(step=3, kind="rollback", to_step=1, corpus_id="wiki"), "name no corpus"),
+        (ScheduleEvent(step=3, kind="gate", corpus_id="wiki", to_step=1), "has a to_step"),
+    ],
+)
+def test_malformed_rollback_events_are_refused(event: ScheduleEvent, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        spec_of(events=(event,))

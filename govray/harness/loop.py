@@ -42,6 +42,8 @@ from govray.checkpoint import (
     CheckpointState,
     find_checkpoints,
     load_checkpoint,
+    load_clean_states,
+    save_clean_state,
     seal_checkpoint,
 )
 from govray.config import EarlyStoppingPolicy, PlateauSchedule
@@ -258,6 +260,7 @@ class GovernedTraining:
             gates=[gate.model_dump(mode="json") for gate in self.gates],
             rollbacks=[rollback.model_dump(mode="json") for rollback in self.rollbacks],
             clean_step=self.clean_step,
+            clean_ledgers={str(snap.step): snap.ledger for snap in self._earlier_snapshots(steps_done)},
             memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
             source=self.source,
             run=self.run_name,
@@ -269,7 +272,12 @@ class GovernedTraining:
         save_base(self.model, directory / MODEL_FILE)
         for adapter in self.model.adapter_names():
             save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
+        for snapshot in self._earlier_snapshots(steps_done):  # rollback targets survive a resume
+            save_clean_state(directory, snapshot.step, snapshot.weights, snapshot.optimizer)
         seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
+
+    def _earlier_snapshots(self, steps_done: int) -> list[_Snapshot]:
+        return [snapshot for step, snapshot in sorted(self.snapshots.items()) if step != steps_done]
 
     def _schedule(self) -> ScheduleSpec:
         """The run's schedule with its gates and rollbacks as events (a gate only empties later
@@ -313,8 +321,12 @@ class GovernedTraining:
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
         self.clean_step = loaded.state.clean_step
-        if self.clean_step == loaded.state.step:
-            self.keep_clean(self.clean_step)
+        self.snapshots = {
+            step: _Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+            for step, (weights, optimizer) in load_clean_states(loaded).items()
+        }
+        if self.clean_step == loaded.state.step or self.rollback_record is not None:
+            self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
         return loaded.state.step
 
     def _take_hyperparameters(self) -> None:
@@ -412,7 +424,7 @@ class GovernedTraining:
         clean = not [corpus for corpus in report.flagged if corpus not in gated] or any(
             isinstance(d, RollbackDecision) for d in made
         )
-        if clean:
+        if clean or self.rollback_record is not None:
             self.keep_clean(steps_done)
         return made
 
@@ -432,14 +444,15 @@ class GovernedTraining:
         return thresholds is not None and thresholds.action == "rollback"
 
     def keep_clean(self, steps_done: int) -> None:
-        """Remember this state as the rollback target (a replay: where its record goes back to)."""
-        self.clean_step = steps_done
-        if not self.rolls_back:
+        """Remember this state as the rollback target. A replay keeps every state its record goes
+        back to, whatever its own measures say."""
+        if self.rollback_record is not None:
+            if any(r.to_step == steps_done for r in self.rollback_record):
+                self.snapshots[steps_done] = self._snapshot(steps_done)
             return
-        if self.rollback_record is None:
+        self.clean_step = steps_done
+        if self.rolls_back:
             self.snapshots = {steps_done: self._snapshot(steps_done)}
-        elif any(r.to_step == steps_done for r in self.rollback_record):
-            self.snapshots[steps_done] = self._snapshot(steps_done)
 
     def _snapshot(self, steps_done: int) -> _Snapshot:
         return _Snapshot(
@@ -450,33 +463,23 @@ class GovernedTraining:
         )
 
     def _roll_back(self, decision: RollbackDecision) -> None:
-        """Weights, adapters, optimizer state and ledger of the clean state at ``to_step`` (kept
-        in memory, or after a resume its checkpoint in the run directory); the LR settings stay
-        those in force now (a plateau cut is not undone)."""
+        """Weights, adapters, optimizer state and ledger of the clean state at ``to_step`` (kept in
+        memory, and in every checkpoint written since, so a resumed run has it too); the LR
+        settings stay those in force now (a plateau cut is not undone)."""
         snapshot = self.snapshots.get(decision.to_step)
-        if snapshot is not None:
-            self.model.load_state_dict(snapshot.weights, strict=True)
-            self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
-            self.ledger = Ledger.from_json(snapshot.ledger)
-        else:
-            self._load_clean_checkpoint(decision.to_step)
+        if snapshot is None:
+            raise DecisionError(
+                f"memorization rollback after step {decision.step}: the clean state of step "
+                f"{decision.to_step} was not kept (this run's checkpoints predate the rollback policy?)"
+            )
+        self.model.load_state_dict(snapshot.weights, strict=True)
+        self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+        self.ledger = Ledger.from_json(snapshot.ledger)
         self._take_hyperparameters()
         if self.plateau is not None:
             self._apply_lr_scale()
         self.rollbacks.append(decision)
         self.schedule = self._schedule()
-
-    def _load_clean_checkpoint(self, step: int) -> None:
-        for directory in find_checkpoints(Path(self.spec.run_dir)) if self.spec.run_dir else []:
-            loaded = load_checkpoint(directory, self.spec.trust)
-            if loaded.state.step == step:
-                self._load_weights(directory)
-                self.optimizer.load_state_dict(loaded.optimizer_state)
-                self.ledger = Ledger.from_json(loaded.state.ledger)
-                return
-        raise DecisionError(
-            f"memorization rollback to step {step}: its checkpoint is not in {self.spec.run_dir} any more"
-        )
 
     def _load_weights(self, directory: Path) -> None:
         self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
@@ -663,37 +666,10 @@ def _train_steps(
         }
         loss_sum, examples = 0.0, 0
         if validate:
-            validation = training.evaluate()
-            metrics.update(validation)
-            report = training.memorization()
-            metrics["memorization_score"] = report.score
-            metrics["memorization_flagged"] = len(report.flagged)
-            if report.flagged:  # the tracking store audits it (the policy's "flag": a record)
-                metrics["memorization_flagged_corpora"] = json.dumps(
-                    {
-                        "corpora": {c: report.corpora[c].normalized for c in report.flagged},
-                        "action": report.action,
-                    },
-                    sort_keys=True,
-                )
-            for corpus_id, verdict in report.corpora.items():
-                for name, value in verdict.measures.model_dump().items():
-                    if value is not None:  # loss_gap/C, exposure_bits/C, entropy_drop/C
-                        metrics[f"{name}/{corpus_id}"] = value
+            validation, report = training.evaluate(), training.memorization()
+            validation, report = _memorization_actions(training, done, validation, report, metrics, note)
+            metrics.update(_measured(validation, report))
             metrics["objective"] = training.objective(validation, report)
-            for taken in training.observe_memorization(done, report):
-                seen = (
-                    "replayed from the record"
-                    if taken.score is None
-                    else f"normalized score {taken.score:.3g}"
-                )
-                if isinstance(taken, RollbackDecision):
-                    metrics["rolled_back_to"] = taken.to_step
-                    corpora = ", ".join(taken.corpora)
-                    what = f"roll back to the clean state after step {taken.to_step} ({corpora})"
-                else:
-                    what = f"gate {taken.corpus_id} from step {done}"
-                note(f"decision {taken.seq}: {what} (memorization, {seen})")
             for decision in training.observe(done, validation):
                 seen = "replayed from the record" if decision.observed is None else f"{decision.observed:.6g}"
                 if isinstance(decision, LrDecision):
@@ -729,6 +705,57 @@ def _train_steps(
             note(f"stopped early after step {done} of {spec.max_steps}")
             return
     note(f"completed {spec.max_steps} steps")
+
+
+def _measured(validation: dict[str, float], report: MemorizationReport) -> dict[str, float]:
+    """A validation's metrics: the trial's own, the memorization score and flags, and each
+    corpus's measures (``loss_gap/C``, ``exposure_bits/C``, ``entropy_drop/C``)."""
+    measured = {**validation, "memorization_score": report.score, "memorization_flagged": len(report.flagged)}
+    for corpus_id, verdict in report.corpora.items():
+        for name, value in verdict.measures.model_dump().items():
+            if value is not None:
+                measured[f"{name}/{corpus_id}"] = value
+    return measured
+
+
+def _memorization_actions(
+    training: GovernedTraining,
+    done: int,
+    validation: dict[str, float],
+    report: MemorizationReport,
+    metrics: dict[str, Any],
+    note: Callable[[str], None],
+) -> tuple[dict[str, float], MemorizationReport]:
+    """The policy's action on this validation's flags; returns the validation and report of the
+    weights that go on (after a rollback, the restored ones, measured again: the metrics, the
+    objective and the LR and early-stopping rules see the model that continues, and the flagged
+    model's values stay in the report as ``pre_rollback/...``)."""
+    gated = {gate.corpus_id for gate in training.gates}
+    if newly := [corpus for corpus in report.flagged if corpus not in gated]:  # audited by the store
+        metrics["memorization_flagged_corpora"] = json.dumps(
+            {
+                "corpora": {corpus: report.corpora[corpus].normalized for corpus in newly},
+                "action": report.action,
+                "replayed": training.spec.recorded_decisions is not None,
+            },
+            sort_keys=True,
+        )
+    rolled_back = False
+    for taken in training.observe_memorization(done, report):
+        seen = "replayed from the record" if taken.score is None else f"normalized score {taken.score:.3g}"
+        if isinstance(taken, RollbackDecision):
+            rolled_back = True
+            metrics["rolled_back_to"] = taken.to_step
+            what = f"roll back to the clean state after step {taken.to_step} ({', '.join(taken.corpora)})"
+        else:
+            what = f"gate {taken.corpus_id} from step {done}"
+        note(f"decision {taken.seq}: {what} (memorization, {seen})")
+    if not rolled_back:
+        return validation, report
+    metrics.update({f"pre_rollback/{name}": value for name, value in _measured(validation, report).items()})
+    validation, report = training.evaluate(), training.memorization()
+    training.last_report = report
+    return validation, report
 
 
 def _resume_checkpoint(spec: RunSpec, ray_train: bool) -> Any:

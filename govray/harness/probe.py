@@ -27,6 +27,7 @@ summed in one all-gather, so every rank ends with the same measures.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -88,14 +89,17 @@ class MemorizationProbe:
         self.plans: list[_CorpusPlan] = []
         routes: dict[str, str] = {}  # credential JSON → route
         for corpus in shards.manifest.corpora:
-            if corpus.corpus_id not in shards.manifest.holdout or not corpus.train_rows:
-                continue
             probe = canaries.get(corpus.corpus_id)
+            held = corpus.corpus_id in shards.manifest.holdout
+            if not corpus.train_rows or not (held or probe):
+                continue  # nothing trained, or nothing to measure it against
             canary_rows = (
                 {row for canary in probe.canaries.canaries for row in canary.rows} if probe else set()
             )
-            holdout = _without_rows(_sorted(shards.holdout_table(corpus.corpus_id)), canary_rows)
-            holdout = _with_policy_routes(holdout, policy, routes)
+            holdout = rows.corpus_rows(corpus.corpus_id).slice(0, 0)  # none held out: exposure only
+            if held:
+                holdout = _without_rows(_sorted(shards.holdout_table(corpus.corpus_id)), canary_rows)
+                holdout = _with_policy_routes(holdout, policy, routes)
             plan = _CorpusPlan(
                 corpus_id=corpus.corpus_id,
                 train_sample=rows.corpus_sample(
@@ -143,7 +147,11 @@ class MemorizationProbe:
         ]
         for index, (corpus_id, name, table) in enumerate(batches):
             if index % self.worker.world_size == self.worker.rank:
-                for layer, value in entropy_profile(self._representations(table)).items():
+                try:
+                    profile = entropy_profile(self._representations(table))
+                except ValueError:  # a NaN representation: no profile this time, on every rank
+                    profile = {layer: math.nan for layer in self.layers}
+                for layer, value in profile.items():
                     sums[f"entropy/{corpus_id}/{name}/{layer}"] = value
         for plan in self.plans:
             for route, canaries in plan.canary_texts.items():
@@ -165,11 +173,11 @@ class MemorizationProbe:
                 - totals[f"loss/{corpus}/train"] / totals[f"count/{corpus}/train"]
             )
         drop = None
-        if plan.entropy_batches:
-            profiles = {
-                name: {layer: totals[f"entropy/{corpus}/{name}/{layer}"] for layer in self.layers}
-                for name in plan.entropy_batches
-            }
+        profiles = {
+            name: {layer: totals.get(f"entropy/{corpus}/{name}/{layer}", math.nan) for layer in self.layers}
+            for name in plan.entropy_batches
+        }
+        if profiles and not any(math.isnan(v) for profile in profiles.values() for v in profile.values()):
             band = EntropyBand.calibrate([profiles[f"calibration-{i}"] for i in range(CALIBRATION_BATCHES)])
             drop = band.check(training=profiles[_TRAINING], holdout=profiles[_CHECK]).drop_bits
         bits = None
@@ -210,7 +218,7 @@ class MemorizationProbe:
         finally:
             for hook in hooks:
                 hook.remove()
-        return {layer: torch.cat(parts) for layer, parts in captured.items()}
+        return {layer: torch.cat(parts) for layer, parts in captured.items() if parts}
 
 
 def _sorted(table: pa.Table) -> pa.Table:
