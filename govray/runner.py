@@ -28,6 +28,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
+from govray.attest import attest_trial_end
 from govray.canaries import CanaryProbe
 from govray.checkpoint import load_checkpoint
 from govray.config import ExperimentConfig, load_canaries
@@ -487,6 +488,7 @@ def _train(
             trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
         )
     ledger = stored_ledger(store, trial_id)
+    attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
     store.set_trial_state(trial_id, TrialState.COMPLETED)
     store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
     return TrialOutcome(

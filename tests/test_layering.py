@@ -27,9 +27,9 @@ LAYERS: list[set[str]] = [
     {"gc"},
     {"describe"},
     {"preflight"},
+    {"attest"},
     {"runner"},
     {"replay", "lifecycle", "search"},
-    {"attest"},
     {"cli", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument or option; 3 bad
 credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
-store problem; 1 anything else govray refused on purpose.
+store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 1 anything
+else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from govray.cli import data, experiment, policy, trial
+from govray.cli.attest import attest, verify
 from govray.cli.replay import replay
 from govray.cli.resume import resume
 from govray.cli.run import run
@@ -36,6 +38,8 @@ app.command(name="run")(run)
 app.command(name="search")(search)
 app.command(name="replay")(replay)
 app.command(name="resume")(resume)
+app.command(name="attest")(attest)
+app.command(name="verify")(verify)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from sqlmodel import col, delete, select
 
 from govray.canonical import file_sha256
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointRecord, LedgerRow
+from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow
 
 
 def record_ledger(
@@ -74,3 +74,21 @@ def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
     with store.session() as session:
         query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
         return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+
+
+def record_attestation(
+    store: TrackingStore, checkpoint_id: int | None, subject_digest: str, envelope_json: str
+) -> AttestationRecord:
+    """Store a signed attestation envelope about a checkpoint (keyed by its base model's digest)."""
+    record = AttestationRecord(
+        checkpoint_id=checkpoint_id, subject_digest=subject_digest, envelope_json=envelope_json
+    )
+    with store.session() as session:
+        session.add(record)
+    return record
+
+
+def attestations(store: TrackingStore, checkpoint_id: int) -> list[AttestationRecord]:
+    with store.session() as session:
+        query = select(AttestationRecord).where(AttestationRecord.checkpoint_id == checkpoint_id)
+        return list(session.exec(query.order_by(col(AttestationRecord.id))))

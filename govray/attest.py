@@ -1,0 +1,343 @@
+"""Signed attestations of a checkpoint that a third party can verify (DESIGN.md "Attestation").
+
+Two in-toto Statement v1 documents about the same subjects — the model files by sha256, the base
+(``model.safetensors``) and each adapter (``adapter-NAME.safetensors``) separately — each in a
+DSSE envelope signed with the platform's Ed25519 key (payload type
+``application/vnd.in-toto+json``):
+
+- **provenance** (predicate ``https://slsa.dev/provenance/v1``): ``externalParameters`` hold the
+  trial, hyperparameters, seed, steps, excluded corpora and the config and policy digests;
+  ``resolvedDependencies`` one descriptor per corpus (its fingerprint as the sha256 digest, its
+  credential and row counts as annotations, and the checkpoint a forked run started from);
+  ``byproducts`` the coverage matrix (corpus by layer → examples) and the last memorization report;
+- **coverage** (predicate ``https://govray.dev/attestation/coverage/v1``): every (corpus, tensor)
+  ledger entry with its layer — examples, tokens and steps that directly reached that tensor —
+  and the schedule inputs it is recomputable from.
+
+Envelopes are written to ``STORAGE/attestations/RUN/CHECKPOINT.{provenance,coverage}.dsse.json``
+(beside the checkpoint: its own signed manifest admits no extra file)::
+
+    written = attest_checkpoint(checkpoint_dir)           # -> Attestation(provenance=..., coverage=...)
+    verified = verify_attestation(written.provenance, model_dir=checkpoint_dir, trust=trust)
+    verified.statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
+
+``verify_attestation`` checks the signature (a trusted, unrevoked platform key), the statement's
+form, and every subject's digest against the files in ``model_dir`` — a missing, changed or
+unlisted model file is refused by name. securesystemslib's DSSE verifies the same envelopes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from govray.canonical import canonical_json, file_sha256, sha256_hex
+from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, find_checkpoints, load_checkpoint
+from govray.data.shards import ShardSet
+from govray.dsse import read_envelope, sign_envelope, verify_envelope
+from govray.errors import GovrayError, SignatureError
+from govray.harness.loop import RunSpec
+from govray.harness.trial import load_trial_class
+from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
+from govray.ledger import Ledger
+from govray.routing import RoutingTable, resolve_routes
+from govray.tracking.lineage import checkpoints, record_attestation
+from govray.tracking.store import TrackingStore
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PROVENANCE_TYPE = "https://slsa.dev/provenance/v1"
+COVERAGE_TYPE = "https://govray.dev/attestation/coverage/v1"
+PAYLOAD_TYPE = "application/vnd.in-toto+json"
+BUILD_TYPE = "https://govray.dev/buildtypes/governed-training/v1"
+BUILDER_ID = "https://govray.dev/builder/platform"
+KINDS = ("provenance", "coverage")
+
+
+class AttestationError(GovrayError):
+    """An attestation cannot be made, or does not verify (the message says what broke)."""
+
+    exit_code = 16
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """The envelopes written for one checkpoint."""
+
+    provenance: Path
+    coverage: Path
+
+
+@dataclass(frozen=True)
+class VerifiedAttestation:
+    statement: dict[str, Any]
+    signer: str  # the platform key id that signed it
+
+
+def model_subjects(directory: Path) -> list[dict[str, Any]]:
+    """The model files of a checkpoint or model directory, by name and sha256: the base, then each
+    adapter in name order."""
+    if not (directory / MODEL_FILE).is_file():
+        raise AttestationError(f"{directory}: no {MODEL_FILE} (not a checkpoint or model directory)")
+    files = [directory / MODEL_FILE, *sorted(directory.glob("adapter-*.safetensors"))]
+    return [{"name": file.name, "digest": {"sha256": file_sha256(file)}} for file in files]
+
+
+def run_spec_of(checkpoint: Path) -> RunSpec:
+    """The run spec of the run that wrote ``checkpoint`` (``STORAGE/ray/RUN/checkpoint_*`` →
+    ``STORAGE/runs/RUN.json``)."""
+    run = checkpoint.resolve().parent
+    path = run.parent.parent / "runs" / f"{run.name}.json"
+    if not path.is_file():
+        raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
+    return RunSpec.model_validate_json(path.read_text())
+
+
+def attest_checkpoint(
+    checkpoint: Path, key: SigningKey | None = None, trust: TrustConfig | None = None
+) -> Attestation:
+    """Verify ``checkpoint`` (a tampered one is refused), build both statements and write them
+    signed by the platform key next to it; returns the envelope paths."""
+    key = key if key is not None else platform_key()
+    spec = run_spec_of(checkpoint)
+    try:
+        loaded = load_checkpoint(checkpoint, trust if trust is not None else platform_trust(key, spec.trust))
+    except CheckpointError as error:
+        raise AttestationError(f"refusing to attest: {error}") from None
+    routing = _routing(spec)
+    subjects = model_subjects(checkpoint)
+    statements = {
+        "provenance": _statement(
+            subjects, PROVENANCE_TYPE, provenance(spec, loaded.state, routing, checkpoint)
+        ),
+        "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
+    }
+    run = checkpoint.resolve().parent
+    directory = run.parent.parent / "attestations" / run.name
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for kind, statement in statements.items():
+        envelope = sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key)
+        path = directory / f"{checkpoint.name}.{kind}.dsse.json"
+        path.write_text(envelope.to_json())
+        paths[kind] = path
+    return Attestation(**paths)
+
+
+def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path) -> Attestation | None:
+    """Attest a finished trial's final checkpoint, and keep both envelopes in the tracking store
+    (``attestations``, by checkpoint and base-model digest); None when it wrote no checkpoint."""
+    found = find_checkpoints(run_dir)
+    if not found:
+        return None
+    written = attest_checkpoint(found[-1])
+    final = found[-1].resolve()
+    row = next((c for c in checkpoints(store, trial_id) if Path(c.path).resolve() == final), None)
+    subject = statement_subjects(written.provenance)[MODEL_FILE]
+    for path in (written.provenance, written.coverage):
+        record_attestation(store, row.id if row is not None else None, subject, path.read_text())
+    return written
+
+
+def statement_subjects(envelope_path: Path) -> dict[str, str]:
+    """name → sha256 of an envelope's subjects (unverified: for indexing)."""
+    statement = json.loads(read_envelope(envelope_path).payload_bytes())
+    return {subject["name"]: subject["digest"]["sha256"] for subject in statement["subject"]}
+
+
+def provenance(
+    spec: RunSpec, state: CheckpointState, routing: RoutingTable, checkpoint: Path
+) -> dict[str, Any]:
+    """The SLSA Provenance v1 predicate of a checkpoint."""
+    manifest = ShardSet.open(Path(spec.shard_root)).manifest
+    dependencies = [
+        {
+            "name": corpus.corpus_id,
+            "uri": f"govray:corpus/{corpus.corpus_id}",
+            "digest": {"sha256": corpus.fingerprint},
+            "annotations": {
+                "credential": corpus.credential,
+                "credential_columns": corpus.credential_columns,
+                "rows": corpus.rows,
+                "train_rows": corpus.train_rows,
+                "holdout_rows": corpus.holdout_rows,
+                "route_counts": corpus.route_counts,
+                "excluded": corpus.corpus_id in spec.excluded_corpora,
+            },
+        }
+        for corpus in manifest.corpora
+    ]
+    if state.source:
+        dependencies.append(
+            {
+                "name": "start-checkpoint",
+                "uri": f"govray:checkpoint/{state.source.get('path', '')}",
+                "digest": {"sha256": str(state.source.get("manifest_sha256", ""))},
+                "annotations": dict(state.source),
+            }
+        )
+    matrix = coverage_matrix(Ledger.from_json(state.ledger), routing)
+    return {
+        "buildDefinition": {
+            "buildType": BUILD_TYPE,
+            "externalParameters": {
+                "trial": spec.trial,
+                "hyperparameters": spec.hparams,
+                "seed": spec.seed,
+                "trial_seed": spec.trial_seed,
+                "max_steps": spec.max_steps,
+                "excluded_corpora": list(spec.excluded_corpora),
+                "config": {"sha256": spec.config_digest},
+                "policy": {
+                    "name": spec.policy.name,
+                    "version": spec.policy.version,
+                    "sha256": spec.policy_digest,
+                },
+            },
+            "internalParameters": {
+                "step": state.step,
+                "epoch": state.epoch,
+                "schedule_sha256": state.schedule_digest,
+                "shards": manifest.key,
+                "reproducibility": state.reproducibility,
+            },
+            "resolvedDependencies": dependencies,
+        },
+        "runDetails": {
+            "builder": {"id": BUILDER_ID},
+            "metadata": {
+                "invocationId": state.run or checkpoint.resolve().parent.name,
+                "finishedOn": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            },
+            "byproducts": [
+                _byproduct("coverage-matrix", matrix),
+                _byproduct("memorization-report", state.memorization),
+                _byproduct("decisions", {"gates": state.gates, "rollbacks": state.rollbacks}),
+            ],
+        },
+    }
+
+
+def coverage(state: CheckpointState, routing: RoutingTable) -> dict[str, Any]:
+    """govray's coverage predicate: what directly reached each parameter tensor, per corpus."""
+    layers = routing.tensor_layers()
+    names = list(routing.layers)
+    return {
+        "ledger": [
+            {
+                "corpus": corpus,
+                "tensor": tensor,
+                "layer": _layer_name(layers.get(tensor), names, tensor),
+                "examples": entry.examples,
+                "tokens": entry.tokens,
+                "steps": entry.steps,
+            }
+            for corpus, tensor, entry in Ledger.from_json(state.ledger).rows()
+        ],
+        "contribution": "direct",  # the examples whose gradients updated the tensor, as scheduled
+        "steps": state.step,
+        "schedule": state.schedule,
+        "schedule_sha256": state.schedule_digest,
+    }
+
+
+def coverage_matrix(ledger: Ledger, routing: RoutingTable) -> dict[str, dict[str, int]]:
+    """corpus → layer (or ``adapter:NAME``) → the most examples that reached a tensor of it."""
+    layers = routing.tensor_layers()
+    names = list(routing.layers)
+    matrix: dict[str, dict[str, int]] = {}
+    for corpus, tensor, entry in ledger.rows():
+        column = _layer_name(layers.get(tensor), names, tensor)
+        row = matrix.setdefault(corpus, {})
+        row[column] = max(row.get(column, 0), entry.examples)
+    return matrix
+
+
+def verify_attestation(
+    envelope_path: Path,
+    *,
+    model_dir: Path,
+    trust: TrustConfig,
+    policy: Path | None = None,
+    expected_kind: str | None = None,
+) -> VerifiedAttestation:
+    """Check the envelope's signature (a trusted, unrevoked platform key), the statement, that
+    ``model_dir``'s model files are exactly the subjects, digest for digest, and (given a
+    provenance statement and ``policy``) that the policy file is the one attested."""
+    try:
+        envelope = read_envelope(envelope_path)
+        payload, signer = verify_envelope(
+            envelope, trust, KeyRole.PLATFORM, expected_type=PAYLOAD_TYPE, what=f"attestation {envelope_path}"
+        )
+    except SignatureError as error:
+        raise AttestationError(str(error)) from None
+    try:
+        statement = json.loads(payload)
+    except json.JSONDecodeError as error:
+        raise AttestationError(f"{envelope_path}: the signed payload is not JSON: {error}") from None
+    if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE:
+        raise AttestationError(f"{envelope_path}: not an in-toto Statement v1")
+    kind = {PROVENANCE_TYPE: "provenance", COVERAGE_TYPE: "coverage"}.get(statement.get("predicateType", ""))
+    if kind is None or (expected_kind is not None and kind != expected_kind):
+        raise AttestationError(
+            f"{envelope_path}: predicate type {statement.get('predicateType')!r} is not expected"
+        )
+    subjects = {s.get("name"): s.get("digest", {}).get("sha256") for s in statement.get("subject", [])}
+    try:
+        present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir)}
+    except AttestationError as error:
+        raise AttestationError(str(error)) from None
+    for name, digest in sorted(subjects.items()):
+        if name not in present:
+            raise AttestationError(f"{model_dir / str(name)}: attested but missing")
+        if present[name] != digest:
+            raise AttestationError(f"{model_dir / name}: sha256 differs from the attested digest (tampered)")
+    if extra := sorted(set(present) - set(subjects)):
+        raise AttestationError(f"{model_dir}: {', '.join(extra)} not among the attested subjects")
+    if policy is not None:
+        if kind != "provenance":
+            raise AttestationError(f"{envelope_path}: only a provenance statement attests the policy")
+        attested = statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
+        if file_sha256(policy) != attested.get("sha256"):
+            raise AttestationError(
+                f"{policy}: sha256 differs from the attested policy '{attested.get('name')}' "
+                f"v{attested.get('version')} (a changed policy)"
+            )
+    return VerifiedAttestation(statement=statement, signer=signer)
+
+
+def _statement(
+    subjects: list[dict[str, Any]], predicate_type: str, predicate: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": subjects,
+        "predicateType": predicate_type,
+        "predicate": predicate,
+    }
+
+
+def _byproduct(name: str, content: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "mediaType": "application/json",
+        "digest": {"sha256": sha256_hex(canonical_json(content))},
+        "annotations": {"content": content},
+    }
+
+
+def _routing(spec: RunSpec) -> RoutingTable:
+    if spec.code_dir and Path(spec.code_dir).is_dir() and spec.code_dir not in sys.path:
+        sys.path.insert(0, spec.code_dir)  # where the trial's module was importable when it ran
+    trial = load_trial_class(spec.trial)(spec.hparams)
+    model = trial.build_model()
+    return resolve_routes(spec.policy, model, trial.layers(model))
+
+
+def _layer_name(index: int | None, names: list[str], tensor: str) -> str:
+    if tensor.startswith("adapter/"):
+        return f"adapter:{tensor.split('/')[1]}"
+    return names[index] if index is not None else "(outside layers)"

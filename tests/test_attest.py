@@ -1,0 +1,262 @@
+"""Attestations of the golden run's final checkpoint: a library govray did not write verifies them,
+they say what trained which tensors, and every kind of tampering is refused by name."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from securesystemslib.dsse import Envelope as SslibEnvelope
+from securesystemslib.signer import SSlibKey
+
+from govray.attest import (
+    COVERAGE_TYPE,
+    PROVENANCE_TYPE,
+    Attestation,
+    AttestationError,
+    attest_checkpoint,
+    verify_attestation,
+)
+from govray.checkpoint import CheckpointState
+from govray.cli import main
+from govray.data.shards import ShardSet
+from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.ledger import Ledger
+from govray.tracking.lineage import attestations, checkpoints
+from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun
+from tests.test_fault_tolerance import final_checkpoint
+
+
+@pytest.fixture(scope="module")
+def attested(golden_run: GoldenRun) -> tuple[Path, Attestation]:
+    checkpoint = final_checkpoint(golden_run.outcome.run_dir)
+    return checkpoint, attest_checkpoint(checkpoint)
+
+
+def statement_of(path: Path) -> dict[str, Any]:
+    envelope = json.loads(path.read_text())
+    return json.loads(base64.b64decode(envelope["payload"]))
+
+
+def test_securesystemslib_verifies_both_envelopes_by_key_id(attested: tuple[Path, Attestation]) -> None:
+    _, written = attested
+    key = platform_key()
+    sslib_key = SSlibKey.from_dict(key.keyid, key.public_key.sslib_dict())
+    for path in (written.provenance, written.coverage):
+        envelope = SslibEnvelope.from_dict(json.loads(path.read_text()))
+        assert envelope.payload_type == "application/vnd.in-toto+json"
+        assert key.keyid in envelope.verify([sslib_key], threshold=1)
+
+
+def test_the_statements_name_the_model_files_the_corpora_and_what_reached_each_tensor(
+    golden_run: GoldenRun, attested: tuple[Path, Attestation]
+) -> None:
+    checkpoint, written = attested
+    provenance, coverage = statement_of(written.provenance), statement_of(written.coverage)
+    assert provenance["_type"] == coverage["_type"] == "https://in-toto.io/Statement/v1"
+    assert (provenance["predicateType"], coverage["predicateType"]) == (PROVENANCE_TYPE, COVERAGE_TYPE)
+    names = [subject["name"] for subject in provenance["subject"]]
+    assert (
+        names == ["model.safetensors", "adapter-pii-lora.safetensors"]
+        and coverage["subject"] == provenance["subject"]
+    )
+
+    build = provenance["predicate"]["buildDefinition"]
+    assert build["externalParameters"]["policy"]["sha256"] == golden_run.checked.policy.digest
+    assert build["externalParameters"]["hyperparameters"] == GOLDEN_HPARAMS
+    manifest = ShardSet.open(golden_run.shard_root).manifest
+    dependencies = {d["name"]: d for d in build["resolvedDependencies"]}
+    assert set(dependencies) == {corpus.corpus_id for corpus in manifest.corpora}
+    for corpus in manifest.corpora:
+        assert dependencies[corpus.corpus_id]["digest"] == {"sha256": corpus.fingerprint}
+        assert dependencies[corpus.corpus_id]["annotations"]["credential"] == corpus.credential
+
+    state = CheckpointState.model_validate_json((checkpoint / "state.json").read_text())
+    assert state.step == GOLDEN_STEPS
+    ledger = Ledger.from_json(state.ledger)
+    rows = {(r["corpus"], r["tensor"]): r["examples"] for r in coverage["predicate"]["ledger"]}
+    assert rows == {(corpus, tensor): entry.examples for corpus, tensor, entry in ledger.rows()}
+    # The PII corpus reached only the removable adapter; the licensed one never the embedding.
+    layers = {(r["corpus"], r["layer"]) for r in coverage["predicate"]["ledger"]}
+    assert {layer for corpus, layer in layers if corpus == "digits-writers"} == {"adapter:pii-lora"}
+    assert ("digits-licensed", "embed") not in layers and ("digits-public", "embed") in layers
+    matrix = next(
+        b for b in provenance["predicate"]["runDetails"]["byproducts"] if b["name"] == "coverage-matrix"
+    )
+    assert matrix["annotations"]["content"]["digits-writers"] == {
+        "adapter:pii-lora": max(e for (c, _), e in rows.items() if c == "digits-writers")
+    }
+
+
+@pytest.fixture
+def model_dir(attested: tuple[Path, Attestation], tmp_path: Path) -> Path:
+    checkpoint, _ = attested
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for file in [checkpoint / "model.safetensors", *checkpoint.glob("adapter-*.safetensors")]:
+        shutil.copy(file, directory / file.name)
+    return directory
+
+
+def trust_file(directory: Path, trust: TrustConfig) -> Path:
+    path = directory / "trust.yaml"
+    save_trust(trust, path)
+    return path
+
+
+def test_a_valid_attestation_verifies_on_the_command_line(
+    golden_run: GoldenRun, attested: tuple[Path, Attestation], model_dir: Path, tmp_path: Path
+) -> None:
+    _, written = attested
+    trust = trust_file(tmp_path, platform_trust(platform_key()))
+    policy = Path(golden_run.checked.policy.path)
+    for path in (written.provenance, written.coverage):
+        command = ["verify", str(path), "--model-dir", str(model_dir), "--trust", str(trust)]
+        assert main(command + (["--policy", str(policy)] if path == written.provenance else [])) == 0
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def resigned_payload(envelope_path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the statement inside the envelope without signing it again."""
+    envelope = json.loads(envelope_path.read_text())
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    change(statement)
+    envelope["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    envelope_path.write_text(json.dumps(envelope))
+
+
+def flip_signature(envelope_path: Path) -> None:
+    envelope = json.loads(envelope_path.read_text())
+    raw = bytearray(base64.b64decode(envelope["signatures"][0]["sig"]))
+    raw[0] ^= 0x01
+    envelope["signatures"][0]["sig"] = base64.b64encode(bytes(raw)).decode()
+    envelope_path.write_text(json.dumps(envelope))
+
+
+def other_digest(statement: dict[str, Any]) -> None:
+    statement["subject"][0]["digest"]["sha256"] = "0" * 64
+
+
+def other_hyperparameters(statement: dict[str, Any]) -> None:
+    statement["predicate"]["buildDefinition"]["externalParameters"]["hyperparameters"]["lr"] = 9.0
+
+
+TAMPERING: dict[str, tuple[Callable[[Path, Path, Path], None], str]] = {
+    "one byte of the weights": (
+        lambda model, envelope, policy: flip_byte(model / "model.safetensors"),
+        r"model.safetensors: sha256 differs from the attested digest",
+    ),
+    "one byte of an adapter": (
+        lambda model, envelope, policy: flip_byte(model / "adapter-pii-lora.safetensors"),
+        r"adapter-pii-lora.safetensors: sha256 differs",
+    ),
+    "an adapter removed": (
+        lambda model, envelope, policy: (model / "adapter-pii-lora.safetensors").unlink(),
+        r"adapter-pii-lora.safetensors: attested but missing",
+    ),
+    "an adapter added": (
+        lambda model, envelope, policy: shutil.copy(
+            model / "adapter-pii-lora.safetensors", model / "adapter-extra.safetensors"
+        ),
+        r"adapter-extra.safetensors not among the attested subjects",
+    ),
+    "one byte of the policy": (
+        lambda model, envelope, policy: flip_byte(policy),
+        r"sha256 differs from the attested policy 'digits' v1",
+    ),
+    "the payload": (
+        lambda model, envelope, policy: resigned_payload(envelope, other_hyperparameters),
+        r"does not verify \(tampered signature or payload\)",
+    ),
+    "a subject digest": (
+        lambda model, envelope, policy: resigned_payload(envelope, other_digest),
+        r"does not verify \(tampered signature or payload\)",
+    ),
+    "the signature": (
+        lambda model, envelope, policy: flip_signature(envelope),
+        r"does not verify \(tampered signature or payload\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(TAMPERING))
+def test_tampering_is_refused_naming_what_broke(
+    what: str, golden_run: GoldenRun, attested: tuple[Path, Attestation], model_dir: Path, tmp_path: Path
+) -> None:
+    _, written = attested
+    envelope = shutil.copy(written.provenance, tmp_path / "provenance.dsse.json")
+    policy = shutil.copy(golden_run.checked.policy.path, tmp_path / "policy.yaml")
+    tamper, message = TAMPERING[what]
+    tamper(model_dir, Path(envelope), Path(policy))
+    trust = platform_trust(platform_key())
+    with pytest.raises(AttestationError, match=message):
+        verify_attestation(Path(envelope), model_dir=model_dir, trust=trust, policy=Path(policy))
+    command = [
+        "verify",
+        str(envelope),
+        "--model-dir",
+        str(model_dir),
+        "--trust",
+        str(trust_file(tmp_path, trust)),
+    ]
+    assert main([*command, "--policy", str(policy)]) == AttestationError.exit_code
+
+
+def test_a_revoked_or_untrusted_platform_key_is_refused(
+    attested: tuple[Path, Attestation], model_dir: Path
+) -> None:
+    _, written = attested
+    key = platform_key()
+    revoked = platform_trust(key)
+    revoked.revoke(key.keyid, reason="key leaked")
+    with pytest.raises(AttestationError, match=rf"key {key.keyid} was revoked .*\(key leaked\)"):
+        verify_attestation(written.provenance, model_dir=model_dir, trust=revoked)
+    stranger = platform_trust(SigningKey.generate(KeyRole.PLATFORM))
+    with pytest.raises(AttestationError, match=rf"key {key.keyid} is not trusted for role 'platform'"):
+        verify_attestation(written.provenance, model_dir=model_dir, trust=stranger)
+
+
+def test_a_tampered_checkpoint_is_not_attested(attested: tuple[Path, Attestation], tmp_path: Path) -> None:
+    checkpoint, _ = attested
+    run = tmp_path / "storage" / "ray" / checkpoint.parent.name
+    copy = Path(shutil.copytree(checkpoint, run / checkpoint.name))
+    (tmp_path / "storage" / "runs").mkdir(parents=True)
+    shutil.copy(
+        checkpoint.parent.parent.parent / "runs" / f"{checkpoint.parent.name}.json",
+        tmp_path / "storage" / "runs" / f"{checkpoint.parent.name}.json",
+    )
+    flip_byte(copy / "model.safetensors")
+    with pytest.raises(
+        AttestationError, match="refusing to attest: .*model.safetensors: sha256 does not match"
+    ):
+        attest_checkpoint(copy)
+    assert not (tmp_path / "storage" / "attestations").exists()
+
+
+def test_every_finished_trial_is_attested_in_the_tracking_store(
+    golden_run: GoldenRun, tmp_path: Path
+) -> None:
+    final = final_checkpoint(golden_run.outcome.run_dir)
+    rows = checkpoints(golden_run.store, golden_run.outcome.trial_id)
+    row = next(c for c in rows if Path(c.path).resolve() == final.resolve())
+    assert row.id is not None
+    stored = attestations(golden_run.store, row.id)
+    kinds = sorted(
+        json.loads(base64.b64decode(json.loads(r.envelope_json)["payload"]))["predicateType"] for r in stored
+    )
+    assert kinds == sorted([COVERAGE_TYPE, PROVENANCE_TYPE])
+    for index, record in enumerate(stored):
+        path = tmp_path / f"{index}.dsse.json"
+        path.write_text(record.envelope_json)
+        verified = verify_attestation(path, model_dir=final, trust=platform_trust(platform_key()))
+        assert record.subject_digest == verified.statement["subject"][0]["digest"]["sha256"]
