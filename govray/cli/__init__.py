@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from govray.cli import audit, data, experiment, policy, trial
+from govray.cli import audit, data, experiment, keys, policy, trial
 from govray.cli.attest import attest, verify
 from govray.cli.replay import replay
 from govray.cli.resume import resume
@@ -35,6 +35,7 @@ app.add_typer(experiment.app, name="experiment")
 app.add_typer(experiment.app, name="experiments", hidden=True)  # its earlier name, kept for scripts
 app.add_typer(trial.app, name="trial")
 app.add_typer(audit.app, name="audit")
+app.add_typer(keys.app, name="keys")
 app.command(name="run")(run)
 app.command(name="search")(search)
 app.command(name="replay")(replay)
