@@ -69,6 +69,7 @@ class Attestation:
 
     provenance: Path
     coverage: Path
+    subjects: dict[str, str]  # model file name → sha256
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def attest_checkpoint(
         path = directory / f"{checkpoint.name}.{kind}.dsse.json"
         path.write_text(envelope.to_json())
         paths[kind] = path
-    return Attestation(**paths)
+    return Attestation(**paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects})
 
 
 def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path) -> Attestation | None:
@@ -136,16 +137,10 @@ def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path) -> Atte
     written = attest_checkpoint(found[-1])
     final = found[-1].resolve()
     row = next((c for c in checkpoints(store, trial_id) if Path(c.path).resolve() == final), None)
-    subject = statement_subjects(written.provenance)[MODEL_FILE]
+    subject = written.subjects[MODEL_FILE]
     for path in (written.provenance, written.coverage):
         record_attestation(store, row.id if row is not None else None, subject, path.read_text())
     return written
-
-
-def statement_subjects(envelope_path: Path) -> dict[str, str]:
-    """name → sha256 of an envelope's subjects (unverified: for indexing)."""
-    statement = json.loads(read_envelope(envelope_path).payload_bytes())
-    return {subject["name"]: subject["digest"]["sha256"] for subject in statement["subject"]}
 
 
 def provenance(
@@ -286,10 +281,7 @@ def verify_attestation(
             f"{envelope_path}: predicate type {statement.get('predicateType')!r} is not expected"
         )
     subjects = {s.get("name"): s.get("digest", {}).get("sha256") for s in statement.get("subject", [])}
-    try:
-        present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir)}
-    except AttestationError as error:
-        raise AttestationError(str(error)) from None
+    present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir)}
     for name, digest in sorted(subjects.items()):
         if name not in present:
             raise AttestationError(f"{model_dir / str(name)}: attested but missing")

@@ -41,7 +41,7 @@ from govray.canaries import CanaryProbe
 from govray.credentials import Credential
 from govray.data.shards import ShardSet
 from govray.harness.trial import Trial
-from govray.harness.worker import RouteRows, Worker, all_reduce_sums
+from govray.harness.worker import RouteRows, Worker, all_reduce_sums, by_row_hash, without_rows
 from govray.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable
@@ -98,7 +98,7 @@ class MemorizationProbe:
             )
             holdout = rows.corpus_rows(corpus.corpus_id).slice(0, 0)  # none held out: exposure only
             if held:
-                holdout = _without_rows(_sorted(shards.holdout_table(corpus.corpus_id)), canary_rows)
+                holdout = without_rows(by_row_hash(shards.holdout_table(corpus.corpus_id)), canary_rows)
                 holdout = _with_policy_routes(holdout, policy, routes)
             plan = _CorpusPlan(
                 corpus_id=corpus.corpus_id,
@@ -219,16 +219,6 @@ class MemorizationProbe:
             for hook in hooks:
                 hook.remove()
         return {layer: torch.cat(parts) for layer, parts in captured.items() if parts}
-
-
-def _sorted(table: pa.Table) -> pa.Table:
-    return table.take(pc.sort_indices(table, sort_keys=[("_row_hash", "ascending"), ("_row", "ascending")]))
-
-
-def _without_rows(table: pa.Table, rows: set[int]) -> pa.Table:
-    if not rows:
-        return table
-    return table.filter(pc.invert(pc.is_in(table.column("_row"), pa.array(sorted(rows), pa.int64()))))
 
 
 def _with_policy_routes(table: pa.Table, policy: DepthPolicy, cache: dict[str, str]) -> pa.Table:

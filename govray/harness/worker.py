@@ -52,21 +52,14 @@ class RouteRows:
         return self.tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
 
     def corpus_rows(self, corpus_id: str) -> pa.Table:
-        """Every training row of a corpus (over all its routes), ordered by row hash then row number,
-        so every run and every rank sees the same order."""
+        """Every training row of a corpus (over all its routes), in ``by_row_hash`` order."""
         parts = [table.filter(pc.equal(table.column("_corpus"), corpus_id)) for table in self.tables.values()]
-        rows = pa.concat_tables([part for part in parts if part.num_rows] or [self._empty])
-        return rows.take(pc.sort_indices(rows, sort_keys=[("_row_hash", "ascending"), ("_row", "ascending")]))
+        return by_row_hash(pa.concat_tables([part for part in parts if part.num_rows] or [self._empty]))
 
     def corpus_sample(self, corpus_id: str, count: int, exclude: Collection[int] = ()) -> pa.Table:
         """``count`` training rows of a corpus: those with the lowest row hashes, leaving out the
         rows numbered in ``exclude`` (a corpus's canaries)."""
-        rows = self.corpus_rows(corpus_id)
-        if exclude:
-            rows = rows.filter(
-                pc.invert(pc.is_in(rows.column("_row"), pa.array(sorted(exclude), pa.int64())))
-            )
-        return rows.slice(0, count)
+        return without_rows(self.corpus_rows(corpus_id), exclude).slice(0, count)
 
     def tokens(self, trial: Trial) -> dict[str, list[int]] | None:
         """Tokens per route-local row, for the ledger; None unless the trial counts tokens."""
@@ -74,6 +67,19 @@ class RouteRows:
         if any(value is None for value in counts.values()):
             return None
         return {route: list(value) for route, value in counts.items() if value is not None}
+
+
+def by_row_hash(rows: pa.Table) -> pa.Table:
+    """Rows ordered by row hash, then row number: the same order in every run and on every rank."""
+    return rows.take(pc.sort_indices(rows, sort_keys=[("_row_hash", "ascending"), ("_row", "ascending")]))
+
+
+def without_rows(rows: pa.Table, numbers: Collection[int]) -> pa.Table:
+    """``rows`` minus those whose ``_row`` is in ``numbers``."""
+    if not numbers:
+        return rows
+    excluded = pa.array(sorted(numbers), pa.int64())
+    return rows.filter(pc.invert(pc.is_in(rows.column("_row"), excluded)))
 
 
 def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, float]:
