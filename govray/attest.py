@@ -38,7 +38,7 @@ from typing import Any
 from govray.canonical import canonical_json, file_sha256, sha256_hex
 from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, find_checkpoints, load_checkpoint
 from govray.data.shards import ShardSet
-from govray.dsse import read_envelope, sign_envelope, verify_envelope
+from govray.dsse import Envelope, read_envelope, sign_envelope, verify_envelope
 from govray.errors import GovrayError, SignatureError
 from govray.harness.loop import RunSpec
 from govray.harness.trial import load_trial_class
@@ -55,6 +55,7 @@ PAYLOAD_TYPE = "application/vnd.in-toto+json"
 BUILD_TYPE = "https://govray.dev/buildtypes/governed-training/v1"
 BUILDER_ID = "https://govray.dev/builder/platform"
 KINDS = ("provenance", "coverage")
+RUN_SPEC_FILE = "run.json"  # in a model version's sealed directory: the spec of the run it came from
 
 
 class AttestationError(GovrayError):
@@ -88,20 +89,39 @@ def model_subjects(directory: Path) -> list[dict[str, Any]]:
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
-    """The run spec of the run that wrote ``checkpoint`` (``STORAGE/ray/RUN/checkpoint_*`` →
-    ``STORAGE/runs/RUN.json``)."""
+    """The run spec of the run that wrote ``checkpoint``: a model version's own sealed copy
+    (``DIR/run.json``), else ``STORAGE/ray/RUN/checkpoint_*`` → ``STORAGE/runs/RUN.json``."""
     run = checkpoint.resolve().parent
-    path = run.parent.parent / "runs" / f"{run.name}.json"
+    own = checkpoint / RUN_SPEC_FILE
+    path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
     if not path.is_file():
         raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
     return RunSpec.model_validate_json(path.read_text())
 
 
+@dataclass(frozen=True)
+class Derivation:
+    """How a model version was derived from an attested one without training: the adapters it no
+    longer carries, the corpora that leaves out entirely, and the source's provenance envelope."""
+
+    removed_adapters: tuple[str, ...]
+    excluded_corpora: tuple[str, ...]
+    source_uri: str  # govray:model/NAME/VERSION
+    source_attestation_sha256: str  # of the source version's provenance envelope
+
+
 def attest_checkpoint(
-    checkpoint: Path, key: SigningKey | None = None, trust: TrustConfig | None = None
+    checkpoint: Path,
+    key: SigningKey | None = None,
+    trust: TrustConfig | None = None,
+    *,
+    derivation: Derivation | None = None,
+    destination: Path | None = None,
 ) -> Attestation:
     """Verify ``checkpoint`` (a tampered one is refused), build both statements and write them
-    signed by the platform key next to it; returns the envelope paths."""
+    signed by the platform key; returns the envelope paths. They go to
+    ``STORAGE/attestations/RUN/CHECKPOINT.KIND.dsse.json`` unless ``destination`` (a path prefix)
+    is given; ``derivation`` attests a model version made by removing adapters."""
     key = key if key is not None else platform_key()
     spec = run_spec_of(checkpoint)
     try:
@@ -110,19 +130,19 @@ def attest_checkpoint(
         raise AttestationError(f"refusing to attest: {error}") from None
     routing = _routing(spec)
     subjects = model_subjects(checkpoint)
+    predicate = provenance(spec, loaded.state, routing, checkpoint, derivation)
     statements = {
-        "provenance": _statement(
-            subjects, PROVENANCE_TYPE, provenance(spec, loaded.state, routing, checkpoint)
-        ),
+        "provenance": _statement(subjects, PROVENANCE_TYPE, predicate),
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
     }
-    run = checkpoint.resolve().parent
-    directory = run.parent.parent / "attestations" / run.name
-    directory.mkdir(parents=True, exist_ok=True)
+    if destination is None:
+        run = checkpoint.resolve().parent
+        destination = run.parent.parent / "attestations" / run.name / checkpoint.name
+    destination.parent.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind, statement in statements.items():
         envelope = sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key)
-        path = directory / f"{checkpoint.name}.{kind}.dsse.json"
+        path = destination.with_name(f"{destination.name}.{kind}.dsse.json")
         path.write_text(envelope.to_json())
         paths[kind] = path
     return Attestation(**paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects})
@@ -144,10 +164,15 @@ def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path) -> Atte
 
 
 def provenance(
-    spec: RunSpec, state: CheckpointState, routing: RoutingTable, checkpoint: Path
+    spec: RunSpec,
+    state: CheckpointState,
+    routing: RoutingTable,
+    checkpoint: Path,
+    derivation: Derivation | None = None,
 ) -> dict[str, Any]:
-    """The SLSA Provenance v1 predicate of a checkpoint."""
+    """The SLSA Provenance v1 predicate of a checkpoint (or of a model version derived from one)."""
     manifest = ShardSet.open(Path(spec.shard_root)).manifest
+    excluded = sorted({*spec.excluded_corpora, *(derivation.excluded_corpora if derivation else ())})
     dependencies = [
         {
             "name": corpus.corpus_id,
@@ -160,18 +185,19 @@ def provenance(
                 "train_rows": corpus.train_rows,
                 "holdout_rows": corpus.holdout_rows,
                 "route_counts": corpus.route_counts,
-                "excluded": corpus.corpus_id in spec.excluded_corpora,
+                "excluded": corpus.corpus_id in excluded,
             },
         }
         for corpus in manifest.corpora
     ]
-    if state.source:
+    dependencies.extend(_start_dependencies(state.source))
+    if derivation is not None:
         dependencies.append(
             {
-                "name": "start-checkpoint",
-                "uri": f"govray:checkpoint/{state.source.get('path', '')}",
-                "digest": {"sha256": str(state.source.get("manifest_sha256", ""))},
-                "annotations": dict(state.source),
+                "name": "source-model",
+                "uri": derivation.source_uri,
+                "digest": {"sha256": derivation.source_attestation_sha256},
+                "annotations": {"removed_adapters": list(derivation.removed_adapters)},
             }
         )
     matrix = coverage_matrix(Ledger.from_json(state.ledger), routing)
@@ -184,7 +210,8 @@ def provenance(
                 "seed": spec.seed,
                 "trial_seed": spec.trial_seed,
                 "max_steps": spec.max_steps,
-                "excluded_corpora": list(spec.excluded_corpora),
+                "excluded_corpora": excluded,
+                "removed_adapters": list(derivation.removed_adapters if derivation else ()),
                 "config": {"sha256": spec.config_digest},
                 "policy": {
                     "name": spec.policy.name,
@@ -299,6 +326,43 @@ def verify_attestation(
                 f"v{attested.get('version')} (a changed policy)"
             )
     return VerifiedAttestation(statement=statement, signer=signer)
+
+
+def statement_type(envelope_json: str) -> str | None:
+    """The predicate type an envelope claims, read WITHOUT verifying it (to sort envelopes; trust
+    only what ``verify_attestation`` returns)."""
+    try:
+        envelope = Envelope.model_validate_json(envelope_json)
+        statement = json.loads(envelope.payload_bytes())
+    except (ValueError, SignatureError):
+        return None
+    kind = statement.get("predicateType") if isinstance(statement, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _start_dependencies(source: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a run that started from trained weights depends on: that checkpoint and, when it was
+    a registered model version, that version's own provenance attestation (lineage chains)."""
+    if not source:
+        return []
+    found = [
+        {
+            "name": "start-checkpoint",
+            "uri": f"govray:checkpoint/{source.get('path', '')}",
+            "digest": {"sha256": str(source.get("manifest_sha256", ""))},
+            "annotations": {k: v for k, v in source.items() if not k.startswith("model")},
+        }
+    ]
+    if "model_uri" in source:
+        found.append(
+            {
+                "name": "base-model",
+                "uri": source["model_uri"],
+                "digest": {"sha256": str(source.get("model_attestation_sha256", ""))},
+                "annotations": {"attestation": source.get("model_attestation", "")},
+            }
+        )
+    return found
 
 
 def _statement(

@@ -121,6 +121,18 @@ class Ledger:
                 target.steps += entry.steps
         return merged
 
+    def without_adapter(self, adapter: str) -> Ledger:
+        """A new ledger without the entries of adapter ``adapter``'s tensors (a model version
+        that no longer carries that adapter file)."""
+        prefix = f"adapter/{adapter}/"
+        return Ledger(
+            {
+                key: LedgerEntry(entry.examples, entry.tokens, entry.steps)
+                for key, entry in self.entries.items()
+                if not key[1].startswith(prefix)
+            }
+        )
+
     def rows(self) -> list[tuple[str, str, LedgerEntry]]:
         """``(corpus, tensor, entry)`` sorted by corpus, then tensor."""
         return [(corpus, tensor, self.entries[corpus, tensor]) for corpus, tensor in sorted(self.entries)]

@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -248,6 +248,7 @@ def run_trial(
     progress: Progress | None = None,
     recorded_decisions: tuple[RecordedDecision, ...] | None = None,
     start_checkpoint: Path | None = None,
+    start_model: Mapping[str, str] | None = None,
 ) -> TrialOutcome:
     """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
 
@@ -255,7 +256,9 @@ def run_trial(
     randomness: a replay with the same seeds and ``excluded_corpora`` leaves those corpora's
     schedule slots empty and everything else identical, and applies ``recorded_decisions`` (the
     source trial's) instead of taking its own. ``start_checkpoint`` starts from another run's
-    verified weights and ledger (recorded as the trial's lineage source).
+    verified weights and ledger (recorded as the trial's lineage source); ``start_model`` names
+    the registered model version that checkpoint is (``govray.registry.start_reference``), whose
+    attestation the trial's own then lists as its base model.
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
@@ -270,7 +273,11 @@ def run_trial(
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
     if source is not None:
-        recorded = {"path": str(source.directory), "manifest_sha256": source.manifest_digest}
+        recorded = {
+            "path": str(source.directory),
+            "manifest_sha256": source.manifest_digest,
+            **(start_model or {}),
+        }
         store.set_trial_source(trial_id, json.dumps({**recorded, "step": source.state.step}))
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
@@ -290,6 +297,7 @@ def run_trial(
         report_every=report_every,
         recorded_decisions=recorded_decisions,
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
+        start_model=start_model,
     )
     spec_path = run_spec_path(config, run_name)
     spec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,6 +319,7 @@ def new_run_spec(
     report_every: int = 20,
     recorded_decisions: tuple[RecordedDecision, ...] | None = None,
     start_checkpoint: str = "",
+    start_model: Mapping[str, str] | None = None,
     validation_period: int | None = None,
 ) -> RunSpec:
     """Everything the workers of run ``run_name`` need, from the experiment and one hyperparameter
@@ -349,6 +358,7 @@ def new_run_spec(
         control_file=str(control_path(config, run_name)),
         log_dir=str(log_dir(config.storage_path, run_name)),
         start_checkpoint=start_checkpoint,
+        start_model=dict(start_model or {}),
         objective_metric=config.searcher.metric,
         smaller_is_better=config.searcher.smaller_is_better,
         memorization_lambda=config.searcher.memorization_lambda,

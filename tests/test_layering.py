@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"describe"},
     {"preflight"},
     {"attest"},
+    {"registry"},
     {"runner"},
     {"replay", "lifecycle", "search"},
     {"cli", "__main__"},

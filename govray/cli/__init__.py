@@ -2,8 +2,8 @@
 
 Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument or option; 3 bad
 credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
-store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 1 anything
-else govray refused on purpose.
+store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 17 model
+registry request refused; 1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from govray.cli import audit, data, experiment, keys, policy, trial
+from govray.cli import audit, data, experiment, keys, model, policy, trial
 from govray.cli.attest import attest, verify
 from govray.cli.replay import replay
 from govray.cli.resume import resume
@@ -36,6 +36,7 @@ app.add_typer(experiment.app, name="experiments", hidden=True)  # its earlier na
 app.add_typer(trial.app, name="trial")
 app.add_typer(audit.app, name="audit")
 app.add_typer(keys.app, name="keys")
+app.add_typer(model.app, name="model")
 app.command(name="run")(run)
 app.command(name="search")(search)
 app.command(name="replay")(replay)

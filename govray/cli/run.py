@@ -19,6 +19,7 @@ from rich.progress import (
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
 from govray.ledger import format_ledger
 from govray.preflight import CheckedPolicy, check_policy, ingest_experiment
+from govray.registry import resolve, start_reference
 from govray.runner import Progress as ProgressCallback
 from govray.runner import TrialOutcome, interrupted_trial, resume_trial, run_trial
 from govray.tracking.tables import Experiment
@@ -35,6 +36,12 @@ def run(
     allow_unsigned: bool = AllowUnsigned,
     strict: bool = Strict,
     from_checkpoint: Path | None = FromCheckpoint,
+    from_model: str | None = typer.Option(
+        None,
+        "--from-model",
+        help="Fine-tune from this registered model version (NAME[:VERSION]); its attestation "
+        "becomes a dependency of the new one.",
+    ),
     resume_interrupted: bool = typer.Option(
         False,
         "--resume-interrupted",
@@ -43,6 +50,12 @@ def run(
 ) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
     config, store = open_experiment(config_path)
+    start_model = None
+    if from_model is not None:
+        if from_checkpoint is not None:
+            raise typer.BadParameter("give --from-checkpoint or --from-model, not both")
+        version = resolve(store, from_model)
+        from_checkpoint, start_model = version.directory, start_reference(store, version)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn)
     assert experiment.id is not None
@@ -66,6 +79,7 @@ def run(
                 store,
                 progress=update,
                 start_checkpoint=from_checkpoint,
+                start_model=start_model,
             )
     report(outcome, checked, experiment)
 

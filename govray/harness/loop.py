@@ -115,6 +115,9 @@ class RunSpec(BaseModel):
     control_period: int = 5  # steps between looks (a broadcast costs ~0.3 ms on 2 CPU workers)
     # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
     start_checkpoint: str = ""
+    # ... when that checkpoint is a registered model version: its uri, and its provenance
+    # attestation's file name and sha256 (the run's attestation lists it as a dependency).
+    start_model: dict[str, str] = {}
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
     run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
     # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
@@ -362,6 +365,7 @@ class GovernedTraining:
             "step": loaded.state.step,
             "config_digest": loaded.state.config_digest,
             "policy_digest": loaded.state.policy_digest,
+            **self.spec.start_model,
         }
 
     @property

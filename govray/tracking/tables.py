@@ -221,7 +221,12 @@ class RegisteredModel(SQLModel, table=True):
 
 
 class ModelVersion(SQLModel, table=True):
-    """Version ``version`` of a registered model: one checkpoint plus tags."""
+    """Version ``version`` of a registered model: one checkpoint plus tags.
+
+    A version registered from a checkpoint reads its model files there (``path`` is None); one
+    made by removing adapters has its own sealed directory ``path``, the version it came from
+    (``parent_id``), and its checkpoint is the one its weights descend from.
+    """
 
     __tablename__ = "model_versions"
     __table_args__ = (UniqueConstraint("model_name", "version", name="uq_model_versions_name_version"),)
@@ -232,6 +237,12 @@ class ModelVersion(SQLModel, table=True):
     checkpoint_id: int = Field(foreign_key="checkpoints.id")
     tags_json: str = Field(default="{}", sa_type=Text)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    # migration 0004
+    parent_id: int | None = Field(default=None, foreign_key="model_versions.id")
+    path: str | None = Field(default=None, sa_type=Text)
+    description: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    removed_adapters_json: str = Field(default="[]", sa_type=Text, sa_column_kwargs={"server_default": "[]"})
+    excluded_corpora_json: str = Field(default="[]", sa_type=Text, sa_column_kwargs={"server_default": "[]"})
 
 
 class AttestationRecord(SQLModel, table=True):
@@ -240,8 +251,8 @@ class AttestationRecord(SQLModel, table=True):
     __tablename__ = "attestations"
 
     id: int | None = Field(default=None, primary_key=True)
-    checkpoint_id: int | None = Field(default=None, foreign_key="checkpoints.id")
-    model_version_id: int | None = Field(default=None, foreign_key="model_versions.id")
+    checkpoint_id: int | None = Field(default=None, foreign_key="checkpoints.id", index=True)
+    model_version_id: int | None = Field(default=None, foreign_key="model_versions.id", index=True)
     subject_digest: str = Field(index=True)
     envelope_json: str = Field(sa_type=Text)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -1,0 +1,139 @@
+"""``govray model register | list | versions | describe | tag | remove-adapter``: the registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.markup import escape
+
+from govray.cli.common import Database, console, table
+from govray.registry import (
+    RegisteredVersion,
+    RegistryError,
+    list_models,
+    register,
+    remove_adapter,
+    resolve,
+    set_tags,
+    version_attestations,
+    versions,
+)
+from govray.tracking.store import TrackingStore
+
+app = typer.Typer(
+    help="The model registry: versions of checkpoints, tags, adapter removal.", no_args_is_help=True
+)
+
+Tags = typer.Option([], "--tag", help="KEY=VALUE; repeat for more.")
+
+
+@app.command("register")
+def register_command(
+    name: str = typer.Argument(..., help="Model name (letters, digits, ._-)."),
+    checkpoint: Path = typer.Argument(..., help="A checkpoint directory the tracking store recorded."),
+    database: str = Database,
+    description: str = typer.Option("", "--description"),
+    tags: list[str] = Tags,
+) -> None:
+    """Verify and attest CHECKPOINT, then register it as NAME's next version."""
+    version = register(
+        TrackingStore.open(database), name, checkpoint, description=description, tags=_pairs(tags)
+    )
+    console.print(f"registered {version.ref} ← {version.directory}", highlight=False)
+
+
+@app.command("list")
+def list_command(database: str = Database) -> None:
+    """Registered models and how many versions each has."""
+    listing = table("model", "versions", "description", "created")
+    for model, count in list_models(TrackingStore.open(database)):
+        listing.add_row(
+            escape(model.name), str(count), escape(model.description), model.created_at.isoformat()
+        )
+    console.print(listing)
+
+
+@app.command("versions")
+def versions_command(name: str = typer.Argument(...), database: str = Database) -> None:
+    """The versions of model NAME, oldest first."""
+    listing = table("version", "checkpoint", "step", "tags", "removed adapters", "excluded corpora")
+    for version in versions(TrackingStore.open(database), name):
+        listing.add_row(
+            str(version.version),
+            escape(version.checkpoint.uuid),
+            str(version.checkpoint.step),
+            escape(json.dumps(version.tags, sort_keys=True)),
+            escape(", ".join(version.removed_adapters) or "-"),
+            escape(", ".join(version.excluded_corpora) or "-"),
+        )
+    console.print(listing)
+
+
+@app.command("describe")
+def describe_command(
+    ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str = Database
+) -> None:
+    """One version as JSON: files, checkpoint, tags, lineage, attestations."""
+    store = TrackingStore.open(database)
+    version = resolve(store, ref)
+    typer.echo(json.dumps(describe(version, [a.id for a in version_attestations(store, version)]), indent=2))
+
+
+@app.command("tag")
+def tag_command(
+    ref: str = typer.Argument(..., help="NAME:VERSION."),
+    pairs: list[str] = typer.Argument(None, help="KEY=VALUE tags to set."),
+    remove: list[str] = typer.Option([], "--remove", help="A tag to remove; repeat for more."),
+    database: str = Database,
+) -> None:
+    """Set or remove tags of a version."""
+    version = set_tags(TrackingStore.open(database), ref, _pairs(pairs or []), remove)
+    console.print(f"{version.ref} tags: {json.dumps(version.tags, sort_keys=True)}", highlight=False)
+
+
+@app.command("remove-adapter")
+def remove_adapter_command(
+    ref: str = typer.Argument(..., help="NAME:VERSION."),
+    adapter: str = typer.Option(..., "--adapter", help="The adapter to leave out."),
+    database: str = Database,
+) -> None:
+    """Make a new version without ADAPTER, attested with the corpora that leaves out."""
+    version = remove_adapter(TrackingStore.open(database), ref, adapter)
+    excluded = ", ".join(version.excluded_corpora) or "none"
+    console.print(f"{version.ref}: {version.directory} (excluded corpora: {excluded})", highlight=False)
+
+
+def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> dict[str, Any]:
+    """A version as a JSON document."""
+    return {
+        "model": version.model,
+        "version": version.version,
+        "directory": str(version.directory),
+        "description": version.record.description,
+        "tags": version.tags,
+        "created_at": version.record.created_at.isoformat(),
+        "checkpoint": {
+            "id": version.checkpoint.id,
+            "uuid": version.checkpoint.uuid,
+            "trial_id": version.checkpoint.trial_id,
+            "step": version.checkpoint.step,
+            "path": version.checkpoint.path,
+        },
+        "parent_version_id": version.record.parent_id,
+        "removed_adapters": list(version.removed_adapters),
+        "excluded_corpora": list(version.excluded_corpora),
+        "attestations": attestation_ids,
+    }
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RegistryError(f"tag {item!r}: expected KEY=VALUE")
+        pairs[key] = value
+    return pairs

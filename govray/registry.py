@@ -1,0 +1,399 @@
+"""The model registry: named models, numbered versions of checkpoints, tags — and a version made
+by removing an adapter, with its own attestation naming the corpora that leaves out.
+
+>>> version = register(store, "digits", Path("storage/ray/RUN/checkpoint_000002"))  # doctest: +SKIP
+>>> resolve(store, "digits:1").directory                                              # doctest: +SKIP
+>>> clean = remove_adapter(store, "digits:1", "pii")  # -> digits:2, without adapter-pii  # doctest: +SKIP
+>>> clean.excluded_corpora                                                             # doctest: +SKIP
+('digits-writers',)
+
+A version registered from a checkpoint reads its model files there (GC never deletes a
+registered checkpoint). Removing an adapter writes a sealed directory
+``STORAGE/models/NAME/VERSION/`` — the base and the remaining adapters, the ledger without the
+removed adapter's tensors, the run spec it came from, a manifest signed by the platform key — so
+the new version verifies, attests and can be fine-tuned from like any checkpoint. Its
+attestations go to ``STORAGE/attestations/models/NAME/VERSION.{provenance,coverage}.dsse.json``
+and into the tracking store. Every change is an audit event (``registry.changed``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import col, func, select
+
+from govray.attest import (
+    PROVENANCE_TYPE,
+    RUN_SPEC_FILE,
+    Attestation,
+    Derivation,
+    attest_checkpoint,
+    run_spec_of,
+    statement_type,
+)
+from govray.canonical import sha256_hex
+from govray.checkpoint import MODEL_FILE, CheckpointError, load_checkpoint, seal_checkpoint
+from govray.errors import GovrayError
+from govray.keys import SigningKey, platform_key, platform_trust
+from govray.ledger import Ledger
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import (
+    AttestationRecord,
+    CheckpointRecord,
+    ModelVersion,
+    RegisteredModel,
+)
+from govray.tracking.tables import CheckpointState as StoredCheckpointState
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+
+
+class RegistryError(GovrayError):
+    """A registry request that cannot be met: an unknown model or version, a bad name or tag, a
+    checkpoint the store does not know, an adapter the version does not carry."""
+
+    exit_code = 17
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    """One version of a registered model, with the checkpoint it descends from and where its
+    model files are."""
+
+    model: str
+    version: int
+    record: ModelVersion
+    checkpoint: CheckpointRecord
+    directory: Path
+    removed_adapters: tuple[str, ...]
+    excluded_corpora: tuple[str, ...]
+    tags: dict[str, str]
+
+    @property
+    def ref(self) -> str:
+        return f"{self.model}:{self.version}"
+
+    @property
+    def uri(self) -> str:
+        return model_uri(self.model, self.version)
+
+
+def model_uri(name: str, version: int) -> str:
+    return f"govray:model/{name}/{version}"
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """``NAME`` (the latest version) or ``NAME:VERSION``."""
+    name, _, version = ref.partition(":")
+    if not NAME_PATTERN.match(name):
+        raise RegistryError(f"model reference {ref!r}: expected NAME or NAME:VERSION (letters, digits, ._-)")
+    if not version:
+        return name, None
+    if not version.isdigit() or int(version) < 1:
+        raise RegistryError(f"model reference {ref!r}: the version must be a positive integer")
+    return name, int(version)
+
+
+def resolve(store: TrackingStore, ref: str) -> RegisteredVersion:
+    """The version ``ref`` names; ``RegistryError`` naming what is unknown."""
+    name, number = parse_ref(ref)
+    with store.session() as session:
+        if session.get(RegisteredModel, name) is None:
+            raise RegistryError(f"no registered model '{name}'")
+        query = select(ModelVersion).where(ModelVersion.model_name == name)
+        if number is None:
+            row = session.exec(query.order_by(col(ModelVersion.version).desc())).first()
+        else:
+            row = session.exec(query.where(ModelVersion.version == number)).first()
+        if row is None:
+            raise RegistryError(
+                f"model '{name}' has no version {number}" if number else f"model '{name}' has no versions"
+            )
+        checkpoint = session.get(CheckpointRecord, row.checkpoint_id)
+    assert checkpoint is not None  # a foreign key
+    return _version(row, checkpoint)
+
+
+def list_models(store: TrackingStore) -> list[tuple[RegisteredModel, int]]:
+    """Every registered model with its number of versions, by name."""
+    with store.session() as session:
+        counts = dict(
+            session.exec(
+                select(ModelVersion.model_name, func.count()).group_by(col(ModelVersion.model_name))
+            ).all()
+        )
+        models = session.exec(select(RegisteredModel).order_by(col(RegisteredModel.name))).all()
+    return [(model, counts.get(model.name, 0)) for model in models]
+
+
+def versions(store: TrackingStore, name: str) -> list[RegisteredVersion]:
+    """The versions of model ``name``, oldest first."""
+    resolve(store, name)  # an unknown model is an error, not an empty list
+    with store.session() as session:
+        rows = session.exec(
+            select(ModelVersion, CheckpointRecord)
+            .join(CheckpointRecord, col(CheckpointRecord.id) == col(ModelVersion.checkpoint_id))
+            .where(ModelVersion.model_name == name)
+            .order_by(col(ModelVersion.version))
+        ).all()
+    return [_version(row, checkpoint) for row, checkpoint in rows]
+
+
+def version_attestations(store: TrackingStore, version: RegisteredVersion) -> list[AttestationRecord]:
+    """The attestation envelopes kept for a version (provenance first, then coverage)."""
+    with store.session() as session:
+        query = select(AttestationRecord).where(AttestationRecord.model_version_id == version.record.id)
+        return list(session.exec(query.order_by(col(AttestationRecord.id))))
+
+
+def register(
+    store: TrackingStore,
+    name: str,
+    checkpoint: Path,
+    *,
+    description: str = "",
+    tags: Mapping[str, str] | None = None,
+    key: SigningKey | None = None,
+) -> RegisteredVersion:
+    """Register ``checkpoint`` (a checkpoint the store recorded, verified) as the next version of
+    model ``name``; its attestation (made now if the trial end did not) is kept for the version."""
+    parse_ref(name)
+    record = _checkpoint_record(store, checkpoint)
+    written = attest_checkpoint(checkpoint, key)  # verifies it; refuses a tampered one
+    version = _add_version(store, name, record, description, _checked_tags(tags or {}))
+    _record_attestations(store, version, written, record.id)
+    _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
+    return resolve(store, version.ref)
+
+
+def set_tags(
+    store: TrackingStore, ref: str, add: Mapping[str, str], remove: Iterable[str] = ()
+) -> RegisteredVersion:
+    """Set and remove tags of version ``ref`` (an unknown tag to remove is an error)."""
+    version = resolve(store, ref)
+    tags = dict(version.tags)
+    for tag in remove:
+        if tag not in tags:
+            raise RegistryError(
+                f"{version.ref} has no tag '{tag}' (tags: {', '.join(sorted(tags)) or 'none'})"
+            )
+        del tags[tag]
+    tags.update(_checked_tags(add))
+    with store.session() as session:
+        row = session.get(ModelVersion, version.record.id)
+        assert row is not None
+        row.tags_json = json.dumps(tags, sort_keys=True)
+        session.add(row)
+    _audit(store, "tag", version, tags=tags)
+    return resolve(store, ref)
+
+
+def remove_adapter(
+    store: TrackingStore, ref: str, adapter: str, *, key: SigningKey | None = None
+) -> RegisteredVersion:
+    """A new version of ``ref``'s model without adapter ``adapter``: its file gone, its tensors out
+    of the ledger, and an attestation listing the corpora that now reach no tensor at all."""
+    source = resolve(store, ref)
+    adapter_file = source.directory / f"adapter-{adapter}.safetensors"
+    if not adapter_file.is_file():
+        present = sorted(
+            p.name[len("adapter-") : -len(".safetensors")]
+            for p in source.directory.glob("adapter-*.safetensors")
+        )
+        raise RegistryError(
+            f"{source.ref} carries no adapter '{adapter}' (adapters: {', '.join(present) or 'none'})"
+        )
+    key = key if key is not None else platform_key()
+    spec = run_spec_of(source.directory)
+    try:
+        loaded = load_checkpoint(source.directory, platform_trust(key, spec.trust))
+    except CheckpointError as error:
+        raise RegistryError(f"refusing to derive from {source.ref}: {error}") from None
+    ledger = Ledger.from_json(loaded.state.ledger)
+    kept = ledger.without_adapter(adapter)
+    reached = set(ledger.corpora())
+    excluded = tuple(sorted({*source.excluded_corpora, *(reached - set(kept.corpora()))}))
+    source_attestation = provenance_record(store, source)
+    number = _next_version(store, source.model)
+    storage = _storage_of(source)
+    directory = storage / "models" / source.model / str(number)
+    if directory.exists():
+        raise RegistryError(f"{directory} exists already; refusing to overwrite another version's files")
+    directory.mkdir(parents=True)
+    for path in [source.directory / MODEL_FILE, *sorted(source.directory.glob("adapter-*.safetensors"))]:
+        if path != adapter_file:
+            shutil.copy2(path, directory / path.name)
+    (directory / RUN_SPEC_FILE).write_text(spec.model_dump_json(indent=1))
+    state = loaded.state.model_copy(
+        update={
+            "ledger": kept.to_json(),
+            "adapters": [name for name in loaded.state.adapters if name != adapter],
+            "clean_step": None,
+            "clean_ledgers": {},
+        }
+    )
+    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, key)
+    removed = (*source.removed_adapters, adapter)
+    written = attest_checkpoint(
+        directory,
+        key,
+        derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
+        destination=storage / "attestations" / "models" / source.model / str(number),
+    )
+    version = _add_version(
+        store,
+        source.model,
+        source.checkpoint,
+        f"{source.ref} without adapter '{adapter}'",
+        {},
+        number=number,
+        parent=source.record,
+        path=directory,
+        removed=removed,
+        excluded=excluded,
+    )
+    _record_attestations(store, version, written, None)
+    _audit(
+        store, "remove_adapter", version, source=source.ref, adapter=adapter, excluded_corpora=list(excluded)
+    )
+    return resolve(store, version.ref)
+
+
+def start_reference(store: TrackingStore, version: RegisteredVersion) -> dict[str, str]:
+    """What a run started from ``version`` records, so its attestation lists this version's
+    provenance attestation as its base model (``govray.runner.run_trial(start_model=...)``)."""
+    attestation = provenance_record(store, version)
+    return {
+        "model": version.ref,
+        "model_uri": version.uri,
+        "model_attestation": f"govray:attestation/{attestation.id}",
+        "model_attestation_sha256": envelope_sha256(attestation),
+    }
+
+
+def provenance_record(store: TrackingStore, version: RegisteredVersion) -> AttestationRecord:
+    """The version's provenance attestation as the store keeps it."""
+    for record in version_attestations(store, version):
+        if statement_type(record.envelope_json) == PROVENANCE_TYPE:
+            return record
+    raise RegistryError(f"{version.ref} has no provenance attestation in the tracking store")
+
+
+def envelope_sha256(record: AttestationRecord) -> str:
+    """The sha256 of the envelope's bytes (the file written beside the model holds the same)."""
+    return sha256_hex(record.envelope_json.encode())
+
+
+def _version(row: ModelVersion, checkpoint: CheckpointRecord) -> RegisteredVersion:
+    return RegisteredVersion(
+        model=row.model_name,
+        version=row.version,
+        record=row,
+        checkpoint=checkpoint,
+        directory=Path(row.path if row.path is not None else checkpoint.path),
+        removed_adapters=tuple(json.loads(row.removed_adapters_json)),
+        excluded_corpora=tuple(json.loads(row.excluded_corpora_json)),
+        tags=json.loads(row.tags_json),
+    )
+
+
+def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointRecord:
+    wanted = checkpoint.resolve()
+    with store.session() as session:
+        for record in session.exec(select(CheckpointRecord)):
+            if Path(record.path).resolve() == wanted:
+                if record.state == StoredCheckpointState.DELETED.value:
+                    raise RegistryError(f"{checkpoint}: deleted by checkpoint GC; register a kept one")
+                return record
+    raise RegistryError(f"{checkpoint}: not a checkpoint this tracking store recorded")
+
+
+def _add_version(
+    store: TrackingStore,
+    name: str,
+    checkpoint: CheckpointRecord,
+    description: str,
+    tags: dict[str, str],
+    *,
+    number: int | None = None,
+    parent: ModelVersion | None = None,
+    path: Path | None = None,
+    removed: tuple[str, ...] = (),
+    excluded: tuple[str, ...] = (),
+) -> RegisteredVersion:
+    assert checkpoint.id is not None
+    number = number if number is not None else _next_version(store, name)
+    row = ModelVersion(
+        model_name=name,
+        version=number,
+        checkpoint_id=checkpoint.id,
+        tags_json=json.dumps(tags, sort_keys=True),
+        parent_id=parent.id if parent is not None else None,
+        path=str(path) if path is not None else None,
+        description=description,
+        removed_adapters_json=json.dumps(list(removed)),
+        excluded_corpora_json=json.dumps(list(excluded)),
+    )
+    try:
+        with store.session() as session:
+            if session.get(RegisteredModel, name) is None:
+                session.add(RegisteredModel(name=name, description=description))
+                session.flush()
+            session.add(row)
+    except IntegrityError:
+        raise RegistryError(
+            f"another writer registered {name}:{number} at the same time; try again"
+        ) from None
+    return _version(row, checkpoint)
+
+
+def _next_version(store: TrackingStore, name: str) -> int:
+    with store.session() as session:
+        latest = session.exec(
+            select(func.max(ModelVersion.version)).where(ModelVersion.model_name == name)
+        ).one()
+    return int(latest or 0) + 1
+
+
+def _record_attestations(
+    store: TrackingStore, version: RegisteredVersion, written: Attestation, checkpoint_id: int | None
+) -> None:
+    with store.session() as session:
+        for path in (written.provenance, written.coverage):
+            session.add(
+                AttestationRecord(
+                    checkpoint_id=checkpoint_id,
+                    model_version_id=version.record.id,
+                    subject_digest=written.subjects[MODEL_FILE],
+                    envelope_json=path.read_text(),
+                )
+            )
+
+
+def _storage_of(version: RegisteredVersion) -> Path:
+    # STORAGE/ray/RUN/checkpoint_N and STORAGE/models/NAME/VERSION both sit three levels down.
+    return version.directory.resolve().parents[2]
+
+
+def _checked_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    for tag, value in tags.items():
+        if not TAG_PATTERN.match(tag):
+            raise RegistryError(f"tag {tag!r}: letters, digits and ._/- only, at most 128 characters")
+        if not isinstance(value, str) or len(value) > 1024:
+            raise RegistryError(f"tag {tag!r}: the value must be text of at most 1024 characters")
+    return dict(tags)
+
+
+def _audit(store: TrackingStore, action: str, version: RegisteredVersion, **details: object) -> None:
+    AuditLog(store).append(
+        AuditEventType.REGISTRY_CHANGED,
+        {"action": action, "model": version.model, "version": version.version, **details},
+    )
