@@ -128,7 +128,7 @@ def attest_checkpoint(
         loaded = load_checkpoint(checkpoint, trust if trust is not None else platform_trust(key, spec.trust))
     except CheckpointError as error:
         raise AttestationError(f"refusing to attest: {error}") from None
-    routing = _routing(spec)
+    routing = routing_of(spec)
     subjects = model_subjects(checkpoint)
     predicate = provenance(spec, loaded.state, routing, checkpoint, derivation)
     statements = {
@@ -385,7 +385,8 @@ def _byproduct(name: str, content: Any) -> dict[str, Any]:
     }
 
 
-def _routing(spec: RunSpec) -> RoutingTable:
+def routing_of(spec: RunSpec) -> RoutingTable:
+    """The routing table of the run ``spec`` describes (its trial's model, resolved by its policy)."""
     if spec.code_dir and Path(spec.code_dir).is_dir() and spec.code_dir not in sys.path:
         sys.path.insert(0, spec.code_dir)  # where the trial's module was importable when it ran
     trial = load_trial_class(spec.trial)(spec.hparams)

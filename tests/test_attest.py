@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,17 +17,21 @@ from securesystemslib.signer import SSlibKey
 
 from govray.attest import (
     COVERAGE_TYPE,
+    PAYLOAD_TYPE,
     PROVENANCE_TYPE,
     Attestation,
     AttestationError,
     attest_checkpoint,
     verify_attestation,
 )
+from govray.canonical import canonical_json
 from govray.checkpoint import CheckpointState
 from govray.cli import main
 from govray.data.shards import ShardSet
+from govray.dsse import sign_envelope
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
 from govray.ledger import Ledger
+from govray.recompute import check_attested_ledger
 from govray.tracking.lineage import attestations, checkpoints
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun
 from tests.test_fault_tolerance import final_checkpoint
@@ -260,3 +265,41 @@ def test_every_finished_trial_is_attested_in_the_tracking_store(
         path.write_text(record.envelope_json)
         verified = verify_attestation(path, model_dir=final, trust=platform_trust(platform_key()))
         assert record.subject_digest == verified.statement["subject"][0]["digest"]["sha256"]
+
+
+def test_verify_recomputes_the_attested_ledger_from_the_recorded_schedule(
+    attested: tuple[Path, Attestation], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint, written = attested
+    trust = trust_file(tmp_path, platform_trust(platform_key()))
+    command = ["verify", str(written.provenance), "--model-dir", str(checkpoint), "--trust", str(trust)]
+    assert main([*command, "--recompute-ledger"]) == 0
+    entries = len(statement_of(written.coverage)["predicate"]["ledger"])
+    assert f"all {entries} attested entries match" in capsys.readouterr().out
+
+
+def test_a_validly_signed_ledger_that_the_schedule_does_not_produce_is_refused(
+    attested: tuple[Path, Attestation], tmp_path: Path
+) -> None:
+    """The platform key signed it, every digest matches — but one count is not what the recorded
+    schedule and the policy give, and recomputing names it."""
+    checkpoint, written = attested
+    statement = statement_of(written.coverage)
+    entry = next(e for e in statement["predicate"]["ledger"] if e["corpus"] == "digits-writers")
+    entry["examples"] += 1
+    forged = tmp_path / "forged.coverage.dsse.json"
+    forged.write_text(sign_envelope(canonical_json(statement), PAYLOAD_TYPE, platform_key()).to_json())
+    trust = platform_trust(platform_key())
+    verified = verify_attestation(forged, model_dir=checkpoint, trust=trust)
+    expected = rf"digits-writers → {re.escape(entry['tensor'])}: attested {{\"examples\": {entry['examples']}"
+    with pytest.raises(AttestationError, match=expected):
+        check_attested_ledger(verified.statement, checkpoint, trust)
+    command = [
+        "verify",
+        str(forged),
+        "--model-dir",
+        str(checkpoint),
+        "--trust",
+        str(trust_file(tmp_path, trust)),
+    ]
+    assert main([*command, "--recompute-ledger"]) == AttestationError.exit_code

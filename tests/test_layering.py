@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"describe"},
     {"preflight"},
     {"attest"},
-    {"registry"},
+    {"registry", "recompute"},
     {"runner"},
     {"replay", "lifecycle", "search"},
     {"cli", "__main__"},

@@ -18,6 +18,7 @@ from govray.cli import main
 from govray.config import Length
 from govray.keys import platform_key, platform_trust
 from govray.ledger import Ledger
+from govray.recompute import check_attested_ledger
 from govray.registry import (
     RegisteredVersion,
     RegistryError,
@@ -166,6 +167,12 @@ def test_the_new_version_is_attested_with_the_excluded_corpora_and_its_source(
     with pytest.raises(AttestationError, match=f"adapter-{ADAPTER}.safetensors: attested but missing"):
         verify_attestation(source_envelope, model_dir=without_pii.directory, trust=trust)
     source_envelope.unlink()
+    # Its coverage is what the schedule gives, less the removed adapter's tensors.
+    coverage = written.with_name(written.name.replace(".provenance.", ".coverage."))
+    verified = verify_attestation(coverage, model_dir=without_pii.directory, trust=trust)
+    assert check_attested_ledger(verified.statement, without_pii.directory, trust) == len(
+        ledger_of(without_pii.directory).entries
+    )
 
 
 def test_an_adapter_the_version_lacks_is_refused_by_name(
@@ -204,6 +211,12 @@ def test_fine_tuning_from_a_version_lists_its_attestation_as_the_base_model(
     assert (
         json.loads(store.get_trial(outcome.trial_id).source_checkpoint_json or "{}")["model"]
         == without_pii.ref
+    )
+    # The recorded schedule, plus the version's ledger it started from, gives exactly that ledger.
+    trust = platform_trust(platform_key())
+    coverage = envelope.with_name(envelope.name.replace(".provenance.", ".coverage."))
+    assert check_attested_ledger(
+        verify_attestation(coverage, model_dir=final, trust=trust).statement, final, trust
     )
     # The run starts from the version's ledger: nothing of the removed adapter's past reaches it.
     started = ledger_of(final)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import typer
 
-from govray.attest import attest_checkpoint, verify_attestation
+from govray.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint, verify_attestation
 from govray.cli.common import console
 from govray.keys import load_trust
+from govray.recompute import check_attested_ledger
 
 
 def attest(
@@ -28,9 +29,27 @@ def verify(
     policy: Path | None = typer.Option(
         None, "--policy", help="Also check this policy file is the attested one."
     ),
+    recompute: bool = typer.Option(
+        False,
+        "--recompute-ledger",
+        help="Also recompute the ledger from the recorded schedule and compare it with the attested "
+        "one (uses the coverage statement beside a provenance envelope).",
+    ),
 ) -> None:
     """Check the signature (trusted, unrevoked key), every subject digest against the files, and
-    optionally the policy; exits non-zero naming what broke."""
-    verified = verify_attestation(envelope, model_dir=model_dir, trust=load_trust(trust), policy=policy)
+    optionally the policy and the ledger; exits non-zero naming what broke."""
+    trusted = load_trust(trust)
+    verified = verify_attestation(envelope, model_dir=model_dir, trust=trusted, policy=policy)
     subjects = ", ".join(subject["name"] for subject in verified.statement["subject"])
     console.print(f"verified: {verified.statement['predicateType']} signed by {verified.signer}; {subjects}")
+    if recompute:
+        coverage = envelope
+        if verified.statement["predicateType"] != COVERAGE_TYPE:
+            coverage = envelope.with_name(envelope.name.replace(".provenance.", ".coverage."))
+            if coverage == envelope or not coverage.is_file():
+                raise AttestationError(
+                    f"{envelope}: no coverage statement beside it to recompute the ledger from"
+                )
+        statement = verify_attestation(coverage, model_dir=model_dir, trust=trusted, expected_kind="coverage")
+        entries = check_attested_ledger(statement.statement, model_dir, trusted)
+        console.print(f"ledger recomputed from the schedule: all {entries} attested entries match")
