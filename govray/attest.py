@@ -31,14 +31,14 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from govray.canonical import canonical_json, file_sha256, sha256_hex
 from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, find_checkpoints, load_checkpoint
 from govray.data.shards import ShardSet
-from govray.dsse import Envelope, read_envelope, sign_envelope, verify_envelope
+from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
 from govray.harness.loop import RunSpec
 from govray.harness.trial import load_trial_class
@@ -130,7 +130,8 @@ def attest_checkpoint(
         raise AttestationError(f"refusing to attest: {error}") from None
     routing = routing_of(spec)
     subjects = model_subjects(checkpoint)
-    predicate = provenance(spec, loaded.state, routing, checkpoint, derivation)
+    moment = signing_time()
+    predicate = provenance(spec, loaded.state, routing, checkpoint, derivation, finished_on=moment)
     statements = {
         "provenance": _statement(subjects, PROVENANCE_TYPE, predicate),
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
@@ -141,7 +142,7 @@ def attest_checkpoint(
     destination.parent.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind, statement in statements.items():
-        envelope = sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key)
+        envelope = sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key, moment)
         path = destination.with_name(f"{destination.name}.{kind}.dsse.json")
         path.write_text(envelope.to_json())
         paths[kind] = path
@@ -169,6 +170,8 @@ def provenance(
     routing: RoutingTable,
     checkpoint: Path,
     derivation: Derivation | None = None,
+    *,
+    finished_on: datetime,
 ) -> dict[str, Any]:
     """The SLSA Provenance v1 predicate of a checkpoint (or of a model version derived from one)."""
     manifest = ShardSet.open(Path(spec.shard_root)).manifest
@@ -232,7 +235,7 @@ def provenance(
             "builder": {"id": BUILDER_ID},
             "metadata": {
                 "invocationId": state.run or checkpoint.resolve().parent.name,
-                "finishedOn": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+                "finishedOn": finished_on.isoformat(timespec="seconds").replace("+00:00", "Z"),
             },
             "byproducts": [
                 _byproduct("coverage-matrix", matrix),

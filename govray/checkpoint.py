@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from govray.canonical import file_sha256
-from govray.dsse import read_envelope, sign_envelope, verify_envelope
+from govray.dsse import read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
 
@@ -92,9 +93,11 @@ class Manifest(BaseModel):
     format: str = CHECKPOINT_FORMAT
     step: int
     files: dict[str, str]  # file name → sha256
+    signed_at: dt.datetime | None = None  # absent in checkpoints written before it was recorded
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(), indent=2, sort_keys=True) + "\n").encode()
+        document = self.model_dump(mode="json", exclude_none=True)
+        return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _optimizer_files(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -133,10 +136,12 @@ def seal_checkpoint(
     (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
     names = sorted(path.name for path in directory.iterdir() if path.is_file())
-    manifest = Manifest(step=state.step, files={name: file_sha256(directory / name) for name in names})
+    files = {name: file_sha256(directory / name) for name in names}
+    manifest = Manifest(step=state.step, files=files, signed_at=signing_time())
     payload = manifest.to_bytes()
     (directory / MANIFEST_FILE).write_bytes(payload)
-    (directory / SIGNATURE_FILE).write_text(sign_envelope(payload, MANIFEST_TYPE, key).to_json())
+    envelope = sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at)
+    (directory / SIGNATURE_FILE).write_text(envelope.to_json())
     return file_sha256(directory / MANIFEST_FILE)
 
 

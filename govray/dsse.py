@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ class EnvelopeSignature(BaseModel):
 
     keyid: str
     sig: str  # base64
+    # When it was signed (UTC). Every payload govray signs holds the same moment inside the signed
+    # bytes (a policy signature's and a manifest's signed_at, a statement's finishedOn); this copy
+    # is for readers and standard tools (securesystemslib keeps it as an unrecognised field).
+    signed_at: dt.datetime | None = None
 
 
 class Envelope(BaseModel):
@@ -49,16 +54,26 @@ class Envelope(BaseModel):
             raise SignatureError(f"envelope payload is not base64: {error}") from None
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(by_alias=True), indent=2, sort_keys=True) + "\n"
+        document = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
-def sign_envelope(payload: bytes, payload_type: str, key: SigningKey) -> Envelope:
+def signing_time() -> dt.datetime:
+    """Now, in UTC, to the second: the signing time recorded in payloads and signature records."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def sign_envelope(
+    payload: bytes, payload_type: str, key: SigningKey, signed_at: dt.datetime | None = None
+) -> Envelope:
+    """Sign ``payload`` (its PAE) with ``key``; the record carries ``signed_at`` (default: now)."""
     signature = key.sign(pae(payload_type, payload))
-    return Envelope(
-        payload=base64.b64encode(payload).decode(),
-        payloadType=payload_type,
-        signatures=[EnvelopeSignature(keyid=key.keyid, sig=base64.b64encode(signature).decode())],
+    record = EnvelopeSignature(
+        keyid=key.keyid,
+        sig=base64.b64encode(signature).decode(),
+        signed_at=signed_at if signed_at is not None else signing_time(),
     )
+    return Envelope(payload=base64.b64encode(payload).decode(), payloadType=payload_type, signatures=[record])
 
 
 def verify_envelope(

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from govray.canonical import file_sha256
 from govray.credentials import MATCHABLE_FIELDS, Credential
 from govray.documents import parse_yaml_mapping, read_text
-from govray.dsse import Envelope, read_envelope, sign_envelope, verify_envelope
+from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import PolicyError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
 from govray.memorization import MemorizationThresholds
@@ -263,9 +263,9 @@ def sign_policy(path: Path, key: SigningKey) -> Envelope:
         policy_name=policy.name,
         policy_version=policy.version,
         policy_sha256=file_sha256(path),
-        signed_at=dt.datetime.now(dt.UTC).replace(microsecond=0),
+        signed_at=signing_time(),
     )
-    return sign_envelope(statement.payload(), POLICY_SIGNATURE_TYPE, key)
+    return sign_envelope(statement.payload(), POLICY_SIGNATURE_TYPE, key, statement.signed_at)
 
 
 def load_verified_policy(

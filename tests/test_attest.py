@@ -303,3 +303,16 @@ def test_a_validly_signed_ledger_that_the_schedule_does_not_produce_is_refused(
         str(trust_file(tmp_path, trust)),
     ]
     assert main([*command, "--recompute-ledger"]) == AttestationError.exit_code
+
+
+def test_checkpoint_and_attestation_signatures_record_their_signing_time(
+    attested: tuple[Path, Attestation],
+) -> None:
+    """The record's signed_at equals the moment inside the signed bytes."""
+    checkpoint, written = attested
+    manifest_envelope = json.loads((checkpoint / "manifest.sig").read_text())
+    manifest = json.loads(base64.b64decode(manifest_envelope["payload"]))
+    assert manifest_envelope["signatures"][0]["signed_at"] == manifest["signed_at"]
+    envelope = json.loads(written.provenance.read_text())
+    finished = statement_of(written.provenance)["predicate"]["runDetails"]["metadata"]["finishedOn"]
+    assert envelope["signatures"][0]["signed_at"] == finished and finished.endswith("Z")

@@ -221,3 +221,11 @@ def test_key_files_round_trip_and_refuse_overwrite(tmp_path: Path) -> None:
     assert loaded.keyid == key.keyid and loaded.role == KeyRole.PLATFORM
     with pytest.raises(SignatureError, match="refusing to overwrite"):
         key.save(tmp_path / "keys" / "platform")
+
+
+def test_the_signature_record_carries_the_signing_time_the_signed_payload_holds(signed: Path) -> None:
+    envelope = json.loads(signed.with_name(signed.name + ".sig").read_text())
+    payload = json.loads(base64.b64decode(envelope["payload"]))
+    assert envelope["signatures"][0]["signed_at"].replace("Z", "+00:00") == payload["signed_at"].replace(
+        "Z", "+00:00"
+    )
