@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"describe"},
     {"preflight"},
     {"attest"},
+    {"rows", "eu_summary"},
     {"registry", "recompute"},
     {"runner"},
     {"replay", "lifecycle", "search"},

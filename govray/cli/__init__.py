@@ -3,7 +3,8 @@
 Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument or option; 3 bad
 credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
 store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 17 model
-registry request refused; 1 anything else govray refused on purpose.
+registry request refused; 18 row lookup refused (unknown corpus, row out of range); 19 training-content
+summary refused; 1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from govray.cli import audit, data, experiment, keys, model, policy, trial
+from govray.cli import audit, data, experiment, export, keys, lineage, model, policy, trial
 from govray.cli.attest import attest, verify
 from govray.cli.replay import replay
 from govray.cli.resume import resume
@@ -37,6 +38,8 @@ app.add_typer(trial.app, name="trial")
 app.add_typer(audit.app, name="audit")
 app.add_typer(keys.app, name="keys")
 app.add_typer(model.app, name="model")
+app.add_typer(lineage.app, name="lineage")
+app.add_typer(export.app, name="export")
 app.command(name="run")(run)
 app.command(name="search")(search)
 app.command(name="replay")(replay)

@@ -1,0 +1,133 @@
+"""``govray export eu-summary MODEL[:VERSION]``: the EU AI Act training-content summary."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+import typer
+
+from govray.errors import GovrayError
+from govray.eu_summary import EuSummary, Period, eu_summary, trial_of
+from govray.registry import resolve
+from govray.tracking.store import TrackingStore
+
+app = typer.Typer(help="Export documents for reviewers and regulators.", no_args_is_help=True)
+
+
+class Format(StrEnum):
+    MD = "md"
+    JSON = "json"
+
+
+@app.command("eu-summary")
+def eu_summary_command(
+    model: str | None = typer.Argument(
+        None, metavar="MODEL[:VERSION]", help="A registered model (its latest version without :VERSION)."
+    ),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Summarise this checkpoint directory instead of a registered model."
+    ),
+    output: Format = typer.Option(Format.MD, "--format", help="md (Markdown) or json."),
+    provider: str = typer.Option("", "--provider", help="The provider's name, for section 1."),
+    database: str | None = typer.Option(
+        None, "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL (the registry)."
+    ),
+) -> None:
+    """The training-content summary of a model version (template sections: general information,
+    data sources by type, data processing), from its credentials, shards and recorded schedule.
+    Exits 17 for an unknown model or version."""
+    if (model is None) == (checkpoint is None):
+        raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
+    store = TrackingStore.open(database) if database else None
+    if model is not None:
+        if store is None:
+            raise GovrayError(
+                "a registered model needs the tracking store: --database URL or GOVRAY_DATABASE"
+            )
+        version = resolve(store, model)
+        summary = eu_summary(
+            version.directory,
+            model=version.model,
+            version=str(version.version),
+            excluded_corpora=version.excluded_corpora,
+            trial=store.get_trial(version.checkpoint.trial_id),
+            provider=provider,
+        )
+    else:
+        assert checkpoint is not None
+        summary = eu_summary(
+            checkpoint,
+            model=checkpoint.resolve().parent.name,
+            version=checkpoint.name,
+            trial=trial_of(store, checkpoint) if store is not None else None,
+            provider=provider,
+        )
+    typer.echo(summary.model_dump_json(indent=2) if output == Format.JSON else to_markdown(summary))
+
+
+def to_markdown(summary: EuSummary) -> str:
+    """The summary as a Markdown document, section by section."""
+    g, p = summary.general, summary.processing
+    lines = [
+        f"# Training-content summary: {g.model} version {g.version}",
+        "",
+        "## 1. General information",
+        f"- Model: {g.model} version {g.version} (base model sha256 {g.base_model_sha256})",
+        f"- Provider: {g.provider or 'not stated'}; trained with {g.platform}",
+        f"- Adapters: {', '.join(g.adapters) or 'none'}",
+        f"- Started from: {g.started_from or 'random initialisation'}",
+        f"- Depth policy: {g.policy} (sha256 {g.policy_sha256})",
+        f"- Modalities: {', '.join(g.modalities) or 'none'}",
+        f"- Data collected: {g.collection_period.start} to {g.collection_period.end}",
+        f"- Trained: {_when(g.training_period)}, {g.step} steps",
+        f"- Size: {g.corpora} corpora, {g.rows} rows ({g.train_rows} for training, {g.holdout_rows} held "
+        f"out); {g.examples} examples reached the model",
+        "",
+        "## 2. List of data sources",
+    ]
+    for group in summary.sources:
+        lines += ["", f"### {group.title}", ""]
+        if not group.corpora:
+            lines.append("None.")
+            continue
+        lines += [
+            "| corpus | provider | license | jurisdiction | sensitivity | modality | TDM opt-out | "
+            "collected | rows | examples in model |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c.corpus_id} | {_cell(c.provider or '-')} | {c.license_class} | "
+            f"{', '.join(c.jurisdictions)} | {', '.join(c.sensitivities)} | {c.modality} | "
+            f"{'yes' if c.tdm_opt_out else 'no'} | "
+            f"{c.collection_period.start} to {c.collection_period.end} | {c.rows} | {c.examples} |"
+            for c in group.corpora
+        ]
+        lines += [f"- Web domain {domain}: {', '.join(corpora)}" for domain, corpora in group.domains.items()]
+    lines += ["", "## 3. Data processing", "", "### Text-and-data-mining opt-outs", ""]
+    lines += [
+        f"- {o.corpus_id}: {'honoured' if o.honoured else 'not withheld'}: {o.how}" for o in p.tdm_opt_outs
+    ]
+    lines += ["- None expressed."] if not p.tdm_opt_outs else []
+    lines += ["", "### Sensitive data", "", "| sensitivity | corpus | route | may update | rows | in model |"]
+    lines += ["|---|---|---|---|---|---|"]
+    lines += [
+        f"| {s.sensitivity} | {s.corpus_id} | {_cell(s.route)} | {_cell(s.updates)} | {s.rows} | "
+        f"{'yes' if s.in_model else 'no'} |"
+        for s in p.sensitive_data
+    ]
+    lines += ["", "### Excluded corpora", ""]
+    lines += [f"- {corpus}: {why}" for corpus, why in p.excluded_corpora.items()] or ["- None."]
+    lines += ["", f"Contribution counted: {p.contribution}.", ""]
+    return "\n".join(lines)
+
+
+def _when(period: Period | None) -> str:
+    if period is None:
+        return "period not recorded"
+    return f"{period.start} to {period.end or 'ongoing'}"
+
+
+def _cell(text: str) -> str:
+    """Text fit for a Markdown table cell (a pipe would end the cell)."""
+    return text.replace("|", "\\|").replace("\n", " ")

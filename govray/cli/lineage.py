@@ -1,0 +1,64 @@
+"""``govray lineage row CORPUS ROW``: which trials, steps, checkpoints and tensors a row reached."""
+
+from __future__ import annotations
+
+import typer
+from rich.markup import escape
+
+from govray.cli.common import Database, console, table
+from govray.rows import TrialReach, row_reach
+from govray.tracking.store import TrackingStore
+
+app = typer.Typer(help="Lineage: what a training row reached, from the schedule.", no_args_is_help=True)
+
+SHOWN_STEPS = 12  # steps printed per trial in the table; --json lists them all (up to its cap)
+
+
+@app.command("row")
+def row(
+    corpus: str = typer.Argument(..., help="Corpus id."),
+    number: int = typer.Argument(..., metavar="ROW", help="Row number in the corpus (0-based, as ingested)."),
+    database: str = Database,
+    as_json: bool = typer.Option(False, "--json", help="The whole answer as one JSON document."),
+) -> None:
+    """Every trial that ingested CORPUS, and what its row ROW reached there: the global steps whose
+    update it joined, the checkpoints carrying it, and the parameter tensors its route updates.
+    Exits 18 for an unknown corpus or a row out of range."""
+    reach = row_reach(TrackingStore.open(database), corpus, number)
+    if as_json:
+        typer.echo(reach.model_dump_json(indent=2))
+        return
+    listing = table("experiment", "trial", "placement", "steps", "checkpoints", "tensors")
+    for trial in reach.trials:
+        listing.add_row(
+            escape(f"{trial.experiment} ({trial.experiment_id})"),
+            escape(f"{trial.trial_id} {trial.run_name or ''}".rstrip()),
+            escape(_placement(trial)),
+            escape(_steps(trial)),
+            escape("\n".join(f"{c.id} @ step {c.step} ({c.state})" for c in trial.checkpoints) or "-"),
+            escape("\n".join(trial.tensors) or "-"),
+        )
+    reached = sum(1 for trial in reach.trials if trial.reached)
+    console.print(
+        f"row {number} of corpus '{escape(corpus)}' reached {reached} of {len(reach.trials)} trials"
+    )
+    console.print(listing)
+
+
+def _placement(trial: TrialReach) -> str:
+    if trial.placement is None:
+        return "unknown"
+    if trial.placement.split == "holdout":
+        return "holdout"
+    return f"route {trial.placement.route}, row {trial.placement.position}"
+
+
+def _steps(trial: TrialReach) -> str:
+    if not trial.reached:
+        return f"none: {trial.note}"
+    shown = ", ".join(str(step) for step in trial.steps[:SHOWN_STEPS])
+    more = trial.step_count - min(len(trial.steps), SHOWN_STEPS)
+    text = f"{trial.step_count} of {trial.trained_steps}: {shown}{f' (+{more} more)' if more else ''}"
+    if trial.reverted_steps:
+        text += f"\nreverted by a rollback: {', '.join(map(str, trial.reverted_steps))}"
+    return text
