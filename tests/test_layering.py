@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"rows", "eu_summary"},
     {"registry", "recompute"},
     {"runner"},
-    {"replay", "lifecycle", "search"},
+    {"replay", "lifecycle", "search", "queries"},
     {"cli", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

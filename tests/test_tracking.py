@@ -24,7 +24,7 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
-HEAD = "0004_registry"
+HEAD = "0005_lineage_indexes"
 
 
 @pytest.fixture

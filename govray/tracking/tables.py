@@ -265,6 +265,7 @@ class LedgerRow(SQLModel, table=True):
     __table_args__ = (
         Index("ix_ledger_rows_corpus_parameter", "corpus_id", "parameter"),
         Index("ix_ledger_rows_trial_parameter", "trial_id", "parameter"),
+        Index("ix_ledger_rows_corpus_trial", "corpus_id", "trial_id", "checkpoint_id"),  # migration 0005
     )
 
     id: int | None = Field(default=None, primary_key=True)

@@ -1,0 +1,332 @@
+"""Lineage and influence from the ledger rows, aggregated in SQL.
+
+A ledger row is (trial, checkpoint, corpus, tensor, layer index, examples, tokens, steps). The
+runner stores a trial's ledger once, at its end, with no checkpoint id: it is the ledger of the
+trial's last checkpoint. Rows may also be keyed by a checkpoint id, and then they are that
+checkpoint's. Rows are grouped per (corpus, layer) in the database — a base tensor by its layer
+index, an adapter tensor (``adapter/NAME/...``) by its adapter — over the indexes on
+``(trial_id, parameter)`` and ``(corpus_id, parameter)``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import ColumnElement, func
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import Integer, String
+from sqlmodel import Session, col, select
+
+from govray.attest import COVERAGE_TYPE
+from govray.dsse import Envelope
+from govray.errors import SignatureError
+from govray.queries.errors import NotFoundError
+from govray.queries.views import (
+    CorpusCounts,
+    InfluenceItem,
+    LayerLineage,
+    LayerReach,
+    Lineage,
+    ModelVersionView,
+    Page,
+    VersionRef,
+    Window,
+    page,
+)
+from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow, ModelVersion, Trial
+
+OUTSIDE_LAYERS = "(outside layers)"
+ADAPTER_PREFIX = "adapter/"  # adapter tensors: adapter/NAME/TARGET.lora_A|B (govray.routing)
+NAME_CACHE_SIZE = 256
+
+
+class adapter_of(FunctionElement[str]):
+    """SQL: the adapter name of a ledger tensor (``adapter/NAME/...`` → NAME), NULL for a base one."""
+
+    type = String()
+    inherit_cache = True
+
+
+class base_layer_of(FunctionElement[int]):
+    """SQL: the layer index of a base tensor, NULL for an adapter tensor (grouped by adapter)."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+def _is_adapter(tensor: str) -> str:
+    return f"substr({tensor}, 1, {len(ADAPTER_PREFIX)}) = '{ADAPTER_PREFIX}'"
+
+
+@compiles(adapter_of)
+def _adapter_of_sqlite(element: adapter_of, compiler: SQLCompiler, **kw: Any) -> str:
+    tensor = compiler.process(element.clauses, **kw)
+    rest = f"substr({tensor}, {len(ADAPTER_PREFIX) + 1})"
+    return f"CASE WHEN {_is_adapter(tensor)} THEN substr({rest}, 1, instr({rest}, '/') - 1) END"
+
+
+@compiles(adapter_of, "postgresql")
+def _adapter_of_postgresql(element: adapter_of, compiler: SQLCompiler, **kw: Any) -> str:
+    tensor = compiler.process(element.clauses, **kw)
+    return f"CASE WHEN {_is_adapter(tensor)} THEN split_part({tensor}, '/', 2) END"
+
+
+@compiles(base_layer_of)
+def _base_layer_of(element: base_layer_of, compiler: SQLCompiler, **kw: Any) -> str:
+    tensor, layer = (compiler.process(clause, **kw) for clause in element.clauses)
+    return f"CASE WHEN {_is_adapter(tensor)} THEN NULL ELSE {layer} END"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One aggregated (corpus, layer) group of ledger rows."""
+
+    corpus_id: str
+    index: int | None
+    adapter: str | None
+    examples: int
+    tokens: int
+    steps: int
+    tensors: int
+    sample_tensor: str  # one tensor of the group, to look its layer's name up
+
+
+def _group_columns() -> tuple[Any, ...]:
+    """Group keys: the corpus, a base tensor's layer index, an adapter tensor's adapter."""
+    tensor, layer = col(LedgerRow.parameter), col(LedgerRow.layer_index)
+    return (col(LedgerRow.corpus_id), base_layer_of(tensor, layer), adapter_of(tensor))
+
+
+def _aggregates() -> tuple[ColumnElement[Any], ...]:
+    return (
+        func.max(LedgerRow.examples),
+        func.max(LedgerRow.tokens),
+        func.max(LedgerRow.steps),
+        func.count(),
+        func.min(LedgerRow.parameter),
+    )
+
+
+class LayerNames:
+    """Layer names by tensor, read from the signed coverage attestation of a checkpoint (the store
+    keeps only layer indexes). Envelopes never change, so each is parsed once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the app answers from several threads
+        self._by_checkpoint: OrderedDict[int, dict[str, str]] = OrderedDict()
+
+    def of(self, session: Session, checkpoint_id: int | None) -> dict[str, str]:
+        if checkpoint_id is None:
+            return {}
+        with self._lock:
+            if (known := self._by_checkpoint.get(checkpoint_id)) is not None:
+                self._by_checkpoint.move_to_end(checkpoint_id)
+                return known
+        names = self._read(session, checkpoint_id)
+        if names is None:
+            return {}  # not attested (yet): layers are named by index
+        with self._lock:
+            self._by_checkpoint[checkpoint_id] = names
+            if len(self._by_checkpoint) > NAME_CACHE_SIZE:
+                self._by_checkpoint.popitem(last=False)
+        return names
+
+    @staticmethod
+    def _read(session: Session, checkpoint_id: int) -> dict[str, str] | None:
+        own = AttestationRecord.checkpoint_id == checkpoint_id
+        query = select(AttestationRecord.envelope_json).where(own)
+        for envelope_json in session.exec(query.order_by(col(AttestationRecord.id).desc())):
+            statement = statement_of(envelope_json)
+            if statement.get("predicateType") == COVERAGE_TYPE:
+                entries = statement.get("predicate", {}).get("ledger", [])
+                return {e["tensor"]: e["layer"] for e in entries if isinstance(e, dict) and "layer" in e}
+        return None
+
+
+def _layer_name(group: _Group, names: dict[str, str]) -> str:
+    if group.adapter is not None:
+        return f"adapter:{group.adapter}"
+    if group.index is None:
+        return OUTSIDE_LAYERS
+    return names.get(group.sample_tensor, f"layer {group.index}")
+
+
+def _layer_order(group: _Group) -> tuple[int, int, str]:
+    # layers in model order, then what lies outside them, then adapters by name
+    if group.adapter is not None:
+        return (2, 0, group.adapter)
+    return (0, group.index, "") if group.index is not None else (1, 0, "")
+
+
+def _groups(rows: Iterable[Sequence[Any]]) -> list[_Group]:
+    return [_Group(*row) for row in rows]
+
+
+def final_checkpoints(session: Session, trial_ids: Iterable[int]) -> dict[int, CheckpointRecord]:
+    """Each trial's last checkpoint (highest step, then newest) — the one its ledger belongs to."""
+    query = select(CheckpointRecord).where(col(CheckpointRecord.trial_id).in_(list(trial_ids)))
+    last: dict[int, CheckpointRecord] = {}
+    for checkpoint in session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))):
+        last[checkpoint.trial_id] = checkpoint
+    return last
+
+
+def lineage(
+    session: Session,
+    checkpoint: CheckpointRecord,
+    layer_names: LayerNames,
+    layer: str | None,
+    *,
+    version: ModelVersionView | None = None,
+) -> Lineage:
+    """Per layer of ``checkpoint`` (or of a model version made from it, which lacks the adapters
+    removed from it), the corpora that directly reached it."""
+    assert checkpoint.id is not None
+    trial = session.get(Trial, checkpoint.trial_id)
+    assert trial is not None and trial.id is not None
+    own = col(LedgerRow.checkpoint_id) == checkpoint.id
+    source: Literal["checkpoint", "trial"] = "checkpoint"
+    if session.exec(select(LedgerRow.id).where(LedgerRow.trial_id == trial.id, own).limit(1)).first() is None:
+        final = final_checkpoints(session, [trial.id])[trial.id]
+        if final.id != checkpoint.id:
+            raise NotFoundError(
+                f"checkpoint {checkpoint.id} (step {checkpoint.step} of trial {trial.id}) has no ledger in "
+                f"the tracking store: a trial's ledger is stored with its last checkpoint (id {final.id}, "
+                f"step {final.step}); this checkpoint's state.json holds its own"
+            )
+        own, source = col(LedgerRow.checkpoint_id).is_(None), "trial"
+    columns = _group_columns()
+    query = select(*columns, *_aggregates()).where(LedgerRow.trial_id == trial.id, own).group_by(*columns)
+    removed = version.removed_adapters if version is not None else []
+    groups = [g for g in _groups(session.exec(query)) if g.adapter is None or g.adapter not in removed]
+    if not groups and source == "trial":
+        recorded = select(LedgerRow.id).where(LedgerRow.trial_id == trial.id, own).limit(1)
+        if session.exec(recorded).first() is None:
+            raise NotFoundError(f"trial {trial.id} has not recorded its ledger yet (it does at its end)")
+    names = layer_names.of(session, checkpoint.id)
+    layers: dict[str, LayerLineage] = {}
+    for group in sorted(groups, key=lambda g: (_layer_order(g), g.corpus_id)):
+        name = _layer_name(group, names)
+        entry = layers.setdefault(name, LayerLineage(layer=name, index=group.index, corpora=[]))
+        entry.corpora.append(
+            CorpusCounts(
+                corpus_id=group.corpus_id,
+                examples=group.examples,
+                tokens=group.tokens,
+                steps=group.steps,
+                tensors=group.tensors,
+            )
+        )
+    selected = list(layers.values())
+    if layer is not None:
+        selected = [entry for entry in selected if layer in (entry.layer, str(entry.index))]
+        if not selected:
+            known = ", ".join(layers) or "none"
+            raise NotFoundError(
+                f"checkpoint {checkpoint.id} has no layer {layer!r} in its lineage (layers: {known})"
+            )
+    return Lineage(
+        checkpoint_id=checkpoint.id,
+        trial_id=trial.id,
+        experiment_id=trial.experiment_id,
+        step=checkpoint.step,
+        ledger=source,
+        model=VersionRef(model_name=version.model_name, version=version.version) if version else None,
+        layers=selected,
+    )
+
+
+def influence(
+    session: Session, corpus_id: str, window: Window, layer_names: LayerNames
+) -> Page[InfluenceItem]:
+    """Every trial ledger ``corpus_id`` reached (by trial, then checkpoint), with the layers it
+    reached there and the model versions made from that checkpoint that still hold them."""
+    reached = (
+        select(LedgerRow.trial_id, LedgerRow.checkpoint_id).where(LedgerRow.corpus_id == corpus_id).distinct()
+    )
+    total = int(session.exec(select(func.count()).select_from(reached.subquery())).one())
+    if total == 0:
+        raise NotFoundError(f"corpus {corpus_id!r} reached no tensor of any trial in the tracking store")
+    order = (col(LedgerRow.trial_id), col(LedgerRow.checkpoint_id))
+    pairs = list(session.exec(reached.order_by(*order).offset(window.offset).limit(window.limit)))
+    if not pairs:
+        return page([], total, window)
+    trial_ids = sorted({trial_id for trial_id, _ in pairs})
+    columns = (col(LedgerRow.trial_id), col(LedgerRow.checkpoint_id), *_group_columns())
+    query = (
+        select(*columns, *_aggregates())
+        .where(LedgerRow.corpus_id == corpus_id, col(LedgerRow.trial_id).in_(trial_ids))
+        .group_by(*columns)
+    )
+    by_pair: dict[tuple[int, int | None], list[_Group]] = {pair: [] for pair in pairs}
+    for trial_id, checkpoint_id, *group in session.exec(query):
+        if (trial_id, checkpoint_id) in by_pair:  # (a NULL checkpoint id cannot be matched in SQL)
+            by_pair[trial_id, checkpoint_id].append(_Group(*group))
+    trials = select(Trial.id, Trial.experiment_id).where(col(Trial.id).in_(trial_ids))
+    experiments = dict(session.exec(trials).all())
+    finals = final_checkpoints(session, trial_ids)
+    resolved = {pair: pair[1] if pair[1] is not None else _id(finals.get(pair[0])) for pair in pairs}
+    checkpoint_ids = [c for c in resolved.values() if c is not None]
+    saved = select(CheckpointRecord.id, CheckpointRecord.step).where(
+        col(CheckpointRecord.id).in_(checkpoint_ids)
+    )
+    steps = dict(session.exec(saved).all())
+    made = select(ModelVersion).where(col(ModelVersion.checkpoint_id).in_(checkpoint_ids))
+    versions = list(session.exec(made))
+    items = []
+    for pair in pairs:
+        checkpoint_id = resolved[pair]
+        names = layer_names.of(session, checkpoint_id)
+        groups = sorted(by_pair[pair], key=_layer_order)
+        items.append(
+            InfluenceItem(
+                trial_id=pair[0],
+                experiment_id=experiments[pair[0]],
+                checkpoint_id=checkpoint_id,
+                step=steps.get(checkpoint_id) if checkpoint_id is not None else None,
+                model_versions=[
+                    VersionRef(model_name=v.model_name, version=v.version)
+                    for v in versions
+                    if v.checkpoint_id == checkpoint_id and _holds_any(v, groups)
+                ],
+                layers=[
+                    LayerReach(
+                        layer=_layer_name(g, names),
+                        index=g.index,
+                        examples=g.examples,
+                        tokens=g.tokens,
+                        steps=g.steps,
+                        tensors=g.tensors,
+                    )
+                    for g in groups
+                ],
+            )
+        )
+    return page(items, total, window)
+
+
+def _id(checkpoint: CheckpointRecord | None) -> int | None:
+    return checkpoint.id if checkpoint is not None else None
+
+
+def _holds_any(version: ModelVersion, groups: list[_Group]) -> bool:
+    """Whether the version still carries a layer the corpus reached (not only removed adapters)."""
+    removed = set(json.loads(version.removed_adapters_json))
+    return any(group.adapter is None or group.adapter not in removed for group in groups)
+
+
+def statement_of(envelope_json: str) -> dict[str, Any]:
+    """The in-toto statement inside a stored envelope, NOT verified (``{}`` when unreadable): for
+    naming and sorting only; trust what ``govray.attest.verify_attestation`` returns."""
+    try:
+        statement = json.loads(Envelope.model_validate_json(envelope_json).payload_bytes())
+    except (ValueError, SignatureError):
+        return {}
+    return statement if isinstance(statement, dict) else {}

@@ -1,0 +1,380 @@
+"""``StoreReader``: the read-only verbs over a tracking store (experiments, trials, metrics, model
+versions, lineage, influence, audit events, attestations)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, func
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.sql import Select
+from sqlmodel import Session, col, select
+
+from govray.errors import TrackingError
+from govray.queries import ledger
+from govray.queries.errors import NotFoundError, QueryError
+from govray.queries.ledger import statement_of
+from govray.queries.views import (
+    AttestationView,
+    AuditEventView,
+    CheckpointView,
+    ExperimentDetail,
+    ExperimentView,
+    InfluenceItem,
+    Lineage,
+    MetricView,
+    ModelVersionView,
+    ModelView,
+    Page,
+    TrialDetail,
+    TrialView,
+    Window,
+    page,
+)
+from govray.tracking.audit import AuditEventType, utc_timestamp
+from govray.tracking.store import SQLITE_BUSY_TIMEOUT_MS, alembic_config, current_revision, masked
+from govray.tracking.tables import (
+    AttestationRecord,
+    AuditEvent,
+    CheckpointRecord,
+    Experiment,
+    Metric,
+    ModelVersion,
+    RegisteredModel,
+    Trial,
+)
+
+Query = TypeVar("Query", bound=Select[Any])
+Row = TypeVar("Row", Experiment, Trial, CheckpointRecord, AttestationRecord, ModelVersion)
+
+
+def read_only_engine(url: str) -> Engine:
+    """An engine that can only read the store at ``url``: SQLite opened with ``mode=ro``,
+    PostgreSQL in read-only transactions. Connected once, so a bad URL fails here, and so does a
+    store whose schema is not this govray's (a reader never migrates)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise TrackingError(f"tracking store URL {url!r} is not a database URL: {exc}") from exc
+    options: dict[str, Any] = {}
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise TrackingError("an in-memory tracking store cannot be read by another process")
+        path = Path(parsed.database).expanduser().resolve()
+        if not path.is_file():
+            raise TrackingError(f"no tracking store at {path}")
+        parsed = parsed.set(database=f"file:{path}", query={"mode": "ro", "uri": "true"})
+        options["connect_args"] = {"check_same_thread": False}
+    elif parsed.get_backend_name() == "postgresql":
+        options["execution_options"] = {"postgresql_readonly": True}
+    try:
+        engine = create_engine(parsed, **options)
+        if parsed.get_backend_name() == "sqlite":
+            event.listen(engine, "connect", _read_only_pragmas)
+        found = current_revision(engine)
+    except (SQLAlchemyError, ImportError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise TrackingError(f"cannot open tracking store {masked(url)} read-only: {reason}") from exc
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if found != head:
+        engine.dispose()
+        raise TrackingError(
+            f"tracking store {masked(url)} is at schema revision {found!r}, this govray reads {head!r}: "
+            "migrate it first (any govray command that opens it, e.g. govray audit verify --database URL)"
+        )
+    return engine
+
+
+def _read_only_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA query_only=ON")
+    finally:
+        cursor.close()
+
+
+class StoreReader:
+    """Answers questions about one tracking store; never writes to it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.layer_names = ledger.LayerNames()  # immutable coverage envelopes, parsed once
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with Session(self.engine) as session:
+            yield session
+
+    # -- experiments, trials, metrics ------------------------------------------------------------
+
+    def experiments(self, window: Window) -> Page[ExperimentView]:
+        with self.session() as session:
+            total = _count(session, select(Experiment))
+            rows = session.exec(_sliced(select(Experiment).order_by(col(Experiment.id)), window))
+            experiments = list(rows)
+            counts = _trial_counts(session, [e.id for e in experiments if e.id is not None])
+        items = [_experiment_view(e, counts.get(e.id or 0, 0)) for e in experiments]
+        return page(items, total, window)
+
+    def experiment(self, experiment_id: int) -> ExperimentDetail:
+        with self.session() as session:
+            found = _get(session, Experiment, experiment_id)
+            trials = _trial_counts(session, [experiment_id]).get(experiment_id, 0)
+        view = _experiment_view(found, trials)
+        return ExperimentDetail(**view.model_dump(), config=_json_object(found.config_json))
+
+    def trials(self, experiment_id: int, window: Window) -> Page[TrialView]:
+        with self.session() as session:
+            _get(session, Experiment, experiment_id)
+            query = select(Trial).where(Trial.experiment_id == experiment_id)
+            total = _count(session, query)
+            rows = list(session.exec(_sliced(query.order_by(col(Trial.id)), window)))
+        return page([_trial_view(t) for t in rows], total, window)
+
+    def trial(self, trial_id: int) -> TrialDetail:
+        with self.session() as session:
+            found = _get(session, Trial, trial_id)
+            query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
+            saved = list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+        source = _json_object(found.source_checkpoint_json) if found.source_checkpoint_json else None
+        return TrialDetail(
+            **_trial_view(found).model_dump(),
+            source_checkpoint=source,
+            checkpoints=[_checkpoint_view(c) for c in saved],
+        )
+
+    def metrics(self, trial_id: int, window: Window, name: str | None = None) -> Page[MetricView]:
+        """A trial's metrics by name then step (only ``name`` when given)."""
+        with self.session() as session:
+            _get(session, Trial, trial_id)
+            query = select(Metric).where(Metric.trial_id == trial_id)
+            if name is not None:
+                query = query.where(Metric.name == name)
+            total = _count(session, query)
+            order = (col(Metric.name), col(Metric.step), col(Metric.id))
+            rows = list(session.exec(_sliced(query.order_by(*order), window)))
+        items = [MetricView(**m.model_dump(exclude={"id", "trial_id"})) for m in rows]
+        return page(items, total, window)
+
+    # -- the model registry ----------------------------------------------------------------------
+
+    def models(self, window: Window) -> Page[ModelView]:
+        with self.session() as session:
+            total = _count(session, select(RegisteredModel))
+            query = select(RegisteredModel).order_by(col(RegisteredModel.name))
+            models = list(session.exec(_sliced(query, window)))
+            names = [m.name for m in models]
+            stats = session.exec(
+                select(ModelVersion.model_name, func.count(), func.max(ModelVersion.version))
+                .where(col(ModelVersion.model_name).in_(names))
+                .group_by(col(ModelVersion.model_name))
+            )
+            versions = {name: (count, latest) for name, count, latest in stats}
+        items = [
+            ModelView(
+                name=m.name,
+                description=m.description,
+                versions=versions.get(m.name, (0, None))[0],
+                latest_version=versions.get(m.name, (0, None))[1],
+                created_at=m.created_at,
+            )
+            for m in models
+        ]
+        return page(items, total, window)
+
+    def versions(self, model_name: str, window: Window) -> Page[ModelVersionView]:
+        with self.session() as session:
+            if session.get(RegisteredModel, model_name) is None:
+                raise NotFoundError(f"no registered model {model_name!r}")
+            query = select(ModelVersion).where(ModelVersion.model_name == model_name)
+            total = _count(session, query)
+            rows = list(session.exec(_sliced(query.order_by(col(ModelVersion.version)), window)))
+        return page([_version_view(v) for v in rows], total, window)
+
+    def version(self, model_name: str, version: int) -> ModelVersionView:
+        with self.session() as session:
+            return _version_view(_find_version(session, model_name, version))
+
+    def version_by_id(self, version_id: int) -> ModelVersionView:
+        with self.session() as session:
+            return _version_view(_get(session, ModelVersion, version_id))
+
+    # -- lineage ---------------------------------------------------------------------------------
+
+    def checkpoint_lineage(self, checkpoint_id: int, layer: str | None = None) -> Lineage:
+        """Per layer of a checkpoint, the corpora that directly reached it (only ``layer``, a name or
+        an index, when given)."""
+        with self.session() as session:
+            checkpoint = _get(session, CheckpointRecord, checkpoint_id)
+            return ledger.lineage(session, checkpoint, self.layer_names, layer)
+
+    def version_lineage(self, model_name: str, version: int, layer: str | None = None) -> Lineage:
+        """The lineage of a model version's files: its checkpoint's, without the adapters removed
+        from it."""
+        with self.session() as session:
+            found = _find_version(session, model_name, version)
+            checkpoint = _get(session, CheckpointRecord, found.checkpoint_id)
+            return ledger.lineage(session, checkpoint, self.layer_names, layer, version=_version_view(found))
+
+    def influence(self, corpus_id: str, window: Window) -> Page[InfluenceItem]:
+        """Every trial ledger (checkpoint), model version and layer that ``corpus_id`` reached."""
+        with self.session() as session:
+            return ledger.influence(session, corpus_id, window, self.layer_names)
+
+    # -- audit log and attestations --------------------------------------------------------------
+
+    def audit_events(
+        self,
+        window: Window,
+        experiment_id: int | None = None,
+        event_type: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Page[AuditEventView]:
+        """Audit events in chain order, filtered by experiment, type and ``since <= at < until``
+        (a time without a zone is UTC)."""
+        query = select(AuditEvent)
+        if experiment_id is not None:
+            query = query.where(AuditEvent.experiment_id == experiment_id)
+        if event_type is not None:
+            if event_type not in set(AuditEventType):
+                known = ", ".join(member.value for member in AuditEventType)
+                raise QueryError(f"unknown audit event type {event_type!r}; known: {known}")
+            query = query.where(AuditEvent.event_type == event_type)
+        if since is not None:
+            query = query.where(col(AuditEvent.at) >= _timestamp(since, "since"))
+        if until is not None:
+            query = query.where(col(AuditEvent.at) < _timestamp(until, "until"))
+        with self.session() as session:
+            total = _count(session, query)
+            rows = list(session.exec(_sliced(query.order_by(col(AuditEvent.seq)), window)))
+        items = [
+            AuditEventView(**e.model_dump(exclude={"payload_json"}), payload=_json_object(e.payload_json))
+            for e in rows
+        ]
+        return page(items, total, window)
+
+    def attestations(self, checkpoint_id: int, window: Window) -> Page[AttestationView]:
+        """The attestations stored about a checkpoint, oldest first."""
+        with self.session() as session:
+            _get(session, CheckpointRecord, checkpoint_id)
+            query = select(AttestationRecord).where(AttestationRecord.checkpoint_id == checkpoint_id)
+            total = _count(session, query)
+            rows = list(session.exec(_sliced(query.order_by(col(AttestationRecord.id)), window)))
+        return page([_attestation_view(a) for a in rows], total, window)
+
+    def attestation(self, attestation_id: int) -> AttestationRecord:
+        """The stored attestation (its ``envelope_json`` is the DSSE envelope as signed)."""
+        with self.session() as session:
+            return _get(session, AttestationRecord, attestation_id)
+
+    def checkpoint(self, checkpoint_id: int) -> CheckpointView:
+        with self.session() as session:
+            return _checkpoint_view(_get(session, CheckpointRecord, checkpoint_id))
+
+
+def _get(session: Session, table: type[Row], row_id: int) -> Row:
+    found = session.get(table, row_id)
+    if found is None:
+        what = {
+            "CheckpointRecord": "checkpoint",
+            "AttestationRecord": "attestation",
+            "ModelVersion": "model version",
+        }
+        raise NotFoundError(f"no {what.get(table.__name__, table.__name__.lower())} with id {row_id}")
+    return found
+
+
+def _find_version(session: Session, model_name: str, version: int) -> ModelVersion:
+    query = select(ModelVersion).where(ModelVersion.model_name == model_name, ModelVersion.version == version)
+    found = session.exec(query).first()
+    if found is None:
+        if session.get(RegisteredModel, model_name) is None:
+            raise NotFoundError(f"no registered model {model_name!r}")
+        raise NotFoundError(f"model {model_name!r} has no version {version}")
+    return found
+
+
+def _timestamp(moment: datetime, name: str) -> str:
+    """``moment`` as the audit log writes times (a naive one is read as UTC, as the CLI does)."""
+    try:
+        return utc_timestamp(moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC))
+    except OverflowError:
+        raise QueryError(f"{name} {moment.isoformat()} is outside the times the audit log can hold") from None
+
+
+def _sliced(query: Query, window: Window) -> Query:
+    return query.offset(window.offset).limit(window.limit)
+
+
+def _count(session: Session, query: Select[Any]) -> int:
+    return int(session.exec(select(func.count()).select_from(query.subquery())).one())
+
+
+def _trial_counts(session: Session, experiment_ids: list[int]) -> dict[int, int]:
+    query = (
+        select(Trial.experiment_id, func.count())
+        .where(col(Trial.experiment_id).in_(experiment_ids))
+        .group_by(col(Trial.experiment_id))
+    )
+    return {experiment_id: count for experiment_id, count in session.exec(query)}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A stored JSON document, as an object (a scalar or list is wrapped as ``{"value": ...}``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TrackingError(f"the tracking store holds a malformed JSON document: {error}") from None
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _experiment_view(experiment: Experiment, trials: int) -> ExperimentView:
+    fields = experiment.model_dump(exclude={"config_json", "gc_policy_json", "requested"})
+    return ExperimentView(**fields, trials=trials)
+
+
+def _trial_view(trial: Trial) -> TrialView:
+    return TrialView(
+        id=trial.id or 0,
+        experiment_id=trial.experiment_id,
+        state=trial.state,
+        seed=trial.seed,
+        hyperparameters=_json_object(trial.hparams_json),
+        ray_run_name=trial.ray_run_name,
+        cloned_from=trial.cloned_from,
+        created_at=trial.created_at,
+        ended_at=trial.ended_at,
+    )
+
+
+def _checkpoint_view(checkpoint: CheckpointRecord) -> CheckpointView:
+    return CheckpointView(**checkpoint.model_dump(exclude={"metrics_json", "deleted_at"}))
+
+
+def _version_view(version: ModelVersion) -> ModelVersionView:
+    return ModelVersionView(
+        **version.model_dump(exclude={"tags_json", "removed_adapters_json", "excluded_corpora_json"}),
+        tags=_json_object(version.tags_json),
+        removed_adapters=json.loads(version.removed_adapters_json),
+        excluded_corpora=json.loads(version.excluded_corpora_json),
+    )
+
+
+def _attestation_view(record: AttestationRecord) -> AttestationView:
+    return AttestationView(
+        id=record.id or 0,
+        checkpoint_id=record.checkpoint_id,
+        model_version_id=record.model_version_id,
+        subject_digest=record.subject_digest,
+        predicate_type=statement_of(record.envelope_json).get("predicateType"),
+        created_at=record.created_at,
+    )
