@@ -21,6 +21,7 @@ from govray.cli.replay import replay
 from govray.cli.resume import resume
 from govray.cli.run import run
 from govray.cli.search import search
+from govray.cli.serve import serve
 from govray.errors import GovrayError
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ app.add_typer(lineage.app, name="lineage")
 app.add_typer(export.app, name="export")
 app.command(name="run")(run)
 app.command(name="search")(search)
+app.command(name="serve")(serve)
 app.command(name="replay")(replay)
 app.command(name="resume")(resume)
 app.command(name="attest")(attest)

@@ -1,0 +1,191 @@
+"""The read endpoints of the lineage app: experiments, trials, metrics, model versions, lineage,
+influence, row lookups, audit events and attestations, all under ``/api``.
+
+Every list is a page (``offset`` ≥ 0, 1 ≤ ``limit`` ≤ ``MAX_LIMIT``; the answer holds the
+``total``). Answers are computed by ``govray.queries.StoreReader`` on a read-only connection and
+kept in the app's ``ResponseCache`` until the store changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi import Path as PathParam
+from pydantic import BaseModel
+
+from govray.dsse import Envelope
+from govray.queries import DEFAULT_LIMIT, MAX_ID, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
+from govray.queries.views import (
+    AttestationView,
+    AuditEventView,
+    ExperimentDetail,
+    ExperimentView,
+    InfluenceItem,
+    Lineage,
+    MetricView,
+    ModelVersionView,
+    ModelView,
+    TrialDetail,
+    TrialView,
+)
+from govray.rows import LineageError, RowReach, row_reach
+from govray.tracking.audit import AuditEventType
+from govray.tracking.store import TrackingStore
+from serve.cache import ResponseCache
+
+router = APIRouter(prefix="/api")
+Id = Annotated[int, PathParam(ge=1, le=MAX_ID)]
+Offset = Annotated[int, Query(ge=0, le=MAX_ID, description="Position of the page's first item.")]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"Items per page (at most {MAX_LIMIT}).")]
+Layer = Annotated[
+    str | None, Query(description="Only this layer: its name, its index, or adapter:NAME.", max_length=512)
+]
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Nothing with that id or name."}}
+
+
+def answer(request: Request, ask: Callable[[StoreReader], BaseModel]) -> Response:
+    """``ask``'s answer as JSON, from the cache while the store has not changed."""
+    reader: StoreReader = request.app.state.reader
+    cache: ResponseCache = request.app.state.cache
+    key = f"{request.url.path}?{request.url.query}"
+    return Response(cache.body(key, lambda: ask(reader)), media_type="application/json")
+
+
+@router.get("/ping", summary="The empty endpoint (a load test's baseline)")
+async def ping() -> dict[str, Any]:
+    return {}
+
+
+@router.get("/experiments", response_model=Page[ExperimentView])
+def experiments(request: Request, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+    return answer(request, lambda reader: reader.experiments(Window(offset, limit)))
+
+
+@router.get("/experiments/{experiment_id}", response_model=ExperimentDetail, responses=NOT_FOUND)
+def experiment(request: Request, experiment_id: Id) -> Response:
+    return answer(request, lambda reader: reader.experiment(experiment_id))
+
+
+@router.get("/experiments/{experiment_id}/trials", response_model=Page[TrialView], responses=NOT_FOUND)
+def trials(request: Request, experiment_id: Id, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+    return answer(request, lambda reader: reader.trials(experiment_id, Window(offset, limit)))
+
+
+@router.get("/trials/{trial_id}", response_model=TrialDetail, responses=NOT_FOUND)
+def trial(request: Request, trial_id: Id) -> Response:
+    return answer(request, lambda reader: reader.trial(trial_id))
+
+
+@router.get("/trials/{trial_id}/metrics", response_model=Page[MetricView], responses=NOT_FOUND)
+def metrics(
+    request: Request,
+    trial_id: Id,
+    name: Annotated[str | None, Query(description="Only this metric.", max_length=512)] = None,
+    offset: Offset = 0,
+    limit: Limit = DEFAULT_LIMIT,
+) -> Response:
+    return answer(request, lambda reader: reader.metrics(trial_id, Window(offset, limit), name))
+
+
+@router.get("/models", response_model=Page[ModelView])
+def models(request: Request, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+    return answer(request, lambda reader: reader.models(Window(offset, limit)))
+
+
+@router.get("/models/{name}/versions", response_model=Page[ModelVersionView], responses=NOT_FOUND)
+def versions(request: Request, name: str, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+    return answer(request, lambda reader: reader.versions(name, Window(offset, limit)))
+
+
+@router.get("/models/{name}/versions/{version}", response_model=ModelVersionView, responses=NOT_FOUND)
+def version(request: Request, name: str, version: Id) -> Response:
+    return answer(request, lambda reader: reader.version(name, version))
+
+
+@router.get(
+    "/models/{name}/versions/{version}/lineage",
+    response_model=Lineage,
+    responses=NOT_FOUND,
+    summary="Which corpora directly reached each layer of a model version",
+)
+def version_lineage(request: Request, name: str, version: Id, layer: Layer = None) -> Response:
+    return answer(request, lambda reader: reader.version_lineage(name, version, layer))
+
+
+@router.get(
+    "/checkpoints/{checkpoint_id}/lineage",
+    response_model=Lineage,
+    responses=NOT_FOUND,
+    summary="Which corpora directly reached each layer of a checkpoint",
+)
+def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer = None) -> Response:
+    return answer(request, lambda reader: reader.checkpoint_lineage(checkpoint_id, layer))
+
+
+@router.get(
+    "/corpora/{corpus_id}/influence",
+    response_model=Page[InfluenceItem],
+    responses=NOT_FOUND,
+    summary="Every checkpoint, model version and layer a corpus reached",
+)
+def influence(request: Request, corpus_id: str, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+    return answer(request, lambda reader: reader.influence(corpus_id, Window(offset, limit)))
+
+
+@router.get(
+    "/corpora/{corpus_id}/rows/{row}",
+    response_model=RowReach,
+    responses=NOT_FOUND,
+    summary="Which trials, steps, checkpoints and tensors one row reached (from the schedule)",
+)
+def row(request: Request, corpus_id: str, row: Annotated[int, PathParam(ge=0, le=MAX_ID)]) -> Response:
+    store: TrackingStore = request.app.state.store
+
+    def lookup(_: StoreReader) -> RowReach:
+        try:
+            return row_reach(store, corpus_id, row)
+        except LineageError as error:  # an unknown corpus, or a row outside it
+            raise NotFoundError(str(error)) from None
+
+    return answer(request, lookup)
+
+
+@router.get("/audit", response_model=Page[AuditEventView])
+def audit(
+    request: Request,
+    experiment_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
+    event_type: AuditEventType | None = None,
+    since: Annotated[
+        datetime | None, Query(description="At or after (ISO 8601; UTC without a zone).")
+    ] = None,
+    until: Annotated[datetime | None, Query(description="Before (ISO 8601; UTC without a zone).")] = None,
+    offset: Offset = 0,
+    limit: Limit = DEFAULT_LIMIT,
+) -> Response:
+    kind = event_type.value if event_type is not None else None
+    window = Window(offset, limit)
+    return answer(request, lambda reader: reader.audit_events(window, experiment_id, kind, since, until))
+
+
+@router.get(
+    "/checkpoints/{checkpoint_id}/attestations", response_model=Page[AttestationView], responses=NOT_FOUND
+)
+def attestations(
+    request: Request, checkpoint_id: Id, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT
+) -> Response:
+    return answer(request, lambda reader: reader.attestations(checkpoint_id, Window(offset, limit)))
+
+
+@router.get(
+    "/attestations/{attestation_id}",
+    response_model=Envelope,
+    responses=NOT_FOUND,
+    summary="The DSSE envelope, byte for byte as stored",
+)
+def attestation(request: Request, attestation_id: Id) -> Response:
+    reader: StoreReader = request.app.state.reader
+    record = reader.attestation(attestation_id)
+    return Response(record.envelope_json, media_type="application/json")

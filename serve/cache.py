@@ -1,0 +1,91 @@
+"""Answers kept until the tracking store changes.
+
+A lineage or influence answer aggregates thousands of ledger rows, yet changes only when someone
+writes to the store. ``StoreGeneration`` is a value that changes with every commit anyone makes
+(SQLite's ``PRAGMA data_version`` on one dedicated connection; PostgreSQL's current snapshot,
+which moves with every write transaction), read in microseconds; ``ResponseCache`` keeps JSON
+bodies keyed by request and drops them all when the generation moves. A store whose changes
+cannot be seen this way is not cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import Engine, text
+
+MAX_CACHED_BYTES = 64 * 1024 * 1024
+MAX_ENTRY_BYTES = 4 * 1024 * 1024
+
+
+class StoreGeneration:
+    """A value that differs after any commit to the store (None: this store cannot tell)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._sqlite: Any = None
+        if engine.dialect.name == "sqlite":
+            # data_version compares against what THIS connection saw: keep one connection for it
+            self._sqlite = engine.raw_connection()
+
+    def current(self) -> object | None:
+        if self._sqlite is not None:
+            with self._lock:
+                cursor = self._sqlite.cursor()
+                try:
+                    cursor.execute("PRAGMA data_version")
+                    return cursor.fetchone()[0]
+                finally:
+                    cursor.close()
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as connection:
+                return connection.execute(text("SELECT pg_current_snapshot()::text")).scalar_one()
+        return None
+
+    def close(self) -> None:
+        if self._sqlite is not None:
+            self._sqlite.close()
+
+
+class ResponseCache:
+    """JSON bodies by request key, valid for one store generation, least recently used dropped
+    first beyond ``max_bytes``."""
+
+    def __init__(self, generation: StoreGeneration, max_bytes: int = MAX_CACHED_BYTES) -> None:
+        self.generation = generation
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._seen: object | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def body(self, key: str, answer: Callable[[], BaseModel]) -> bytes:
+        """The JSON of ``answer()``, computed at most once per store generation."""
+        seen = self.generation.current()
+        with self._lock:
+            if seen is None or seen != self._seen:
+                self._entries.clear()
+                self._bytes, self._seen = 0, seen
+            elif (cached := self._entries.get(key)) is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return cached
+            self.misses += 1
+        body = answer().model_dump_json().encode()
+        if seen is None or len(body) > MAX_ENTRY_BYTES:
+            return body
+        with self._lock:
+            if self._seen == seen and key not in self._entries:  # the store did not move meanwhile
+                self._entries[key] = body
+                self._bytes += len(body)
+                while self._bytes > self.max_bytes:
+                    _, dropped = self._entries.popitem(last=False)
+                    self._bytes -= len(dropped)
+        return body

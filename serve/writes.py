@@ -1,0 +1,95 @@
+"""The write endpoints: register a checkpoint as a model version, replace a version's tags.
+
+Both go through ``govray.registry`` (which verifies, attests and audits) and require
+``Authorization: Bearer TOKEN`` with the server's configured token: no token is a 401, a wrong one
+(or a server configured without one) a 403.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi import Path as PathParam
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from govray import registry
+from govray.queries import MAX_ID, StoreReader
+from govray.queries.views import ModelVersionView
+from govray.tracking.store import TrackingStore
+from serve.settings import ServeSettings
+
+bearer = HTTPBearer(auto_error=False, description="The server's write token (GOVRAY_SERVE_TOKEN).")
+
+
+def writer(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> TrackingStore:
+    """The store to write to, for a request that carries the server's token."""
+    settings: ServeSettings = request.app.state.settings
+    if credentials is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "this endpoint writes: send 'Authorization: Bearer TOKEN'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if settings.token is None:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, "writes are disabled: the server has no token configured"
+        )
+    if not secrets.compare_digest(
+        credentials.credentials.encode(), settings.token.get_secret_value().encode()
+    ):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "the bearer token is not this server's write token")
+    store: TrackingStore = request.app.state.store
+    return store
+
+
+router = APIRouter(
+    prefix="/api", responses={401: {"description": "No bearer token."}, 403: {"description": "Wrong token."}}
+)
+Writer = Annotated[TrackingStore, Depends(writer)]
+Name = Annotated[str, PathParam(max_length=128)]
+Tags = Annotated[dict[str, Annotated[str, Field(max_length=1024)]], Field(max_length=256)]
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: int = Field(ge=1, le=MAX_ID, description="A checkpoint the store recorded.")
+    description: str = Field(default="", max_length=4096)
+    tags: Tags = Field(default_factory=dict)
+
+
+class TagsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tags: Tags = Field(description="The version's tags from now on (all others are removed).")
+
+
+@router.post("/models/{name}/versions", response_model=ModelVersionView, status_code=status.HTTP_201_CREATED)
+def register(request: Request, store: Writer, name: Name, body: RegisterRequest) -> ModelVersionView:
+    """Register a checkpoint as the next version of model ``name`` (verified and attested)."""
+    reader: StoreReader = request.app.state.reader
+    checkpoint = reader.checkpoint(body.checkpoint_id)
+    made = registry.register(store, name, Path(checkpoint.path), description=body.description, tags=body.tags)
+    return reader.version(made.model, made.version)
+
+
+@router.put("/models/{name}/versions/{version}/tags", response_model=ModelVersionView)
+def replace_tags(
+    request: Request,
+    store: Writer,
+    name: Name,
+    version: Annotated[int, PathParam(ge=1, le=MAX_ID)],
+    body: TagsRequest,
+) -> ModelVersionView:
+    """Replace the tags of a model version."""
+    reader: StoreReader = request.app.state.reader
+    current = reader.version(name, version)  # 404 for an unknown model or version
+    removed = [tag for tag in current.tags if tag not in body.tags]
+    registry.set_tags(store, f"{name}:{version}", body.tags, removed)
+    return reader.version(name, version)

@@ -1,0 +1,80 @@
+"""How the lineage app is started: its settings (environment, then a YAML file, then options),
+Serve's own ``serve run serve.app:app`` import path, and ``govray serve`` refusing to start
+without a tracking store. None of it needs Ray; tests/test_serve_app.py serves for real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from govray.cli import main
+from govray.errors import ConfigError
+from serve.settings import ServeSettings
+
+
+def test_settings_come_from_the_environment_then_the_config_file_then_options(tmp_path: Path) -> None:
+    environ = {
+        "GOVRAY_DATABASE": "sqlite:///cli-name.db",
+        "GOVRAY_SERVE_TOKEN": "from-env",
+        "GOVRAY_TRUST": "trust.yaml",
+        "GOVRAY_SERVE_PORT": "9000",
+    }
+    from_env = ServeSettings.load(environ=environ)
+    assert (from_env.database_url, from_env.port, from_env.host) == (
+        "sqlite:///cli-name.db",
+        9000,
+        "127.0.0.1",
+    )
+    assert from_env.token is not None and from_env.token.get_secret_value() == "from-env"
+    assert "from-env" not in repr(from_env)  # the token never lands in a log line
+
+    preferred = ServeSettings.load(environ={**environ, "GOVRAY_DATABASE_URL": "sqlite:///url-name.db"})
+    assert preferred.database_url == "sqlite:///url-name.db"
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"database_url": "sqlite:///file.db", "port": 9001}))
+    layered = ServeSettings.load(config, {"port": 9002, "host": None}, environ=environ)
+    assert (layered.database_url, layered.port, layered.trust) == (
+        "sqlite:///file.db",
+        9002,
+        Path("trust.yaml"),
+    )
+    by_variable = ServeSettings.load(environ={**environ, "GOVRAY_SERVE_CONFIG": str(config)})
+    assert by_variable.port == 9001
+
+
+def test_bad_settings_are_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no tracking store given"):
+        ServeSettings.load(environ={})
+    with pytest.raises(ConfigError, match="port"):
+        ServeSettings.load(environ={"GOVRAY_DATABASE": "sqlite:///a.db", "GOVRAY_SERVE_PORT": "eighty"})
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"database_url": "sqlite:///a.db", "tokn": "typo"}))
+    with pytest.raises(ConfigError, match=f"{config}: tokn: Extra inputs are not permitted"):
+        ServeSettings.load(config, environ={})
+
+
+def test_serve_run_finds_the_app_by_its_import_path(tmp_path: Path) -> None:
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.utils import import_attr
+    from ray.serve.deployment import Application
+
+    builder = import_attr("serve.app:app")  # what `serve run serve.app:app key=value` resolves
+    built = call_user_app_builder_with_args_if_necessary(builder, {"database_url": "sqlite:///x.db"})
+    assert isinstance(built, Application)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"database_url": "sqlite:///y.db", "token": "t"}))
+    assert isinstance(
+        call_user_app_builder_with_args_if_necessary(builder, {"config": str(config)}), Application
+    )
+
+
+def test_govray_serve_refuses_to_start_without_a_store(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("GOVRAY_DATABASE_URL", "GOVRAY_DATABASE", "GOVRAY_SERVE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--port", "8123"]) == 2
+    assert "no tracking store given" in capsys.readouterr().err
