@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from govray.canonical import canonical_json, file_sha256, sha256_hex
-from govray.checkpoint import MODEL_FILE, CheckpointError, CheckpointState, find_checkpoints, load_checkpoint
+from govray.checkpoint import (
+    MODEL_FILE,
+    RUN_SPEC_FILE,
+    CheckpointError,
+    CheckpointState,
+    find_checkpoints,
+    load_checkpoint,
+)
 from govray.data.shards import ShardSet
 from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
@@ -55,7 +62,6 @@ PAYLOAD_TYPE = "application/vnd.in-toto+json"
 BUILD_TYPE = "https://govray.dev/buildtypes/governed-training/v1"
 BUILDER_ID = "https://govray.dev/builder/platform"
 KINDS = ("provenance", "coverage")
-RUN_SPEC_FILE = "run.json"  # in a model version's sealed directory: the spec of the run it came from
 
 
 class AttestationError(GovrayError):
@@ -89,8 +95,9 @@ def model_subjects(directory: Path) -> list[dict[str, Any]]:
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
-    """The run spec of the run that wrote ``checkpoint``: a model version's own sealed copy
-    (``DIR/run.json``), else ``STORAGE/ray/RUN/checkpoint_*`` → ``STORAGE/runs/RUN.json``."""
+    """The spec of the run that wrote ``checkpoint``: its own signed copy (``run.json``), else, for
+    a checkpoint written before it held one, ``STORAGE/ray/RUN/checkpoint_*`` →
+    ``STORAGE/runs/RUN.json``."""
     run = checkpoint.resolve().parent
     own = checkpoint / RUN_SPEC_FILE
     path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
@@ -137,8 +144,7 @@ def attest_checkpoint(
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
     }
     if destination is None:
-        run = checkpoint.resolve().parent
-        destination = run.parent.parent / "attestations" / run.name / checkpoint.name
+        destination = _beside(checkpoint, spec)
     destination.parent.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind, statement in statements.items():
@@ -149,15 +155,22 @@ def attest_checkpoint(
     return Attestation(**paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects})
 
 
-def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path) -> Attestation | None:
-    """Attest a finished trial's final checkpoint, and keep both envelopes in the tracking store
-    (``attestations``, by checkpoint and base-model digest); None when it wrote no checkpoint."""
-    found = find_checkpoints(run_dir)
-    if not found:
+def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None = None) -> Attestation | None:
+    """Attest a finished trial's final checkpoint — the last under ``run_dir``, or (a search trial,
+    whose checkpoints Ray Tune keeps) the last active one the store recorded — and keep both
+    envelopes in the tracking store (``attestations``, by checkpoint and base-model digest); None
+    when the trial wrote no checkpoint."""
+    recorded = checkpoints(store, trial_id)
+    if run_dir is not None:
+        found = find_checkpoints(run_dir)
+        final = found[-1] if found else None
+    else:
+        active = [c for c in recorded if c.state == "active"]
+        final = Path(active[-1].path) if active else None
+    if final is None:
         return None
-    written = attest_checkpoint(found[-1])
-    final = found[-1].resolve()
-    row = next((c for c in checkpoints(store, trial_id) if Path(c.path).resolve() == final), None)
+    written = attest_checkpoint(final)
+    row = next((c for c in recorded if Path(c.path).resolve() == final.resolve()), None)
     subject = written.subjects[MODEL_FILE]
     for path in (written.provenance, written.coverage):
         record_attestation(store, row.id if row is not None else None, subject, path.read_text())
@@ -329,6 +342,15 @@ def verify_attestation(
                 f"v{attested.get('version')} (a changed policy)"
             )
     return VerifiedAttestation(statement=statement, signer=signer)
+
+
+def _beside(checkpoint: Path, spec: RunSpec) -> Path:
+    """``STORAGE/attestations/RUN/CHECKPOINT``, for a run's own checkpoints and for the copies Ray
+    Tune keeps elsewhere of a search trial's."""
+    if spec.run_dir and spec.run_name:
+        return Path(spec.run_dir).parent.parent / "attestations" / spec.run_name / checkpoint.name
+    run = checkpoint.resolve().parent
+    return run.parent.parent / "attestations" / run.name / checkpoint.name
 
 
 def statement_type(envelope_json: str) -> str | None:

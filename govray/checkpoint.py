@@ -8,6 +8,8 @@ A checkpoint is a directory::
     optimizer.json               the rest of the optimizer state and its param groups
     state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines,
                                  recorded decisions, the checkpoint a forked run started from
+    run.json                     the spec of the run that wrote it (trial, hyperparameters, policy,
+                                 shards...): what an attestation of this checkpoint is built from
     clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
                                  under a memorization rollback policy, the last clean state when
                                  it is an earlier step (what a rollback after a resume restores)
@@ -43,6 +45,7 @@ from govray.errors import GovrayError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
+RUN_SPEC_FILE = "run.json"
 MANIFEST_TYPE = "application/vnd.govray.checkpoint-manifest+json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"

@@ -30,7 +30,6 @@ from sqlmodel import col, func, select
 
 from govray.attest import (
     PROVENANCE_TYPE,
-    RUN_SPEC_FILE,
     Attestation,
     Derivation,
     attest_checkpoint,
@@ -38,7 +37,7 @@ from govray.attest import (
     statement_type,
 )
 from govray.canonical import sha256_hex
-from govray.checkpoint import MODEL_FILE, CheckpointError, load_checkpoint, seal_checkpoint
+from govray.checkpoint import MODEL_FILE, RUN_SPEC_FILE, CheckpointError, load_checkpoint, seal_checkpoint
 from govray.errors import GovrayError
 from govray.keys import SigningKey, platform_key, platform_trust
 from govray.ledger import Ledger

@@ -36,6 +36,7 @@ from ray.train.v2.api.callback import UserCallback
 from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
+from govray.attest import attest_trial_end
 from govray.checkpoint import checkpoint_step
 from govray.config import ExperimentConfig
 from govray.errors import ConfigError, GovrayError
@@ -323,6 +324,7 @@ class SearchTracking(ray.tune.Callback):
                 "observed": None,
             }
             self.store.record_decisions(row_id, [decision], replayed=False)
+        attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
         self.store.set_trial_state(row_id, TrialState.COMPLETED)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:

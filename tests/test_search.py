@@ -14,11 +14,14 @@ import yaml
 from ray import tune
 from sqlalchemy.exc import SQLAlchemyError
 
+from govray.attest import COVERAGE_TYPE, verify_attestation
 from govray.config import load_experiment
 from govray.errors import ConfigError
+from govray.keys import platform_key, platform_trust
 from govray.preflight import check_policy, ingest_experiment
+from govray.recompute import check_attested_ledger
 from govray.search import SearchOutcome, TunePlan, run_search, strategy
-from govray.tracking.lineage import ledger_rows
+from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
@@ -110,9 +113,26 @@ def assert_recorded(outcome: SearchOutcome, store: TrackingStore, trials: int) -
         assert trial.state == "completed", trial
         assert set(json.loads(trial.hparams_json)) == set(SEARCH_HPARAMS)
         assert [m.step for m in store.metrics(trial_id, "objective")], "no objective reported"
+        assert_attested(store, trial_id)
     objectives = {t: store.metrics(t, "objective")[-1].value for t in outcome.trial_ids}
     best = min(objectives, key=objectives.__getitem__)
     assert outcome.best_trial_id == best and math.isclose(outcome.best_objective, objectives[best])
+
+
+def assert_attested(store: TrackingStore, trial_id: int) -> None:
+    """A search trial's last checkpoint (Tune's copy) is attested at its end, and the attested
+    ledger is the one its recorded schedule gives (a PBT clone's too: it continued one schedule)."""
+    final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
+    records = attestations(store, final.id)  # type: ignore[arg-type]
+    assert len(records) == 2, f"trial {trial_id}: {len(records)} attestations of its last checkpoint"
+    trust = platform_trust(platform_key())
+    for record in records:
+        envelope = Path(final.path).parent / f"check-{record.id}.dsse.json"
+        envelope.write_text(record.envelope_json)
+        verified = verify_attestation(envelope, model_dir=Path(final.path), trust=trust)
+        envelope.unlink()
+        if verified.statement["predicateType"] == COVERAGE_TYPE:
+            assert check_attested_ledger(verified.statement, Path(final.path), trust) > 0
 
 
 def test_grid_search_runs_every_point_once(ray_session: None, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from govray.allreduce import GradientGovernor, governed_allreduce_hook, paramete
 from govray.canaries import CanaryProbe
 from govray.checkpoint import (
     MODEL_FILE,
+    RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
     find_checkpoints,
@@ -277,6 +278,7 @@ class GovernedTraining:
             save_adapter(self.model, adapter, directory / f"adapter-{adapter}.safetensors")
         for snapshot in self._earlier_snapshots(steps_done):  # rollback targets survive a resume
             save_clean_state(directory, snapshot.step, snapshot.weights, snapshot.optimizer)
+        (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
 
     def _earlier_snapshots(self, steps_done: int) -> list[_Snapshot]:
