@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +43,10 @@ from govray.data.shards import ShardSet
 from govray.errors import GovrayError
 from govray.harness.loop import RunSpec
 from govray.routing import RoutingTable
-from govray.schedule import ScheduleSpec, _epoch_plan
+from govray.schedule import ScheduleSpec, epoch_plan
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore, masked
-from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, Trial
+from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, ModelVersion, Trial
 
 MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all
 
@@ -76,6 +77,18 @@ class ReachedCheckpoint(BaseModel):
     state: str  # active, or deleted by GC (the record stays)
 
 
+class ReachedModel(BaseModel):
+    """A registered model version whose weights descend from a checkpoint the row reached."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    version: int
+    checkpoint_id: int
+    carries_row: bool  # False: the version removed the adapter that held the row's influence
+    removed_adapters: list[str]
+
+
 class TrialReach(BaseModel):
     """What the row reached in one trial."""
 
@@ -92,6 +105,7 @@ class TrialReach(BaseModel):
     steps: list[int]  # the first MAX_LISTED_STEPS of them
     reverted_steps: list[int]  # trained with the row, then discarded by a rollback
     checkpoints: list[ReachedCheckpoint]  # saved after such a step: they carry its influence
+    models: list[ReachedModel] = []  # registered versions of those checkpoints
     tensors: list[str]  # the tensors its route updated (empty when it reached no step)
     layers: list[str]  # their layers; ``adapter:NAME`` for adapter tensors
     note: str = ""  # why it reached nothing, when it did not
@@ -151,7 +165,7 @@ def row_steps(spec: ScheduleSpec, route: str, position: int, steps: int) -> tupl
     reached: list[int] = []
     reverted: list[int] = []
     for epoch in range(math.ceil(steps / spec.steps_per_epoch)):
-        plan = _epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+        plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
         permuted = int(np.flatnonzero(plan.orders[index] == position)[0])
         start = permuted - permuted % spec.batch_size
         batch = int(np.flatnonzero((plan.batch_routes == index) & (plan.batch_starts == start))[0])
@@ -266,7 +280,9 @@ def _trial_reach(
         for c in recorded
         if any(in_weights(schedule, step, c.step) for step in touched)
     ]
-    tensors, layers = route_tensors(routing_of(spec), placement.route) if touched else ((), ())
+    routing = routing_of(spec)
+    tensors, layers = route_tensors(routing, placement.route) if touched else ((), ())
+    adapter = routing.adapter_names.get(placement.route)
     return TrialReach(
         **base,
         placement=placement,
@@ -275,10 +291,34 @@ def _trial_reach(
         steps=reached[:MAX_LISTED_STEPS],
         reverted_steps=reverted,
         checkpoints=kept,
+        models=_models(store, [c.id for c in kept], adapter),
         tensors=list(tensors),
         layers=list(layers),
         note="" if touched else _why_not(schedule, places.corpus_id, state.step),
     )
+
+
+def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None) -> list[ReachedModel]:
+    """The registered versions of these checkpoints; one that removed ``adapter`` (the row's route's)
+    no longer carries the row."""
+    if not checkpoint_ids:
+        return []
+    with store.session() as session:
+        query = select(ModelVersion).where(col(ModelVersion.checkpoint_id).in_(checkpoint_ids))
+        versions = session.exec(query.order_by(col(ModelVersion.model_name), col(ModelVersion.version)))
+        found = []
+        for version in versions:
+            removed = json.loads(version.removed_adapters_json)
+            found.append(
+                ReachedModel(
+                    model=version.model_name,
+                    version=version.version,
+                    checkpoint_id=version.checkpoint_id,
+                    carries_row=adapter is None or adapter not in removed,
+                    removed_adapters=removed,
+                )
+            )
+    return found
 
 
 def _run_spec(experiment: Experiment, trial: Trial, checkpoint: Path | None) -> RunSpec | None:

@@ -320,7 +320,9 @@ class ScheduleSpec:
 
 
 @dataclass(frozen=True)
-class _EpochPlan:
+class EpochPlan:
+    """One epoch's order: steps 1-3 of the module docstring (a row lookup inverts it)."""
+
     orders: tuple[np.ndarray, ...]  # per route: its route-local rows in this epoch's order
     batch_routes: np.ndarray  # route index of the epoch's k-th batch
     batch_starts: np.ndarray  # that batch's offset into its route's order
@@ -329,7 +331,7 @@ class _EpochPlan:
 # Keyed by the inputs the plan depends on only: a spec differing in world size, exclusions or
 # events (a counterfactual replay) shares its permutations.
 @functools.lru_cache(maxsize=4)
-def _epoch_plan(seed: int, batch_size: int, routes: tuple[RouteRows, ...], epoch: int) -> _EpochPlan:
+def epoch_plan(seed: int, batch_size: int, routes: tuple[RouteRows, ...], epoch: int) -> EpochPlan:
     orders = tuple(_ranking(derive_seed(seed, epoch, route.route), route.rows) for route in routes)
     batch_routes = np.concatenate(
         [
@@ -339,7 +341,7 @@ def _epoch_plan(seed: int, batch_size: int, routes: tuple[RouteRows, ...], epoch
     )
     batch_starts = np.concatenate([np.arange(0, route.rows, batch_size, dtype=np.int64) for route in routes])
     shuffle = _ranking(derive_seed(seed, epoch), len(batch_routes))
-    return _EpochPlan(orders=orders, batch_routes=batch_routes[shuffle], batch_starts=batch_starts[shuffle])
+    return EpochPlan(orders=orders, batch_routes=batch_routes[shuffle], batch_starts=batch_starts[shuffle])
 
 
 def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
@@ -347,7 +349,7 @@ def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
     if not 0 <= rank < spec.world_size:
         raise ScheduleError(f"rank {rank} is outside the world of {spec.world_size} workers")
     epoch, step = spec.locate(global_step)
-    plan = _epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+    plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
     batch = step * spec.world_size + rank
     if batch >= len(plan.batch_routes):
         return Slot(route=None, rows=(), corpora=())

@@ -33,6 +33,7 @@ from govray.registry import (
     version_attestations,
     versions,
 )
+from govray.rows import row_reach
 from govray.runner import run_trial
 from govray.tracking.audit import AuditLog
 from tests.conftest import GoldenRun
@@ -241,3 +242,20 @@ def test_the_cli_lists_describes_and_refuses_with_exit_17(
 
 def _tensors(ledger: Ledger, corpus: str) -> list[str]:
     return [tensor for name, tensor in ledger.entries if name == corpus]
+
+
+def test_the_row_lookup_names_the_versions_that_still_carry_a_pii_row(
+    golden_local_epoch: GoldenRun, registered: RegisteredVersion, without_pii: RegisteredVersion
+) -> None:
+    """An erasure request's answer: the version with the PII adapter carries the row, the one
+    without that adapter does not."""
+    store = golden_local_epoch.store
+    trial_id = golden_local_epoch.outcome.trial_id
+    for row in range(20):
+        reach = next(t for t in row_reach(store, "digits-writers", row).trials if t.trial_id == trial_id)
+        if reach.step_count:
+            break
+    else:
+        pytest.fail("none of the first 20 PII rows reached a step of a whole epoch")
+    carried = {(m.model, m.version): m.carries_row for m in reach.models if m.model == MODEL}
+    assert carried == {(MODEL, registered.version): True, (MODEL, without_pii.version): False}
