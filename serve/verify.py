@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from govray.attest import AttestationError, verify_attestation
 from govray.dsse import Envelope
 from govray.errors import SignatureError
-from govray.keys import load_trust
+from govray.keys import TrustConfig, load_trust
 from govray.queries import MAX_ID, NotFoundError, QueryError, StoreReader
 from govray.registry import RegistryError, parse_ref, resolve
 from govray.tracking.store import TrackingStore
@@ -70,6 +70,8 @@ class VerifyResult(BaseModel):
 
 @router.post("/verify", response_model=VerifyResult, responses={404: {"description": "Unknown id or model."}})
 def verify(request: Request, body: VerifyRequest) -> VerifyResult:
+    """Verify an attestation envelope against model files under the server's trust file; a failed
+    verification is a 200 with ``ok: false`` and the reason."""
     settings: ServeSettings = request.app.state.settings
     if settings.trust is None:
         raise Unavailable("this server verifies nothing: it has no trust file (set GOVRAY_TRUST)")
@@ -78,17 +80,22 @@ def verify(request: Request, body: VerifyRequest) -> VerifyResult:
         trust = load_trust(settings.trust)  # read each time: a key revoked a minute ago counts
     except SignatureError as error:
         raise Unavailable(f"the server's trust file is unusable: {error}") from None
+    return check_envelope(envelope_json, directory, trust)
+
+
+def check_envelope(
+    envelope_json: str, directory: Path, trust: TrustConfig, name: str = "the attestation"
+) -> VerifyResult:
+    """Verify an envelope (JSON text) against the model files in ``directory`` under ``trust``,
+    as ``govray verify`` does; a failure is a result naming what broke (``name`` stands for the
+    envelope in the reason)."""
     with tempfile.TemporaryDirectory(prefix="govray-verify-") as scratch:
         path = Path(scratch) / "envelope.dsse.json"
         path.write_text(envelope_json)
         try:
             verified = verify_attestation(path, model_dir=directory, trust=trust)
-        except AttestationError as error:
-            reason = (
-                str(error)
-                .replace(f"attestation {path}", "the attestation")
-                .replace(str(path), "the attestation")
-            )
+        except (AttestationError, OSError) as error:
+            reason = str(error).replace(f"attestation {path}", name).replace(str(path), name)
             return VerifyResult(
                 ok=False,
                 reason=reason,
