@@ -112,7 +112,8 @@ def app(args: dict[str, str]) -> Application:
 def start(settings: ServeSettings, *, blocking: bool = False) -> str:
     """Deploy the app on this process's Ray cluster (a local one if none), its HTTP proxy on
     ``settings.host:settings.port``; returns the base URL. ``blocking`` waits for Ctrl-C and
-    then shuts Serve down."""
+    then shuts Serve down. (Serve's HTTP options are per cluster: where Serve already runs, it
+    keeps the host and port it was started with.)"""
     ensure_ray()
     serve.start(http_options={"host": settings.host, "port": settings.port})
     application = LineageApp.bind(settings)  # type: ignore[attr-defined]
