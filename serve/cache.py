@@ -66,6 +66,19 @@ class ResponseCache:
         self.hits = 0
         self.misses = 0
 
+    def peek(self, key: str) -> bytes | None:
+        """The cached answer for ``key`` if the store has not changed since it was computed, else
+        None (without computing anything: cheap enough for the event loop)."""
+        seen = self.generation.current()
+        with self._lock:
+            if seen is None or seen != self._seen:
+                return None
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return cached
+
     def body(self, key: str, answer: Callable[[], BaseModel]) -> bytes:
         """The JSON of ``answer()``, computed at most once per store generation."""
         seen = self.generation.current()
