@@ -225,8 +225,9 @@ class TrackingConfig(BaseModel):
     @field_validator("database")
     @classmethod
     def _known_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg2://")):
-            raise ValueError("database URL must start with sqlite:/// or postgresql://")
+        schemes = ("sqlite:///", "postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://")
+        if url is not None and not url.startswith(schemes):
+            raise ValueError("database URL must start with sqlite:/// or postgresql:// (or postgresql+psycopg://)")
         return url
 
 

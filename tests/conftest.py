@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +22,10 @@ import yaml
 
 from govray.keys import KeyRole, SigningKey, TrustConfig, save_trust
 from govray.policy import sign_policy
+from govray.tracking.store import TrackingStore
+
+if TYPE_CHECKING:
+    from tests.cluster.postgres import PostgresServer
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO / "jobs" / "examples" / "digits" / "experiment.yaml"
@@ -48,6 +52,35 @@ def ray_session() -> Iterator[None]:
     ensure_ray()
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL server for the cluster tier, installed and started on first use."""
+    from tests.cluster.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.cluster)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty tracking database: a SQLite file, and in the cluster tier also a database on a real
+    PostgreSQL server, so every store-level test runs on both with the same code and migrations."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tracking.db'}"
+        return
+    server: PostgresServer = request.getfixturevalue("postgres")
+    with server.database() as url:
+        yield url
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[TrackingStore]:
+    """A tracking store migrated to the newest schema in ``database_url``."""
+    opened = TrackingStore.open(database_url)
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,10 @@
-"""`govray audit verify|list` on a real SQLite store: the chain verifies, an edited event is named,
-and listing filters by experiment, type and time."""
+"""`govray audit verify|list` on a real store (SQLite, and PostgreSQL too in the cluster tier): the
+chain verifies, an edited event is named, and listing filters by experiment, type and time."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -17,8 +16,8 @@ from govray.tracking.store import TrackingStore
 
 
 @pytest.fixture
-def database(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'govray.db'}"
+def database(database_url: str) -> str:
+    url = database_url
     store = TrackingStore.open(url)
     alpha = store.create_experiment("alpha", "{}", "d1", "/runs/a")
     beta = store.create_experiment("beta", "{}", "d2", "/runs/b")

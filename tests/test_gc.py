@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,13 +104,6 @@ class Run:
             found = session.get(CheckpointRecord, self.ids[name])
         assert found is not None
         return found
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[TrackingStore]:
-    opened = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
-    yield opened
-    opened.close()
 
 
 def new_run(store: TrackingStore, root: Path, name: str = "gc") -> Run:

@@ -5,7 +5,6 @@ experiment's searcher optimises; a refused change changes nothing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,6 @@ def experiment_config(**overrides: Any) -> ExperimentConfig:
 def single(**fields: Any) -> dict[str, Any]:
     """A single-trial searcher section."""
     return {"name": "single", **fields}
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[TrackingStore]:
-    opened = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
-    yield opened
-    opened.close()
 
 
 def configured_run(store: TrackingStore, root: Path, config: ExperimentConfig) -> Run:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,6 @@ def corpus_spec(corpus_id: str, path: Path) -> CorpusSpec:
 
 def snapshot_dirs(storage: Path) -> list[str]:
     return sorted(entry.name for entry in (storage / "corpora").iterdir())
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[TrackingStore]:
-    opened = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
-    yield opened
-    opened.close()
 
 
 def test_environment_records_exact_versions_and_every_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,8 +46,8 @@ class Tracked:
 
 
 @pytest.fixture
-def tracked(tmp_path: Path) -> Iterator[Tracked]:
-    url = f"sqlite:///{tmp_path / 'tracking.db'}"
+def tracked(database_url: str, tmp_path: Path) -> Iterator[Tracked]:
+    url = database_url
     store = TrackingStore.open(url)
     storage = tmp_path / "storage"
     config = experiment_config(name="digits", searcher=single(metric="validation_loss")).model_dump_json()

@@ -5,7 +5,8 @@
 """
 
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.store import TrackingStore, current_revision, upgrade
+from govray.tracking.database import current_revision, upgrade
+from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
     AttestationRecord,
     AuditEvent,

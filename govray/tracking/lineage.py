@@ -34,12 +34,10 @@ def record_ledger(
         )
         for corpus, tensor, layer, examples, tokens, steps in rows
     ]
+    held_by = col(LedgerRow.checkpoint_id)  # PostgreSQL, unlike SQLite, has no "IS <id>"
+    same_checkpoint = held_by.is_(None) if checkpoint_id is None else held_by == checkpoint_id
     with store.session() as session:
-        session.exec(
-            delete(LedgerRow).where(
-                col(LedgerRow.trial_id) == trial_id, col(LedgerRow.checkpoint_id).is_(checkpoint_id)
-            )
-        )
+        session.exec(delete(LedgerRow).where(col(LedgerRow.trial_id) == trial_id, same_checkpoint))
         session.add_all(records)
     return len(records)
 

@@ -13,22 +13,22 @@ import contextlib
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
 from pydantic import ValidationError
-from sqlalchemy import Connection, Engine, create_engine, delete, event
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy import delete
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from govray.errors import TrackingError
+from govray.tracking.database import (  # the database half, re-exported for this module's callers
+    SQLITE_BUSY_TIMEOUT_MS,
+    alembic_config,
+    create_tracking_engine,
+    current_revision,
+    masked,
+    upgrade,
+)
 from govray.tracking.tables import (
     TERMINAL_TRIAL_STATES,
     ControlRequest,
@@ -44,106 +44,21 @@ from govray.tracking.tables import (
     utcnow,
 )
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-SQLITE_BUSY_TIMEOUT_MS = 30_000
+__all__ = [
+    "SQLITE_BUSY_TIMEOUT_MS",
+    "TrackingStore",
+    "alembic_config",
+    "create_tracking_engine",
+    "current_revision",
+    "masked",
+    "upgrade",
+]
 
 StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind, ControlRequest, DecisionKind)
 Row = TypeVar("Row", Experiment, Trial)
 
 # What a caller describes about a corpus; the store fills in the rest.
 CORPUS_FIELDS = frozenset(CorpusRecord.model_fields) - {"id", "experiment_id", "created_at"}
-
-
-def masked(url: str | URL) -> str:
-    """``url`` with its password hidden, fit for an error message or a log line."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "<unparseable database URL>"
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    # WAL lets readers run beside the one writer; the busy timeout makes writers queue instead
-    # of failing at once; SQLite leaves foreign keys off unless asked, per connection.
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA foreign_keys=ON")
-    finally:
-        cursor.close()
-
-
-def create_tracking_engine(url: str) -> Engine:
-    """An engine for ``url``, connected once so a bad URL fails here with a TrackingError."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise TrackingError(f"tracking store URL {url!r} is not a database URL: {exc}") from exc
-    where = masked(parsed)
-    options: dict[str, Any] = {}
-    if parsed.get_backend_name() == "sqlite":
-        options["connect_args"] = {"check_same_thread": False}
-        if parsed.database in (None, "", ":memory:"):
-            options["poolclass"] = StaticPool  # one shared connection, or each sees its own db
-        else:
-            try:
-                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise TrackingError(f"cannot open tracking store {where}: {exc}") from exc
-    try:
-        engine = create_engine(parsed, **options)
-        if parsed.get_backend_name() == "sqlite":
-            event.listen(engine, "connect", _sqlite_pragmas)
-        with engine.connect():
-            pass
-    except (SQLAlchemyError, ImportError) as exc:
-        reason = getattr(exc, "orig", None) or exc
-        raise TrackingError(f"cannot open tracking store {where}: {reason}") from exc
-    return engine
-
-
-def alembic_config(connection: Connection | None = None) -> Config:
-    """An Alembic config for the packaged migrations, independent of the working directory."""
-    config = Config()
-    # ConfigParser interpolates '%', so a path containing one must be escaped.
-    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
-    if connection is not None:
-        config.attributes["connection"] = connection
-    return config
-
-
-def current_revision(engine: Engine) -> str | None:
-    """The migration revision the database is at (``None`` for an empty database)."""
-    with engine.connect() as connection:
-        return MigrationContext.configure(connection).get_current_revision()
-
-
-def upgrade(target: str | Engine) -> str:
-    """Run ``alembic upgrade head`` on a URL or an engine; return the revision reached.
-
-    Raises TrackingError if the database is at a revision this govray does not know (written
-    by a newer govray, say) or a migration fails.
-    """
-    engine = create_tracking_engine(target) if isinstance(target, str) else target
-    where = masked(engine.url)
-    scripts = ScriptDirectory.from_config(alembic_config())
-    known = [script.revision for script in scripts.walk_revisions()]  # newest first
-    try:
-        with engine.begin() as connection:
-            found = MigrationContext.configure(connection).get_current_revision()
-            if found is not None and found not in known:
-                raise TrackingError(
-                    f"tracking store {where} is at revision {found!r}, which this govray does "
-                    f"not know (newest known: {known[0]!r}); upgrade govray"
-                )
-            command.upgrade(alembic_config(connection), "head")
-    except (SQLAlchemyError, CommandError) as exc:
-        raise TrackingError(f"migrating tracking store {where} failed: {exc}") from exc
-    finally:
-        if isinstance(target, str):
-            engine.dispose()
-    return known[0]
 
 
 class TrackingStore:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import DateTime, Dialect, Index, Text, TypeDecorator, UniqueConstraint
+from sqlalchemy import BigInteger, DateTime, Dialect, Index, Integer, Text, TypeDecorator, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -43,6 +43,11 @@ class UTCDateTime(TypeDecorator[datetime]):
         if not isinstance(value, datetime):
             raise TypeError(f"expected a datetime from the database, got {value!r}")
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# A count that can pass 2**31 (tokens over a run, rows of a web-scale corpus): BIGINT on PostgreSQL,
+# whose INTEGER is 32-bit. SQLite's INTEGER holds 64 bits already and stays as it is (migration 0006).
+COUNT = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class ExperimentState(StrEnum):
@@ -184,9 +189,9 @@ class CorpusRecord(SQLModel, table=True):
     corpus_id: str = Field(index=True)
     role: str
     fingerprint: str
-    rows: int
-    train_rows: int
-    holdout_rows: int
+    rows: int = Field(sa_type=COUNT)
+    train_rows: int = Field(sa_type=COUNT)
+    holdout_rows: int = Field(sa_type=COUNT)
     credential_json: str = Field(sa_type=Text)
     route_counts_json: str = Field(sa_type=Text)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
@@ -234,7 +239,7 @@ class ModelVersion(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     model_name: str = Field(foreign_key="registered_models.name", index=True)
     version: int
-    checkpoint_id: int = Field(foreign_key="checkpoints.id")
+    checkpoint_id: int = Field(foreign_key="checkpoints.id", index=True)  # migration 0006
     tags_json: str = Field(default="{}", sa_type=Text)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     # migration 0004
@@ -274,8 +279,8 @@ class LedgerRow(SQLModel, table=True):
     corpus_id: str
     parameter: str
     layer_index: int | None = None
-    examples: int
-    tokens: int
+    examples: int = Field(sa_type=COUNT)
+    tokens: int = Field(sa_type=COUNT)
     steps: int
 
 
