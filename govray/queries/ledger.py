@@ -254,7 +254,8 @@ def influence(
     total = int(session.exec(select(func.count()).select_from(reached.subquery())).one())
     if total == 0:
         raise NotFoundError(f"corpus {corpus_id!r} reached no tensor of any trial in the tracking store")
-    order = (col(LedgerRow.trial_id), col(LedgerRow.checkpoint_id))
+    # A trial's own ledger (no checkpoint) first, on every database (their NULL orders differ).
+    order = (col(LedgerRow.trial_id), col(LedgerRow.checkpoint_id).nulls_first())
     pairs = list(session.exec(reached.order_by(*order).offset(window.offset).limit(window.limit)))
     if not pairs:
         return page([], total, window)

@@ -12,8 +12,7 @@ from typing import Any, TypeVar
 
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, func
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
@@ -39,6 +38,7 @@ from govray.queries.views import (
     page,
 )
 from govray.tracking.audit import AuditEventType, utc_timestamp
+from govray.tracking.database import tracking_url
 from govray.tracking.store import SQLITE_BUSY_TIMEOUT_MS, alembic_config, current_revision, masked
 from govray.tracking.tables import (
     AttestationRecord,
@@ -59,10 +59,7 @@ def read_only_engine(url: str) -> Engine:
     """An engine that can only read the store at ``url``: SQLite opened with ``mode=ro``,
     PostgreSQL in read-only transactions. Connected once, so a bad URL fails here, and so does a
     store whose schema is not this govray's (a reader never migrates)."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise TrackingError(f"tracking store URL {url!r} is not a database URL: {exc}") from exc
+    parsed = tracking_url(url)  # a bare postgresql:// means psycopg, as for the writers
     options: dict[str, Any] = {}
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):

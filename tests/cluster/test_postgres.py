@@ -172,12 +172,6 @@ def test_lineage_answers_on_postgresql_equal_sqlites(lineage_stores: tuple[str, 
     assert on_postgresql["influence total"] == 4  # (trial ledger, early checkpoint) x 2 trials
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="govray/queries/ledger.py influence() orders by checkpoint_id with the database's NULL "
-    "order: SQLite puts a trial ledger (NULL checkpoint) first, PostgreSQL last, so a page at an "
-    "offset differs; ordering by col(LedgerRow.checkpoint_id).nulls_first() fixes it",
-)
 def test_influence_pages_hold_the_same_items_on_both_databases(lineage_stores: tuple[str, str]) -> None:
     pages = []
     for url in lineage_stores:
