@@ -62,6 +62,8 @@ class GradientGovernor:
         self.parameters = [parameter for _, parameter in named_parameters]
         self.allowed_routes = list(allowed_routes)
         self._index = {id(parameter): index for index, parameter in enumerate(self.parameters)}
+        self._sizes = [parameter.numel() for parameter in self.parameters]
+        self._total_size = sum(self._sizes)
         self._layouts: dict[tuple[int, ...], tuple[_Region, ...]] = {}
         groups = sorted(set(self.allowed_routes), key=lambda routes: sorted(routes))
         self.groups: list[frozenset[str]] = groups
@@ -81,6 +83,12 @@ class GradientGovernor:
         group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
         self.counts = [group_counts[group] for group in self._group_of]
         self._found_nonfinite.zero_()
+
+    def masked_fraction(self) -> float:
+        """The fraction of trainable parameter elements that no slot of this step may update
+        (they get no update at all)."""
+        masked = sum(size for size, count in zip(self._sizes, self.counts, strict=True) if count == 0)
+        return masked / self._total_size if self._total_size else 0.0
 
     def contributes(self, index: int) -> bool:
         """Whether this worker's slot may update parameter ``index`` at this step."""

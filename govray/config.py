@@ -209,12 +209,23 @@ class PolicyRef(BaseModel):
         return self.signature if self.signature is not None else self.file.with_name(self.file.name + ".sig")
 
 
+class PlacementStrategy(StrEnum):
+    """Where Ray places the workers (Ray Train's ``ScalingConfig.placement_strategy``)."""
+
+    PACK = "PACK"  # as few nodes as possible (best effort)
+    SPREAD = "SPREAD"  # across nodes (best effort)
+    STRICT_PACK = "STRICT_PACK"  # all on one node, or wait
+    STRICT_SPREAD = "STRICT_SPREAD"  # one worker per node, or wait (for more nodes)
+
+
 class Resources(BaseModel):
     model_config = _STRICT
 
     workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)
+    # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
 
 
 class TrackingConfig(BaseModel):
@@ -227,7 +238,9 @@ class TrackingConfig(BaseModel):
     def _known_scheme(cls, url: str | None) -> str | None:
         schemes = ("sqlite:///", "postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://")
         if url is not None and not url.startswith(schemes):
-            raise ValueError("database URL must start with sqlite:/// or postgresql:// (or postgresql+psycopg://)")
+            raise ValueError(
+                "database URL must start with sqlite:/// or postgresql:// (or postgresql+psycopg://)"
+            )
         return url
 
 

@@ -25,17 +25,17 @@ An experiment's policy is its config's ``checkpoint:`` section until someone ove
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlmodel import col, select
 
 from govray.config import CheckpointConfig, ExperimentConfig
 from govray.errors import GovrayError, TrackingError, describe_validation_error
+from govray.storage import Storage, open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
@@ -154,10 +154,11 @@ def apply_gc(
     if dry_run:
         return plan
     log = AuditLog(store)
+    storage = open_storage(store.get_experiment(experiment_id).storage_path)
     for record in plan.delete:
         checkpoint_id = _checkpoint_id(record)
         try:
-            remove_checkpoint_directory(record.path)
+            remove_checkpoint_directory(storage, record.path)
         except OSError as exc:
             raise GovrayError(
                 f"GC cannot delete checkpoint {checkpoint_id} (trial {record.trial_id}, step "
@@ -207,13 +208,11 @@ def set_gc_policy(
     )
 
 
-def remove_checkpoint_directory(path: str) -> None:
-    """Delete a checkpoint's directory; one already gone is fine.
-
-    The only place GC touches storage, so another storage backend replaces just this.
-    """
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(path)
+def remove_checkpoint_directory(storage: Storage, path: str) -> None:
+    """Delete a checkpoint's directory, from object storage too where the experiment keeps its
+    files there (``path`` is then its copy in this node's cache); one already gone is fine.
+    The only place GC touches storage."""
+    storage.delete_directory(Path(path))
 
 
 def _inventory(store: TrackingStore, experiment_id: int, metric: str) -> _Inventory:

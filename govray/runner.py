@@ -44,10 +44,12 @@ from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
+from govray.storage import open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, ExperimentState, Trial, TrialState
+from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
 
@@ -87,14 +89,18 @@ def record_report(
     layers: dict[str, int | None],
     *,
     replaying: bool,
+    events: TensorBoardLog | None = None,
 ) -> None:
-    """Store one report of the governed loop: its scalars (training / validation), the decisions
-    taken so far and, in the last report, the ledger (tensor rows with their ``layers``)."""
+    """Store one report of the governed loop: its scalars (training / validation; also in the
+    trial's TensorBoard ``events``), the decisions taken so far and, in the last report, the ledger
+    (tensor rows with their ``layers``)."""
     training, validation = scalar_metrics(report)
     if training:
         store.log_metrics(trial_id, step, "training", training)
     if validation:
         store.log_metrics(trial_id, step, "validation", validation)
+    if events is not None:
+        events.write(step, {**training, **validation})
     if "decisions" in report:
         decisions = json.loads(report["decisions"])
         known = {decision.seq for decision in store.decisions(trial_id)}
@@ -139,6 +145,7 @@ def governed_trainer(
     mode, where no controller callback runs: ``on_report`` hears the reports), N on Ray Train
     workers with ``callbacks`` on the controller."""
     workers = config.resources.workers
+    storage = open_storage(config.storage_path)
     return TorchTrainer(
         partial(train_worker, on_report=on_report) if workers == 1 else train_worker,
         train_loop_config=spec.model_dump(mode="json"),
@@ -146,11 +153,16 @@ def governed_trainer(
             num_workers=0 if workers == 1 else workers,
             use_gpu=config.resources.use_gpu,
             resources_per_worker={"CPU": config.resources.cpus_per_worker},
+            placement_strategy=config.resources.placement_strategy.value,
         ),
         torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
         run_config=RunConfig(
             name=run_name,
-            storage_path=str(Path(config.storage_path) / "ray"),
+            # Object storage: Ray Train uploads reported checkpoints there and restores from there.
+            storage_path=storage.remote_path(storage.root / "ray")
+            if storage.is_remote
+            else str(storage.root / "ray"),
+            storage_filesystem=storage.filesystem,
             failure_config=FailureConfig(max_failures=config.max_restarts),
             callbacks=callbacks if workers > 1 else [],  # type: ignore[arg-type]  # V2 UserCallback
         ),
@@ -158,7 +170,8 @@ def governed_trainer(
 
 
 class TrackingCallback(UserCallback):
-    """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store."""
+    """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store
+    and to the trial's TensorBoard event files."""
 
     def __init__(
         self,
@@ -167,12 +180,16 @@ class TrackingCallback(UserCallback):
         layer_index: dict[str, int | None],
         gc: GcSettings,
         replaying: bool = False,
+        events: TensorBoardLog | None = None,
+        storage: str = "",
     ) -> None:
         self.database_url = database_url
         self.trial_id = trial_id
         self.layer_index = layer_index  # tensor name → layer, for the ledger rows
         self.gc = gc
         self.replaying = replaying  # decisions reported are the source trial's, applied
+        self.events = events
+        self.storage = storage  # object storage: checkpoints are recorded by their cache path
         self._store: TrackingStore | None = None
         self._last_step = 0
 
@@ -184,6 +201,11 @@ class TrackingCallback(UserCallback):
             self._last_step = step
             self._record_metrics(self._store, step, metrics)
         if checkpoint_path is not None:
+            if self.storage:  # recorded by its path in this node's cache of the object storage
+                storage = open_storage(self.storage)
+                local = storage.local_path(checkpoint_path)
+                storage.fetch(local)  # the recorded manifest digest is the stored checkpoint's
+                checkpoint_path = str(local)
             record_checkpoint(self._store, self.trial_id, checkpoint_path, step)
             apply_gc(
                 self._store,
@@ -194,7 +216,8 @@ class TrackingCallback(UserCallback):
             )
 
     def _record_metrics(self, store: TrackingStore, step: int, metrics: dict[str, Any]) -> None:
-        record_report(store, self.trial_id, step, metrics, self.layer_index, replaying=self.replaying)
+        layers, replaying = self.layer_index, self.replaying
+        record_report(store, self.trial_id, step, metrics, layers, replaying=replaying, events=self.events)
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
@@ -281,7 +304,7 @@ def run_trial(
         store.set_trial_source(trial_id, json.dumps({**recorded, "step": source.state.step}))
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
-        config, Path(config.storage_path), config_digest=config_digest(config), threads=threads
+        config, open_storage(config.storage_path).root, config_digest=config_digest(config), threads=threads
     )
     store.set_trial_reproducibility(trial_id, record.model_dump_json())
     spec = new_run_spec(
@@ -302,6 +325,7 @@ def run_trial(
     spec_path = run_spec_path(config, run_name)
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
+    open_storage(config.storage_path).upload(spec_path)
     return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
 
 
@@ -349,14 +373,16 @@ def new_run_spec(
         trust=trust,
         config_digest=config_digest(config),
         policy_digest=checked.policy.digest,
-        run_dir=str(Path(config.storage_path) / "ray" / run_name),
+        run_dir=str(open_storage(config.storage_path).root / "ray" / run_name),
         run_name=run_name,
+        experiment=config.name,
         validation_period=config.min_validation_period or validation_period,
         lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,
         early_stopping=config.early_stopping,
         control_file=str(control_path(config, run_name)),
-        log_dir=str(log_dir(config.storage_path, run_name)),
+        log_dir=str(log_dir(open_storage(config.storage_path).root, run_name)),
+        storage=config.storage_path if "://" in config.storage_path else "",
         start_checkpoint=start_checkpoint,
         start_model=dict(start_model or {}),
         objective_metric=config.searcher.metric,
@@ -395,12 +421,12 @@ def check_memorization_inputs(
 
 
 def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:
-    return Path(config.storage_path) / "runs" / f"{run_name}.json"
+    return open_storage(config.storage_path).root / "runs" / f"{run_name}.json"
 
 
 def control_path(config: ExperimentConfig, run_name: str) -> Path:
     """Where the driver passes a pause/kill request to the run's rank 0 (shared storage)."""
-    return Path(config.storage_path) / "control" / run_name
+    return open_storage(config.storage_path).root / "control" / run_name
 
 
 RESUMABLE_STATES = (TrialState.ACTIVE.value, TrialState.ERRORED.value, TrialState.PAUSED.value)
@@ -435,7 +461,7 @@ def resume_trial(
         )
     assert trial.id is not None and trial.ray_run_name is not None
     path = run_spec_path(config, trial.ray_run_name)
-    if not path.exists():
+    if not open_storage(config.storage_path).fetch(path):
         raise TrainingFailed(f"trial {trial.id}: {path} is missing; the run cannot be rebuilt")
     spec = RunSpec.model_validate_json(path.read_text())
     if spec.policy_digest != checked.policy.digest:
@@ -469,8 +495,15 @@ def _train(
         smaller_is_better=config.searcher.smaller_is_better,
     )
     layer_index = checked.routing.tensor_layers()
+    events = TensorBoardLog(tensorboard_dir(open_storage(config.storage_path).root, run_name))
     callback = TrackingCallback(
-        config.database_url, trial_id, layer_index, gc, replaying=spec.recorded_decisions is not None
+        config.database_url,
+        trial_id,
+        layer_index,
+        gc,
+        replaying=spec.recorded_decisions is not None,
+        events=events,
+        storage=spec.storage,
     )
     trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
     control = Path(spec.control_file)
@@ -487,6 +520,9 @@ def _train(
     finally:
         control.unlink(missing_ok=True)
         store.request(experiment.id, None)
+        events.close()  # in local mode the driver wrote them (flushed at every report)
+        if events.directory.exists():  # Ray Train's controller writes them on the driver's node
+            open_storage(config.storage_path).upload(events.directory)
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
     steps_done = last_step(store, trial_id)
@@ -498,7 +534,13 @@ def _train(
             trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
         )
     ledger = stored_ledger(store, trial_id)
-    attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
+    # Ray Train's workers may have written the final checkpoint from another node: fetch it.
+    storage = open_storage(config.storage_path)
+    storage.fetch_latest(Path(spec.run_dir), "checkpoint_")
+    attested = attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
+    if attested is not None:  # kept next to the checkpoint, in object storage too
+        storage.upload(attested.provenance)
+        storage.upload(attested.coverage)
     store.set_trial_state(trial_id, TrialState.COMPLETED)
     store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
     return TrialOutcome(

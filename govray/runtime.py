@@ -22,6 +22,11 @@ def ensure_ray(address: str | None = None) -> None:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
+def ray_node_id() -> str | None:
+    """The id of the Ray node this process runs on; None outside Ray."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def train_worker_pids() -> list[int]:
     """PIDs of this machine's live Ray Train worker processes (titled ``ray::RayTrainWorker``)."""
     pids = []

@@ -49,6 +49,7 @@ from govray.runner import governed_trainer, last_step, new_run_spec, record_repo
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
+from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 
 ENTRY_POINTS = "govray.searchers"
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
@@ -239,6 +240,7 @@ class SearchTracking(ray.tune.Callback):
         self._store: TrackingStore | None = None
         self.rows: dict[str, int] = {}  # Tune trial id → trial row
         self.last: dict[str, dict[str, Any]] = {}  # Tune trial id → its latest govray report
+        self.events: dict[str, TensorBoardLog] = {}  # Tune trial id → its TensorBoard event files
 
     @property
     def store(self) -> TrackingStore:
@@ -281,7 +283,12 @@ class SearchTracking(ray.tune.Callback):
         step = int(report["step"])
         if step <= last_step(self.store, row_id):
             return  # a restarted trial re-reports the steps after its checkpoint
-        record_report(self.store, row_id, step, report, self.layers, replaying=False)
+        if trial.trial_id not in self.events:
+            run_name = trial_run_name(self.config, trial.trial_id)
+            self.events[trial.trial_id] = TensorBoardLog(tensorboard_dir(self.config.storage_path, run_name))
+        record_report(
+            self.store, row_id, step, report, self.layers, replaying=False, events=self.events[trial.trial_id]
+        )
         if "cloned_from_run" in report:
             donor = [
                 t
@@ -326,9 +333,15 @@ class SearchTracking(ray.tune.Callback):
             self.store.record_decisions(row_id, [decision], replayed=False)
         attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
         self.store.set_trial_state(row_id, TrialState.COMPLETED)
+        self._close_events(trial)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self.store.set_trial_state(self.row(trial), TrialState.ERRORED)
+        self._close_events(trial)
+
+    def _close_events(self, trial: Any) -> None:
+        if (events := self.events.pop(trial.trial_id, None)) is not None:
+            events.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}
@@ -360,6 +373,12 @@ def run_search(
     from ray.tune import TuneConfig, Tuner
 
     assert experiment.id is not None
+    if "://" in config.storage_path:
+        raise ConfigError(
+            f"storage_path {config.storage_path}: a search keeps Ray Tune's state on a shared file "
+            "system for now; give it an absolute path every node mounts (single runs, `govray run`, "
+            "take s3://)"
+        )
     max_steps = new_run_spec(
         config,
         checked,

@@ -9,7 +9,7 @@ GOVRAY = Path(__file__).resolve().parents[1] / "govray"
 
 # Bottom to top. A module may import its own layer and those below it, never above.
 LAYERS: list[set[str]] = [
-    {"errors", "canonical", "documents", "runtime", "logs", "memorization", "canaries"},
+    {"errors", "canonical", "documents", "runtime", "logs", "memorization", "canaries", "storage"},
     {"credentials"},
     {"keys"},
     {"dsse"},
@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"rows", "eu_summary"},
     {"registry", "recompute"},
     {"runner"},
-    {"replay", "lifecycle", "search", "queries"},
+    {"replay", "lifecycle", "search", "queries", "submission"},
     {"cli", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -43,6 +43,7 @@ from govray.data.shards import (
 )
 from govray.errors import CredentialError, IngestError, PolicyError
 from govray.policy import DepthPolicy, VerifiedPolicy
+from govray.storage import open_storage
 
 ROWS_PER_SHARD_FILE = 100_000
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training
@@ -256,15 +257,16 @@ def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = Fa
 
     Raises ``IngestError`` naming the corpus (and row and field) at fault; writes nothing then.
     """
-    if "://" in config.storage_path:
-        raise IngestError("ingest writes to a local storage_path for now")
+    storage = open_storage(config.storage_path)
+    storage.check()  # unreachable object storage is refused before any corpus is read
     policy_json = policy.policy.model_dump_json()
     corpora = [
         _process_corpus(spec, policy_json, config.data.holdout_fraction) for spec in config.data.corpora
     ]
     key = ingest_key(config, policy, {c.spec.id: c.fingerprint for c in corpora})
-    root = Path(config.storage_path) / "shards" / key
-    if (root / MANIFEST).exists() and not force:
+    root = storage.root / "shards" / key
+    fetched = storage.fetch(root, verify=lambda staged: ShardSet.open(staged, verify=True))
+    if fetched and (root / MANIFEST).exists() and not force:
         existing = ShardSet.open(root, verify=True)
         return IngestResult(root=root, manifest=existing.manifest, reused=True)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -278,6 +280,7 @@ def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = Fa
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    storage.upload(root)  # the manifest last: other nodes see complete shards or none
     return IngestResult(root=root, manifest=manifest, reused=False)
 
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from govray.canonical import file_sha256
 from govray.errors import IngestError
+from govray.storage import open_storage
 
 MANIFEST = "manifest.json"
 SHARD_FORMAT_VERSION = 1
@@ -112,6 +113,14 @@ class ShardSet:
         if verify:
             shards.verify()
         return shards
+
+    @classmethod
+    def fetch(cls, root: Path, storage: str) -> ShardSet:
+        """The shard set at ``root`` in this node's cache of object storage ``storage`` (a local
+        storage_path or "": used where it lies), downloaded and verified first when missing."""
+        if storage:
+            open_storage(storage).fetch(root, verify=lambda staged: cls.open(staged, verify=True))
+        return cls.open(root)
 
     def verify(self) -> None:
         """Check every shard file's digest against the manifest."""

@@ -61,6 +61,7 @@ from govray.decisions import (
     RecordedDecision,
     RollbackDecision,
 )
+from govray.harness.dashboard import GovernanceMetrics
 from govray.harness.probe import MemorizationProbe
 from govray.harness.trial import Trial, load_trial_class
 from govray.harness.worker import RouteRows, Worker, all_reduce_sums
@@ -75,7 +76,9 @@ from govray.memorization import (
 )
 from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
+from govray.runtime import ray_node_id
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
+from govray.storage import open_storage
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
@@ -120,7 +123,11 @@ class RunSpec(BaseModel):
     # attestation's file name and sha256 (the run's attestation lists it as a dependency).
     start_model: dict[str, str] = {}
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
+    # Object storage (s3://...) whose node-local cache holds shard_root, run_dir and control_file:
+    # workers fetch from it what their node lacks, and local mode uploads its checkpoints to it.
+    storage: str = ""
     run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
+    experiment: str = ""  # the experiment's name (a tag of the exported governance metrics)
     # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
     # trial restored, or a PBT clone continuing its donor.
     resume_checkpoint: str = ""
@@ -166,7 +173,7 @@ class GovernedTraining:
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
-        self.shards = ShardSet.open(Path(spec.shard_root))
+        self.shards = ShardSet.fetch(Path(spec.shard_root), spec.storage)
         self.gates: list[GateDecision] = []
         self.rollbacks: list[RollbackDecision] = []
         self.schedule = self._schedule()
@@ -221,6 +228,8 @@ class GovernedTraining:
         self._stop_check: tuple[torch.Tensor, Any] | None = None
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.run_name = spec.run_name or Path(spec.run_dir).name
+        # Rank 0 sees every slot of every step: it alone exports the dashboard's counters.
+        self.exported = GovernanceMetrics(spec.experiment, self.run_name) if worker.rank == 0 else None
 
     def step(self, step: int) -> tuple[float, int]:
         """One governed step; returns this worker's (loss sum, examples)."""
@@ -244,6 +253,8 @@ class GovernedTraining:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.ledger.record_step(slots, self.routing, self.tokens)
+        if self.exported is not None:
+            self.exported.record_step(slots, self.governor.masked_fraction())
         return float(losses.detach().sum()), len(mine.rows)
 
     def checkpoint_state(self, steps_done: int) -> CheckpointState:
@@ -551,7 +562,10 @@ class GovernedTraining:
         """This validation's memorization measures (``probe.MemorizationProbe``), scored by the
         policy's thresholds (or the defaults)."""
         thresholds = self.spec.policy.memorization or MemorizationThresholds()
-        return memorization_report(self.probe.measure(), thresholds)
+        report = memorization_report(self.probe.measure(), thresholds)
+        if self.exported is not None:
+            self.exported.record_memorization(report)
+        return report
 
     def objective(self, metrics: Mapping[str, float], report: MemorizationReport) -> float:
         """The search objective: the searcher's metric penalized by the memorization score."""
@@ -642,8 +656,10 @@ def _train_steps(
         note(f"starting from checkpoint {spec.start_checkpoint} (its step {training.source['step']})")
     if resume_from is None:
         training.keep_clean(0)  # the starting weights are the first rollback target
+    node = ray_node_id()
     note(
-        f"rank {worker.rank} of {worker.world_size}: steps {start + 1}..{spec.max_steps}, "
+        f"rank {worker.rank} of {worker.world_size}{f' on Ray node {node}' if node else ''}: "
+        f"steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
     if training.stopped_early:
@@ -771,6 +787,8 @@ def _resume_checkpoint(spec: RunSpec, ray_train: bool) -> Any:
     found = ray.train.get_checkpoint() if ray_train else None
     if found is None and spec.resume_checkpoint:
         found = ray.train.Checkpoint.from_directory(spec.resume_checkpoint)
+    if found is None and spec.run_dir and spec.storage:  # the newest may lie in another node's cache
+        open_storage(spec.storage).fetch_latest(Path(spec.run_dir), "checkpoint_")
     if found is None and spec.run_dir and Path(spec.run_dir).is_dir():
         local = find_checkpoints(Path(spec.run_dir))
         if local:
@@ -795,6 +813,8 @@ def _report(
         # Local mode has no controller to persist checkpoints: write them into the run directory.
         saved = str(Path(training.spec.run_dir) / f"checkpoint_{done:08d}")
         training.save_checkpoint(Path(saved), done, key)
+        if training.spec.storage:
+            open_storage(training.spec.storage).upload(Path(saved))
         if ray_train:
             ray.train.report(metrics)
     elif key is not None:

@@ -1,0 +1,226 @@
+"""A governed run with ``storage_path: s3://...`` against a local S3-compatible server (moto's,
+started here): shards, checkpoints, the run spec, TensorBoard files and attestations land in the
+bucket; a driver killed after its first checkpoint is resumed on a node whose cache is empty
+(everything comes back from the bucket) and ends bit-identical to the same run on local storage;
+the attestation verifies against files downloaded from the bucket with boto3; GC deletes from the
+bucket. `python -m pytest -m cluster tests/cluster/test_s3.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+from moto.server import ThreadedMotoServer
+
+from govray.attest import verify_attestation
+from govray.keys import platform_key, platform_trust
+from govray.storage import StorageError, open_storage
+from govray.tracking.lineage import attestations, checkpoints
+from govray.tracking.store import TrackingStore
+from tests.cluster.governed_job import MODEL_FILES, digits_experiment, finished_run
+from tests.cluster.local_ray import LocalRayCluster, free_port
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.cluster
+
+BUCKET = "govray-test"
+PREFIX = "team/digits"
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 with one empty bucket."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Credentials and endpoint in the environment (the only place govray reads them), inherited
+    by the Ray nodes and drivers this test starts; each node's cache under ``tmp_path``."""
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": s3_endpoint,
+        "GOVRAY_CACHE": str(tmp_path / "node-cache"),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = s3_client()
+    client.create_bucket(Bucket=BUCKET)
+    yield env
+    objects = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    for item in objects:
+        client.delete_object(Bucket=BUCKET, Key=item["Key"])
+    client.delete_bucket(Bucket=BUCKET)
+
+
+def s3_client() -> Any:
+    return boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"])
+
+
+def bucket_keys() -> list[str]:
+    paginator = s3_client().get_paginator("list_objects_v2")
+    return [item["Key"] for page in paginator.paginate(Bucket=BUCKET) for item in page.get("Contents", [])]
+
+
+def download(prefix: str, destination: Path) -> Path:
+    """Every object below ``prefix``, with boto3 (not govray), into ``destination``."""
+    client = s3_client()
+    for key in bucket_keys():
+        if key.startswith(prefix + "/") and not key.endswith("/"):  # not a directory marker
+            target = destination / key[len(prefix) + 1 :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(BUCKET, key, str(target))
+    return destination
+
+
+@pytest.fixture
+def cluster(s3_env: dict[str, str]) -> Iterator[LocalRayCluster]:
+    cluster = LocalRayCluster()
+    cluster.start_head(num_cpus=2)
+    cluster.wait_for_nodes(1)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        assert cluster.leftover_processes() == []
+
+
+def on_s3(experiment: Path, database: Path) -> Path:
+    raw = yaml.safe_load(experiment.read_text())
+    raw["storage_path"] = f"s3://{BUCKET}/{PREFIX}"
+    raw["tracking"] = {"database": f"sqlite:///{database}"}  # required with remote storage
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return experiment
+
+
+def first_checkpoint_trial(database: Path) -> int | None:
+    """The trial whose step-5 checkpoint the store records, read with sqlite3 (opening a
+    TrackingStore would race the driver's migrations)."""
+    try:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
+            found = connection.execute("SELECT trial_id FROM checkpoints WHERE step = 5").fetchone()
+    except sqlite3.OperationalError:  # not created yet
+        return None
+    return int(found[0]) if found else None
+
+
+def kill_driver_after_first_checkpoint(cluster: LocalRayCluster, experiment: Path, database: Path) -> int:
+    """``jobs/train.py`` as a driver of the cluster, SIGKILLed once its step-5 checkpoint is
+    recorded; returns the trial's id."""
+    driver = subprocess.Popen(
+        [sys.executable, "jobs/train.py", "--config", str(experiment)],
+        cwd=REPO,
+        env=cluster.environment(RAY_ADDRESS=cluster.address),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while driver.poll() is None and time.monotonic() < deadline:
+            if (recorded := first_checkpoint_trial(database)) is not None:
+                driver.send_signal(signal.SIGKILL)
+                driver.wait(timeout=60)
+                return recorded
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    raise AssertionError(
+        f"the driver ended (rc {driver.returncode}) or timed out before its first checkpoint"
+    )
+
+
+def test_an_s3_run_checkpoints_resumes_from_the_bucket_and_attests(
+    cluster: LocalRayCluster, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The reference: the same experiment on local storage, uninterrupted.
+    reference = digits_experiment(tmp_path / "local", steps=STEPS)
+    job = cluster.govray("run", str(reference))
+    assert job.returncode == 0, job.stdout + job.stderr
+    local = finished_run(reference)
+
+    database = tmp_path / "s3" / "govray.db"
+    experiment = on_s3(digits_experiment(tmp_path / "s3", steps=STEPS), database)
+    trial_id = kill_driver_after_first_checkpoint(cluster, experiment, database)
+    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    shutil.rmtree(s3_env["GOVRAY_CACHE"])  # a fresh node: only the bucket holds the run now
+    job = cluster.govray("resume", "digits-governed", "--database", f"sqlite:///{database}")
+    assert job.returncode == 0, job.stdout + job.stderr
+
+    store = TrackingStore.open(f"sqlite:///{database}")
+    trial = store.get_trial(trial_id)
+    assert trial.state == "completed" and trial.ray_run_name
+    # Step 5 was reported before the kill and never again: the resume started from checkpoint 5.
+    assert [m.step for m in store.metrics(trial_id, "training_loss")] == [5, 10]
+    run = trial.ray_run_name
+    keys = bucket_keys()
+    assert any(k.startswith(f"{PREFIX}/shards/") and k.endswith("/manifest.json") for k in keys), keys
+    assert f"{PREFIX}/runs/{run}.json" in keys
+    assert any(k.startswith(f"{PREFIX}/tensorboard/{run}/events.out.tfevents.") for k in keys), keys
+    stored = sorted(
+        k.split("/")[4]
+        for k in keys
+        if k.startswith(f"{PREFIX}/ray/{run}/checkpoint_") and k.endswith("/manifest.json")
+    )
+    # GC (save_trial_latest 1, save_trial_best 1) deleted from the bucket what the store marks
+    # deleted. (The killed run's workers outlive their driver for a moment and may upload a
+    # checkpoint nobody recorded: the bucket may hold more than the store.)
+    recorded = checkpoints(store, trial_id)
+    states = {Path(c.path).name: (c.step, c.state) for c in recorded}
+    assert sorted(states.values()) == [(5, "deleted"), (10, "active")], states
+    (final,) = [name for name, (_, state) in states.items() if state == "active"]
+    assert final in stored and not [
+        name for name, (_, s) in states.items() if s == "deleted" and name in stored
+    ]
+    assert all(c.manifest_digest for c in recorded)  # the stored checkpoint's, fetched to record it
+
+    # Everything a third party needs comes from the bucket, downloaded without govray.
+    model_dir = download(f"{PREFIX}/ray/{run}/{final}", tmp_path / "downloaded" / final)
+    attested = download(f"{PREFIX}/attestations/{run}", tmp_path / "downloaded" / "attestations")
+    envelope = attested / f"{final}.provenance.dsse.json"
+    assert envelope.exists() and (attested / f"{final}.coverage.dsse.json").exists()
+    verified = verify_attestation(envelope, model_dir=model_dir, trust=platform_trust(platform_key()))
+    assert verified.statement["subject"][0]["digest"]["sha256"]
+    (final_record,) = [c for c in recorded if Path(c.path).name == final]
+    assert envelope.read_text() in {r.envelope_json for r in attestations(store, final_record.id)}  # type: ignore[arg-type]
+
+    # Bit-identical to the uninterrupted run on local storage.
+    for name in MODEL_FILES:
+        assert (local.final_checkpoint / name).read_bytes() == (model_dir / name).read_bytes(), name
+    ledgers = [
+        json.loads((d / "state.json").read_text())["ledger"] for d in (local.final_checkpoint, model_dir)
+    ]
+    assert ledgers[0] == ledgers[1]
+
+
+def test_unreachable_or_unknown_storage_is_refused_naming_it(s3_env: dict[str, str]) -> None:
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket'.*AWS_ACCESS_KEY_ID"):
+        open_storage("s3://no-such-bucket/x").check()
+    with pytest.raises(StorageError, match="only a local path or s3://"):
+        open_storage("gs://bucket/x")
+    open_storage(f"s3://{BUCKET}/probe").check()  # a reachable bucket passes, and keeps no object
+    assert bucket_keys() == ["probe/"]  # pyarrow keeps the emptied prefix as a directory marker
