@@ -1,6 +1,7 @@
 """Entry point for ``ray job submit``: the hyperparameter search of one experiment file.
 
     ray job submit --working-dir . -- python jobs/search.py --config EXPERIMENT.yaml
+    govray submit EXPERIMENT.yaml --search --address http://HEAD:8265   # the same, with pins and checks
 
 The same as ``govray search CONFIG``; resubmitting an interrupted search resumes it (Tune's
 ``Tuner.restore``) without rerunning finished trials.
@@ -23,4 +24,5 @@ def parse(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse(sys.argv[1:])))
+    # A job that `govray submit` sent first checks this node's packages against its pins (exit 22).
+    sys.exit(main(["job", "verify-pins"]) or main(parse(sys.argv[1:])))

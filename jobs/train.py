@@ -1,6 +1,7 @@
 """Entry point for ``ray job submit``: a governed training run of one experiment file.
 
     ray job submit --working-dir . -- python jobs/train.py --config jobs/examples/digits/experiment.yaml
+    govray submit EXPERIMENT.yaml --address http://HEAD:8265   # the same, with pins and checks
 
 The same as ``govray run CONFIG``; inside a Ray job the driver joins the job's cluster.
 """
@@ -24,4 +25,5 @@ def parse(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse(sys.argv[1:])))
+    # A job that `govray submit` sent first checks this node's packages against its pins (exit 22).
+    sys.exit(main(["job", "verify-pins"]) or main(parse(sys.argv[1:])))

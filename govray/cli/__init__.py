@@ -4,7 +4,9 @@ Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument o
 credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
 store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 17 model
 registry request refused; 18 row lookup refused (unknown corpus, row out of range); 19 training-content
-summary refused; 1 anything else govray refused on purpose.
+summary refused; 20 Ray job failed, or the Ray Jobs API refused a request (address, token, unknown
+job); 21 Ray job stopped before it finished; 22 a submitted job's packages differ from its pins;
+1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from govray.cli import audit, data, experiment, export, keys, lineage, model, policy, trial
+from govray.cli import audit, data, experiment, export, job, keys, lineage, model, policy, trial
 from govray.cli.attest import attest, verify
 from govray.cli.replay import replay
 from govray.cli.resume import resume
@@ -41,9 +43,11 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(model.app, name="model")
 app.add_typer(lineage.app, name="lineage")
 app.add_typer(export.app, name="export")
+app.add_typer(job.app, name="job")
 app.command(name="run")(run)
 app.command(name="search")(search)
 app.command(name="serve")(serve)
+app.command(name="submit")(job.submit)
 app.command(name="replay")(replay)
 app.command(name="resume")(resume)
 app.command(name="attest")(attest)
