@@ -1,8 +1,12 @@
-"""cluster.yaml passes Ray's own cluster-launcher validation; a broken copy does not."""
+"""cluster.yaml passes Ray's own cluster-launcher validation (a broken copy does not), installs
+govray at pyproject's version under constraints.txt, scales its workers from zero, and starts every
+node with token authentication on."""
 
 from __future__ import annotations
 
-import copy
+import re
+import shlex
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -10,18 +14,28 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER = Path(__file__).resolve().parents[1] / "cluster.yaml"
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "cluster.yaml"
+# In the setup line that fails a node whose installed govray is not the one cluster.yaml pins.
+PINNED_VERSION = re.compile(r"pinned = '([^']+)'")
 
 
 def load() -> dict[str, Any]:
     return yaml.safe_load(CLUSTER.read_text())
 
 
+def pip_installs(config: dict[str, Any]) -> list[list[str]]:
+    """The arguments of every ``pip install`` in the setup commands."""
+    commands = config["setup_commands"] + config.get("head_setup_commands", [])
+    return [
+        words[words.index("install") + 1 :]
+        for words in (shlex.split(command, comments=True) for command in commands)
+        if "pip" in words and "install" in words
+    ]
+
+
 def test_cluster_yaml_passes_rays_validator() -> None:
-    config = load()
-    validate_config(prepare_config(copy.deepcopy(config)))
-    workers = config["available_node_types"]
-    assert workers["gpu-worker"]["min_workers"] == 0 and workers["gpu-worker"]["resources"]["GPU"] == 1
+    validate_config(prepare_config(load()))
 
 
 def test_a_node_type_without_resources_fails_validation() -> None:
@@ -29,3 +43,61 @@ def test_a_node_type_without_resources_fails_validation() -> None:
     del config["available_node_types"]["gpu-worker"]["resources"]
     with pytest.raises(Exception, match="resources"):
         validate_config(prepare_config(config))
+
+
+def test_workers_scale_from_zero_and_the_gpu_type_asks_for_a_gpu() -> None:
+    config = load()
+    node_types = config["available_node_types"]
+    head = config["head_node_type"]
+    assert node_types[head]["resources"]["CPU"] == 0  # training never lands on the head
+    workers = {name: spec for name, spec in node_types.items() if name != head}
+    assert workers, "no worker node types"
+    for name, spec in workers.items():
+        assert spec["min_workers"] == 0, name
+        assert 0 < spec["max_workers"] <= config["max_workers"], name
+    assert workers["gpu-worker"]["resources"]["GPU"] >= 1
+    assert "GPU" not in workers["cpu-worker"]["resources"]
+
+
+def test_setup_installs_pyprojects_version_of_govray_under_the_constraints() -> None:
+    config = load()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = [
+        pin
+        for command in config["setup_commands"]
+        if "m.version('govray')" in command
+        for pin in PINNED_VERSION.findall(command)
+    ]
+    assert pins == [project["version"]], "bump cluster.yaml's pinned govray with pyproject's version"
+    assert config["file_mounts"]["~/govray"] == "."
+    installs = pip_installs(config)
+    assert ["--no-cache-dir", "-c", "~/govray/constraints.txt", "~/govray"] in installs  # not -e
+    pinned = {
+        line.split("==")[0].lower()
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    for arguments in installs:
+        assert "-e" not in arguments and "--editable" not in arguments
+        assert arguments[arguments.index("-c") + 1] == "~/govray/constraints.txt"
+        named = [word for word in arguments if not word.startswith(("-", "~"))]
+        assert set(named) <= pinned, f"{named} not all pinned in constraints.txt"
+
+
+def test_every_node_starts_ray_with_token_auth_from_the_launching_users_token() -> None:
+    config = load()
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [command for command in config[key] if "ray start" in command]
+        assert "export RAY_AUTH_MODE=token;" in start, key
+        assert "--metrics-export-port=8080" in start, key
+    (head_start,) = [command for command in config["head_start_ray_commands"] if "ray start" in command]
+    for flag in ("--dashboard-host=0.0.0.0", "--dashboard-port=8265", "--autoscaling-config="):
+        assert flag in head_start
+
+
+def test_nodes_reach_storage_through_instance_profiles_not_keys() -> None:
+    config = load()
+    for name, spec in config["available_node_types"].items():
+        assert "Name" in spec["node_config"]["IamInstanceProfile"], name
+    assert "AWS_SECRET_ACCESS_KEY" not in CLUSTER.read_text()
