@@ -360,6 +360,17 @@ def search_path(config: ExperimentConfig, experiment: Experiment) -> Path:
     return Path(config.storage_path) / "tune" / f"{config.name}-search{experiment.id}"
 
 
+def check_search_storage(config: ExperimentConfig) -> None:
+    """Refuse (``ConfigError``) object storage for a search: Ray Tune's state and the trials'
+    checkpoints live on a file system path here."""
+    if "://" in config.storage_path:
+        raise ConfigError(
+            f"storage_path {config.storage_path}: a search keeps Ray Tune's state on a shared file "
+            "system for now; give it an absolute path every node mounts (a single run, `govray "
+            "run`, takes s3://)"
+        )
+
+
 def run_search(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -373,12 +384,7 @@ def run_search(
     from ray.tune import TuneConfig, Tuner
 
     assert experiment.id is not None
-    if "://" in config.storage_path:
-        raise ConfigError(
-            f"storage_path {config.storage_path}: a search keeps Ray Tune's state on a shared file "
-            "system for now; give it an absolute path every node mounts (single runs, `govray run`, "
-            "take s3://)"
-        )
+    check_search_storage(config)
     max_steps = new_run_spec(
         config,
         checked,
