@@ -46,6 +46,7 @@ from govray.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reproducibility import build_record
 from govray.runner import governed_trainer, last_step, new_run_spec, record_report
+from govray.storage import open_storage
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
@@ -174,6 +175,7 @@ class _ReportLog(UserCallback):
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(metrics[0], sort_keys=True) + "\n")
 
@@ -204,8 +206,9 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         end = min(spec.max_steps, (start // period + 1) * period)
         segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
         name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
-        run_dir = Path(config.storage_path) / "ray" / name
-        reports = Path(config.storage_path) / "ray" / f"{name}.reports.jsonl"
+        storage = open_storage(config.storage_path)
+        run_dir = storage.root / "ray" / name
+        reports = storage.root / "ray" / f"{name}.reports.jsonl"  # on this node (the controller's)
         result = governed_trainer(
             config,
             segment.model_copy(update={"run_dir": str(run_dir)}),
@@ -216,8 +219,9 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
         relayed = _tune_result(_segment_reports(reports, result.metrics))
         reports.unlink(missing_ok=True)
-        ray.tune.report(relayed, checkpoint=Checkpoint(result.checkpoint.path))
-        resume, start = result.checkpoint.path, end
+        ray.tune.report(relayed, checkpoint=Checkpoint(result.checkpoint.path, result.checkpoint.filesystem))
+        # The next segment resumes from it: a directory in the nodes' cache of object storage.
+        resume, start = str(storage.local_path(result.checkpoint.path)), end
 
 
 class SearchTracking(ray.tune.Callback):
@@ -285,7 +289,8 @@ class SearchTracking(ray.tune.Callback):
             return  # a restarted trial re-reports the steps after its checkpoint
         if trial.trial_id not in self.events:
             run_name = trial_run_name(self.config, trial.trial_id)
-            self.events[trial.trial_id] = TensorBoardLog(tensorboard_dir(self.config.storage_path, run_name))
+            root = open_storage(self.config.storage_path).root
+            self.events[trial.trial_id] = TensorBoardLog(tensorboard_dir(root, run_name))
         record_report(
             self.store, row_id, step, report, self.layers, replaying=False, events=self.events[trial.trial_id]
         )
@@ -302,7 +307,9 @@ class SearchTracking(ray.tune.Callback):
         self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
     ) -> None:
         row_id = self.row(trial)
-        path = Path(checkpoint.path)
+        storage = open_storage(self.config.storage_path)
+        path = storage.local_path(checkpoint.path)  # Tune's copy (in this node's cache of it)
+        storage.fetch(path)  # the recorded manifest digest is the stored checkpoint's
         record_checkpoint(self.store, row_id, str(path), checkpoint_step(path))
         if self.gc_as_trials_go:
             self.collect_garbage()
@@ -331,7 +338,11 @@ class SearchTracking(ray.tune.Callback):
                 "observed": None,
             }
             self.store.record_decisions(row_id, [decision], replayed=False)
-        attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
+        attested = attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
+        if attested is not None:  # kept next to the checkpoint, in object storage too
+            storage = open_storage(self.config.storage_path)
+            storage.upload(attested.provenance)
+            storage.upload(attested.coverage)
         self.store.set_trial_state(row_id, TrialState.COMPLETED)
         self._close_events(trial)
 
@@ -342,6 +353,8 @@ class SearchTracking(ray.tune.Callback):
     def _close_events(self, trial: Any) -> None:
         if (events := self.events.pop(trial.trial_id, None)) is not None:
             events.close()
+            if events.directory.exists():
+                open_storage(self.config.storage_path).upload(events.directory)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}
@@ -357,18 +370,8 @@ class SearchOutcome:
 
 
 def search_path(config: ExperimentConfig, experiment: Experiment) -> Path:
-    return Path(config.storage_path) / "tune" / f"{config.name}-search{experiment.id}"
-
-
-def check_search_storage(config: ExperimentConfig) -> None:
-    """Refuse (``ConfigError``) object storage for a search: Ray Tune's state and the trials'
-    checkpoints live on a file system path here."""
-    if "://" in config.storage_path:
-        raise ConfigError(
-            f"storage_path {config.storage_path}: a search keeps Ray Tune's state on a shared file "
-            "system for now; give it an absolute path every node mounts (a single run, `govray "
-            "run`, takes s3://)"
-        )
+    """Where Ray Tune keeps the search's state (in this node's cache, for object storage)."""
+    return open_storage(config.storage_path).root / "tune" / f"{config.name}-search{experiment.id}"
 
 
 def run_search(
@@ -384,7 +387,6 @@ def run_search(
     from ray.tune import TuneConfig, Tuner
 
     assert experiment.id is not None
-    check_search_storage(config)
     max_steps = new_run_spec(
         config,
         checked,
@@ -398,7 +400,8 @@ def run_search(
     plan = strategy(config.searcher.name)(config, max_steps)
     key = platform_key()
     trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
-    record = build_record(config, Path(config.storage_path), config_digest=config_digest(config), threads=1)
+    storage = open_storage(config.storage_path)
+    record = build_record(config, storage.root, config_digest=config_digest(config), threads=1)
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
@@ -426,14 +429,20 @@ def run_search(
         else {"memory": TUNE_TRIAL_MEMORY},
     )
     path = search_path(config, experiment)
+    # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
+    location = storage.remote_path(path) if storage.is_remote else str(path)
     # Tune saves its experiment state at most this often: a trial finished before an interruption
     # is known finished to the resumed search (Tune's "auto" waits 10 s or more).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     store.set_experiment_state(experiment.id, "active")
     try:
-        if Tuner.can_restore(str(path)):
+        if Tuner.can_restore(location, storage_filesystem=storage.filesystem):
             tuner = Tuner.restore(
-                str(path), trainable=trainable, resume_errored=True, param_space=plan.param_space
+                location,
+                trainable=trainable,
+                resume_errored=True,
+                param_space=plan.param_space,
+                storage_filesystem=storage.filesystem,
             )
         else:
             tuner = Tuner(
@@ -451,7 +460,11 @@ def run_search(
                     scheduler=plan.scheduler,
                 ),
                 run_config=ray.tune.RunConfig(
-                    name=path.name, storage_path=str(path.parent), callbacks=[tracking], verbose=0
+                    name=path.name,
+                    storage_path=location.rsplit("/", 1)[0] if storage.is_remote else str(path.parent),
+                    storage_filesystem=storage.filesystem,
+                    callbacks=[tracking],
+                    verbose=0,
                 ),
             )
         results = tuner.fit()

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from govray.cli import main
 from tests.conftest import REPO
@@ -125,15 +124,3 @@ def test_changed_row_warns_and_strict_refuses_naming_the_corpus(
     assert "warning:" in out and "corpus 'digits-licensed' changed" in out
     assert "digits-public" not in out.split("warning:")[1].splitlines()[0]
 
-
-def test_a_search_on_object_storage_is_refused_before_anything_is_ingested(
-    example_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-
-    raw = yaml.safe_load(example_copy.read_text())
-    raw["storage_path"] = "s3://some-bucket/govray"
-    raw["tracking"] = {"database": f"sqlite:///{tmp_path / 'tracking.db'}"}
-    example_copy.write_text(yaml.safe_dump(raw))
-    assert main(["search", str(example_copy)]) == 2
-    # Refused by the search's own check, not by the unreachable bucket an ingest would probe first.
-    assert "a search keeps Ray Tune's state on a shared file system" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 from govray.preflight import check_policy, ingest_experiment
-from govray.search import check_search_storage, run_search
+from govray.search import run_search
 
 
 def search(
@@ -17,7 +17,6 @@ def search(
     Run again after an interruption: the search resumes where Tune left off, without rerunning
     finished trials."""
     config, store = open_experiment(config_path)
-    check_search_storage(config)  # before anything is ingested
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn)
     assert experiment.id is not None

@@ -786,6 +786,8 @@ def _resume_checkpoint(spec: RunSpec, ray_train: bool) -> Any:
 
     found = ray.train.get_checkpoint() if ray_train else None
     if found is None and spec.resume_checkpoint:
+        if spec.storage:  # a search segment's checkpoint, fetched on this node from the bucket
+            open_storage(spec.storage).fetch(Path(spec.resume_checkpoint))
         found = ray.train.Checkpoint.from_directory(spec.resume_checkpoint)
     if found is None and spec.run_dir and spec.storage:  # the newest may lie in another node's cache
         open_storage(spec.storage).fetch_latest(Path(spec.run_dir), "checkpoint_")
@@ -813,8 +815,9 @@ def _report(
         # Local mode has no controller to persist checkpoints: write them into the run directory.
         saved = str(Path(training.spec.run_dir) / f"checkpoint_{done:08d}")
         training.save_checkpoint(Path(saved), done, key)
-        if training.spec.storage:
-            open_storage(training.spec.storage).upload(Path(saved))
+        storage = open_storage(training.spec.storage) if training.spec.storage else None
+        if storage is not None and Path(saved).is_relative_to(storage.root):  # not a Tune trial's scratch
+            storage.upload(Path(saved))
         if ray_train:
             ray.train.report(metrics)
     elif key is not None:

@@ -224,3 +224,45 @@ def test_unreachable_or_unknown_storage_is_refused_naming_it(s3_env: dict[str, s
         open_storage("gs://bucket/x")
     open_storage(f"s3://{BUCKET}/probe").check()  # a reachable bucket passes, and keeps no object
     assert bucket_keys() == ["probe/"]  # pyarrow keeps the emptied prefix as a directory marker
+
+
+def test_a_search_on_s3_keeps_tunes_state_checkpoints_and_attestations_in_the_bucket(
+    cluster: LocalRayCluster, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two 2-worker grid trials, each in two Ray Train segments whose checkpoints go through the
+    bucket (the second segment resumes from the first's)."""
+    database = tmp_path / "govray.db"
+    experiment = on_s3(digits_experiment(tmp_path / "search", steps=STEPS), database)
+    raw = yaml.safe_load(experiment.read_text())
+    raw["hyperparameters"]["hidden"] = {"type": "categorical", "vals": [8, 16]}
+    raw["searcher"] = {"name": "grid", "metric": "validation_loss", "max_length": {"batches": STEPS}}
+    del raw["lr_schedule"]
+    experiment.write_text(yaml.safe_dump(raw, sort_keys=False))
+    job = cluster.govray("search", str(experiment))
+    assert job.returncode == 0, job.stdout + job.stderr
+
+    store = TrackingStore.open(f"sqlite:///{database}")
+    (recorded,) = store.list_experiments()
+    trials = store.list_trials(recorded.id)  # type: ignore[arg-type]
+    assert sorted(json.loads(t.hparams_json)["hidden"] for t in trials) == [8, 16]
+    keys = bucket_keys()
+    assert any(k.startswith(f"{PREFIX}/tune/digits-governed-search") for k in keys), keys
+    trust = platform_trust(platform_key())
+    for trial in trials:
+        assert trial.state == "completed" and trial.id is not None and trial.ray_run_name
+        assert [m.step for m in store.metrics(trial.id, "validation_loss")] == [5, STEPS]
+        (final,) = [c for c in checkpoints(store, trial.id) if c.state == "active"]
+        key = storage_key(Path(final.path))
+        assert f"{key}/manifest.json" in keys, (key, keys)
+        model_dir = download(key, tmp_path / "downloaded" / trial.ray_run_name)
+        attested = f"{PREFIX}/attestations/{trial.ray_run_name}/{Path(final.path).name}.provenance.dsse.json"
+        assert attested in keys, keys
+        envelope = tmp_path / "downloaded" / f"{trial.ray_run_name}.dsse.json"
+        s3_client().download_file(BUCKET, attested, str(envelope))
+        verify_attestation(envelope, model_dir=model_dir, trust=trust)
+        assert any(k.startswith(f"{PREFIX}/tensorboard/{trial.ray_run_name}/events.") for k in keys)
+
+
+def storage_key(cached: Path) -> str:
+    """The object key of a path in this machine's cache of the test's storage."""
+    return open_storage(f"s3://{BUCKET}/{PREFIX}").remote_path(cached).removeprefix(f"{BUCKET}/")
