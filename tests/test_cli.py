@@ -123,4 +123,3 @@ def test_changed_row_warns_and_strict_refuses_naming_the_corpus(
     out = capsys.readouterr().out
     assert "warning:" in out and "corpus 'digits-licensed' changed" in out
     assert "digits-public" not in out.split("warning:")[1].splitlines()[0]
-
