@@ -64,3 +64,20 @@ def run_writers(url: str, experiment_id: int, trial_ids: list[int], steps: int) 
         if process.is_alive():
             process.kill()
     return [process.exitcode for process in processes]
+
+
+def open_store(url: str, start: Barrier) -> None:
+    start.wait(timeout=120)
+    TrackingStore.open(url).close()  # migrates an empty database
+
+
+def run_openers(url: str, count: int) -> list[int | None]:
+    """``count`` processes opening the same empty store at the same moment; their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(count)
+    processes = [context.Process(target=open_store, args=(url, start)) for _ in range(count)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    return [process.exitcode for process in processes]

@@ -1,7 +1,7 @@
 """What must hold on every database the tracking store runs on (SQLite here, PostgreSQL as well in
 the cluster tier): migrations go down and up again, timestamps come back as the same instant in UTC,
 JSON documents and counts past 32 bits come back unchanged, and 8 writer processes at once lose
-no row and leave the audit chain valid."""
+no row and leave the audit chain valid, and processes opening an empty store at once all succeed."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlmodel import SQLModel
 
 from govray.tracking.audit import AuditLog
-from govray.tracking.database import alembic_config, current_revision, upgrade
+from govray.tracking.database import alembic_config, current_revision, tracking_url, upgrade
 from govray.tracking.lineage import checkpoints, ledger_rows, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, Trial
-from tests.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_writers
+from tests.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_openers, run_writers
 
 WRITERS, STEPS = 8, 25
 
@@ -112,6 +112,16 @@ def test_counts_past_32_bits_come_back_exactly(store: TrackingStore) -> None:
     assert (stored.rows, stored.train_rows) == (rows, rows - 7)
     (row,) = ledger_rows(store, trial.id)
     assert (row.examples, row.tokens) == (rows - 7, 2**40 + 1)
+
+
+def test_processes_opening_an_empty_store_at_once_migrate_it_one_after_the_other(database_url: str) -> None:
+    """Without the migration lock most of them failed ("table experiments already exists")."""
+    assert run_openers(database_url, WRITERS) == [0] * WRITERS
+    engine = sa.create_engine(tracking_url(database_url))
+    try:
+        assert current_revision(engine) == upgrade(database_url)  # head, and upgrading is a no-op
+    finally:
+        engine.dispose()
 
 
 def test_eight_concurrent_writer_processes_lose_no_row(database_url: str) -> None:

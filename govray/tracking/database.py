@@ -126,6 +126,7 @@ def upgrade(target: str | Engine) -> str:
     known = [script.revision for script in scripts.walk_revisions()]  # newest first
     try:
         with engine.begin() as connection:
+            _lock_for_migration(connection)
             found = MigrationContext.configure(connection).get_current_revision()
             if found is not None and found not in known:
                 raise TrackingError(
@@ -139,3 +140,17 @@ def upgrade(target: str | Engine) -> str:
         if isinstance(target, str):
             engine.dispose()
     return known[0]
+
+
+MIGRATION_LOCK = 0x676F7672  # "govr": the PostgreSQL advisory lock that serializes migrations
+
+
+def _lock_for_migration(connection: Connection) -> None:
+    """Make the processes that open one store at the same moment (a job's controllers, several
+    engineers' drivers) migrate it one after the other: the second waits, then finds the schema
+    current. SQLite: the database's write lock, taken now (``BEGIN IMMEDIATE``; waits up to the
+    busy timeout); PostgreSQL: a transaction-scoped advisory lock (its DDL is transactional)."""
+    if connection.dialect.name == "sqlite":
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    elif connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
