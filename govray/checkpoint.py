@@ -260,6 +260,11 @@ def checkpoint_step(directory: Path) -> int:
     return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])
 
 
+def checkpoint_run(directory: Path) -> str:
+    """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
+    return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))
+
+
 def find_checkpoints(root: Path) -> list[Path]:
     """Every checkpoint directory below ``root``, by step."""
     return sorted((path.parent for path in root.rglob(MANIFEST_FILE)), key=checkpoint_step)

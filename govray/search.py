@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -37,7 +37,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.attest import attest_trial_end
-from govray.checkpoint import checkpoint_step
+from govray.checkpoint import checkpoint_run, checkpoint_step
 from govray.config import ExperimentConfig
 from govray.errors import ConfigError, GovrayError
 from govray.gc import apply_gc, effective_gc_policy
@@ -55,6 +55,7 @@ from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 ENTRY_POINTS = "govray.searchers"
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 REPORT_KEY = "govray_reports"  # the loop's reports since the last Tune result, as a JSON list
+LAST_KEY = "govray_last"  # 1 in a trial's last result: it ends the trial (``ends_trial``)
 
 
 class SearchError(GovrayError):
@@ -133,15 +134,24 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
             _segmented_trial(config, spec)
 
 
-def _tune_result(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def _tune_result(reports: list[dict[str, Any]], max_steps: int) -> dict[str, Any]:
     """One Tune result for a validation: its objective and step, with every report since the
-    previous validation (Tune insists on the objective in each result)."""
+    previous validation (Tune insists on the objective in each result), and whether it is the
+    trial's last (its last step, or its early stop)."""
     last = reports[-1]
     return {
         REPORT_KEY: json.dumps(reports, sort_keys=True),
         "step": last["step"],
         "objective": last["objective"],
+        LAST_KEY: int(int(last["step"]) >= max_steps or bool(last.get("early_stopped"))),
     }
+
+
+def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
+    """Tune's stopper: a trial's last result ends it before any scheduler
+    sees it. Synchronous PBT would otherwise pause a finished trial at its last step to wait for
+    the others, and could then hand one's final state to another trial with nothing left to train."""
+    return bool(result.get(LAST_KEY))
 
 
 def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
@@ -156,7 +166,7 @@ def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         pending.append(metrics)
         if "objective" in metrics:  # a validation (the last step always is one)
             checkpoint = Checkpoint.from_directory(saved) if saved else None
-            ray.tune.report(_tune_result(pending), checkpoint=checkpoint)
+            ray.tune.report(_tune_result(pending, spec.max_steps), checkpoint=checkpoint)
             pending.clear()
         if saved is not None:
             shutil.rmtree(saved, ignore_errors=True)
@@ -202,7 +212,11 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
     resume = spec.resume_checkpoint
     start = checkpoint_step(Path(resume)) if resume else 0
     period = spec.validation_period or spec.max_steps
-    while start < spec.max_steps:
+    # A PBT clone of a finished donor has nothing left to train: one segment ends it with the
+    # donor's state checkpointed under this trial's name.
+    cloned = bool(resume) and checkpoint_run(Path(resume)) != spec.run_name
+    while start < spec.max_steps or cloned:
+        cloned = False
         end = min(spec.max_steps, (start // period + 1) * period)
         segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
         name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
@@ -217,9 +231,11 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         ).fit()
         if result.checkpoint is None or result.metrics is None:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        relayed = _tune_result(_segment_reports(reports, result.metrics))
+        relayed = _tune_result(_segment_reports(reports, result.metrics), spec.max_steps)
         reports.unlink(missing_ok=True)
         ray.tune.report(relayed, checkpoint=Checkpoint(result.checkpoint.path, result.checkpoint.filesystem))
+        if result.metrics.get("early_stopped"):
+            return  # the trial's last report (with its ledger): the rest of its steps never run
         # The next segment resumes from it: a directory in the nodes' cache of object storage.
         resume, start = str(storage.local_path(result.checkpoint.path)), end
 
@@ -243,7 +259,6 @@ class SearchTracking(ray.tune.Callback):
         self.layers = layers
         self._store: TrackingStore | None = None
         self.rows: dict[str, int] = {}  # Tune trial id → trial row
-        self.last: dict[str, dict[str, Any]] = {}  # Tune trial id → its latest govray report
         self.events: dict[str, TensorBoardLog] = {}  # Tune trial id → its TensorBoard event files
 
     @property
@@ -283,7 +298,6 @@ class SearchTracking(ray.tune.Callback):
 
     def _record(self, trial: Any, report: dict[str, Any]) -> None:
         row_id = self.row(trial)
-        self.last[trial.trial_id] = report
         step = int(report["step"])
         if step <= last_step(self.store, row_id):
             return  # a restarted trial re-reports the steps after its checkpoint
@@ -325,8 +339,7 @@ class SearchTracking(ray.tune.Callback):
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         row_id = self.row(trial)
-        report = self.last.get(trial.trial_id, {})
-        if "ledger" not in report:  # stopped by the scheduler before its last step: a recorded early stop
+        if not trial.last_result.get(LAST_KEY):  # stopped by the scheduler first: a recorded early stop
             seq = len(self.store.decisions(row_id))
             step = last_step(self.store, row_id)
             decision = {
@@ -464,6 +477,7 @@ def run_search(
                     storage_path=location.rsplit("/", 1)[0] if storage.is_remote else str(path.parent),
                     storage_filesystem=storage.filesystem,
                     callbacks=[tracking],
+                    stop=ends_trial,
                     verbose=0,
                 ),
             )

@@ -15,17 +15,29 @@ from ray import tune
 from sqlalchemy.exc import SQLAlchemyError
 
 from govray.attest import COVERAGE_TYPE, verify_attestation
+from govray.checkpoint import MODEL_FILE, RUN_SPEC_FILE, checkpoint_step, find_checkpoints, load_checkpoint
 from govray.config import load_experiment
 from govray.errors import ConfigError
+from govray.harness.loop import RunSpec, train_worker
 from govray.keys import platform_key, platform_trust
 from govray.preflight import check_policy, ingest_experiment
 from govray.recompute import check_attested_ledger
-from govray.search import SearchOutcome, TunePlan, run_search, strategy
+from govray.search import (
+    REPORT_KEY,
+    TUNE_TRIAL_MEMORY,
+    SearchOutcome,
+    TunePlan,
+    _segmented_trial,
+    _tune_result,
+    ends_trial,
+    run_search,
+    strategy,
+)
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
-from tests.conftest import _golden_example, kill_driver_when
+from tests.conftest import GoldenRun, _golden_example, kill_driver_when
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -219,6 +231,82 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     }
     donor = store.get_trial(clones[0]).cloned_from
     assert donor is not None and ledgers[clones[0]] and ledgers[clones[0]] == ledgers[donor]
+
+
+def test_pbt_never_pauses_a_trial_at_its_last_report() -> None:
+    """The last result (it carries the ledger) stops the trial before the scheduler sees it: a
+    synchronous PBT cannot hold a finished trial back to hand its final state to another."""
+    segment_end = _tune_result([{"step": 5, "objective": 0.5, "ledger": "{}"}], max_steps=10)
+    last = _tune_result([{"step": 6, "objective": 0.4}, {"step": 10, "objective": 0.3, "ledger": "{}"}], 10)
+    early_stop = _tune_result([{"step": 5, "objective": 0.5, "ledger": "{}", "early_stopped": 1}], 10)
+    assert [ends_trial("t", r) for r in (segment_end, last, early_stop)] == [False, True, True]
+
+
+def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path) -> tuple[Path, RunSpec]:
+    """A trial spec resuming from another run's final checkpoint, as PBT would hand it over, with
+    a mutated learning rate."""
+    donor = find_checkpoints(donor_run)[-1]
+    spec = RunSpec.model_validate_json((donor / RUN_SPEC_FILE).read_text())
+    assert checkpoint_step(donor) == spec.max_steps
+    hparams = {**spec.hparams, "lr": spec.hparams["lr"] * 0.8}
+    update = {
+        "run_name": "clone",
+        "run_dir": str(run_dir),
+        "resume_checkpoint": str(donor),
+        "hparams": hparams,
+    }
+    return donor, spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
+
+
+def assert_clone_of(donor: Path, metrics: dict[str, Any], saved: Path, trust: Any) -> None:
+    """The clone's last report and checkpoint: the donor's step, ledger and weights (bit for bit)
+    under the clone's own name, signed."""
+    source = load_checkpoint(donor, trust)
+    assert metrics["step"] == source.state.step and metrics["cloned_from_run"] == source.state.run
+    assert json.loads(metrics["ledger"]) == source.state.ledger and math.isfinite(metrics["objective"])
+    clone = load_checkpoint(saved, trust)
+    assert (clone.state.run, clone.state.step, clone.state.ledger) == (
+        "clone",
+        source.state.step,
+        source.state.ledger,
+    )
+    for name in [MODEL_FILE, *(f"adapter-{a}.safetensors" for a in source.state.adapters)]:
+        assert (saved / name).read_bytes() == (donor / name).read_bytes(), name
+
+
+def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_name(
+    golden_local_epoch: GoldenRun, tmp_path: Path
+) -> None:
+    """Handed another run's final checkpoint (nothing left to train), a one-worker trial still
+    ends with a last report (objective, ledger, donor) and a signed checkpoint of its own."""
+    donor, spec = _clone_of_final_checkpoint(golden_local_epoch.outcome.run_dir, tmp_path / "clone")
+    reports: list[tuple[dict[str, Any], str | None]] = []
+    train_worker(spec.model_dump(mode="json"), on_report=lambda m, s: reports.append((m, s)), ray_train=False)
+    assert len(reports) == 1, [metrics["step"] for metrics, _ in reports]
+    metrics, saved = reports[0]
+    assert saved is not None
+    assert_clone_of(donor, metrics, Path(saved), spec.trust)
+
+
+def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
+    golden_run: GoldenRun, tmp_path: Path
+) -> None:
+    """The same for N workers: one more segment (Ray Train inside the Tune trial) checkpoints the
+    donor's state under the clone's name, and Tune keeps it as the trial's checkpoint."""
+    donor, spec = _clone_of_final_checkpoint(golden_run.outcome.run_dir, tmp_path / "clone")
+    config = golden_run.config
+
+    def trial(params: dict[str, Any]) -> None:
+        _segmented_trial(config, spec)
+
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"memory": TUNE_TRIAL_MEMORY}),
+        run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), name="clone", verbose=0),
+    )
+    [result] = list(tuner.fit())
+    assert result.error is None and result.checkpoint is not None
+    [metrics] = json.loads(result.metrics[REPORT_KEY])
+    assert_clone_of(donor, metrics, Path(result.checkpoint.path), spec.trust)
 
 
 def test_an_interrupted_search_resumes_without_rerunning_finished_trials(

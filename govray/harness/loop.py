@@ -662,10 +662,14 @@ def _train_steps(
         f"steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
+    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
+    finished = training.stopped_early or start >= spec.max_steps
+    if finished and training.restored_from_run not in ("", training.run_name):
+        _report_finished_clone(training, start, key, on_report, ray_train, note)
+        return
     if training.stopped_early:
         note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
         return
-    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     loss_sum, examples = 0.0, 0
     for step in range(start, spec.max_steps):
         step_loss, step_examples = training.step(step)
@@ -727,6 +731,40 @@ def _train_steps(
             note(f"stopped early after step {done} of {spec.max_steps}")
             return
     note(f"completed {spec.max_steps} steps")
+
+
+def _report_finished_clone(
+    training: GovernedTraining,
+    done: int,
+    key: SigningKey | None,
+    on_report: Report | None,
+    ray_train: bool,
+    note: Callable[[str], None],
+) -> None:
+    """A PBT clone of a trial that had finished (its last step, or its early stop): nothing is left
+    to train. The clone ends with its donor's state measured and checkpointed under its own name
+    (weights, ledger and decisions unchanged), so its record has a last checkpoint, a ledger and
+    an attestation of its own."""
+    validation, report = training.evaluate(), training.memorization()
+    training.last_report = report
+    training.check_decisions_applied(done)
+    metrics: dict[str, Any] = {
+        "step": done,
+        "epoch": training.schedule.locate(done - 1)[0],
+        **_measured(validation, report),
+        "objective": training.objective(validation, report),
+        "ledger": json.dumps(training.ledger.to_json(), sort_keys=True),
+        "cloned_from_run": training.restored_from_run,
+    }
+    if training.decisions:
+        metrics["decisions"] = json.dumps([d.model_dump(mode="json") for d in training.decisions])
+    if training.stopped_early:
+        metrics["early_stopped"] = 1
+    note(
+        f"a clone of {training.restored_from_run}'s finished state at step {done}: nothing left to "
+        f"train; objective={metrics['objective']:.6g} (checkpoint)"
+    )
+    _report(training, metrics, done, key, on_report, ray_train)
 
 
 def _measured(validation: dict[str, float], report: MemorizationReport) -> dict[str, float]:
