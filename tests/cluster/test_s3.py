@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -116,41 +116,50 @@ def on_s3(experiment: Path, database: Path) -> Path:
     return experiment
 
 
-def first_checkpoint_trial(database: Path) -> int | None:
-    """The trial whose step-5 checkpoint the store records, read with sqlite3 (opening a
-    TrackingStore would race the driver's migrations)."""
+def query_one(database: Path, sql: str) -> int | None:
+    """The first column of the query's first row, read with sqlite3 (opening a TrackingStore
+    would race the driver's migrations); None before the store or the row exists."""
     try:
         with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
-            found = connection.execute("SELECT trial_id FROM checkpoints WHERE step = 5").fetchone()
+            found = connection.execute(sql).fetchone()
     except sqlite3.OperationalError:  # not created yet
         return None
-    return int(found[0]) if found else None
+    return int(found[0]) if found and found[0] is not None else None
 
 
-def kill_driver_after_first_checkpoint(cluster: LocalRayCluster, experiment: Path, database: Path) -> int:
-    """``jobs/train.py`` as a driver of the cluster, SIGKILLed once its step-5 checkpoint is
-    recorded; returns the trial's id."""
-    driver = subprocess.Popen(
-        [sys.executable, "jobs/train.py", "--config", str(experiment)],
-        cwd=REPO,
-        env=cluster.environment(RAY_ADDRESS=cluster.address),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
+def kill_driver_when(
+    cluster: LocalRayCluster,
+    script: str,
+    experiment: Path,
+    ready: Callable[[], int | None],
+    settle: float = 0,
+) -> int:
+    """``jobs/SCRIPT --config EXPERIMENT`` as a driver of the cluster, SIGKILLed ``settle`` s
+    after ``ready()`` first returns a value; returns that value."""
+    log = experiment.with_name(f"{script}.log")
+    with open(log, "w") as output:
+        driver = subprocess.Popen(
+            [sys.executable, f"jobs/{script}", "--config", str(experiment)],
+            cwd=REPO,
+            env=cluster.environment(RAY_ADDRESS=cluster.address),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 400
     try:
         while driver.poll() is None and time.monotonic() < deadline:
-            if (recorded := first_checkpoint_trial(database)) is not None:
+            if (value := ready()) is not None:
+                time.sleep(settle)
                 driver.send_signal(signal.SIGKILL)
                 driver.wait(timeout=60)
-                return recorded
+                return value
             time.sleep(0.1)
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
     raise AssertionError(
-        f"the driver ended (rc {driver.returncode}) or timed out before its first checkpoint"
+        f"jobs/{script} ended (rc {driver.returncode}) or timed out before it was ready: {log.read_text()}"
     )
 
 
@@ -165,7 +174,10 @@ def test_an_s3_run_checkpoints_resumes_from_the_bucket_and_attests(
 
     database = tmp_path / "s3" / "govray.db"
     experiment = on_s3(digits_experiment(tmp_path / "s3", steps=STEPS), database)
-    trial_id = kill_driver_after_first_checkpoint(cluster, experiment, database)
+    first_checkpoint = "SELECT trial_id FROM checkpoints WHERE step = 5"
+    trial_id = kill_driver_when(
+        cluster, "train.py", experiment, lambda: query_one(database, first_checkpoint)
+    )
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
     shutil.rmtree(s3_env["GOVRAY_CACHE"])  # a fresh node: only the bucket holds the run now
     job = cluster.govray("resume", "digits-governed", "--database", f"sqlite:///{database}")
@@ -230,7 +242,8 @@ def test_a_search_on_s3_keeps_tunes_state_checkpoints_and_attestations_in_the_bu
     cluster: LocalRayCluster, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
     """Two 2-worker grid trials, each in two Ray Train segments whose checkpoints go through the
-    bucket (the second segment resumes from the first's)."""
+    bucket (the second segment resumes from the first's); the search's driver is killed after the
+    first trial and the search resumed from the bucket alone."""
     database = tmp_path / "govray.db"
     experiment = on_s3(digits_experiment(tmp_path / "search", steps=STEPS), database)
     raw = yaml.safe_load(experiment.read_text())
@@ -238,6 +251,13 @@ def test_a_search_on_s3_keeps_tunes_state_checkpoints_and_attestations_in_the_bu
     raw["searcher"] = {"name": "grid", "metric": "validation_loss", "max_length": {"batches": STEPS}}
     del raw["lr_schedule"]
     experiment.write_text(yaml.safe_dump(raw, sort_keys=False))
+    # Killed 2 s after its first trial completed (Tune saves its state within a second), then
+    # run again on a node with an empty cache: Tune's state comes back from the bucket.
+    completed = "SELECT min(id) FROM trials WHERE state = 'completed'"
+    first = kill_driver_when(cluster, "search.py", experiment, lambda: query_one(database, completed), 2.0)
+    metrics_before = query_one(database, f"SELECT count(*) FROM metrics WHERE trial_id = {first}")
+    time.sleep(3)  # the dead driver's Tune trials die with it
+    shutil.rmtree(s3_env["GOVRAY_CACHE"])
     job = cluster.govray("search", str(experiment))
     assert job.returncode == 0, job.stdout + job.stderr
 
@@ -245,6 +265,7 @@ def test_a_search_on_s3_keeps_tunes_state_checkpoints_and_attestations_in_the_bu
     (recorded,) = store.list_experiments()
     trials = store.list_trials(recorded.id)  # type: ignore[arg-type]
     assert sorted(json.loads(t.hparams_json)["hidden"] for t in trials) == [8, 16]
+    assert len(store.metrics(first)) == metrics_before  # the finished trial did not run again
     keys = bucket_keys()
     assert any(k.startswith(f"{PREFIX}/tune/digits-governed-search") for k in keys), keys
     trust = platform_trust(platform_key())
