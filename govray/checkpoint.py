@@ -255,6 +255,26 @@ def load_checkpoint(directory: Path, trust: TrustConfig) -> LoadedCheckpoint:
     )
 
 
+def recorded_state(directory: Path, manifest_digest: str) -> CheckpointState:
+    """A checkpoint's state, checked without a key against the manifest digest the tracking store
+    recorded for it: the store vouches for the manifest, the manifest for ``state.json``. Raises
+    ``CheckpointError`` when either changed since the checkpoint was recorded."""
+    manifest_path = directory / MANIFEST_FILE
+    try:
+        if file_sha256(manifest_path) != manifest_digest:
+            raise CheckpointError(
+                f"{directory}: its manifest is not the one the tracking store recorded (changed since)"
+            )
+        manifest = Manifest.model_validate_json(manifest_path.read_bytes())
+        if file_sha256(directory / STATE_FILE) != manifest.files.get(STATE_FILE):
+            raise CheckpointError(f"{directory / STATE_FILE}: sha256 does not match its manifest (tampered)")
+        return CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{directory}: {error.filename} is missing") from None
+    except ValidationError as error:
+        raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+
+
 def checkpoint_step(directory: Path) -> int:
     """The step of a checkpoint, from its manifest (unverified: for listing only)."""
     return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sqlmodel import col, select
 
 from govray.attest import AttestationError, routing_of, run_spec_of
-from govray.checkpoint import STATE_FILE, CheckpointState
+from govray.checkpoint import STATE_FILE, CheckpointState, recorded_state
 from govray.data.shards import ShardSet
 from govray.errors import GovrayError
 from govray.harness.loop import RunSpec
@@ -336,14 +336,12 @@ def _run_spec(experiment: Experiment, trial: Trial, checkpoint: Path | None) -> 
 
 
 def _latest(recorded: list[CheckpointRecord]) -> tuple[Path, CheckpointState] | None:
-    """The trial's latest checkpoint still on storage, and its state: its schedule has every event."""
+    """The trial's latest checkpoint still on storage, and its state (its schedule has every event),
+    checked against the manifest the store recorded: a changed one raises ``CheckpointError``."""
     for record in reversed(recorded):
-        path = Path(record.path) / STATE_FILE
-        if path.is_file():
-            try:
-                return path.parent, CheckpointState.model_validate_json(path.read_text())
-            except ValidationError as error:
-                raise LineageError(f"checkpoint {record.path}: unreadable {STATE_FILE}: {error}") from None
+        path = Path(record.path)
+        if (path / STATE_FILE).is_file():
+            return path, recorded_state(path, record.manifest_digest)
     return None
 
 

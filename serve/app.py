@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve import Application
 from sqlalchemy.exc import SQLAlchemyError
 
+from govray.checkpoint import CheckpointError
 from govray.errors import GovrayError, TrackingError
 from govray.queries import NotFoundError, StoreReader, read_only_engine
 from govray.runtime import ensure_ray
@@ -66,6 +67,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
 HANDLED: list[tuple[type[Exception], int]] = [
     (NotFoundError, 404),
+    (CheckpointError, 409),  # a checkpoint on storage no longer matches what the store recorded
     (Unavailable, 503),
     (TrackingError, 503),  # the store is unreachable or holds something unreadable
     (SQLAlchemyError, 503),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import GoldenRun
 
-from govray.checkpoint import STATE_FILE, CheckpointState
+from govray.checkpoint import STATE_FILE, CheckpointError, CheckpointState
 from govray.cli import main
 from govray.data.shards import ShardSet
 from govray.harness.loop import RunSpec
@@ -220,3 +220,23 @@ def test_an_unknown_corpus_or_a_row_out_of_range_is_refused_with_exit_code_18(
         f"corpus '{WRITERS}' has {record.rows} rows (0..{last}); there is no row -1"
         in capsys.readouterr().err
     )
+
+
+def test_a_tampered_checkpoint_state_is_refused_not_answered_from(
+    golden_run: GoldenRun, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Row lookup reads the schedule from the trial's latest checkpoint: a state.json changed since
+    (an erased gate, or only a space) no longer matches the manifest the store recorded, and the
+    answer is refused."""
+    state = Path(checkpoints(golden_run.store, golden_run.outcome.trial_id)[-1].path) / STATE_FILE
+    original = state.read_bytes()
+    try:
+        state.write_bytes(original.replace(b'"step"', b'"step" ', 1))  # same state, other bytes
+        with pytest.raises(CheckpointError, match=r"state.json: sha256 does not match its manifest"):
+            row_reach(golden_run.store, WRITERS, 0)
+        url = golden_run.config.database_url
+        assert main(["lineage", "row", WRITERS, "0", "--database", url]) == CheckpointError.exit_code
+        assert "tampered" in capsys.readouterr().err
+    finally:
+        state.write_bytes(original)
+    assert row_reach(golden_run.store, WRITERS, 0).trials

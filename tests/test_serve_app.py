@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,11 +17,12 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
+from govray.checkpoint import STATE_FILE
 from govray.keys import platform_key
 from govray.queries import MAX_LIMIT
 from govray.registry import remove_adapter
 from govray.tracking.audit import AuditLog
-from govray.tracking.lineage import attestations, ledger_rows
+from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from tests.conftest import GoldenRun
 from tests.lineage_server import Served, serve_golden_copy
 
@@ -198,6 +200,18 @@ def test_row_lookup_answers_from_the_schedule(served: Served) -> None:
     assert mine and all(t.startswith("adapter/pii-lora/") for trial in mine for t in trial["tensors"])
     response = served.call("GET", f"/api/corpora/{PII}/rows/100000000")
     assert response.status_code == 404 and "no row 100000000" in detail(response)
+
+
+def test_a_row_lookup_over_a_tampered_checkpoint_is_409_with_the_reason(served: Served) -> None:
+    state = Path(checkpoints(served.store, served.trial_id)[-1].path) / STATE_FILE
+    original = state.read_bytes()
+    try:
+        state.write_bytes(original + b" ")
+        response = served.call("GET", f"/api/corpora/{PII}/rows/1")
+        assert response.status_code == 409 and "does not match its manifest" in detail(response)
+    finally:
+        state.write_bytes(original)
+    assert served.call("GET", f"/api/corpora/{PII}/rows/1").status_code == 200
 
 
 # --- audit events and attestations -------------------------------------------------------------------
