@@ -127,6 +127,39 @@ class Storage:
             shutil.rmtree(staging, ignore_errors=True)
         return True
 
+    def list_files(self, directory: Path) -> list[str]:
+        """The names of the files right below ``directory`` in the storage (none when local)."""
+        if self.filesystem is None:
+            return []
+        key = self.remote_path(directory)
+        selector = pafs.FileSelector(key, allow_not_found=True)
+        found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
+        return sorted(Path(info.path).name for info in found if info.type == pafs.FileType.File)
+
+    def pull_growing(self, path: Path, destination: Path | None = None) -> bool:
+        """Copy the stored copy of a file that only grows (a log) to ``destination`` (default:
+        ``path`` in the cache) when it is longer there than here; returns whether it copied."""
+        if self.filesystem is None:
+            return False
+        target = Path(destination or path)
+        key = self.remote_path(Path(path))
+        info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
+        if info.type != pafs.FileType.File or (target.exists() and target.stat().st_size >= info.size):
+            return False
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)) / target.name
+        try:
+            self._call(
+                f"download s3://{key}",
+                lambda fs: pafs.copy_files(
+                    key, str(staged), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()
+                ),
+            )
+            os.replace(staged, target)
+        finally:
+            shutil.rmtree(staged.parent, ignore_errors=True)
+        return True
+
     def delete_directory(self, path: Path) -> None:
         """Remove a directory below ``root`` from the cache and from the storage (either one
         already gone is fine; a file in its place is an ``OSError``, and nothing remote is touched)."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import typer
@@ -9,13 +13,15 @@ import typer
 from govray.cli.common import Database
 from govray.errors import GovrayError
 from govray.logs import follow_logs, log_dir, read_logs
+from govray.storage import Storage, open_storage
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Trial, TrialState
+from govray.tracking.tables import TrialState
 
 app = typer.Typer(help="Trials in the tracking store.", no_args_is_help=True)
 
 # States in which a trial's workers may still write; --follow stops once the trial left them.
 WRITING_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value})
+REMOTE_POLL_S = 5.0  # how often --follow asks object storage for longer copies
 
 
 @app.command()
@@ -26,29 +32,52 @@ def logs(
     ),
     database: str = Database,
 ) -> None:
-    """Print the trial's worker logs, every rank's lines merged by time."""
+    """Print the trial's worker logs, every rank's lines merged by time (with object storage, the
+    copies in the bucket: each rank's log as of its last checkpoint, whole once it ended)."""
     store = TrackingStore.open(database)
     trial = store.get_trial(trial_id)
-    directory = _log_directory(store, trial)
-    if follow:
-        lines = follow_logs(directory, done=lambda: store.get_trial(trial_id).state not in WRITING_STATES)
-    else:
-        lines = iter(read_logs(directory))
-    printed = 0
-    for line in lines:
-        typer.echo(line)
-        printed += 1
-    if printed == 0:
-        state = store.get_trial(trial_id).state
-        raise GovrayError(f"trial {trial_id} ({state}) has no worker logs in {directory}")
-
-
-def _log_directory(store: TrackingStore, trial: Trial) -> Path:
     if trial.ray_run_name is None:
         raise GovrayError(
             f"trial {trial.id} ({trial.state}) has no Ray run name yet: it never started, so it has no logs"
         )
-    storage = store.get_experiment(trial.experiment_id).storage_path
-    if "://" in storage:
-        raise GovrayError(f"trial {trial.id} keeps its logs in remote storage {storage}; read them there")
-    return log_dir(storage, trial.ray_run_name)
+    storage = open_storage(store.get_experiment(trial.experiment_id).storage_path)
+    with _readable(storage, log_dir(storage.root, trial.ray_run_name)) as (directory, refresh):
+
+        def done() -> bool:
+            refresh()
+            return store.get_trial(trial_id).state not in WRITING_STATES
+
+        refresh()
+        if follow:
+            lines = follow_logs(directory, done=done, poll=REMOTE_POLL_S if storage.is_remote else 0.3)
+        else:
+            lines = iter(read_logs(directory))
+        printed = 0
+        for line in lines:
+            typer.echo(line)
+            printed += 1
+    if printed == 0:
+        where = storage.uri_of(log_dir(storage.root, trial.ray_run_name))
+        raise GovrayError(
+            f"trial {trial_id} ({store.get_trial(trial_id).state}) has no worker logs in {where}"
+        )
+
+
+@contextlib.contextmanager
+def _readable(storage: Storage, directory: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """The directory to read the logs from and how to bring it up to date: the run's log directory
+    itself, or for object storage a temporary mirror of the bucket's copies (this node's cache
+    may hold a live file a worker here appends to)."""
+    if not storage.is_remote:
+        yield directory, lambda: None
+        return
+    mirror = Path(tempfile.mkdtemp(prefix="govray-logs-"))
+
+    def refresh() -> None:
+        for name in storage.list_files(directory):
+            storage.pull_growing(directory / name, mirror / name)
+
+    try:
+        yield mirror, refresh
+    finally:
+        shutil.rmtree(mirror, ignore_errors=True)

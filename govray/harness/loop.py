@@ -78,7 +78,7 @@ from govray.policy import DepthPolicy
 from govray.routing import RoutingTable, resolve_routes
 from govray.runtime import ray_node_id
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
-from govray.storage import open_storage
+from govray.storage import StorageError, open_storage
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
@@ -627,7 +627,10 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_tr
     if not spec.log_dir:
         _train_steps(spec, worker, None, on_report, ray_train)
         return
-    log = WorkerLog(Path(spec.log_dir) / f"rank-{worker.rank}.log", worker.rank)
+    path = Path(spec.log_dir) / f"rank-{worker.rank}.log"
+    if spec.storage:  # a resumed run appends to what this rank wrote on another node
+        open_storage(spec.storage).pull_growing(path)
+    log = WorkerLog(path, worker.rank)
     # In local mode the worker is the driver, whose terminal shows a progress bar: no tee.
     with log, log.capture() if on_report is None else contextlib.nullcontext():
         try:
@@ -635,6 +638,19 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_tr
         except BaseException:
             log.write(traceback.format_exc())
             raise
+        finally:
+            _publish_log(log, spec.storage)
+
+
+def _publish_log(log: WorkerLog | None, storage: str) -> None:
+    """Copy a rank's log to object storage (at each checkpoint and at the end), where ``govray
+    trial logs`` reads every node's ranks; a failed copy is noted in the log, never fatal."""
+    if log is None or not storage:
+        return
+    try:
+        open_storage(storage).upload(log.path)
+    except StorageError as error:
+        log.write(f"could not copy this log to {storage}: {error}")
 
 
 def _train_steps(
@@ -723,6 +739,8 @@ def _train_steps(
             )
             + (" (checkpoint)" if save and key is not None else "")
         )
+        if save:  # the log in object storage before the checkpoint is reported: never behind it
+            _publish_log(log, spec.storage)
         _report(training, metrics, done, key if save else None, on_report, ray_train)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))

@@ -228,6 +228,17 @@ def test_an_s3_run_checkpoints_resumes_from_the_bucket_and_attests(
     ]
     assert ledgers[0] == ledgers[1]
 
+    # Every rank's log, from before the kill and after the resume, read from the bucket alone.
+    assert {f"{PREFIX}/logs/{run}/rank-{rank}.log" for rank in (0, 1)} <= set(keys), keys
+    shutil.rmtree(s3_env["GOVRAY_CACHE"])
+    shown = cluster.govray("trial", "logs", str(trial_id), "--database", f"sqlite:///{database}")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    for rank in (0, 1):
+        lines = [line for line in shown.stdout.splitlines() if f" rank{rank} | " in line]
+        assert any(f"steps 1..{STEPS}" in line for line in lines), lines  # the killed attempt
+        assert any("resumed from a verified checkpoint at step 5" in line for line in lines), lines
+        assert f"completed {STEPS} steps" in lines[-1], lines
+
 
 def test_unreachable_or_unknown_storage_is_refused_naming_it(s3_env: dict[str, str]) -> None:
     with pytest.raises(StorageError, match="bucket 'no-such-bucket'.*AWS_ACCESS_KEY_ID"):
