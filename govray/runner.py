@@ -159,9 +159,7 @@ def governed_trainer(
         run_config=RunConfig(
             name=run_name,
             # Object storage: Ray Train uploads reported checkpoints there and restores from there.
-            storage_path=storage.remote_path(storage.root / "ray")
-            if storage.is_remote
-            else str(storage.root / "ray"),
+            storage_path=storage.ray_path(storage.root / "ray"),
             storage_filesystem=storage.filesystem,
             failure_config=FailureConfig(max_failures=config.max_restarts),
             callbacks=callbacks if workers > 1 else [],  # type: ignore[arg-type]  # V2 UserCallback
@@ -201,11 +199,8 @@ class TrackingCallback(UserCallback):
             self._last_step = step
             self._record_metrics(self._store, step, metrics)
         if checkpoint_path is not None:
-            if self.storage:  # recorded by its path in this node's cache of the object storage
-                storage = open_storage(self.storage)
-                local = storage.local_path(checkpoint_path)
-                storage.fetch(local)  # the recorded manifest digest is the stored checkpoint's
-                checkpoint_path = str(local)
+            if self.storage:  # recorded by its path in this node's cache (with the stored manifest's digest)
+                checkpoint_path = str(open_storage(self.storage).cached(checkpoint_path))
             record_checkpoint(self._store, self.trial_id, checkpoint_path, step)
             apply_gc(
                 self._store,
@@ -520,9 +515,7 @@ def _train(
     finally:
         control.unlink(missing_ok=True)
         store.request(experiment.id, None)
-        events.close()  # in local mode the driver wrote them (flushed at every report)
-        if events.directory.exists():  # Ray Train's controller writes them on the driver's node
-            open_storage(config.storage_path).upload(events.directory)
+        events.publish(open_storage(config.storage_path))  # written here or by the controller on this node
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
     steps_done = last_step(store, trial_id)
@@ -539,8 +532,7 @@ def _train(
     storage.fetch_latest(Path(spec.run_dir), "checkpoint_")
     attested = attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
     if attested is not None:  # kept next to the checkpoint, in object storage too
-        storage.upload(attested.provenance)
-        storage.upload(attested.coverage)
+        storage.upload(attested.provenance, attested.coverage)
     store.set_trial_state(trial_id, TrialState.COMPLETED)
     store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
     return TrialOutcome(

@@ -321,9 +321,8 @@ class SearchTracking(ray.tune.Callback):
         self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
     ) -> None:
         row_id = self.row(trial)
-        storage = open_storage(self.config.storage_path)
-        path = storage.local_path(checkpoint.path)  # Tune's copy (in this node's cache of it)
-        storage.fetch(path)  # the recorded manifest digest is the stored checkpoint's
+        # Tune's copy, by its path in this node's cache (recorded with the stored manifest's digest)
+        path = open_storage(self.config.storage_path).cached(checkpoint.path)
         record_checkpoint(self.store, row_id, str(path), checkpoint_step(path))
         if self.gc_as_trials_go:
             self.collect_garbage()
@@ -353,9 +352,7 @@ class SearchTracking(ray.tune.Callback):
             self.store.record_decisions(row_id, [decision], replayed=False)
         attested = attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
         if attested is not None:  # kept next to the checkpoint, in object storage too
-            storage = open_storage(self.config.storage_path)
-            storage.upload(attested.provenance)
-            storage.upload(attested.coverage)
+            open_storage(self.config.storage_path).upload(attested.provenance, attested.coverage)
         self.store.set_trial_state(row_id, TrialState.COMPLETED)
         self._close_events(trial)
 
@@ -365,9 +362,7 @@ class SearchTracking(ray.tune.Callback):
 
     def _close_events(self, trial: Any) -> None:
         if (events := self.events.pop(trial.trial_id, None)) is not None:
-            events.close()
-            if events.directory.exists():
-                open_storage(self.config.storage_path).upload(events.directory)
+            events.publish(open_storage(self.config.storage_path))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}
@@ -443,7 +438,7 @@ def run_search(
     )
     path = search_path(config, experiment)
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
-    location = storage.remote_path(path) if storage.is_remote else str(path)
+    location = storage.ray_path(path)
     # Tune saves its experiment state at most this often: a trial finished before an interruption
     # is known finished to the resumed search (Tune's "auto" waits 10 s or more).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
@@ -474,7 +469,7 @@ def run_search(
                 ),
                 run_config=ray.tune.RunConfig(
                     name=path.name,
-                    storage_path=location.rsplit("/", 1)[0] if storage.is_remote else str(path.parent),
+                    storage_path=storage.ray_path(path.parent),
                     storage_filesystem=storage.filesystem,
                     callbacks=[tracking],
                     stop=ends_trial,

@@ -73,6 +73,18 @@ class Storage:
             return Path(remote_path)
         return self.root / key[len(self.remote) :].lstrip("/")
 
+    def ray_path(self, path: Path) -> str:
+        """How Ray Train and Tune are told a directory below ``root`` (``filesystem`` being their
+        ``storage_filesystem``): its object key for object storage, else the path itself."""
+        return self.remote_path(path) if self.is_remote else str(path)
+
+    def cached(self, reported: str) -> Path:
+        """The cache path of a directory Ray reported (an object key, or a local path), fetched
+        when this node lacks it."""
+        path = self.local_path(reported)
+        self.fetch(path)
+        return path
+
     def uri_of(self, path: Path) -> str:
         """``s3://BUCKET/PREFIX/...`` of a path below ``root`` (the path itself when local)."""
         return f"s3://{self.remote_path(path)}" if self.is_remote else str(path)
@@ -85,16 +97,17 @@ class Storage:
         self._call(f"write {probe}", lambda fs: _write(fs, probe, b"govray"))
         self._call(f"delete {probe}", lambda fs: fs.delete_file(probe))
 
-    def upload(self, path: Path) -> None:
-        """Copy a file, or a directory's files (manifests last), from the cache to the storage."""
+    def upload(self, *paths: Path) -> None:
+        """Copy files, or directories' files (each one's manifests last), from the cache to the
+        storage."""
         if self.filesystem is None:
             return
-        path = Path(path)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        files.sort(key=lambda p: p.name in SEALS)  # stable: manifest.json before manifest.sig stays
-        for file in files:
-            key = self.remote_path(file)
-            self._call(f"upload {file} to s3://{key}", partial(_put, file, key))
+        for path in map(Path, paths):
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            files.sort(key=lambda p: p.name in SEALS)  # stable: manifest.json before manifest.sig stays
+            for file in files:
+                key = self.remote_path(file)
+                self._call(f"upload {file} to s3://{key}", partial(_put, file, key))
 
     def fetch(self, path: Path, verify: Callable[[Path], object] | None = None) -> bool:
         """Make ``path`` (a file or directory below ``root``) present in the cache, downloading it

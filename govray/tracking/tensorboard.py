@@ -24,6 +24,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 
+from govray.storage import Storage
+
 
 def tensorboard_dir(storage_root: str | Path, run_name: str) -> Path:
     """``STORAGE/tensorboard/RUN`` (``storage_root``: a local storage path, or the node's cache of
@@ -60,6 +62,12 @@ class TensorBoardLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def publish(self, storage: Storage) -> None:
+        """Close, and copy the event files written on this node to ``storage`` (object storage)."""
+        self.close()
+        if self.directory.exists():
+            storage.upload(self.directory)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_writer": None}
