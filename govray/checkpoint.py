@@ -10,6 +10,9 @@ A checkpoint is a directory::
                                  recorded decisions, the checkpoint a forked run started from
     run.json                     the spec of the run that wrote it (trial, hyperparameters, policy,
                                  shards...): what an attestation of this checkpoint is built from
+    report.json                  the report the checkpoint was reported with (step, losses,
+                                 validation, decisions...): the tracking store recovers it from
+                                 here when a worker died before Ray Train delivered the report
     clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
                                  under a memorization rollback policy, the last clean state when
                                  it is an earlier step (what a rollback after a resume restores)
@@ -43,9 +46,12 @@ from govray.canonical import file_sha256
 from govray.dsse import read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError, describe_validation_error
 from govray.keys import KeyRole, SigningKey, TrustConfig
+from govray.storage import Storage
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
 RUN_SPEC_FILE = "run.json"
+REPORT_FILE = "report.json"
+CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train's checkpoint folders, and local mode's
 MANIFEST_TYPE = "application/vnd.govray.checkpoint-manifest+json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -283,6 +289,67 @@ def checkpoint_step(directory: Path) -> int:
 def checkpoint_run(directory: Path) -> str:
     """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
     return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))
+
+
+def checkpoint_directories(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+    """Every checkpoint folder of a run (``checkpoint_*`` right below ``run_dir``, in this node's
+    cache and, for object storage, in the storage), whole or partial, sorted by name."""
+    if storage is not None:
+        return [run_dir / name for name in storage.subdirectories(run_dir, CHECKPOINT_PREFIX)]
+    if not run_dir.is_dir():
+        return []
+    return sorted(
+        path for path in run_dir.iterdir() if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)
+    )
+
+
+def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | None = None) -> Manifest:
+    """Verify one of a run's checkpoint folders where it lies (when only the storage holds it,
+    fetched into this node's cache, verified before it appears there); returns its manifest and
+    raises ``CheckpointError`` naming what does not verify."""
+    if storage is not None and not directory.exists():
+        storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
+    return verify_checkpoint(directory, trust)[0]
+
+
+def newest_verified_checkpoint(
+    run_dir: Path, trust: TrustConfig, storage: Storage | None = None
+) -> Path | None:
+    """The resume rule, the only one: of a run's checkpoint folders, the one with the highest step
+    that verifies (signature and every digest); among equal steps the first by name. Folders that
+    do not verify (a partial upload by a worker killed mid-copy, a tampered one) are passed over.
+    A report lost when a worker died still left its checkpoint here, and resuming from it is
+    exact: the tracking store recovers the report from the checkpoint's ``report.json``."""
+    candidates: list[tuple[int, str, Path]] = []
+    for directory in checkpoint_directories(run_dir, storage):
+        try:
+            if storage is not None and not directory.exists():
+                storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
+            candidates.append((-checkpoint_step(directory), directory.name, directory))
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+            continue  # no readable manifest: not a checkpoint (yet)
+    for _, _, directory in sorted(candidates):
+        try:
+            verify_checkpoint(directory, trust)
+        except CheckpointError:
+            continue
+        return directory
+    return None
+
+
+def checkpoint_report(directory: Path) -> dict[str, Any]:
+    """The report a (verified) checkpoint was reported with; empty for checkpoints written
+    before reports were kept in them."""
+    path = directory / REPORT_FILE
+    if not path.is_file():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: not JSON: {error}") from None
+    if not isinstance(report, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return report
 
 
 def find_checkpoints(root: Path) -> list[Path]:

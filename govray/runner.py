@@ -42,6 +42,7 @@ from govray.keys import TrustConfig, load_trust, platform_key, platform_key_path
 from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
+from govray.reconcile import Reconciliation, reconcile_run
 from govray.reproducibility import build_record
 from govray.schedule import ScheduleSpec, derive_seed
 from govray.storage import open_storage
@@ -169,7 +170,9 @@ def governed_trainer(
 
 class TrackingCallback(UserCallback):
     """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store
-    and to the trial's TensorBoard event files."""
+    and to the trial's TensorBoard event files, each step's once (a restarted worker group re-runs
+    the steps after its checkpoint). At each checkpoint it first records what an earlier report
+    lost at a worker's death left on storage (``reconcile_run``)."""
 
     def __init__(
         self,
@@ -179,7 +182,9 @@ class TrackingCallback(UserCallback):
         gc: GcSettings,
         replaying: bool = False,
         events: TensorBoardLog | None = None,
-        storage: str = "",
+        storage_path: str = "",
+        run_dir: str = "",
+        trust: TrustConfig | None = None,
     ) -> None:
         self.database_url = database_url
         self.trial_id = trial_id
@@ -187,32 +192,61 @@ class TrackingCallback(UserCallback):
         self.gc = gc
         self.replaying = replaying  # decisions reported are the source trial's, applied
         self.events = events
-        self.storage = storage  # object storage: checkpoints are recorded by their cache path
+        self.storage_path = storage_path  # the experiment's (on object storage: by cache paths)
+        self.run_dir = run_dir  # with ``trust``: reconcile the run's folders at each checkpoint
+        self.trust = trust
         self._store: TrackingStore | None = None
-        self._last_step = 0
+        self._reported: set[int] = set()  # steps whose report is in the store
 
     def record(self, metrics: dict[str, Any], checkpoint_path: str | None = None) -> None:
+        store = self._open()
+        step = int(metrics["step"])
+        if checkpoint_path is not None and self.run_dir and self.trust is not None and self.storage_path:
+            self.reconcile(below_step=step)
+        self.record_once(step, metrics)
+        if checkpoint_path is not None:
+            if self.storage_path:  # by its path in this node's cache (with the stored manifest's digest)
+                checkpoint_path = str(open_storage(self.storage_path).cached(checkpoint_path))
+            record_checkpoint(store, self.trial_id, checkpoint_path, step)
+            self.collect_garbage()
+
+    def record_once(self, step: int, metrics: dict[str, Any]) -> None:
+        """Store one report unless its step's report is already there."""
+        if step not in self._reported:
+            store, trial, layers, events = self._open(), self.trial_id, self.layer_index, self.events
+            record_report(store, trial, step, metrics, layers, replaying=self.replaying, events=events)
+            self._reported.add(step)
+
+    def reconcile(self, below_step: int | None = None) -> Reconciliation:
+        """Settle the run's checkpoint folders against the store (``govray.reconcile``); live
+        (``below_step`` given) it only records folders of earlier steps."""
+        assert self.trust is not None and self.storage_path
+        storage = open_storage(self.storage_path)
+        return reconcile_run(
+            self._open(),
+            self.trial_id,
+            Path(self.run_dir),
+            self.trust,
+            record_report=self.record_once,
+            storage=storage,
+            below_step=below_step,
+        )
+
+    def collect_garbage(self) -> None:
+        store = self._open()
+        apply_gc(
+            store,
+            self.gc.experiment_id,
+            effective_gc_policy(store, self.gc.experiment_id),
+            metric=self.gc.metric,
+            smaller_is_better=self.gc.smaller_is_better,
+        )
+
+    def _open(self) -> TrackingStore:
         if self._store is None:
             self._store = TrackingStore.open(self.database_url)
-        step = int(metrics["step"])
-        if step > self._last_step:  # a restarted worker group re-reports the steps after its checkpoint
-            self._last_step = step
-            self._record_metrics(self._store, step, metrics)
-        if checkpoint_path is not None:
-            if self.storage:  # recorded by its path in this node's cache (with the stored manifest's digest)
-                checkpoint_path = str(open_storage(self.storage).cached(checkpoint_path))
-            record_checkpoint(self._store, self.trial_id, checkpoint_path, step)
-            apply_gc(
-                self._store,
-                self.gc.experiment_id,
-                effective_gc_policy(self._store, self.gc.experiment_id),
-                metric=self.gc.metric,
-                smaller_is_better=self.gc.smaller_is_better,
-            )
-
-    def _record_metrics(self, store: TrackingStore, step: int, metrics: dict[str, Any]) -> None:
-        layers, replaying = self.layer_index, self.replaying
-        record_report(store, self.trial_id, step, metrics, layers, replaying=replaying, events=self.events)
+            self._reported = self._store.reported_steps(self.trial_id)
+        return self._store
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
@@ -498,9 +532,12 @@ def _train(
         gc,
         replaying=spec.recorded_decisions is not None,
         events=events,
-        storage=spec.storage,
+        storage_path=config.storage_path,
+        run_dir=spec.run_dir,
+        trust=spec.trust,
     )
     trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
+    callback.reconcile()  # a resumed run: what its killed attempt left on storage
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void
@@ -511,11 +548,13 @@ def _train(
     except Exception as error:
         store.set_trial_state(trial_id, TrialState.ERRORED)
         store.set_experiment_state(experiment.id, ExperimentState.ERRORED)
+        _settle(callback)
         raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
     finally:
         control.unlink(missing_ok=True)
         store.request(experiment.id, None)
         events.publish(open_storage(config.storage_path))  # written here or by the controller on this node
+    _settle(callback)
     # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
     steps_done = last_step(store, trial_id)
@@ -538,6 +577,13 @@ def _train(
     return TrialOutcome(
         trial_id, run_name, Path(spec.run_dir), max_steps, metrics, ledger, steps_done=steps_done
     )
+
+
+def _settle(callback: TrackingCallback) -> None:
+    """After a run: every checkpoint it left recorded (with reports a worker's death lost), no
+    partial or duplicate folder left behind, then GC over what is now recorded."""
+    if callback.reconcile().recorded:
+        callback.collect_garbage()
 
 
 def last_step(store: TrackingStore, trial_id: int) -> int:

@@ -37,7 +37,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.attest import attest_trial_end
-from govray.checkpoint import checkpoint_run, checkpoint_step
+from govray.checkpoint import checkpoint_report, checkpoint_run, checkpoint_step, newest_verified_checkpoint
 from govray.config import ExperimentConfig
 from govray.errors import ConfigError, GovrayError
 from govray.gc import apply_gc, effective_gc_policy
@@ -223,21 +223,26 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         storage = open_storage(config.storage_path)
         run_dir = storage.root / "ray" / name
         reports = storage.root / "ray" / f"{name}.reports.jsonl"  # on this node (the controller's)
-        result = governed_trainer(
+        governed_trainer(
             config,
             segment.model_copy(update={"run_dir": str(run_dir)}),
             name,
             callbacks=[_ReportLog(reports)],
         ).fit()
-        if result.checkpoint is None or result.metrics is None:
+        # The segment's end is its newest verified checkpoint, by the rule its workers resume by
+        # (Ray Train's result lacks it when a worker died before Ray collected the last report);
+        # the report that went with it is in the checkpoint.
+        final = newest_verified_checkpoint(run_dir, spec.trust, storage if storage.is_remote else None)
+        last = checkpoint_report(final) if final is not None else {}
+        if final is None or not last:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        relayed = _tune_result(_segment_reports(reports, result.metrics), spec.max_steps)
+        relayed = _tune_result(_segment_reports(reports, last), spec.max_steps)
         reports.unlink(missing_ok=True)
-        ray.tune.report(relayed, checkpoint=Checkpoint(result.checkpoint.path, result.checkpoint.filesystem))
-        if result.metrics.get("early_stopped"):
+        ray.tune.report(relayed, checkpoint=Checkpoint(storage.ray_path(final), storage.filesystem))
+        if last.get("early_stopped"):
             return  # the trial's last report (with its ledger): the rest of its steps never run
         # The next segment resumes from it: a directory in the nodes' cache of object storage.
-        resume, start = str(storage.local_path(result.checkpoint.path)), end
+        resume, start = str(final), end
 
 
 class SearchTracking(ray.tune.Callback):

@@ -186,6 +186,26 @@ class Storage:
         if info.type != pafs.FileType.NotFound:
             self._call(f"delete s3://{key}", lambda fs: fs.delete_dir(key))
 
+    def subdirectories(self, directory: Path, prefix: str) -> list[str]:
+        """The names of the subdirectories of ``directory`` whose names start with ``prefix``, in
+        this node's cache and, for object storage, in the storage; sorted by name."""
+        directory = Path(directory)
+        names = (
+            {path.name for path in directory.iterdir() if path.is_dir() and path.name.startswith(prefix)}
+            if directory.is_dir()
+            else set()
+        )
+        if self.filesystem is not None:
+            key = self.remote_path(directory)
+            selector = pafs.FileSelector(key, allow_not_found=True)
+            found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
+            names |= {
+                Path(info.path).name
+                for info in found
+                if info.type == pafs.FileType.Directory and Path(info.path).name.startswith(prefix)
+            }
+        return sorted(names)
+
     def fetch_latest(
         self, directory: Path, prefix: str, verify: Callable[[Path], object] | None = None
     ) -> None:
@@ -193,16 +213,8 @@ class Storage:
         (checkpoints are named so that this is the newest)."""
         if self.filesystem is None:
             return
-        key = self.remote_path(directory)
-        selector = pafs.FileSelector(key, allow_not_found=True)
-        found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
-        names = sorted(
-            Path(info.path).name
-            for info in found
-            if info.type == pafs.FileType.Directory and Path(info.path).name.startswith(prefix)
-        )
-        if names:
-            self.fetch(directory / names[-1], verify)
+        if names := self.subdirectories(directory, prefix):
+            self.fetch(Path(directory) / names[-1], verify)
 
     def _call(self, what: str, action: Callable[[pafs.FileSystem], T]) -> T:
         assert self.filesystem is not None

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"harness", "reproducibility"},
     {"tracking"},
-    {"gc"},
+    {"gc", "reconcile"},
     {"describe"},
     {"preflight"},
     {"attest"},

@@ -38,12 +38,13 @@ from govray.allreduce import GradientGovernor, governed_allreduce_hook, paramete
 from govray.canaries import CanaryProbe
 from govray.checkpoint import (
     MODEL_FILE,
+    REPORT_FILE,
     RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
-    find_checkpoints,
     load_checkpoint,
     load_clean_states,
+    newest_verified_checkpoint,
     save_clean_state,
     seal_checkpoint,
 )
@@ -281,8 +282,11 @@ class GovernedTraining:
             run=self.run_name,
         )
 
-    def save_checkpoint(self, directory: Path, steps_done: int, key: SigningKey) -> None:
-        """Base and adapter weights, optimizer and governance state, signed by the platform key."""
+    def save_checkpoint(
+        self, directory: Path, steps_done: int, key: SigningKey, report: Mapping[str, Any]
+    ) -> None:
+        """Base and adapter weights, optimizer and governance state, and the ``report`` this
+        checkpoint goes with, signed by the platform key."""
         directory.mkdir(parents=True, exist_ok=True)
         save_base(self.model, directory / MODEL_FILE)
         for adapter in self.model.adapter_names():
@@ -290,6 +294,7 @@ class GovernedTraining:
         for snapshot in self._earlier_snapshots(steps_done):  # rollback targets survive a resume
             save_clean_state(directory, snapshot.step, snapshot.weights, snapshot.optimizer)
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
+        (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         seal_checkpoint(directory, self.optimizer.state_dict(), self.checkpoint_state(steps_done), key)
 
     def _earlier_snapshots(self, steps_done: int) -> list[_Snapshot]:
@@ -837,21 +842,23 @@ def _memorization_actions(
 
 
 def _resume_checkpoint(spec: RunSpec, ray_train: bool) -> Any:
-    """Ray Train's latest checkpoint of this run; in local mode (no controller) the run directory's."""
+    """Where a (re)started worker group resumes, by one rule: the newest checkpoint of the run
+    directory that verifies (``newest_verified_checkpoint``: the highest step; Ray Train's own
+    latest checkpoint is one of these folders, but a report lost when a worker died leaves a newer
+    one that only the folder shows). With none there: the run's starting point, a search
+    segment's ``resume_checkpoint``; else, outside a run directory, Ray Train's latest."""
     import ray.train
 
-    found = ray.train.get_checkpoint() if ray_train else None
-    if found is None and spec.resume_checkpoint:
-        if spec.storage:  # a search segment's checkpoint, fetched on this node from the bucket
-            open_storage(spec.storage).fetch(Path(spec.resume_checkpoint))
-        found = ray.train.Checkpoint.from_directory(spec.resume_checkpoint)
-    if found is None and spec.run_dir and spec.storage:  # the newest may lie in another node's cache
-        open_storage(spec.storage).fetch_latest(Path(spec.run_dir), "checkpoint_")
-    if found is None and spec.run_dir and Path(spec.run_dir).is_dir():
-        local = find_checkpoints(Path(spec.run_dir))
-        if local:
-            found = ray.train.Checkpoint.from_directory(str(local[-1]))
-    return found
+    storage = open_storage(spec.storage) if spec.storage else None
+    if spec.run_dir:
+        newest = newest_verified_checkpoint(Path(spec.run_dir), spec.trust, storage)
+        if newest is not None:
+            return ray.train.Checkpoint.from_directory(str(newest))
+    if spec.resume_checkpoint:
+        if storage is not None:  # a search segment's checkpoint, fetched on this node from the bucket
+            storage.fetch(Path(spec.resume_checkpoint))
+        return ray.train.Checkpoint.from_directory(spec.resume_checkpoint)
+    return ray.train.get_checkpoint() if ray_train and not spec.run_dir else None
 
 
 def _report(
@@ -870,7 +877,7 @@ def _report(
     if key is not None and on_report is not None:
         # Local mode has no controller to persist checkpoints: write them into the run directory.
         saved = str(Path(training.spec.run_dir) / f"checkpoint_{done:08d}")
-        training.save_checkpoint(Path(saved), done, key)
+        training.save_checkpoint(Path(saved), done, key, metrics)
         storage = open_storage(training.spec.storage) if training.spec.storage else None
         if storage is not None and Path(saved).is_relative_to(storage.root):  # not a Tune trial's scratch
             storage.upload(Path(saved))
@@ -878,7 +885,7 @@ def _report(
             ray.train.report(metrics)
     elif key is not None:
         with tempfile.TemporaryDirectory(prefix="govray-checkpoint-") as scratch:
-            training.save_checkpoint(Path(scratch), done, key)
+            training.save_checkpoint(Path(scratch), done, key, metrics)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(scratch))
     elif ray_train:
         ray.train.report(metrics)

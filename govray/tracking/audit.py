@@ -49,6 +49,8 @@ class AuditEventType(StrEnum):
     EXPERIMENT_CREATED = "experiment.created"
     RUN_REFUSED = "run.refused"
     GC_DELETED = "gc.deleted"
+    CHECKPOINT_RECOVERED = "checkpoint.recovered"  # on storage, its report lost at a worker's death
+    CHECKPOINT_REMOVED = "checkpoint.removed"  # a partial or duplicate folder a killed worker left
     REGISTRY_CHANGED = "registry.changed"
     MEMORIZATION_FLAGGED = "memorization.flagged"
     MEMORIZATION_GATE = "memorization.gate"

@@ -351,6 +351,11 @@ class TrackingStore:
         except IntegrityError as exc:
             raise TrackingError(f"cannot log metrics for trial {trial_id}: {exc.orig}") from exc
 
+    def reported_steps(self, trial_id: int) -> set[int]:
+        """The steps at which a trial's reports were recorded (whichever scalars they carried)."""
+        with self.session() as session:
+            return set(session.exec(select(Metric.step).where(Metric.trial_id == trial_id).distinct()))
+
     def metrics(self, trial_id: int, name: str | None = None, *, since_step: int = 0) -> list[Metric]:
         """A trial's metrics (only ``name`` when given; only steps ≥ ``since_step``), ordered by
         name then step."""
