@@ -1,7 +1,9 @@
 """Ingest: read every corpus with Ray Data, validate every row's credential, route and split it,
 and write route-partitioned shards.
 
-Pipeline, per corpus: Ray Data reads the files (order preserved) into Arrow blocks; one Ray task
+Pipeline, per corpus: one Ray task per file checks it first (``govray.data.validate``: empty
+files, duplicated columns or JSON keys, malformed JSONL lines), because Ray Data's own refusals
+name nothing; Ray Data reads the files (order preserved) into Arrow blocks; one Ray task
 per block numbers its rows, validates each row's credential, resolves its route with the policy,
 hashes it and assigns the holdout split; then one Ray task per route (and per holdout corpus)
 writes that partition's parquet files. Nothing is written unless every row of every corpus is
