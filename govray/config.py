@@ -83,6 +83,8 @@ class CorpusFormat(StrEnum):
 
 
 _EXTENSIONS = {".parquet": CorpusFormat.PARQUET, ".jsonl": CorpusFormat.JSONL, ".csv": CorpusFormat.CSV}
+# In a directory, the files ingest reads for each format (``.json`` files as JSON lines).
+DIRECTORY_EXTENSIONS = {**_EXTENSIONS, ".json": CorpusFormat.JSONL}
 
 
 class CorpusRole(StrEnum):
@@ -150,15 +152,41 @@ class CorpusSpec(BaseModel):
 
     @property
     def resolved_format(self) -> CorpusFormat:
+        """``format``, else the file's extension, else the one extension every data file of the
+        directory shares (hidden files and ``_SUCCESS``-style markers aside)."""
         if self.format is not None:
             return self.format
+        if self.path.is_dir():
+            return self._directory_format()
         suffix = self.path.suffix.lower()
+        if suffix not in _EXTENSIONS and not self.path.exists():
+            raise ConfigError(f"corpus '{self.id}': path {self.path} does not exist")
         if suffix not in _EXTENSIONS:
             raise ConfigError(
                 f"corpus '{self.id}': cannot tell the format of {self.path}; set 'format' "
                 f"({', '.join(f.value for f in CorpusFormat)})"
             )
         return _EXTENSIONS[suffix]
+
+    def _directory_format(self) -> CorpusFormat:
+        found: dict[str, int] = {}
+        for file in self.path.rglob("*"):
+            relative = file.relative_to(self.path)
+            if any(part.startswith((".", "_")) for part in relative.parts) or not file.is_file():
+                continue
+            suffix = file.suffix.lower() or "(none)"
+            found[suffix] = found.get(suffix, 0) + 1
+        formats = {DIRECTORY_EXTENSIONS.get(suffix) for suffix in found}
+        if len(formats) == 1 and None not in formats:
+            return formats.pop()  # type: ignore[return-value]
+        if not found:
+            raise ConfigError(f"corpus '{self.id}': directory {self.path} holds no files")
+        listed = ", ".join(f"{count} {suffix}" for suffix, count in sorted(found.items()))
+        raise ConfigError(
+            f"corpus '{self.id}': cannot tell the format of directory {self.path}: its files have "
+            f"different or unknown extensions ({listed}); set 'format' "
+            f"({', '.join(f.value for f in CorpusFormat)}) to read only that format's files"
+        )
 
     def base_credential(self) -> dict[str, Any]:
         return {**self.credential, "corpus_id": self.id}

@@ -22,7 +22,7 @@ from pathlib import Path
 from govray.config import ExperimentConfig, load_experiment
 from govray.errors import GovrayError
 from govray.preflight import check_policy, ingest_experiment
-from govray.runner import Progress, TrialOutcome, resume_trial, run_trial
+from govray.runner import Progress, TrialOutcome, refusals, resume_trial, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -156,7 +156,8 @@ def fork(
     elif from_checkpoint is not None:
         start = Path(from_checkpoint)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    child, ingested = ingest_experiment(config, checked, store, strict=strict, fork_of=parent_id)
+    check = refusals(config, checked, start)  # refused before the child exists
+    child, ingested = ingest_experiment(config, checked, store, strict=strict, fork_of=parent_id, check=check)
     assert child.id is not None
     outcome = run_trial(
         config, checked, child, ingested.root, store, progress=progress, start_checkpoint=start

@@ -25,7 +25,7 @@ from govray.policy import VerifiedPolicy, load_verified_policy
 from govray.routing import RoutingTable, resolve_routes
 from govray.runtime import ensure_ray
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.drift import changed_corpora
+from govray.tracking.drift import FingerprintChange, changed_corpora
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 
@@ -79,14 +79,22 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     return CheckedPolicy(policy=verified, routing=routing)
 
 
+def _existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:
+    """The newest experiment of this name with the same config, if any."""
+    digest = config_digest(config)
+    for experiment in reversed(store.list_experiments()):
+        if experiment.name == config.name and experiment.config_digest == digest:
+            return experiment
+    return None
+
+
 def _experiment_for(
     config: ExperimentConfig, store: TrackingStore, policy: VerifiedPolicy, fork_of: int | None
 ) -> Experiment:
     """The newest experiment of this name with the same config, else (or when forking) a new one."""
     digest = config_digest(config)
-    for experiment in reversed(store.list_experiments()):
-        if fork_of is None and experiment.name == config.name and experiment.config_digest == digest:
-            return experiment
+    if fork_of is None and (existing := _existing_experiment(config, store)) is not None:
+        return existing
     experiment = store.create_experiment(
         name=config.name,
         config_json=config.model_dump_json(),
@@ -120,35 +128,62 @@ def ingest_experiment(
     strict: bool = False,
     warn: Callable[[str], None] | None = None,
     fork_of: int | None = None,
+    check: Callable[[IngestResult], None] | None = None,
 ) -> tuple[Experiment, IngestResult]:
     """Ingest the experiment's corpora and record them (and the outcome) in the tracking store.
 
     A corpus whose fingerprint differs from the previous run of this experiment is reported
     through ``warn`` and the audit log; with ``strict`` the ingest is refused instead.
     ``fork_of`` makes a new experiment whose lineage parent is that one, even for the same config.
+    ``check`` refuses what the caller cannot run on these shards (raising a ``GovrayError``).
+
+    A refusal (an ingest error, a changed corpus under ``strict``, ``check``) happens before the
+    experiment is created: it leaves its audit events (``ingest.refused`` or ``run.refused``,
+    naming the experiment) and nothing else in the tracking store.
     """
-    experiment = _experiment_for(config, store, checked.policy, fork_of)
-    assert experiment.id is not None
     audit = AuditLog(store)
+    existing = _existing_experiment(config, store) if fork_of is None else None
+    refused_in = existing.id if existing is not None else None
+    refusal = {"experiment": config.name, "config_digest": config_digest(config)}
     ensure_ray()
     try:
         result = ingest(config, checked.policy, force=force)
     except GovrayError as error:
-        audit.append(AuditEventType.INGEST_REFUSED, {"reason": str(error)}, experiment_id=experiment.id)
+        audit.append(
+            AuditEventType.INGEST_REFUSED, {**refusal, "reason": str(error)}, experiment_id=refused_in
+        )
         raise
     fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in result.manifest.corpora}
-    for change in changed_corpora(store, config.name, fingerprints):
-        message = (
-            f"corpus '{change.corpus_id}' changed since the previous run of '{config.name}' "
-            f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
-        )
+    changes = changed_corpora(store, config.name, fingerprints)
+    messages = [
+        f"corpus '{change.corpus_id}' changed since the previous run of '{config.name}' "
+        f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
+        for change in changes
+    ]
+    if strict and changes:
+        for change in changes:
+            audit.append(
+                AuditEventType.DATA_CHANGED,
+                {"experiment": config.name, **_change(change), "strict": strict},
+                experiment_id=refused_in,
+            )
+        reason = f"{'; '.join(messages)}; refused (--strict)"
+        audit.append(AuditEventType.INGEST_REFUSED, {**refusal, "reason": reason}, experiment_id=refused_in)
+        raise IngestError(reason)
+    if check is not None:
+        try:
+            check(result)
+        except GovrayError as error:
+            audit.append(
+                AuditEventType.RUN_REFUSED, {**refusal, "reason": str(error)}, experiment_id=refused_in
+            )
+            raise
+    experiment = _experiment_for(config, store, checked.policy, fork_of)
+    assert experiment.id is not None
+    for change, message in zip(changes, messages, strict=True):
         audit.append(
-            AuditEventType.DATA_CHANGED,
-            {"corpus": change.corpus_id, "before": change.before, "after": change.after, "strict": strict},
-            experiment_id=experiment.id,
+            AuditEventType.DATA_CHANGED, {**_change(change), "strict": strict}, experiment_id=experiment.id
         )
-        if strict:
-            raise IngestError(f"{message}; refused (--strict)")
         if warn is not None:
             warn(message)
     store.record_corpora(
@@ -178,3 +213,7 @@ def ingest_experiment(
         experiment_id=experiment.id,
     )
     return experiment, result
+
+
+def _change(change: FingerprintChange) -> dict[str, str]:
+    return {"corpus": change.corpus_id, "before": change.before, "after": change.after}

@@ -32,6 +32,7 @@ from govray.attest import attest_trial_end
 from govray.canaries import CanaryProbe
 from govray.checkpoint import load_checkpoint
 from govray.config import ExperimentConfig, load_canaries
+from govray.data.ingest import IngestResult
 from govray.data.shards import ShardManifest, ShardSet
 from govray.decisions import RecordedDecision
 from govray.errors import ConfigError, GovrayError
@@ -670,3 +671,31 @@ def _worker_error(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     return f"{type(error).__name__}: {error}"
+
+
+def refusals(
+    config: ExperimentConfig, checked: CheckedPolicy, start_checkpoint: Path | None = None
+) -> Callable[[IngestResult], None]:
+    """A ``check`` for ``ingest_experiment``: what ``run_trial`` and ``run_search`` would refuse
+    on these shards (canaries, monitored corpora, a tampered or foreign start checkpoint), refused
+    before the experiment is created, so a refused run leaves only its audit events."""
+
+    def check(ingested: IngestResult) -> None:
+        trust = platform_trust(
+            platform_key(), load_trust(config.policy.trust) if config.policy.trust else None
+        )
+        if start_checkpoint is not None:
+            load_checkpoint(start_checkpoint, trust)
+        hparams = config.default_hparams()
+        new_run_spec(
+            config,
+            checked,
+            ingested.root,
+            "preflight",
+            hparams=hparams,
+            trial_seed=0,
+            reproducibility={},
+            trust=trust,
+        )
+
+    return check

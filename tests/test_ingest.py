@@ -4,16 +4,19 @@ re-ingest, third-party fingerprints, and refusals that name corpus, row and fiel
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import sqlalchemy as sa
 
 from govray.config import load_experiment
 from govray.data.ingest import HOLDOUT, ingest
 from govray.data.shards import ShardSet
-from govray.errors import ConfigError, GovrayError, IngestError
+from govray.errors import ConfigError, CredentialError, GovrayError, IngestError, PolicyError
 from govray.keys import SigningKey, load_trust
 from govray.policy import VerifiedPolicy, load_verified_policy
 from govray.preflight import check_policy, ingest_experiment
@@ -184,12 +187,34 @@ def test_shards_keep_the_row_credential_and_hash(three_corpora: Path) -> None:
 # --- refusals: nothing starts, the message names the culprit, nothing is written --------------
 
 
-def assert_refused(config_path: Path, error: type[GovrayError], message: str) -> None:
-    config, policy = verified(config_path)
-    with pytest.raises(error, match=message):
-        ingest(config, policy)
+def assert_refused(config_path: Path, error: type[GovrayError], message: str) -> str:
+    """Ingest through preflight (as the CLI does): refused with ``message``; no shards, and
+    nothing in the tracking store but the audit events of the refusal."""
+    config = load_experiment(config_path)
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)
+    with pytest.raises(error, match=message) as refused:
+        ingest_experiment(config, checked, store)
     shards = Path(config.storage_path) / "shards"
     assert not list(shards.glob("*/manifest.json")), "a refused ingest must write no shards"
+    assert rows_besides_the_audit_log(store) == {}, "a refused ingest leaves only audit events"
+    events = AuditLog(store).list(event_type=AuditEventType.INGEST_REFUSED)
+    assert len(events) == 1 and events[0].experiment_id is None
+    assert json.loads(events[0].payload_json)["reason"] == str(refused.value)
+    return str(refused.value)
+
+
+def rows_besides_the_audit_log(store: TrackingStore) -> dict[str, int]:
+    """Row counts of every non-empty table of the store but the audit log (and Alembic's own)."""
+    counts = {}
+    with store.engine.connect() as connection:
+        for name in sa.inspect(connection).get_table_names():
+            if name in ("audit_events", "alembic_version"):
+                continue
+            count = connection.execute(sa.select(sa.func.count()).select_from(sa.table(name))).scalar()
+            if count:
+                counts[name] = count
+    return counts
 
 
 def test_bad_row_credential_names_corpus_row_and_field(
@@ -204,11 +229,13 @@ def test_bad_row_credential_names_corpus_row_and_field(
         trust_file,
         [corpus_spec("people", "c.csv", credential_columns={"jurisdiction": "country"})],
     )
-    assert_refused(
+    message = assert_refused(
         path,
-        IngestError,
+        CredentialError,  # exit 3, as README's exit codes say for a bad credential
         r"corpus 'people' row 7: invalid credential: jurisdiction: String should match pattern",
     )
+    # row 7 counts from 0; the header is line 1, so row 7 is line 9
+    assert message.endswith(f"(at {tmp_path / 'c.csv'} row 7 (line 9))")
 
 
 def test_empty_credential_cell_names_the_column(
@@ -223,9 +250,10 @@ def test_empty_credential_cell_names_the_column(
         trust_file,
         [corpus_spec("c", "c.jsonl", credential_columns={"sensitivity": "sens"})],
     )
-    assert_refused(
-        path, IngestError, r"corpus 'c' row 3: credential field 'sensitivity' \(column 'sens'\) is empty"
+    message = assert_refused(
+        path, CredentialError, r"corpus 'c' row 3: credential field 'sensitivity' \(column 'sens'\) is empty"
     )
+    assert message.endswith(f"(at {tmp_path / 'c.jsonl'} row 3 (line 4))")
 
 
 def test_row_matching_no_rule_is_refused(tmp_path: Path, authority_key: SigningKey, trust_file: Path) -> None:
@@ -238,7 +266,7 @@ def test_row_matching_no_rule_is_refused(tmp_path: Path, authority_key: SigningK
         trust_file,
         [corpus_spec("mix", "c.csv", credential_columns={"license_class": "lic"})],
     )
-    assert_refused(path, IngestError, r"corpus 'mix' \(row 4\) matches no rule in policy 'ingest-test' v1")
+    assert_refused(path, PolicyError, r"corpus 'mix' \(row 4\) matches no rule in policy 'ingest-test' v1")
 
 
 def test_missing_credential_column_is_refused(
@@ -251,7 +279,7 @@ def test_missing_credential_column_is_refused(
         trust_file,
         [corpus_spec("c", "c.parquet", credential_columns={"sensitivity": "sens"})],
     )
-    assert_refused(path, IngestError, r"corpus 'c': credential column\(s\) sens not in the data")
+    assert_refused(path, CredentialError, r"corpus 'c': credential column\(s\) sens not in the data")
 
 
 def test_empty_corpus_is_refused(tmp_path: Path, authority_key: SigningKey, trust_file: Path) -> None:
@@ -263,7 +291,7 @@ def test_empty_corpus_is_refused(tmp_path: Path, authority_key: SigningKey, trus
         trust_file,
         [corpus_spec("full", "full.csv"), corpus_spec("hollow", "empty.csv")],
     )
-    assert_refused(path, IngestError, r"corpus 'hollow' \(.*empty.csv\) is empty")
+    assert_refused(path, IngestError, r"corpus 'hollow' \(.*empty.csv\) is empty: it has no rows")
 
 
 def test_missing_path_is_refused(tmp_path: Path, authority_key: SigningKey, trust_file: Path) -> None:
@@ -296,8 +324,159 @@ def test_refused_ingest_is_in_the_audit_log(
     config = load_experiment(path)
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
-    with pytest.raises(IngestError):
+    with pytest.raises(PolicyError):  # exit 4: the row's credential matches no rule
         ingest_experiment(config, checked, store)
     events = AuditLog(store).list(event_type=AuditEventType.INGEST_REFUSED)
     assert len(events) == 1 and "corpus 'mix' (row 1)" in events[0].payload_json
-    assert AuditLog(store).verify() == 3  # policy verified, experiment created, ingest refused
+    assert AuditLog(store).verify() == 2  # policy verified, ingest refused: no experiment created
+    assert store.list_experiments() == []
+
+
+def test_row_in_a_later_file_is_named_by_file_and_row(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    countries = ["DE"] * 6
+    countries[4] = "Germany"
+    write_corpus(tmp_path / "d" / "a.parquet", table_rows(5, country=["DE"] * 5))
+    write_corpus(tmp_path / "d" / "b.parquet", table_rows(6, country=countries))
+    path = build(
+        tmp_path,
+        authority_key,
+        trust_file,
+        [corpus_spec("p", "d", credential_columns={"jurisdiction": "country"})],
+    )
+    message = assert_refused(path, CredentialError, r"corpus 'p' row 9: invalid credential: jurisdiction")
+    assert message.endswith(f"(at {tmp_path / 'd' / 'b.parquet'} row 4)")  # corpus row 9 = 5 + 4
+
+
+# --- bad files: each refusal names the corpus, the file, and the row (from 0) and line (from 1) --
+
+
+def refused_file(
+    tmp_path: Path,
+    authority_key: SigningKey,
+    trust_file: Path,
+    name: str,
+    message: str,
+    error: type[GovrayError] = IngestError,
+) -> str:
+    path = build(tmp_path, authority_key, trust_file, [corpus_spec("bad", name)])
+    return assert_refused(path, error, message)
+
+
+@pytest.mark.parametrize("name", ["empty.csv", "empty.jsonl", "empty.parquet"])
+def test_zero_byte_file_is_refused_as_empty(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path, name: str
+) -> None:
+    (tmp_path / name).write_bytes(b"")
+    refused_file(
+        tmp_path, authority_key, trust_file, name, rf"^corpus 'bad': {tmp_path / name} is empty \(0 bytes\)$"
+    )
+
+
+def test_zero_byte_file_in_a_directory_is_named(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    write_corpus(tmp_path / "d" / "a.csv", table_rows(3))
+    (tmp_path / "d" / "b.csv").write_bytes(b"")
+    refused_file(
+        tmp_path, authority_key, trust_file, "d", rf"corpus 'bad': {tmp_path / 'd' / 'b.csv'} is empty"
+    )
+
+
+def test_malformed_jsonl_line_is_named(tmp_path: Path, authority_key: SigningKey, trust_file: Path) -> None:
+    lines = [json.dumps(row) for row in table_rows(5)]
+    lines[3] = lines[3].replace(", ", " ", 1)  # a missing comma
+    (tmp_path / "c.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")  # a blank line 2
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "c.jsonl",
+        rf"^corpus 'bad': {tmp_path / 'c.jsonl'} row 3 \(line 5\): malformed JSON: Expecting ',' delimiter",
+    )
+
+
+def test_duplicate_json_key_is_refused_naming_key_and_line(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    lines = [json.dumps(row) for row in table_rows(4)]
+    lines[2] = '{"x": 1.0, "y": 2, "text": "a", "y": 3}'
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "c.jsonl",
+        rf"^corpus 'bad': {tmp_path / 'c.jsonl'} row 2 \(line 3\): key 'y' appears twice in the same object$",
+    )
+
+
+def test_duplicate_csv_header_is_refused_by_name(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    (tmp_path / "c.csv").write_text("x,y,text,y\n1,2,a,3\n")
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "c.csv",
+        rf"^corpus 'bad': {tmp_path / 'c.csv'} \(line 1\): "
+        r"the CSV header names column\(s\) 'y' more than once$",
+    )
+
+
+def test_duplicate_parquet_columns_are_refused_by_name(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    table = pa.Table.from_arrays(
+        [pa.array([1.0, 2.0]), pa.array([1, 2]), pa.array([3, 4])], names=["x", "y", "y"]
+    )
+    pq.write_table(table, tmp_path / "c.parquet")
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "c.parquet",
+        rf"^corpus 'bad': {tmp_path / 'c.parquet'}: the parquet schema names column\(s\) 'y' more than once$",
+    )
+
+
+def test_ragged_csv_row_is_named(tmp_path: Path, authority_key: SigningKey, trust_file: Path) -> None:
+    (tmp_path / "c.csv").write_text("x,y,text\n1,2,a\n3,4,b\n5,6,c,extra\n")
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "c.csv",
+        rf"^corpus 'bad': {tmp_path / 'c.csv'} row 2 \(line 4\): 4 fields, but the header has 3$",
+    )
+
+
+def test_directory_of_parquet_files_needs_no_format(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    write_corpus(tmp_path / "pub" / "a.parquet", table_rows(4))
+    write_corpus(tmp_path / "pub" / "sub" / "b.parquet", table_rows(3, start=4))
+    (tmp_path / "pub" / "_SUCCESS").write_text("")  # a writer's marker is not data
+    path = build(tmp_path, authority_key, trust_file, [corpus_spec("pub", "pub")])
+    config, policy = verified(path)
+    manifest = ingest(config, policy).manifest
+    assert manifest.corpus("pub").format == "parquet" and manifest.corpus("pub").rows == 7
+
+
+def test_mixed_extensions_without_format_are_refused_naming_them(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    write_corpus(tmp_path / "mix" / "a.parquet", table_rows(4))
+    write_corpus(tmp_path / "mix" / "b.csv", table_rows(3))
+    write_corpus(tmp_path / "mix" / "c.csv", table_rows(3))
+    refused_file(
+        tmp_path,
+        authority_key,
+        trust_file,
+        "mix",
+        rf"^corpus 'bad': cannot tell the format of directory {tmp_path / 'mix'}: its files have "
+        r"different or unknown extensions \(2 \.csv, 1 \.parquet\); set 'format'",
+        ConfigError,  # exit 2: the experiment file must say which format to read
+    )

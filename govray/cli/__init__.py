@@ -1,12 +1,12 @@
 """The ``govray`` command line (``python -m govray`` is the same).
 
 Exit codes: 0 success; 2 bad experiment file, or a missing or invalid argument or option; 3 bad
-credential; 4 bad policy; 5 signature refused; 6 routing refused; 7 ingest refused; 8 tracking
-store problem; 10 checkpoint refused; 16 attestation refused (it names what broke); 17 model
-registry request refused; 18 row lookup refused (unknown corpus, row out of range); 19 training-content
-summary refused; 20 Ray job failed, or the Ray Jobs API refused a request (address, token, unknown
-job); 21 Ray job stopped before it finished; 22 a submitted job's packages differ from its pins;
-1 anything else govray refused on purpose.
+credential (also a row's); 4 bad policy (also a row matching no rule); 5 signature refused; 6
+routing refused; 7 ingest refused; 8 tracking store problem; 10 checkpoint refused; 16 attestation
+refused (it names what broke); 17 model registry request refused; 18 row lookup refused (unknown
+corpus, row out of range); 19 training-content summary refused; 20 Ray job failed, or the Ray Jobs
+API refused a request (address, token, unknown job); 21 Ray job stopped before it finished; 22 a
+submitted job's packages differ from its pins; 1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from govray.ledger import format_ledger
 from govray.preflight import CheckedPolicy, check_policy, ingest_experiment
 from govray.registry import resolve, start_reference
 from govray.runner import Progress as ProgressCallback
-from govray.runner import TrialOutcome, interrupted_trial, resume_trial, run_trial
+from govray.runner import TrialOutcome, interrupted_trial, refusals, resume_trial, run_trial
 from govray.tracking.tables import Experiment
 
 FromCheckpoint = typer.Option(
@@ -57,7 +57,9 @@ def run(
         version = resolve(store, from_model)
         from_checkpoint, start_model = version.directory, start_reference(store, version)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn)
+    # A run refused on its shards or start checkpoint is refused before its experiment exists.
+    check = refusals(config, checked, from_checkpoint)
+    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=check)
     assert experiment.id is not None
     workers = config.resources.workers
     policy = checked.policy.policy

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 from govray.preflight import check_policy, ingest_experiment
+from govray.runner import refusals
 from govray.search import run_search
 
 
@@ -18,7 +19,8 @@ def search(
     finished trials."""
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn)
+    check = refusals(config, checked)  # refused before the experiment exists
+    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=check)
     assert experiment.id is not None
     console.print(
         f"experiment {experiment.id} '{config.name}': {config.searcher.name} search, objective "

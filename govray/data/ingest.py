@@ -1,7 +1,9 @@
 """Ingest: read every corpus with Ray Data, validate every row's credential, route and split it,
 and write route-partitioned shards.
 
-Pipeline, per corpus: Ray Data reads the files (order preserved) into Arrow blocks; one Ray task
+Pipeline, per corpus: one Ray task per file checks it first (``govray.data.validate``: empty
+files, duplicated columns or JSON keys, malformed JSONL lines), because Ray Data's own refusals
+name nothing; Ray Data reads the files (order preserved) into Arrow blocks; one Ray task
 per block numbers its rows, validates each row's credential, resolves its route with the policy,
 hashes it and assigns the holdout split; then one Ray task per route (and per holdout corpus)
 writes that partition's parquet files. Nothing is written unless every row of every corpus is
@@ -41,7 +43,8 @@ from govray.data.shards import (
     ShardManifest,
     ShardSet,
 )
-from govray.errors import CredentialError, IngestError, PolicyError
+from govray.data.validate import check_file, diagnose_file, locate
+from govray.errors import CredentialError, GovrayError, IngestError, PolicyError
 from govray.policy import DepthPolicy, VerifiedPolicy
 from govray.storage import open_storage
 
@@ -103,7 +106,9 @@ def _annotate_block(
 ) -> tuple[pa.Table | None, dict[str, Any]]:
     """Number, validate, route, hash and split the rows of one block.
 
-    Returns the annotated block and a summary; on the first bad row, ``(None, {"error": ...})``.
+    Returns the annotated block and a summary; on the first bad row, ``(None, {"error": ...,
+    "kind": ..., "row": ...})`` (the kind names the error class: a bad credential or a row that
+    matches no policy rule; the row is its 0-based number in the corpus, or None).
     """
     spec = CorpusSpec.model_validate_json(spec_json)
     policy = DepthPolicy.model_validate_json(policy_json)
@@ -111,7 +116,10 @@ def _annotate_block(
     missing = [column for column in spec.credential_columns.values() if column not in block.column_names]
     if missing:
         return None, {
-            "error": f"corpus '{spec.id}': credential column(s) {', '.join(missing)} not in the data"
+            "error": f"corpus '{spec.id}': credential column(s) {', '.join(missing)} not in the data "
+            f"(its columns: {', '.join(block.column_names)})",
+            "kind": "credential",
+            "row": None,
         }
     cache: dict[tuple[Any, ...], tuple[str, str]] = {}
     routes, hashes, credentials = [], [], []
@@ -123,7 +131,9 @@ def _annotate_block(
                 if row[column] is None:
                     return None, {
                         "error": f"corpus '{spec.id}' row {number}: credential field '{field}' "
-                        f"(column '{column}') is empty"
+                        f"(column '{column}') is empty",
+                        "kind": "credential",
+                        "row": number,
                     }
             values = {**base, **{f: row[c] for f, c in spec.credential_columns.items()}}
             try:
@@ -134,7 +144,8 @@ def _annotate_block(
                     else HOLDOUT
                 )
             except (CredentialError, PolicyError) as error:
-                return None, {"error": str(error)}
+                kind = "credential" if isinstance(error, CredentialError) else "policy"
+                return None, {"error": str(error), "kind": kind, "row": number}
             cache[overrides] = (route, canonical_json(credential.model_dump(mode="json")).decode())
         route, credential_text = cache[overrides]
         digest = row_hash(row)
@@ -160,6 +171,15 @@ def _annotate_block(
 @ray.remote
 def _num_rows(block: pa.Table) -> int:
     return block.num_rows
+
+
+@ray.remote
+def _check_file(file: str, format_name: str) -> str | None:
+    return check_file(Path(file), format_name)
+
+
+# The error a row's summary names, by its kind: each has its documented exit code.
+_ROW_ERRORS: dict[str, type[GovrayError]] = {"credential": CredentialError, "policy": PolicyError}
 
 
 @ray.remote
@@ -218,15 +238,21 @@ def ingest_key(config: ExperimentConfig, policy: VerifiedPolicy, fingerprints: d
 
 
 def _process_corpus(spec: CorpusSpec, policy_json: str, default_holdout: float) -> _Corpus:
-    files = corpus_files(spec.path, spec.resolved_format.value, corpus_id=spec.id)
+    format_name = spec.resolved_format.value
+    files = corpus_files(spec.path, format_name, corpus_id=spec.id)
+    paths = [file for _, file in files]
+    # Ray Data names nothing when it refuses a file, and accepts some bad ones: check each first.
+    problems = ray.get([_check_file.remote(str(file), format_name) for file in paths])
+    if problem := next((problem for problem in problems if problem), None):
+        raise IngestError(f"corpus '{spec.id}': {problem}")
     fingerprint = fingerprint_files(files)
     try:
-        blocks = _read(spec, [file for _, file in files]).to_arrow_refs()
-    except Exception as error:  # Ray Data wraps reader errors; say which corpus failed
-        raise IngestError(f"corpus '{spec.id}': cannot read {spec.path}: {_root_cause(error)}") from None
+        blocks = _read(spec, paths).to_arrow_refs()
+    except Exception as error:  # Ray Data wraps reader errors: say which file failed, and where
+        raise IngestError(f"corpus '{spec.id}': {_read_failure(paths, format_name, error)}") from None
     sizes = ray.get([_num_rows.remote(block) for block in blocks])
     if sum(sizes) == 0:
-        raise IngestError(f"corpus '{spec.id}' ({spec.path}) is empty")
+        raise IngestError(f"corpus '{spec.id}' ({spec.path}) is empty: it has no rows")
     holdout = spec.holdout_fraction if spec.holdout_fraction is not None else default_holdout
     spec_json = spec.model_dump_json()
     annotated: list[ray.ObjectRef] = []
@@ -240,22 +266,49 @@ def _process_corpus(spec: CorpusSpec, policy_json: str, default_holdout: float) 
     counts: dict[str, int] = {}
     for summary in ray.get(summaries):  # in row order: the first error is the first bad row
         if summary["error"]:
-            raise IngestError(summary["error"])
+            raise _row_error(summary, paths, format_name)
         for route, count in summary["counts"].items():
             counts[route] = counts.get(route, 0) + count
     return _Corpus(spec, [relative for relative, _ in files], fingerprint, annotated, counts, sum(sizes))
 
 
+def _row_error(summary: dict[str, Any], files: list[Path], format_name: str) -> GovrayError:
+    """The error of a block's first bad row, with the file, row and line it sits at."""
+    message = summary["error"]
+    if summary["row"] is not None and (where := locate(files, format_name, summary["row"])):
+        message += f" (at {where})"
+    return _ROW_ERRORS.get(summary["kind"], IngestError)(message)
+
+
+def _read_failure(files: list[Path], format_name: str, error: BaseException) -> str:
+    """What went wrong when Ray Data could not read a corpus: the first file that fails alone."""
+    for file in files:
+        if problem := diagnose_file(file, format_name):
+            return problem
+    return f"cannot read {', '.join(str(file) for file in files)}: {_root_cause(error)}"
+
+
 def _root_cause(error: BaseException) -> str:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return f"{type(error).__name__}: {error}"
+    """The innermost error with a message, without Ray's task wrapper and traceback."""
+    found = error
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if str(current).strip() and not isinstance(current, ray.exceptions.RayTaskError):
+            found = current
+        inner = getattr(current, "cause", None) if isinstance(current, ray.exceptions.RayTaskError) else None
+        current = inner if isinstance(inner, BaseException) else current.__cause__
+    text = str(found).strip().splitlines()
+    return f"{type(found).__name__}: {text[-1] if text else ''}"
 
 
 def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = False) -> IngestResult:
     """Validate and shard every corpus of ``config`` under ``STORAGE/shards/KEY``.
 
-    Raises ``IngestError`` naming the corpus (and row and field) at fault; writes nothing then.
+    Raises ``IngestError`` naming the corpus, and the file, row and column at fault
+    (``CredentialError`` for a row's bad credential, ``PolicyError`` for a row that matches no
+    rule); writes nothing then. Rows count from 0, lines from 1 (``govray.data.validate``).
     """
     storage = open_storage(config.storage_path)
     storage.check()  # unreachable object storage is refused before any corpus is read
