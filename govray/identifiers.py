@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, Field, StringConstraints, TypeAdapter, ValidationError
 
 from govray.errors import GovrayError
 
@@ -55,9 +55,25 @@ Label = _text(LABEL_BODY, 512, "A layer or metric name: printable text")
 Description = _text(
     DESCRIPTION_BODY, 4096, "Free text, without control characters other than newline and tab"
 )
-RecordId = Annotated[int, Field(ge=1, le=MAX_ID, description=f"An id (1..{MAX_ID}).")]
-Version = Annotated[int, Field(ge=1, le=MAX_ID, description="A model version (1, 2, ...).")]
-RowNumber = Annotated[int, Field(ge=0, le=MAX_ID, description="A row of a corpus (0-based).")]
+DECIMAL_BODY = r"0|[1-9][0-9]{0,18}"  # how a number is written in a path, a query or on a command line
+
+
+def _exact_integer(value: object) -> object:
+    """An integer, or its decimal text exactly: not ' 1', '1\n', '01', '+1', '1_0' or '1.0', each of
+    which pydantic's lax mode (or ``int``) would read as a number, mapping one id onto another."""
+    if isinstance(value, bool | float):
+        raise ValueError("expected an integer")
+    if isinstance(value, str):
+        if not re.fullmatch(DECIMAL_BODY, value):
+            raise ValueError("expected an integer written in ASCII digits, without sign or leading zeros")
+        return int(value)
+    return value
+
+
+EXACT_INTEGER = BeforeValidator(_exact_integer)  # last in an Annotated, so it runs first
+RecordId = Annotated[int, Field(ge=1, le=MAX_ID, description=f"An id (1..{MAX_ID})."), EXACT_INTEGER]
+Version = Annotated[int, Field(ge=1, le=MAX_ID, description="A model version (1, 2, ...)."), EXACT_INTEGER]
+RowNumber = Annotated[int, Field(ge=0, le=MAX_ID, description="A row of a corpus (0-based)."), EXACT_INTEGER]
 
 RULES = {  # what a refusal says is allowed
     MODEL_NAME_BODY: "a letter or digit, then letters, digits and ._- (at most 128 characters)",
@@ -90,9 +106,9 @@ def check(kind: Any, value: object, what: str, error: type[GovrayError] = Identi
 
 
 def parse_id(text: str, what: str, error: type[GovrayError] = IdentifierError, low: int = 1) -> int:
-    """A decimal number typed by a person: ASCII digits only (``int`` also reads other scripts' digits),
-    within ``low``..MAX_ID."""
-    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= MAX_ID:
+    """A decimal number typed by a person: ASCII digits only (``int`` also reads other scripts'
+    digits, signs, underscores and spaces), within ``low``..MAX_ID."""
+    if not re.fullmatch(DECIMAL_BODY, text) or not low <= int(text) <= MAX_ID:
         raise error(f"{what} {_shown(text)}: expected a number from {low} to {MAX_ID}")
     return int(text)
 

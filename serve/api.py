@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from govray.dsse import Envelope
-from govray.identifiers import MAX_ID, CorpusId, Label, ModelName, RecordId, RowNumber, Version
+from govray.identifiers import EXACT_INTEGER, MAX_ID, CorpusId, Label, ModelName, RecordId, RowNumber, Version
 from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
 from govray.queries.views import (
     AttestationView,
@@ -43,8 +43,12 @@ Id = Annotated[RecordId, PathParam()]
 Name = Annotated[ModelName, PathParam()]
 VersionNumber = Annotated[Version, PathParam()]
 Corpus = Annotated[CorpusId, PathParam()]
-Offset = Annotated[int, Query(ge=0, le=MAX_ID, description="Position of the page's first item.")]
-Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"Items per page (at most {MAX_LIMIT}).")]
+Offset = Annotated[
+    int, Query(ge=0, le=MAX_ID, description="Position of the page's first item."), EXACT_INTEGER
+]
+Limit = Annotated[
+    int, Query(ge=1, le=MAX_LIMIT, description=f"Items per page (at most {MAX_LIMIT})."), EXACT_INTEGER
+]
 Layer = Annotated[Label | None, Query(description="Only this layer: its name, its index, or adapter:NAME.")]
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Nothing with that id or name."}}
 
