@@ -15,6 +15,7 @@ is refused at the edge with a message instead of reaching the database. Nothing 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BeforeValidator, Field, StringConstraints, TypeAdapter, ValidationError
@@ -70,6 +71,14 @@ def _exact_integer(value: object) -> object:
     return value
 
 
+def _iso_moment(value: object) -> object:
+    """A time as ISO 8601 text (pydantic's lax mode would also read '0.5' as a Unix timestamp)."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9.eE+-]*", value):
+        raise ValueError("expected an ISO 8601 date-time, such as 2026-11-21T12:00:00Z")
+    return value
+
+
+Moment = Annotated[datetime, BeforeValidator(_iso_moment)]
 EXACT_INTEGER = BeforeValidator(_exact_integer)  # last in an Annotated, so it runs first
 RecordId = Annotated[int, Field(ge=1, le=MAX_ID, description=f"An id (1..{MAX_ID})."), EXACT_INTEGER]
 Version = Annotated[int, Field(ge=1, le=MAX_ID, description="A model version (1, 2, ...)."), EXACT_INTEGER]

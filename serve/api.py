@@ -9,7 +9,6 @@ kept in the app's ``ResponseCache`` until the store changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -18,7 +17,17 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from govray.dsse import Envelope
-from govray.identifiers import EXACT_INTEGER, MAX_ID, CorpusId, Label, ModelName, RecordId, RowNumber, Version
+from govray.identifiers import (
+    EXACT_INTEGER,
+    MAX_ID,
+    CorpusId,
+    Label,
+    ModelName,
+    Moment,
+    RecordId,
+    RowNumber,
+    Version,
+)
 from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
 from govray.queries.views import (
     AttestationView,
@@ -186,10 +195,8 @@ async def audit(
     request: Request,
     experiment_id: Annotated[RecordId | None, Query()] = None,
     event_type: AuditEventType | None = None,
-    since: Annotated[
-        datetime | None, Query(description="At or after (ISO 8601; UTC without a zone).")
-    ] = None,
-    until: Annotated[datetime | None, Query(description="Before (ISO 8601; UTC without a zone).")] = None,
+    since: Annotated[Moment | None, Query(description="At or after (ISO 8601; UTC without a zone).")] = None,
+    until: Annotated[Moment | None, Query(description="Before (ISO 8601; UTC without a zone).")] = None,
     offset: Offset = 0,
     limit: Limit = DEFAULT_LIMIT,
 ) -> Response:

@@ -122,7 +122,7 @@ NUMBERS = st.one_of(
 def assert_answer(response: Any) -> None:
     """Not a 5xx, and a refusal says why."""
     assert response.status_code < 500, (response.request.url, response.status_code, response.text)
-    if response.status_code >= 400:
+    if response.status_code >= 400 and response.headers["content-type"] == "application/json":
         assert response.json()["detail"], response.text
 
 
@@ -139,7 +139,8 @@ def test_a_model_request_answers_only_about_the_exact_name_it_names(
     if listed.status_code == 200:
         assert name in MODELS and {v["model_name"] for v in listed.json()["items"]} == {name}
     else:
-        assert listed.status_code == (404 if re.fullmatch(MODEL_NAME_BODY, name) else 422)
+        # an empty name leaves no path segment: no route, a 404
+        assert listed.status_code == (404 if name == "" or re.fullmatch(MODEL_NAME_BODY, name) else 422)
     base = f"/api/models/{segment(name)}/versions/{segment(str(version))}"
     for path, params in ((base, {}), (f"{base}/lineage", {"layer": layer} if layer is not None else {})):
         answer = app.client.get(path, params=params)
@@ -162,7 +163,7 @@ def test_a_corpus_request_answers_only_about_the_exact_corpus_it_names(
     if influence.status_code == 200:
         assert corpus in CORPORA
     elif influence.status_code == 404:
-        assert re.fullmatch(CORPUS_ID_BODY, corpus) and corpus not in CORPORA
+        assert corpus == "" or (re.fullmatch(CORPUS_ID_BODY, corpus) and corpus not in CORPORA)
     reach = app.client.get(f"/api/corpora/{segment(corpus)}/rows/{segment(str(row))}")
     assert_answer(reach)
     if reach.status_code == 200:
@@ -187,7 +188,7 @@ ID_PATHS = (
 def test_an_id_request_is_about_that_id_or_refused(app: App, path: str, number: Any, query: Any) -> None:
     answer = app.client.get(path.format(segment(str(number))), params={k: str(v) for k, v in query.items()})
     assert_answer(answer)
-    if answer.status_code == 200 and path.count("/") == 3 and not path.startswith("/lineage"):
+    if answer.status_code == 200 and path.count("/") == 3 and str(number):
         assert str(number).isascii() and answer.json().get("id", int(str(number))) == int(str(number))
 
 
@@ -268,7 +269,7 @@ def test_writes_refuse_malformed_names_and_bodies_and_then_write_nothing(
     assert_answer(tagged)
     if made.status_code != 201 and tagged.status_code != 200:
         assert row_counts(app.store) == before
-    if not re.fullmatch(MODEL_NAME_BODY, name):
+    if name and not re.fullmatch(MODEL_NAME_BODY, name):
         assert made.status_code == tagged.status_code == 422
 
 
