@@ -67,7 +67,11 @@ class VerifyResult(BaseModel):
     model_dir: str = Field(description="The directory whose files were checked.")
 
 
-@router.post("/verify", response_model=VerifyResult, responses={404: {"description": "Unknown id or model."}})
+@router.post(
+    "/verify",
+    response_model=VerifyResult,
+    responses={400: {"description": "The body is not JSON."}, 404: {"description": "Unknown id or model."}},
+)
 def verify(request: Request, body: VerifyRequest) -> VerifyResult:
     """Verify an attestation envelope against model files under the server's trust file; a failed
     verification is a 200 with ``ok: false`` and the reason."""

@@ -50,7 +50,12 @@ def writer(
 
 
 router = APIRouter(
-    prefix="/api", responses={401: {"description": "No bearer token."}, 403: {"description": "Wrong token."}}
+    prefix="/api",
+    responses={
+        400: {"description": "The body is not JSON."},
+        401: {"description": "No bearer token."},
+        403: {"description": "Wrong token."},
+    },
 )
 Writer = Annotated[TrackingStore, Depends(writer)]
 Name = Annotated[ModelName, PathParam()]

@@ -139,8 +139,9 @@ def test_a_model_request_answers_only_about_the_exact_name_it_names(
     if listed.status_code == 200:
         assert name in MODELS and {v["model_name"] for v in listed.json()["items"]} == {name}
     else:
-        # an empty name leaves no path segment: no route, a 404
-        assert listed.status_code == (404 if name == "" or re.fullmatch(MODEL_NAME_BODY, name) else 422)
+        # an empty name, or one with a '/', is not one path segment: no route, a 404
+        no_route = name == "" or "/" in name
+        assert listed.status_code == (404 if no_route or re.fullmatch(MODEL_NAME_BODY, name) else 422)
     base = f"/api/models/{segment(name)}/versions/{segment(str(version))}"
     for path, params in ((base, {}), (f"{base}/lineage", {"layer": layer} if layer is not None else {})):
         answer = app.client.get(path, params=params)
@@ -163,7 +164,9 @@ def test_a_corpus_request_answers_only_about_the_exact_corpus_it_names(
     if influence.status_code == 200:
         assert corpus in CORPORA
     elif influence.status_code == 404:
-        assert corpus == "" or (re.fullmatch(CORPUS_ID_BODY, corpus) and corpus not in CORPORA)
+        assert (
+            corpus == "" or "/" in corpus or (re.fullmatch(CORPUS_ID_BODY, corpus) and corpus not in CORPORA)
+        )
     reach = app.client.get(f"/api/corpora/{segment(corpus)}/rows/{segment(str(row))}")
     assert_answer(reach)
     if reach.status_code == 200:
@@ -269,7 +272,7 @@ def test_writes_refuse_malformed_names_and_bodies_and_then_write_nothing(
     assert_answer(tagged)
     if made.status_code != 201 and tagged.status_code != 200:
         assert row_counts(app.store) == before
-    if name and not re.fullmatch(MODEL_NAME_BODY, name):
+    if name and "/" not in name and not re.fullmatch(MODEL_NAME_BODY, name):
         assert made.status_code == tagged.status_code == 422
 
 
