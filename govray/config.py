@@ -21,6 +21,7 @@ from govray.canaries import CanaryProbe, CanarySet
 from govray.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
 from govray.documents import parse_yaml_mapping, read_text
 from govray.errors import ConfigError, describe_validation_error
+from govray.identifiers import ExperimentName
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -396,7 +397,7 @@ class ExperimentConfig(BaseModel):
 
     model_config = _STRICT
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: ExperimentName
     description: str = ""
     trial: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:Class"
     hyperparameters: dict[str, Hyperparameter] = Field(default_factory=dict)

@@ -19,7 +19,6 @@ and into the tracking store. Every change is an audit event (``registry.changed`
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from govray.attest import (
 from govray.canonical import sha256_hex
 from govray.checkpoint import MODEL_FILE, RUN_SPEC_FILE, CheckpointError, load_checkpoint, seal_checkpoint
 from govray.errors import GovrayError
+from govray.identifiers import Description, Label, ModelName, TagKey, TagValue, check, parse_model_ref
 from govray.keys import SigningKey, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.tracking.audit import AuditEventType, AuditLog
@@ -50,9 +50,6 @@ from govray.tracking.tables import (
     RegisteredModel,
 )
 from govray.tracking.tables import CheckpointState as StoredCheckpointState
-
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 
 
 class RegistryError(GovrayError):
@@ -90,15 +87,9 @@ def model_uri(name: str, version: int) -> str:
 
 
 def parse_ref(ref: str) -> tuple[str, int | None]:
-    """``NAME`` (the latest version) or ``NAME:VERSION``."""
-    name, _, version = ref.partition(":")
-    if not NAME_PATTERN.match(name):
-        raise RegistryError(f"model reference {ref!r}: expected NAME or NAME:VERSION (letters, digits, ._-)")
-    if not version:
-        return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise RegistryError(f"model reference {ref!r}: the version must be a positive integer")
-    return name, int(version)
+    """``NAME`` (the latest version) or ``NAME:VERSION``; ``RegistryError`` for anything else (a
+    name the pattern does not allow, a version that is not ASCII digits within 1..2^63-1)."""
+    return parse_model_ref(ref, RegistryError)
 
 
 def resolve(store: TrackingStore, ref: str) -> RegisteredVersion:
@@ -135,7 +126,7 @@ def list_models(store: TrackingStore) -> list[tuple[RegisteredModel, int]]:
 
 def versions(store: TrackingStore, name: str) -> list[RegisteredVersion]:
     """The versions of model ``name``, oldest first."""
-    resolve(store, name)  # an unknown model is an error, not an empty list
+    resolve(store, _checked_name(name))  # an unknown model is an error, not an empty list
     with store.session() as session:
         rows = session.exec(
             select(ModelVersion, CheckpointRecord)
@@ -163,11 +154,14 @@ def register(
     key: SigningKey | None = None,
 ) -> RegisteredVersion:
     """Register ``checkpoint`` (a checkpoint the store recorded, verified) as the next version of
-    model ``name``; its attestation (made now if the trial end did not) is kept for the version."""
-    parse_ref(name)
+    model ``name``; its attestation (made now if the trial end did not) is kept for the version.
+    Everything asked is checked before anything is written: a refused request writes nothing."""
+    name = _checked_name(name)
+    description = check(Description, description, "description", RegistryError)
+    checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
     written = attest_checkpoint(checkpoint, key)  # verifies it; refuses a tampered one
-    version = _add_version(store, name, record, description, _checked_tags(tags or {}))
+    version = _add_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
     _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
     return resolve(store, version.ref)
@@ -177,6 +171,7 @@ def set_tags(
     store: TrackingStore, ref: str, add: Mapping[str, str], remove: Iterable[str] = ()
 ) -> RegisteredVersion:
     """Set and remove tags of version ``ref`` (an unknown tag to remove is an error)."""
+    add = _checked_tags(add)
     version = resolve(store, ref)
     tags = dict(version.tags)
     for tag in remove:
@@ -185,7 +180,7 @@ def set_tags(
                 f"{version.ref} has no tag '{tag}' (tags: {', '.join(sorted(tags)) or 'none'})"
             )
         del tags[tag]
-    tags.update(_checked_tags(add))
+    tags.update(add)
     with store.session() as session:
         row = session.get(ModelVersion, version.record.id)
         assert row is not None
@@ -200,6 +195,7 @@ def remove_adapter(
 ) -> RegisteredVersion:
     """A new version of ``ref``'s model without adapter ``adapter``: its file gone, its tensors out
     of the ledger, and an attestation listing the corpora that now reach no tensor at all."""
+    adapter = check(Label, adapter, "adapter name", RegistryError)
     source = resolve(store, ref)
     adapter_file = source.directory / f"adapter-{adapter}.safetensors"
     if not adapter_file.is_file():
@@ -382,13 +378,18 @@ def _storage_of(version: RegisteredVersion) -> Path:
     return version.directory.resolve().parents[2]
 
 
+def _checked_name(name: str) -> str:
+    checked: str = check(ModelName, name, "model name", RegistryError)
+    return checked
+
+
 def _checked_tags(tags: Mapping[str, str]) -> dict[str, str]:
-    for tag, value in tags.items():
-        if not TAG_PATTERN.match(tag):
-            raise RegistryError(f"tag {tag!r}: letters, digits and ._/- only, at most 128 characters")
-        if not isinstance(value, str) or len(value) > 1024:
-            raise RegistryError(f"tag {tag!r}: the value must be text of at most 1024 characters")
-    return dict(tags)
+    return {
+        check(TagKey, tag, "tag", RegistryError): check(
+            TagValue, value, f"tag {tag!r}: the value", RegistryError
+        )
+        for tag, value in tags.items()
+    }
 
 
 def _audit(store: TrackingStore, action: str, version: RegisteredVersion, **details: object) -> None:

@@ -42,6 +42,7 @@ from govray.checkpoint import STATE_FILE, CheckpointState, recorded_state
 from govray.data.shards import ShardSet
 from govray.errors import GovrayError
 from govray.harness.loop import RunSpec
+from govray.identifiers import CorpusId, check
 from govray.routing import RoutingTable
 from govray.schedule import ScheduleSpec, epoch_plan
 from govray.tracking.lineage import checkpoints
@@ -133,7 +134,9 @@ def row_reach(store: TrackingStore, corpus_id: str, row: int) -> RowReach:
     """Which trials, steps, checkpoints and parameter tensors row ``row`` (0-based, as ingested:
     files in sorted order) of corpus ``corpus_id`` reached, from the recorded schedules.
 
-    Raises ``LineageError`` for a corpus no experiment ingested or a row outside every ingest."""
+    Raises ``LineageError`` for a malformed corpus id, a corpus no experiment ingested or a row
+    outside every ingest."""
+    corpus_id = check(CorpusId, corpus_id, "corpus id", LineageError)
     records = _corpus_records(store, corpus_id)
     largest = max(record.rows for record in records)
     if not 0 <= row < largest:

@@ -5,8 +5,10 @@ the three credentialed corpora with Ray Data into route-partitioned shards, trai
 workers with the governance-aware allreduce (progress bar), prints validation accuracy and the
 per-corpus x per-layer ledger, and lists the experiment in the embedded tracking store. Then the
 compliance side: registers the trained model (attested), makes a version without the PII adapter
-(attested with the corpus it excludes), answers an erasure request for one PII row, and prints the
-EU AI Act training-content summary of the clean version.
+(attested with the corpus it excludes), trusts this machine's platform key in
+``STORAGE/trust.yaml`` (the trust file ``govray serve --trust`` verifies the demo's attestations
+with), answers an erasure request for one PII row, and prints the EU AI Act training-content
+summary of the clean version.
 
 Run from the repository root: ``python -m jobs.demo``.
 """
@@ -23,6 +25,7 @@ from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 
 EXPERIMENT = Path(__file__).resolve().parent / "examples" / "digits" / "experiment.yaml"
+POLICY_TRUST = Path(__file__).resolve().parents[1] / "policies" / "trust.yaml"
 
 
 def demo() -> int:
@@ -50,8 +53,13 @@ def demo() -> int:
     if code:
         return code
     trained = f"digits:{resolve(store, 'digits').version}"
+    trust = Path(config.storage_path) / "trust.yaml"  # what `govray serve --trust` verifies the demo with
     return _run(
         [
+            (
+                "trust this machine's platform key, which signed the demo's attestations",
+                ["keys", "trust-platform", "--trust", str(trust), "--from", str(POLICY_TRUST)],
+            ),
             (
                 "a version without the PII adapter, attested with the corpus it excludes",
                 ["model", "remove-adapter", trained, "--adapter", "pii-lora", *db],

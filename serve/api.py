@@ -9,7 +9,6 @@ kept in the app's ``ResponseCache`` until the store changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -18,7 +17,18 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from govray.dsse import Envelope
-from govray.queries import DEFAULT_LIMIT, MAX_ID, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
+from govray.identifiers import (
+    EXACT_INTEGER,
+    MAX_ID,
+    CorpusId,
+    Label,
+    ModelName,
+    Moment,
+    RecordId,
+    RowNumber,
+    Version,
+)
+from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
 from govray.queries.views import (
     AttestationView,
     AuditEventView,
@@ -38,12 +48,17 @@ from govray.tracking.store import TrackingStore
 from serve.cache import ResponseCache
 
 router = APIRouter(prefix="/api")
-Id = Annotated[int, PathParam(ge=1, le=MAX_ID)]
-Offset = Annotated[int, Query(ge=0, le=MAX_ID, description="Position of the page's first item.")]
-Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"Items per page (at most {MAX_LIMIT}).")]
-Layer = Annotated[
-    str | None, Query(description="Only this layer: its name, its index, or adapter:NAME.", max_length=512)
+Id = Annotated[RecordId, PathParam()]
+Name = Annotated[ModelName, PathParam()]
+VersionNumber = Annotated[Version, PathParam()]
+Corpus = Annotated[CorpusId, PathParam()]
+Offset = Annotated[
+    int, Query(ge=0, le=MAX_ID, description="Position of the page's first item."), EXACT_INTEGER
 ]
+Limit = Annotated[
+    int, Query(ge=1, le=MAX_LIMIT, description=f"Items per page (at most {MAX_LIMIT})."), EXACT_INTEGER
+]
+Layer = Annotated[Label | None, Query(description="Only this layer: its name, its index, or adapter:NAME.")]
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Nothing with that id or name."}}
 
 
@@ -53,11 +68,19 @@ async def answer(request: Request, ask: Callable[[StoreReader], BaseModel]) -> R
     which on a busy 2-core node cut throughput to 0.6x of an async endpoint's)."""
     reader: StoreReader = request.app.state.reader
     cache: ResponseCache = request.app.state.cache
-    key = f"{request.url.path}?{request.url.query}"
+    key = request_key(request)
     body = cache.peek(key)
     if body is None:
         body = await run_in_threadpool(cache.body, key, lambda: ask(reader))
     return Response(body, media_type="application/json")
+
+
+def request_key(request: Request) -> bytes:
+    """The request exactly as it came: raw path bytes and raw query string (``request.url`` is
+    re-parsed and drops tab, CR and LF, which would hand ``NAME%0A``'s answer to ``NAME``)."""
+    scope = request.scope
+    path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+    return bytes(path) + b"?" + bytes(scope.get("query_string", b""))
 
 
 @router.get("/ping", summary="The empty endpoint (a load test's baseline)")
@@ -91,7 +114,7 @@ async def trial(request: Request, trial_id: Id) -> Response:
 async def metrics(
     request: Request,
     trial_id: Id,
-    name: Annotated[str | None, Query(description="Only this metric.", max_length=512)] = None,
+    name: Annotated[Label | None, Query(description="Only this metric.")] = None,
     offset: Offset = 0,
     limit: Limit = DEFAULT_LIMIT,
 ) -> Response:
@@ -104,12 +127,14 @@ async def models(request: Request, offset: Offset = 0, limit: Limit = DEFAULT_LI
 
 
 @router.get("/models/{name}/versions", response_model=Page[ModelVersionView], responses=NOT_FOUND)
-async def versions(request: Request, name: str, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT) -> Response:
+async def versions(
+    request: Request, name: Name, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT
+) -> Response:
     return await answer(request, lambda reader: reader.versions(name, Window(offset, limit)))
 
 
 @router.get("/models/{name}/versions/{version}", response_model=ModelVersionView, responses=NOT_FOUND)
-async def version(request: Request, name: str, version: Id) -> Response:
+async def version(request: Request, name: Name, version: VersionNumber) -> Response:
     return await answer(request, lambda reader: reader.version(name, version))
 
 
@@ -119,7 +144,9 @@ async def version(request: Request, name: str, version: Id) -> Response:
     responses=NOT_FOUND,
     summary="Which corpora directly reached each layer of a model version",
 )
-async def version_lineage(request: Request, name: str, version: Id, layer: Layer = None) -> Response:
+async def version_lineage(
+    request: Request, name: Name, version: VersionNumber, layer: Layer = None
+) -> Response:
     return await answer(request, lambda reader: reader.version_lineage(name, version, layer))
 
 
@@ -140,7 +167,7 @@ async def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer =
     summary="Every checkpoint, model version and layer a corpus reached",
 )
 async def influence(
-    request: Request, corpus_id: str, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT
+    request: Request, corpus_id: Corpus, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT
 ) -> Response:
     return await answer(request, lambda reader: reader.influence(corpus_id, Window(offset, limit)))
 
@@ -151,7 +178,7 @@ async def influence(
     responses=NOT_FOUND,
     summary="Which trials, steps, checkpoints and tensors one row reached (from the schedule)",
 )
-async def row(request: Request, corpus_id: str, row: Annotated[int, PathParam(ge=0, le=MAX_ID)]) -> Response:
+async def row(request: Request, corpus_id: Corpus, row: Annotated[RowNumber, PathParam()]) -> Response:
     store: TrackingStore = request.app.state.store
 
     def lookup(_: StoreReader) -> RowReach:
@@ -166,12 +193,10 @@ async def row(request: Request, corpus_id: str, row: Annotated[int, PathParam(ge
 @router.get("/audit", response_model=Page[AuditEventView])
 async def audit(
     request: Request,
-    experiment_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
+    experiment_id: Annotated[RecordId | None, Query()] = None,
     event_type: AuditEventType | None = None,
-    since: Annotated[
-        datetime | None, Query(description="At or after (ISO 8601; UTC without a zone).")
-    ] = None,
-    until: Annotated[datetime | None, Query(description="Before (ISO 8601; UTC without a zone).")] = None,
+    since: Annotated[Moment | None, Query(description="At or after (ISO 8601; UTC without a zone).")] = None,
+    until: Annotated[Moment | None, Query(description="Before (ISO 8601; UTC without a zone).")] = None,
     offset: Offset = 0,
     limit: Limit = DEFAULT_LIMIT,
 ) -> Response:

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve import Application
@@ -62,6 +65,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
         application.include_router(importlib.import_module(PAGE_MODULE).router)
     for error, status in HANDLED:
         application.add_exception_handler(error, _responder(status))
+    application.add_exception_handler(RequestValidationError, _malformed)
     return application
 
 
@@ -86,6 +90,24 @@ def _responder(status: int) -> Any:
         return JSONResponse({"detail": detail}, status_code=status)
 
     return respond
+
+
+async def _malformed(request: Request, error: Exception) -> JSONResponse:
+    """FastAPI's 422 for a request its types refuse, with the offending input made JSON-safe: a body
+    such as ``{"attestation_id": NaN}`` (or ``1e999``) echoes a non-finite float, which JSON cannot
+    hold, and FastAPI's own handler would fail with a 500 writing it."""
+    assert isinstance(error, RequestValidationError)
+    return JSONResponse({"detail": _finite(jsonable_encoder(error.errors()))}, status_code=422)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf": what was sent, as text
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
 
 
 # The replica mostly waits on its database, so it holds no CPU a training run could use.

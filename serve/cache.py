@@ -4,7 +4,8 @@ A lineage or influence answer aggregates thousands of ledger rows, yet changes o
 writes to the store. ``StoreGeneration`` is a value that changes with every commit anyone makes
 (SQLite's ``PRAGMA data_version`` on one dedicated connection; PostgreSQL's current snapshot,
 which moves with every write transaction), read in microseconds; ``ResponseCache`` keeps JSON
-bodies keyed by request and drops them all when the generation moves. A store whose changes
+bodies keyed by the exact request (its raw path and query bytes: two requests share an answer only
+if they are the same bytes) and drops them all when the generation moves. A store whose changes
 cannot be seen this way is not cached.
 """
 
@@ -60,13 +61,13 @@ class ResponseCache:
         self.generation = generation
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
         self._bytes = 0
         self._seen: object | None = None
         self.hits = 0
         self.misses = 0
 
-    def peek(self, key: str) -> bytes | None:
+    def peek(self, key: bytes) -> bytes | None:
         """The cached answer for ``key`` if the store has not changed since it was computed, else
         None (without computing anything: cheap enough for the event loop)."""
         seen = self.generation.current()
@@ -79,7 +80,7 @@ class ResponseCache:
                 self.hits += 1
             return cached
 
-    def body(self, key: str, answer: Callable[[], BaseModel]) -> bytes:
+    def body(self, key: bytes, answer: Callable[[], BaseModel]) -> bytes:
         """The JSON of ``answer()``, computed at most once per store generation."""
         seen = self.generation.current()
         with self._lock:

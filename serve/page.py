@@ -24,7 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from govray.queries import MAX_ID, NotFoundError, StoreReader
+from govray.identifiers import ModelName, RecordId, Version
+from govray.queries import NotFoundError, StoreReader
 from serve.lineage_view import (
     CREDENTIAL_FIELDS,
     LineageSheet,
@@ -94,7 +95,7 @@ def lineage_index(request: Request) -> HTMLResponse:
     summary="Lineage page of a model version",
 )
 def model_page(
-    request: Request, name: str, version: Annotated[int, PathParam(ge=1, le=MAX_ID)]
+    request: Request, name: Annotated[ModelName, PathParam()], version: Annotated[Version, PathParam()]
 ) -> HTMLResponse:
     try:
         sheet = version_sheet(_reader(request), name, version, _trust(request))
@@ -109,9 +110,7 @@ def model_page(
     responses=NOT_FOUND,
     summary="Lineage page of a checkpoint",
 )
-def checkpoint_page(
-    request: Request, checkpoint_id: Annotated[int, PathParam(ge=1, le=MAX_ID)]
-) -> HTMLResponse:
+def checkpoint_page(request: Request, checkpoint_id: Annotated[RecordId, PathParam()]) -> HTMLResponse:
     try:
         sheet = checkpoint_sheet(_reader(request), checkpoint_id, _trust(request))
     except NotFoundError as error:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from govray.attest import AttestationError, verify_attestation
 from govray.dsse import Envelope
 from govray.errors import SignatureError
+from govray.identifiers import ModelRef, RecordId
 from govray.keys import TrustConfig, load_trust
-from govray.queries import MAX_ID, NotFoundError, QueryError, StoreReader
+from govray.queries import NotFoundError, QueryError, StoreReader
 from govray.registry import RegistryError, parse_ref, resolve
 from govray.tracking.store import TrackingStore
 from serve.settings import ServeSettings, Unavailable
@@ -33,14 +34,12 @@ class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     envelope: Envelope | None = Field(default=None, description="A DSSE envelope, as JSON.")
-    attestation_id: Annotated[int, Field(ge=1, le=MAX_ID)] | None = Field(
+    attestation_id: RecordId | None = Field(
         default=None, description="A stored attestation instead of an inline envelope."
     )
-    checkpoint_id: Annotated[int, Field(ge=1, le=MAX_ID)] | None = Field(
-        default=None, description="Check the files of this checkpoint."
-    )
-    model: str | None = Field(
-        default=None, max_length=200, description="Check the files of this model version (NAME:VERSION)."
+    checkpoint_id: RecordId | None = Field(default=None, description="Check the files of this checkpoint.")
+    model: ModelRef | None = Field(
+        default=None, description="Check the files of this model version (NAME:VERSION, or NAME: the latest)."
     )
 
     @model_validator(mode="after")
@@ -68,7 +67,11 @@ class VerifyResult(BaseModel):
     model_dir: str = Field(description="The directory whose files were checked.")
 
 
-@router.post("/verify", response_model=VerifyResult, responses={404: {"description": "Unknown id or model."}})
+@router.post(
+    "/verify",
+    response_model=VerifyResult,
+    responses={400: {"description": "The body is not JSON."}, 404: {"description": "Unknown id or model."}},
+)
 def verify(request: Request, body: VerifyRequest) -> VerifyResult:
     """Verify an attestation envelope against model files under the server's trust file; a failed
     verification is a 200 with ``ok: false`` and the reason."""

@@ -17,7 +17,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from govray import registry
-from govray.queries import MAX_ID, StoreReader
+from govray.identifiers import Description, ModelName, RecordId, TagKey, TagValue, Version
+from govray.queries import StoreReader
 from govray.queries.views import ModelVersionView
 from govray.tracking.store import TrackingStore
 from serve.settings import ServeSettings
@@ -49,18 +50,23 @@ def writer(
 
 
 router = APIRouter(
-    prefix="/api", responses={401: {"description": "No bearer token."}, 403: {"description": "Wrong token."}}
+    prefix="/api",
+    responses={
+        400: {"description": "The body is not JSON."},
+        401: {"description": "No bearer token."},
+        403: {"description": "Wrong token."},
+    },
 )
 Writer = Annotated[TrackingStore, Depends(writer)]
-Name = Annotated[str, PathParam(max_length=128)]
-Tags = Annotated[dict[str, Annotated[str, Field(max_length=1024)]], Field(max_length=256)]
+Name = Annotated[ModelName, PathParam()]
+Tags = Annotated[dict[TagKey, TagValue], Field(max_length=256)]
 
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint_id: int = Field(ge=1, le=MAX_ID, description="A checkpoint the store recorded.")
-    description: str = Field(default="", max_length=4096)
+    checkpoint_id: RecordId = Field(description="A checkpoint the store recorded.")
+    description: Description = ""
     tags: Tags = Field(default_factory=dict)
 
 
@@ -84,7 +90,7 @@ def replace_tags(
     request: Request,
     store: Writer,
     name: Name,
-    version: Annotated[int, PathParam(ge=1, le=MAX_ID)],
+    version: Annotated[Version, PathParam()],
     body: TagsRequest,
 ) -> ModelVersionView:
     """Replace the tags of a model version."""

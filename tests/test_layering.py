@@ -10,6 +10,7 @@ GOVRAY = Path(__file__).resolve().parents[1] / "govray"
 # Bottom to top. A module may import its own layer and those below it, never above.
 LAYERS: list[set[str]] = [
     {"errors", "canonical", "documents", "runtime", "logs", "memorization", "canaries", "storage"},
+    {"identifiers"},
     {"credentials"},
     {"keys"},
     {"dsse"},

@@ -87,7 +87,7 @@ def test_a_registered_version_resolves_lists_and_keeps_its_tags(
         resolve(store, "nope:1")
     with pytest.raises(RegistryError, match="has no version 99"):
         resolve(store, f"{MODEL}:99")
-    with pytest.raises(RegistryError, match="must be a positive integer"):
+    with pytest.raises(RegistryError, match="expected a number from 1 to"):
         resolve(store, "digits:one")
 
 

@@ -15,7 +15,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import CHECKS, is_check_class, load_all_checks
 
 from govray.checkpoint import STATE_FILE
 from govray.keys import platform_key
@@ -311,7 +311,7 @@ def test_writes_need_the_servers_bearer_token(served: Served) -> None:
     unknown = served.call("PUT", tags.replace("/1/", "/9/"), TOKEN, json={"tags": {}})
     assert unknown.status_code == 404 and f"model '{MODEL}' has no version 9" in detail(unknown)
     bad = served.call("PUT", tags, TOKEN, json={"tags": {"no spaces": "x"}})
-    assert bad.status_code == 422 and "tag 'no spaces'" in detail(bad)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:3] == ["body", "tags", "no spaces"]
 
     version = served.get(f"/api/models/{MODEL}/versions/1/lineage")
     checkpoint = served.get(f"/api/checkpoints/{final}/lineage")
@@ -351,10 +351,25 @@ def api_schema(served: Served) -> Any:
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+load_all_checks()
+ALL_CHECKS = [check for check in CHECKS.get_all() if not is_check_class(check)]
+# Checks that do not apply, and why:
+# - allow_header_conformance: /api/models/{name}/versions is GET (reads) and POST (writes) from two
+#   routers; Starlette answers a 405 from the first route that matches the path, so its Allow lists
+#   GET only. The methods themselves answer as documented.
+EXCLUDED = [CHECKS.get_one("allow_header_conformance")]
+# - positive_data_acceptance on POST /api/verify: "exactly one of envelope and attestation_id" is a
+#   rule across fields the JSON schema does not express; such a body is a 422 naming the rule.
+NOT_FOR_VERIFY = [CHECKS.get_one("positive_data_acceptance")]
+
+
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_no_request_the_openapi_allows_gets_a_server_error(case: Any) -> None:
-    case.call_and_validate(checks=[not_a_server_error], timeout=60)
+def test_every_answer_conforms_to_the_openapi_document(case: Any) -> None:
+    """schemathesis's every check: no 5xx, status codes, content types, headers and bodies as the
+    document declares them, valid data accepted, invalid data refused, auth enforced."""
+    excluded = EXCLUDED + (NOT_FOR_VERIFY if case.operation.label == "POST /api/verify" else [])
+    case.call_and_validate(checks=ALL_CHECKS, excluded_checks=excluded, timeout=60)
 
 
 def test_shutting_serve_down_leaves_the_session_ray_working(served: Served) -> None:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from govray.config import ExperimentConfig, load_experiment
+from govray.identifiers import IdentifierError, parse_id
 from govray.tracking.store import TrackingStore
 
 # Piped output (logs, CI) gets wide lines rather than folded ids and digests.
@@ -42,3 +43,21 @@ Strict = typer.Option(
 
 def warn(message: str) -> None:
     console.print(f"[bold yellow]warning:[/] {message}", highlight=False)
+
+
+def record_id(text: str) -> int:
+    """An id on the command line: ASCII digits within 1..2^63-1 (``int`` would read other scripts'
+    digits, and pass 10^30 on to the database)."""
+    return _number(text, low=1)
+
+
+def row_number(text: str) -> int:
+    """A row number on the command line: ASCII digits within 0..2^63-1."""
+    return _number(text, low=0)
+
+
+def _number(text: str, low: int) -> int:
+    try:
+        return parse_id(text, "", low=low)
+    except IdentifierError as error:
+        raise typer.BadParameter(str(error).strip()) from None

@@ -15,7 +15,7 @@ import typer
 from govray.cli.common import console, table
 from govray.cli.policy import keygen
 from govray.errors import SignatureError
-from govray.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
+from govray.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key, save_trust
 
 app = typer.Typer(help="Signing keys of the two roles, rotation and revocation.", no_args_is_help=True)
 app.command("generate")(keygen)
@@ -63,6 +63,23 @@ def rotate(
     )
     for keyid in revoke_old:
         console.print(f"  revoked {keyid} ({reason})")
+
+
+@app.command("trust-platform")
+def trust_platform(
+    trust: Path = typer.Option(..., "--trust", help="The trust file to add the key to (created if missing)."),
+    base: Path | None = typer.Option(
+        None, "--from", help="Start a new trust file from this one (e.g. policies/trust.yaml)."
+    ),
+) -> None:
+    """Trust this machine's platform key (``$GOVRAY_HOME/keys/platform.key``), which signs its
+    checkpoints and attestations, so ``govray verify`` and ``govray serve --trust`` accept them."""
+    source = trust if trust.exists() else base
+    config = load_trust(source) if source is not None else TrustConfig()
+    key = platform_key()
+    config.add(key.public_key)
+    save_trust(config, trust)
+    console.print(f"platform key [bold]{key.keyid}[/] trusted in {trust}")
 
 
 @app.command("revoke")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, table
+from govray.cli.common import Database, console, row_number, table
 from govray.rows import TrialReach, row_reach
 from govray.tracking.store import TrackingStore
 
@@ -17,7 +17,9 @@ SHOWN_STEPS = 12  # steps printed per trial in the table; --json lists them all 
 @app.command("row")
 def row(
     corpus: str = typer.Argument(..., help="Corpus id."),
-    number: int = typer.Argument(..., metavar="ROW", help="Row number in the corpus (0-based, as ingested)."),
+    number: int = typer.Argument(
+        ..., metavar="ROW", parser=row_number, help="Row number in the corpus (0-based, as ingested)."
+    ),
     database: str = Database,
     as_json: bool = typer.Option(False, "--json", help="The whole answer as one JSON document."),
 ) -> None:

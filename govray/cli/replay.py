@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from govray.cli.common import console
+from govray.cli.common import console, record_id
 from govray.replay import format_influence, replay_trial
 from govray.tracking.store import TrackingStore
 
@@ -16,7 +16,7 @@ def replay(
     ),
     database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
     trial: int | None = typer.Option(
-        None, "--trial", help="Trial to replay (default: the latest completed)."
+        None, "--trial", parser=record_id, help="Trial to replay (default: the latest completed)."
     ),
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""

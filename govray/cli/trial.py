@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import Database
+from govray.cli.common import Database, record_id
 from govray.errors import GovrayError
 from govray.logs import follow_logs, log_dir, read_logs
 from govray.storage import Storage, open_storage
@@ -26,7 +26,7 @@ REMOTE_POLL_S = 5.0  # how often --follow asks object storage for longer copies
 
 @app.command()
 def logs(
-    trial_id: int = typer.Argument(..., help="Trial id."),
+    trial_id: int = typer.Argument(..., parser=record_id, help="Trial id."),
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Keep printing new lines until the trial stops running."
     ),

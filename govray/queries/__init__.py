@@ -17,9 +17,10 @@ largest over the layer's tensors — examples, tokens and steps that directly re
 it — and ``tensors`` is how many of its tensors the corpus reached.
 """
 
+from govray.identifiers import MAX_ID
 from govray.queries.errors import NotFoundError, QueryError
 from govray.queries.reader import StoreReader, read_only_engine
-from govray.queries.views import DEFAULT_LIMIT, MAX_ID, MAX_LIMIT, Page, Window
+from govray.queries.views import DEFAULT_LIMIT, MAX_LIMIT, Page, Window
 
 __all__ = [
     "DEFAULT_LIMIT",

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from govray.queries.errors import QueryError
 
 MAX_LIMIT = 500
-MAX_ID = 2**63 - 1  # ids are SQL integers: a larger one is malformed, not unknown
 DEFAULT_LIMIT = 50
 
 Item = TypeVar("Item")

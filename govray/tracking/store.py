@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from govray.errors import TrackingError
+from govray.identifiers import MAX_ID, ExperimentName, check
 from govray.tracking.database import (  # the database half, re-exported for this module's callers
     SQLITE_BUSY_TIMEOUT_MS,
     alembic_config,
@@ -127,16 +128,19 @@ class TrackingStore:
     def get_experiment(self, id_or_name: int | str) -> Experiment:
         """The experiment with this id, or the newest one with this name.
 
-        A string of digits that names no experiment is read as an id (what a CLI passes).
+        A string of ASCII digits that names no experiment is read as an id (what a CLI passes); a
+        string that is neither a name nor an id is an ``IdentifierError``.
         """
+        if isinstance(id_or_name, str):
+            check(ExperimentName, id_or_name, "experiment (an id or a name)")
         with self.session() as session:
             if isinstance(id_or_name, int):
-                found = session.get(Experiment, id_or_name)
+                found = session.get(Experiment, id_or_name) if 1 <= id_or_name <= MAX_ID else None
             else:
                 newest_first = col(Experiment.id).desc()
                 query = select(Experiment).where(Experiment.name == id_or_name)
                 found = session.exec(query.order_by(newest_first)).first()
-                if found is None and id_or_name.isdigit():
+                if found is None and id_or_name.isdigit() and 1 <= int(id_or_name) <= MAX_ID:
                     found = session.get(Experiment, int(id_or_name))
         if found is None:
             raise TrackingError(f"no experiment {id_or_name!r} in tracking store {masked(self.url)}")
@@ -378,7 +382,7 @@ def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
 
 
 def _require(session: Session, table: type[Row], row_id: int) -> Row:
-    found = session.get(table, row_id)
+    found = session.get(table, row_id) if 1 <= row_id <= MAX_ID else None  # beyond: no SQL integer
     if found is None:
         raise TrackingError(f"no {table.__name__.lower()} with id {row_id} in the tracking store")
     return found
