@@ -70,6 +70,8 @@ class TrialDescription(BaseModel):
     state: str
     ray_run_name: str | None
     seed: int
+    kind: str  # original, or replay (a counterfactual rerun of trial replay_of)
+    replay_of: int | None
     cloned_from: int | None
     source_checkpoint: Any  # the checkpoint it started from, as recorded; None: from scratch
     last_step: int | None  # the highest step of any metric it reported
@@ -139,6 +141,8 @@ def _describe_trial(store: TrackingStore, trial: Trial, latest: LatestByTrial) -
         state=trial.state,
         ray_run_name=trial.ray_run_name,
         seed=trial.seed,
+        kind=trial.kind,
+        replay_of=trial.replay_of,
         cloned_from=trial.cloned_from,
         source_checkpoint=json.loads(source) if source is not None else None,
         last_step=max((metric.step for metric in mine.values()), default=None),

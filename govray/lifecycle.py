@@ -22,7 +22,14 @@ from pathlib import Path
 from govray.config import ExperimentConfig, load_experiment
 from govray.errors import GovrayError
 from govray.preflight import check_policy, ingest_experiment
-from govray.runner import Progress, TrialOutcome, refusals, resume_trial, run_trial
+from govray.runner import (
+    Progress,
+    TrialOutcome,
+    refusals,
+    resume_trial,
+    run_trial,
+    use_interrupted_trial_code,
+)
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -118,6 +125,7 @@ def activate(
             + ("; a driver that died is continued with `govray resume`" if found.state == "active" else "")
         )
     config = ExperimentConfig.model_validate_json(found.config_json)
+    use_interrupted_trial_code(config, store, found)  # the recorded trial, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     return resume_trial(config, checked, found, store, progress=progress)
 

@@ -27,13 +27,15 @@ from govray.checkpoint import find_checkpoints, verify_checkpoint
 from govray.config import ExperimentConfig
 from govray.decisions import RecordedDecision
 from govray.errors import GovrayError
+from govray.harness.loop import RunSpec
 from govray.keys import load_trust, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.preflight import check_policy, ingest_experiment
-from govray.runner import Progress, TrialOutcome, run_trial, stored_ledger
+from govray.runner import Progress, TrialOutcome, recorded_trial_code, run_spec_path, run_trial, stored_ledger
+from govray.storage import open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Trial
+from govray.tracking.tables import Trial, TrialKind
 
 
 class ReplayError(GovrayError):
@@ -57,10 +59,13 @@ class InfluenceReport(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     experiment: str
-    original_trial: int
+    original_trial: int  # the trial replayed (compared with)
+    original_replay_of: int | None = None  # set when that trial is itself a replay of this trial
     replay_trial: int
     replay_run: str
-    excluded_corpora: list[str]
+    excluded_corpora: list[str]  # the corpora whose influence is measured
+    # Corpora the replayed trial already left out (it is a replay): the replay leaves them out too.
+    already_excluded: list[str] = []
     step: int
     created_at: str
     note: str = (
@@ -79,13 +84,28 @@ class Replay:
 
 
 def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | None) -> Trial:
+    """Trial ``trial_id``, or the experiment's latest completed original: never a replay unless
+    named (a replay compared with itself would show no influence at all)."""
     trials = [t for t in store.list_trials(experiment_id) if t.state == "completed"]
     if trial_id is not None:
         trials = [t for t in trials if t.id == trial_id]
+    else:
+        trials = [t for t in trials if t.kind == TrialKind.ORIGINAL]
     if not trials:
-        which = f"trial {trial_id}" if trial_id is not None else "a completed trial"
+        which = f"trial {trial_id}" if trial_id is not None else "a completed original trial"
         raise ReplayError(f"experiment {experiment_id} has no {which} to replay")
     return trials[-1]
+
+
+def _excluded_by(config: ExperimentConfig, trial: Trial) -> tuple[str, ...]:
+    """The corpora a trial left out (a replay's; none for an original), from its run spec."""
+    if trial.kind == TrialKind.ORIGINAL:
+        return ()
+    assert trial.ray_run_name is not None
+    path = run_spec_path(config, trial.ray_run_name)
+    if not open_storage(config.storage_path).fetch(path):
+        raise ReplayError(f"trial {trial.id} is a replay whose run spec {path} is missing")
+    return RunSpec.model_validate_json(path.read_text()).excluded_corpora
 
 
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
@@ -159,6 +179,8 @@ def replay_trial(
     unknown = [corpus for corpus in exclude if corpus not in known]
     if unknown:
         raise ReplayError(f"experiment '{recorded.name}' has no corpus {', '.join(unknown)}")
+    code = recorded_trial_code(config, original)  # the code it ran, whatever the working directory
+    already = _excluded_by(config, original)
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     _, ingested = ingest_experiment(config, checked, store)
     for corpus in ingested.manifest.corpora:
@@ -176,9 +198,11 @@ def replay_trial(
         store,
         hparams=json.loads(original.hparams_json),
         trial_seed=original.seed,
-        excluded_corpora=tuple(exclude),
+        excluded_corpora=already + tuple(c for c in exclude if c not in already),
         progress=progress,
         recorded_decisions=recorded_decisions(store, original.id),
+        replay_of=original.id,
+        code=code,
     )
     if outcome.state != "completed":
         raise ReplayError(
@@ -193,9 +217,11 @@ def replay_trial(
     report = InfluenceReport(
         experiment=recorded.name,
         original_trial=original.id,
+        original_replay_of=original.replay_of,
         replay_trial=outcome.trial_id,
         replay_run=outcome.run_name,
         excluded_corpora=list(exclude),
+        already_excluded=list(already),
         step=outcome.steps_done,
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         tensors=influence(original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude)),

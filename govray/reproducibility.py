@@ -39,7 +39,8 @@ from govray.canonical import canonical_json, file_sha256, sha256_hex
 from govray.config import CorpusSpec, ExperimentConfig
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.errors import GovrayError, IngestError
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import import_code_from, load_trial_class
+from govray.storage import Storage
 
 DEFAULT_MAX_COPY_BYTES = 2 * 1024**3
 # The variables that change thread counts or kernel choices, hence the bits of a result.
@@ -171,6 +172,40 @@ def _module_sources(trial_path: str, module_name: str) -> list[tuple[str, Path]]
     enclosing = (package_dir.parents[level] / "__init__.py" for level in range(depth))
     files += [init for init in enclosing if init.is_file()]
     return sorted((file.relative_to(root).as_posix(), file) for file in files)
+
+
+def verify_code(directory: Path, snapshot: CodeSnapshot) -> None:
+    """Raise ReproducibilityError, naming the file, unless ``directory`` holds exactly the bytes
+    ``snapshot`` recorded."""
+    where = f"code snapshot {snapshot.digest[:16]}… ({directory})"
+    if code_digest(snapshot.files) != snapshot.digest:
+        raise ReproducibilityError(f"{where}: the recorded file digests do not add up to its digest")
+    for relative, digest in snapshot.files.items():
+        path = directory / relative
+        if not path.is_file():
+            raise ReproducibilityError(f"{where}: {relative} is missing")
+        found = file_sha256(path)
+        if found != digest:
+            raise ReproducibilityError(
+                f"{where}: {path} changed since it was recorded (sha256 {digest[:16]}…, now "
+                f"{found[:16]}…): refusing to run other code than the recorded trial's"
+            )
+
+
+def use_recorded_code(snapshot: CodeSnapshot, directory: Path, storage: Storage | None = None) -> Path:
+    """Import the trial from its recorded code snapshot at ``directory`` (``STORAGE/code/DIGEST``,
+    fetched from object ``storage`` when this node lacks it), verified first; returns it.
+
+    What a replay or a resume runs is then the recorded code, in the driver and in every worker,
+    whatever the working directory and whatever changed in the project since.
+    """
+    if storage is not None:
+        storage.fetch(directory, verify=lambda staged: verify_code(staged, snapshot))
+    if not directory.is_dir():
+        raise ReproducibilityError(f"code snapshot {snapshot.digest[:16]}…: {directory} is missing")
+    verify_code(directory, snapshot)
+    import_code_from(directory, snapshot.files)
+    return directory
 
 
 def _code_matches(directory: Path, snapshot: CodeSnapshot) -> bool:
@@ -316,14 +351,21 @@ class ReproducibilityRecord(BaseModel):
 
 
 def build_record(
-    config: ExperimentConfig, storage: Path, *, config_digest: str, threads: int
+    config: ExperimentConfig,
+    storage: Path,
+    *,
+    config_digest: str,
+    threads: int,
+    code: CodeSnapshot | None = None,
 ) -> ReproducibilityRecord:
-    """Snapshot the trial's code into ``STORAGE/code/<digest>/`` and every corpus, and capture
-    the environment."""
-    code_root = storage / "code"
-    with _staging(code_root) as staging:
-        code = snapshot_trial_code(config.trial, staging)
-        _publish(staging, code_root / code.digest, lambda directory: _code_matches(directory, code))
+    """Snapshot the trial's code into ``STORAGE/code/<digest>/`` (unless it runs the recorded
+    ``code`` of another trial: a replay) and every corpus, and capture the environment."""
+    if code is None:
+        code_root = storage / "code"
+        with _staging(code_root) as staging:
+            code = snapshot_trial_code(config.trial, staging)
+            recorded = code
+            _publish(staging, code_root / code.digest, lambda directory: _code_matches(directory, recorded))
     return ReproducibilityRecord(
         seed=config.seed,
         config=config.model_dump(mode="json"),

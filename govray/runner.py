@@ -44,7 +44,7 @@ from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
 from govray.reconcile import Reconciliation, reconcile_run
-from govray.reproducibility import build_record
+from govray.reproducibility import CodeSnapshot, ReproducibilityRecord, build_record, use_recorded_code
 from govray.schedule import ScheduleSpec, derive_seed
 from govray.storage import open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
@@ -302,6 +302,8 @@ def run_trial(
     recorded_decisions: tuple[RecordedDecision, ...] | None = None,
     start_checkpoint: Path | None = None,
     start_model: Mapping[str, str] | None = None,
+    replay_of: int | None = None,
+    code: CodeSnapshot | None = None,
 ) -> TrialOutcome:
     """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
 
@@ -311,7 +313,8 @@ def run_trial(
     source trial's) instead of taking its own. ``start_checkpoint`` starts from another run's
     verified weights and ledger (recorded as the trial's lineage source); ``start_model`` names
     the registered model version that checkpoint is (``govray.registry.start_reference``), whose
-    attestation the trial's own then lists as its base model.
+    attestation the trial's own then lists as its base model. A replay names the trial it reruns
+    (``replay_of``) and runs that trial's recorded ``code`` (see :func:`recorded_trial_code`).
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
@@ -321,7 +324,9 @@ def run_trial(
     source = load_checkpoint(start_checkpoint, trust) if start_checkpoint is not None else None
     # The trial row keeps the trial seed: with the experiment's seed it fixes init, schedule and
     # per-step randomness, which is what a replay needs.
-    trial_row = store.create_trial(experiment.id, json.dumps(values, sort_keys=True), seed=trial_seed)
+    trial_row = store.create_trial(
+        experiment.id, json.dumps(values, sort_keys=True), seed=trial_seed, replay_of=replay_of
+    )
     assert trial_row.id is not None
     trial_id = trial_row.id
     run_name = f"{config.name}-trial{trial_id}-{uuid.uuid4().hex[:8]}"  # fresh: never resume by accident
@@ -334,9 +339,14 @@ def run_trial(
         store.set_trial_source(trial_id, json.dumps({**recorded, "step": source.state.step}))
     threads = default_threads(config.resources.cpus_per_worker)
     record = build_record(
-        config, open_storage(config.storage_path).root, config_digest=config_digest(config), threads=threads
+        config,
+        open_storage(config.storage_path).root,
+        config_digest=config_digest(config),
+        threads=threads,
+        code=code,
     )
     store.set_trial_reproducibility(trial_id, record.model_dump_json())
+    open_storage(config.storage_path).upload(code_directory(config, record.code))  # replays fetch it
     spec = new_run_spec(
         config,
         checked,
@@ -352,6 +362,8 @@ def run_trial(
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
         start_model=start_model,
     )
+    if code is not None:
+        spec = on_recorded_code(spec, code_directory(config, code))
     spec_path = run_spec_path(config, run_name)
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
@@ -450,6 +462,28 @@ def check_memorization_inputs(
             )
 
 
+def code_directory(config: ExperimentConfig, code: CodeSnapshot) -> Path:
+    """Where the experiment keeps a trial's code snapshot: ``STORAGE/code/DIGEST``."""
+    return open_storage(config.storage_path).root / "code" / code.digest
+
+
+def recorded_trial_code(config: ExperimentConfig, trial: Trial) -> CodeSnapshot:
+    """Make this process import the trial class from ``trial``'s recorded code snapshot,
+    verified against its digests (a changed or missing file is refused, named), whatever the
+    working directory: what a replay or a resume of it runs. Call it before anything imports
+    the trial (the policy check does)."""
+    if trial.reproducibility_json is None:
+        raise TrainingFailed(f"trial {trial.id} recorded no code snapshot: it cannot be rerun as it ran")
+    code = ReproducibilityRecord.model_validate_json(trial.reproducibility_json).code
+    use_recorded_code(code, code_directory(config, code), open_storage(config.storage_path))
+    return code
+
+
+def on_recorded_code(spec: RunSpec, directory: Path) -> RunSpec:
+    """``spec`` with its workers importing the trial from the verified snapshot at ``directory``."""
+    return spec.model_copy(update={"code_dir": str(directory), "recorded_code": True})
+
+
 def run_spec_path(config: ExperimentConfig, run_name: str) -> Path:
     return open_storage(config.storage_path).root / "runs" / f"{run_name}.json"
 
@@ -471,6 +505,15 @@ def interrupted_trial(store: TrackingStore, experiment: Experiment) -> Trial | N
     return interrupted[-1] if interrupted else None
 
 
+def use_interrupted_trial_code(
+    config: ExperimentConfig, store: TrackingStore, experiment: Experiment
+) -> None:
+    """Before a resume's policy check: import the trial from the interrupted trial's recorded code."""
+    trial = interrupted_trial(store, experiment)
+    if trial is not None:
+        recorded_trial_code(config, trial)
+
+
 def resume_trial(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -482,7 +525,8 @@ def resume_trial(
     """Continue the experiment's interrupted or paused trial from its latest checkpoint.
 
     The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
-    the schedule from there. Refused if the policy changed since the run started.
+    the schedule from there, running the trial's recorded code. Refused if the policy changed
+    since the run started.
     """
     trial = interrupted_trial(store, experiment)
     if trial is None:
@@ -499,6 +543,7 @@ def resume_trial(
             f"trial {trial.id} ran under policy digest {spec.policy_digest[:16]}…, the policy is now "
             f"{checked.policy.digest[:16]}…: resume refused"
         )
+    spec = on_recorded_code(spec, code_directory(config, recorded_trial_code(config, trial)))
     return _train(config, checked, experiment, store, trial.id, trial.ray_run_name, spec, progress)
 
 

@@ -271,6 +271,35 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
     return _golden_run(path)
 
 
+def edited_trial_elsewhere(directory: Path) -> dict[str, str]:
+    """A working directory away from the project with its own copy of the digits trial, edited
+    after the golden runs (its losses doubled: every weight would change), and the environment
+    of a process started there on this session's Ray: that copy shadows the project's on
+    PYTHONPATH, so only the recorded code snapshot runs the trial as it ran."""
+    import ray
+
+    package = directory / "jobs" / "examples" / "digits"
+    package.mkdir(parents=True)
+    for relative in ("jobs/__init__.py", "jobs/examples/__init__.py", "jobs/examples/digits/__init__.py"):
+        shutil.copyfile(REPO / relative, directory / relative)
+    source = (REPO / "jobs" / "examples" / "digits" / "trial.py").read_text()
+    edited = source.replace("return F.cross_entropy(model(", "return 2.0 * F.cross_entropy(model(")
+    assert edited != source
+    (package / "trial.py").write_text(edited)
+    path = os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    imported = subprocess.run(
+        [sys.executable, "-c", "import jobs.examples.digits.trial as t; print(t.__file__)"],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout.strip() == str(package / "trial.py")  # what a plain import runs there
+    return environment
+
+
 def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settle: float = 0.0) -> None:
     """Run ``jobs/SCRIPT --config CONFIG`` in its own process on this session's Ray cluster (as
     ``ray job submit`` would), SIGKILL it once ``ready()`` holds (polled every 0.05 s, at most

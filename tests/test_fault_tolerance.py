@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,14 @@ from govray.checkpoint import (
 from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.runtime import train_worker_pids
 from govray.tracking.lineage import checkpoints
-from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run, kill_driver_when
+from tests.conftest import (
+    GOLDEN_REPORT_EVERY,
+    GOLDEN_STEPS,
+    GoldenRun,
+    _golden_run,
+    edited_trial_elsewhere,
+    kill_driver_when,
+)
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -148,13 +157,18 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
         verify_checkpoint(checkpoint_copy, trust())
 
 
-@pytest.fixture(scope="module", params=["govray resume", "jobs/train.py"])
+@pytest.fixture(scope="module", params=["govray resume elsewhere", "jobs/train.py"])
 def resumed_after_driver_kill(
-    request: pytest.FixtureRequest, golden_run: GoldenRun, golden_example: Path
+    request: pytest.FixtureRequest,
+    golden_run: GoldenRun,
+    golden_example: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Any:
     """`jobs/train.py` (what `ray job submit` runs) in its own process on the session's Ray,
-    SIGKILLed after its first checkpoint; then, in this process, `govray resume EXPERIMENT` or the
-    same `jobs/train.py` call (a resubmitted job continues the interrupted trial)."""
+    SIGKILLed after its first checkpoint; then `govray resume EXPERIMENT`, run from a directory
+    where a plain import finds an edited trial (so only the recorded code snapshot resumes it as
+    it ran), or, in this process, the same `jobs/train.py` call (a resubmitted job continues the
+    interrupted trial)."""
 
     from govray.cli import main
 
@@ -172,8 +186,19 @@ def resumed_after_driver_kill(
     trial_id = found[0]
     assert store.get_trial(trial_id).state == "active"  # nobody marked it done: the driver died
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
-    if request.param == "govray resume":
-        assert main(["resume", golden_run.config.name, "--database", golden_run.config.database_url]) == 0
+    if request.param == "govray resume elsewhere":
+        elsewhere = tmp_path_factory.mktemp("resume") / "elsewhere"
+        environment = edited_trial_elsewhere(elsewhere)
+        resume = ["resume", golden_run.config.name, "--database", golden_run.config.database_url]
+        done = subprocess.run(
+            [sys.executable, "-m", "govray", *resume],
+            cwd=elsewhere,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
     else:
         from jobs.train import parse
 

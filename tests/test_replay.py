@@ -4,15 +4,23 @@ empty under a fresh run name, and its influence report separates direct from ind
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from govray.cli import main
 from govray.errors import GovrayError
-from govray.replay import Replay, replay_trial
+from govray.replay import InfluenceReport, Replay, final_checkpoint, replay_trial
+from govray.reproducibility import ReproducibilityError, ReproducibilityRecord
+from govray.storage import open_storage
+from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
-from tests.conftest import GoldenRun
+from govray.tracking.tables import TrialKind
+from tests.conftest import GoldenRun, edited_trial_elsewhere
+
+WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +110,99 @@ def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(
 def test_replay_refuses_an_unknown_corpus(golden_run: GoldenRun) -> None:
     with pytest.raises(GovrayError, match="has no corpus nope"):
         replay_trial(golden_run.store, golden_run.config.name, ("nope",))
+
+
+# -- replays are marked, and a replay is never mistaken for the original ----------------------
+
+
+def replay_cli(golden_run: GoldenRun, *options: str) -> list[str]:
+    """`govray replay` of the golden run's experiment, by id (later experiments share its name)."""
+    experiment_id = golden_run.store.get_trial(golden_run.outcome.trial_id).experiment_id
+    return ["replay", str(experiment_id), "--database", golden_run.config.database_url, *options]
+
+
+def test_replaying_a_replay_needs_its_id_and_says_what_it_replays(
+    golden_run: GoldenRun, replay_without_licensed: Replay, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = replay_without_licensed.outcome.trial_id
+    options = ("--exclude-corpus", "digits-writers", "--trial", str(first))
+    assert main(replay_cli(golden_run, *options)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"trial {first} is itself a replay of trial {golden_run.outcome.trial_id} without digits-licensed"
+        in out
+    )
+    report_path = Path(out.split("influence report: ")[1].split()[0])
+    report = InfluenceReport.model_validate_json(report_path.read_text())
+    assert (report.original_trial, report.original_replay_of) == (first, golden_run.outcome.trial_id)
+    assert (report.excluded_corpora, report.already_excluded) == (["digits-writers"], ["digits-licensed"])
+    replayed = golden_run.store.get_trial(report.replay_trial)
+    assert (replayed.kind, replayed.replay_of) == ("replay", first)
+    corpora = {row.corpus_id for row in ledger_rows(golden_run.store, report.replay_trial)}
+    assert corpora and not corpora & {"digits-licensed", "digits-writers"}  # both left out
+
+
+# -- a replay runs the recorded code ----------------------------------------------------------
+
+
+def test_replay_without_trial_from_another_directory_replays_the_original_as_recorded(
+    golden_run: GoldenRun, replay_without_licensed: Replay, tmp_path: Path
+) -> None:
+    """After a replay, `govray replay` without --trial replays the latest original again, never
+    that replay (compared with itself, a replay without the licensed corpus would mark every tensor
+    'none'). It runs from a directory where a plain import finds an edited trial (losses doubled),
+    yet its weights are byte for byte those of the replay done in the project before: the recorded
+    code ran, in the driver and in both Ray Train workers."""
+    store = golden_run.store
+    experiment_id = store.get_trial(golden_run.outcome.trial_id).experiment_id
+    elsewhere = tmp_path / "elsewhere"
+    environment = edited_trial_elsewhere(elsewhere)
+    done = subprocess.run(
+        [sys.executable, "-m", "govray", *replay_cli(golden_run, "--exclude-corpus", "digits-licensed")],
+        cwd=elsewhere,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    trials = store.list_trials(experiment_id)
+    second = trials[-1]
+    # Bit-identical reruns of the golden trial (a resumed one) may be the latest original.
+    originals = [t for t in trials if t.kind == TrialKind.ORIGINAL and t.state == "completed"]
+    assert (second.kind, second.replay_of, second.state) == ("replay", originals[-1].id, "completed")
+    first = store.get_trial(replay_without_licensed.outcome.trial_id)
+    assert (first.kind, first.replay_of) == ("replay", golden_run.outcome.trial_id)
+    assert store.get_trial(golden_run.outcome.trial_id).kind == "original"
+    storage = open_storage(golden_run.config.storage_path).root
+    report = InfluenceReport.model_validate_json(
+        (storage / "reports" / f"influence-trial{second.replay_of}-replay{second.id}.json").read_text()
+    )
+    assert report.original_replay_of is None
+    kinds = {row.tensor: row.kind for row in report.tensors}
+    assert kinds["hidden.weight"] == "direct" and kinds["embed.weight"] == "indirect"
+    assert second.ray_run_name is not None
+    before = final_checkpoint(replay_without_licensed.outcome.run_dir, golden_run.config.policy.trust)
+    after = final_checkpoint(storage / "ray" / second.ray_run_name, golden_run.config.policy.trust)
+    for name in WEIGHT_FILES:
+        assert (before / name).read_bytes() == (after / name).read_bytes(), name
+
+
+def test_a_tampered_code_snapshot_is_refused_naming_the_file(golden_run: GoldenRun) -> None:
+    store, trial_id = golden_run.store, golden_run.outcome.trial_id
+    code = ReproducibilityRecord.model_validate_json(
+        store.get_trial(trial_id).reproducibility_json or ""
+    ).code
+    storage = open_storage(golden_run.config.storage_path).root
+    tampered = storage / "code" / code.digest / "jobs" / "examples" / "digits" / "trial.py"
+    recorded = tampered.read_bytes()
+    experiment_id = store.get_trial(trial_id).experiment_id
+    trials_before = len(store.list_trials(experiment_id))
+    try:
+        tampered.write_bytes(recorded.replace(b"F.cross_entropy(model(", b"2.0 * F.cross_entropy(model("))
+        with pytest.raises(ReproducibilityError, match=f"{tampered} changed since it was recorded"):
+            replay_trial(store, str(experiment_id), ("digits-licensed",), trial_id=trial_id)
+    finally:
+        tampered.write_bytes(recorded)
+    assert len(store.list_trials(experiment_id)) == trials_before  # refused before anything ran

@@ -23,7 +23,7 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
-HEAD = "0006_bigint_counts_and_index"
+HEAD = "0007_trial_kind"
 
 
 def raw(store: TrackingStore, sql: str, **params: Any) -> None:
@@ -99,6 +99,43 @@ def test_0003_renames_old_lifecycle_states_to_determineds(database_url: str) -> 
     try:
         assert [e.state for e in store.list_experiments()] == ["active", "killed"]
         assert [t.state for t in store.list_trials(1)] == ["errored", "killed"]
+    finally:
+        store.close()
+
+
+def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(database_url: str) -> None:
+    engine = sa.create_engine(database_url)
+    try:
+        from alembic import command
+
+        from govray.tracking.store import alembic_config
+
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0006_bigint_counts_and_index")
+            connection.execute(
+                sa.text(
+                    "INSERT INTO experiments (id, name, description, config_json, config_digest, "
+                    "storage_path, state, created_at, updated_at) VALUES "
+                    "(1, 'old', '', '{}', 'd', '/s', 'completed', '2026-01-01', '2026-01-01')"
+                )
+            )
+            connection.execute(
+                sa.text(
+                    "INSERT INTO trials (id, experiment_id, hparams_json, seed, state, created_at) "
+                    "VALUES (1, 1, '{}', 0, 'completed', '2026-01-01'), "
+                    "(2, 1, '{}', 0, 'completed', '2026-01-01')"
+                )
+            )
+    finally:
+        engine.dispose()
+    assert upgrade(database_url) == HEAD
+    store = TrackingStore(database_url)
+    try:
+        assert [(t.kind, t.replay_of) for t in store.list_trials(1)] == [("original", None)] * 2
+        replay = store.create_trial(1, "{}", seed=0, replay_of=1)
+        assert (replay.kind, replay.replay_of) == ("replay", 1)
+        with pytest.raises(TrackingError, match="no trial with id 99"):
+            store.create_trial(1, "{}", seed=0, replay_of=99)
     finally:
         store.close()
 

@@ -30,7 +30,8 @@ POLICY_DIGEST = "d" * 64
 
 @dataclass
 class Tracked:
-    """A store with experiment 'base' and its fork 'digits': trial a ran, trial b was cloned."""
+    """A store with experiment 'base' and its fork 'digits': trial a ran, trial b was cloned,
+    trial c replays trial a."""
 
     url: str
     store: TrackingStore
@@ -39,6 +40,7 @@ class Tracked:
     experiment_id: int
     trial_a: int
     trial_b: int
+    trial_c: int
     checkpoint_ids: dict[int, int]  # trial a's checkpoints by step
 
     def cli(self, *args: str) -> int:
@@ -97,7 +99,9 @@ def tracked(database_url: str, tmp_path: Path) -> Iterator[Tracked]:
     b = store.create_trial(experiment.id, "{}", seed=8, cloned_from=a.id)
     assert b.id is not None
     store.set_trial_source(b.id, json.dumps({"checkpoint_id": checkpoint_ids[20], "step": 20}))
-    yield Tracked(url, store, storage, parent.id, experiment.id, a.id, b.id, checkpoint_ids)
+    c = store.create_trial(experiment.id, '{"lr": 0.1}', seed=7, replay_of=a.id)
+    assert c.id is not None
+    yield Tracked(url, store, storage, parent.id, experiment.id, a.id, b.id, c.id, checkpoint_ids)
     store.close()
 
 
@@ -135,6 +139,8 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                 "state": "completed",
                 "ray_run_name": "digits-run-a",
                 "seed": 7,
+                "kind": "original",
+                "replay_of": None,
                 "cloned_from": None,
                 "source_checkpoint": None,
                 "last_step": 30,
@@ -167,8 +173,25 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                 "state": "pending",
                 "ray_run_name": None,
                 "seed": 8,
+                "kind": "original",
+                "replay_of": None,
                 "cloned_from": tracked.trial_a,
                 "source_checkpoint": {"checkpoint_id": tracked.checkpoint_ids[20], "step": 20},
+                "last_step": None,
+                "training_loss": None,
+                "validation": {},
+                "checkpoints": [],
+                "decisions": [],
+            },
+            {
+                "id": tracked.trial_c,
+                "state": "pending",
+                "ray_run_name": None,
+                "seed": 7,
+                "kind": "replay",
+                "replay_of": tracked.trial_a,
+                "cloned_from": None,
+                "source_checkpoint": None,
                 "last_step": None,
                 "training_loss": None,
                 "validation": {},
@@ -196,7 +219,7 @@ def test_describe_prints_the_same_content_as_tables(
         f"policy digest {POLICY_DIGEST}",
         "gc policy save_experiment_best=0 save_trial_best=1 save_trial_latest=1 (from the config)",
         f"digits-public train 900 {FINGERPRINT[:16]}",
-        f"{tracked.trial_a} completed digits-run-a 7 30 0.4 "
+        f"{tracked.trial_a} original completed digits-run-a 7 30 0.4 "
         "accuracy=0.8 (step 20), validation_loss=0.6 (step 30) -",
         f"trial {tracked.trial_a} checkpoints",
         f"{tracked.checkpoint_ids[20]} 20 active {tracked.storage}/ray/digits-run-a/checkpoint_20",
@@ -206,9 +229,10 @@ def test_describe_prints_the_same_content_as_tables(
         f"trial {tracked.trial_b} decisions: none",
     ]:
         assert expected in lines, f"{expected!r} not in:\n{out}"
-    trial_b = next(line for line in lines if line.startswith(f"{tracked.trial_b} pending"))
-    assert trial_b.startswith(f"{tracked.trial_b} pending - 8 - - - ")
+    trial_b = next(line for line in lines if line.startswith(f"{tracked.trial_b} original pending"))
+    assert trial_b.startswith(f"{tracked.trial_b} original pending - 8 - - - ")
     assert f'"checkpoint_id": {tracked.checkpoint_ids[20]}' in trial_b
+    assert f"{tracked.trial_c} replay of trial {tracked.trial_a} pending - 7 - - - -" in lines
 
 
 def test_describe_of_an_unknown_experiment_exits_8(
@@ -221,17 +245,20 @@ def test_describe_of_an_unknown_experiment_exits_8(
 # -- experiment list and the old plural name ---------------------------------------------------
 
 
-def test_list_shows_the_parent_and_experiments_is_a_hidden_alias(
+def test_list_shows_the_parent_and_the_trials_with_their_replays_and_experiments_is_a_hidden_alias(
     tracked: Tracked, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert tracked.cli("experiment", "list") == 0
     rows = [line.replace("│", " ").split() for line in capsys.readouterr().out.splitlines()]
     listed = {row[0]: row for row in rows if row and row[0].isdigit()}
-    assert listed[str(tracked.parent_id)][:4] == [str(tracked.parent_id), "base", "created", "-"]
-    assert listed[str(tracked.experiment_id)][:4] == [
+    assert listed[str(tracked.parent_id)][:5] == [str(tracked.parent_id), "base", "created", "0", "-"]
+    assert listed[str(tracked.experiment_id)][:7] == [
         str(tracked.experiment_id),
         "digits",
         "active",
+        "3",
+        "(1",
+        "replay)",
         str(tracked.parent_id),
     ]
 

@@ -16,6 +16,7 @@ from govray.errors import ConfigError
 from govray.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Trial, TrialKind
 
 app = typer.Typer(help="Experiments in the tracking store.", no_args_is_help=True)
 settings = typer.Typer(help="Change an experiment's settings.", no_args_is_help=True)
@@ -41,12 +42,14 @@ def list_experiments(
         raise ConfigError("give --database URL (or GOVRAY_DATABASE) or --config EXPERIMENT.yaml")
     url = database if database is not None else load_experiment(config).database_url  # type: ignore[arg-type]
     store = TrackingStore.open(url)
-    listing = table("id", "name", "state", "parent", "created", "config digest", "policy digest")
+    listing = table("id", "name", "state", "trials", "parent", "created", "config digest", "policy digest")
     for experiment in store.list_experiments():
+        assert experiment.id is not None
         listing.add_row(
             str(experiment.id),
             experiment.name,
             experiment.state,
+            _trial_counts(store.list_trials(experiment.id)),
             str(experiment.parent_id) if experiment.parent_id is not None else "-",
             experiment.created_at.strftime(TIME_FORMAT),
             experiment.config_digest[:12],
@@ -71,10 +74,13 @@ def describe(
     for corpus in description.corpora:
         corpora.add_row(corpus.corpus_id, corpus.role, str(corpus.rows), corpus.fingerprint[:16])
     console.print(corpora if description.corpora else "corpora: none ingested", highlight=False)
-    trials = table("trial", "state", "run name", "seed", "last step", "training loss", "validation", "source")
+    trials = table(
+        "trial", "kind", "state", "run name", "seed", "last step", "training loss", "validation", "source"
+    )
     for trial in description.trials:
         trials.add_row(
             str(trial.id),
+            trial.kind if trial.replay_of is None else f"replay of trial {trial.replay_of}",
             trial.state,
             trial.ray_run_name or "-",
             str(trial.seed),
@@ -203,6 +209,12 @@ def _source(trial: TrialDescription) -> str:
     if trial.source_checkpoint is not None:
         return escape(json.dumps(trial.source_checkpoint, sort_keys=True))
     return f"clone of trial {trial.cloned_from}" if trial.cloned_from is not None else "-"
+
+
+def _trial_counts(trials: list[Trial]) -> str:
+    """``3 (1 replay)``: replays are counterfactual reruns, never the experiment's result."""
+    replays = sum(trial.kind == TrialKind.REPLAY for trial in trials)
+    return f"{len(trials)} ({replays} replay{'s' if replays != 1 else ''})" if replays else str(len(trials))
 
 
 def _number(value: float) -> str:

@@ -16,13 +16,23 @@ def replay(
     ),
     database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
     trial: int | None = typer.Option(
-        None, "--trial", parser=record_id, help="Trial to replay (default: the latest completed)."
+        None,
+        "--trial",
+        parser=record_id,
+        help="Trial to replay (default: the latest completed original; a replay only when named).",
     ),
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
     store = TrackingStore.open(database)
     replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)
     report = replayed.report
+    if report.original_replay_of is not None:
+        console.print(
+            f"trial {report.original_trial} is itself a replay of trial {report.original_replay_of}"
+            + (f" without {', '.join(report.already_excluded)}" if report.already_excluded else "")
+            + ": this replay leaves those corpora out too and measures influence against it, "
+            f"not against trial {report.original_replay_of}"
+        )
     console.print(
         f"replay trial {report.replay_trial} ({report.replay_run}) of trial {report.original_trial} without "
         f"{', '.join(report.excluded_corpora)}: {report.step} steps"

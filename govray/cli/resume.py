@@ -8,7 +8,7 @@ from govray.cli.common import console
 from govray.cli.run import progress_bar, report
 from govray.config import ExperimentConfig
 from govray.preflight import check_policy
-from govray.runner import resume_trial
+from govray.runner import resume_trial, use_interrupted_trial_code
 from govray.tracking.store import TrackingStore
 
 
@@ -20,6 +20,7 @@ def resume(
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
     config = ExperimentConfig.model_validate_json(recorded.config_json)
+    use_interrupted_trial_code(config, store, recorded)  # the recorded trial, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     console.print(f"resuming experiment {recorded.id} '{recorded.name}'")
     with progress_bar() as update:

@@ -76,6 +76,7 @@ from govray.memorization import (
     objective,
 )
 from govray.policy import DepthPolicy
+from govray.reproducibility import CodeSnapshot, use_recorded_code
 from govray.routing import RoutingTable, resolve_routes
 from govray.runtime import ray_node_id
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
@@ -103,6 +104,8 @@ class RunSpec(BaseModel):
     threads: int = 1
     excluded_corpora: tuple[str, ...] = ()
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
+    # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
+    recorded_code: bool = False
     checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
     platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
     trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
@@ -625,7 +628,10 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_tr
     also tees its stdout and stderr there.
     """
     spec = RunSpec.model_validate(config)
-    if spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
+    if spec.recorded_code:
+        snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
+        use_recorded_code(snapshot, Path(spec.code_dir), open_storage(spec.storage) if spec.storage else None)
+    elif spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
         sys.path.insert(0, spec.code_dir)  # Ray Train moves workers into the run directory
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()

@@ -348,6 +348,8 @@ def _trial_view(trial: Trial) -> TrialView:
         hyperparameters=_json_object(trial.hparams_json),
         ray_run_name=trial.ray_run_name,
         cloned_from=trial.cloned_from,
+        kind=trial.kind,
+        replay_of=trial.replay_of,
         created_at=trial.created_at,
         ended_at=trial.ended_at,
     )

@@ -81,6 +81,8 @@ class TrialView(BaseModel):
     hyperparameters: dict[str, Any]
     ray_run_name: str | None
     cloned_from: int | None
+    kind: str = Field(description="original, or replay: a counterfactual rerun of trial replay_of.")
+    replay_of: int | None
     created_at: datetime
     ended_at: datetime | None
 

@@ -41,6 +41,7 @@ from govray.tracking.tables import (
     Metric,
     MetricKind,
     Trial,
+    TrialKind,
     TrialState,
     utcnow,
 )
@@ -224,17 +225,23 @@ class TrackingStore:
         seed: int,
         ray_run_name: str | None = None,
         cloned_from: int | None = None,
+        replay_of: int | None = None,
     ) -> Trial:
-        """Record a new trial of an experiment in state ``pending``."""
+        """Record a new trial of an experiment in state ``pending``: an original, or a replay of
+        trial ``replay_of``."""
         trial = Trial(
             experiment_id=experiment_id,
             hparams_json=hparams_json,
             seed=seed,
             ray_run_name=ray_run_name,
             cloned_from=cloned_from,
+            kind=(TrialKind.ORIGINAL if replay_of is None else TrialKind.REPLAY).value,
+            replay_of=replay_of,
         )
         with self.session() as session:
             _require(session, Experiment, experiment_id)
+            if replay_of is not None:
+                _require(session, Trial, replay_of)
             session.add(trial)
         return trial
 

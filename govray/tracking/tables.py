@@ -78,6 +78,14 @@ TERMINAL_EXPERIMENT_STATES = frozenset(
 )
 
 
+class TrialKind(StrEnum):
+    """An original trial trains as configured; a replay reruns a recorded trial (``replay_of``)
+    with some corpora excluded, so its weights are a counterfactual, never the experiment's result."""
+
+    ORIGINAL = "original"
+    REPLAY = "replay"
+
+
 class ControlRequest(StrEnum):
     """What a user asked of a running experiment; its driver acts on it at a step boundary."""
 
@@ -141,6 +149,8 @@ class Trial(SQLModel, table=True):
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     reproducibility_json: str | None = Field(default=None, sa_type=Text)  # migration 0002
     source_checkpoint_json: str | None = Field(default=None, sa_type=Text)  # migration 0003
+    kind: str = TrialKind.ORIGINAL.value  # migration 0007
+    replay_of: int | None = Field(default=None, foreign_key="trials.id")  # the trial a replay reruns
 
 
 class Decision(SQLModel, table=True):
