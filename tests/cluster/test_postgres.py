@@ -258,3 +258,60 @@ def test_the_controller_callback_writes_a_run_to_postgresql(pg_url: str, tmp_pat
         assert stored == {("fc1.weight", 0, 300, 3 * 2**31), ("fc2.weight", 1, 300, 3 * 2**31)}
     finally:
         store.close()
+
+
+BAD_TEXT = ("dig\x00its", "a" * 5000, "digits\n", "x:5", "\x00")
+BAD_NUMBERS = ("\x00", "1\x00", "9" * 40, "-1", "1e999")
+
+
+def test_bad_input_on_postgresql_is_a_4xx_never_a_503(pg_store: TrackingStore, tmp_path: Path) -> None:
+    """NUL bytes and very long strings, which PostgreSQL would refuse (and a driver error would
+    turn into 503 "try again"), are refused at the edge with 422/404 on PostgreSQL too."""
+    from urllib.parse import quote
+
+    from fastapi.testclient import TestClient
+    from pydantic import SecretStr
+
+    from serve.app import create_app
+    from serve.settings import ServeSettings
+
+    settings = ServeSettings(database_url=pg_store.url, token=SecretStr("pg-token"))
+    paths = []
+    for text in BAD_TEXT:
+        name = quote(text, safe="")
+        paths += [
+            f"/api/models/{name}/versions",
+            f"/api/models/{name}/versions/1",
+            f"/api/models/{name}/versions/1/lineage",
+            f"/api/corpora/{name}/influence",
+            f"/api/corpora/{name}/rows/0",
+            f"/api/audit?event_type={name}",
+            f"/api/trials/1/metrics?name={name}",
+            f"/lineage/models/{name}/1",
+        ]
+    for number in BAD_NUMBERS:
+        value = quote(number, safe="")
+        paths += [
+            f"/api/experiments/{value}",
+            f"/api/trials/{value}",
+            f"/api/checkpoints/{value}/lineage",
+            f"/api/attestations/{value}",
+            f"/api/models/digits/versions/{value}",
+            f"/api/corpora/digits-public/rows/{value}",
+            f"/api/experiments?offset={value}",
+        ]
+    headers = {"Authorization": "Bearer pg-token"}
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        answers = {path: client.get(path).status_code for path in paths}
+        for text in BAD_TEXT:
+            name = quote(text, safe="")
+            answers[f"POST {name}"] = client.post(
+                f"/api/models/{name}/versions", json={"checkpoint_id": 1}, headers=headers
+            ).status_code
+            answers[f"verify {text[:8]!r}"] = client.post(
+                "/api/verify", json={"model": f"{text}:1", "attestation_id": 1}
+            ).status_code
+    server_errors = {path: code for path, code in answers.items() if code >= 500}
+    assert server_errors == {}
+    assert all(400 <= code < 500 for code in answers.values()), answers
+    assert pg_store.list_experiments() == []  # nothing was written
