@@ -364,7 +364,7 @@ def test_malformed_tags_and_descriptions_are_refused_before_anything_is_written(
         (["trial", "logs", "99999999999999999999999"], 2, "expected a number from 1 to"),
         (["trial", "logs", "\uff11"], 2, "expected a number from 1 to"),
         (["lineage", "row", "digits-public\n", "0"], 18, "corpus id"),
-        (["lineage", "row", "digits-public", "99999999999999999999999"], 2, "expected a number from 0 to"),
+        (["lineage", "row", "digits-public", "99999999999999999999999"], 18, "expected a number from 0 to"),
     ],
 )
 def test_the_cli_refuses_malformed_identifiers_with_its_documented_exit_code(

@@ -48,16 +48,7 @@ def warn(message: str) -> None:
 def record_id(text: str) -> int:
     """An id on the command line: ASCII digits within 1..2^63-1 (``int`` would read other scripts'
     digits, and pass 10^30 on to the database)."""
-    return _number(text, low=1)
-
-
-def row_number(text: str) -> int:
-    """A row number on the command line: ASCII digits within 0..2^63-1."""
-    return _number(text, low=0)
-
-
-def _number(text: str, low: int) -> int:
     try:
-        return parse_id(text, "", low=low)
+        return parse_id(text, "", low=1)
     except IdentifierError as error:
         raise typer.BadParameter(str(error).strip()) from None

@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, row_number, table
-from govray.rows import TrialReach, row_reach
+from govray.cli.common import Database, console, table
+from govray.identifiers import parse_id
+from govray.rows import LineageError, TrialReach, row_reach
 from govray.tracking.store import TrackingStore
 
 app = typer.Typer(help="Lineage: what a training row reached, from the schedule.", no_args_is_help=True)
@@ -17,15 +18,15 @@ SHOWN_STEPS = 12  # steps printed per trial in the table; --json lists them all 
 @app.command("row")
 def row(
     corpus: str = typer.Argument(..., help="Corpus id."),
-    number: int = typer.Argument(
-        ..., metavar="ROW", parser=row_number, help="Row number in the corpus (0-based, as ingested)."
-    ),
+    row_text: str = typer.Argument(..., metavar="ROW", help="Row number in the corpus (0-based)."),
     database: str = Database,
     as_json: bool = typer.Option(False, "--json", help="The whole answer as one JSON document."),
 ) -> None:
     """Every trial that ingested CORPUS, and what its row ROW reached there: the global steps whose
     update it joined, the checkpoints carrying it, and the parameter tensors its route updates.
-    Exits 18 for an unknown corpus or a row out of range."""
+    Exits 18 for an unknown or malformed corpus id, or a row that is not one (out of range, not
+    ASCII digits)."""
+    number = parse_id(row_text, f"corpus {corpus!r}: row", LineageError, low=0)
     reach = row_reach(TrackingStore.open(database), corpus, number)
     if as_json:
         typer.echo(reach.model_dump_json(indent=2))
