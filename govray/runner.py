@@ -583,7 +583,7 @@ def _train(
         trust=spec.trust,
     )
     trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
-    callback.reconcile()  # a resumed run: what its killed attempt left on storage
+    _settle(callback)  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void

@@ -112,18 +112,19 @@ def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(da
 
         with engine.begin() as connection:
             command.upgrade(alembic_config(connection), "0006_bigint_counts_and_index")
+            # No explicit ids: PostgreSQL's sequences must hand out the next ones afterwards.
             connection.execute(
                 sa.text(
-                    "INSERT INTO experiments (id, name, description, config_json, config_digest, "
+                    "INSERT INTO experiments (name, description, config_json, config_digest, "
                     "storage_path, state, created_at, updated_at) VALUES "
-                    "(1, 'old', '', '{}', 'd', '/s', 'completed', '2026-01-01', '2026-01-01')"
+                    "('old', '', '{}', 'd', '/s', 'completed', '2026-01-01', '2026-01-01')"
                 )
             )
             connection.execute(
                 sa.text(
-                    "INSERT INTO trials (id, experiment_id, hparams_json, seed, state, created_at) "
-                    "VALUES (1, 1, '{}', 0, 'completed', '2026-01-01'), "
-                    "(2, 1, '{}', 0, 'completed', '2026-01-01')"
+                    "INSERT INTO trials (experiment_id, hparams_json, seed, state, created_at) "
+                    "VALUES (1, '{}', 0, 'completed', '2026-01-01'), "
+                    "(1, '{}', 0, 'completed', '2026-01-01')"
                 )
             )
     finally:
