@@ -54,6 +54,7 @@ from govray.tracking.tables import Experiment, ExperimentState, Trial, TrialStat
 from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
+RAY_CHECKPOINT_INDEX = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in its run directory
 
 
 class TrainingFailed(GovrayError):
@@ -584,6 +585,10 @@ def _train(
     )
     trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
     _settle(callback)  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
+    # Ray Train's own index of the run's checkpoints may name folders govray's GC deleted since,
+    # and a resumed controller refuses to start over one. Workers resume by govray's rule (the
+    # newest verified folder), not from that index: it goes.
+    open_storage(config.storage_path).delete_file(Path(spec.run_dir) / RAY_CHECKPOINT_INDEX)
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void

@@ -173,6 +173,17 @@ class Storage:
             shutil.rmtree(staged.parent, ignore_errors=True)
         return True
 
+    def delete_file(self, path: Path) -> None:
+        """Remove a file below ``root`` from the cache and from the storage (either one already
+        gone is fine)."""
+        Path(path).unlink(missing_ok=True)
+        if self.filesystem is None:
+            return
+        key = self.remote_path(Path(path))
+        info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
+        if info.type == pafs.FileType.File:
+            self._call(f"delete s3://{key}", lambda fs: fs.delete_file(key))
+
     def delete_directory(self, path: Path) -> None:
         """Remove a directory below ``root`` from the cache and from the storage (either one
         already gone is fine; a file in its place is an ``OSError``, and nothing remote is touched)."""
