@@ -300,6 +300,20 @@ def edited_trial_elsewhere(directory: Path) -> dict[str, str]:
     return environment
 
 
+def govray_elsewhere(directory: Path, *args: str) -> None:
+    """``python -m govray ARGS`` run from ``directory`` set up by ``edited_trial_elsewhere``;
+    fails unless it exits 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "govray", *args],
+        cwd=directory,
+        env=edited_trial_elsewhere(directory),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settle: float = 0.0) -> None:
     """Run ``jobs/SCRIPT --config CONFIG`` in its own process on this session's Ray cluster (as
     ``ray job submit`` would), SIGKILL it once ``ready()`` holds (polled every 0.05 s, at most

@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from tests.conftest import (
     GOLDEN_STEPS,
     GoldenRun,
     _golden_run,
-    edited_trial_elsewhere,
+    govray_elsewhere,
     kill_driver_when,
 )
 
@@ -188,17 +186,9 @@ def resumed_after_driver_kill(
     time.sleep(3)  # the job's Ray Train controller and workers die with their driver
     if request.param == "govray resume elsewhere":
         elsewhere = tmp_path_factory.mktemp("resume") / "elsewhere"
-        environment = edited_trial_elsewhere(elsewhere)
-        resume = ["resume", golden_run.config.name, "--database", golden_run.config.database_url]
-        done = subprocess.run(
-            [sys.executable, "-m", "govray", *resume],
-            cwd=elsewhere,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=600,
+        govray_elsewhere(
+            elsewhere, "resume", golden_run.config.name, "--database", golden_run.config.database_url
         )
-        assert done.returncode == 0, done.stdout + done.stderr
     else:
         from jobs.train import parse
 

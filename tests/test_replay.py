@@ -4,8 +4,6 @@ empty under a fresh run name, and its influence report separates direct from ind
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from govray.storage import open_storage
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
-from tests.conftest import GoldenRun, edited_trial_elsewhere
+from tests.conftest import GoldenRun, govray_elsewhere
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")
 
@@ -155,17 +153,7 @@ def test_replay_without_trial_from_another_directory_replays_the_original_as_rec
     code ran, in the driver and in both Ray Train workers."""
     store = golden_run.store
     experiment_id = store.get_trial(golden_run.outcome.trial_id).experiment_id
-    elsewhere = tmp_path / "elsewhere"
-    environment = edited_trial_elsewhere(elsewhere)
-    done = subprocess.run(
-        [sys.executable, "-m", "govray", *replay_cli(golden_run, "--exclude-corpus", "digits-licensed")],
-        cwd=elsewhere,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    govray_elsewhere(tmp_path / "elsewhere", *replay_cli(golden_run, "--exclude-corpus", "digits-licensed"))
 
     trials = store.list_trials(experiment_id)
     second = trials[-1]
