@@ -307,9 +307,15 @@ def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | N
     """Verify one of a run's checkpoint folders where it lies (when only the storage holds it,
     fetched into this node's cache, verified before it appears there); returns its manifest and
     raises ``CheckpointError`` naming what does not verify."""
+    _fetch_verified(directory, trust, storage)
+    return verify_checkpoint(directory, trust)[0]
+
+
+def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage | None) -> None:
+    """Fetch a checkpoint folder only the storage holds into this node's cache, verified before it
+    appears there (``CheckpointError`` when it does not verify)."""
     if storage is not None and not directory.exists():
         storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
-    return verify_checkpoint(directory, trust)[0]
 
 
 def newest_verified_checkpoint(
@@ -323,8 +329,7 @@ def newest_verified_checkpoint(
     candidates: list[tuple[int, str, Path]] = []
     for directory in checkpoint_directories(run_dir, storage):
         try:
-            if storage is not None and not directory.exists():
-                storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
+            _fetch_verified(directory, trust, storage)
             candidates.append((-checkpoint_step(directory), directory.name, directory))
         except (CheckpointError, OSError, ValueError, KeyError, TypeError):
             continue  # no readable manifest: not a checkpoint (yet)

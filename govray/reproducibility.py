@@ -209,10 +209,11 @@ def use_recorded_code(snapshot: CodeSnapshot, directory: Path, storage: Storage 
 
 
 def _code_matches(directory: Path, snapshot: CodeSnapshot) -> bool:
-    return all(
-        (directory / relative).is_file() and file_sha256(directory / relative) == digest
-        for relative, digest in snapshot.files.items()
-    )
+    try:
+        verify_code(directory, snapshot)
+    except ReproducibilityError:
+        return False
+    return True
 
 
 # --- corpora ----------------------------------------------------------------------------------
