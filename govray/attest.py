@@ -47,7 +47,7 @@ from govray.checkpoint import (
 from govray.data.shards import ShardSet
 from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
-from govray.harness.loop import RunSpec
+from govray.harness.runspec import RunSpec
 from govray.harness.trial import load_trial_class
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.ledger import Ledger

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -60,7 +60,8 @@ class PlateauState(BaseModel):
 
 
 class Plateau:
-    """torch's ``ReduceLROnPlateau`` over validation evaluations, or the replay of a recorded one.
+    """torch's ``ReduceLROnPlateau`` over validation evaluations (a replay applies the record
+    instead: ``govray.harness.control.Controller``).
 
     After more than ``patience`` evaluations without improvement, the learning-rate scale is
     multiplied by ``factor`` (not below ``min_scale``) and ``cooldown`` evaluations pass before
@@ -71,12 +72,9 @@ class Plateau:
         self,
         settings: PlateauSchedule,
         state: PlateauState | None = None,
-        recorded: Sequence[LrDecision] | None = None,
     ) -> None:
         self.settings = settings
         self.state = state or PlateauState()
-        self.recorded = None if recorded is None else tuple(sorted(recorded, key=lambda d: d.seq))
-        self.replaying = recorded is not None
 
     @property
     def scale(self) -> float:
@@ -87,9 +85,7 @@ class Plateau:
         return self.state.decisions
 
     def observe(self, step: int, metrics: Mapping[str, float], seq: int | None = None) -> LrDecision | None:
-        """Take (or replay) the decision due after ``step`` completed steps; None if nothing changes."""
-        if self.recorded is not None:
-            return self._replay(step)
+        """The decision due after ``step`` completed steps; None if nothing changes."""
         name = self.settings.metric
         if name not in metrics:
             raise DecisionError(
@@ -135,31 +131,6 @@ class Plateau:
             return value < best * (1.0 - self.settings.threshold)
         return value > best * (1.0 + self.settings.threshold)
 
-    def _replay(self, step: int) -> LrDecision | None:
-        assert self.recorded is not None
-        applied = len(self.state.decisions)
-        due = [d for d in self.recorded[applied:] if d.step <= step]
-        if not due:
-            return None
-        if due[0].step < step or len(due) > 1:
-            raise DecisionError(
-                f"recorded decision {due[0].seq} was taken after step {due[0].step}, but this run "
-                f"evaluated only at step {step}: the replay's validation steps differ from the record's"
-            )
-        source = due[0]
-        decision = source.model_copy(update={"observed": None, "previous_scale": self.state.scale})
-        self.state = self.state.model_copy(
-            update={"scale": source.scale, "decisions": (*self.state.decisions, decision)}
-        )
-        return decision
-
-    def unapplied(self, steps_done: int) -> list[LrDecision]:
-        """Recorded decisions due by ``steps_done`` that a replay never reached (should be none)."""
-        if self.recorded is None:
-            return []
-        applied = {decision.seq for decision in self.state.decisions}
-        return [d for d in self.recorded if d.step <= steps_done and d.seq not in applied]
-
 
 class EarlyStopDecision(BaseModel):
     """Stop the trial after ``step``: its metric stopped improving (``patience``), reached the
@@ -184,25 +155,16 @@ class EarlyStopState(BaseModel):
 
 
 class EarlyStopping:
-    """Determined's early stopping over validation evaluations, or the replay of a record.
+    """Determined's early stopping over validation evaluations.
 
     Stops once the metric is at least as good as ``threshold`` (when set), or after ``patience``
-    evaluations without an improvement larger than ``min_delta``. A replay stops at the recorded
-    step whatever its own metrics say.
+    evaluations without an improvement larger than ``min_delta``. (A replay stops at the recorded
+    step whatever its own metrics say: ``govray.harness.control.Controller``.)
     """
 
-    def __init__(
-        self,
-        settings: EarlyStoppingPolicy,
-        state: EarlyStopState | None = None,
-        recorded: Sequence[EarlyStopDecision] | None = None,
-    ) -> None:
+    def __init__(self, settings: EarlyStoppingPolicy, state: EarlyStopState | None = None) -> None:
         self.settings = settings
         self.state = state or EarlyStopState()
-        self.recorded = (
-            None if recorded is None else (min(recorded, key=lambda d: d.step) if recorded else None)
-        )
-        self.replaying = recorded is not None
 
     @property
     def decision(self) -> EarlyStopDecision | None:
@@ -211,17 +173,6 @@ class EarlyStopping:
     def observe(self, step: int, metrics: Mapping[str, float], seq: int) -> EarlyStopDecision | None:
         """The decision to stop after ``step`` completed steps, or None to go on."""
         if self.state.decision is not None:
-            return self.state.decision
-        if self.replaying:
-            if self.recorded is not None and self.recorded.step == step:
-                self.state = self.state.model_copy(
-                    update={"decision": self.recorded.model_copy(update={"observed": None})}
-                )
-            elif self.recorded is not None and self.recorded.step < step:
-                raise DecisionError(
-                    f"the recorded early stop after step {self.recorded.step} was missed: this run "
-                    f"evaluated at step {step} first"
-                )
             return self.state.decision
         name = self.settings.metric
         if name not in metrics:

@@ -27,7 +27,7 @@ from govray.checkpoint import find_checkpoints, verify_checkpoint
 from govray.config import ExperimentConfig
 from govray.decisions import RecordedDecision
 from govray.errors import GovrayError
-from govray.harness.loop import RunSpec
+from govray.harness.runspec import RunSpec
 from govray.keys import load_trust, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.preflight import check_policy, ingest_experiment

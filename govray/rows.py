@@ -41,7 +41,7 @@ from govray.attest import AttestationError, routing_of, run_spec_of
 from govray.checkpoint import STATE_FILE, CheckpointState, recorded_state
 from govray.data.shards import ShardSet
 from govray.errors import GovrayError
-from govray.harness.loop import RunSpec
+from govray.harness.runspec import RunSpec
 from govray.identifiers import CorpusId, check
 from govray.routing import RoutingTable
 from govray.schedule import ScheduleSpec, epoch_plan

@@ -1,9 +1,9 @@
 """Running a governed trial on Ray Train, from the driver.
 
-The driver owns lifecycle states (trial pending → running → completed/failed); a
-``ray.train.UserCallback`` (on the Ray Train controller) writes the metrics workers report every
-K steps; in local mode (one worker, in-process) the driver writes them itself. The ledger reported
-by rank 0 at the end is stored per (corpus, tensor).
+The driver owns lifecycle states (trial pending → running → completed/failed) and is the only
+writer of the trial's rows: its ``RunRecorder`` records the reports rank 0 makes every K steps
+(sent to the driver's ``ReportSink`` without waiting; in local mode, one worker in-process,
+handed over directly), each signed checkpoint, and the ledger of the last report.
 
 Example::
 
@@ -26,7 +26,6 @@ from typing import Any
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.v2.api.callback import UserCallback
 
 from govray.attest import attest_trial_end
 from govray.canaries import CanaryProbe
@@ -36,19 +35,20 @@ from govray.data.ingest import IngestResult
 from govray.data.shards import ShardManifest, ShardSet
 from govray.decisions import RecordedDecision
 from govray.errors import ConfigError, GovrayError
-from govray.gc import apply_gc, effective_gc_policy
-from govray.harness.loop import STOP_CODES, RunSpec, default_threads, train_worker
+from govray.harness.loop import default_threads, train_worker
+from govray.harness.reports import StepReport
+from govray.harness.runspec import RunSpec
+from govray.harness.session import LocalSession, open_sink, taken_reports
 from govray.harness.trial import defines_sequence_scores, load_trial_class
 from govray.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
 from govray.preflight import CheckedPolicy, config_digest
-from govray.reconcile import Reconciliation, reconcile_run
+from govray.recorder import GcSettings, RunRecorder
 from govray.reproducibility import CodeSnapshot, ReproducibilityRecord, build_record, use_recorded_code
 from govray.schedule import ScheduleSpec, derive_seed
 from govray.storage import open_storage
-from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import ledger_rows, record_checkpoint, record_ledger
+from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, ExperimentState, Trial, TrialState
 from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
@@ -61,99 +61,25 @@ class TrainingFailed(GovrayError):
     """The Ray Train run failed; the message carries the workers' error."""
 
 
-def scalar_metrics(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
-    """Split a report into (training, validation) scalars; drops the ledger and non-numbers."""
-    training: dict[str, float] = {}
-    validation: dict[str, float] = {}
-    for name, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or name == "step":
-            continue
-        if value != value:  # NaN: not storable, and means "no rows" here
-            continue
-        (validation if name.startswith("validation_") else training)[name] = float(value)
-    return training, validation
-
-
-@dataclass(frozen=True)
-class GcSettings:
-    """What the controller needs to apply checkpoint GC as the run goes (Ray keeps every checkpoint).
-    The policy is read at every checkpoint: ``govray experiment set gc-policy`` applies mid-run."""
-
-    experiment_id: int
-    metric: str
-    smaller_is_better: bool
-
-
-def record_report(
-    store: TrackingStore,
-    trial_id: int,
-    step: int,
-    report: dict[str, Any],
-    layers: dict[str, int | None],
-    *,
-    replaying: bool,
-    events: TensorBoardLog | None = None,
-) -> None:
-    """Store one report of the governed loop: its scalars (training / validation; also in the
-    trial's TensorBoard ``events``), the decisions taken so far and, in the last report, the ledger
-    (tensor rows with their ``layers``)."""
-    training, validation = scalar_metrics(report)
-    if training:
-        store.log_metrics(trial_id, step, "training", training)
-    if validation:
-        store.log_metrics(trial_id, step, "validation", validation)
-    if events is not None:
-        events.write(step, {**training, **validation})
-    if "decisions" in report:
-        decisions = json.loads(report["decisions"])
-        known = {decision.seq for decision in store.decisions(trial_id)}
-        store.record_decisions(trial_id, decisions, replayed=replaying)
-        _audit_memorization(store, trial_id, [d for d in decisions if d["seq"] not in known], replaying)
-    if "memorization_flagged_corpora" in report:
-        flagged = json.loads(report["memorization_flagged_corpora"])
-        _audit(store, trial_id, AuditEventType.MEMORIZATION_FLAGGED, {"step": step, **flagged})
-    if "ledger" in report:
-        ledger = Ledger.from_json(json.loads(report["ledger"]))
-        rows = [
-            (corpus, tensor, layers.get(tensor), entry.examples, entry.tokens, entry.steps)
-            for corpus, tensor, entry in ledger.rows()
-        ]
-        record_ledger(store, trial_id, rows)
-
-
-def _audit_memorization(
-    store: TrackingStore, trial_id: int, decisions: list[dict[str, Any]], replaying: bool
-) -> None:
-    """One audit event per memorization gate or rollback a trial just took (or replayed)."""
-    kinds = {"gate": AuditEventType.MEMORIZATION_GATE, "rollback": AuditEventType.MEMORIZATION_ROLLBACK}
-    for decision in decisions:
-        if decision["kind"] in kinds:
-            _audit(store, trial_id, kinds[decision["kind"]], {**decision, "replayed": replaying})
-
-
-def _audit(store: TrackingStore, trial_id: int, kind: AuditEventType, payload: dict[str, Any]) -> None:
-    experiment_id = store.get_trial(trial_id).experiment_id
-    AuditLog(store).append(kind, {"trial_id": trial_id, **payload}, experiment_id=experiment_id)
-
-
 def governed_trainer(
     config: ExperimentConfig,
     spec: RunSpec,
     run_name: str,
     *,
-    on_report: Callable[[dict[str, Any], str | None], None] | None = None,
-    callbacks: list[UserCallback] | None = None,
+    deliver: Callable[[StepReport], None] | None = None,
 ) -> TorchTrainer:
-    """The TorchTrainer that runs ``spec``'s governed loop: one worker in-process (Train V2 local
-    mode, where no controller callback runs: ``on_report`` hears the reports), N on Ray Train
-    workers with ``callbacks`` on the controller."""
+    """The TorchTrainer that runs ``spec``'s governed loop: one worker in the driver's process
+    (Train V2 local mode: ``deliver`` hears each report), or N Ray Train workers whose rank 0 sends
+    its reports to the driver's sink (``spec.report_sink``)."""
     workers = config.resources.workers
     storage = open_storage(config.storage_path)
+    local = workers == 1 and deliver is not None
+    loop = partial(train_worker, session=partial(LocalSession, deliver=deliver)) if deliver else train_worker
     return TorchTrainer(
-        partial(train_worker, on_report=on_report) if workers == 1 else train_worker,
+        loop if local else train_worker,
         train_loop_config=spec.model_dump(mode="json"),
         scaling_config=ScalingConfig(
-            num_workers=0 if workers == 1 else workers,
+            num_workers=0 if local else workers,
             use_gpu=config.resources.use_gpu,
             resources_per_worker={"CPU": config.resources.cpus_per_worker},
             placement_strategy=config.resources.placement_strategy.value,
@@ -161,101 +87,11 @@ def governed_trainer(
         torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
         run_config=RunConfig(
             name=run_name,
-            # Object storage: Ray Train uploads reported checkpoints there and restores from there.
             storage_path=storage.ray_path(storage.root / "ray"),
             storage_filesystem=storage.filesystem,
             failure_config=FailureConfig(max_failures=config.max_restarts),
-            callbacks=callbacks if workers > 1 else [],  # type: ignore[arg-type]  # V2 UserCallback
         ),
     )
-
-
-class TrackingCallback(UserCallback):
-    """Runs on the Ray Train controller: writes rank 0's reported metrics to the tracking store
-    and to the trial's TensorBoard event files, each step's once (a restarted worker group re-runs
-    the steps after its checkpoint). At each checkpoint it first records what an earlier report
-    lost at a worker's death left on storage (``reconcile_run``)."""
-
-    def __init__(
-        self,
-        database_url: str,
-        trial_id: int,
-        layer_index: dict[str, int | None],
-        gc: GcSettings,
-        replaying: bool = False,
-        events: TensorBoardLog | None = None,
-        storage_path: str = "",
-        run_dir: str = "",
-        trust: TrustConfig | None = None,
-    ) -> None:
-        self.database_url = database_url
-        self.trial_id = trial_id
-        self.layer_index = layer_index  # tensor name → layer, for the ledger rows
-        self.gc = gc
-        self.replaying = replaying  # decisions reported are the source trial's, applied
-        self.events = events
-        self.storage_path = storage_path  # the experiment's (on object storage: by cache paths)
-        self.run_dir = run_dir  # with ``trust``: reconcile the run's folders at each checkpoint
-        self.trust = trust
-        self._store: TrackingStore | None = None
-        self._reported: set[int] = set()  # steps whose report is in the store
-
-    def record(self, metrics: dict[str, Any], checkpoint_path: str | None = None) -> None:
-        store = self._open()
-        step = int(metrics["step"])
-        if checkpoint_path is not None and self.run_dir and self.trust is not None and self.storage_path:
-            self.reconcile(below_step=step)
-        self.record_once(step, metrics)
-        if checkpoint_path is not None:
-            if self.storage_path:  # by its path in this node's cache (with the stored manifest's digest)
-                checkpoint_path = str(open_storage(self.storage_path).cached(checkpoint_path))
-            record_checkpoint(store, self.trial_id, checkpoint_path, step)
-            self.collect_garbage()
-
-    def record_once(self, step: int, metrics: dict[str, Any]) -> None:
-        """Store one report unless its step's report is already there."""
-        if step not in self._reported:
-            store, trial, layers, events = self._open(), self.trial_id, self.layer_index, self.events
-            record_report(store, trial, step, metrics, layers, replaying=self.replaying, events=events)
-            self._reported.add(step)
-
-    def reconcile(self, below_step: int | None = None) -> Reconciliation:
-        """Settle the run's checkpoint folders against the store (``govray.reconcile``); live
-        (``below_step`` given) it only records folders of earlier steps."""
-        assert self.trust is not None and self.storage_path
-        storage = open_storage(self.storage_path)
-        return reconcile_run(
-            self._open(),
-            self.trial_id,
-            Path(self.run_dir),
-            self.trust,
-            record_report=self.record_once,
-            storage=storage,
-            below_step=below_step,
-        )
-
-    def collect_garbage(self) -> None:
-        store = self._open()
-        apply_gc(
-            store,
-            self.gc.experiment_id,
-            effective_gc_policy(store, self.gc.experiment_id),
-            metric=self.gc.metric,
-            smaller_is_better=self.gc.smaller_is_better,
-        )
-
-    def _open(self) -> TrackingStore:
-        if self._store is None:
-            self._store = TrackingStore.open(self.database_url)
-            self._reported = self._store.reported_steps(self.trial_id)
-        return self._store
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if metrics:
-            self.record(metrics[0], checkpoint.path if checkpoint is not None else None)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None}
 
 
 @dataclass(frozen=True)
@@ -570,12 +406,11 @@ def _train(
         metric=config.searcher.metric,
         smaller_is_better=config.searcher.smaller_is_better,
     )
-    layer_index = checked.routing.tensor_layers()
     events = TensorBoardLog(tensorboard_dir(open_storage(config.storage_path).root, run_name))
-    callback = TrackingCallback(
-        config.database_url,
+    recorder = RunRecorder(
+        store,
         trial_id,
-        layer_index,
+        checked.routing.tensor_layers(),
         gc,
         replaying=spec.recorded_decisions is not None,
         events=events,
@@ -583,41 +418,47 @@ def _train(
         run_dir=spec.run_dir,
         trust=spec.trust,
     )
-    trainer = governed_trainer(config, spec, run_name, on_report=callback.record, callbacks=[callback])
-    _settle(callback)  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
-    # Ray Train's own index of the run's checkpoints may name folders govray's GC deleted since,
-    # and a resumed controller refuses to start over one. Workers resume by govray's rule (the
-    # newest verified folder), not from that index: it goes.
+    sink = None
+    if config.resources.workers > 1:  # rank 0 sends its reports here without waiting
+        spec = spec.model_copy(update={"report_sink": f"govray-reports-{run_name}-{uuid.uuid4().hex[:6]}"})
+        sink = open_sink(spec.report_sink)
+    trainer = governed_trainer(config, spec, run_name, deliver=recorder.record)
+    recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
+    # Ray Train's own index of a run's checkpoints (written by runs from before govray sealed its
+    # checkpoints itself) may name folders GC deleted since; a resumed controller refuses those.
     open_storage(config.storage_path).delete_file(Path(spec.run_dir) / RAY_CHECKPOINT_INDEX)
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void
+    store.clear_stop(trial_id)
     store.set_trial_state(trial_id, TrialState.ACTIVE, ray_run_name=run_name)
     store.set_experiment_state(experiment.id, ExperimentState.ACTIVE)
     try:
-        _fit_with_progress(trainer, store, experiment.id, trial_id, max_steps, control, progress)
+        _fit_with_progress(trainer, store, experiment.id, recorder, sink, max_steps, control, progress)
     except Exception as error:
         store.set_trial_state(trial_id, TrialState.ERRORED)
         store.set_experiment_state(experiment.id, ExperimentState.ERRORED)
-        _settle(callback)
+        _close_sink(sink, recorder)
+        recorder.settle()
         raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
     finally:
         control.unlink(missing_ok=True)
         store.request(experiment.id, None)
-        events.publish(open_storage(config.storage_path))  # written here or by the controller on this node
-    _settle(callback)
-    # Ray keeps result metrics only with checkpoints; the tracking callback stored them.
+        events.publish(open_storage(config.storage_path))  # written here
+    _close_sink(sink, recorder)
+    recorder.settle()
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
-    steps_done = last_step(store, trial_id)
-    if steps_done < max_steps and not store.metrics(trial_id, "early_stopped"):
-        stopped = _requested_stop(store, trial_id, run_name, steps_done, max_steps)
+    trial = store.get_trial(trial_id)
+    steps_done = trial.last_step or 0
+    if steps_done < max_steps and trial.stop_reason != "early_stop":
+        stopped = _requested_stop(trial.stop_reason, trial_id, run_name, steps_done, max_steps)
         store.set_trial_state(trial_id, stopped)
         store.set_experiment_state(experiment.id, stopped.value)
         return TrialOutcome(
             trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
         )
     ledger = stored_ledger(store, trial_id)
-    # Ray Train's workers may have written the final checkpoint from another node: fetch it.
+    # Rank 0 may have written the final checkpoint on another node: fetch it.
     storage = open_storage(config.storage_path)
     storage.fetch_latest(Path(spec.run_dir), "checkpoint_")
     attested = attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
@@ -630,30 +471,31 @@ def _train(
     )
 
 
-def _settle(callback: TrackingCallback) -> None:
-    """After a run: every checkpoint it left recorded (with reports a worker's death lost), no
-    partial or duplicate folder left behind, then GC over what is now recorded."""
-    if callback.reconcile().recorded:
-        callback.collect_garbage()
+def _close_sink(sink: Any, recorder: RunRecorder) -> None:
+    """Record what the run's sink still holds, and end it."""
+    if sink is None:
+        return
+    try:
+        for report in taken_reports(sink):
+            recorder.record(report)
+    finally:
+        ray.kill(sink)
 
 
 def last_step(store: TrackingStore, trial_id: int) -> int:
-    """The last step the trial reported (0 if none). Every report counts its ``examples``; the
-    training loss is missing (NaN) where every slot was empty (all corpora gated or excluded)."""
-    steps = [metric.step for metric in store.metrics(trial_id, "examples")]
-    return max(steps, default=0)
+    """The last step the trial reported (0 if none)."""
+    return store.get_trial(trial_id).last_step or 0
 
 
 def _requested_stop(
-    store: TrackingStore, trial_id: int, run_name: str, steps_done: int, max_steps: int
+    stop_reason: str | None, trial_id: int, run_name: str, steps_done: int, max_steps: int
 ) -> TrialState:
     """The state a run that ended early is in: what the driver had passed to its workers."""
-    stopped = [m for m in store.metrics(trial_id, "stopped_on_request")]
-    if not stopped:
+    if stop_reason not in ("pause", "kill"):
         raise TrainingFailed(
             f"trial {trial_id} ({run_name}) ended after {steps_done} of {max_steps} steps without a request"
         )
-    return TrialState.PAUSED if stopped[-1].value == STOP_CODES["pause"] else TrialState.KILLED
+    return TrialState.PAUSED if stop_reason == "pause" else TrialState.KILLED
 
 
 def stored_ledger(store: TrackingStore, trial_id: int) -> Ledger:
@@ -675,13 +517,14 @@ def _fit_with_progress(
     trainer: TorchTrainer,
     store: TrackingStore,
     experiment_id: int,
-    trial_id: int,
+    recorder: RunRecorder,
+    sink: Any,
     max_steps: int,
     control: Path,
     progress: Progress | None,
 ) -> ray.train.Result:
-    """``trainer.fit()`` in a thread while the driver follows the tracking store: it shows the
-    metrics, and passes a pause/kill request (``govray experiment pause|kill``) to rank 0."""
+    """``trainer.fit()`` in a thread while the driver records the reports its sink queued, shows
+    them, and passes a pause/kill request (``govray experiment pause|kill``) to rank 0."""
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -703,13 +546,13 @@ def _fit_with_progress(
             scratch.write_text(requested)
             scratch.replace(control)  # rank 0 never reads half a word
             passed = requested
-        if progress is None:
-            continue
-        fresh = store.metrics(trial_id, since_step=seen + 1)  # what the reports since the last look added
-        reported = [metric.step for metric in fresh if metric.name == "examples"]  # every report counts them
-        if reported:
-            seen = max(reported)
-            progress(seen, max_steps, {metric.name: metric.value for metric in fresh})
+        if sink is not None:
+            for report in taken_reports(sink):
+                recorder.record(report)
+        latest = recorder.latest
+        if progress is not None and latest is not None and latest.step > seen:
+            seen = latest.step
+            progress(seen, max_steps, latest.metrics)
     if "error" in outcome:
         raise outcome["error"]
     result: ray.train.Result = outcome["result"]

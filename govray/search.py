@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import ray.tune
-from ray.train.v2.api.callback import UserCallback
 from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -40,22 +38,22 @@ from govray.attest import attest_trial_end
 from govray.checkpoint import checkpoint_report, checkpoint_run, checkpoint_step, newest_verified_checkpoint
 from govray.config import ExperimentConfig
 from govray.errors import ConfigError, GovrayError
-from govray.gc import apply_gc, effective_gc_policy
-from govray.harness.loop import RunSpec, train_worker
+from govray.harness.loop import train_worker
+from govray.harness.reports import StepReport
+from govray.harness.runspec import RunSpec
+from govray.harness.session import LAST_KEY, TuneSession, open_sink, taken_reports, tune_reports, tune_result
 from govray.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.preflight import CheckedPolicy, config_digest
+from govray.recorder import GcSettings, RunRecorder
 from govray.reproducibility import build_record
-from govray.runner import governed_trainer, last_step, new_run_spec, record_report
+from govray.runner import governed_trainer, last_step, new_run_spec
 from govray.storage import open_storage
-from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
 from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 
 ENTRY_POINTS = "govray.searchers"
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
-REPORT_KEY = "govray_reports"  # the loop's reports since the last Tune result, as a JSON list
-LAST_KEY = "govray_last"  # 1 in a trial's last result: it ends the trial (``ends_trial``)
 
 
 class SearchError(GovrayError):
@@ -134,19 +132,6 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
             _segmented_trial(config, spec)
 
 
-def _tune_result(reports: list[dict[str, Any]], max_steps: int) -> dict[str, Any]:
-    """One Tune result for a validation: its objective and step, with every report since the
-    previous validation (Tune insists on the objective in each result), and whether it is the
-    trial's last (its last step, or its early stop)."""
-    last = reports[-1]
-    return {
-        REPORT_KEY: json.dumps(reports, sort_keys=True),
-        "step": last["step"],
-        "objective": last["objective"],
-        LAST_KEY: int(int(last["step"]) >= max_steps or bool(last.get("early_stopped"))),
-    }
-
-
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
     """Tune's stopper: a trial's last result ends it before any scheduler
     sees it. Synchronous PBT would otherwise pause a finished trial at its last step to wait for
@@ -156,49 +141,15 @@ def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
 
 def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
     """One worker, in this Tune trial's process (Ray 2.60 refuses Ray Train's session API inside
-    Tune functions, also in Train V2 local mode); every report goes to Tune, each checkpoint as
-    the Tune checkpoint (Tune keeps the copy)."""
-    from ray.train import Checkpoint
-
-    pending: list[dict[str, Any]] = []
-
-    def relay(metrics: dict[str, Any], saved: str | None) -> None:
-        pending.append(metrics)
-        if "objective" in metrics:  # a validation (the last step always is one)
-            checkpoint = Checkpoint.from_directory(saved) if saved else None
-            ray.tune.report(_tune_result(pending, spec.max_steps), checkpoint=checkpoint)
-            pending.clear()
-        if saved is not None:
-            shutil.rmtree(saved, ignore_errors=True)
-
-    local = spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")})
-    train_worker(local.model_dump(mode="json"), on_report=relay, ray_train=False)
+    Tune functions, also in Train V2 local mode): a ``TuneSession``."""
+    train_worker(spec.model_dump(mode="json"), session=TuneSession)
 
 
-class _ReportLog(UserCallback):
-    """On a segment's Ray Train controller: every report rank 0 makes, one JSON line each, so the
-    Tune trial relays the training reports between validations too (a Ray Train result keeps only
-    the checkpointed ones)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if metrics:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as handle:
-                handle.write(json.dumps(metrics[0], sort_keys=True) + "\n")
-
-
-def _segment_reports(path: Path, last: dict[str, Any]) -> list[dict[str, Any]]:
+def _segment_reports(reported: list[StepReport], last: StepReport) -> list[StepReport]:
     """The segment's reports in step order, ending with its result (a restarted worker group
     re-reports the steps after its checkpoint: the later copy counts)."""
-    by_step = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            report = json.loads(line)
-            by_step[int(report["step"])] = report
-    by_step[int(last["step"])] = last
+    by_step = {report.step: report for report in reported if report.step <= last.step}
+    by_step[last.step] = last
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -222,13 +173,15 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
         storage = open_storage(config.storage_path)
         run_dir = storage.root / "ray" / name
-        reports = storage.root / "ray" / f"{name}.reports.jsonl"  # on this node (the controller's)
-        governed_trainer(
-            config,
-            segment.model_copy(update={"run_dir": str(run_dir)}),
-            name,
-            callbacks=[_ReportLog(reports)],
-        ).fit()
+        sink = open_sink(f"govray-reports-{name}")  # rank 0's reports, for Tune
+        try:
+            segment = segment.model_copy(
+                update={"run_dir": str(run_dir), "report_sink": f"govray-reports-{name}"}
+            )
+            governed_trainer(config, segment, name).fit()
+            reported = taken_reports(sink)
+        finally:
+            ray.kill(sink)
         # The segment's end is its newest verified checkpoint, by the rule its workers resume by
         # (Ray Train's result lacks it when a worker died before Ray collected the last report);
         # the report that went with it is in the checkpoint.
@@ -236,35 +189,28 @@ def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
         last = checkpoint_report(final) if final is not None else {}
         if final is None or not last:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        relayed = _tune_result(_segment_reports(reports, last), spec.max_steps)
-        reports.unlink(missing_ok=True)
+        relayed = tune_result(_segment_reports(reported, StepReport.parse(last)), spec.max_steps)
         ray.tune.report(relayed, checkpoint=Checkpoint(storage.ray_path(final), storage.filesystem))
-        if last.get("early_stopped"):
+        if StepReport.parse(last).stop == "early_stop":
             return  # the trial's last report (with its ledger): the rest of its steps never run
         # The next segment resumes from it: a directory in the nodes' cache of object storage.
         resume, start = str(final), end
 
 
 class SearchTracking(ray.tune.Callback):
-    """On the driver: the search's trials in the tracking store (one owner per row)."""
+    """On the driver: the search's trials in the tracking store, each through its ``RunRecorder``
+    (one owner per row)."""
 
     def __init__(
-        self,
-        database_url: str,
-        experiment_id: int,
-        config: ExperimentConfig,
-        layers: dict[str, int | None],
-        gc_as_trials_go: bool = True,
-    ):
+        self, database_url: str, config: ExperimentConfig, layers: dict[str, int | None], gc: GcSettings
+    ) -> None:
         self.database_url = database_url
-        # PBT may clone any earlier checkpoint it kept for a donor: GC waits for the search's end.
-        self.gc_as_trials_go = gc_as_trials_go
-        self.experiment_id = experiment_id
+        self.experiment_id = gc.experiment_id
         self.config = config
         self.layers = layers
+        self.gc = gc
         self._store: TrackingStore | None = None
-        self.rows: dict[str, int] = {}  # Tune trial id → trial row
-        self.events: dict[str, TensorBoardLog] = {}  # Tune trial id → its TensorBoard event files
+        self.recorders: dict[str, RunRecorder] = {}  # Tune trial id → its trial's recorder
 
     @property
     def store(self) -> TrackingStore:
@@ -272,10 +218,11 @@ class SearchTracking(ray.tune.Callback):
             self._store = TrackingStore.open(self.database_url)
         return self._store
 
-    def row(self, trial: Any) -> int:
-        """The trial's row, created on first sight (a restored search finds its rows by run name)."""
-        if trial.trial_id in self.rows:
-            return self.rows[trial.trial_id]
+    def recorder(self, trial: Any) -> RunRecorder:
+        """The trial's recorder; its row is created on first sight (a restored search finds its
+        rows by run name)."""
+        if trial.trial_id in self.recorders:
+            return self.recorders[trial.trial_id]
         run_name = trial_run_name(self.config, trial.trial_id)
         known = [t for t in self.store.list_trials(self.experiment_id) if t.ray_run_name == run_name]
         if known:
@@ -286,60 +233,34 @@ class SearchTracking(ray.tune.Callback):
             row_id = created.id
             self.store.set_trial_state(row_id, TrialState.ACTIVE, ray_run_name=run_name)  # type: ignore[arg-type]
         assert row_id is not None
-        self.rows[trial.trial_id] = row_id
-        return row_id
+        root = open_storage(self.config.storage_path).root
+        self.recorders[trial.trial_id] = RunRecorder(
+            self.store, row_id, self.layers, self.gc, events=TensorBoardLog(tensorboard_dir(root, run_name))
+        )
+        return self.recorders[trial.trial_id]
+
+    def row(self, trial: Any) -> int:
+        return self.recorder(trial).trial_id
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        row_id = self.row(trial)
-        self.store.set_trial_state(row_id, TrialState.ACTIVE)
+        self.store.set_trial_state(self.row(trial), TrialState.ACTIVE)
 
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
-        if REPORT_KEY not in result:
-            return
-        for report in json.loads(result[REPORT_KEY]):
-            self._record(trial, report)
-
-    def _record(self, trial: Any, report: dict[str, Any]) -> None:
-        row_id = self.row(trial)
-        step = int(report["step"])
-        if step <= last_step(self.store, row_id):
-            return  # a restarted trial re-reports the steps after its checkpoint
-        if trial.trial_id not in self.events:
-            run_name = trial_run_name(self.config, trial.trial_id)
-            root = open_storage(self.config.storage_path).root
-            self.events[trial.trial_id] = TensorBoardLog(tensorboard_dir(root, run_name))
-        record_report(
-            self.store, row_id, step, report, self.layers, replaying=False, events=self.events[trial.trial_id]
-        )
-        if "cloned_from_run" in report:
-            donor = [
-                t
-                for t in self.store.list_trials(self.experiment_id)
-                if t.ray_run_name == report["cloned_from_run"]
-            ]
-            if donor:
-                self.store.set_cloned_from(row_id, donor[0].id)  # type: ignore[arg-type]
+        recorder = self.recorder(trial)
+        for report in tune_reports(result):
+            recorder.record_once(report)  # a restarted trial re-reports the steps after its checkpoint
 
     def on_checkpoint(
         self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
     ) -> None:
-        row_id = self.row(trial)
         # Tune's copy, by its path in this node's cache (recorded with the stored manifest's digest)
         path = open_storage(self.config.storage_path).cached(checkpoint.path)
-        record_checkpoint(self.store, row_id, str(path), checkpoint_step(path))
-        if self.gc_as_trials_go:
-            self.collect_garbage()
+        self.recorder(trial).record_checkpoint(str(path), checkpoint_step(path))
 
     def collect_garbage(self) -> None:
-        apply_gc(
-            self.store,
-            self.experiment_id,
-            effective_gc_policy(self.store, self.experiment_id),
-            metric=self.config.searcher.metric,
-            smaller_is_better=self.config.searcher.smaller_is_better,
-        )
+        RunRecorder.collect_all(self.store, self.gc)
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         row_id = self.row(trial)
@@ -366,11 +287,11 @@ class SearchTracking(ray.tune.Callback):
         self._close_events(trial)
 
     def _close_events(self, trial: Any) -> None:
-        if (events := self.events.pop(trial.trial_id, None)) is not None:
-            events.publish(open_storage(self.config.storage_path))
+        if (recorder := self.recorders.get(trial.trial_id)) is not None and recorder.events is not None:
+            recorder.events.publish(open_storage(self.config.storage_path))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "recorders": {}}
 
 
 @dataclass(frozen=True)
@@ -427,10 +348,15 @@ def run_search(
     )
     tracking = SearchTracking(
         config.database_url,
-        experiment.id,
         config,
         checked.routing.tensor_layers(),
-        gc_as_trials_go=not isinstance(plan.scheduler, PopulationBasedTraining),
+        GcSettings(
+            experiment.id,
+            config.searcher.metric,
+            config.searcher.smaller_is_better,
+            # PBT may clone any earlier checkpoint it kept for a donor: GC waits for the search's end.
+            as_it_goes=not isinstance(plan.scheduler, PopulationBasedTraining),
+        ),
     )
     trainable = ray.tune.with_resources(
         ray.tune.with_parameters(tune_trial, setup=setup),

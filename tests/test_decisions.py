@@ -3,6 +3,8 @@ applies a recorded decision at its step whatever its own metrics say."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from govray.config import EarlyStoppingPolicy, PlateauSchedule
 from govray.decisions import DecisionError, EarlyStopDecision, EarlyStopping, LrDecision, Plateau
+from govray.harness.control import Controller
 
 losses = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False), min_size=1, max_size=40)
 
@@ -77,26 +80,33 @@ def record(*steps_and_scales: tuple[int, float]) -> list[LrDecision]:
     ]
 
 
+def replaying(schedule: PlateauSchedule | None, recorded: list[Any]) -> Controller[None]:
+    """The controller of a replay of a trial whose decisions were ``recorded``."""
+    return Controller(schedule, None, None, recorded=recorded)
+
+
 def test_a_replay_applies_the_record_and_ignores_its_own_metrics() -> None:
-    plateau = Plateau(PlateauSchedule(patience=0), recorded=record((20, 0.5), (40, 0.25)))
+    control = replaying(PlateauSchedule(patience=0), record((20, 0.5), (40, 0.25)))
     # Steadily improving metrics would never cut the LR; the record does, at its steps.
-    seen = [plateau.observe(step, {"validation_loss": 1.0 / step}) for step in (10, 20, 30, 40, 50)]
-    assert [None if d is None else (d.step, d.scale, d.observed) for d in seen] == [
-        None,
-        (20, 0.5, None),
-        None,
-        (40, 0.25, None),
-        None,
+    seen = [control.after_validation(step, {"validation_loss": 1.0 / step}) for step in (10, 20, 30, 40, 50)]
+    assert [[(d.step, d.scale, d.observed) for d in made] for made in seen] == [  # type: ignore[union-attr]
+        [],
+        [(20, 0.5, None)],
+        [],
+        [(40, 0.25, None)],
+        [],
     ]
-    assert plateau.scale == 0.25 and plateau.unapplied(50) == []
+    assert control.lr_scale == 0.25
+    control.check_applied(50)  # nothing recorded was missed
 
 
 def test_a_replay_that_skips_a_recorded_step_is_refused() -> None:
-    plateau = Plateau(PlateauSchedule(), recorded=record((25, 0.5)))
-    assert plateau.observe(20, {}) is None
+    control = replaying(PlateauSchedule(), record((25, 0.5)))
+    assert control.after_validation(20, {}) == []
     with pytest.raises(DecisionError, match="after step 25, but this run evaluated only at step 30"):
-        plateau.observe(30, {})
-    assert [d.seq for d in Plateau(PlateauSchedule(), recorded=record((25, 0.5))).unapplied(30)] == [0]
+        control.after_validation(30, {})
+    with pytest.raises(DecisionError, match=r"never reached recorded decisions \[0\]"):
+        replaying(PlateauSchedule(), record((25, 0.5))).check_applied(30)
 
 
 def test_early_stopping_by_patience_and_by_threshold() -> None:
@@ -120,12 +130,12 @@ def test_early_stopping_by_patience_and_by_threshold() -> None:
 
 def test_a_replayed_early_stop_happens_at_the_recorded_step_only() -> None:
     recorded = EarlyStopDecision(seq=1, step=20, reason="scheduler", metric="validation_loss", observed=None)
-    rule = EarlyStopping(EarlyStoppingPolicy(patience=1), recorded=[recorded])
-    assert rule.observe(10, {"validation_loss": 9.0}, seq=0) is None  # its own metrics do not matter
-    assert rule.observe(20, {"validation_loss": 0.1}, seq=0) == recorded
-    skipped = EarlyStopping(EarlyStoppingPolicy(patience=1), recorded=[recorded])
+    control = Controller(None, EarlyStoppingPolicy(patience=1), None, recorded=[recorded])
+    assert control.after_validation(10, {"validation_loss": 9.0}) == []  # its own metrics do not matter
+    assert control.after_validation(20, {"validation_loss": 0.1}) == [recorded]
+    skipped = replaying(None, [recorded])  # also without a rule of its own (a scheduler's stop)
     with pytest.raises(DecisionError, match="recorded early stop after step 20 was missed"):
-        skipped.observe(30, {}, seq=0)
+        skipped.after_validation(30, {})
 
 
 def test_early_stopping_needs_a_rule() -> None:

@@ -17,7 +17,9 @@ from govray.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_chec
 from govray.cli import main
 from govray.config import ExperimentConfig, load_experiment
 from govray.data.shards import ShardSet
-from govray.harness.loop import GovernedTraining, RunSpec, Worker
+from govray.harness.runspec import RunSpec
+from govray.harness.state import TrialRun
+from govray.harness.worker import Worker
 from govray.ledger import Ledger, recompute_ledger
 from govray.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
 from govray.logs import log_dir, read_logs
@@ -196,10 +198,12 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
 
     # Step 0 of the fork is the source's weights exactly.
     spec = RunSpec.model_validate_json(run_spec_path(golden_run.config, trial.ray_run_name).read_text())
-    training = GovernedTraining(spec, Worker(0, 1))
+    training = TrialRun.open(spec, Worker(0, 1))
     training.start_from(golden_final)
     expected = load_file(str(golden_final / MODEL_FILE))
-    assert all(training.model.base.state_dict()[name].equal(tensor) for name, tensor in expected.items())
+    assert all(
+        training.governed.model.base.state_dict()[name].equal(tensor) for name, tensor in expected.items()
+    )
 
 
 def test_a_tampered_source_checkpoint_is_refused_before_anything_is_recorded(

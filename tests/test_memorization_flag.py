@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from govray.checkpoint import load_checkpoint
 from govray.config import load_experiment
 from govray.data.shards import ShardSet
-from govray.harness.loop import GovernedTraining, RunSpec
+from govray.harness.runspec import RunSpec
+from govray.harness.state import TrialRun
 from govray.harness.worker import Worker
 from govray.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
 from govray.ledger import Ledger, recompute_ledger
@@ -191,19 +192,19 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     spec = RunSpec.model_validate_json(
         run_spec_path(load_experiment(tmp_path / "experiment.yaml"), run).read_text()
     )
-    resumed = GovernedTraining(spec, Worker(0, 1))
+    resumed = TrialRun.open(spec, Worker(0, 1))
     assert resumed.restore(by_step[between]) == between
     flag = memorization_report(
         {"digits-public": CorpusMeasures(loss_gap=1.0)}, MemorizationThresholds(action="rollback")
     )
-    taken = resumed.observe_memorization(first, flag)
+    taken = resumed.act_on_memorization(first, flag)
     assert [(d.kind, getattr(d, "to_step", None)) for d in taken] == [
         ("rollback", public["to_step"]),
         ("gate", None),
     ]
     clean_weights = load_file(str(by_step[public["to_step"]] / "model.safetensors"))
-    assert all(torch.equal(resumed.model.base.state_dict()[k], v) for k, v in clean_weights.items())
-    assert resumed.ledger == Ledger.from_json(clean.state.ledger)
+    assert all(torch.equal(resumed.governed.model.base.state_dict()[k], v) for k, v in clean_weights.items())
+    assert resumed.governed.ledger == Ledger.from_json(clean.state.ledger)
 
     # The final ledger is the schedule's with the gates and the discarded steps as events.
     config = load_experiment(tmp_path / "experiment.yaml")

@@ -15,7 +15,7 @@ from conftest import GoldenRun
 from govray.checkpoint import STATE_FILE, CheckpointError, CheckpointState
 from govray.cli import main
 from govray.data.shards import ShardSet
-from govray.harness.loop import RunSpec
+from govray.harness.runspec import RunSpec
 from govray.harness.trial import load_trial_class
 from govray.ledger import Ledger
 from govray.routing import resolve_routes

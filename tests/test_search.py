@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,18 @@ from govray.attest import COVERAGE_TYPE, verify_attestation
 from govray.checkpoint import MODEL_FILE, RUN_SPEC_FILE, checkpoint_step, find_checkpoints, load_checkpoint
 from govray.config import load_experiment
 from govray.errors import ConfigError
-from govray.harness.loop import RunSpec, train_worker
+from govray.harness.loop import train_worker
+from govray.harness.reports import StepReport
+from govray.harness.runspec import RunSpec
+from govray.harness.session import LocalSession, tune_reports, tune_result
 from govray.keys import platform_key, platform_trust
 from govray.preflight import check_policy, ingest_experiment
 from govray.recompute import check_attested_ledger
 from govray.search import (
-    REPORT_KEY,
     TUNE_TRIAL_MEMORY,
     SearchOutcome,
     TunePlan,
     _segmented_trial,
-    _tune_result,
     ends_trial,
     run_search,
     strategy,
@@ -236,9 +238,13 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
 def test_pbt_never_pauses_a_trial_at_its_last_report() -> None:
     """The last result (it carries the ledger) stops the trial before the scheduler sees it: a
     synchronous PBT cannot hold a finished trial back to hand its final state to another."""
-    segment_end = _tune_result([{"step": 5, "objective": 0.5, "ledger": "{}"}], max_steps=10)
-    last = _tune_result([{"step": 6, "objective": 0.4}, {"step": 10, "objective": 0.3, "ledger": "{}"}], 10)
-    early_stop = _tune_result([{"step": 5, "objective": 0.5, "ledger": "{}", "early_stopped": 1}], 10)
+
+    def report(step: int, objective: float, **fields: Any) -> StepReport:
+        return StepReport(step=step, epoch=0, metrics={"objective": objective}, **fields)
+
+    segment_end = tune_result([report(5, 0.5, ledger={})], max_steps=10)
+    last = tune_result([report(6, 0.4), report(10, 0.3, ledger={})], 10)
+    early_stop = tune_result([report(5, 0.5, ledger={}, stop="early_stop")], 10)
     assert [ends_trial("t", r) for r in (segment_end, last, early_stop)] == [False, True, True]
 
 
@@ -258,12 +264,12 @@ def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path) -> tuple[Path, Ru
     return donor, spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
 
 
-def assert_clone_of(donor: Path, metrics: dict[str, Any], saved: Path, trust: Any) -> None:
+def assert_clone_of(donor: Path, report: StepReport, saved: Path, trust: Any) -> None:
     """The clone's last report and checkpoint: the donor's step, ledger and weights (bit for bit)
     under the clone's own name, signed."""
     source = load_checkpoint(donor, trust)
-    assert metrics["step"] == source.state.step and metrics["cloned_from_run"] == source.state.run
-    assert json.loads(metrics["ledger"]) == source.state.ledger and math.isfinite(metrics["objective"])
+    assert report.step == source.state.step and report.cloned_from_run == source.state.run
+    assert report.ledger == source.state.ledger and math.isfinite(report.metrics["objective"])
     clone = load_checkpoint(saved, trust)
     assert (clone.state.run, clone.state.step, clone.state.ledger) == (
         "clone",
@@ -280,12 +286,11 @@ def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_na
     """Handed another run's final checkpoint (nothing left to train), a one-worker trial still
     ends with a last report (objective, ledger, donor) and a signed checkpoint of its own."""
     donor, spec = _clone_of_final_checkpoint(golden_local_epoch.outcome.run_dir, tmp_path / "clone")
-    reports: list[tuple[dict[str, Any], str | None]] = []
-    train_worker(spec.model_dump(mode="json"), on_report=lambda m, s: reports.append((m, s)), ray_train=False)
-    assert len(reports) == 1, [metrics["step"] for metrics, _ in reports]
-    metrics, saved = reports[0]
-    assert saved is not None
-    assert_clone_of(donor, metrics, Path(saved), spec.trust)
+    reports: list[StepReport] = []
+    train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+    assert len(reports) == 1, [report.step for report in reports]
+    assert reports[0].checkpoint is not None
+    assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), spec.trust)
 
 
 def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
@@ -305,8 +310,8 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     )
     [result] = list(tuner.fit())
     assert result.error is None and result.checkpoint is not None
-    [metrics] = json.loads(result.metrics[REPORT_KEY])
-    assert_clone_of(donor, metrics, Path(result.checkpoint.path), spec.trust)
+    [report] = tune_reports(result.metrics)
+    assert_clone_of(donor, report, Path(result.checkpoint.path), spec.trust)
 
 
 def test_an_interrupted_search_resumes_without_rerunning_finished_trials(

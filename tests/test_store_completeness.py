@@ -25,8 +25,9 @@ from govray.checkpoint import (
     newest_verified_checkpoint,
     verify_checkpoint,
 )
+from govray.harness.reports import StepReport
 from govray.keys import platform_key, platform_trust
-from govray.runner import GcSettings, TrackingCallback
+from govray.recorder import GcSettings, RunRecorder
 from govray.runtime import train_worker_pids
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints, ledger_rows, record_checkpoint
@@ -95,8 +96,8 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
     shutil.copytree(folders[30], partial)
     (partial / MODEL_FILE).unlink()
     shutil.copytree(folders[10], duplicate)
-    callback = TrackingCallback(
-        store.url,
+    callback = RunRecorder(
+        store,
         trial.id,
         golden_run.checked.routing.tensor_layers(),
         GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
@@ -104,8 +105,8 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
         run_dir=str(run_copy),
         trust=trust(),
     )
-    delivered = json.loads((folders[10] / REPORT_FILE).read_text())
-    callback.record(delivered, str(folders[10]))
+    delivered = StepReport.parse(json.loads((folders[10] / REPORT_FILE).read_text()))
+    callback.record(delivered.model_copy(update={"checkpoint": str(folders[10])}))
 
     # Live (at the step-20 report of a restarted group) it records the lost step-10... here none:
     # only folders below the reported step, and it removes nothing while workers may write.
@@ -164,8 +165,8 @@ def test_a_folder_gc_deleted_but_left_on_storage_is_deleted_again(
     from govray.gc import _mark_deleted
 
     _mark_deleted(store, checkpoints(store, trial.id or 0)[0].id or 0)  # GC crashed before the rmtree
-    callback = TrackingCallback(
-        store.url,
+    callback = RunRecorder(
+        store,
         trial.id or 0,
         {},
         GcSettings(experiment.id or 0, "validation_loss", smaller_is_better=True),

@@ -23,7 +23,7 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
-HEAD = "0007_trial_kind"
+HEAD = "0008_trial_progress"
 
 
 def raw(store: TrackingStore, sql: str, **params: Any) -> None:

@@ -16,8 +16,9 @@ from govray.adapters import GovernedModel
 from govray.allreduce import parameters_by_name
 from govray.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
 from govray.data.shards import ShardSet
-from govray.harness.loop import RouteRows, allowed_route_sets
+from govray.harness.step import allowed_route_sets
 from govray.harness.trial import load_trial_class
+from govray.harness.worker import RouteRows
 from govray.keys import platform_key, platform_trust
 from govray.ledger import recompute_ledger
 from govray.routing import resolve_routes

@@ -126,8 +126,7 @@ def load_trial_class(path: str) -> type[Trial]:
     Like ``python -m``, the working directory is importable: it is the trial's code directory
     (the project root locally, the job's ``working_dir`` under ``ray job submit``).
     """
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    importable(os.getcwd())
     module_name, _, class_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -137,6 +136,13 @@ def load_trial_class(path: str) -> type[Trial]:
     if not (isinstance(trial, type) and issubclass(trial, Trial)):
         raise ConfigError(f"trial '{path}': '{class_name}' is not a govray Trial subclass in {module_name}")
     return trial
+
+
+def importable(code_dir: str) -> None:
+    """Make ``code_dir`` (a trial's code directory: the driver's working directory, or where a
+    worker was told it is) importable, last resort after what is already on ``sys.path``."""
+    if code_dir and os.path.isdir(code_dir) and code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
 
 
 def import_code_from(directory: Path, files: Mapping[str, str]) -> None:

@@ -288,6 +288,29 @@ class TrackingStore:
             session.add(trial)
         return trial
 
+    def record_progress(
+        self, trial_id: int, step: int, stop_reason: str | None = None, cloned_from: int | None = None
+    ) -> Trial:
+        """A trial's state after a report: the last step it reported (never going back), why it
+        stops there (``pause``, ``kill``, ``early_stop``), the trial it continued (a PBT clone)."""
+        with self.session() as session:
+            trial = _require(session, Trial, trial_id)
+            trial.last_step = max(trial.last_step or 0, step)
+            if stop_reason is not None:
+                trial.stop_reason = stop_reason
+            if cloned_from is not None:
+                _require(session, Trial, cloned_from)
+                trial.cloned_from = cloned_from
+            session.add(trial)
+        return trial
+
+    def clear_stop(self, trial_id: int) -> None:
+        """A trial that runs again (a resume) is no longer stopped."""
+        with self.session() as session:
+            trial = _require(session, Trial, trial_id)
+            trial.stop_reason = None
+            session.add(trial)
+
     def set_trial_source(self, trial_id: int, source_json: str) -> Trial:
         """Record the checkpoint a trial started from (its lineage parent)."""
         with self.session() as session:

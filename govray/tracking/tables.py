@@ -151,6 +151,8 @@ class Trial(SQLModel, table=True):
     source_checkpoint_json: str | None = Field(default=None, sa_type=Text)  # migration 0003
     kind: str = TrialKind.ORIGINAL.value  # migration 0007
     replay_of: int | None = Field(default=None, foreign_key="trials.id")  # the trial a replay reruns
+    last_step: int | None = None  # the last step it reported (migration 0008)
+    stop_reason: str | None = None  # pause, kill or early_stop: why it ended before its last step
 
 
 class Decision(SQLModel, table=True):

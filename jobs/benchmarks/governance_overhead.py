@@ -65,7 +65,7 @@ def governed_parts(model: nn.Module) -> tuple[Any, Any]:
     """A GovernedModel over ``model`` and its governor, under the benchmark policy."""
     from govray.adapters import GovernedModel
     from govray.allreduce import GradientGovernor, parameters_by_name
-    from govray.harness.loop import allowed_route_sets
+    from govray.harness.step import allowed_route_sets
     from govray.policy import DepthPolicy
     from govray.routing import resolve_routes
 

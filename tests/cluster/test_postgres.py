@@ -10,9 +10,7 @@ indexes and answers, the URL forms, and the controller's write path.
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import pwd
 import threading
 import time
@@ -224,9 +222,10 @@ def test_libpq_and_explicit_driver_urls_reach_the_server_through_psycopg(pg_url:
         parse_experiment(yaml.safe_dump(raw), source=EXAMPLE_CONFIG)
 
 
-def test_the_controller_callback_writes_a_run_to_postgresql(pg_url: str, tmp_path: Path) -> None:
+def test_the_run_recorder_writes_a_run_to_postgresql(pg_url: str, tmp_path: Path) -> None:
+    from govray.harness.reports import StepReport
     from govray.ledger import Ledger, LedgerEntry
-    from govray.runner import GcSettings, TrackingCallback
+    from govray.recorder import GcSettings, RunRecorder
 
     raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     raw["tracking"] = {"database": pg_url}
@@ -241,19 +240,20 @@ def test_the_controller_callback_writes_a_run_to_postgresql(pg_url: str, tmp_pat
         assert trial.id is not None
         layers: dict[str, int | None] = {"fc1.weight": 0, "fc2.weight": 1}
         gc = GcSettings(experiment.id, "validation_loss", smaller_is_better=True)
-        # Ray ships the callback to the controller pickled, without its store.
-        callback = pickle.loads(pickle.dumps(TrackingCallback(config.database_url, trial.id, layers, gc)))
+        recorder = RunRecorder(store, trial.id, layers, gc)
         for step in (10, 20, 30):
             saved = tmp_path / f"checkpoint_{step}"
             saved.mkdir()
-            callback.record(
-                {"step": step, "training_loss": 1 / step, "validation_loss": 2 / step}, str(saved)
-            )
+            metrics = {"training_loss": 1 / step, "validation_loss": 2 / step}
+            recorder.record(StepReport(step=step, epoch=0, metrics=metrics, checkpoint=str(saved)))
         ledger = Ledger({("digits-public", name): LedgerEntry(300, 3 * 2**31, 30) for name in layers})
-        callback.record({"step": 31, "training_loss": 0.01, "ledger": json.dumps(ledger.to_json())})
+        recorder.record(
+            StepReport(step=31, epoch=0, metrics={"training_loss": 0.01}, ledger=ledger.to_json())
+        )
 
         assert [m.step for m in store.metrics(trial.id, "validation_loss")] == [10, 20, 30]
         assert [c.step for c in checkpoints(store, trial.id)] == [10, 20, 30]
+        assert store.get_trial(trial.id).last_step == 31
         stored = {(r.parameter, r.layer_index, r.examples, r.tokens) for r in ledger_rows(store, trial.id)}
         assert stored == {("fc1.weight", 0, 300, 3 * 2**31), ("fc2.weight", 1, 300, 3 * 2**31)}
     finally:
