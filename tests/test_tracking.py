@@ -4,8 +4,10 @@ and loses nothing when writers race, and the store round-trips what it is given.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -103,16 +105,19 @@ def test_0003_renames_old_lifecycle_states_to_determineds(database_url: str) -> 
         store.close()
 
 
-def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(database_url: str) -> None:
+@contextlib.contextmanager
+def old_store(database_url: str, revision: str, trials: int) -> Iterator[sa.Connection]:
+    """A database at an older ``revision`` holding one experiment with ``trials`` trials (no
+    explicit ids: PostgreSQL's sequences must hand out the next ones afterwards); more rows may be
+    added through the connection yielded."""
+    from alembic import command
+
+    from govray.tracking.store import alembic_config
+
     engine = sa.create_engine(database_url)
     try:
-        from alembic import command
-
-        from govray.tracking.store import alembic_config
-
         with engine.begin() as connection:
-            command.upgrade(alembic_config(connection), "0006_bigint_counts_and_index")
-            # No explicit ids: PostgreSQL's sequences must hand out the next ones afterwards.
+            command.upgrade(alembic_config(connection), revision)
             connection.execute(
                 sa.text(
                     "INSERT INTO experiments (name, description, config_json, config_digest, "
@@ -122,13 +127,18 @@ def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(da
             )
             connection.execute(
                 sa.text(
-                    "INSERT INTO trials (experiment_id, hparams_json, seed, state, created_at) "
-                    "VALUES (1, '{}', 0, 'completed', '2026-01-01'), "
-                    "(1, '{}', 0, 'completed', '2026-01-01')"
+                    "INSERT INTO trials (experiment_id, hparams_json, seed, state, created_at) VALUES "
+                    + ", ".join(["(1, '{}', 0, 'completed', '2026-01-01')"] * trials)
                 )
             )
+            yield connection
     finally:
         engine.dispose()
+
+
+def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(database_url: str) -> None:
+    with old_store(database_url, "0006_bigint_counts_and_index", trials=2):
+        pass
     assert upgrade(database_url) == HEAD
     store = TrackingStore(database_url)
     try:
@@ -137,6 +147,40 @@ def test_0007_marks_existing_trials_original_and_records_what_a_replay_reruns(da
         assert (replay.kind, replay.replay_of) == ("replay", 1)
         with pytest.raises(TrackingError, match="no trial with id 99"):
             store.create_trial(1, "{}", seed=0, replay_of=99)
+    finally:
+        store.close()
+
+
+def test_0008_moves_a_trials_progress_from_its_metric_rows_into_state(database_url: str) -> None:
+    """Before typed reports a trial's last step and why it stopped lived in metric rows
+    (``examples`` in every report, ``stopped_on_request`` 1/2, ``early_stopped``)."""
+    with old_store(database_url, "0007_trial_kind", trials=4) as connection:
+        rows = [
+            (1, 10, "examples", 320.0),
+            (1, 20, "examples", 320.0),  # completed
+            (2, 10, "examples", 320.0),
+            (2, 10, "stopped_on_request", 1.0),  # paused
+            (3, 5, "stopped_on_request", 2.0),
+            (3, 5, "examples", 160.0),  # killed
+            (4, 10, "examples", 320.0),
+            (4, 10, "early_stopped", 1.0),  # stopped early
+        ]
+        for trial, step, name, value in rows:
+            connection.execute(
+                sa.text(
+                    "INSERT INTO metrics (trial_id, step, kind, name, value, recorded_at) "
+                    f"VALUES ({trial}, {step}, 'training', '{name}', {value}, '2026-01-01')"
+                )
+            )
+    assert upgrade(database_url) == HEAD
+    store = TrackingStore(database_url)
+    try:
+        assert [(t.last_step, t.stop_reason) for t in store.list_trials(1)] == [
+            (20, None),
+            (10, "pause"),
+            (5, "kill"),
+            (10, "early_stop"),
+        ]
     finally:
         store.close()
 
