@@ -87,11 +87,6 @@ def spectral_entropy(h: torch.Tensor) -> float:
     return max(0.0, float(-(p * torch.log2(p)).sum()))
 
 
-def effective_rank(h: torch.Tensor) -> float:
-    """``2 ** spectral_entropy(h)``: the number of equal singular values with the same entropy."""
-    return float(2.0 ** spectral_entropy(h))
-
-
 def entropy_profile(representations: Mapping[str, torch.Tensor]) -> EntropyProfile:
     """Spectral entropy of each layer's representation (layer name → examples x features) on a probe batch."""
     return {layer: spectral_entropy(h) for layer, h in representations.items()}
