@@ -1,4 +1,4 @@
-"""Signed attestations of a checkpoint that a third party can verify (DESIGN.md "Attestation").
+"""Signed attestations of a checkpoint that a third party can verify without govray's database.
 
 Two in-toto Statement v1 documents about the same subjects — the model files by sha256, the base
 (``model.safetensors``) and each adapter (``adapter-NAME.safetensors``) separately — each in a

@@ -1,7 +1,7 @@
 """Memorization measures: pure, deterministic functions of a model's outputs.
 
 The training loop computes per-example losses, canary scores and hidden representations; this
-module turns them into the measures of DESIGN.md ("Memorization") and one number per evaluation:
+module turns them into these measures and one number per evaluation:
 
 - **entropy profile** — the Shannon entropy (bits) of the normalized singular-value spectrum of
   each monitored layer's representation on a probe batch, checked against a band calibrated on

@@ -1,4 +1,4 @@
-"""Memorization measures (DESIGN.md "Memorization"): the spectral entropy profile and its band,
+"""Memorization measures: the spectral entropy profile and its band,
 canary exposure (Carlini et al. 2019), the loss gap (Yeom et al. 2018), the memorization score
 and the search objective that penalizes it."""
 
