@@ -29,7 +29,6 @@ unlisted model file is refused by name. securesystemslib's DSSE verifies the sam
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -48,7 +47,7 @@ from govray.data.shards import ShardSet
 from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
 from govray.harness.loop import RunSpec
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import importable, load_trial_class
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.routing import RoutingTable, resolve_routes
@@ -412,8 +411,7 @@ def _byproduct(name: str, content: Any) -> dict[str, Any]:
 
 def routing_of(spec: RunSpec) -> RoutingTable:
     """The routing table of the run ``spec`` describes (its trial's model, resolved by its policy)."""
-    if spec.code_dir and Path(spec.code_dir).is_dir() and spec.code_dir not in sys.path:
-        sys.path.insert(0, spec.code_dir)  # where the trial's module was importable when it ran
+    importable(spec.code_dir)  # where the trial's module was importable when it ran
     trial = load_trial_class(spec.trial)(spec.hparams)
     model = trial.build_model()
     return resolve_routes(spec.policy, model, trial.layers(model))

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import json
 import os
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +63,7 @@ from govray.decisions import (
 )
 from govray.harness.dashboard import GovernanceMetrics
 from govray.harness.probe import MemorizationProbe
-from govray.harness.trial import Trial, load_trial_class
+from govray.harness.trial import Trial, importable, load_trial_class
 from govray.harness.worker import RouteRows, Worker, all_reduce_sums
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
@@ -631,8 +630,8 @@ def train_worker(config: dict[str, Any], on_report: Report | None = None, ray_tr
     if spec.recorded_code:
         snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
         use_recorded_code(snapshot, Path(spec.code_dir), open_storage(spec.storage) if spec.storage else None)
-    elif spec.code_dir and os.path.isdir(spec.code_dir) and spec.code_dir not in sys.path:
-        sys.path.insert(0, spec.code_dir)  # Ray Train moves workers into the run directory
+    else:
+        importable(spec.code_dir)  # Ray Train moves workers into the run directory
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()
     if not spec.log_dir:

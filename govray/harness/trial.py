@@ -120,14 +120,21 @@ def defines_sequence_scores(trial: type[Trial]) -> bool:
     return trial.sequence_scores is not Trial.sequence_scores
 
 
+def importable(directory: str | os.PathLike[str]) -> None:
+    """Put ``directory`` first on ``sys.path`` unless it is there already (or is no directory):
+    where a trial's module is imported from, like ``python -m`` does with the working directory."""
+    path = os.fspath(directory)
+    if path and os.path.isdir(path) and path not in sys.path:
+        sys.path.insert(0, path)
+
+
 def load_trial_class(path: str) -> type[Trial]:
     """Import ``"package.module:Class"`` and check it is a :class:`Trial`.
 
     Like ``python -m``, the working directory is importable: it is the trial's code directory
     (the project root locally, the job's ``working_dir`` under ``ray job submit``).
     """
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    importable(os.getcwd())
     module_name, _, class_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -149,10 +156,9 @@ def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
     bytes is kept (its classes stay the ones other code holds), and a package among them also
     looks in the snapshot first for its submodules.
     """
-    root = str(directory)
-    if root in sys.path:
-        sys.path.remove(root)
-    sys.path.insert(0, root)
+    if str(directory) in sys.path:
+        sys.path.remove(str(directory))  # moved first: the snapshot wins over what else is importable
+    importable(directory)
     for relative, digest in files.items():
         name = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         module = sys.modules.get(name)
