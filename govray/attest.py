@@ -50,7 +50,7 @@ from govray.harness.loop import RunSpec
 from govray.harness.trial import importable, load_trial_class
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.ledger import Ledger
-from govray.routing import RoutingTable, resolve_routes
+from govray.routing import RoutingTable, adapter_of_tensor, layer_label, resolve_routes
 from govray.tracking.lineage import checkpoints, record_attestation
 from govray.tracking.store import TrackingStore
 
@@ -418,6 +418,4 @@ def routing_of(spec: RunSpec) -> RoutingTable:
 
 
 def _layer_name(index: int | None, names: list[str], tensor: str) -> str:
-    if tensor.startswith("adapter/"):
-        return f"adapter:{tensor.split('/')[1]}"
-    return names[index] if index is not None else "(outside layers)"
+    return layer_label(names[index] if index is not None else None, adapter_of_tensor(tensor))
