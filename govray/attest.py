@@ -47,7 +47,7 @@ from govray.data.shards import ShardSet
 from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
 from govray.harness.loop import RunSpec
-from govray.harness.trial import importable, load_trial_class
+from govray.harness.trial import importable, make_trial
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.routing import RoutingTable, adapter_of_tensor, layer_label, resolve_routes
@@ -412,7 +412,7 @@ def _byproduct(name: str, content: Any) -> dict[str, Any]:
 def routing_of(spec: RunSpec) -> RoutingTable:
     """The routing table of the run ``spec`` describes (its trial's model, resolved by its policy)."""
     importable(spec.code_dir)  # where the trial's module was importable when it ran
-    trial = load_trial_class(spec.trial)(spec.hparams)
+    trial = make_trial(spec.trial, spec.hparams, spec.settings)
     model = trial.build_model()
     return resolve_routes(spec.policy, model, trial.layers(model))
 

@@ -63,7 +63,7 @@ from govray.decisions import (
 )
 from govray.harness.dashboard import GovernanceMetrics
 from govray.harness.probe import MemorizationProbe
-from govray.harness.trial import Trial, importable, load_trial_class
+from govray.harness.trial import Trial, importable, make_trial
 from govray.harness.worker import RouteRows, Worker, all_reduce_sums
 from govray.keys import SigningKey, TrustConfig
 from govray.ledger import Ledger
@@ -80,6 +80,7 @@ from govray.routing import RoutingTable, resolve_routes
 from govray.runtime import ray_node_id
 from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
 from govray.storage import StorageError, open_storage
+from govray.training import TrainingSettings
 
 Report = Callable[[dict[str, Any], str | None], None]  # (metrics, checkpoint directory or None)
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
@@ -94,6 +95,9 @@ class RunSpec(BaseModel):
 
     trial: str
     hparams: dict[str, Any]
+    # The experiment's training settings with hparams applied; None in a spec written before
+    # they were recorded (the trial resolves hparams over the defaults, as it did then).
+    settings: TrainingSettings | None = None
     policy: DepthPolicy
     shard_root: str
     seed: int
@@ -169,7 +173,7 @@ class GovernedTraining:
     def __init__(self, spec: RunSpec, worker: Worker) -> None:
         self.spec = spec
         self.worker = worker
-        self.trial: Trial = load_trial_class(spec.trial)(spec.hparams)
+        self.trial: Trial = make_trial(spec.trial, spec.hparams, spec.settings)
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = self.trial.build_model()
         self.routing = resolve_routes(spec.policy, base, self.trial.layers(base))
