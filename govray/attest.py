@@ -1,4 +1,4 @@
-"""Signed attestations of a checkpoint that a third party can verify (DESIGN.md "Attestation").
+"""Signed attestations of a checkpoint that a third party can verify without govray's database.
 
 Two in-toto Statement v1 documents about the same subjects — the model files by sha256, the base
 (``model.safetensors``) and each adapter (``adapter-NAME.safetensors``) separately — each in a
@@ -29,7 +29,6 @@ unlisted model file is refused by name. securesystemslib's DSSE verifies the sam
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -48,10 +47,10 @@ from govray.data.shards import ShardSet
 from govray.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.errors import GovrayError, SignatureError
 from govray.harness.runspec import RunSpec
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import importable, make_trial
 from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.ledger import Ledger
-from govray.routing import RoutingTable, resolve_routes
+from govray.routing import RoutingTable, adapter_of_tensor, layer_label, resolve_routes
 from govray.tracking.lineage import checkpoints, record_attestation
 from govray.tracking.store import TrackingStore
 
@@ -412,14 +411,11 @@ def _byproduct(name: str, content: Any) -> dict[str, Any]:
 
 def routing_of(spec: RunSpec) -> RoutingTable:
     """The routing table of the run ``spec`` describes (its trial's model, resolved by its policy)."""
-    if spec.code_dir and Path(spec.code_dir).is_dir() and spec.code_dir not in sys.path:
-        sys.path.insert(0, spec.code_dir)  # where the trial's module was importable when it ran
-    trial = load_trial_class(spec.trial)(spec.hparams)
+    importable(spec.code_dir)  # where the trial's module was importable when it ran
+    trial = make_trial(spec.trial, spec.hparams, spec.settings)
     model = trial.build_model()
     return resolve_routes(spec.policy, model, trial.layers(model))
 
 
 def _layer_name(index: int | None, names: list[str], tensor: str) -> str:
-    if tensor.startswith("adapter/"):
-        return f"adapter:{tensor.split('/')[1]}"
-    return names[index] if index is not None else "(outside layers)"
+    return layer_label(names[index] if index is not None else None, adapter_of_tensor(tensor))

@@ -6,8 +6,8 @@ A checkpoint is a directory::
     adapter-NAME.safetensors     one file per adapter
     optimizer.safetensors        optimizer tensors (``state.<param index>.<name>``)
     optimizer.json               the rest of the optimizer state and its param groups
-    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, baselines,
-                                 recorded decisions, the checkpoint a forked run started from
+    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, recorded
+                                 decisions, the checkpoint a forked run started from
     run.json                     the spec of the run that wrote it (trial, hyperparameters, policy,
                                  shards...): what an attestation of this checkpoint is built from
     report.json                  the report the checkpoint was reported with (step, losses,
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -83,7 +83,6 @@ class CheckpointState(BaseModel):
     config_digest: str
     ledger: dict[str, Any]  # Ledger.to_json()
     adapters: list[str] = Field(default_factory=list)
-    memorization_baselines: dict[str, Any] = Field(default_factory=dict)
     reproducibility: dict[str, Any] = Field(default_factory=dict)
     plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
     early_stopping: dict[str, Any] = Field(default_factory=dict)  # EarlyStopState
@@ -94,6 +93,15 @@ class CheckpointState(BaseModel):
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_retired_fields(cls, raw: Any) -> Any:
+        # state.json written before memorization_baselines was retired holds it (always empty);
+        # those checkpoints still load and verify (their digests cover the file, not this model).
+        if isinstance(raw, dict) and "memorization_baselines" in raw:
+            return {name: value for name, value in raw.items() if name != "memorization_baselines"}
+        return raw
 
 
 class Manifest(BaseModel):

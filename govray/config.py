@@ -15,13 +15,24 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from govray.canaries import CanaryProbe, CanarySet
 from govray.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
 from govray.documents import parse_yaml_mapping, read_text
 from govray.errors import ConfigError, describe_validation_error
 from govray.identifiers import ExperimentName
+from govray.training import SETTING_HYPERPARAMETERS, TrainingSettings
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -400,6 +411,8 @@ class ExperimentConfig(BaseModel):
     name: ExperimentName
     description: str = ""
     trial: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:Class"
+    # Optimizer, batch size, clipping; a hyperparameter of a setting's name overrides it.
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
     hyperparameters: dict[str, Hyperparameter] = Field(default_factory=dict)
     data: DataConfig
     policy: PolicyRef
@@ -433,6 +446,35 @@ class ExperimentConfig(BaseModel):
             for k, v in raw.items()
         }
 
+    @field_validator("hyperparameters")
+    @classmethod
+    def _settings_fit(
+        cls, space: dict[str, Hyperparameter], info: ValidationInfo
+    ) -> dict[str, Hyperparameter]:
+        """Every value a hyperparameter that overrides a training setting can take must fit it
+        (checked at the ends of ranges and for each choice), so a search never starts a trial
+        that cannot build its optimizer."""
+        training = info.data.get("training")
+        if training is None:
+            return space  # the training section itself is invalid (reported on its own)
+        defaults = {name: _default_value(hp) for name, hp in space.items()}
+        for name in SETTING_HYPERPARAMETERS:
+            for value in _extremes(space[name]) if name in space else ():
+                try:
+                    training.with_hyperparameters({**defaults, name: value})
+                except ConfigError as error:
+                    raise ValueError(str(error)) from None
+        return space
+
+    @model_serializer(mode="wrap")
+    def _without_default_training(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An experiment that leaves ``training`` at its defaults serializes (and digests) exactly
+        # as one written before the section existed: the same file stays the same experiment.
+        dumped: dict[str, Any] = handler(self)
+        if self.training == TrainingSettings():
+            dumped.pop("training", None)
+        return dumped
+
     def default_hparams(self) -> dict[str, Any]:
         """One point of the space without sampling: const values, lower bounds, first choices."""
         return {name: _default_value(hp) for name, hp in self.hyperparameters.items()}
@@ -454,6 +496,17 @@ def _default_value(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> An
     if isinstance(hp, LogHP):
         return hp.base**hp.minval
     return hp.minval
+
+
+def _extremes(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> list[Any]:
+    """The values of ``hp`` that bound what it can take: every choice, or a range's two ends."""
+    if isinstance(hp, ConstHP):
+        return [hp.val]
+    if isinstance(hp, CategoricalHP):
+        return list(hp.vals)
+    if isinstance(hp, LogHP):
+        return [hp.base**hp.minval, hp.base**hp.maxval]
+    return [hp.minval, hp.maxval]
 
 
 def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -157,16 +157,6 @@ def _role_from_header(text: bytes, path: Path) -> KeyRole:
     raise SignatureError(f"{path}: missing '# govray ROLE key KEYID' header naming the key's role")
 
 
-def load_public_key(path: Path) -> PublicKey:
-    try:
-        return PublicKey.model_validate(yaml.safe_load(path.read_text()))
-    except OSError as error:
-        raise SignatureError(f"cannot read public key {path}: {error.strerror}") from None
-    except (ValidationError, yaml.YAMLError) as error:
-        detail = describe_validation_error(error) if isinstance(error, ValidationError) else str(error)
-        raise SignatureError(f"{path}: not a govray public key: {detail}") from None
-
-
 class Revocation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

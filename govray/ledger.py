@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.errors import GovrayError, describe_validation_error
-from govray.routing import RoutingTable
+from govray.routing import ADAPTER_PREFIX, RoutingTable, layer_label
 from govray.schedule import ScheduleSpec, Slot, step_slots
 
 LEDGER_VERSION = 1
@@ -124,7 +124,7 @@ class Ledger:
     def without_adapter(self, adapter: str) -> Ledger:
         """A new ledger without the entries of adapter ``adapter``'s tensors (a model version
         that no longer carries that adapter file)."""
-        prefix = f"adapter/{adapter}/"
+        prefix = f"{ADAPTER_PREFIX}{adapter}/"
         return Ledger(
             {
                 key: LedgerEntry(entry.examples, entry.tokens, entry.steps)
@@ -226,9 +226,9 @@ def _columns(table: RoutingTable) -> dict[str, list[str]]:
     columns: dict[str, list[str]] = {layer: [] for layer in table.layers}
     for info in table.parameters:
         for layer in dict.fromkeys(info.layers):
-            title = table.layers[layer] if layer is not None else "(no layer)"
+            title = layer_label(table.layers[layer] if layer is not None else None)
             columns.setdefault(title, []).append(info.name)
     for route, adapter in table.adapter_names.items():
-        tensors = columns.setdefault(f"adapter:{adapter}", [])
+        tensors = columns.setdefault(layer_label(None, adapter), [])
         tensors.extend(name for name in table.updated_tensors(route) if name not in tensors)
     return columns

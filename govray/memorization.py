@@ -1,7 +1,7 @@
 """Memorization measures: pure, deterministic functions of a model's outputs.
 
 The training loop computes per-example losses, canary scores and hidden representations; this
-module turns them into the measures of DESIGN.md ("Memorization") and one number per evaluation:
+module turns them into these measures and one number per evaluation:
 
 - **entropy profile** — the Shannon entropy (bits) of the normalized singular-value spectrum of
   each monitored layer's representation on a probe batch, checked against a band calibrated on
@@ -85,11 +85,6 @@ def spectral_entropy(h: torch.Tensor) -> float:
     p = singular / singular.sum()
     # max(): a single singular value gives -(1·log2 1) = -0.0, reported as 0.0.
     return max(0.0, float(-(p * torch.log2(p)).sum()))
-
-
-def effective_rank(h: torch.Tensor) -> float:
-    """``2 ** spectral_entropy(h)``: the number of equal singular values with the same entropy."""
-    return float(2.0 ** spectral_entropy(h))
 
 
 def entropy_profile(representations: Mapping[str, torch.Tensor]) -> EntropyProfile:

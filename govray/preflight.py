@@ -19,7 +19,7 @@ from govray.canonical import canonical_json, sha256_hex
 from govray.config import ExperimentConfig
 from govray.data.ingest import IngestResult, ingest
 from govray.errors import GovrayError, IngestError
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import make_trial
 from govray.keys import load_trust
 from govray.policy import VerifiedPolicy, load_verified_policy
 from govray.routing import RoutingTable, resolve_routes
@@ -73,7 +73,8 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
                 "signed_at": verified.signature.signed_at.isoformat(),
             },
         )
-    trial = load_trial_class(config.trial)(config.default_hparams())
+    hparams = config.default_hparams()
+    trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     model = trial.build_model()
     routing = resolve_routes(verified.policy, model, trial.layers(model))
     return CheckedPolicy(policy=verified, routing=routing)

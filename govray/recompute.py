@@ -21,7 +21,7 @@ from typing import Any
 from govray.attest import COVERAGE_TYPE, AttestationError, routing_of, run_spec_of
 from govray.checkpoint import CheckpointError, load_checkpoint
 from govray.data.shards import ShardSet
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import make_trial
 from govray.harness.worker import RouteRows
 from govray.keys import TrustConfig
 from govray.ledger import Ledger, LedgerEntry, recompute_ledger
@@ -49,7 +49,7 @@ def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: Tru
         raise AttestationError(f"cannot recompute the ledger: {error}") from None
     spec = run_spec_of(model_dir)
     routing = routing_of(spec)
-    trial = load_trial_class(spec.trial)(spec.hparams)
+    trial = make_trial(spec.trial, spec.hparams, spec.settings)
     tokens = RouteRows(ShardSet.open(Path(spec.shard_root))).tokens(trial)
     recomputed = recompute_ledger(schedule, routing, int(predicate["steps"]), tokens)
     if loaded.state.source:

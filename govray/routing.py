@@ -23,6 +23,9 @@ from torch import nn
 from govray.errors import RoutingError
 from govray.policy import AdapterRoute, DepthPolicy, DepthRange, LayerRoute, Route
 
+ADAPTER_PREFIX = "adapter/"  # adapter tensors: adapter/NAME/TARGET.lora_A|B
+OUTSIDE_LAYERS = "(outside layers)"  # what a parameter in no declared layer is listed under
+
 
 @dataclass(frozen=True)
 class ParameterInfo:
@@ -81,7 +84,7 @@ class RoutingTable:
 
     def layer_of_tensor(self, tensor: str) -> int | None:
         """The layer index holding a base parameter or an adapter tensor (None: outside layers)."""
-        if tensor.startswith("adapter/"):
+        if tensor.startswith(ADAPTER_PREFIX):
             target = tensor.split("/", 2)[2].rsplit(".", 1)[0]
             return _layer_of(target, self.layers)
         info = self.parameters[self._index(tensor)]
@@ -108,7 +111,20 @@ class RoutingTable:
 
 def adapter_tensor_names(adapter: str, target: str) -> tuple[str, str]:
     """Ledger and attestation names of the LoRA tensors of ``adapter`` on module ``target``."""
-    return f"adapter/{adapter}/{target}.lora_A", f"adapter/{adapter}/{target}.lora_B"
+    return f"{ADAPTER_PREFIX}{adapter}/{target}.lora_A", f"{ADAPTER_PREFIX}{adapter}/{target}.lora_B"
+
+
+def adapter_of_tensor(tensor: str) -> str | None:
+    """The adapter a tensor named by :func:`adapter_tensor_names` belongs to; None: a base tensor."""
+    return tensor.split("/", 2)[1] if tensor.startswith(ADAPTER_PREFIX) else None
+
+
+def layer_label(layer: str | None, adapter: str | None = None) -> str:
+    """Where a tensor lies, as ledgers, attestations and lineage answers name it: ``adapter:NAME``
+    for a removable adapter's tensors, else its layer's name, else ``(outside layers)``."""
+    if adapter is not None:
+        return f"adapter:{adapter}"
+    return layer if layer is not None else OUTSIDE_LAYERS
 
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:

@@ -43,7 +43,7 @@ from govray.data.shards import ShardSet
 from govray.errors import GovrayError
 from govray.harness.runspec import RunSpec
 from govray.identifiers import CorpusId, check
-from govray.routing import RoutingTable
+from govray.routing import RoutingTable, layer_label
 from govray.schedule import ScheduleSpec, epoch_plan
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore, masked
@@ -352,7 +352,7 @@ def route_tensors(routing: RoutingTable, route: str) -> tuple[tuple[str, ...], t
     """The tensors ``route`` updates and their layers (``adapter:NAME`` for an adapter route)."""
     tensors = routing.updated_tensors(route)
     if route in routing.adapter_names:
-        return tensors, (f"adapter:{routing.adapter_names[route]}",)
+        return tensors, (layer_label(None, routing.adapter_names[route]),)
     indexes = sorted({i for i in map(routing.layer_of_tensor, tensors) if i is not None})
     return tensors, tuple(routing.layers[i] for i in indexes)
 

@@ -39,7 +39,7 @@ from govray.harness.loop import default_threads, train_worker
 from govray.harness.reports import StepReport
 from govray.harness.runspec import RunSpec
 from govray.harness.session import LocalSession, open_sink, taken_reports
-from govray.harness.trial import defines_sequence_scores, load_trial_class
+from govray.harness.trial import defines_sequence_scores, load_trial_class, make_trial
 from govray.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.ledger import Ledger, LedgerEntry
 from govray.logs import log_dir
@@ -114,7 +114,7 @@ def plan_steps(
     if length.batches is not None:
         return length.batches
     assert length.epochs is not None
-    trial = load_trial_class(config.trial)(hparams)
+    trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     schedule = ScheduleSpec.from_manifest(
         ShardSet.open(manifest_root).manifest,
         seed=derive_seed(config.seed, trial_seed, "schedule"),
@@ -237,6 +237,7 @@ def new_run_spec(
     return RunSpec(
         trial=config.trial,
         hparams=hparams,
+        settings=config.training.with_hyperparameters(hparams),
         policy=checked.policy.policy,
         shard_root=str(shard_root),
         seed=config.seed,

@@ -1,5 +1,5 @@
 """The lineage app: a FastAPI app behind a Ray Serve deployment, answering lineage and attestation
-questions over HTTP from the tracking store (DESIGN.md, point 8 of the list at the top).
+questions over HTTP from the tracking store (README, "Lineage over HTTP").
 
 Started by ``govray serve`` or by Serve's own CLI with this module's import path::
 

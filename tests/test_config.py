@@ -12,6 +12,7 @@ import yaml
 from govray.config import AshaSearcher, CorpusFormat, LogHP, load_canaries, load_experiment
 from govray.credentials import Credential
 from govray.errors import ConfigError
+from govray.training import OptimizerConfig, OptimizerName, TrainingSettings
 from tests.conftest import BASE_CREDENTIAL, EXAMPLE_CONFIG
 
 
@@ -164,3 +165,114 @@ def test_a_good_canary_set_loads_with_its_reference_count(tmp_path: Path) -> Non
     probes = load_canaries(load_experiment(write(tmp_path, mutate)))
     assert list(probes) == ["digits-writers"] and probes["digits-writers"].references == 50
     assert probes["digits-writers"].canaries.canaries[0].rows == (3,)
+
+
+# --- training settings: typed, overridable by hyperparameters of the same names ---------------
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            lambda r: r.update(training={"optimizer": {"name": "rmsprop"}}),
+            r"training.optimizer.name: Input should be 'adamw', 'adam' or 'sgd'",
+        ),
+        (
+            lambda r: r.update(training={"optimizer": {"name": "adamw", "momentum": 0.9}}),
+            r"training.optimizer: Value error, optimizer 'adamw' takes no momentum \(it takes lr, "
+            r"weight_decay, betas, eps\)",
+        ),
+        (
+            lambda r: r.update(training={"optimizer": {"name": "sgd", "betas": [0.9, 0.99]}}),
+            r"optimizer 'sgd' takes no betas",
+        ),
+        (
+            lambda r: r.update(training={"optimizer": {"lr": 0}}),
+            r"training.optimizer.lr: Input should be greater than 0",
+        ),
+        (lambda r: r.update(training={"batch_size": 0}), r"training.batch_size: Input should be greater"),
+        (lambda r: r.update(training={"max_grad_norm": -1}), r"training.max_grad_norm: Input should be"),
+        (lambda r: r.update(training={"lr": 0.1}), r"training.lr: Extra inputs are not permitted"),
+        (
+            lambda r: r["hyperparameters"].update(optimizer="rmsprop"),
+            r"hyperparameters: Value error, hyperparameters \{'optimizer': 'rmsprop', 'lr': .*\} do not "
+            r"fit the training settings: optimizer.name: Input should be 'adamw', 'adam' or 'sgd'",
+        ),
+        (
+            lambda r: r["hyperparameters"].update(optimizer={"type": "categorical", "vals": ["sgd", "lion"]}),
+            r"hyperparameters: .*'optimizer': 'lion'.* optimizer.name: Input should be",
+        ),
+        (
+            lambda r: r["hyperparameters"].update(batch_size={"type": "int", "minval": 0, "maxval": 64}),
+            r"hyperparameters: .*'batch_size': 0.* batch_size: Input should be greater than or equal to 1",
+        ),
+        (
+            lambda r: r["hyperparameters"].update(momentum=0.9),
+            r"hyperparameters: .*optimizer: Value error, optimizer 'adamw' takes no momentum",
+        ),
+    ],
+)
+def test_bad_training_settings_are_refused_naming_the_setting(
+    tmp_path: Path, mutate: Any, message: str
+) -> None:
+    path = write(tmp_path, mutate)
+    with pytest.raises(ConfigError, match=rf"{path}: .*{message}"):
+        load_experiment(path)
+
+
+def test_a_hyperparameter_overrides_the_training_setting_of_its_name(tmp_path: Path) -> None:
+    def mutate(raw: dict[str, Any]) -> None:
+        raw["training"] = {
+            "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+            "batch_size": 8,
+            "max_grad_norm": 2.0,
+        }
+        raw["hyperparameters"] = {"hidden": 16, "dropout": 0.0, "lr": 0.05}
+
+    config = load_experiment(write(tmp_path, mutate))
+    assert config.training.with_hyperparameters({"hidden": 16}) == config.training  # nothing to override
+    settings = config.training.with_hyperparameters(config.default_hparams())
+    assert settings == TrainingSettings(
+        optimizer=OptimizerConfig(name=OptimizerName.SGD, lr=0.05, momentum=0.9),
+        batch_size=8,
+        max_grad_norm=2.0,
+    )
+    overridden = config.training.with_hyperparameters(
+        {"batch_size": 16, "max_grad_norm": None, "momentum": 0.5, "weight_decay": 0.01}
+    )
+    assert (overridden.batch_size, overridden.max_grad_norm) == (16, None)
+    assert overridden.optimizer == OptimizerConfig(name="sgd", lr=0.1, momentum=0.5, weight_decay=0.01)
+    # A hyperparameter that picks the optimizer drops the settings that optimizer does not take:
+    # one flat search space can cover optimizers with different settings.
+    adam = config.training.with_hyperparameters({"optimizer": "adamw", "momentum": 0.5, "eps": 1e-6})
+    assert adam.optimizer == OptimizerConfig(name="adamw", lr=0.1, eps=1e-6)
+
+
+def test_hyperparameters_alone_resolve_as_trials_read_them_before_the_training_section() -> None:
+    """Without a ``training`` section the settings are the hyperparameters over the defaults the
+    base trial used to read (AdamW, lr 1e-3, weight decay 0.01, 32 rows, no clipping)."""
+    defaults = TrainingSettings()
+    assert defaults.optimizer.arguments() == {"lr": 1e-3}  # AdamW's own weight_decay is 0.01
+    assert (defaults.optimizer.name, defaults.batch_size, defaults.max_grad_norm) == ("adamw", 32, None)
+    sgd = defaults.with_hyperparameters(
+        {"optimizer": "sgd", "lr": 0.05, "batch_size": 16, "max_grad_norm": 0.25}
+    )
+    assert sgd.optimizer.arguments() == {"lr": 0.05}  # momentum and weight decay: SGD's own 0
+    assert (sgd.optimizer.name, sgd.batch_size, sgd.max_grad_norm) == ("sgd", 16, 0.25)
+    with pytest.raises(ConfigError, match=r"hyperparameters \{'batch_size': 'many'\} do not fit"):
+        defaults.with_hyperparameters({"batch_size": "many"})
+
+
+def test_an_experiment_without_training_settings_digests_as_before_they_existed(tmp_path: Path) -> None:
+    """The section is left out of the recorded config when it holds only defaults, so an unchanged
+    experiment file keeps its config digest (and stays the same experiment in the store)."""
+    config = load_experiment(EXAMPLE_CONFIG)
+    assert "training" not in config.model_dump(mode="json")
+    assert "training" not in json.loads(config.model_dump_json())
+
+    def mutate(raw: dict[str, Any]) -> None:
+        raw["training"] = {"max_grad_norm": 1.0}
+
+    tuned = load_experiment(write(tmp_path, mutate))
+    assert tuned.model_dump(mode="json")["training"]["max_grad_norm"] == 1.0
+    assert type(tuned).model_validate_json(tuned.model_dump_json()) == tuned

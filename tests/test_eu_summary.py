@@ -1,4 +1,4 @@
-"""The EU AI Act training-content summary (DESIGN.md "Attestation"): built from the credentials and
+"""The EU AI Act training-content summary: built from the credentials and
 the ledger, every corpus listed with its credential and the examples that reached the model."""
 
 from __future__ import annotations

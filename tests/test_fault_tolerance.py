@@ -12,15 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from govray.checkpoint import (
     MANIFEST_FILE,
+    MODEL_FILE,
     SIGNATURE_FILE,
     STATE_FILE,
     CheckpointError,
+    CheckpointState,
     checkpoint_step,
     find_checkpoints,
     load_checkpoint,
+    recorded_state,
+    seal_checkpoint,
     verify_checkpoint,
 )
 from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
@@ -101,6 +107,39 @@ def test_checkpoint_round_trips(checkpoint_copy: Path) -> None:
     loaded = load_checkpoint(checkpoint_copy, trust())
     assert loaded.state.step == GOLDEN_STEPS and loaded.state.adapters == ["pii-lora"]
     assert loaded.signer == platform_key().keyid
+
+
+def test_a_checkpoint_written_with_memorization_baselines_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``state.json`` of checkpoints written before ``memorization_baselines`` was retired holds it
+    (always empty): they verify, load and read back as before, the key dropped."""
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    save_file({"weight": torch.zeros(2)}, str(tmp_path / MODEL_FILE))
+    state = CheckpointState(
+        step=3,
+        epoch=0,
+        seed=7,
+        trial_seed=0,
+        schedule={},
+        schedule_digest="s",
+        policy_digest="p",
+        config_digest="c",
+        ledger={},
+    )
+    dump = CheckpointState.model_dump
+    with monkeypatch.context() as old_format:
+        old_format.setattr(
+            CheckpointState,
+            "model_dump",
+            lambda self, **kw: {**dump(self, **kw), "memorization_baselines": {}},
+        )
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        seal_checkpoint(tmp_path, optimizer.state_dict(), state, key)
+    assert json.loads((tmp_path / STATE_FILE).read_text())["memorization_baselines"] == {}
+    loaded = load_checkpoint(tmp_path, platform_trust(key))
+    assert loaded.state == state
+    assert recorded_state(tmp_path, loaded.manifest_digest) == state
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Promises of checkpoint GC (DESIGN.md, Tracking): it keeps exactly the union of experiment best,
+"""Promises of checkpoint GC: it keeps exactly the union of experiment best,
 trial best and trial latest; never deletes a live trial's latest, a registered version or a
 protected checkpoint; deletes directories but keeps rows, attestations and an audit record."""
 

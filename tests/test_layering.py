@@ -14,6 +14,7 @@ LAYERS: list[set[str]] = [
     {"credentials"},
     {"keys"},
     {"dsse"},
+    {"training"},
     {"config"},
     {"policy"},
     {"data"},

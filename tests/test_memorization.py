@@ -1,4 +1,4 @@
-"""Memorization measures (DESIGN.md "Memorization"): the spectral entropy profile and its band,
+"""Memorization measures: the spectral entropy profile and its band,
 canary exposure (Carlini et al. 2019), the loss gap (Yeom et al. 2018), the memorization score
 and the search objective that penalizes it."""
 
@@ -16,7 +16,6 @@ from govray.memorization import (
     MemorizationReport,
     MemorizationThresholds,
     canary_rank,
-    effective_rank,
     entropy_profile,
     exposure,
     extrapolated_exposure,
@@ -47,7 +46,6 @@ def expected_untrained_exposure(references: int) -> float:
 def test_equal_singular_values_over_rank_r_give_exactly_log2_r(rank: int) -> None:
     h = equal_spectrum(rank)
     assert spectral_entropy(h) == pytest.approx(math.log2(rank), abs=1e-9)
-    assert effective_rank(h) == pytest.approx(rank, abs=1e-8)
 
 
 def test_a_rank_one_representation_has_zero_entropy() -> None:
@@ -74,7 +72,6 @@ def test_a_collapsed_representation_has_entropy_zero_not_nan() -> None:
     identical_rows = torch.tensor([[0.1, 0.3, 0.7, -2.2]] * 9)  # centering leaves rounding noise only
     assert spectral_entropy(identical_rows) == 0.0
     assert spectral_entropy(torch.zeros(5, 3)) == 0.0
-    assert effective_rank(torch.zeros(5, 3)) == 1.0
 
 
 def test_trailing_dimensions_are_features() -> None:

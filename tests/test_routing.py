@@ -4,6 +4,7 @@ what matched nothing."""
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Any
 
 import pytest
@@ -12,9 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from govray.attest import coverage_matrix
 from govray.errors import RoutingError
+from govray.ledger import Ledger, LedgerEntry, format_ledger
 from govray.policy import DepthPolicy, LayerRoute
-from govray.routing import default_layers, resolve_routes
+from govray.routing import OUTSIDE_LAYERS, adapter_of_tensor, default_layers, layer_label, resolve_routes
 
 
 class Stack(nn.Module):
@@ -170,6 +173,31 @@ def test_adapter_route_updates_no_base_parameter_and_names_its_targets() -> None
     )
     with pytest.raises(RoutingError, match=r"adapter 'a' target 'conv\*' matches no Linear module"):
         resolve_routes(bad, Stack(3))
+
+
+def test_a_tensor_is_named_by_one_rule_in_ledger_tables_and_attestations() -> None:
+    """Its layer's name, ``adapter:NAME`` for an adapter's tensors, ``(outside layers)`` for a
+    parameter in no declared layer: the same in the ledger table and the coverage attestation."""
+    spec = DepthPolicy.model_validate(
+        {
+            "name": "p",
+            "version": 1,
+            "adapters": {"a": {"targets": ["l1"]}},
+            "rules": [{"name": "all", "route": "all"}, {"name": "pii", "route": {"adapter": "a"}}],
+        }
+    )
+    table = resolve_routes(spec, Stack(3), layers=["l0", "l1"])  # l2 lies outside them
+    entry = LedgerEntry(examples=4, tokens=0, steps=1)
+    tensors = [*table.allowed("all"), *table.updated_tensors("pii")]
+    ledger = Ledger({("c", tensor): entry for tensor in tensors})
+    names = ["l0", "l1", OUTSIDE_LAYERS, "adapter:a"]
+    assert sorted(coverage_matrix(ledger, table)["c"]) == sorted(names)
+    header = format_ledger(ledger, table).splitlines()[0]
+    assert re.split(r" {2,}", header.strip()) == ["corpus", *names]
+    assert (
+        adapter_of_tensor(table.updated_tensors("pii")[0]) == "a" and adapter_of_tensor("l1.weight") is None
+    )
+    assert layer_label("l1") == "l1" and layer_label(None) == OUTSIDE_LAYERS == "(outside layers)"
 
 
 def test_running_statistics_are_refused_under_a_restricting_policy() -> None:

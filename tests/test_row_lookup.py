@@ -1,4 +1,4 @@
-"""Row-level lineage (DESIGN.md "Attestation": row questions are answered from the schedule).
+"""Row-level lineage: row questions are answered from the schedule.
 
 The fast path finds a row's step per epoch from its permuted position; every test here checks it
 against a brute-force scan of ``govray.schedule.slot`` over every step and rank.

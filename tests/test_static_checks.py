@@ -1,4 +1,4 @@
-"""The code stays ruff- and mypy-clean (STYLE.md): CI fails on a regression, not a reviewer."""
+"""The code stays ruff- and mypy-clean: CI fails on a regression, not a reviewer."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from govray.adapters import GovernedModel
 from govray.allreduce import parameters_by_name
+from govray.attest import run_spec_of
 from govray.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
 from govray.data.shards import ShardSet
 from govray.harness.step import allowed_route_sets
@@ -238,3 +239,25 @@ def test_reproducibility_record_is_in_the_store_and_every_checkpoint(golden_run:
     assert record["code"]["module"] == "jobs.examples.digits.trial"
     state = json.loads(snapshot(golden_run, GOLDEN_STEPS, "state.json").read_text())
     assert state["reproducibility"] == record
+
+
+def test_resolved_training_settings_reach_every_worker(
+    golden_run: GoldenRun, golden_local_epoch: GoldenRun
+) -> None:
+    """The driver resolves the experiment's training settings with the trial's hyperparameters
+    (``optimizer``, ``lr``, ``batch_size``, ``max_grad_norm``) once, and the run spec carries them
+    to the workers, whose optimizer is built from them: SGD with its own defaults on 2 Ray Train
+    workers, AdamW with its own weight decay in-process."""
+    for run, optimizer, defaults in (
+        (golden_run, "sgd", {"momentum": 0, "weight_decay": 0}),
+        (golden_local_epoch, "adamw", {"weight_decay": 0.01, "betas": [0.9, 0.999]}),
+    ):
+        final = max(find_checkpoints(run.outcome.run_dir), key=checkpoint_step)
+        spec = run_spec_of(final)
+        assert spec.settings == run.config.training.with_hyperparameters(spec.hparams)
+        assert spec.settings is not None and spec.settings.optimizer.name == optimizer
+        assert (spec.settings.batch_size, spec.settings.max_grad_norm) == (16, 0.25)
+        assert spec.settings.optimizer.lr == spec.hparams["lr"]
+        (group,) = json.loads((final / "optimizer.json").read_text())["param_groups"]
+        assert group["initial_lr"] == spec.hparams["lr"]
+        assert {name: group[name] for name in defaults} == defaults

@@ -1,4 +1,5 @@
-"""The memorization measures the training loop takes at every validation (DESIGN.md "Memorization").
+"""The memorization measures the training loop takes at every validation (scored by
+:mod:`govray.memorization`; README, "Hyperparameter search", **Memorization**).
 
 For each training corpus with held-out rows, every forward pass runs through the corpus's own route
 (its adapter active, where memorized PII would live); a held-out row's route is what the policy

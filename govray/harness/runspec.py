@@ -16,6 +16,7 @@ from govray.config import EarlyStoppingPolicy, PlateauSchedule
 from govray.decisions import RecordedDecision
 from govray.keys import TrustConfig
 from govray.policy import DepthPolicy
+from govray.training import TrainingSettings
 
 
 class RunSpec(BaseModel):
@@ -25,6 +26,9 @@ class RunSpec(BaseModel):
 
     trial: str
     hparams: dict[str, Any]
+    # The experiment's training settings with hparams applied; None in a spec written before
+    # they were recorded (the trial resolves hparams over the defaults, as it did then).
+    settings: TrainingSettings | None = None
     policy: DepthPolicy
     shard_root: str
     seed: int

@@ -29,7 +29,7 @@ from govray.decisions import GateDecision, RollbackDecision
 from govray.harness.control import Controller
 from govray.harness.runspec import RunSpec
 from govray.harness.step import GovernedStep, Snapshot
-from govray.harness.trial import load_trial_class
+from govray.harness.trial import make_trial
 from govray.harness.worker import Worker
 from govray.keys import SigningKey
 from govray.ledger import Ledger
@@ -53,7 +53,7 @@ class TrialRun:
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
         """The trial ``spec`` names, built for ``worker``."""
-        return cls(spec, GovernedStep(spec, worker, load_trial_class(spec.trial)(spec.hparams)))
+        return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
 
     @property
     def cloned_from_run(self) -> str | None:

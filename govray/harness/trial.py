@@ -1,8 +1,20 @@
 """The trial: what a user writes. govray supplies data, DDP, governance and checkpoints.
 
-A trial says how to build the model and the optimizer, how to turn shard rows into a batch, the
-per-example loss, and per-example evaluation values. It contains no DDP, no Ray Data and no
+govray owns the step: a trial gives per-example losses, and govray does backward, the governed
+allreduce, per-route-group clipping and the optimizer step. So a trial says only how to build the
+model, how to turn shard rows into a batch, the per-example loss, and (optionally) the model's
+ordered layers and per-example evaluation values. It contains no DDP, no Ray Data and no
 governance code; the same class runs in-process (one worker) and on N Ray Train workers.
+
+The optimizer, the batch size and gradient clipping are not the trial's: they are the experiment's
+``training`` section (:mod:`govray.training`), overridden per trial by hyperparameters of the
+same names (``optimizer``, ``lr``, ``weight_decay``, ``momentum``, ``batch_size``,
+``max_grad_norm``, ...). The trial receives them resolved as ``self.settings``; the default
+``build_optimizer`` builds ``settings.optimizer``, and a trial may still override it (it must
+then build the same optimizer every time: a restore rebuilds it to take its settings).
+
+The memorization probe and the ledger call a few optional hooks (:class:`ProbeHooks`:
+``tokens``, ``sequence_scores``, ``representation``); a trial overrides those its measures need.
 
 Example::
 
@@ -36,57 +48,24 @@ from torch import nn
 
 from govray.canonical import file_sha256
 from govray.errors import ConfigError
+from govray.training import OptimizerName, TrainingSettings
 
 Batch = dict[str, torch.Tensor]
 
 
-class Trial(ABC):
-    """Base class of user trials; ``hparams`` are one sample of the experiment's space."""
+class ProbeHooks:
+    """Optional hooks that govray calls to measure a run, never to train it.
 
-    def __init__(self, hparams: Mapping[str, Any]) -> None:
-        self.hparams = dict(hparams)
+    Each has a default; a trial overrides the ones its measures need:
 
-    @abstractmethod
-    def build_model(self) -> nn.Module:
-        """A fresh model; govray seeds torch's generator before calling it."""
-
-    def layers(self, model: nn.Module) -> Sequence[str] | None:
-        """The model's ordered layers (module names) for depth ranges; None: top-level children."""
-        return None
-
-    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        """The optimizer over every trainable tensor (base and adapters). Default: AdamW."""
-        return torch.optim.AdamW(
-            parameters,
-            lr=float(self.hparams.get("lr", 1e-3)),
-            weight_decay=float(self.hparams.get("weight_decay", 0.01)),
-        )
-
-    @property
-    def batch_size(self) -> int:
-        """Rows per worker per step (one schedule slot)."""
-        return int(self.hparams.get("batch_size", 32))
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        """Clip each route group's gradient norm to this (None: no clipping)."""
-        value = self.hparams.get("max_grad_norm")
-        return None if value is None else float(value)
-
-    @abstractmethod
-    def collate(self, rows: pa.Table) -> Batch:
-        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
-
-    @abstractmethod
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting)."""
-
-    def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-example evaluation values; govray averages each over the evaluation rows.
-
-        Default: ``{"loss": self.loss(model, batch)}`` (reported as ``validation_loss``).
-        """
-        return {"loss": self.loss(model, batch)}
+    - ``tokens(rows)``: once per worker at the start of a run (and when an attestation's ledger
+      is recomputed), over each route's training rows, for the ledger's token counts.
+    - ``sequence_scores(model, texts)``: at every validation, for canary exposure — required when
+      a corpus declares canaries (``data.corpora[].canaries``; the driver refuses to start
+      otherwise, see :func:`defines_sequence_scores`).
+    - ``representation(layer, output)``: at every validation, from a forward hook on each
+      layer, for the entropy profile of the memorization probe.
+    """
 
     def tokens(self, rows: pa.Table) -> list[int] | None:
         """Tokens per row for the ledger (text trials); None: not a text trial."""
@@ -95,8 +74,7 @@ class Trial(ABC):
     def sequence_scores(self, model: nn.Module, texts: Sequence[str]) -> torch.Tensor:
         """Per-text score, lower = more likely (e.g. total NLL in nats), for canary exposure.
 
-        Needed only when a corpus declares canaries (``data.corpora[].canaries``); govray calls it
-        without gradients, in eval mode, with the canary corpus's adapter active.
+        Called without gradients, in eval mode, with the canary corpus's adapter active.
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not define sequence_scores(model, texts), which canary "
@@ -115,9 +93,91 @@ class Trial(ABC):
         return tensor.mean(dim=tuple(range(1, tensor.dim() - 1))) if tensor.dim() > 2 else tensor
 
 
+class Trial(ProbeHooks, ABC):
+    """Base class of user trials.
+
+    ``hparams`` are one sample of the experiment's hyperparameter space; ``settings`` are the
+    experiment's ``training`` section with those hyperparameters applied (the driver resolves them;
+    given none, the defaults with ``hparams`` applied, which is what a trial built by hand for a
+    quick test wants).
+    """
+
+    def __init__(self, hparams: Mapping[str, Any], settings: TrainingSettings | None = None) -> None:
+        self.hparams = dict(hparams)
+        self.settings = settings if settings is not None else TrainingSettings().with_hyperparameters(hparams)
+
+    # --- required ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model; govray seeds torch's generator before calling it."""
+
+    @abstractmethod
+    def collate(self, rows: pa.Table) -> Batch:
+        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting)."""
+
+    # --- optional ---------------------------------------------------------------------------
+
+    def layers(self, model: nn.Module) -> Sequence[str] | None:
+        """The model's ordered layers (module names) for depth ranges; None: top-level children."""
+        return None
+
+    def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-example evaluation values; govray averages each over the evaluation rows.
+
+        Default: ``{"loss": self.loss(model, batch)}`` (reported as ``validation_loss``).
+        """
+        return {"loss": self.loss(model, batch)}
+
+    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over every trainable tensor (base and adapters), built again with the
+        same settings after a restore. Default: ``settings.optimizer``, with torch's defaults for
+        what it leaves out."""
+        optimizer = self.settings.optimizer
+        return _OPTIMIZERS[optimizer.name](parameters, **optimizer.arguments())
+
+    # --- from the settings (govray reads them; a trial need not override them) --------------
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per worker per step (one schedule slot)."""
+        return self.settings.batch_size
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip each route group's gradient norm to this (None: no clipping)."""
+        return self.settings.max_grad_norm
+
+
+_OPTIMIZERS: dict[OptimizerName, type[torch.optim.Optimizer]] = {
+    OptimizerName.ADAMW: torch.optim.AdamW,
+    OptimizerName.ADAM: torch.optim.Adam,
+    OptimizerName.SGD: torch.optim.SGD,
+}
+
+
 def defines_sequence_scores(trial: type[Trial]) -> bool:
     """Whether a trial class can score texts (what a corpus with canaries needs)."""
-    return trial.sequence_scores is not Trial.sequence_scores
+    return trial.sequence_scores is not ProbeHooks.sequence_scores
+
+
+def make_trial(path: str, hparams: Mapping[str, Any], settings: TrainingSettings | None = None) -> Trial:
+    """An instance of the trial class at ``path`` (see :func:`load_trial_class`) for one sample
+    of hyperparameters and its resolved settings (None: resolved from ``hparams`` alone, as a run
+    recorded before settings were resolved by the driver had them)."""
+    return load_trial_class(path)(hparams, settings)
+
+
+def importable(directory: str | os.PathLike[str]) -> None:
+    """Put ``directory`` first on ``sys.path`` unless it is there already (or is no directory):
+    where a trial's module is imported from, like ``python -m`` does with the working directory."""
+    path = os.fspath(directory)
+    if path and os.path.isdir(path) and path not in sys.path:
+        sys.path.insert(0, path)
 
 
 def load_trial_class(path: str) -> type[Trial]:
@@ -138,13 +198,6 @@ def load_trial_class(path: str) -> type[Trial]:
     return trial
 
 
-def importable(code_dir: str) -> None:
-    """Make ``code_dir`` (a trial's code directory: the driver's working directory, or where a
-    worker was told it is) importable, last resort after what is already on ``sys.path``."""
-    if code_dir and os.path.isdir(code_dir) and code_dir not in sys.path:
-        sys.path.insert(0, code_dir)
-
-
 def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
     """Make ``directory`` — a verified code snapshot holding ``files`` (path relative to the
     import root → sha256) — where this process imports those modules from, whatever its
@@ -155,10 +208,9 @@ def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
     bytes is kept (its classes stay the ones other code holds), and a package among them also
     looks in the snapshot first for its submodules.
     """
-    root = str(directory)
-    if root in sys.path:
-        sys.path.remove(root)
-    sys.path.insert(0, root)
+    if str(directory) in sys.path:
+        sys.path.remove(str(directory))  # moved first: the snapshot wins over what else is importable
+    importable(directory)
     for relative, digest in files.items():
         name = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         module = sys.modules.get(name)

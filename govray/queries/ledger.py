@@ -40,10 +40,9 @@ from govray.queries.views import (
     Window,
     page,
 )
+from govray.routing import ADAPTER_PREFIX, layer_label
 from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow, ModelVersion, Trial
 
-OUTSIDE_LAYERS = "(outside layers)"
-ADAPTER_PREFIX = "adapter/"  # adapter tensors: adapter/NAME/TARGET.lora_A|B (govray.routing)
 NAME_CACHE_SIZE = 256
 
 
@@ -151,11 +150,8 @@ class LayerNames:
 
 
 def _layer_name(group: _Group, names: dict[str, str]) -> str:
-    if group.adapter is not None:
-        return f"adapter:{group.adapter}"
-    if group.index is None:
-        return OUTSIDE_LAYERS
-    return names.get(group.sample_tensor, f"layer {group.index}")
+    layer = None if group.index is None else names.get(group.sample_tensor, f"layer {group.index}")
+    return layer_label(layer, group.adapter)
 
 
 def _layer_order(group: _Group) -> tuple[int, int, str]:

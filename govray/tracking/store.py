@@ -4,7 +4,8 @@
 >>> exp = store.create_experiment("demo", "{}", "ab12...", "/runs/demo")  # doctest: +SKIP
 >>> store.set_experiment_state(exp.id, ExperimentState.ACTIVE)  # doctest: +SKIP
 
-Only the driver and the Ray Train controller write here, never the workers (see DESIGN.md).
+Only the driver and the Ray Train controller (whose callback receives the workers' reports) write
+here, never the workers: each row has one writer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""The digits trial: a small MLP over 8x8 images, three ordered layers (embed, hidden, head)."""
+"""The digits trial: a small MLP over 8x8 images, three ordered layers (embed, hidden, head).
+
+Hyperparameters: ``hidden`` (width), ``dropout``. The optimizer, batch size and clipping are the
+experiment's ``training`` settings (or the hyperparameters ``optimizer``, ``lr``, ``batch_size``,
+``max_grad_norm`` ... that override them).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -35,11 +40,6 @@ class DigitsTrial(Trial):
 
     def layers(self, model: nn.Module) -> Sequence[str]:
         return ["embed", "hidden", "head"]  # the dropout module holds no parameters
-
-    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.hparams.get("optimizer") == "sgd":
-            return torch.optim.SGD(parameters, lr=float(self.hparams["lr"]))
-        return super().build_optimizer(parameters)
 
     def collate(self, rows: pa.Table) -> Batch:
         pixels = np.stack([rows[name].to_numpy(zero_copy_only=False) for name in PIXELS], axis=1)

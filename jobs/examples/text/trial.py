@@ -8,13 +8,14 @@ causal self-attention and MLP), ``head`` (final LayerNorm and output projection)
 lies in exactly one of them; embeddings are not tied; there is no BatchNorm.
 
 Hyperparameters: ``d_model`` (64), ``n_layers`` (2), ``n_heads`` (4), ``dropout`` (0.0),
-``context`` (128, the row length), ``lr``, ``batch_size``, ``optimizer`` (``adamw``, with
-``weight_decay``; or ``sgd``, with ``momentum``), ``max_grad_norm``.
+``context`` (128, the row length). The optimizer, batch size and clipping are the experiment's
+``training`` settings (or the hyperparameters ``optimizer``, ``lr``, ``momentum``,
+``batch_size``, ``max_grad_norm`` ... that override them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -163,15 +164,6 @@ class CharTransformerTrial(Trial):
     def layers(self, model: nn.Module) -> Sequence[str]:
         assert isinstance(model, CharTransformer)
         return ["embed", *(f"blocks.{index}" for index in range(len(model.blocks))), "head"]
-
-    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        name = self.hparams.get("optimizer", "adamw")
-        if name == "sgd":
-            lr, momentum = float(self.hparams.get("lr", 1e-3)), float(self.hparams.get("momentum", 0.9))
-            return torch.optim.SGD(parameters, lr=lr, momentum=momentum)
-        if name != "adamw":
-            raise ConfigError(f"hyperparameter 'optimizer' is '{name}'; the text trial knows adamw, sgd")
-        return super().build_optimizer(parameters)
 
     def collate(self, rows: pa.Table) -> Batch:
         return {"text": encode(rows["text"].to_pylist(), self.context)}
