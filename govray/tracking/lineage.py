@@ -1,5 +1,5 @@
-"""Lineage in the tracking store: the checkpoints of a trial (recorded, marked deleted by GC) and
-which corpus reached which tensor."""
+"""Lineage in the tracking store: the checkpoints of a trial (recorded, found by path, marked
+deleted by GC) and which corpus reached which tensor."""
 
 from __future__ import annotations
 
@@ -84,6 +84,25 @@ def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
     with store.session() as session:
         query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
         return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+
+
+def checkpoint_at(store: TrackingStore, checkpoint: Path) -> CheckpointRecord | None:
+    """The recorded checkpoint whose directory is ``checkpoint`` (both paths resolved), if any."""
+    wanted = checkpoint.resolve()
+    with store.session() as session:
+        for record in session.exec(select(CheckpointRecord)):
+            if Path(record.path).resolve() == wanted:
+                return record
+    return None
+
+
+def trial_of(store: TrackingStore, checkpoint: Path) -> Trial | None:
+    """The trial that saved ``checkpoint``, when the tracking store recorded it under this path
+    (as given or resolved)."""
+    wanted = {str(checkpoint), str(checkpoint.resolve())}
+    with store.session() as session:
+        query = select(Trial).join(CheckpointRecord, col(CheckpointRecord.trial_id) == col(Trial.id))
+        return session.exec(query.where(col(CheckpointRecord.path).in_(wanted))).first()
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,17 @@ class TrackingStore:
             query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
             return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
 
+    def corpus_ingests(self, corpus_id: str) -> list[CorpusRecord]:
+        """Every experiment's record of corpus ``corpus_id``, oldest experiment first."""
+        with self.session() as session:
+            query = select(CorpusRecord).where(CorpusRecord.corpus_id == corpus_id)
+            return list(session.exec(query.order_by(col(CorpusRecord.experiment_id))))
+
+    def corpus_ids(self) -> list[str]:
+        """The ids of every corpus any experiment ingested, sorted."""
+        with self.session() as session:
+            return sorted(set(session.exec(select(CorpusRecord.corpus_id))))
+
     # -- trials and metrics ------------------------------------------------------------------
 
     def create_trial(
