@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlmodel import col, delete, select
+from sqlmodel import Session, col, delete, select
 
 from govray.canonical import file_sha256
 from govray.tracking.store import TrackingStore
@@ -82,8 +82,13 @@ def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int)
 def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
     """A trial's checkpoints, by step."""
     with store.session() as session:
-        query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
-        return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+        return checkpoints_of(session, trial_id)
+
+
+def checkpoints_of(session: Session, trial_id: int) -> list[CheckpointRecord]:
+    """``checkpoints`` in a session of the caller's (the query layer reads with its own)."""
+    query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
+    return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
 
 
 def checkpoint_at(store: TrackingStore, checkpoint: Path) -> CheckpointRecord | None:

@@ -213,8 +213,7 @@ class TrackingStore:
     def list_corpora(self, experiment_id: int) -> list[CorpusRecord]:
         """The corpora recorded for an experiment, by corpus id."""
         with self.session() as session:
-            query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
-            return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
+            return corpora_of(session, experiment_id)
 
     def corpus_ingests(self, corpus_id: str) -> list[CorpusRecord]:
         """Every experiment's record of corpus ``corpus_id``, oldest experiment first."""
@@ -389,6 +388,15 @@ class TrackingStore:
         order = (col(Metric.name), col(Metric.step), col(Metric.id))
         with self.session() as session:
             return list(session.exec(query.order_by(*order)))
+
+
+# The store's reads in a session of the caller's: the query layer reads with its own.
+
+
+def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:
+    """``TrackingStore.list_corpora``."""
+    query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
+    return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
 
 
 def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
