@@ -26,13 +26,13 @@ LAYERS: list[set[str]] = [
     {"harness", "reproducibility"},
     {"tracking"},
     {"gc", "reconcile"},
-    {"describe"},
     {"preflight"},
     {"attest"},
     {"rows", "eu_summary"},
     {"registry", "recompute"},
     {"runner"},
     {"replay", "lifecycle", "search", "queries", "submission"},
+    {"describe"},
     {"cli", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -1,16 +1,16 @@
 """``StoreReader``: the read-only verbs over a tracking store (experiments, trials, metrics, corpora,
-model versions, lineage, influence, audit events, attestations): the lineage app's endpoints and
-pages read through it."""
+decisions, model versions, lineage, influence, audit events, attestations). The lineage app's
+endpoints and pages and ``govray experiment describe`` read through it."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, func
+from sqlalchemy import Engine, and_, func
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
@@ -23,6 +23,7 @@ from govray.queries.views import (
     AttestationView,
     AuditEventView,
     CheckpointView,
+    DecisionView,
     ExperimentDetail,
     ExperimentView,
     InfluenceItem,
@@ -39,7 +40,7 @@ from govray.queries.views import (
 )
 from govray.tracking.audit import AuditEventType, utc_timestamp
 from govray.tracking.lineage import checkpoints_of
-from govray.tracking.store import corpora_of
+from govray.tracking.store import corpora_of, decisions_of
 from govray.tracking.tables import (
     AttestationRecord,
     AuditEvent,
@@ -116,6 +117,39 @@ class StoreReader:
             order = (col(Metric.name), col(Metric.step), col(Metric.id))
             rows = list(session.exec(_sliced(query.order_by(*order), window)))
         return page([_metric_view(m) for m in rows], total, window)
+
+    def latest_metrics(self, trial_ids: Sequence[int]) -> dict[int, list[MetricView]]:
+        """Per trial, each metric (kind and name) at the highest step it was reported — the last
+        report of that step — in one query; a trial that reported nothing is absent."""
+        last_step = (
+            select(Metric.trial_id, Metric.kind, Metric.name, func.max(Metric.step).label("step"))
+            .where(col(Metric.trial_id).in_(trial_ids))
+            .group_by(col(Metric.trial_id), col(Metric.kind), col(Metric.name))
+            .subquery()
+        )
+        at_last_step = and_(
+            col(Metric.trial_id) == last_step.c.trial_id,
+            col(Metric.kind) == last_step.c.kind,
+            col(Metric.name) == last_step.c.name,
+            col(Metric.step) == last_step.c.step,
+        )
+        with self.session() as session:
+            rows = session.exec(select(Metric).join(last_step, at_last_step).order_by(col(Metric.id))).all()
+        latest: dict[int, dict[tuple[str, str], MetricView]] = {}
+        for row in rows:  # by id: a step reported twice counts its last report
+            latest.setdefault(row.trial_id, {})[(row.kind, row.name)] = _metric_view(row)
+        return {trial_id: list(metrics.values()) for trial_id, metrics in latest.items()}
+
+    def decisions(self, trial_id: int) -> list[DecisionView]:
+        """A trial's recorded decisions, in order (none for an unknown trial)."""
+        with self.session() as session:
+            decided = decisions_of(session, trial_id)
+        return [
+            DecisionView(
+                seq=d.seq, step=d.step, kind=d.kind, payload=_json_object(d.payload_json), replayed=d.replayed
+            )
+            for d in decided
+        ]
 
     def corpora(self, experiment_id: int) -> list[CorpusRecord]:
         """The corpora an experiment ingested, by id, as recorded (credentials as JSON text; none

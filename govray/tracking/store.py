@@ -345,8 +345,7 @@ class TrackingStore:
     def decisions(self, trial_id: int) -> list[Decision]:
         """A trial's recorded decisions, in order."""
         with self.session() as session:
-            query = select(Decision).where(Decision.trial_id == trial_id)
-            return list(session.exec(query.order_by(col(Decision.seq))))
+            return decisions_of(session, trial_id)
 
     def log_metrics(
         self, trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
@@ -397,6 +396,12 @@ def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:
     """``TrackingStore.list_corpora``."""
     query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
     return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
+
+
+def decisions_of(session: Session, trial_id: int) -> list[Decision]:
+    """``TrackingStore.decisions``."""
+    query = select(Decision).where(Decision.trial_id == trial_id)
+    return list(session.exec(query.order_by(col(Decision.seq))))
 
 
 def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
