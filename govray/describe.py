@@ -1,5 +1,7 @@
 """One experiment as the tracking store knows it, as a document: ``govray experiment describe``.
 
+It is read through the query layer (``govray.queries.StoreReader``) that answers the lineage app's
+HTTP endpoints, so a trial, checkpoint or metric reads the same on the command line and over HTTP.
 The same ``ExperimentDescription`` is printed as tables or, with ``--json``, as JSON::
 
     description = describe_experiment(store, "digits-governed")   # id or name, newest of a name
@@ -9,19 +11,16 @@ The same ``ExperimentDescription`` is printed as tables or, with ``--json``, as 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import and_, func
-from sqlmodel import col, select
 
 from govray.gc import GcPolicy, effective_gc_policy
-from govray.tracking.lineage import checkpoints
+from govray.queries import MAX_LIMIT, StoreReader, Window
+from govray.queries.views import DecisionView, MetricView, TrialDetail, TrialView
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Metric, MetricKind, Trial
+from govray.tracking.tables import MetricKind
 
 _FROZEN = ConfigDict(frozen=True)
 
@@ -53,16 +52,6 @@ class CheckpointDescription(BaseModel):
     path: str
 
 
-class DecisionDescription(BaseModel):
-    model_config = _FROZEN
-
-    seq: int
-    step: int
-    kind: str
-    payload: dict[str, Any]
-    replayed: bool  # applied from the source trial's record rather than computed
-
-
 class TrialDescription(BaseModel):
     model_config = _FROZEN
 
@@ -78,7 +67,7 @@ class TrialDescription(BaseModel):
     training_loss: LatestMetric | None
     validation: dict[str, LatestMetric]
     checkpoints: list[CheckpointDescription]  # by step
-    decisions: list[DecisionDescription]  # in order
+    decisions: list[DecisionView]  # in order
 
 
 class ExperimentDescription(BaseModel):
@@ -100,42 +89,48 @@ class ExperimentDescription(BaseModel):
     trials: list[TrialDescription]
 
 
-# trial id -> (kind, name) -> its latest report
-LatestByTrial = dict[int, dict[tuple[str, str], LatestMetric]]
-
-
 def describe_experiment(store: TrackingStore, experiment: int | str) -> ExperimentDescription:
     """Everything the store records about an experiment (by id or name), trials oldest first."""
-    found = store.get_experiment(experiment)
+    found = store.get_experiment(experiment)  # an id or the newest of a name, as every command reads it
     assert found.id is not None  # read from the store
-    parent = store.get_experiment(found.parent_id) if found.parent_id is not None else None
-    trials = store.list_trials(found.id)
-    latest = _latest_metrics(store, trials)
+    reader = StoreReader(store.engine)
+    shown = reader.experiment(found.id)
+    parent = reader.experiment(shown.parent_id) if shown.parent_id is not None else None
+    trials = [reader.trial(trial.id) for trial in _trials(reader, found.id)]
+    latest = reader.latest_metrics([trial.id for trial in trials])
     return ExperimentDescription(
-        id=found.id,
-        name=found.name,
-        state=found.state,
-        requested=found.requested,
-        parent_id=found.parent_id,
+        id=shown.id,
+        name=shown.name,
+        state=shown.state,
+        requested=found.requested,  # the driver's business, not in the lineage app's view
+        parent_id=shown.parent_id,
         parent_name=parent.name if parent is not None else None,
-        created_at=found.created_at,
-        updated_at=found.updated_at,
-        config_digest=found.config_digest,
-        policy_digest=found.policy_digest,
+        created_at=shown.created_at,
+        updated_at=shown.updated_at,
+        config_digest=shown.config_digest,
+        policy_digest=shown.policy_digest,
         gc_policy=effective_gc_policy(store, found.id),
         gc_policy_overridden=found.gc_policy_json is not None,
         corpora=[
             CorpusDescription.model_validate(corpus, from_attributes=True)
-            for corpus in store.list_corpora(found.id)
+            for corpus in reader.corpora(found.id)
         ],
-        trials=[_describe_trial(store, trial, latest) for trial in trials],
+        trials=[_describe_trial(reader, trial, latest.get(trial.id, [])) for trial in trials],
     )
 
 
-def _describe_trial(store: TrackingStore, trial: Trial, latest: LatestByTrial) -> TrialDescription:
-    assert trial.id is not None  # read from the store
-    mine = latest.get(trial.id, {})
-    source = trial.source_checkpoint_json
+def _trials(reader: StoreReader, experiment_id: int) -> list[TrialView]:
+    """Every trial of the experiment, oldest first, page by page."""
+    trials: list[TrialView] = []
+    while True:
+        listed = reader.trials(experiment_id, Window(offset=len(trials), limit=MAX_LIMIT))
+        trials.extend(listed.items)
+        if not listed.items or len(trials) >= listed.total:
+            return trials
+
+
+def _describe_trial(reader: StoreReader, trial: TrialDetail, reported: list[MetricView]) -> TrialDescription:
+    latest = {(m.kind, m.name): LatestMetric(step=m.step, value=m.value) for m in reported}
     return TrialDescription(
         id=trial.id,
         state=trial.state,
@@ -144,49 +139,15 @@ def _describe_trial(store: TrackingStore, trial: Trial, latest: LatestByTrial) -
         kind=trial.kind,
         replay_of=trial.replay_of,
         cloned_from=trial.cloned_from,
-        source_checkpoint=json.loads(source) if source is not None else None,
-        last_step=max((metric.step for metric in mine.values()), default=None),
-        training_loss=mine.get((MetricKind.TRAINING.value, "training_loss")),
+        source_checkpoint=trial.source_checkpoint,
+        last_step=max((metric.step for metric in latest.values()), default=None),
+        training_loss=latest.get((MetricKind.TRAINING.value, "training_loss")),
         validation={
-            name: metric for (kind, name), metric in sorted(mine.items()) if kind == MetricKind.VALIDATION
+            name: metric for (kind, name), metric in sorted(latest.items()) if kind == MetricKind.VALIDATION
         },
         checkpoints=[
-            CheckpointDescription.model_validate(record, from_attributes=True)
-            for record in checkpoints(store, trial.id)
+            CheckpointDescription.model_validate(checkpoint, from_attributes=True)
+            for checkpoint in trial.checkpoints
         ],
-        decisions=[
-            DecisionDescription(
-                seq=decision.seq,
-                step=decision.step,
-                kind=decision.kind,
-                payload=json.loads(decision.payload_json),
-                replayed=decision.replayed,
-            )
-            for decision in store.decisions(trial.id)
-        ],
+        decisions=reader.decisions(trial.id),
     )
-
-
-def _latest_metrics(store: TrackingStore, trials: Sequence[Trial]) -> LatestByTrial:
-    """Per trial, per (kind, name): the value at the highest step reported (one query)."""
-    trial_ids = [trial.id for trial in trials]
-    last_step = (
-        select(Metric.trial_id, Metric.kind, Metric.name, func.max(Metric.step).label("step"))
-        .where(col(Metric.trial_id).in_(trial_ids))
-        .group_by(col(Metric.trial_id), col(Metric.kind), col(Metric.name))
-        .subquery()
-    )
-    at_last_step = and_(
-        col(Metric.trial_id) == last_step.c.trial_id,
-        col(Metric.kind) == last_step.c.kind,
-        col(Metric.name) == last_step.c.name,
-        col(Metric.step) == last_step.c.step,
-    )
-    with store.session() as session:
-        rows = session.exec(select(Metric).join(last_step, at_last_step).order_by(col(Metric.id))).all()
-    latest: LatestByTrial = {}
-    for row in rows:  # by id: a step reported twice counts its last report
-        latest.setdefault(row.trial_id, {})[(row.kind, row.name)] = LatestMetric(
-            step=row.step, value=row.value
-        )
-    return latest

@@ -30,7 +30,6 @@ from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
-from sqlmodel import col, select
 
 import govray
 from govray.attest import AttestationError, routing_of, run_spec_of
@@ -44,8 +43,7 @@ from govray.policy import AdapterRoute, Route
 from govray.routing import RoutingTable
 from govray.rows import route_tensors
 from govray.schedule import ScheduleSpec, step_slots
-from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointRecord, Trial
+from govray.tracking.tables import Trial
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",
@@ -386,11 +384,3 @@ def _groups(corpora: list[CorpusSource]) -> list[SourceGroup]:
             )
         )
     return groups
-
-
-def trial_of(store: TrackingStore, checkpoint: Path) -> Trial | None:
-    """The trial that saved ``checkpoint``, when the tracking store recorded it."""
-    wanted = {str(checkpoint), str(checkpoint.resolve())}
-    with store.session() as session:
-        query = select(Trial).join(CheckpointRecord, col(CheckpointRecord.trial_id) == col(Trial.id))
-        return session.exec(query.where(col(CheckpointRecord.path).in_(wanted))).first()

@@ -31,24 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlmodel import col, select
 
 from govray.config import CheckpointConfig, ExperimentConfig
 from govray.errors import GovrayError, TrackingError, describe_validation_error
 from govray.storage import Storage, open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import active_checkpoints, mark_deleted
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import (
-    CheckpointRecord,
-    CheckpointState,
-    Experiment,
-    Metric,
-    MetricKind,
-    ModelVersion,
-    Trial,
-    TrialState,
-    utcnow,
-)
+from govray.tracking.tables import CheckpointRecord, Experiment, TrialState
 
 # A pending trial may be about to resume from its latest checkpoint, a running one surely will.
 LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value, TrialState.PAUSED.value})
@@ -217,40 +207,19 @@ def remove_checkpoint_directory(storage: Storage, path: str) -> None:
 
 def _inventory(store: TrackingStore, experiment_id: int, metric: str) -> _Inventory:
     store.get_experiment(experiment_id)  # an unknown id is a TrackingError, not an empty plan
-    in_experiment = col(Trial.experiment_id) == experiment_id
-    is_active = col(CheckpointRecord.state) == CheckpointState.ACTIVE.value
-    with store.session() as session:
-        live = session.exec(select(Trial.id).where(in_experiment, col(Trial.state).in_(LIVE_TRIAL_STATES)))
-        live_trials = frozenset(trial_id for trial_id in live if trial_id is not None)
-        records = session.exec(
-            select(CheckpointRecord)
-            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
-            .where(in_experiment, is_active)
-            .order_by(col(CheckpointRecord.trial_id), col(CheckpointRecord.step), col(CheckpointRecord.id))
-        ).all()
-        reported = session.exec(
-            select(Metric)
-            .join(Trial, col(Trial.id) == col(Metric.trial_id))
-            .where(in_experiment, Metric.kind == MetricKind.VALIDATION.value, Metric.name == metric)
-            .order_by(col(Metric.id))  # a step reported twice counts its last report
-        ).all()
-        versions = session.exec(
-            select(ModelVersion)
-            .join(CheckpointRecord, col(CheckpointRecord.id) == col(ModelVersion.checkpoint_id))
-            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
-            .where(in_experiment, is_active)
-            .order_by(col(ModelVersion.model_name), col(ModelVersion.version))
-        ).all()
-    at_step = {(row.trial_id, row.step): row.value for row in reported}
+    found = active_checkpoints(store, experiment_id, metric)
+    live = frozenset(trial for trial, state in found.trial_states.items() if state in LIVE_TRIAL_STATES)
+    # reports come in the order they were made: a step reported twice counts its last report
+    at_step = {(row.trial_id, row.step): row.value for row in found.reports}
     values = {
         _checkpoint_id(record): at_step[(record.trial_id, record.step)]
-        for record in records
+        for record in found.checkpoints
         if (record.trial_id, record.step) in at_step
     }
     registered: defaultdict[int, list[str]] = defaultdict(list)
-    for version in versions:
+    for version in found.versions:
         registered[version.checkpoint_id].append(f"{version.model_name}:{version.version}")
-    return _Inventory(tuple(records), live_trials, values, dict(registered))
+    return _Inventory(found.checkpoints, live, values, dict(registered))
 
 
 def _best_first(
@@ -318,10 +287,5 @@ def _deletion_payload(record: CheckpointRecord, policy: GcPolicy) -> dict[str, o
 
 
 def _mark_deleted(store: TrackingStore, checkpoint_id: int) -> None:
-    with store.session() as session:
-        record = session.get(CheckpointRecord, checkpoint_id)
-        if record is None:
-            raise GovrayError(f"checkpoint {checkpoint_id} vanished from the tracking store during GC")
-        record.state = CheckpointState.DELETED.value
-        record.deleted_at = utcnow()
-        session.add(record)
+    if mark_deleted(store, checkpoint_id) is None:
+        raise GovrayError(f"checkpoint {checkpoint_id} vanished from the tracking store during GC")

@@ -24,9 +24,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy.exc import IntegrityError
-from sqlmodel import col, func, select
-
 from govray.attest import (
     PROVENANCE_TYPE,
     Attestation,
@@ -42,14 +39,21 @@ from govray.identifiers import Description, Label, ModelName, TagKey, TagValue, 
 from govray.keys import SigningKey, platform_key, platform_trust
 from govray.ledger import Ledger
 from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import checkpoint_at
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import (
-    AttestationRecord,
-    CheckpointRecord,
-    ModelVersion,
-    RegisteredModel,
-)
+from govray.tracking.tables import AttestationRecord, CheckpointRecord, ModelVersion
 from govray.tracking.tables import CheckpointState as StoredCheckpointState
+from govray.tracking.versions import (
+    VersionTaken,
+    attestations_of_version,
+    find_version,
+    insert_version,
+    is_registered,
+    model_versions,
+    next_version,
+    record_version_attestations,
+    replace_tags,
+)
 
 
 class RegistryError(GovrayError):
@@ -95,53 +99,25 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
 def resolve(store: TrackingStore, ref: str) -> RegisteredVersion:
     """The version ``ref`` names; ``RegistryError`` naming what is unknown."""
     name, number = parse_ref(ref)
-    with store.session() as session:
-        if session.get(RegisteredModel, name) is None:
-            raise RegistryError(f"no registered model '{name}'")
-        query = select(ModelVersion).where(ModelVersion.model_name == name)
-        if number is None:
-            row = session.exec(query.order_by(col(ModelVersion.version).desc())).first()
-        else:
-            row = session.exec(query.where(ModelVersion.version == number)).first()
-        if row is None:
-            raise RegistryError(
-                f"model '{name}' has no version {number}" if number else f"model '{name}' has no versions"
-            )
-        checkpoint = session.get(CheckpointRecord, row.checkpoint_id)
-    assert checkpoint is not None  # a foreign key
-    return _version(row, checkpoint)
-
-
-def list_models(store: TrackingStore) -> list[tuple[RegisteredModel, int]]:
-    """Every registered model with its number of versions, by name."""
-    with store.session() as session:
-        counts = dict(
-            session.exec(
-                select(ModelVersion.model_name, func.count()).group_by(col(ModelVersion.model_name))
-            ).all()
+    if not is_registered(store, name):
+        raise RegistryError(f"no registered model '{name}'")
+    found = find_version(store, name, number)
+    if found is None:
+        raise RegistryError(
+            f"model '{name}' has no version {number}" if number else f"model '{name}' has no versions"
         )
-        models = session.exec(select(RegisteredModel).order_by(col(RegisteredModel.name))).all()
-    return [(model, counts.get(model.name, 0)) for model in models]
+    return _version(*found)
 
 
 def versions(store: TrackingStore, name: str) -> list[RegisteredVersion]:
     """The versions of model ``name``, oldest first."""
     resolve(store, _checked_name(name))  # an unknown model is an error, not an empty list
-    with store.session() as session:
-        rows = session.exec(
-            select(ModelVersion, CheckpointRecord)
-            .join(CheckpointRecord, col(CheckpointRecord.id) == col(ModelVersion.checkpoint_id))
-            .where(ModelVersion.model_name == name)
-            .order_by(col(ModelVersion.version))
-        ).all()
-    return [_version(row, checkpoint) for row, checkpoint in rows]
+    return [_version(row, checkpoint) for row, checkpoint in model_versions(store, name)]
 
 
 def version_attestations(store: TrackingStore, version: RegisteredVersion) -> list[AttestationRecord]:
     """The attestation envelopes kept for a version (provenance first, then coverage)."""
-    with store.session() as session:
-        query = select(AttestationRecord).where(AttestationRecord.model_version_id == version.record.id)
-        return list(session.exec(query.order_by(col(AttestationRecord.id))))
+    return attestations_of_version(store, version.record.id)
 
 
 def register(
@@ -181,11 +157,7 @@ def set_tags(
             )
         del tags[tag]
     tags.update(add)
-    with store.session() as session:
-        row = session.get(ModelVersion, version.record.id)
-        assert row is not None
-        row.tags_json = json.dumps(tags, sort_keys=True)
-        session.add(row)
+    replace_tags(store, version.record.id, json.dumps(tags, sort_keys=True))
     _audit(store, "tag", version, tags=tags)
     return resolve(store, ref)
 
@@ -217,7 +189,7 @@ def remove_adapter(
     reached = set(ledger.corpora())
     excluded = tuple(sorted({*source.excluded_corpora, *(reached - set(kept.corpora()))}))
     source_attestation = provenance_record(store, source)
-    number = _next_version(store, source.model)
+    number = next_version(store, source.model)
     storage = _storage_of(source)
     directory = storage / "models" / source.model / str(number)
     if directory.exists():
@@ -301,14 +273,12 @@ def _version(row: ModelVersion, checkpoint: CheckpointRecord) -> RegisteredVersi
 
 
 def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointRecord:
-    wanted = checkpoint.resolve()
-    with store.session() as session:
-        for record in session.exec(select(CheckpointRecord)):
-            if Path(record.path).resolve() == wanted:
-                if record.state == StoredCheckpointState.DELETED.value:
-                    raise RegistryError(f"{checkpoint}: deleted by checkpoint GC; register a kept one")
-                return record
-    raise RegistryError(f"{checkpoint}: not a checkpoint this tracking store recorded")
+    record = checkpoint_at(store, checkpoint)
+    if record is None:
+        raise RegistryError(f"{checkpoint}: not a checkpoint this tracking store recorded")
+    if record.state == StoredCheckpointState.DELETED.value:
+        raise RegistryError(f"{checkpoint}: deleted by checkpoint GC; register a kept one")
+    return record
 
 
 def _add_version(
@@ -325,7 +295,7 @@ def _add_version(
     excluded: tuple[str, ...] = (),
 ) -> RegisteredVersion:
     assert checkpoint.id is not None
-    number = number if number is not None else _next_version(store, name)
+    number = number if number is not None else next_version(store, name)
     row = ModelVersion(
         model_name=name,
         version=number,
@@ -338,39 +308,21 @@ def _add_version(
         excluded_corpora_json=json.dumps(list(excluded)),
     )
     try:
-        with store.session() as session:
-            if session.get(RegisteredModel, name) is None:
-                session.add(RegisteredModel(name=name, description=description))
-                session.flush()
-            session.add(row)
-    except IntegrityError:
+        insert_version(store, row, description)
+    except VersionTaken:
         raise RegistryError(
             f"another writer registered {name}:{number} at the same time; try again"
         ) from None
     return _version(row, checkpoint)
 
 
-def _next_version(store: TrackingStore, name: str) -> int:
-    with store.session() as session:
-        latest = session.exec(
-            select(func.max(ModelVersion.version)).where(ModelVersion.model_name == name)
-        ).one()
-    return int(latest or 0) + 1
-
-
 def _record_attestations(
     store: TrackingStore, version: RegisteredVersion, written: Attestation, checkpoint_id: int | None
 ) -> None:
-    with store.session() as session:
-        for path in (written.provenance, written.coverage):
-            session.add(
-                AttestationRecord(
-                    checkpoint_id=checkpoint_id,
-                    model_version_id=version.record.id,
-                    subject_digest=written.subjects[MODEL_FILE],
-                    envelope_json=path.read_text(),
-                )
-            )
+    envelopes = [path.read_text() for path in (written.provenance, written.coverage)]
+    record_version_attestations(
+        store, version.record.id, checkpoint_id, written.subjects[MODEL_FILE], envelopes
+    )
 
 
 def _storage_of(version: RegisteredVersion) -> Path:

@@ -35,7 +35,6 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, ValidationError
-from sqlmodel import col, select
 
 from govray.attest import AttestationError, routing_of, run_spec_of
 from govray.checkpoint import STATE_FILE, CheckpointState, recorded_state
@@ -47,7 +46,8 @@ from govray.routing import RoutingTable, layer_label
 from govray.schedule import ScheduleSpec, epoch_plan
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore, masked
-from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, ModelVersion, Trial
+from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, Trial
+from govray.tracking.versions import versions_of_checkpoints
 
 MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all
 
@@ -191,15 +191,12 @@ def in_weights(spec: ScheduleSpec, global_step: int, checkpoint_step: int) -> bo
 
 
 def _corpus_records(store: TrackingStore, corpus_id: str) -> list[CorpusRecord]:
-    with store.session() as session:
-        query = select(CorpusRecord).where(CorpusRecord.corpus_id == corpus_id)
-        records = list(session.exec(query.order_by(col(CorpusRecord.experiment_id))))
-        if not records:
-            known = sorted(set(session.exec(select(CorpusRecord.corpus_id))))
-            raise LineageError(
-                f"no experiment in tracking store {masked(store.url)} ingested corpus '{corpus_id}' "
-                f"(corpora: {', '.join(known) or 'none'})"
-            )
+    records = store.corpus_ingests(corpus_id)
+    if not records:
+        raise LineageError(
+            f"no experiment in tracking store {masked(store.url)} ingested corpus '{corpus_id}' "
+            f"(corpora: {', '.join(store.corpus_ids()) or 'none'})"
+        )
     return records
 
 
@@ -306,21 +303,18 @@ def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None
     no longer carries the row."""
     if not checkpoint_ids:
         return []
-    with store.session() as session:
-        query = select(ModelVersion).where(col(ModelVersion.checkpoint_id).in_(checkpoint_ids))
-        versions = session.exec(query.order_by(col(ModelVersion.model_name), col(ModelVersion.version)))
-        found = []
-        for version in versions:
-            removed = json.loads(version.removed_adapters_json)
-            found.append(
-                ReachedModel(
-                    model=version.model_name,
-                    version=version.version,
-                    checkpoint_id=version.checkpoint_id,
-                    carries_row=adapter is None or adapter not in removed,
-                    removed_adapters=removed,
-                )
+    found = []
+    for version in versions_of_checkpoints(store, checkpoint_ids):
+        removed = json.loads(version.removed_adapters_json)
+        found.append(
+            ReachedModel(
+                model=version.model_name,
+                version=version.version,
+                checkpoint_id=version.checkpoint_id,
+                carries_row=adapter is None or adapter not in removed,
+                removed_adapters=removed,
             )
+        )
     return found
 
 

@@ -28,15 +28,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve import Application
-from sqlalchemy.exc import SQLAlchemyError
 
 from govray.checkpoint import CheckpointError
 from govray.errors import GovrayError, TrackingError
-from govray.queries import NotFoundError, StoreReader, read_only_engine
+from govray.queries import NotFoundError, StoreFailure, StoreGeneration, StoreReader, read_only_engine
 from govray.runtime import ensure_ray
 from govray.tracking.store import TrackingStore, masked
 from serve import api, verify, writes
-from serve.cache import ResponseCache, StoreGeneration
+from serve.cache import ResponseCache
 from serve.settings import ServeSettings, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -74,14 +73,14 @@ HANDLED: list[tuple[type[Exception], int]] = [
     (CheckpointError, 409),  # a checkpoint on storage no longer matches what the store recorded
     (Unavailable, 503),
     (TrackingError, 503),  # the store is unreachable or holds something unreadable
-    (SQLAlchemyError, 503),
+    (StoreFailure, 503),
     (GovrayError, 422),  # anything else govray refused on purpose: the request asked it wrongly
 ]
 
 
 def _responder(status: int) -> Any:
     async def respond(request: Request, error: Exception) -> JSONResponse:
-        if isinstance(error, SQLAlchemyError):
+        if isinstance(error, StoreFailure):
             logger.warning("tracking store error on %s: %s", request.url.path, error)
             reason = getattr(error, "orig", None) or type(error).__name__
             detail = f"the tracking store cannot answer now ({reason}); try again"

@@ -1,12 +1,11 @@
 """Answers kept until the tracking store changes.
 
 A lineage or influence answer aggregates thousands of ledger rows, yet changes only when someone
-writes to the store. ``StoreGeneration`` is a value that changes with every commit anyone makes
-(SQLite's ``PRAGMA data_version`` on one dedicated connection; PostgreSQL's current snapshot,
-which moves with every write transaction), read in microseconds; ``ResponseCache`` keeps JSON
-bodies keyed by the exact request (its raw path and query bytes: two requests share an answer only
-if they are the same bytes) and drops them all when the generation moves. A store whose changes
-cannot be seen this way is not cached.
+writes to the store. The query layer's ``StoreGeneration`` is a value that changes with every
+commit anyone makes, read in microseconds; ``ResponseCache`` keeps JSON bodies keyed by the exact
+request (its raw path and query bytes: two requests share an answer only if they are the same
+bytes) and drops them all when the generation moves. A store whose changes cannot be seen this way
+is not cached.
 """
 
 from __future__ import annotations
@@ -14,43 +13,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, text
+
+from govray.queries import StoreGeneration
 
 MAX_CACHED_BYTES = 64 * 1024 * 1024
 MAX_ENTRY_BYTES = 4 * 1024 * 1024
-
-
-class StoreGeneration:
-    """A value that differs after any commit to the store (None: this store cannot tell)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._sqlite: Any = None
-        if engine.dialect.name == "sqlite":
-            # data_version compares against what THIS connection saw: keep one connection for it
-            self._sqlite = engine.raw_connection()
-
-    def current(self) -> object | None:
-        if self._sqlite is not None:
-            with self._lock:
-                cursor = self._sqlite.cursor()
-                try:
-                    cursor.execute("PRAGMA data_version")
-                    return cursor.fetchone()[0]
-                finally:
-                    cursor.close()
-        if self.engine.dialect.name == "postgresql":
-            with self.engine.connect() as connection:
-                return connection.execute(text("SELECT pg_current_snapshot()::text")).scalar_one()
-        return None
-
-    def close(self) -> None:
-        if self._sqlite is not None:
-            self._sqlite.close()
 
 
 class ResponseCache:

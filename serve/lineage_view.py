@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlmodel import col, func, select
-
-from govray.attest import PROVENANCE_TYPE, run_spec_of
+from govray.attest import run_spec_of
 from govray.errors import GovrayError, SignatureError
 from govray.keys import load_trust
 from govray.queries import NotFoundError, StoreReader, Window
 from govray.queries.ledger import statement_of
 from govray.queries.views import Lineage
-from govray.tracking.tables import AttestationRecord, CheckpointRecord, CorpusRecord, ModelVersion, Trial
+from govray.tracking.tables import AttestationRecord, CorpusRecord
 from serve.verify import check_envelope
 
 CREDENTIAL_FIELDS = ("license_class", "jurisdiction", "sensitivity", "source_type")
@@ -91,7 +89,7 @@ def version_sheet(reader: StoreReader, name: str, version: int, trust: Path | No
     lineage = reader.version_lineage(name, version)
     checkpoint = reader.checkpoint(view.checkpoint_id)
     directory = Path(view.path or checkpoint.path)
-    envelope = _provenance(reader, model_version_id=view.id, checkpoint_id=None)
+    envelope = reader.provenance(model_version_id=view.id)
     facts = [
         ("model", f"{name} v{version}"),
         ("description", view.description),
@@ -114,7 +112,7 @@ def checkpoint_sheet(reader: StoreReader, checkpoint_id: int, trust: Path | None
     """The sheet of checkpoint ``checkpoint_id``; NotFoundError for an unknown one."""
     checkpoint = reader.checkpoint(checkpoint_id)
     lineage = reader.checkpoint_lineage(checkpoint_id)
-    envelope = _provenance(reader, model_version_id=None, checkpoint_id=checkpoint_id)
+    envelope = reader.provenance(checkpoint_id=checkpoint_id)
     facts = [("checkpoint", f"{checkpoint.id} (step {checkpoint.step}, {checkpoint.state})")]
     return _sheet(
         reader,
@@ -133,29 +131,9 @@ def index_entries(
 ) -> tuple[list[tuple[str, int]], list[tuple[int, int, int]]]:
     """Model versions ``(name, version)`` and each trial's last checkpoint ``(id, trial, step)``
     (the one its ledger belongs to) for the index page, newest first, at most ``limit`` of each."""
-    last = (
-        select(CheckpointRecord.trial_id, func.max(CheckpointRecord.step).label("step"))
-        .group_by(col(CheckpointRecord.trial_id))
-        .subquery()
-    )
-    with reader.session() as session:
-        versions = session.exec(
-            select(ModelVersion.model_name, ModelVersion.version)
-            .order_by(col(ModelVersion.id).desc())
-            .limit(limit)
-        ).all()
-        finals = session.exec(
-            select(CheckpointRecord.id, CheckpointRecord.trial_id, CheckpointRecord.step)
-            .join(
-                last, (last.c.trial_id == CheckpointRecord.trial_id) & (last.c.step == CheckpointRecord.step)
-            )
-            .order_by(col(CheckpointRecord.id).desc())
-            .limit(2 * limit)
-        ).all()
-    checkpoints: dict[int, tuple[int, int, int]] = {}
-    for checkpoint_id, trial_id, step in finals:  # a step saved twice: the newest row
-        checkpoints.setdefault(trial_id, (checkpoint_id or 0, trial_id, step))
-    return [(n, v) for n, v in versions], list(checkpoints.values())[:limit]
+    versions = [(version.model_name, version.version) for version in reader.newest_versions(limit)]
+    finals = [(c.id, c.trial_id, c.step) for c in reader.newest_final_checkpoints(limit)]
+    return versions, finals
 
 
 def _sheet(
@@ -188,32 +166,9 @@ def _sheet(
     )
 
 
-def _provenance(
-    reader: StoreReader, *, model_version_id: int | None, checkpoint_id: int | None
-) -> AttestationRecord | None:
-    """The newest provenance envelope stored about a model version (or else a checkpoint)."""
-    query = select(AttestationRecord).order_by(col(AttestationRecord.id).desc())
-    if model_version_id is not None:
-        query = query.where(AttestationRecord.model_version_id == model_version_id)
-    else:
-        query = query.where(AttestationRecord.checkpoint_id == checkpoint_id)
-    with reader.session() as session:
-        for record in session.exec(query):
-            if statement_of(record.envelope_json).get("predicateType") == PROVENANCE_TYPE:
-                return record
-    return None
-
-
 def _corpora(reader: StoreReader, lineage: Lineage, excluded: list[str]) -> list[CorpusColumn]:
     """The experiment's training corpora (and any other corpus the ledger names), by id."""
-    with reader.session() as session:
-        trial = session.get(Trial, lineage.trial_id)
-        experiment_id = trial.experiment_id if trial is not None else lineage.experiment_id
-        records = session.exec(
-            select(CorpusRecord)
-            .where(CorpusRecord.experiment_id == experiment_id)
-            .order_by(col(CorpusRecord.corpus_id))
-        ).all()
+    records = reader.corpora(lineage.experiment_id)  # the experiment of the lineage's trial
     reached = {counts.corpus_id for layer in lineage.layers for counts in layer.corpora}
     columns = {
         record.corpus_id: CorpusColumn(record.corpus_id, _credential(record), record.corpus_id in excluded)

@@ -23,7 +23,6 @@ from govray.registry import (
     RegisteredVersion,
     RegistryError,
     envelope_sha256,
-    list_models,
     provenance_record,
     register,
     remove_adapter,
@@ -36,6 +35,7 @@ from govray.registry import (
 from govray.rows import row_reach
 from govray.runner import run_trial
 from govray.tracking.audit import AuditLog
+from govray.tracking.versions import list_models
 from tests.conftest import GoldenRun
 
 MODEL = "digits-local"

@@ -8,8 +8,9 @@ from pathlib import Path
 import typer
 
 from govray.errors import GovrayError
-from govray.eu_summary import EuSummary, Period, eu_summary, trial_of
+from govray.eu_summary import EuSummary, Period, eu_summary
 from govray.registry import resolve
+from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
 
 app = typer.Typer(help="Export documents for reviewers and regulators.", no_args_is_help=True)

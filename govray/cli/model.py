@@ -13,7 +13,6 @@ from govray.cli.common import Database, console, table
 from govray.registry import (
     RegisteredVersion,
     RegistryError,
-    list_models,
     register,
     remove_adapter,
     resolve,
@@ -22,6 +21,7 @@ from govray.registry import (
     versions,
 )
 from govray.tracking.store import TrackingStore
+from govray.tracking.versions import list_models
 
 app = typer.Typer(
     help="The model registry: versions of checkpoints, tags, adapter removal.", no_args_is_help=True

@@ -18,8 +18,9 @@ it — and ``tensors`` is how many of its tensors the corpus reached.
 """
 
 from govray.identifiers import MAX_ID
-from govray.queries.errors import NotFoundError, QueryError
-from govray.queries.reader import StoreReader, read_only_engine
+from govray.queries.engine import StoreGeneration, read_only_engine
+from govray.queries.errors import NotFoundError, QueryError, StoreFailure
+from govray.queries.reader import StoreReader
 from govray.queries.views import DEFAULT_LIMIT, MAX_LIMIT, Page, Window
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "NotFoundError",
     "Page",
     "QueryError",
+    "StoreFailure",
+    "StoreGeneration",
     "StoreReader",
     "Window",
     "read_only_engine",

@@ -139,14 +139,31 @@ class LayerNames:
 
     @staticmethod
     def _read(session: Session, checkpoint_id: int) -> dict[str, str] | None:
-        own = AttestationRecord.checkpoint_id == checkpoint_id
-        query = select(AttestationRecord.envelope_json).where(own)
-        for envelope_json in session.exec(query.order_by(col(AttestationRecord.id).desc())):
-            statement = statement_of(envelope_json)
-            if statement.get("predicateType") == COVERAGE_TYPE:
-                entries = statement.get("predicate", {}).get("ledger", [])
-                return {e["tensor"]: e["layer"] for e in entries if isinstance(e, dict) and "layer" in e}
-        return None
+        coverage = newest_attestation(session, COVERAGE_TYPE, checkpoint_id=checkpoint_id)
+        if coverage is None:
+            return None
+        entries = statement_of(coverage.envelope_json).get("predicate", {}).get("ledger", [])
+        return {e["tensor"]: e["layer"] for e in entries if isinstance(e, dict) and "layer" in e}
+
+
+def newest_attestation(
+    session: Session,
+    predicate_type: str,
+    *,
+    model_version_id: int | None = None,
+    checkpoint_id: int | None = None,
+) -> AttestationRecord | None:
+    """The newest attestation of ``predicate_type`` stored about a model version (when given),
+    else about a checkpoint."""
+    if model_version_id is not None:
+        about = AttestationRecord.model_version_id == model_version_id
+    else:
+        about = AttestationRecord.checkpoint_id == checkpoint_id
+    query = select(AttestationRecord).where(about).order_by(col(AttestationRecord.id).desc())
+    for record in session.exec(query):
+        if statement_of(record.envelope_json).get("predicateType") == predicate_type:
+            return record
+    return None
 
 
 def _layer_name(group: _Group, names: dict[str, str]) -> str:
@@ -172,6 +189,21 @@ def final_checkpoints(session: Session, trial_ids: Iterable[int]) -> dict[int, C
     for checkpoint in session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))):
         last[checkpoint.trial_id] = checkpoint
     return last
+
+
+def newest_final_checkpoints(session: Session, limit: int) -> list[CheckpointRecord]:
+    """``final_checkpoints`` of the trials that saved one last, newest first, at most ``limit``."""
+    last = (
+        select(CheckpointRecord.trial_id, func.max(CheckpointRecord.step).label("step"))
+        .group_by(col(CheckpointRecord.trial_id))
+        .subquery()
+    )
+    at_last = (last.c.trial_id == CheckpointRecord.trial_id) & (last.c.step == CheckpointRecord.step)
+    query = select(CheckpointRecord).join(last, at_last).order_by(col(CheckpointRecord.id).desc())
+    final: dict[int, CheckpointRecord] = {}
+    for checkpoint in session.exec(query.limit(2 * limit)):  # a step saved twice: its newer row
+        final.setdefault(checkpoint.trial_id, checkpoint)
+    return list(final.values())[:limit]
 
 
 def lineage(

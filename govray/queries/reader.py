@@ -1,21 +1,20 @@
-"""``StoreReader``: the read-only verbs over a tracking store (experiments, trials, metrics, model
-versions, lineage, influence, audit events, attestations)."""
+"""``StoreReader``: the read-only verbs over a tracking store (experiments, trials, metrics, corpora,
+decisions, model versions, lineage, influence, audit events, attestations). The lineage app's
+endpoints and pages and ``govray experiment describe`` read through it."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, func
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, and_, func
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
+from govray.attest import PROVENANCE_TYPE
 from govray.errors import TrackingError
 from govray.queries import ledger
 from govray.queries.errors import NotFoundError, QueryError
@@ -24,6 +23,7 @@ from govray.queries.views import (
     AttestationView,
     AuditEventView,
     CheckpointView,
+    DecisionView,
     ExperimentDetail,
     ExperimentView,
     InfluenceItem,
@@ -34,16 +34,18 @@ from govray.queries.views import (
     Page,
     TrialDetail,
     TrialView,
+    VersionRef,
     Window,
     page,
 )
 from govray.tracking.audit import AuditEventType, utc_timestamp
-from govray.tracking.database import tracking_url
-from govray.tracking.store import SQLITE_BUSY_TIMEOUT_MS, alembic_config, current_revision, masked
+from govray.tracking.lineage import checkpoints_of
+from govray.tracking.store import corpora_of, decisions_of
 from govray.tracking.tables import (
     AttestationRecord,
     AuditEvent,
     CheckpointRecord,
+    CorpusRecord,
     Experiment,
     Metric,
     ModelVersion,
@@ -53,49 +55,6 @@ from govray.tracking.tables import (
 
 Query = TypeVar("Query", bound=Select[Any])
 Row = TypeVar("Row", Experiment, Trial, CheckpointRecord, AttestationRecord, ModelVersion)
-
-
-def read_only_engine(url: str) -> Engine:
-    """An engine that can only read the store at ``url``: SQLite opened with ``mode=ro``,
-    PostgreSQL in read-only transactions. Connected once, so a bad URL fails here, and so does a
-    store whose schema is not this govray's (a reader never migrates)."""
-    parsed = tracking_url(url)  # a bare postgresql:// means psycopg, as for the writers
-    options: dict[str, Any] = {}
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database in (None, "", ":memory:"):
-            raise TrackingError("an in-memory tracking store cannot be read by another process")
-        path = Path(parsed.database).expanduser().resolve()
-        if not path.is_file():
-            raise TrackingError(f"no tracking store at {path}")
-        parsed = parsed.set(database=f"file:{path}", query={"mode": "ro", "uri": "true"})
-        options["connect_args"] = {"check_same_thread": False}
-    elif parsed.get_backend_name() == "postgresql":
-        options["execution_options"] = {"postgresql_readonly": True}
-    try:
-        engine = create_engine(parsed, **options)
-        if parsed.get_backend_name() == "sqlite":
-            event.listen(engine, "connect", _read_only_pragmas)
-        found = current_revision(engine)
-    except (SQLAlchemyError, ImportError) as exc:
-        reason = getattr(exc, "orig", None) or exc
-        raise TrackingError(f"cannot open tracking store {masked(url)} read-only: {reason}") from exc
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    if found != head:
-        engine.dispose()
-        raise TrackingError(
-            f"tracking store {masked(url)} is at schema revision {found!r}, this govray reads {head!r}: "
-            "migrate it first (any govray command that opens it, e.g. govray audit verify --database URL)"
-        )
-    return engine
-
-
-def _read_only_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA query_only=ON")
-    finally:
-        cursor.close()
 
 
 class StoreReader:
@@ -139,8 +98,7 @@ class StoreReader:
     def trial(self, trial_id: int) -> TrialDetail:
         with self.session() as session:
             found = _get(session, Trial, trial_id)
-            query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
-            saved = list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+            saved = checkpoints_of(session, trial_id)
         source = _json_object(found.source_checkpoint_json) if found.source_checkpoint_json else None
         return TrialDetail(
             **_trial_view(found).model_dump(),
@@ -158,8 +116,46 @@ class StoreReader:
             total = _count(session, query)
             order = (col(Metric.name), col(Metric.step), col(Metric.id))
             rows = list(session.exec(_sliced(query.order_by(*order), window)))
-        items = [MetricView(**m.model_dump(exclude={"id", "trial_id"})) for m in rows]
-        return page(items, total, window)
+        return page([_metric_view(m) for m in rows], total, window)
+
+    def latest_metrics(self, trial_ids: Sequence[int]) -> dict[int, list[MetricView]]:
+        """Per trial, each metric (kind and name) at the highest step it was reported — the last
+        report of that step — in one query; a trial that reported nothing is absent."""
+        last_step = (
+            select(Metric.trial_id, Metric.kind, Metric.name, func.max(Metric.step).label("step"))
+            .where(col(Metric.trial_id).in_(trial_ids))
+            .group_by(col(Metric.trial_id), col(Metric.kind), col(Metric.name))
+            .subquery()
+        )
+        at_last_step = and_(
+            col(Metric.trial_id) == last_step.c.trial_id,
+            col(Metric.kind) == last_step.c.kind,
+            col(Metric.name) == last_step.c.name,
+            col(Metric.step) == last_step.c.step,
+        )
+        with self.session() as session:
+            rows = session.exec(select(Metric).join(last_step, at_last_step).order_by(col(Metric.id))).all()
+        latest: dict[int, dict[tuple[str, str], MetricView]] = {}
+        for row in rows:  # by id: a step reported twice counts its last report
+            latest.setdefault(row.trial_id, {})[(row.kind, row.name)] = _metric_view(row)
+        return {trial_id: list(metrics.values()) for trial_id, metrics in latest.items()}
+
+    def decisions(self, trial_id: int) -> list[DecisionView]:
+        """A trial's recorded decisions, in order (none for an unknown trial)."""
+        with self.session() as session:
+            decided = decisions_of(session, trial_id)
+        return [
+            DecisionView(
+                seq=d.seq, step=d.step, kind=d.kind, payload=_json_object(d.payload_json), replayed=d.replayed
+            )
+            for d in decided
+        ]
+
+    def corpora(self, experiment_id: int) -> list[CorpusRecord]:
+        """The corpora an experiment ingested, by id, as recorded (credentials as JSON text; none
+        for an unknown experiment)."""
+        with self.session() as session:
+            return corpora_of(session, experiment_id)
 
     # -- the model registry ----------------------------------------------------------------------
 
@@ -203,6 +199,13 @@ class StoreReader:
     def version_by_id(self, version_id: int) -> ModelVersionView:
         with self.session() as session:
             return _version_view(_get(session, ModelVersion, version_id))
+
+    def newest_versions(self, limit: int) -> list[VersionRef]:
+        """The model versions registered last, newest first."""
+        query = select(ModelVersion.model_name, ModelVersion.version).order_by(col(ModelVersion.id).desc())
+        with self.session() as session:
+            rows = session.exec(query.limit(limit)).all()
+        return [VersionRef(model_name=name, version=version) for name, version in rows]
 
     # -- lineage ---------------------------------------------------------------------------------
 
@@ -273,9 +276,24 @@ class StoreReader:
         with self.session() as session:
             return _get(session, AttestationRecord, attestation_id)
 
+    def provenance(
+        self, *, model_version_id: int | None = None, checkpoint_id: int | None = None
+    ) -> AttestationRecord | None:
+        """The newest provenance attestation stored about a model version (when given), else about
+        a checkpoint."""
+        with self.session() as session:
+            return ledger.newest_attestation(
+                session, PROVENANCE_TYPE, model_version_id=model_version_id, checkpoint_id=checkpoint_id
+            )
+
     def checkpoint(self, checkpoint_id: int) -> CheckpointView:
         with self.session() as session:
             return _checkpoint_view(_get(session, CheckpointRecord, checkpoint_id))
+
+    def newest_final_checkpoints(self, limit: int) -> list[CheckpointView]:
+        """Trials' last checkpoints (the ones their ledgers belong to), newest first, at most ``limit``."""
+        with self.session() as session:
+            return [_checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
 
 
 def _get(session: Session, table: type[Row], row_id: int) -> Row:
@@ -353,6 +371,10 @@ def _trial_view(trial: Trial) -> TrialView:
         created_at=trial.created_at,
         ended_at=trial.ended_at,
     )
+
+
+def _metric_view(metric: Metric) -> MetricView:
+    return MetricView(**metric.model_dump(exclude={"id", "trial_id"}))
 
 
 def _checkpoint_view(checkpoint: CheckpointRecord) -> CheckpointView:

@@ -115,6 +115,18 @@ class MetricView(BaseModel):
     recorded_at: datetime
 
 
+class DecisionView(BaseModel):
+    """A decision a trial's controller took (or applied from the trial it replays)."""
+
+    model_config = _FROZEN
+
+    seq: int
+    step: int
+    kind: str
+    payload: dict[str, Any]
+    replayed: bool  # applied from the source trial's record rather than computed
+
+
 class ModelView(BaseModel):
     model_config = _FROZEN
 

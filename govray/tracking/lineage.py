@@ -1,16 +1,28 @@
-"""Lineage in the tracking store: checkpoints of a trial, and which corpus reached which tensor."""
+"""Lineage in the tracking store: the checkpoints of a trial (recorded, found by path, marked
+deleted by GC) and which corpus reached which tensor."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from sqlmodel import col, delete, select
+from sqlmodel import Session, col, delete, select
 
 from govray.canonical import file_sha256
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow
+from govray.tracking.tables import (
+    AttestationRecord,
+    CheckpointRecord,
+    CheckpointState,
+    LedgerRow,
+    Metric,
+    MetricKind,
+    ModelVersion,
+    Trial,
+    utcnow,
+)
 
 
 def record_ledger(
@@ -70,8 +82,84 @@ def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int)
 def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
     """A trial's checkpoints, by step."""
     with store.session() as session:
-        query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
-        return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+        return checkpoints_of(session, trial_id)
+
+
+def checkpoints_of(session: Session, trial_id: int) -> list[CheckpointRecord]:
+    """``checkpoints`` in a session of the caller's (the query layer reads with its own)."""
+    query = select(CheckpointRecord).where(CheckpointRecord.trial_id == trial_id)
+    return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
+
+
+def checkpoint_at(store: TrackingStore, checkpoint: Path) -> CheckpointRecord | None:
+    """The recorded checkpoint whose directory is ``checkpoint`` (both paths resolved), if any."""
+    wanted = checkpoint.resolve()
+    with store.session() as session:
+        for record in session.exec(select(CheckpointRecord)):
+            if Path(record.path).resolve() == wanted:
+                return record
+    return None
+
+
+def trial_of(store: TrackingStore, checkpoint: Path) -> Trial | None:
+    """The trial that saved ``checkpoint``, when the tracking store recorded it under this path
+    (as given or resolved)."""
+    wanted = {str(checkpoint), str(checkpoint.resolve())}
+    with store.session() as session:
+        query = select(Trial).join(CheckpointRecord, col(CheckpointRecord.trial_id) == col(Trial.id))
+        return session.exec(query.where(col(CheckpointRecord.path).in_(wanted))).first()
+
+
+@dataclass(frozen=True)
+class ActiveCheckpoints:
+    """One experiment's active checkpoints and the facts checkpoint GC decides them by, read in
+    one transaction."""
+
+    checkpoints: tuple[CheckpointRecord, ...]  # by trial, step, id
+    trial_states: dict[int, str]  # every trial of the experiment
+    reports: tuple[Metric, ...]  # the validation metric GC ranks by, in the order reported
+    versions: tuple[ModelVersion, ...]  # registered versions of these checkpoints, by model, version
+
+
+def active_checkpoints(store: TrackingStore, experiment_id: int, metric: str) -> ActiveCheckpoints:
+    """An experiment's active checkpoints, its trials' states, its trials' validation reports of
+    ``metric`` and the model versions registered from those checkpoints."""
+    in_experiment = col(Trial.experiment_id) == experiment_id
+    is_active = col(CheckpointRecord.state) == CheckpointState.ACTIVE.value
+    with store.session() as session:
+        trials = session.exec(select(Trial.id, Trial.state).where(in_experiment))
+        states = {trial_id: state for trial_id, state in trials if trial_id is not None}
+        records = session.exec(
+            select(CheckpointRecord)
+            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
+            .where(in_experiment, is_active)
+            .order_by(col(CheckpointRecord.trial_id), col(CheckpointRecord.step), col(CheckpointRecord.id))
+        ).all()
+        reported = session.exec(
+            select(Metric)
+            .join(Trial, col(Trial.id) == col(Metric.trial_id))
+            .where(in_experiment, Metric.kind == MetricKind.VALIDATION.value, Metric.name == metric)
+            .order_by(col(Metric.id))
+        ).all()
+        versions = session.exec(
+            select(ModelVersion)
+            .join(CheckpointRecord, col(CheckpointRecord.id) == col(ModelVersion.checkpoint_id))
+            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
+            .where(in_experiment, is_active)
+            .order_by(col(ModelVersion.model_name), col(ModelVersion.version))
+        ).all()
+    return ActiveCheckpoints(tuple(records), states, tuple(reported), tuple(versions))
+
+
+def mark_deleted(store: TrackingStore, checkpoint_id: int) -> CheckpointRecord | None:
+    """Mark a checkpoint deleted by GC (its row stays, as the record); None if there is no such row."""
+    with store.session() as session:
+        record = session.get(CheckpointRecord, checkpoint_id)
+        if record is not None:
+            record.state = CheckpointState.DELETED.value
+            record.deleted_at = utcnow()
+            session.add(record)
+    return record
 
 
 def record_attestation(

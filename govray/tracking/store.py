@@ -214,8 +214,18 @@ class TrackingStore:
     def list_corpora(self, experiment_id: int) -> list[CorpusRecord]:
         """The corpora recorded for an experiment, by corpus id."""
         with self.session() as session:
-            query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
-            return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
+            return corpora_of(session, experiment_id)
+
+    def corpus_ingests(self, corpus_id: str) -> list[CorpusRecord]:
+        """Every experiment's record of corpus ``corpus_id``, oldest experiment first."""
+        with self.session() as session:
+            query = select(CorpusRecord).where(CorpusRecord.corpus_id == corpus_id)
+            return list(session.exec(query.order_by(col(CorpusRecord.experiment_id))))
+
+    def corpus_ids(self) -> list[str]:
+        """The ids of every corpus any experiment ingested, sorted."""
+        with self.session() as session:
+            return sorted(set(session.exec(select(CorpusRecord.corpus_id))))
 
     # -- trials and metrics ------------------------------------------------------------------
 
@@ -359,8 +369,7 @@ class TrackingStore:
     def decisions(self, trial_id: int) -> list[Decision]:
         """A trial's recorded decisions, in order."""
         with self.session() as session:
-            query = select(Decision).where(Decision.trial_id == trial_id)
-            return list(session.exec(query.order_by(col(Decision.seq))))
+            return decisions_of(session, trial_id)
 
     def log_metrics(
         self, trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
@@ -402,6 +411,21 @@ class TrackingStore:
         order = (col(Metric.name), col(Metric.step), col(Metric.id))
         with self.session() as session:
             return list(session.exec(query.order_by(*order)))
+
+
+# The store's reads in a session of the caller's: the query layer reads with its own.
+
+
+def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:
+    """``TrackingStore.list_corpora``."""
+    query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
+    return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
+
+
+def decisions_of(session: Session, trial_id: int) -> list[Decision]:
+    """``TrackingStore.decisions``."""
+    query = select(Decision).where(Decision.trial_id == trial_id)
+    return list(session.exec(query.order_by(col(Decision.seq))))
 
 
 def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
