@@ -1,12 +1,62 @@
 """govray: governed deep-learning training on Ray.
 
-Layers, bottom to top (a lower layer never imports a higher one)::
+The public API is below; everything else is reached through its layer's package. The packages,
+bottom to top (a package imports only its own and lower ones; ``tests/test_layering.py`` holds the
+list and enforces it, and checks this docstring and README's layout against it):
 
-    errors, canonical, documents, runtime → credentials → keys → dsse → config → policy
-      → data → schedule → routing → adapters → allreduce → ledger → checkpoint
-      → harness, reproducibility → tracking → gc → preflight → runner → replay → cli
+    core → governance → config → data → train → tracking → provenance → platform → queries → cli
 
-(``tests/test_layering.py`` enforces it.)
+Names are imported on first use, so ``import govray`` stays cheap (no torch, no Ray).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+PUBLIC_API = {
+    # writing a trial
+    "Trial": "govray.train.trial",
+    "Batch": "govray.train.trial",
+    "ProbeHooks": "govray.train.trial",
+    "TrainingSettings": "govray.config.training",
+    # loading an experiment and its signed policy, opening the store
+    "ExperimentConfig": "govray.config.experiment",
+    "load_experiment": "govray.config.experiment",
+    "check_policy": "govray.platform.preflight",
+    "ingest_experiment": "govray.platform.preflight",
+    "TrackingStore": "govray.tracking.store",
+    # running, searching, resuming, replaying
+    "run_trial": "govray.platform.runner",
+    "resume_trial": "govray.platform.runner",
+    "run_search": "govray.platform.search",
+    "replay_trial": "govray.platform.replay",
+    # attesting and verifying; asking the store
+    "attest_checkpoint": "govray.provenance.attest",
+    "verify_attestation": "govray.provenance.attest",
+    "StoreReader": "govray.queries",
+    "GovrayError": "govray.core.errors",
+    "ConfigError": "govray.core.errors",
+}
+__all__ = sorted(PUBLIC_API)
+
+if TYPE_CHECKING:
+    from govray.config.experiment import ExperimentConfig, load_experiment
+    from govray.config.training import TrainingSettings
+    from govray.core.errors import ConfigError, GovrayError
+    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.replay import replay_trial
+    from govray.platform.runner import resume_trial, run_trial
+    from govray.platform.search import run_search
+    from govray.provenance.attest import attest_checkpoint, verify_attestation
+    from govray.queries import StoreReader
+    from govray.tracking.store import TrackingStore
+    from govray.train.trial import Batch, ProbeHooks, Trial
+
+
+def __getattr__(name: str) -> Any:
+    if name not in PUBLIC_API:
+        raise AttributeError(f"module 'govray' has no attribute '{name}'")
+    return getattr(importlib.import_module(PUBLIC_API[name]), name)

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from govray.cli import main
-from govray.config import load_experiment
-from govray.registry import resolve
+from govray.config.experiment import load_experiment
+from govray.platform.registry import resolve
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 

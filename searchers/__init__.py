@@ -2,5 +2,5 @@
 
 govray finds them through the ``govray.searchers`` entry points (pyproject.toml), never by import:
 ``single``, ``grid``, ``random``, ``asha``, ``pbt``, ``bayesian``. A strategy is
-``plan(config, max_steps) -> govray.search.TunePlan``.
+``plan(config, max_steps) -> govray.platform.search.TunePlan``.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ray.tune.schedulers import ASHAScheduler
 
-from govray.config import AshaSearcher, ExperimentConfig
-from govray.search import TunePlan
+from govray.config.experiment import AshaSearcher, ExperimentConfig
+from govray.platform.search import TunePlan
 from searchers.space import sampled_space, seeded_samples
 
 

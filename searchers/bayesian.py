@@ -8,8 +8,8 @@ from __future__ import annotations
 import optuna
 from ray.tune.search.optuna import OptunaSearch
 
-from govray.config import BayesianSearcher, ExperimentConfig
-from govray.search import TunePlan
+from govray.config.experiment import BayesianSearcher, ExperimentConfig
+from govray.platform.search import TunePlan
 from searchers.space import sampled_space
 
 

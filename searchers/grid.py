@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from govray.config import ExperimentConfig, GridSearcher
-from govray.search import TunePlan
+from govray.config.experiment import ExperimentConfig, GridSearcher
+from govray.platform.search import TunePlan
 from searchers.space import grid_size, grid_space
 
 

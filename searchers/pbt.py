@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from ray.tune.schedulers import PopulationBasedTraining
 
-from govray.config import ExperimentConfig, PbtSearcher
-from govray.errors import ConfigError
-from govray.search import TunePlan
+from govray.config.experiment import ExperimentConfig, PbtSearcher
+from govray.core.errors import ConfigError
+from govray.platform.search import TunePlan
 from searchers.space import sampled, sampled_space
 
 

@@ -3,8 +3,8 @@ experiment's seed (the same experiment samples the same points)."""
 
 from __future__ import annotations
 
-from govray.config import ExperimentConfig, RandomSearcher
-from govray.search import TunePlan
+from govray.config.experiment import ExperimentConfig, RandomSearcher
+from govray.platform.search import TunePlan
 from searchers.space import sampled_space, seeded_samples
 
 

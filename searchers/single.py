@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from govray.config import ExperimentConfig
-from govray.search import TunePlan
+from govray.config.experiment import ExperimentConfig
+from govray.platform.search import TunePlan
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

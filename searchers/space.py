@@ -19,8 +19,16 @@ import numpy as np
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from govray.config import CategoricalHP, ConstHP, DoubleHP, ExperimentConfig, Hyperparameter, IntHP, LogHP
-from govray.errors import ConfigError
+from govray.config.experiment import (
+    CategoricalHP,
+    ConstHP,
+    DoubleHP,
+    ExperimentConfig,
+    Hyperparameter,
+    IntHP,
+    LogHP,
+)
+from govray.core.errors import ConfigError
 
 
 def sampled(hp: Hyperparameter) -> Any:

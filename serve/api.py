@@ -16,8 +16,8 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from govray.dsse import Envelope
-from govray.identifiers import (
+from govray.core.dsse import Envelope
+from govray.core.identifiers import (
     EXACT_INTEGER,
     MAX_ID,
     CorpusId,
@@ -28,6 +28,7 @@ from govray.identifiers import (
     RowNumber,
     Version,
 )
+from govray.provenance.rows import LineageError, RowReach, row_reach
 from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
 from govray.queries.views import (
     AttestationView,
@@ -42,7 +43,6 @@ from govray.queries.views import (
     TrialDetail,
     TrialView,
 )
-from govray.rows import LineageError, RowReach, row_reach
 from govray.tracking.audit import AuditEventType
 from govray.tracking.store import TrackingStore
 from serve.cache import ResponseCache

@@ -29,11 +29,11 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve import Application
 
-from govray.checkpoint import CheckpointError
-from govray.errors import GovrayError, TrackingError
+from govray.core.errors import GovrayError, TrackingError
+from govray.core.runtime import ensure_ray
 from govray.queries import NotFoundError, StoreFailure, StoreGeneration, StoreReader, read_only_engine
-from govray.runtime import ensure_ray
 from govray.tracking.store import TrackingStore, masked
+from govray.train.checkpoint import CheckpointError
 from serve import api, verify, writes
 from serve.cache import ResponseCache
 from serve.settings import ServeSettings, Unavailable

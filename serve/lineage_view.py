@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from govray.attest import run_spec_of
-from govray.errors import GovrayError, SignatureError
-from govray.keys import load_trust
+from govray.core.errors import GovrayError, SignatureError
+from govray.core.keys import load_trust
+from govray.provenance.attest import run_spec_of
 from govray.queries import NotFoundError, StoreReader, Window
 from govray.queries.ledger import statement_of
 from govray.queries.views import Lineage

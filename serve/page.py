@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from govray.identifiers import ModelName, RecordId, Version
+from govray.core.identifiers import ModelName, RecordId, Version
 from govray.queries import NotFoundError, StoreReader
 from serve.lineage_view import (
     CREDENTIAL_FIELDS,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from govray.documents import parse_yaml_mapping, read_text
-from govray.errors import ConfigError, GovrayError, describe_validation_error
+from govray.core.documents import parse_yaml_mapping, read_text
+from govray.core.errors import ConfigError, GovrayError, describe_validation_error
 
 ENVIRONMENT = {
     "database_url": ("GOVRAY_DATABASE_URL", "GOVRAY_DATABASE"),

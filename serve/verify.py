@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from govray.attest import AttestationError, verify_attestation
-from govray.dsse import Envelope
-from govray.errors import SignatureError
-from govray.identifiers import ModelRef, RecordId
-from govray.keys import TrustConfig, load_trust
+from govray.core.dsse import Envelope
+from govray.core.errors import SignatureError
+from govray.core.identifiers import ModelRef, RecordId
+from govray.core.keys import TrustConfig, load_trust
+from govray.platform.registry import RegistryError, parse_ref, resolve
+from govray.provenance.attest import AttestationError, verify_attestation
 from govray.queries import NotFoundError, QueryError, StoreReader
-from govray.registry import RegistryError, parse_ref, resolve
 from govray.tracking.store import TrackingStore
 from serve.settings import ServeSettings, Unavailable
 

@@ -20,15 +20,23 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from govray.keys import KeyRole, SigningKey, TrustConfig, save_trust
-from govray.policy import sign_policy
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
+from govray.governance.policy import sign_policy
 from govray.tracking.store import TrackingStore
+from jobs.examples.digits.golden import (
+    GOLDEN_HPARAMS,
+    GOLDEN_REPORT_EVERY,
+    GOLDEN_STEPS,
+    copy_example,
+    opened,
+    save_experiment,
+)
+from jobs.examples.digits.golden import golden_example as _golden_example
 
 if TYPE_CHECKING:
     from tests.cluster.postgres import PostgresServer
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE_CONFIG = REPO / "jobs" / "examples" / "digits" / "experiment.yaml"
 
 BASE_CREDENTIAL: dict[str, Any] = {
     "license_class": "public-domain",
@@ -46,7 +54,7 @@ def ray_session() -> Iterator[None]:
     """One local Ray for the whole session (Ray takes seconds to start on 2 cores)."""
     import ray
 
-    from govray.runtime import ensure_ray
+    from govray.core.runtime import ensure_ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ensure_ray()
@@ -154,28 +162,11 @@ def write_experiment(directory: Path, **overrides: Any) -> Path:
 def example_copy(tmp_path: Path) -> Path:
     """A copy of the digits example (data, policy, trust) whose storage lies in ``tmp_path``."""
     root = tmp_path / "example"
-    shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
-    shutil.copytree(REPO / "policies", root / "policies")
-    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    raw["policy"] = {"file": "policies/digits.policy.yaml", "trust": "policies/trust.yaml"}
-    raw["storage_path"] = "storage"
-    path = root / "experiment.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+    return save_experiment(root, copy_example(root))
 
 
 # --- golden runs: a few real Ray Train runs that many tests read ---------------------------------
-
-GOLDEN_HPARAMS: dict[str, Any] = {
-    "hidden": 24,
-    "dropout": 0.1,  # exercises per-step randomness
-    "lr": 0.05,
-    "optimizer": "sgd",  # the reference test recovers updates exactly from SGD steps
-    "batch_size": 16,
-    "max_grad_norm": 0.25,  # per-route-group clipping in play (it clips most early steps)
-}
-GOLDEN_STEPS = 30
-GOLDEN_REPORT_EVERY = 10
+# (built by jobs/examples/digits/golden.py, which the golden digest uses too)
 
 
 @dataclass
@@ -187,46 +178,10 @@ class GoldenRun:
     outcome: Any
 
 
-def _golden_example(
-    root: Path,
-    workers: int,
-    max_length: dict[str, int],
-    hparams: dict[str, Any] | None = None,
-    keep_all_checkpoints: bool = True,
-    lr_schedule: bool = True,
-) -> Path:
-    shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
-    shutil.copytree(REPO / "policies", root / "policies")
-    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    raw["policy"] = {"file": "policies/digits.policy.yaml", "trust": "policies/trust.yaml"}
-    raw["storage_path"] = "storage"
-    raw["hyperparameters"] = hparams or GOLDEN_HPARAMS
-    raw["resources"] = {"workers": workers, "cpus_per_worker": 1}
-    raw["searcher"] = {"name": "single", "max_length": max_length}
-    raw["checkpoint"] = {"period": GOLDEN_REPORT_EVERY}
-    # A metric-driven LR schedule in play: demanding a 90% better validation loss each time, it
-    # cuts the learning rate at steps 20 and 30 — decisions a replay must apply, not recompute.
-    raw["min_validation_period"] = GOLDEN_REPORT_EVERY
-    raw["lr_schedule"] = {"metric": "validation_loss", "factor": 0.5, "patience": 0, "threshold": 0.9}
-    if not lr_schedule:
-        del raw["lr_schedule"], raw["min_validation_period"]
-    if keep_all_checkpoints:
-        raw["checkpoint"]["save_trial_latest"] = 100  # tests read every one
-    path = root / "experiment.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
 def _golden_run(path: Path, excluded: tuple[str, ...] = ()) -> GoldenRun:
-    from govray.config import load_experiment
-    from govray.preflight import check_policy, ingest_experiment
-    from govray.runner import run_trial
-    from govray.tracking.store import TrackingStore
+    from govray.platform.runner import run_trial
 
-    config = load_experiment(path)
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
+    config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(
         config,
         checked,
@@ -265,7 +220,7 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
         workers=1,
         max_length={"epochs": 1},
         hparams=hparams,
-        keep_all_checkpoints=False,  # Determined's default GC: the trial's best and latest
+        keep_checkpoints=None,  # Determined's default GC: the trial's best and latest
         lr_schedule=False,
     )
     return _golden_run(path)

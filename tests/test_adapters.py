@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from govray.adapters import AdapterError, GovernedModel, load_adapter, save_adapter, save_base
-from govray.policy import DepthPolicy
-from govray.routing import RoutingTable, resolve_routes
+from govray.governance.adapters import AdapterError, GovernedModel, load_adapter, save_adapter, save_base
+from govray.governance.policy import DepthPolicy
+from govray.governance.routing import RoutingTable, resolve_routes
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "pii-lora": {"targets": ["hidden"], "rank": 4, "alpha": 8},

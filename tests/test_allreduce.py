@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from govray.allreduce import GradientGovernor, NonFiniteGradientError, governed_allreduce_hook
+from govray.governance.allreduce import GradientGovernor, NonFiniteGradientError, governed_allreduce_hook
 
 ROUTES = ("a", "b", "c")
 WORLD = 2

@@ -15,7 +15,12 @@ import pytest
 from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.signer import SSlibKey
 
-from govray.attest import (
+from govray.cli import main
+from govray.core.canonical import canonical_json
+from govray.core.dsse import sign_envelope
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.data.shards import ShardSet
+from govray.provenance.attest import (
     COVERAGE_TYPE,
     PAYLOAD_TYPE,
     PROVENANCE_TYPE,
@@ -24,15 +29,10 @@ from govray.attest import (
     attest_checkpoint,
     verify_attestation,
 )
-from govray.canonical import canonical_json
-from govray.checkpoint import CheckpointState
-from govray.cli import main
-from govray.data.shards import ShardSet
-from govray.dsse import sign_envelope
-from govray.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
-from govray.ledger import Ledger
-from govray.recompute import check_attested_ledger
+from govray.provenance.recompute import check_attested_ledger
 from govray.tracking.lineage import attestations, checkpoints
+from govray.train.checkpoint import CheckpointState
+from govray.train.ledger import Ledger
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun
 from tests.test_fault_tolerance import final_checkpoint
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from govray.cli import main
-from govray.errors import TrackingError
+from govray.core.errors import TrackingError
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 

@@ -25,9 +25,9 @@ from pydantic import SecretStr
 from sqlmodel import func, select
 
 from govray.cli import main
-from govray.identifiers import CORPUS_ID_BODY, MAX_ID, MODEL_NAME_BODY, IdentifierError, parse_model_ref
-from govray.keys import load_trust, platform_key
-from govray.registry import RegistryError, register
+from govray.core.identifiers import CORPUS_ID_BODY, MAX_ID, MODEL_NAME_BODY, IdentifierError, parse_model_ref
+from govray.core.keys import load_trust, platform_key
+from govray.platform.registry import RegistryError, register
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, AuditEvent, ModelVersion, RegisteredModel

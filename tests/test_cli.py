@@ -77,7 +77,7 @@ def test_unsigned_policy_needs_the_flag_and_is_audited(
     assert main(["policy", "check", str(example_copy)]) == 5
     assert "is unsigned" in capsys.readouterr().err
     assert main(["policy", "check", str(example_copy), "--allow-unsigned-policy"]) == 0
-    from govray.config import load_experiment
+    from govray.config.experiment import load_experiment
     from govray.tracking.audit import AuditEventType, AuditLog
     from govray.tracking.store import TrackingStore
 

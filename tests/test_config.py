@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from govray.config import AshaSearcher, CorpusFormat, LogHP, load_canaries, load_experiment
-from govray.credentials import Credential
-from govray.errors import ConfigError
-from govray.training import OptimizerConfig, OptimizerName, TrainingSettings
+from govray.config.experiment import AshaSearcher, CorpusFormat, LogHP, load_canaries, load_experiment
+from govray.config.training import OptimizerConfig, OptimizerName, TrainingSettings
+from govray.core.errors import ConfigError
+from govray.governance.credentials import Credential
 from tests.conftest import BASE_CREDENTIAL, EXAMPLE_CONFIG
 
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from govray.config import EarlyStoppingPolicy, PlateauSchedule
-from govray.decisions import DecisionError, EarlyStopDecision, EarlyStopping, LrDecision, Plateau
-from govray.harness.control import Controller
+from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
+from govray.train.control import Controller
+from govray.train.decisions import DecisionError, EarlyStopDecision, EarlyStopping, LrDecision, Plateau
 
 losses = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False), min_size=1, max_size=40)
 

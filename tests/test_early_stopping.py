@@ -8,15 +8,15 @@ from pathlib import Path
 
 import yaml
 
-from govray.checkpoint import STATE_FILE, checkpoint_step, find_checkpoints
-from govray.config import load_experiment
+from govray.config.experiment import load_experiment
+from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
-from govray.ledger import recompute_ledger
-from govray.preflight import check_policy, ingest_experiment
-from govray.replay import replay_trial
-from govray.runner import run_trial
-from govray.schedule import ScheduleSpec, derive_seed
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.replay import replay_trial
+from govray.platform.runner import run_trial
 from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.ledger import recompute_ledger
 from tests.conftest import GOLDEN_HPARAMS, _golden_example
 
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from conftest import GoldenRun
 
-from govray.checkpoint import STATE_FILE, CheckpointState, find_checkpoints
 from govray.cli import main
 from govray.cli.export import to_markdown
 from govray.data.shards import ShardSet
-from govray.eu_summary import EuSummary, eu_summary
-from govray.ledger import Ledger
-from govray.registry import register, remove_adapter
+from govray.platform.registry import register, remove_adapter
+from govray.provenance.eu_summary import EuSummary, eu_summary
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.tables import CorpusRecord
+from govray.train.checkpoint import STATE_FILE, CheckpointState, find_checkpoints
+from govray.train.ledger import Ledger
 
 WRITERS = "digits-writers"  # PII, TDM opt-out, routed to the removable adapter pii-lora
 

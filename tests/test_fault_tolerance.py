@@ -15,7 +15,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from govray.checkpoint import (
+from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
+from govray.core.runtime import train_worker_pids
+from govray.tracking.lineage import checkpoints
+from govray.train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     SIGNATURE_FILE,
@@ -29,9 +32,6 @@ from govray.checkpoint import (
     seal_checkpoint,
     verify_checkpoint,
 )
-from govray.keys import KeyRole, SigningKey, platform_key, platform_trust
-from govray.runtime import train_worker_pids
-from govray.tracking.lineage import checkpoints
 from tests.conftest import (
     GOLDEN_REPORT_EVERY,
     GOLDEN_STEPS,
@@ -165,9 +165,9 @@ def test_any_flipped_byte_is_refused_naming_the_file(checkpoint_copy: Path, name
 def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> None:
     """A tamperer who edits a file and rewrites the manifest (and even re-signs it with another
     key) is still refused."""
-    from govray.canonical import file_sha256
-    from govray.checkpoint import MANIFEST_TYPE, Manifest
-    from govray.dsse import sign_envelope
+    from govray.core.canonical import file_sha256
+    from govray.core.dsse import sign_envelope
+    from govray.train.checkpoint import MANIFEST_TYPE, Manifest
 
     (checkpoint_copy / STATE_FILE).write_text(
         (checkpoint_copy / STATE_FILE).read_text().replace('"step": 30', '"step": 31')

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from sqlmodel import select
 
-from govray.config import CheckpointConfig
-from govray.errors import GovrayError
-from govray.gc import GcPolicy, apply_gc, plan_gc
+from govray.config.experiment import CheckpointConfig
+from govray.core.errors import GovrayError
+from govray.platform.gc import GcPolicy, apply_gc, plan_gc
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints, record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
     AttestationRecord,
     CheckpointRecord,
-    CheckpointState,
+    CheckpointStatus,
     MetricKind,
     ModelVersion,
     RegisteredModel,
@@ -94,7 +94,7 @@ class Run:
         return self.names(plan.keep)
 
     def active(self) -> set[str]:
-        return {name for name in self.ids if self.record(name).state == CheckpointState.ACTIVE}
+        return {name for name in self.ids if self.record(name).state == CheckpointStatus.ACTIVE}
 
     def on_disk(self) -> set[str]:
         return {name for name in self.ids if self.path(name).exists()}
@@ -284,7 +284,7 @@ def test_deletion_removes_directories_keeps_rows_and_attestations_and_audits_eac
     assert run.on_disk() == kept
     for name in deleted:
         record = run.record(name)
-        assert record.state == CheckpointState.DELETED
+        assert record.state == CheckpointStatus.DELETED
         assert record.deleted_at is not None
     assert sum(len(checkpoints(run.store, trial_id)) for trial_id in run.trials.values()) == 10
     with run.store.session() as session:
@@ -317,7 +317,7 @@ def test_a_checkpoint_whose_directory_is_already_gone_is_still_marked_deleted(ru
 
     run.gc(GcPolicy(save_experiment_best=0, save_trial_best=0, save_trial_latest=1))
 
-    assert run.record("a10").state == CheckpointState.DELETED
+    assert run.record("a10").state == CheckpointStatus.DELETED
     assert run.active() == {"a50", "b50"}
 
 
@@ -355,5 +355,5 @@ def test_a_deletion_that_fails_leaves_the_checkpoint_active_and_unaudited(run: R
     ):
         run.gc(GcPolicy(save_experiment_best=0, save_trial_best=0, save_trial_latest=1))
 
-    assert run.record("a10").state == CheckpointState.ACTIVE
+    assert run.record("a10").state == CheckpointStatus.ACTIVE
     assert gc_events(run.store) == []

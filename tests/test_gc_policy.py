@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from govray.config import ExperimentConfig
-from govray.errors import TrackingError
-from govray.gc import GcPolicy, effective_gc_policy, set_gc_policy
+from govray.config.experiment import ExperimentConfig
+from govray.core.errors import TrackingError
+from govray.platform.gc import GcPolicy, effective_gc_policy, set_gc_policy
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from tests.conftest import BASE_CREDENTIAL

@@ -13,13 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from govray.config import load_experiment
+from govray.config.experiment import load_experiment
+from govray.core.errors import ConfigError, CredentialError, GovrayError, IngestError, PolicyError
+from govray.core.keys import SigningKey, load_trust
 from govray.data.ingest import HOLDOUT, ingest
 from govray.data.shards import ShardSet
-from govray.errors import ConfigError, CredentialError, GovrayError, IngestError, PolicyError
-from govray.keys import SigningKey, load_trust
-from govray.policy import VerifiedPolicy, load_verified_policy
-from govray.preflight import check_policy, ingest_experiment
+from govray.governance.policy import VerifiedPolicy, load_verified_policy
+from govray.platform.preflight import check_policy, ingest_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from tests.conftest import BASE_CREDENTIAL, table_rows, write_corpus, write_experiment, write_signed_policy

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from govray.errors import SignatureError
-from govray.keys import KeyRole, load_trust
+from govray.core.errors import SignatureError
+from govray.core.keys import KeyRole, load_trust
 from tests.conftest import REPO
 
 

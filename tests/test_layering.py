@@ -9,36 +9,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GOVRAY = REPO / "govray"
 
-# Bottom to top. A module may import its own layer and those below it, never above.
+# The layers, bottom to top: the one list. A package may import its own layer and those below it,
+# never above. govray/__init__.py's docstring and README's layout section repeat this order (checked
+# below); `harness` is the import path trials recorded before the layered tree use (a re-export).
 LAYERS: list[set[str]] = [
-    {"errors", "canonical", "documents", "runtime", "logs", "memorization", "canaries", "storage"},
-    {"identifiers"},
-    {"credentials"},
-    {"keys"},
-    {"dsse"},
-    {"training"},
+    {"core"},
+    {"governance"},
     {"config"},
-    {"policy"},
     {"data"},
-    {"schedule"},
-    {"routing"},
-    {"adapters"},
-    {"allreduce"},
-    {"ledger", "decisions"},
-    {"checkpoint"},
-    {"harness", "reproducibility"},
+    {"train", "harness"},
     {"tracking"},
-    {"gc", "reconcile"},
-    {"preflight"},
-    {"attest"},
-    {"rows", "eu_summary"},
-    {"registry", "recompute"},
-    {"runner"},
-    {"replay", "lifecycle", "search", "queries", "submission"},
-    {"describe"},
+    {"provenance"},
+    {"platform"},
+    {"queries"},
     {"cli", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+ORDER = " → ".join(sorted(names - {"harness", "__main__"}).pop() for names in LAYERS)
 
 
 def top_unit(module: str) -> str | None:
@@ -66,10 +53,25 @@ def calls_session(path: Path) -> bool:
     )
 
 
-def test_every_module_has_a_layer() -> None:
+def test_every_module_lives_in_a_layer_package() -> None:
     units = {path.relative_to(GOVRAY).parts[0].removesuffix(".py") for path in GOVRAY.rglob("*.py")}
     units.discard("__init__")
-    assert units - set(RANK) == set(), "place new govray modules in LAYERS"
+    assert units - set(RANK) == set(), "place new govray modules in a package of LAYERS"
+    loose = sorted(
+        path.name for path in GOVRAY.glob("*.py") if path.name not in {"__init__.py", "__main__.py"}
+    )
+    assert loose == [], "govray/ holds only its layer packages"
+
+
+def test_the_package_docstring_and_the_readme_give_the_layers_in_this_order() -> None:
+    import govray
+
+    assert govray.__doc__ is not None and ORDER in govray.__doc__
+    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    assert ORDER in layout
+    for names in LAYERS:
+        for name in names - {"__main__"}:
+            assert f"{name}/" in layout, f"README's layout does not describe govray/{name}/"
 
 
 def test_lower_layers_never_import_higher_ones() -> None:
@@ -113,3 +115,29 @@ def test_only_the_tracking_and_query_layers_speak_sql() -> None:
             if calls_session(path):
                 violations.append(f"{name} opens a database session")
     assert violations == [], "ask govray.tracking or govray.queries instead"
+
+
+def defined_names(path: Path) -> set[str]:
+    """Public classes, functions and constants a module defines at its top level."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if not name.startswith("_") and len(name) > 1 and name != "logger"}
+
+
+def test_one_meaning_per_name() -> None:
+    """No public name is defined by two modules (the CLI's command modules aside: each defines its
+    typer ``app`` and commands named after what they do); a re-export is not a definition."""
+    owners: dict[str, list[str]] = {}
+    for path in sorted(GOVRAY.rglob("*.py")):
+        relative = path.relative_to(GOVRAY)
+        if relative.parts[0] in {"cli", "harness"} or "migrations" in relative.parts:
+            continue
+        for name in defined_names(path):
+            owners.setdefault(name, []).append(relative.as_posix())
+    assert {name: paths for name, paths in owners.items() if len(paths) > 1} == {}

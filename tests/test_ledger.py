@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from govray.ledger import Ledger, LedgerEntry, LedgerError, format_ledger, recompute_ledger
-from govray.policy import DepthPolicy
-from govray.routing import RoutingTable, resolve_routes
-from govray.schedule import RouteRows, ScheduleEvent, ScheduleSpec, step_slots
+from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, step_slots
+from govray.governance.policy import DepthPolicy
+from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.ledger import Ledger, LedgerEntry, LedgerError, format_ledger, recompute_ledger
 
 BASE = ("l0.weight", "l0.bias", "l1.weight", "l1.bias", "l2.weight", "l2.bias")
 ADAPTER = ("adapter/a/l1.lora_A", "adapter/a/l1.lora_B")
@@ -48,9 +48,9 @@ SPEC = ScheduleSpec(
     world_size=3,
     batch_size=4,
     routes=(
-        RouteRows("public", (("wiki", 9), ("news", 4))),
-        RouteRows("licensed", (("wiki", 2), ("books", 6))),
-        RouteRows("pii", (("chats", 3), ("mail", 2))),
+        RouteLayout("public", (("wiki", 9), ("news", 4))),
+        RouteLayout("licensed", (("wiki", 2), ("books", 6))),
+        RouteLayout("pii", (("chats", 3), ("mail", 2))),
     ),
 )
 
@@ -95,7 +95,7 @@ def test_steps_count_once_per_step_and_stop_at_a_gate() -> None:
         seed=0,
         world_size=3,
         batch_size=2,
-        routes=(RouteRows("public", (("alpha", 3), ("b", 1))), RouteRows("pii", (("c", 2),))),
+        routes=(RouteLayout("public", (("alpha", 3), ("b", 1))), RouteLayout("pii", (("c", 2),))),
         events=(ScheduleEvent(step=1, kind="gate", corpus_id="b"),),
     )
     assert spec.steps_per_epoch == 1
@@ -191,9 +191,9 @@ def test_format_shows_examples_per_corpus_and_layer() -> None:
         world_size=2,
         batch_size=3,
         routes=(
-            RouteRows("public", (("wiki", 12),)),
-            RouteRows("biases", (("news", 5),)),
-            RouteRows("pii", (("chats", 3),)),
+            RouteLayout("public", (("wiki", 12),)),
+            RouteLayout("biases", (("news", 5),)),
+            RouteLayout("pii", (("chats", 3),)),
         ),
     )
     ledger = recompute_ledger(spec, table, steps=spec.steps_per_epoch)

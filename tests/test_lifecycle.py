@@ -13,21 +13,21 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from govray.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
 from govray.cli import main
-from govray.config import ExperimentConfig, load_experiment
+from govray.config.experiment import ExperimentConfig, load_experiment
+from govray.core.logs import log_dir, read_logs
+from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
-from govray.harness.runspec import RunSpec
-from govray.harness.state import TrialRun
-from govray.harness.worker import Worker
-from govray.ledger import Ledger, recompute_ledger
-from govray.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
-from govray.logs import log_dir, read_logs
-from govray.preflight import check_policy, ingest_experiment
-from govray.runner import TrialOutcome, run_spec_path, run_trial
-from govray.schedule import ScheduleSpec, derive_seed
+from govray.platform.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import TrialOutcome, run_spec_path, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.ledger import Ledger, recompute_ledger
+from govray.train.runspec import RunSpec
+from govray.train.state import TrialRun
+from govray.train.worker import Worker
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_example
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from govray import logs
-from govray.logs import WorkerLog, follow_logs, log_dir, log_path, read_logs
+from govray.core import logs
+from govray.core.logs import WorkerLog, follow_logs, log_dir, log_path, read_logs
 
 MOMENT = datetime(2026, 11, 22, 0, 1, 2, 123456, tzinfo=UTC)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from govray.memorization import (
+from govray.governance.memorization import (
     CorpusMeasures,
     EntropyBand,
     MemorizationReport,

@@ -14,22 +14,22 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from govray.checkpoint import load_checkpoint
-from govray.config import load_experiment
+from govray.config.experiment import load_experiment
+from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
-from govray.harness.runspec import RunSpec
-from govray.harness.state import TrialRun
-from govray.harness.worker import Worker
-from govray.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
-from govray.ledger import Ledger, recompute_ledger
-from govray.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
-from govray.preflight import check_policy, ingest_experiment
-from govray.replay import replay_trial
-from govray.runner import TrialOutcome, run_spec_path, run_trial
-from govray.schedule import ScheduleEvent, ScheduleSpec, derive_seed
+from govray.governance.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.replay import replay_trial
+from govray.platform.runner import TrialOutcome, run_spec_path, run_trial
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import load_checkpoint
+from govray.train.ledger import Ledger, recompute_ledger
+from govray.train.runspec import RunSpec
+from govray.train.state import TrialRun
+from govray.train.worker import Worker
 from tests.conftest import _golden_example, write_signed_policy
 
 

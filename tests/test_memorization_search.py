@@ -27,16 +27,16 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from govray.adapters import GovernedModel
-from govray.canaries import CanarySet
-from govray.config import load_experiment
-from govray.keys import SigningKey, TrustConfig, save_trust
-from govray.memorization import mean_exposure
-from govray.policy import load_policy
-from govray.preflight import check_policy, ingest_experiment
-from govray.routing import resolve_routes
-from govray.schedule import derive_seed
-from govray.search import SearchOutcome, run_search
+from govray.config.experiment import load_experiment
+from govray.core.keys import SigningKey, TrustConfig, save_trust
+from govray.data.schedule import derive_seed
+from govray.governance.adapters import GovernedModel
+from govray.governance.canaries import CanarySet
+from govray.governance.memorization import mean_exposure
+from govray.governance.policy import load_policy
+from govray.governance.routing import resolve_routes
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.search import SearchOutcome, run_search
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from jobs.examples.text.make_corpora import small_corpora

@@ -12,10 +12,10 @@ import yaml
 from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.signer import SSlibKey
 
-from govray.credentials import Credential
-from govray.errors import PolicyError, SignatureError
-from govray.keys import KeyRole, SigningKey, TrustConfig, compute_keyid, load_trust, save_trust
-from govray.policy import load_verified_policy, parse_policy
+from govray.core.errors import PolicyError, SignatureError
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, compute_keyid, load_trust, save_trust
+from govray.governance.credentials import Credential
+from govray.governance.policy import load_verified_policy, parse_policy
 from tests.conftest import BASE_CREDENTIAL, write_signed_policy
 
 POLICY: dict[str, Any] = {

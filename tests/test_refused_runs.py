@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from govray.config import load_experiment
+from govray.config.experiment import load_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 

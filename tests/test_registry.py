@@ -12,14 +12,10 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from govray.attest import AttestationError, verify_attestation
-from govray.checkpoint import MODEL_FILE, CheckpointState, find_checkpoints
 from govray.cli import main
-from govray.config import Length
-from govray.keys import platform_key, platform_trust
-from govray.ledger import Ledger
-from govray.recompute import check_attested_ledger
-from govray.registry import (
+from govray.config.experiment import Length
+from govray.core.keys import platform_key, platform_trust
+from govray.platform.registry import (
     RegisteredVersion,
     RegistryError,
     envelope_sha256,
@@ -32,10 +28,14 @@ from govray.registry import (
     version_attestations,
     versions,
 )
-from govray.rows import row_reach
-from govray.runner import run_trial
+from govray.platform.runner import run_trial
+from govray.provenance.attest import AttestationError, verify_attestation
+from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.rows import row_reach
 from govray.tracking.audit import AuditLog
 from govray.tracking.versions import list_models
+from govray.train.checkpoint import MODEL_FILE, CheckpointState, find_checkpoints
+from govray.train.ledger import Ledger
 from tests.conftest import GoldenRun
 
 MODEL = "digits-local"

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from govray.errors import GovrayError
-from govray.replay import InfluenceReport, Replay, final_checkpoint, replay_trial
-from govray.reproducibility import ReproducibilityError, ReproducibilityRecord
-from govray.storage import open_storage
+from govray.core.errors import GovrayError
+from govray.core.storage import open_storage
+from govray.platform.replay import InfluenceReport, Replay, final_checkpoint, replay_trial
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
+from govray.train.reproducibility import ReproducibilityError, ReproducibilityRecord
 from tests.conftest import GoldenRun, govray_elsewhere
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")
@@ -96,7 +96,7 @@ def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(
     out = capsys.readouterr().out
     assert "influence report:" in out
     report_path = Path(out.strip().splitlines()[-1].split("influence report: ")[1])
-    from govray.replay import InfluenceReport
+    from govray.platform.replay import InfluenceReport
 
     report = InfluenceReport.model_validate_json(report_path.read_text())
     base = [row for row in report.tensors if row.file == "model.safetensors"]

@@ -11,10 +11,12 @@ import pytest
 import ray
 import torch
 
-from govray.canonical import file_sha256
-from govray.config import CorpusFormat, CorpusSpec, load_experiment
+from govray.config.experiment import CorpusFormat, CorpusSpec, load_experiment
+from govray.core.canonical import file_sha256
 from govray.data.fingerprint import corpus_files, fingerprint_files
-from govray.reproducibility import (
+from govray.tracking.drift import FingerprintChange, changed_corpora
+from govray.tracking.store import TrackingStore
+from govray.train.reproducibility import (
     DETERMINISM_VARIABLES,
     ReproducibilityError,
     ReproducibilityRecord,
@@ -25,8 +27,6 @@ from govray.reproducibility import (
     snapshot_trial_code,
     verify_corpus_snapshot,
 )
-from govray.tracking.drift import FingerprintChange, changed_corpora
-from govray.tracking.store import TrackingStore
 from tests.conftest import BASE_CREDENTIAL, REPO, table_rows, write_corpus
 
 DIGITS_TRIAL = "jobs.examples.digits.trial:DigitsTrial"
@@ -78,7 +78,7 @@ def test_code_snapshot_copies_the_trial_package_importably_with_recomputable_dig
 
 
 def test_a_trial_module_without_source_is_refused(tmp_path: Path) -> None:
-    from govray.harness import trial as harness_trial
+    from govray.train import trial as harness_trial
 
     compiled = type("CompiledTrial", (harness_trial.Trial,), {})
     module = type(sys)("compiled_trial_module")  # a module with no file behind it

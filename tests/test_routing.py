@@ -13,11 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from govray.attest import coverage_matrix
-from govray.errors import RoutingError
-from govray.ledger import Ledger, LedgerEntry, format_ledger
-from govray.policy import DepthPolicy, LayerRoute
-from govray.routing import OUTSIDE_LAYERS, adapter_of_tensor, default_layers, layer_label, resolve_routes
+from govray.core.errors import RoutingError
+from govray.governance.policy import DepthPolicy, LayerRoute
+from govray.governance.routing import (
+    OUTSIDE_LAYERS,
+    adapter_of_tensor,
+    default_layers,
+    layer_label,
+    resolve_routes,
+)
+from govray.provenance.attest import coverage_matrix
+from govray.train.ledger import Ledger, LedgerEntry, format_ledger
 
 
 class Stack(nn.Module):

@@ -1,7 +1,7 @@
 """Row-level lineage: row questions are answered from the schedule.
 
 The fast path finds a row's step per epoch from its permuted position; every test here checks it
-against a brute-force scan of ``govray.schedule.slot`` over every step and rank.
+against a brute-force scan of ``govray.data.schedule.slot`` over every step and rank.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from conftest import GoldenRun
 
-from govray.checkpoint import STATE_FILE, CheckpointError, CheckpointState
 from govray.cli import main
+from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, slot
 from govray.data.shards import ShardSet
-from govray.harness.runspec import RunSpec
-from govray.harness.trial import load_trial_class
-from govray.ledger import Ledger
-from govray.routing import resolve_routes
-from govray.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
-from govray.schedule import RouteRows, ScheduleEvent, ScheduleSpec, slot
+from govray.governance.routing import resolve_routes
+from govray.provenance.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
 from govray.tracking.lineage import checkpoints
+from govray.train.checkpoint import STATE_FILE, CheckpointError, CheckpointState
+from govray.train.ledger import Ledger
+from govray.train.runspec import RunSpec
+from govray.train.trial import load_trial_class
 
 WRITERS = "digits-writers"  # PII, routed to the adapter pii-lora by the digits policy
 
@@ -55,9 +55,9 @@ def test_row_steps_equal_a_scan_of_every_slot_across_epochs_exclusions_gates_and
         world_size=3,
         batch_size=4,
         routes=(
-            RouteRows("open", (("a", 13), ("b", 6))),
-            RouteRows("adapter", (("c", 9),)),
-            RouteRows("empty", ()),
+            RouteLayout("open", (("a", 13), ("b", 6))),
+            RouteLayout("adapter", (("c", 9),)),
+            RouteLayout("empty", ()),
         ),
         excluded_corpora=frozenset({"b"}),
         events=(
@@ -82,7 +82,7 @@ def test_a_rolled_back_step_is_in_no_checkpoint_saved_after_the_rollback() -> No
         seed=1,
         world_size=1,
         batch_size=2,
-        routes=(RouteRows("all", (("a", 8),)),),
+        routes=(RouteLayout("all", (("a", 8),)),),
         events=(ScheduleEvent(step=6, kind="rollback", to_step=3),),
     )
     assert in_weights(spec, 4, 5)  # saved before the rollback: it holds step 4

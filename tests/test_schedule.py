@@ -17,10 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from govray.canonical import canonical_json, sha256_hex
-from govray.data.shards import CorpusSummary, RouteSummary, ShardManifest
-from govray.schedule import (
-    RouteRows,
+from govray.core.canonical import canonical_json, sha256_hex
+from govray.data.schedule import (
+    RouteLayout,
     ScheduleError,
     ScheduleEvent,
     ScheduleSpec,
@@ -29,14 +28,15 @@ from govray.schedule import (
     slot,
     step_slots,
 )
+from govray.data.shards import CorpusSummary, RouteSummary, ShardManifest
 
 REPO = Path(__file__).resolve().parents[1]
 
 ROUTES = (
-    RouteRows("public", (("wiki", 9), ("news", 4))),
-    RouteRows("licensed", (("books", 6),)),
-    RouteRows("empty", ()),
-    RouteRows("pii", (("chats", 3), ("mail", 2))),
+    RouteLayout("public", (("wiki", 9), ("news", 4))),
+    RouteLayout("licensed", (("books", 6),)),
+    RouteLayout("empty", ()),
+    RouteLayout("pii", (("chats", 3), ("mail", 2))),
 )
 
 
@@ -70,7 +70,7 @@ specs = st.builds(
         world_size=world,
         batch_size=batch,
         routes=tuple(
-            RouteRows(f"r{i}", tuple((f"c{i}-{j}", n) for j, n in enumerate(route)))
+            RouteLayout(f"r{i}", tuple((f"c{i}-{j}", n) for j, n in enumerate(route)))
             for i, route in enumerate(counts)
         ),
     ),
@@ -93,7 +93,7 @@ def test_a_fresh_process_recomputes_the_same_epoch() -> None:
     spec = spec_of()
     code = (
         "import json, sys\n"
-        "from govray.schedule import ScheduleSpec\n"
+        "from govray.data.schedule import ScheduleSpec\n"
         "from tests.test_schedule import epoch_digest\n"
         "spec = ScheduleSpec.from_json(json.loads(sys.argv[1]))\n"
         "print(spec.digest(), epoch_digest(spec, 0), epoch_digest(spec, 5))\n"
@@ -115,7 +115,7 @@ def test_schedule_version_1_is_pinned() -> None:
         seed=1,
         world_size=2,
         batch_size=3,
-        routes=(RouteRows("a", (("x", 4), ("y", 3))), RouteRows("b", (("z", 5),)), RouteRows("e", ())),
+        routes=(RouteLayout("a", (("x", 4), ("y", 3))), RouteLayout("b", (("z", 5),)), RouteLayout("e", ())),
     )
     assert [[(s.route, s.rows) for s in step] for step in epoch_slots(spec, 0)] == [
         [("a", (2, 1, 4)), ("a", (6, 0, 5))],
@@ -215,7 +215,7 @@ def test_a_fully_gated_slot_keeps_its_route_but_is_empty() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=6), max_size=5))
 def test_corpus_of_matches_a_brute_force_expansion(counts: list[int]) -> None:
-    route = RouteRows("r", tuple((f"c{i}", n) for i, n in enumerate(counts)))
+    route = RouteLayout("r", tuple((f"c{i}", n) for i, n in enumerate(counts)))
     expansion = [f"c{i}" for i, n in enumerate(counts) for _ in range(n)]
     assert route.rows == len(expansion)
     assert [route.corpus_of(index) for index in range(route.rows)] == expansion
@@ -264,9 +264,9 @@ def test_spec_from_manifest_follows_shard_order() -> None:
         reread, seed=3, world_size=2, batch_size=2, excluded_corpora=["alpha"], events=()
     )
     assert spec.routes == (
-        RouteRows("public", (("zeta", 3), ("alpha", 4))),
-        RouteRows("licensed", ()),
-        RouteRows("pii", (("zeta", 2),)),
+        RouteLayout("public", (("zeta", 3), ("alpha", 4))),
+        RouteLayout("licensed", ()),
+        RouteLayout("pii", (("zeta", 2),)),
     )
     assert spec.route("public").corpus_of(2) == "zeta" and spec.route("public").corpus_of(3) == "alpha"
     assert spec.excluded_corpora == frozenset({"alpha"})
@@ -311,11 +311,11 @@ def test_route_counts_sum_the_examples_of_each_route() -> None:
         ({"world_size": 0}, "world size must be at least 1, not 0"),
         ({"batch_size": 0}, "batch size must be at least 1, not 0"),
         (
-            {"routes": (RouteRows("a", ()), RouteRows("b", (("x", 0),)))},
+            {"routes": (RouteLayout("a", ()), RouteLayout("b", (("x", 0),)))},
             r"no training rows in any route \(a, b\)",
         ),
         (
-            {"routes": (RouteRows("a", (("x", 1),)), RouteRows("a", (("y", 1),)))},
+            {"routes": (RouteLayout("a", (("x", 1),)), RouteLayout("a", (("y", 1),)))},
             "routes repeat a name: a, a",
         ),
         ({"excluded_corpora": frozenset({"nope"})}, "excluded corpus 'nope' has no training rows"),
@@ -341,7 +341,7 @@ def test_a_rank_or_step_outside_the_schedule_is_refused() -> None:
     with pytest.raises(ScheduleError, match="global step must be non-negative, not -1"):
         slot(spec, -1, 0)
     with pytest.raises(ScheduleError, match="route 'r' lists a corpus twice"):
-        RouteRows("r", (("x", 1), ("x", 2)))
+        RouteLayout("r", (("x", 1), ("x", 2)))
 
 
 def test_rollback_events_round_trip_change_no_slot_and_leave_gate_documents_as_they_were() -> None:

@@ -15,18 +15,11 @@ import yaml
 from ray import tune
 from sqlalchemy.exc import SQLAlchemyError
 
-from govray.attest import COVERAGE_TYPE, verify_attestation
-from govray.checkpoint import MODEL_FILE, RUN_SPEC_FILE, checkpoint_step, find_checkpoints, load_checkpoint
-from govray.config import load_experiment
-from govray.errors import ConfigError
-from govray.harness.loop import train_worker
-from govray.harness.reports import StepReport
-from govray.harness.runspec import RunSpec
-from govray.harness.session import LocalSession, tune_reports, tune_result
-from govray.keys import platform_key, platform_trust
-from govray.preflight import check_policy, ingest_experiment
-from govray.recompute import check_attested_ledger
-from govray.search import (
+from govray.config.experiment import load_experiment
+from govray.core.errors import ConfigError
+from govray.core.keys import platform_key, platform_trust
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.search import (
     TUNE_TRIAL_MEMORY,
     SearchOutcome,
     TunePlan,
@@ -35,8 +28,21 @@ from govray.search import (
     run_search,
     strategy,
 )
+from govray.provenance.attest import COVERAGE_TYPE, verify_attestation
+from govray.provenance.recompute import check_attested_ledger
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    RUN_SPEC_FILE,
+    checkpoint_step,
+    find_checkpoints,
+    load_checkpoint,
+)
+from govray.train.loop import train_worker
+from govray.train.reports import StepReport
+from govray.train.runspec import RunSpec
+from govray.train.session import LocalSession, tune_reports, tune_result
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.conftest import GoldenRun, _golden_example, kill_driver_when

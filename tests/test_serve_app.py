@@ -17,12 +17,12 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import CHECKS, is_check_class, load_all_checks
 
-from govray.checkpoint import STATE_FILE
-from govray.keys import platform_key
+from govray.core.keys import platform_key
+from govray.platform.registry import remove_adapter
 from govray.queries import MAX_LIMIT
-from govray.registry import remove_adapter
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
+from govray.train.checkpoint import STATE_FILE
 from tests.conftest import GoldenRun
 from tests.lineage_server import Served, serve_golden_copy
 

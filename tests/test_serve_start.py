@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from govray.cli import main
-from govray.errors import ConfigError
+from govray.core.errors import ConfigError
 from serve.settings import ServeSettings
 
 

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from govray.checkpoint import (
+from govray.core.keys import platform_key, platform_trust
+from govray.core.runtime import train_worker_pids
+from govray.platform.recorder import GcSettings, RunRecorder
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import checkpoints, ledger_rows, record_checkpoint
+from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import (
     MODEL_FILE,
     REPORT_FILE,
     STATE_FILE,
@@ -25,13 +31,7 @@ from govray.checkpoint import (
     newest_verified_checkpoint,
     verify_checkpoint,
 )
-from govray.harness.reports import StepReport
-from govray.keys import platform_key, platform_trust
-from govray.recorder import GcSettings, RunRecorder
-from govray.runtime import train_worker_pids
-from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import checkpoints, ledger_rows, record_checkpoint
-from govray.tracking.store import TrackingStore
+from govray.train.reports import StepReport
 from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
 
 REPORTED_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))
@@ -162,7 +162,7 @@ def test_a_folder_gc_deleted_but_left_on_storage_is_deleted_again(
     folders = by_step(run_copy)
     for step, folder in folders.items():
         record_checkpoint(store, trial.id or 0, str(folder), step)
-    from govray.gc import _mark_deleted
+    from govray.platform.gc import _mark_deleted
 
     _mark_deleted(store, checkpoints(store, trial.id or 0)[0].id or 0)  # GC crashed before the rmtree
     callback = RunRecorder(

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from govray.cli import main
-from govray.errors import ConfigError
-from govray.submission import (
+from govray.core.errors import ConfigError
+from govray.platform.submission import (
     PINS_ENV,
     PinsDiffer,
     pin_mismatches,

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from govray.adapters import GovernedModel
-from govray.canaries import CanarySet
-from govray.policy import load_policy
-from govray.routing import resolve_routes
+from govray.governance.adapters import GovernedModel
+from govray.governance.canaries import CanarySet
+from govray.governance.policy import load_policy
+from govray.governance.routing import resolve_routes
 from jobs.examples.text.make_corpora import DATA, ROW_CHARS, source_problem, write_corpora
 from jobs.examples.text.trial import CharTransformer, CharTransformerTrial
 

@@ -18,8 +18,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlmodel import SQLModel
 
-from govray.canonical import canonical_json, sha256_hex
-from govray.errors import TrackingError
+from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.errors import TrackingError
 from govray.tracking import audit
 from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade

@@ -16,11 +16,11 @@ import pytest
 
 from govray.cli import main
 from govray.cli.common import console
-from govray.logs import log_dir
+from govray.core.logs import log_dir
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints, record_checkpoint
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointState, ExperimentState, MetricKind, TrialState
+from govray.tracking.tables import CheckpointStatus, ExperimentState, MetricKind, TrialState
 from tests.test_gc_policy import experiment_config, single
 
 FINGERPRINT = "f0" * 32
@@ -329,7 +329,7 @@ def test_a_refused_gc_policy_change_exits_2_and_changes_nothing(
     assert message in " ".join(capsys.readouterr().err.split())
     assert tracked.store.get_experiment(tracked.experiment_id).gc_policy_json is None
     assert AuditLog(tracked.store).list() == []
-    assert checkpoint_states(tracked) == {step: CheckpointState.ACTIVE for step in (10, 20, 30)}
+    assert checkpoint_states(tracked) == {step: CheckpointStatus.ACTIVE for step in (10, 20, 30)}
 
 
 # -- trial logs --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from govray.tracking.audit import AuditLog
 from govray.tracking.database import alembic_config, current_revision, tracking_url, upgrade
 from govray.tracking.lineage import checkpoints, ledger_rows, record_ledger
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Experiment, Trial
+from govray.tracking.tables import Experiment, TrialRecord
 from tests.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_openers, run_writers
 
 WRITERS, STEPS = 8, 25
@@ -53,7 +53,7 @@ def test_timestamps_come_back_as_the_same_instant_in_utc(store: TrackingStore) -
         session.add(experiment)
         session.flush()
         assert experiment.id is not None
-        session.add(Trial(experiment_id=experiment.id, hparams_json="{}", seed=0, ended_at=ended))
+        session.add(TrialRecord(experiment_id=experiment.id, hparams_json="{}", seed=0, ended_at=ended))
 
     reopened = TrackingStore(store.url)  # nothing cached: read back through a new engine
     try:

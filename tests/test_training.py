@@ -12,19 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from govray.adapters import GovernedModel
-from govray.allreduce import parameters_by_name
-from govray.attest import run_spec_of
-from govray.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
+from govray.core.keys import platform_key, platform_trust
+from govray.data.schedule import ScheduleSpec, derive_seed, step_slots
 from govray.data.shards import ShardSet
-from govray.harness.step import allowed_route_sets
-from govray.harness.trial import load_trial_class
-from govray.harness.worker import RouteRows
-from govray.keys import platform_key, platform_trust
-from govray.ledger import recompute_ledger
-from govray.routing import resolve_routes
-from govray.schedule import ScheduleSpec, derive_seed, step_slots
+from govray.governance.adapters import GovernedModel
+from govray.governance.allreduce import parameters_by_name
+from govray.governance.routing import resolve_routes
+from govray.provenance.attest import run_spec_of
 from govray.tracking.lineage import ledger_rows
+from govray.train.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
+from govray.train.ledger import recompute_ledger
+from govray.train.step import allowed_route_sets
+from govray.train.trial import load_trial_class
+from govray.train.worker import RouteRows
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun
 
 REPORT_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))

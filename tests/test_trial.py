@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from govray.harness.trial import ProbeHooks, Trial, defines_sequence_scores, importable, make_trial
-from govray.training import OptimizerConfig, OptimizerName, TrainingSettings
+from govray.config.training import OptimizerConfig, OptimizerName, TrainingSettings
+from govray.train.trial import ProbeHooks, Trial, defines_sequence_scores, importable, make_trial
 from jobs.examples.digits.trial import DigitsTrial
 from jobs.examples.text.trial import CharTransformerTrial
 

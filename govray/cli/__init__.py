@@ -24,7 +24,7 @@ from govray.cli.resume import resume
 from govray.cli.run import run
 from govray.cli.search import search
 from govray.cli.serve import serve
-from govray.errors import GovrayError
+from govray.core.errors import GovrayError
 
 app = typer.Typer(
     name="govray",

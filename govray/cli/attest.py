@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 
-from govray.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint, verify_attestation
 from govray.cli.common import console
-from govray.keys import load_trust
-from govray.recompute import check_attested_ledger
+from govray.core.keys import load_trust
+from govray.provenance.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint, verify_attestation
+from govray.provenance.recompute import check_attested_ledger
 
 
 def attest(

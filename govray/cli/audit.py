@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
-from govray.errors import TrackingError
+from govray.core.errors import TrackingError
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 

@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from govray.config import ExperimentConfig, load_experiment
-from govray.identifiers import IdentifierError, parse_id
+from govray.config.experiment import ExperimentConfig, load_experiment
+from govray.core.identifiers import IdentifierError, parse_id
 from govray.tracking.store import TrackingStore
 
 # Piped output (logs, CI) gets wide lines rather than folded ids and digests.

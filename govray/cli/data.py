@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
-from govray.preflight import check_policy, ingest_experiment
+from govray.platform.preflight import check_policy, ingest_experiment
 
 app = typer.Typer(help="Ingest credentialed corpora into route-partitioned shards.", no_args_is_help=True)
 

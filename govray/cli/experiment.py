@@ -10,13 +10,13 @@ from rich.markup import escape
 
 from govray.cli import lifecycle
 from govray.cli.common import Database, console, table
-from govray.config import load_experiment
-from govray.describe import ExperimentDescription, TrialDescription, describe_experiment
-from govray.errors import ConfigError
-from govray.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
+from govray.cli.describe import ExperimentDescription, TrialDescription, describe_experiment
+from govray.config.experiment import load_experiment
+from govray.core.errors import ConfigError
+from govray.platform.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Trial, TrialKind
+from govray.tracking.tables import TrialKind, TrialRecord
 
 app = typer.Typer(help="Experiments in the tracking store.", no_args_is_help=True)
 settings = typer.Typer(help="Change an experiment's settings.", no_args_is_help=True)
@@ -211,7 +211,7 @@ def _source(trial: TrialDescription) -> str:
     return f"clone of trial {trial.cloned_from}" if trial.cloned_from is not None else "-"
 
 
-def _trial_counts(trials: list[Trial]) -> str:
+def _trial_counts(trials: list[TrialRecord]) -> str:
     """``3 (1 replay)``: replays are counterfactual reruns, never the experiment's result."""
     replays = sum(trial.kind == TrialKind.REPLAY for trial in trials)
     return f"{len(trials)} ({replays} replay{'s' if replays != 1 else ''})" if replays else str(len(trials))

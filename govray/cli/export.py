@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from govray.errors import GovrayError
-from govray.eu_summary import EuSummary, Period, eu_summary
-from govray.registry import resolve
+from govray.core.errors import GovrayError
+from govray.platform.registry import resolve
+from govray.provenance.eu_summary import EuSummary, Period, eu_summary
 from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
 

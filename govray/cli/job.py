@@ -11,7 +11,14 @@ import typer
 from ray.job_submission import JobDetails
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, console, table
-from govray.submission import TERMINAL, JobError, RayJobs, check_succeeded, plan_submission, verify_pins
+from govray.platform.submission import (
+    TERMINAL,
+    JobError,
+    RayJobs,
+    check_succeeded,
+    plan_submission,
+    verify_pins,
+)
 
 app = typer.Typer(no_args_is_help=True, help="Ray jobs on a cluster: logs, status, stop, list.")
 

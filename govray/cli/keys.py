@@ -14,8 +14,8 @@ import typer
 
 from govray.cli.common import console, table
 from govray.cli.policy import keygen
-from govray.errors import SignatureError
-from govray.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key, save_trust
+from govray.core.errors import SignatureError
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key, save_trust
 
 app = typer.Typer(help="Signing keys of the two roles, rotation and revocation.", no_args_is_help=True)
 app.command("generate")(keygen)

@@ -8,9 +8,9 @@ import typer
 
 from govray.cli.common import AllowUnsigned, Database, Strict, console
 from govray.cli.run import progress_bar, report
-from govray.config import ExperimentConfig
-from govray.lifecycle import LATEST, activate, fork, request_kill, request_pause, wait_while_active
-from govray.preflight import check_policy
+from govray.config.experiment import ExperimentConfig
+from govray.platform.lifecycle import LATEST, activate, fork, request_kill, request_pause, wait_while_active
+from govray.platform.preflight import check_policy
 from govray.tracking.store import TrackingStore
 
 ExperimentArgument = typer.Argument(..., help="Experiment id, or name (the newest of that name).")

@@ -6,8 +6,8 @@ import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
-from govray.identifiers import parse_id
-from govray.rows import LineageError, TrialReach, row_reach
+from govray.core.identifiers import parse_id
+from govray.provenance.rows import LineageError, TrialReach, row_reach
 from govray.tracking.store import TrackingStore
 
 app = typer.Typer(help="Lineage: what a training row reached, from the schedule.", no_args_is_help=True)

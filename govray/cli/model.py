@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
-from govray.registry import (
+from govray.platform.registry import (
     RegisteredVersion,
     RegistryError,
     register,

@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
-from govray.dsse import read_envelope
-from govray.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
-from govray.policy import load_verified_policy, sign_policy
-from govray.preflight import check_policy
+from govray.core.dsse import read_envelope
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
+from govray.governance.policy import load_verified_policy, sign_policy
+from govray.platform.preflight import check_policy
 
 app = typer.Typer(help="Manage signed depth policies.", no_args_is_help=True)
 

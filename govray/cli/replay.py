@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from govray.cli.common import console, record_id
-from govray.replay import format_influence, replay_trial
+from govray.platform.replay import format_influence, replay_trial
 from govray.tracking.store import TrackingStore
 
 

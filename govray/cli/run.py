@@ -17,12 +17,12 @@ from rich.progress import (
 )
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
-from govray.ledger import format_ledger
-from govray.preflight import CheckedPolicy, check_policy, ingest_experiment
-from govray.registry import resolve, start_reference
-from govray.runner import Progress as ProgressCallback
-from govray.runner import TrialOutcome, interrupted_trial, refusals, resume_trial, run_trial
+from govray.platform.preflight import CheckedPolicy, check_policy, ingest_experiment
+from govray.platform.registry import resolve, start_reference
+from govray.platform.runner import Progress as ProgressCallback
+from govray.platform.runner import TrialOutcome, interrupted_trial, refusals, resume_trial, run_trial
 from govray.tracking.tables import Experiment
+from govray.train.ledger import format_ledger
 
 FromCheckpoint = typer.Option(
     None,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
-from govray.preflight import check_policy, ingest_experiment
-from govray.runner import refusals
-from govray.search import run_search
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import refusals
+from govray.platform.search import run_search
 
 
 def search(

@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import console
-from govray.errors import ConfigError
+from govray.core.errors import ConfigError
 
 APP_MODULE = "serve.app"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import Database, record_id
-from govray.errors import GovrayError
-from govray.logs import follow_logs, log_dir, read_logs
-from govray.storage import Storage, open_storage
+from govray.core.errors import GovrayError
+from govray.core.logs import follow_logs, log_dir, read_logs
+from govray.core.storage import Storage, open_storage
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
 

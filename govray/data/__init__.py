@@ -1,1 +1,2 @@
-"""Data layer: corpus fingerprints, Ray Data ingest, route-partitioned shards."""
+"""Data layer: corpus fingerprints and validation, Ray Data ingest, route-partitioned shards and the
+deterministic step schedule over them (which rows each rank takes at each step)."""

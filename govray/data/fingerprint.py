@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from govray.errors import IngestError
+from govray.core.errors import IngestError
 
 EXTENSIONS = {"parquet": (".parquet",), "jsonl": (".jsonl", ".json"), "csv": (".csv",)}
 

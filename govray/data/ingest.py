@@ -30,9 +30,10 @@ import ray
 import ray.data
 import ray.exceptions
 
-from govray.canonical import canonical_json, file_sha256, sha256_hex
-from govray.config import CorpusRole, CorpusSpec, ExperimentConfig
-from govray.credentials import build_credential
+from govray.config.experiment import CorpusRole, CorpusSpec, ExperimentConfig
+from govray.core.canonical import canonical_json, file_sha256, sha256_hex
+from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
+from govray.core.storage import open_storage
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.data.shards import (
     MANIFEST,
@@ -44,9 +45,8 @@ from govray.data.shards import (
     ShardSet,
 )
 from govray.data.validate import check_file, diagnose_file, locate
-from govray.errors import CredentialError, GovrayError, IngestError, PolicyError
-from govray.policy import DepthPolicy, VerifiedPolicy
-from govray.storage import open_storage
+from govray.governance.credentials import build_credential
+from govray.governance.policy import DepthPolicy, VerifiedPolicy
 
 ROWS_PER_SHARD_FILE = 100_000
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training

@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from govray.canonical import file_sha256
-from govray.errors import IngestError
-from govray.storage import open_storage
+from govray.core.canonical import file_sha256
+from govray.core.errors import IngestError
+from govray.core.storage import open_storage
 
 MANIFEST = "manifest.json"
 SHARD_FORMAT_VERSION = 1

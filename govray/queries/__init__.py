@@ -17,7 +17,7 @@ largest over the layer's tensors — examples, tokens and steps that directly re
 it — and ``tensors`` is how many of its tensors the corpus reached.
 """
 
-from govray.identifiers import MAX_ID
+from govray.core.identifiers import MAX_ID
 from govray.queries.engine import StoreGeneration, read_only_engine
 from govray.queries.errors import NotFoundError, QueryError, StoreFailure
 from govray.queries.reader import StoreReader

@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from govray.errors import TrackingError
+from govray.core.errors import TrackingError
 from govray.tracking.database import tracking_url
 from govray.tracking.store import SQLITE_BUSY_TIMEOUT_MS, alembic_config, current_revision, masked
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from govray.errors import GovrayError
+from govray.core.errors import GovrayError
 
 # What the database raises when the store itself fails (unreachable, locked, a dropped connection):
 # SQLAlchemy's base error, named here so that the layers above the query layer need not import it.

@@ -24,9 +24,10 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import Integer, String
 from sqlmodel import Session, col, select
 
-from govray.attest import COVERAGE_TYPE
-from govray.dsse import Envelope
-from govray.errors import SignatureError
+from govray.core.dsse import Envelope
+from govray.core.errors import SignatureError
+from govray.governance.routing import ADAPTER_PREFIX, layer_label
+from govray.provenance.attest import COVERAGE_TYPE
 from govray.queries.errors import NotFoundError
 from govray.queries.views import (
     CorpusCounts,
@@ -40,8 +41,7 @@ from govray.queries.views import (
     Window,
     page,
 )
-from govray.routing import ADAPTER_PREFIX, layer_label
-from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow, ModelVersion, Trial
+from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow, ModelVersion, TrialRecord
 
 NAME_CACHE_SIZE = 256
 
@@ -217,7 +217,7 @@ def lineage(
     """Per layer of ``checkpoint`` (or of a model version made from it, which lacks the adapters
     removed from it), the corpora that directly reached it."""
     assert checkpoint.id is not None
-    trial = session.get(Trial, checkpoint.trial_id)
+    trial = session.get(TrialRecord, checkpoint.trial_id)
     assert trial is not None and trial.id is not None
     own = col(LedgerRow.checkpoint_id) == checkpoint.id
     source: Literal["checkpoint", "trial"] = "checkpoint"
@@ -298,7 +298,7 @@ def influence(
     for trial_id, checkpoint_id, *group in session.exec(query):
         if (trial_id, checkpoint_id) in by_pair:  # (a NULL checkpoint id cannot be matched in SQL)
             by_pair[trial_id, checkpoint_id].append(_Group(*group))
-    trials = select(Trial.id, Trial.experiment_id).where(col(Trial.id).in_(trial_ids))
+    trials = select(TrialRecord.id, TrialRecord.experiment_id).where(col(TrialRecord.id).in_(trial_ids))
     experiments = dict(session.exec(trials).all())
     finals = final_checkpoints(session, trial_ids)
     resolved = {pair: pair[1] if pair[1] is not None else _id(finals.get(pair[0])) for pair in pairs}
@@ -353,7 +353,7 @@ def _holds_any(version: ModelVersion, groups: list[_Group]) -> bool:
 
 def statement_of(envelope_json: str) -> dict[str, Any]:
     """The in-toto statement inside a stored envelope, NOT verified (``{}`` when unreadable): for
-    naming and sorting only; trust what ``govray.attest.verify_attestation`` returns."""
+    naming and sorting only; trust what ``govray.provenance.attest.verify_attestation`` returns."""
     try:
         statement = json.loads(Envelope.model_validate_json(envelope_json).payload_bytes())
     except (ValueError, SignatureError):

@@ -14,8 +14,8 @@ from sqlalchemy import Engine, and_, func
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
-from govray.attest import PROVENANCE_TYPE
-from govray.errors import TrackingError
+from govray.core.errors import TrackingError
+from govray.provenance.attest import PROVENANCE_TYPE
 from govray.queries import ledger
 from govray.queries.errors import NotFoundError, QueryError
 from govray.queries.ledger import statement_of
@@ -50,11 +50,11 @@ from govray.tracking.tables import (
     Metric,
     ModelVersion,
     RegisteredModel,
-    Trial,
+    TrialRecord,
 )
 
 Query = TypeVar("Query", bound=Select[Any])
-Row = TypeVar("Row", Experiment, Trial, CheckpointRecord, AttestationRecord, ModelVersion)
+_Row = TypeVar("_Row", Experiment, TrialRecord, CheckpointRecord, AttestationRecord, ModelVersion)
 
 
 class StoreReader:
@@ -90,14 +90,14 @@ class StoreReader:
     def trials(self, experiment_id: int, window: Window) -> Page[TrialView]:
         with self.session() as session:
             _get(session, Experiment, experiment_id)
-            query = select(Trial).where(Trial.experiment_id == experiment_id)
+            query = select(TrialRecord).where(TrialRecord.experiment_id == experiment_id)
             total = _count(session, query)
-            rows = list(session.exec(_sliced(query.order_by(col(Trial.id)), window)))
+            rows = list(session.exec(_sliced(query.order_by(col(TrialRecord.id)), window)))
         return page([_trial_view(t) for t in rows], total, window)
 
     def trial(self, trial_id: int) -> TrialDetail:
         with self.session() as session:
-            found = _get(session, Trial, trial_id)
+            found = _get(session, TrialRecord, trial_id)
             saved = checkpoints_of(session, trial_id)
         source = _json_object(found.source_checkpoint_json) if found.source_checkpoint_json else None
         return TrialDetail(
@@ -109,7 +109,7 @@ class StoreReader:
     def metrics(self, trial_id: int, window: Window, name: str | None = None) -> Page[MetricView]:
         """A trial's metrics by name then step (only ``name`` when given)."""
         with self.session() as session:
-            _get(session, Trial, trial_id)
+            _get(session, TrialRecord, trial_id)
             query = select(Metric).where(Metric.trial_id == trial_id)
             if name is not None:
                 query = query.where(Metric.name == name)
@@ -296,7 +296,7 @@ class StoreReader:
             return [_checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
 
 
-def _get(session: Session, table: type[Row], row_id: int) -> Row:
+def _get(session: Session, table: type[_Row], row_id: int) -> _Row:
     found = session.get(table, row_id)
     if found is None:
         what = {
@@ -336,9 +336,9 @@ def _count(session: Session, query: Select[Any]) -> int:
 
 def _trial_counts(session: Session, experiment_ids: list[int]) -> dict[int, int]:
     query = (
-        select(Trial.experiment_id, func.count())
-        .where(col(Trial.experiment_id).in_(experiment_ids))
-        .group_by(col(Trial.experiment_id))
+        select(TrialRecord.experiment_id, func.count())
+        .where(col(TrialRecord.experiment_id).in_(experiment_ids))
+        .group_by(col(TrialRecord.experiment_id))
     )
     return {experiment_id: count for experiment_id, count in session.exec(query)}
 
@@ -357,7 +357,7 @@ def _experiment_view(experiment: Experiment, trials: int) -> ExperimentView:
     return ExperimentView(**fields, trials=trials)
 
 
-def _trial_view(trial: Trial) -> TrialView:
+def _trial_view(trial: TrialRecord) -> TrialView:
     return TrialView(
         id=trial.id or 0,
         experiment_id=trial.experiment_id,

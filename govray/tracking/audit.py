@@ -29,8 +29,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from govray.canonical import canonical_json, sha256_hex
-from govray.errors import TrackingError
+from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.errors import TrackingError
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AuditEvent
 

@@ -10,17 +10,17 @@ from pathlib import Path
 
 from sqlmodel import Session, col, delete, select
 
-from govray.canonical import file_sha256
+from govray.core.canonical import file_sha256
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
     AttestationRecord,
     CheckpointRecord,
-    CheckpointState,
+    CheckpointStatus,
     LedgerRow,
     Metric,
     MetricKind,
     ModelVersion,
-    Trial,
+    TrialRecord,
     utcnow,
 )
 
@@ -101,12 +101,14 @@ def checkpoint_at(store: TrackingStore, checkpoint: Path) -> CheckpointRecord | 
     return None
 
 
-def trial_of(store: TrackingStore, checkpoint: Path) -> Trial | None:
+def trial_of(store: TrackingStore, checkpoint: Path) -> TrialRecord | None:
     """The trial that saved ``checkpoint``, when the tracking store recorded it under this path
     (as given or resolved)."""
     wanted = {str(checkpoint), str(checkpoint.resolve())}
     with store.session() as session:
-        query = select(Trial).join(CheckpointRecord, col(CheckpointRecord.trial_id) == col(Trial.id))
+        query = select(TrialRecord).join(
+            CheckpointRecord, col(CheckpointRecord.trial_id) == col(TrialRecord.id)
+        )
         return session.exec(query.where(col(CheckpointRecord.path).in_(wanted))).first()
 
 
@@ -124,27 +126,27 @@ class ActiveCheckpoints:
 def active_checkpoints(store: TrackingStore, experiment_id: int, metric: str) -> ActiveCheckpoints:
     """An experiment's active checkpoints, its trials' states, its trials' validation reports of
     ``metric`` and the model versions registered from those checkpoints."""
-    in_experiment = col(Trial.experiment_id) == experiment_id
-    is_active = col(CheckpointRecord.state) == CheckpointState.ACTIVE.value
+    in_experiment = col(TrialRecord.experiment_id) == experiment_id
+    is_active = col(CheckpointRecord.state) == CheckpointStatus.ACTIVE.value
     with store.session() as session:
-        trials = session.exec(select(Trial.id, Trial.state).where(in_experiment))
+        trials = session.exec(select(TrialRecord.id, TrialRecord.state).where(in_experiment))
         states = {trial_id: state for trial_id, state in trials if trial_id is not None}
         records = session.exec(
             select(CheckpointRecord)
-            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
+            .join(TrialRecord, col(TrialRecord.id) == col(CheckpointRecord.trial_id))
             .where(in_experiment, is_active)
             .order_by(col(CheckpointRecord.trial_id), col(CheckpointRecord.step), col(CheckpointRecord.id))
         ).all()
         reported = session.exec(
             select(Metric)
-            .join(Trial, col(Trial.id) == col(Metric.trial_id))
+            .join(TrialRecord, col(TrialRecord.id) == col(Metric.trial_id))
             .where(in_experiment, Metric.kind == MetricKind.VALIDATION.value, Metric.name == metric)
             .order_by(col(Metric.id))
         ).all()
         versions = session.exec(
             select(ModelVersion)
             .join(CheckpointRecord, col(CheckpointRecord.id) == col(ModelVersion.checkpoint_id))
-            .join(Trial, col(Trial.id) == col(CheckpointRecord.trial_id))
+            .join(TrialRecord, col(TrialRecord.id) == col(CheckpointRecord.trial_id))
             .where(in_experiment, is_active)
             .order_by(col(ModelVersion.model_name), col(ModelVersion.version))
         ).all()
@@ -156,7 +158,7 @@ def mark_deleted(store: TrackingStore, checkpoint_id: int) -> CheckpointRecord |
     with store.session() as session:
         record = session.get(CheckpointRecord, checkpoint_id)
         if record is not None:
-            record.state = CheckpointState.DELETED.value
+            record.state = CheckpointStatus.DELETED.value
             record.deleted_at = utcnow()
             session.add(record)
     return record

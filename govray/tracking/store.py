@@ -21,8 +21,8 @@ from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from govray.errors import TrackingError
-from govray.identifiers import MAX_ID, ExperimentName, check
+from govray.core.errors import TrackingError
+from govray.core.identifiers import MAX_ID, ExperimentName, check
 from govray.tracking.database import (  # the database half, re-exported for this module's callers
     SQLITE_BUSY_TIMEOUT_MS,
     alembic_config,
@@ -35,14 +35,14 @@ from govray.tracking.tables import (
     TERMINAL_TRIAL_STATES,
     ControlRequest,
     CorpusRecord,
-    Decision,
     DecisionKind,
+    DecisionRecord,
     Experiment,
     ExperimentState,
     Metric,
     MetricKind,
-    Trial,
     TrialKind,
+    TrialRecord,
     TrialState,
     utcnow,
 )
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind, ControlRequest, DecisionKind)
-Row = TypeVar("Row", Experiment, Trial)
+_Row = TypeVar("_Row", Experiment, TrialRecord)
 
 # What a caller describes about a corpus; the store fills in the rest.
 CORPUS_FIELDS = frozenset(CorpusRecord.model_fields) - {"id", "experiment_id", "created_at"}
@@ -237,10 +237,10 @@ class TrackingStore:
         ray_run_name: str | None = None,
         cloned_from: int | None = None,
         replay_of: int | None = None,
-    ) -> Trial:
+    ) -> TrialRecord:
         """Record a new trial of an experiment in state ``pending``: an original, or a replay of
         trial ``replay_of``."""
-        trial = Trial(
+        trial = TrialRecord(
             experiment_id=experiment_id,
             hparams_json=hparams_json,
             seed=seed,
@@ -252,28 +252,28 @@ class TrackingStore:
         with self.session() as session:
             _require(session, Experiment, experiment_id)
             if replay_of is not None:
-                _require(session, Trial, replay_of)
+                _require(session, TrialRecord, replay_of)
             session.add(trial)
         return trial
 
-    def get_trial(self, trial_id: int) -> Trial:
+    def get_trial(self, trial_id: int) -> TrialRecord:
         """The trial with this id."""
         with self.session() as session:
-            return _require(session, Trial, trial_id)
+            return _require(session, TrialRecord, trial_id)
 
-    def list_trials(self, experiment_id: int) -> list[Trial]:
+    def list_trials(self, experiment_id: int) -> list[TrialRecord]:
         """The trials of an experiment, oldest first."""
         with self.session() as session:
-            query = select(Trial).where(Trial.experiment_id == experiment_id)
-            return list(session.exec(query.order_by(col(Trial.id))))
+            query = select(TrialRecord).where(TrialRecord.experiment_id == experiment_id)
+            return list(session.exec(query.order_by(col(TrialRecord.id))))
 
     def set_trial_state(
         self, trial_id: int, state: TrialState | str, ray_run_name: str | None = None
-    ) -> Trial:
+    ) -> TrialRecord:
         """Move a trial to ``state``; a terminal state stamps ``ended_at``."""
         new_state = _member(TrialState, state)
         with self.session() as session:
-            trial = _require(session, Trial, trial_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.state = new_state.value
             if ray_run_name is not None:
                 trial.ray_run_name = ray_run_name
@@ -282,35 +282,35 @@ class TrackingStore:
             session.add(trial)
         return trial
 
-    def set_trial_reproducibility(self, trial_id: int, record_json: str) -> Trial:
+    def set_trial_reproducibility(self, trial_id: int, record_json: str) -> TrialRecord:
         """Keep the trial's reproducibility record (environment, code, corpus snapshots)."""
         with self.session() as session:
-            trial = _require(session, Trial, trial_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.reproducibility_json = record_json
             session.add(trial)
         return trial
 
-    def set_cloned_from(self, trial_id: int, donor_id: int) -> Trial:
+    def set_cloned_from(self, trial_id: int, donor_id: int) -> TrialRecord:
         """Record that a trial continued another's state (a PBT exploit): its lineage parent."""
         with self.session() as session:
-            _require(session, Trial, donor_id)
-            trial = _require(session, Trial, trial_id)
+            _require(session, TrialRecord, donor_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.cloned_from = donor_id
             session.add(trial)
         return trial
 
     def record_progress(
         self, trial_id: int, step: int, stop_reason: str | None = None, cloned_from: int | None = None
-    ) -> Trial:
+    ) -> TrialRecord:
         """A trial's state after a report: the last step it reported (never going back), why it
         stops there (``pause``, ``kill``, ``early_stop``), the trial it continued (a PBT clone)."""
         with self.session() as session:
-            trial = _require(session, Trial, trial_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.last_step = max(trial.last_step or 0, step)
             if stop_reason is not None:
                 trial.stop_reason = stop_reason
             if cloned_from is not None:
-                _require(session, Trial, cloned_from)
+                _require(session, TrialRecord, cloned_from)
                 trial.cloned_from = cloned_from
             session.add(trial)
         return trial
@@ -318,14 +318,14 @@ class TrackingStore:
     def clear_stop(self, trial_id: int) -> None:
         """A trial that runs again (a resume) is no longer stopped."""
         with self.session() as session:
-            trial = _require(session, Trial, trial_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.stop_reason = None
             session.add(trial)
 
-    def set_trial_source(self, trial_id: int, source_json: str) -> Trial:
+    def set_trial_source(self, trial_id: int, source_json: str) -> TrialRecord:
         """Record the checkpoint a trial started from (its lineage parent)."""
         with self.session() as session:
-            trial = _require(session, Trial, trial_id)
+            trial = _require(session, TrialRecord, trial_id)
             trial.source_checkpoint_json = source_json
             session.add(trial)
         return trial
@@ -339,13 +339,14 @@ class TrackingStore:
         """
         added = 0
         with self.session() as session:
-            _require(session, Trial, trial_id)
+            _require(session, TrialRecord, trial_id)
             known = {
-                row.seq: row for row in session.exec(select(Decision).where(Decision.trial_id == trial_id))
+                row.seq: row
+                for row in session.exec(select(DecisionRecord).where(DecisionRecord.trial_id == trial_id))
             }
             for decision in decisions:
                 payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}
-                row = Decision(
+                row = DecisionRecord(
                     trial_id=trial_id,
                     seq=int(decision["seq"]),
                     step=int(decision["step"]),
@@ -366,7 +367,7 @@ class TrackingStore:
                 added += 1
         return added
 
-    def decisions(self, trial_id: int) -> list[Decision]:
+    def decisions(self, trial_id: int) -> list[DecisionRecord]:
         """A trial's recorded decisions, in order."""
         with self.session() as session:
             return decisions_of(session, trial_id)
@@ -422,10 +423,10 @@ def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:
     return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
 
 
-def decisions_of(session: Session, trial_id: int) -> list[Decision]:
+def decisions_of(session: Session, trial_id: int) -> list[DecisionRecord]:
     """``TrackingStore.decisions``."""
-    query = select(Decision).where(Decision.trial_id == trial_id)
-    return list(session.exec(query.order_by(col(Decision.seq))))
+    query = select(DecisionRecord).where(DecisionRecord.trial_id == trial_id)
+    return list(session.exec(query.order_by(col(DecisionRecord.seq))))
 
 
 def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
@@ -436,7 +437,7 @@ def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
         raise TrackingError(f"unknown {enum.__name__} {value!r}; expected one of: {allowed}") from None
 
 
-def _require(session: Session, table: type[Row], row_id: int) -> Row:
+def _require(session: Session, table: type[_Row], row_id: int) -> _Row:
     found = session.get(table, row_id) if 1 <= row_id <= MAX_ID else None  # beyond: no SQL integer
     if found is None:
         raise TrackingError(f"no {table.__name__.lower()} with id {row_id} in the tracking store")

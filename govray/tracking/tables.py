@@ -107,7 +107,7 @@ class MetricKind(StrEnum):
     VALIDATION = "validation"
 
 
-class CheckpointState(StrEnum):
+class CheckpointStatus(StrEnum):
     ACTIVE = "active"
     DELETED = "deleted"
 
@@ -133,7 +133,7 @@ class Experiment(SQLModel, table=True):
     requested: str | None = None
 
 
-class Trial(SQLModel, table=True):
+class TrialRecord(SQLModel, table=True):
     """One training run of an experiment with fixed hyper-parameters and seed."""
 
     __tablename__ = "trials"
@@ -155,7 +155,7 @@ class Trial(SQLModel, table=True):
     stop_reason: str | None = None  # pause, kill or early_stop: why it ended before its last step
 
 
-class Decision(SQLModel, table=True):
+class DecisionRecord(SQLModel, table=True):
     """A decision a trial made from its metrics (LR on plateau, early stop, gate, rollback).
 
     ``replayed`` marks a decision a counterfactual replay applied from its source trial's record
@@ -221,7 +221,7 @@ class CheckpointRecord(SQLModel, table=True):
     path: str
     step: int
     manifest_digest: str
-    state: str = CheckpointState.ACTIVE.value
+    state: str = CheckpointStatus.ACTIVE.value
     metrics_json: str = Field(sa_type=Text)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     deleted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

@@ -24,7 +24,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 
-from govray.storage import Storage
+from govray.core.storage import Storage
 
 
 def tensorboard_dir(storage_root: str | Path, run_name: str) -> Path:

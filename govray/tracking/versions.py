@@ -1,5 +1,5 @@
 """The model registry in the tracking store: registered models, their numbered versions, and the
-attestations kept for a version. ``govray.registry`` decides what is registered; these are its rows.
+attestations kept for a version. ``govray.platform.registry`` decides what is registered; these are its rows.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, func, select
 
-from govray.errors import TrackingError
+from govray.core.errors import TrackingError
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, CheckpointRecord, ModelVersion, RegisteredModel
 

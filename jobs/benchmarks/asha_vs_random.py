@@ -24,11 +24,11 @@ from typing import Any
 
 import yaml
 
-from govray.config import load_experiment
-from govray.preflight import check_policy, ingest_experiment
-from govray.runner import plan_steps
-from govray.runtime import ensure_ray
-from govray.search import run_search
+from govray.config.experiment import load_experiment
+from govray.core.runtime import ensure_ray
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import plan_steps
+from govray.platform.search import run_search
 from govray.tracking.store import TrackingStore
 
 REPO = Path(__file__).resolve().parents[2]

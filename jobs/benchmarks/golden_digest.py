@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,17 +32,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
+
 NUMBER_FILES = ("model.safetensors", "optimizer.safetensors", "optimizer.json")
 CONTROL_METRICS = ("early_stopped", "stopped_on_request")  # control signals, not measurements
-GOLDEN_HPARAMS: dict[str, Any] = {
-    "hidden": 24,
-    "dropout": 0.1,
-    "lr": 0.05,
-    "optimizer": "sgd",
-    "batch_size": 16,
-    "max_grad_norm": 0.25,
-}
 MEMORIZER: dict[str, Any] = {
     "hidden": 256,
     "dropout": 0.0,
@@ -57,45 +49,8 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def example(root: Path, workers: int, steps: int, hparams: dict[str, Any], **overrides: Any) -> Path:
-    """The digits example under ``root`` (its data, policies and storage), as the tests build it."""
-    shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
-    shutil.copytree(REPO / "policies", root / "policies")
-    raw = yaml.safe_load((REPO / "jobs" / "examples" / "digits" / "experiment.yaml").read_text())
-    raw.update(
-        policy={"file": "policies/digits.policy.yaml", "trust": "policies/trust.yaml"},
-        storage_path="storage",
-        hyperparameters=hparams,
-        resources={"workers": workers, "cpus_per_worker": 1},
-        searcher={"name": "single", "max_length": {"batches": steps}},
-        checkpoint={"period": 10, "save_trial_latest": 1000},
-        min_validation_period=10,
-        lr_schedule={"metric": "validation_loss", "factor": 0.5, "patience": 0, "threshold": 0.9},
-    )
-    for name, value in overrides.items():
-        if value is None:
-            raw.pop(name, None)
-        else:
-            raw[name] = value
-    path = root / "experiment.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def opened(path: Path) -> tuple[Any, Any, Any, Any, Any]:
-    from govray.config import load_experiment
-    from govray.preflight import check_policy, ingest_experiment
-    from govray.tracking.store import TrackingStore
-
-    config = load_experiment(path)
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
-    return config, store, checked, experiment, ingested
-
-
 def trained(path: Path, report_every: int) -> tuple[Any, int]:
-    from govray.runner import run_trial
+    from govray.platform.runner import run_trial
 
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=report_every)
@@ -103,7 +58,7 @@ def trained(path: Path, report_every: int) -> tuple[Any, int]:
 
 
 def searched(path: Path) -> tuple[Any, int]:
-    from govray.search import run_search
+    from govray.platform.search import run_search
 
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_search(config, checked, experiment, ingested.root, store, report_every=5)
@@ -112,7 +67,7 @@ def searched(path: Path) -> tuple[Any, int]:
 
 
 def replayed(store: Any, experiment: str, trial_id: int, exclude: str) -> int:
-    from govray.replay import replay_trial
+    from govray.platform.replay import replay_trial
 
     replay = replay_trial(store, experiment, (exclude,), trial_id=trial_id)
     trial: int = replay.outcome.trial_id
@@ -146,7 +101,7 @@ def digest(name: str, store: Any, trial_id: int) -> list[str]:
 
 
 def golden_ddp(root: Path) -> list[str]:
-    path = example(root, workers=2, steps=30, hparams=GOLDEN_HPARAMS)
+    path = golden_example(root, 2, {"batches": 30}, GOLDEN_HPARAMS, keep_checkpoints=1000)
     store, trial_id = trained(path, report_every=10)
     lines = digest("ddp-adapter", store, trial_id)
     lines += digest("replay", store, replayed(store, "digits-governed", trial_id, "digits-writers"))
@@ -154,10 +109,18 @@ def golden_ddp(root: Path) -> list[str]:
 
 
 def golden_rollback(root: Path) -> list[str]:
-    from govray.keys import KeyRole, SigningKey, TrustConfig, save_trust
-    from govray.policy import sign_policy
+    from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
+    from govray.governance.policy import sign_policy
 
-    path = example(root, workers=1, steps=900, hparams=MEMORIZER, lr_schedule=None, min_validation_period=150)
+    path = golden_example(
+        root,
+        1,
+        {"batches": 900},
+        MEMORIZER,
+        keep_checkpoints=1000,
+        lr_schedule=False,
+        min_validation_period=150,
+    )
     key = SigningKey.generate(KeyRole.POLICY_AUTHORITY)
     policy = root / "policies" / "digits.policy.yaml"
     document = yaml.safe_load(policy.read_text())
@@ -177,19 +140,16 @@ def golden_rollback(root: Path) -> list[str]:
 
 def golden_search(root: Path, workers: int) -> list[str]:
     hparams = {**GOLDEN_HPARAMS, "dropout": 0.0}
-    path = example(
+    path = golden_example(
         root,
-        workers=workers,
-        steps=20,
-        hparams=hparams,
-        lr_schedule=None,
-        min_validation_period=None,
+        workers,
+        {"batches": 20},
+        hparams,
+        keep_checkpoints=1000,
+        lr_schedule=False,
         searcher={"name": "grid", "metric": "validation_loss", "max_length": {"batches": 20}},
-        checkpoint={"period": 10, "save_trial_latest": 1000},
+        min_validation_period=10,  # two validations: two segments of a 2-worker trial
     )
-    raw = yaml.safe_load(path.read_text())
-    raw["min_validation_period"] = 10  # two validations: two segments of a 2-worker trial
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
     store, trial_id = searched(path)
     return digest("search-local" if workers == 1 else "search-segmented", store, trial_id)
 
@@ -209,7 +169,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from govray.runtime import ensure_ray
+    from govray.core.runtime import ensure_ray
 
     ensure_ray()
     lines = []

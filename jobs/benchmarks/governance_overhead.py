@@ -63,11 +63,11 @@ def per_example_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 def governed_parts(model: nn.Module) -> tuple[Any, Any]:
     """A GovernedModel over ``model`` and its governor, under the benchmark policy."""
-    from govray.adapters import GovernedModel
-    from govray.allreduce import GradientGovernor, parameters_by_name
-    from govray.harness.step import allowed_route_sets
-    from govray.policy import DepthPolicy
-    from govray.routing import resolve_routes
+    from govray.governance.adapters import GovernedModel
+    from govray.governance.allreduce import GradientGovernor, parameters_by_name
+    from govray.governance.policy import DepthPolicy
+    from govray.governance.routing import resolve_routes
+    from govray.train.step import allowed_route_sets
 
     policy = DepthPolicy.model_validate(POLICY)
     table = resolve_routes(policy, model)
@@ -81,7 +81,7 @@ def ddp_pairs(config: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from govray.allreduce import governed_allreduce_hook
+    from govray.governance.allreduce import governed_allreduce_hook
 
     torch.set_num_threads(int(config["threads"]))
     rank = dist.get_rank()
@@ -133,7 +133,7 @@ def ddp_ratio(steps: int, warmup: int) -> tuple[float, list[float]]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from govray.runtime import ensure_ray
+    from govray.core.runtime import ensure_ray
 
     ensure_ray()
     with tempfile.TemporaryDirectory() as scratch:
@@ -151,7 +151,7 @@ def ddp_ratio(steps: int, warmup: int) -> tuple[float, list[float]]:
 
 def single_worker_ratio(steps: int, warmup: int, threads: int) -> tuple[float, float, float]:
     """(govray throughput / torch throughput, govray steps/s, torch steps/s), interleaved."""
-    from govray.schedule import derive_seed
+    from govray.data.schedule import derive_seed
 
     torch.set_num_threads(threads)
     governed, governor = governed_parts(build_model(0))

@@ -39,7 +39,7 @@ from govray.tracking.tables import (
     Metric,
     ModelVersion,
     RegisteredModel,
-    Trial,
+    TrialRecord,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,10 +76,10 @@ def _lineage_paths(versions: list[tuple[str, int]], checkpoints: list[int], laye
 def real_run(root: Path, steps: int) -> tuple[str, Workload]:
     """Train the digits example for ``steps`` steps under ``root``, register it as ``digits`` v1;
     return the store's URL and what it offers to ask."""
-    from govray.config import load_experiment
-    from govray.preflight import check_policy, ingest_experiment
-    from govray.registry import register
-    from govray.runner import run_trial
+    from govray.config.experiment import load_experiment
+    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.registry import register
+    from govray.platform.runner import run_trial
     from govray.tracking.lineage import checkpoints, ledger_rows
 
     shutil.copytree(EXAMPLE / "data", root / "data")
@@ -124,14 +124,16 @@ def add_synthetic(url: str, experiments: int, trials: int, checkpoints: int, see
     ledger = 0
     reached: set[str] = set()
     with store.engine.begin() as connection:
-        next_id = {table: _next_id(connection, table) for table in (Experiment, Trial, CheckpointRecord)}
+        next_id = {
+            table: _next_id(connection, table) for table in (Experiment, TrialRecord, CheckpointRecord)
+        }
         for e in range(experiments):
             experiment_id = next_id[Experiment] + e
             picked = [pool[(e * 7 + k) % CORPUS_POOL] for k in range(CORPORA_PER_EXPERIMENT)]
             reached.update(picked)
             _experiment(connection, experiment_id, picked, now)
             for t in range(trials):
-                trial_id = next_id[Trial] + e * trials + t
+                trial_id = next_id[TrialRecord] + e * trials + t
                 first = next_id[CheckpointRecord] + (e * trials + t) * checkpoints
                 _trial(connection, experiment_id, trial_id, first, checkpoints, now)
                 rows = list(_ledger(trial_id, picked, generator))
@@ -206,7 +208,7 @@ def _trial(
     connection: Connection, experiment_id: int, trial_id: int, first: int, checkpoints: int, now: datetime
 ) -> None:
     connection.execute(
-        insert(Trial),
+        insert(TrialRecord),
         [
             {
                 "id": trial_id,

@@ -12,14 +12,14 @@ and memorizes too slowly to measure: 2.8 bits after 1,200 steps on the full corp
 batches update the base only, records batches the adapter only; ``--records-fraction`` of the
 batches are records. Every ``--every`` steps:
 
-- **exposure** (Carlini et al. 2019, rank definition, ``govray.memorization.exposure``): each
+- **exposure** (Carlini et al. 2019, rank definition, ``govray.governance.memorization.exposure``): each
   canary's NLL with the adapter active, ranked among ``--refs`` never-trained candidates from the
   same template; the mean over canaries; flagged at ``--exposure-flag`` bits (chance, an untrained
   canary, is about log2(e) = 1.44);
-- **entropy profile** (``govray.memorization``, the estimator the training loop uses): the
+- **entropy profile** (``govray.governance.memorization``, the estimator the training loop uses): the
   spectral entropy (bits) of each layer's representation (``Trial.representation``: the output
   averaged over positions) on records' training rows vs held-out records rows, against a band
-  calibrated on 4 held-out batches, canary rows left out (as ``govray/harness/probe.py`` does);
+  calibrated on 4 held-out batches, canary rows left out (as ``govray/train/probe.py`` does);
   flagged when training rows fall below the band on some layer while held-out rows do not.
 
 Two runs: with the records corpus, and without it (prose only; the adapter stays untrained). The
@@ -47,11 +47,11 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from govray.adapters import GovernedModel
-from govray.canaries import CanarySet
-from govray.memorization import EntropyBand, entropy_profile, mean_exposure
-from govray.policy import DepthPolicy
-from govray.routing import resolve_routes
+from govray.governance.adapters import GovernedModel
+from govray.governance.canaries import CanarySet
+from govray.governance.memorization import EntropyBand, entropy_profile, mean_exposure
+from govray.governance.policy import DepthPolicy
+from govray.governance.routing import resolve_routes
 from jobs.examples.text.make_corpora import small_corpora
 from jobs.examples.text.trial import CharTransformerTrial, encode
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import yaml
 
-from govray.checkpoint import MANIFEST_FILE, MODEL_FILE, SIGNATURE_FILE, STATE_FILE, find_checkpoints
-from govray.config import load_experiment
-from govray.preflight import check_policy, ingest_experiment
-from govray.runner import TrialOutcome, run_trial
-from govray.runtime import ensure_ray, train_worker_pids
+from govray.config.experiment import load_experiment
+from govray.core.runtime import ensure_ray, train_worker_pids
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import TrialOutcome, run_trial
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import MANIFEST_FILE, MODEL_FILE, SIGNATURE_FILE, STATE_FILE, find_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "examples" / "digits"

@@ -21,14 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs.benchmarks.golden_digest import GOLDEN_HPARAMS, example, opened
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 
 
 def timed_run(root: Path, steps: int, report_every: int) -> float:
-    from govray.runner import run_trial
+    from govray.platform.runner import run_trial
 
-    path = example(
-        root, workers=2, steps=steps, hparams=GOLDEN_HPARAMS, lr_schedule=None, min_validation_period=None
+    path = golden_example(
+        root, 2, {"batches": steps}, GOLDEN_HPARAMS, keep_checkpoints=1000, lr_schedule=False
     )
     config, store, checked, experiment, ingested = opened(path)
     started = time.perf_counter()
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from govray.runtime import ensure_ray
+    from govray.core.runtime import ensure_ray
 
     ensure_ray()
     ratios = []

@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from govray.checkpoint import find_checkpoints
-from govray.logs import log_dir
+from govray.core.logs import log_dir
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Trial
+from govray.tracking.tables import TrialRecord
+from govray.train.checkpoint import find_checkpoints
 from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
 
 # The governed step's outputs: what "bit-identical results" compares.
@@ -45,7 +45,7 @@ def digits_experiment(root: Path, *, steps: int, placement: str = "PACK", worker
 @dataclass(frozen=True)
 class FinishedRun:
     store: TrackingStore
-    trial: Trial
+    trial: TrialRecord
     final_checkpoint: Path
     worker_nodes: dict[int, str]  # rank → Ray node id, from the workers' logs
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from govray.canonical import file_sha256
-from govray.keys import TrustConfig, platform_key, save_trust
-from govray.registry import RegisteredVersion, register, remove_adapter
+from govray.core.canonical import file_sha256
+from govray.core.keys import TrustConfig, platform_key, save_trust
+from govray.platform.registry import RegisteredVersion, register, remove_adapter
 from govray.tracking.lineage import checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from tests.cluster.test_job_submit import free_port

@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from govray.config import parse_experiment
-from govray.errors import ConfigError
+from govray.config.experiment import parse_experiment
+from govray.core.errors import ConfigError
 from govray.queries import StoreReader, Window, read_only_engine
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.database import create_tracking_engine, current_revision, upgrade
@@ -223,9 +223,9 @@ def test_libpq_and_explicit_driver_urls_reach_the_server_through_psycopg(pg_url:
 
 
 def test_the_run_recorder_writes_a_run_to_postgresql(pg_url: str, tmp_path: Path) -> None:
-    from govray.harness.reports import StepReport
-    from govray.ledger import Ledger, LedgerEntry
-    from govray.recorder import GcSettings, RunRecorder
+    from govray.platform.recorder import GcSettings, RunRecorder
+    from govray.train.ledger import Ledger, LedgerEntry
+    from govray.train.reports import StepReport
 
     raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     raw["tracking"] = {"database": pg_url}

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from govray.harness.trial import Batch, Trial
+from govray import Batch, Trial
 
 PIXELS = [f"p{index:02d}" for index in range(64)]
 

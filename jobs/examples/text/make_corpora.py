@@ -37,7 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from govray.canaries import Canary, CanarySet
+from govray.governance.canaries import Canary, CanarySet
 
 DATA = Path(__file__).parent / "data"
 ROW_CHARS = 128

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from govray.errors import ConfigError
-from govray.harness.trial import Batch, Trial
+from govray import Batch, ConfigError, Trial
 
 VOCAB = 128
 BOS = 0  # NUL: never in a row

@@ -1,0 +1,1 @@
+"""The experiment file (``experiment.py``) and the trial's typed training settings (``training.py``)."""

@@ -1,0 +1,586 @@
+"""The experiment file (YAML), Determined-style, validated into pydantic models.
+
+Relative paths (corpora, policy, trust, a local ``storage_path``) are relative to the directory
+of the experiment file. Errors name the file and the field path::
+
+    ConfigError: jobs/examples/digits/experiment.yaml: data.corpora.1.credential.license_class:
+    Input should be 'public-domain', 'permissive', ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from govray.config.training import SETTING_HYPERPARAMETERS, TrainingSettings
+from govray.core.documents import parse_yaml_mapping, read_text
+from govray.core.errors import ConfigError, describe_validation_error
+from govray.core.identifiers import ExperimentName
+from govray.governance.canaries import CanaryProbe, CanarySet
+from govray.governance.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- hyperparameters (Determined's types) -----------------------------------------------------
+
+
+class ConstHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["const"] = "const"
+    val: Any
+
+
+class _RangeHP(BaseModel):
+    model_config = _STRICT
+    minval: float
+    maxval: float
+    count: int | None = Field(default=None, ge=1)  # grid points
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _RangeHP:
+        if self.maxval < self.minval:
+            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
+        return self
+
+
+class IntHP(_RangeHP):
+    type: Literal["int"]
+    minval: int
+    maxval: int
+
+
+class DoubleHP(_RangeHP):
+    type: Literal["double"]
+
+
+class LogHP(_RangeHP):
+    """``base ** x`` for x uniform in [minval, maxval]."""
+
+    type: Literal["log"]
+    base: float = Field(default=10.0, gt=1.0)
+
+
+class CategoricalHP(BaseModel):
+    model_config = _STRICT
+    type: Literal["categorical"]
+    vals: list[Any] = Field(min_length=1)
+
+
+Hyperparameter = Annotated[ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP, Field(discriminator="type")]
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+class CorpusFormat(StrEnum):
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+    CSV = "csv"
+
+
+_EXTENSIONS = {".parquet": CorpusFormat.PARQUET, ".jsonl": CorpusFormat.JSONL, ".csv": CorpusFormat.CSV}
+# In a directory, the files ingest reads for each format (``.json`` files as JSON lines).
+DIRECTORY_EXTENSIONS = {**_EXTENSIONS, ".json": CorpusFormat.JSONL}
+
+
+class CorpusRole(StrEnum):
+    TRAIN = "train"  # routed by the policy; split into training and holdout by row hash
+    VALIDATION = "validation"  # evaluation only, never routed
+    PROBE = "probe"  # memorization probes and canaries, never routed
+
+
+class CanaryConfig(BaseModel):
+    """A corpus's inserted canaries (a :class:`govray.governance.canaries.CanarySet` JSON file) and how many
+    never-trained candidates each canary is ranked among for its exposure (the rank definition:
+    at most log2(references + 1) bits)."""
+
+    model_config = _STRICT
+
+    file: Path
+    references: int = Field(default=1000, ge=10)
+
+
+class CorpusSpec(BaseModel):
+    """One corpus: where it is, its credential, and which columns override it per row."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=CORPUS_ID_PATTERN)
+    path: Path
+    format: CorpusFormat | None = None  # inferred from the file extension when omitted
+    role: CorpusRole = CorpusRole.TRAIN
+    credential: dict[str, Any]  # every credential field but corpus_id (taken from ``id``)
+    credential_columns: dict[str, str] = Field(default_factory=dict)  # field → column name
+    holdout_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
+    canaries: CanaryConfig | None = None
+
+    @field_validator("credential", mode="before")
+    @classmethod
+    def _plain_json(cls, credential: Any) -> Any:
+        # YAML reads 1998-01-01 as a date; keep the credential JSON-plain so it can be hashed.
+        return json.loads(json.dumps(credential, default=str)) if isinstance(credential, dict) else credential
+
+    @field_validator("credential_columns")
+    @classmethod
+    def _overridable(cls, columns: dict[str, str]) -> dict[str, str]:
+        for field in columns:
+            if field not in ROW_OVERRIDABLE_FIELDS:
+                raise ValueError(
+                    f"'{field}' cannot be set per row (allowed: {', '.join(ROW_OVERRIDABLE_FIELDS)})"
+                )
+        return columns
+
+    @model_validator(mode="after")
+    def _credential_complete(self) -> CorpusSpec:
+        if "corpus_id" in self.credential and self.credential["corpus_id"] != self.id:
+            raise ValueError(
+                f"credential.corpus_id '{self.credential['corpus_id']}' differs from id '{self.id}'"
+            )
+        # Fields set per row may be absent at corpus level; everything else must validate now.
+        probe = {**self.credential, "corpus_id": self.id}
+        for field in self.credential_columns:
+            probe.setdefault(field, _placeholder(field))
+        try:
+            Credential.model_validate(probe)
+        except ValidationError as error:
+            raise ValueError(f"credential: {describe_validation_error(error)}") from None
+        return self
+
+    @property
+    def resolved_format(self) -> CorpusFormat:
+        """``format``, else the file's extension, else the one extension every data file of the
+        directory shares (hidden files and ``_SUCCESS``-style markers aside)."""
+        if self.format is not None:
+            return self.format
+        if self.path.is_dir():
+            return self._directory_format()
+        suffix = self.path.suffix.lower()
+        if suffix not in _EXTENSIONS and not self.path.exists():
+            raise ConfigError(f"corpus '{self.id}': path {self.path} does not exist")
+        if suffix not in _EXTENSIONS:
+            raise ConfigError(
+                f"corpus '{self.id}': cannot tell the format of {self.path}; set 'format' "
+                f"({', '.join(f.value for f in CorpusFormat)})"
+            )
+        return _EXTENSIONS[suffix]
+
+    def _directory_format(self) -> CorpusFormat:
+        found: dict[str, int] = {}
+        for file in self.path.rglob("*"):
+            relative = file.relative_to(self.path)
+            if any(part.startswith((".", "_")) for part in relative.parts) or not file.is_file():
+                continue
+            suffix = file.suffix.lower() or "(none)"
+            found[suffix] = found.get(suffix, 0) + 1
+        formats = {DIRECTORY_EXTENSIONS.get(suffix) for suffix in found}
+        if len(formats) == 1 and None not in formats:
+            return formats.pop()  # type: ignore[return-value]
+        if not found:
+            raise ConfigError(f"corpus '{self.id}': directory {self.path} holds no files")
+        listed = ", ".join(f"{count} {suffix}" for suffix, count in sorted(found.items()))
+        raise ConfigError(
+            f"corpus '{self.id}': cannot tell the format of directory {self.path}: its files have "
+            f"different or unknown extensions ({listed}); set 'format' "
+            f"({', '.join(f.value for f in CorpusFormat)}) to read only that format's files"
+        )
+
+    def base_credential(self) -> dict[str, Any]:
+        return {**self.credential, "corpus_id": self.id}
+
+
+def _placeholder(field: str) -> Any:
+    """A valid stand-in for a field that each row supplies (only for the corpus-level check)."""
+    return {
+        "license_class": "unknown",
+        "jurisdiction": "INTL",
+        "sensitivity": "public",
+        "source_type": "other",
+        "modality": "other",
+        "tdm_opt_out": False,
+    }[field]
+
+
+class DataConfig(BaseModel):
+    model_config = _STRICT
+
+    holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    corpora: list[CorpusSpec] = Field(min_length=1)
+
+    @field_validator("corpora")
+    @classmethod
+    def _unique_ids(cls, corpora: list[CorpusSpec]) -> list[CorpusSpec]:
+        seen: set[str] = set()
+        for corpus in corpora:
+            if corpus.id in seen:
+                raise ValueError(f"corpus id '{corpus.id}' appears more than once")
+            seen.add(corpus.id)
+        return corpora
+
+
+# --- the rest ---------------------------------------------------------------------------------
+
+
+class PolicyRef(BaseModel):
+    model_config = _STRICT
+
+    file: Path
+    signature: Path | None = None  # default: FILE.sig
+    trust: Path | None = None
+    allow_unsigned: bool = False
+
+    @property
+    def signature_path(self) -> Path:
+        return self.signature if self.signature is not None else self.file.with_name(self.file.name + ".sig")
+
+
+class PlacementStrategy(StrEnum):
+    """Where Ray places the workers (Ray Train's ``ScalingConfig.placement_strategy``)."""
+
+    PACK = "PACK"  # as few nodes as possible (best effort)
+    SPREAD = "SPREAD"  # across nodes (best effort)
+    STRICT_PACK = "STRICT_PACK"  # all on one node, or wait
+    STRICT_SPREAD = "STRICT_SPREAD"  # one worker per node, or wait (for more nodes)
+
+
+class Resources(BaseModel):
+    model_config = _STRICT
+
+    workers: int = Field(default=1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+
+
+class TrackingConfig(BaseModel):
+    model_config = _STRICT
+
+    database: str | None = None  # default: sqlite:///<storage_path>/govray.db
+
+    @field_validator("database")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        schemes = ("sqlite:///", "postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://")
+        if url is not None and not url.startswith(schemes):
+            raise ValueError(
+                "database URL must start with sqlite:/// or postgresql:// (or postgresql+psycopg://)"
+            )
+        return url
+
+
+class CheckpointConfig(BaseModel):
+    """When to checkpoint and which checkpoints to keep (Determined's GC fields)."""
+
+    model_config = _STRICT
+
+    period: int = Field(default=100, ge=1)  # steps
+    save_experiment_best: int = Field(default=0, ge=0)
+    save_trial_best: int = Field(default=1, ge=0)
+    save_trial_latest: int = Field(default=1, ge=0)
+
+
+class PlateauSchedule(BaseModel):
+    """Cut the learning rate when a validation metric stops improving (torch's
+    ``ReduceLROnPlateau``, ``threshold_mode="rel"``). Each cut is a recorded decision: a replay
+    applies the record instead of watching its own metrics."""
+
+    model_config = _STRICT
+
+    type: Literal["plateau"] = "plateau"
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    factor: float = Field(default=0.1, gt=0.0, lt=1.0)
+    patience: int = Field(default=10, ge=0)  # evaluations without improvement before a cut
+    threshold: float = Field(default=1e-4, ge=0.0)
+    cooldown: int = Field(default=0, ge=0)  # evaluations after a cut before counting again
+    min_scale: float = Field(default=0.0, ge=0.0)  # of the initial learning rate
+
+
+class EarlyStoppingPolicy(BaseModel):
+    """Stop a trial early (Determined's policies): once its validation metric reaches
+    ``threshold``, or after ``patience`` validations without an improvement above ``min_delta``.
+    Each stop is a recorded decision that a replay applies instead of recomputing."""
+
+    model_config = _STRICT
+
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    patience: int | None = Field(default=None, ge=1)
+    min_delta: float = Field(default=0.0, ge=0.0)
+    threshold: float | None = None
+
+    @model_validator(mode="after")
+    def _some_rule(self) -> EarlyStoppingPolicy:
+        if self.patience is None and self.threshold is None:
+            raise ValueError("early_stopping needs 'patience', 'threshold' or both")
+        return self
+
+
+class Length(BaseModel):
+    model_config = _STRICT
+
+    batches: int | None = Field(default=None, ge=1)
+    epochs: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Length:
+        if (self.batches is None) == (self.epochs is None):
+            raise ValueError("give exactly one of 'batches' or 'epochs'")
+        return self
+
+
+class _SearcherBase(BaseModel):
+    model_config = _STRICT
+
+    metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    max_length: Length = Field(default_factory=lambda: Length(epochs=1))
+    memorization_lambda: float = Field(default=0.0, ge=0.0)  # objective = metric + λ·score
+
+
+class SingleSearcher(_SearcherBase):
+    name: Literal["single"] = "single"
+
+
+class GridSearcher(_SearcherBase):
+    name: Literal["grid"]
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+class RandomSearcher(_SearcherBase):
+    name: Literal["random"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+class AshaSearcher(_SearcherBase):
+    """Determined's adaptive ASHA; ``grace_period = max_length / divisor**(max_rungs-1)``."""
+
+    name: Literal["asha"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    time_metric: str = "batches"
+    divisor: float = Field(default=4.0, gt=1.0)
+    max_rungs: int = Field(default=5, ge=1)
+    brackets: int = Field(default=1, ge=1)
+
+
+class PbtSearcher(_SearcherBase):
+    name: Literal["pbt"]
+    population_size: int = Field(ge=2)
+    perturbation_interval: int = Field(ge=1)  # in batches
+    hyperparam_mutations: dict[str, Hyperparameter] = Field(min_length=1)
+    quantile_fraction: float = Field(default=0.25, gt=0.0, le=0.5)
+    resample_probability: float = Field(default=0.25, ge=0.0, le=1.0)
+
+
+class BayesianSearcher(_SearcherBase):
+    name: Literal["bayesian"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    n_startup_trials: int = Field(default=4, ge=1)
+
+
+Searcher = Annotated[
+    SingleSearcher | GridSearcher | RandomSearcher | AshaSearcher | PbtSearcher | BayesianSearcher,
+    Field(discriminator="name"),
+]
+
+
+class ExperimentConfig(BaseModel):
+    """An experiment: a trial class, its hyperparameter space, credentialed data and a policy."""
+
+    model_config = _STRICT
+
+    name: ExperimentName
+    description: str = ""
+    trial: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:Class"
+    # Optimizer, batch size, clipping; a hyperparameter of a setting's name overrides it.
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    hyperparameters: dict[str, Hyperparameter] = Field(default_factory=dict)
+    data: DataConfig
+    policy: PolicyRef
+    resources: Resources = Field(default_factory=Resources)
+    seed: int = Field(default=0, ge=0, lt=2**31)
+    storage_path: str = "./govray-storage"
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    max_restarts: int = Field(default=0, ge=0)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    searcher: Searcher = Field(default_factory=SingleSearcher)
+    # Steps between validations (each also saves a checkpoint); None: only at the end.
+    min_validation_period: int | None = Field(default=None, ge=1)
+    lr_schedule: PlateauSchedule | None = None
+    early_stopping: EarlyStoppingPolicy | None = None
+
+    @model_validator(mode="after")
+    def _plateau_needs_validations(self) -> ExperimentConfig:
+        if self.lr_schedule is not None and self.min_validation_period is None:
+            raise ValueError("lr_schedule watches validations: set min_validation_period (steps)")
+        if self.early_stopping is not None and self.min_validation_period is None:
+            raise ValueError("early_stopping watches validations: set min_validation_period (steps)")
+        return self
+
+    @field_validator("hyperparameters", mode="before")
+    @classmethod
+    def _bare_values_are_const(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        return {
+            k: v if isinstance(v, dict) and "type" in v else {"type": "const", "val": v}
+            for k, v in raw.items()
+        }
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _settings_fit(
+        cls, space: dict[str, Hyperparameter], info: ValidationInfo
+    ) -> dict[str, Hyperparameter]:
+        """Every value a hyperparameter that overrides a training setting can take must fit it
+        (checked at the ends of ranges and for each choice), so a search never starts a trial
+        that cannot build its optimizer."""
+        training = info.data.get("training")
+        if training is None:
+            return space  # the training section itself is invalid (reported on its own)
+        defaults = {name: _default_value(hp) for name, hp in space.items()}
+        for name in SETTING_HYPERPARAMETERS:
+            for value in _extremes(space[name]) if name in space else ():
+                try:
+                    training.with_hyperparameters({**defaults, name: value})
+                except ConfigError as error:
+                    raise ValueError(str(error)) from None
+        return space
+
+    @model_serializer(mode="wrap")
+    def _without_default_training(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An experiment that leaves ``training`` at its defaults serializes (and digests) exactly
+        # as one written before the section existed: the same file stays the same experiment.
+        dumped: dict[str, Any] = handler(self)
+        if self.training == TrainingSettings():
+            dumped.pop("training", None)
+        return dumped
+
+    def default_hparams(self) -> dict[str, Any]:
+        """One point of the space without sampling: const values, lower bounds, first choices."""
+        return {name: _default_value(hp) for name, hp in self.hyperparameters.items()}
+
+    @property
+    def database_url(self) -> str:
+        if self.tracking.database is not None:
+            return self.tracking.database
+        if "://" in self.storage_path:
+            raise ConfigError("tracking.database is required when storage_path is remote")
+        return f"sqlite:///{Path(self.storage_path) / 'govray.db'}"
+
+
+def _default_value(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> Any:
+    if isinstance(hp, ConstHP):
+        return hp.val
+    if isinstance(hp, CategoricalHP):
+        return hp.vals[0]
+    if isinstance(hp, LogHP):
+        return hp.base**hp.minval
+    return hp.minval
+
+
+def _extremes(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> list[Any]:
+    """The values of ``hp`` that bound what it can take: every choice, or a range's two ends."""
+    if isinstance(hp, ConstHP):
+        return [hp.val]
+    if isinstance(hp, CategoricalHP):
+        return list(hp.vals)
+    if isinstance(hp, LogHP):
+        return [hp.base**hp.minval, hp.base**hp.maxval]
+    return [hp.minval, hp.maxval]
+
+
+def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Resolve relative paths in the raw document against the experiment file's directory."""
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str) and not Path(value).is_absolute():
+            return os.path.normpath(base / value)
+        return value
+
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("corpora"), list):
+        for corpus in data["corpora"]:
+            if isinstance(corpus, dict) and "path" in corpus:
+                corpus["path"] = resolve(corpus["path"])
+            canaries = corpus.get("canaries") if isinstance(corpus, dict) else None
+            if isinstance(canaries, dict) and "file" in canaries:
+                canaries["file"] = resolve(corpus["canaries"]["file"])
+    policy = raw.get("policy")
+    if isinstance(policy, dict):
+        for key in ("file", "signature", "trust"):
+            if key in policy and policy[key] is not None:
+                policy[key] = resolve(policy[key])
+    storage = raw.get("storage_path")
+    if isinstance(storage, str) and "://" not in storage:
+        raw["storage_path"] = resolve(storage)
+    tracking = raw.get("tracking")
+    if isinstance(tracking, dict) and isinstance(tracking.get("database"), str):
+        url: str = tracking["database"]
+        prefix = "sqlite:///"
+        if url.startswith(prefix) and not url[len(prefix) :].startswith("/"):
+            tracking["database"] = prefix + os.path.normpath(base / url[len(prefix) :])
+    return raw
+
+
+def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
+    shape = "an experiment file is a mapping (name, trial, data, policy, ...)"
+    raw = _absolutize(parse_yaml_mapping(text, str(source), ConfigError, shape), source.resolve().parent)
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {describe_validation_error(error)}") from None
+
+
+def load_experiment(path: Path) -> ExperimentConfig:
+    """Read and validate an experiment file."""
+    return parse_experiment(read_text(path, ConfigError, "experiment file"), source=path)
+
+
+def load_canaries(config: ExperimentConfig) -> dict[str, CanaryProbe]:
+    """Each corpus's canary set with its reference count; a missing or malformed file, or one
+    written for another corpus, is a ``ConfigError``."""
+    probes = {}
+    for corpus in config.data.corpora:
+        if corpus.canaries is None:
+            continue
+        path = corpus.canaries.file
+        try:
+            canaries = CanarySet.load(path)
+        except OSError as error:
+            raise ConfigError(f"corpus '{corpus.id}': cannot read its canaries {path}: {error}") from None
+        except ValidationError as error:
+            raise ConfigError(
+                f"corpus '{corpus.id}': {path} is not a canary set: {describe_validation_error(error)}"
+            ) from None
+        if canaries.corpus_id != corpus.id:
+            raise ConfigError(f"corpus '{corpus.id}': {path} holds the canaries of '{canaries.corpus_id}'")
+        if corpus.role != CorpusRole.TRAIN:
+            raise ConfigError(f"corpus '{corpus.id}': canaries need a training corpus (role: train)")
+        available = canaries.space_size - len(canaries.canaries)
+        if corpus.canaries.references > available:
+            raise ConfigError(
+                f"corpus '{corpus.id}': {corpus.canaries.references} reference candidates asked, but "
+                f"the template of {path} admits only {available} besides the canaries"
+            )
+        probes[corpus.id] = CanaryProbe(canaries=canaries, references=corpus.canaries.references)
+    return probes

@@ -1,0 +1,132 @@
+"""What govray's step takes from the experiment besides the trial: the optimizer, the batch size
+and gradient clipping, typed.
+
+The experiment file's ``training`` section declares them; a hyperparameter of a setting's name
+overrides it for one trial, so a search can sample it::
+
+    training:
+      optimizer: {name: sgd, lr: 0.05}     # adamw (default) | adam | sgd, and their settings
+      batch_size: 16                       # rows per worker per step (one schedule slot)
+      max_grad_norm: 0.25                  # clip each route group's gradient norm (default: none)
+    hyperparameters:
+      lr: {type: log, minval: -3, maxval: -1}   # overrides training.optimizer.lr
+
+The hyperparameters that override settings are ``optimizer`` (the name), ``lr``,
+``weight_decay``, ``momentum``, ``betas``, ``eps``, ``batch_size`` and ``max_grad_norm``.
+The driver resolves them into one :class:`TrainingSettings` per trial
+(:meth:`TrainingSettings.with_hyperparameters`), which the workers' trials receive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from govray.core.errors import ConfigError, describe_validation_error
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerName(StrEnum):
+    """The optimizers govray builds: torch's ``AdamW``, ``Adam`` and ``SGD``."""
+
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+OPTIMIZER_NAMES = tuple(name.value for name in OptimizerName)
+
+# The settings each optimizer takes besides ``lr`` and ``weight_decay`` (passed to torch as is).
+_OWN_SETTINGS = {
+    OptimizerName.ADAMW: ("betas", "eps"),
+    OptimizerName.ADAM: ("betas", "eps"),
+    OptimizerName.SGD: ("momentum",),
+}
+_SHARED_SETTINGS = ("lr", "weight_decay")
+OPTIMIZER_SETTINGS = ("lr", "weight_decay", "momentum", "betas", "eps")
+# Hyperparameter names that override a setting (``optimizer`` names the optimizer).
+SETTING_HYPERPARAMETERS = ("optimizer", *OPTIMIZER_SETTINGS, "batch_size", "max_grad_norm")
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class OptimizerConfig(BaseModel):
+    """The optimizer over every trainable tensor (base and adapters).
+
+    A setting left out takes torch's default for that optimizer (``weight_decay``: 0.01 for
+    adamw, 0 for adam and sgd; ``momentum`` 0; ``betas`` (0.9, 0.999); ``eps`` 1e-8). A setting
+    the named optimizer does not take is an error.
+    """
+
+    model_config = _STRICT
+
+    name: OptimizerName = OptimizerName.ADAMW
+    lr: float = Field(default=1e-3, gt=0.0)
+    weight_decay: float | None = Field(default=None, ge=0.0)
+    momentum: float | None = Field(default=None, ge=0.0)  # sgd
+    betas: tuple[Beta, Beta] | None = None  # adamw, adam
+    eps: float | None = Field(default=None, gt=0.0)  # adamw, adam
+
+    @model_validator(mode="after")
+    def _settings_of_this_optimizer(self) -> OptimizerConfig:
+        taken = (*_SHARED_SETTINGS, *_OWN_SETTINGS[self.name])
+        foreign = [
+            name for name in OPTIMIZER_SETTINGS if name not in taken and getattr(self, name) is not None
+        ]
+        if foreign:
+            raise ValueError(
+                f"optimizer '{self.name.value}' takes no {', '.join(foreign)} (it takes {', '.join(taken)})"
+            )
+        return self
+
+    def arguments(self) -> dict[str, Any]:
+        """Keyword arguments for the torch optimizer: ``lr`` and every setting given."""
+        given = {name: getattr(self, name) for name in OPTIMIZER_SETTINGS}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+class TrainingSettings(BaseModel):
+    """The ``training`` section of an experiment, and one trial's settings once its
+    hyperparameters are applied (what :class:`govray.train.trial.Trial` receives)."""
+
+    model_config = _STRICT
+
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    batch_size: int = Field(default=32, ge=1)  # rows per worker per step (one schedule slot)
+    max_grad_norm: float | None = Field(default=None, gt=0.0)  # per route group; None: no clipping
+
+    def with_hyperparameters(self, hparams: Mapping[str, Any]) -> TrainingSettings:
+        """These settings, each overridden by the hyperparameter of its name.
+
+        A hyperparameter ``optimizer`` picks the optimizer; the settings it does not take are then
+        dropped, so one flat search space can cover optimizers with different settings. A value
+        that does not fit is a ``ConfigError`` naming the hyperparameters::
+
+            >>> settings = TrainingSettings().with_hyperparameters({"optimizer": "sgd", "lr": 0.05})
+            >>> settings.optimizer.name, settings.optimizer.lr, settings.batch_size
+            (<OptimizerName.SGD: 'sgd'>, 0.05, 32)
+        """
+        if not any(name in hparams for name in SETTING_HYPERPARAMETERS):
+            return self
+        optimizer = self.optimizer.model_dump(exclude_none=True)
+        optimizer.update({name: hparams[name] for name in OPTIMIZER_SETTINGS if name in hparams})
+        if "optimizer" in hparams:
+            optimizer["name"] = hparams["optimizer"]
+            if hparams["optimizer"] in OPTIMIZER_NAMES:
+                taken = {"name", *_SHARED_SETTINGS, *_OWN_SETTINGS[OptimizerName(hparams["optimizer"])]}
+                optimizer = {name: value for name, value in optimizer.items() if name in taken}
+        raw = {
+            "optimizer": optimizer,
+            "batch_size": hparams.get("batch_size", self.batch_size),
+            "max_grad_norm": hparams.get("max_grad_norm", self.max_grad_norm),
+        }
+        try:
+            return TrainingSettings.model_validate(raw)
+        except ValidationError as error:
+            given = {name: hparams[name] for name in SETTING_HYPERPARAMETERS if name in hparams}
+            detail = describe_validation_error(error)
+            raise ConfigError(f"hyperparameters {given} do not fit the training settings: {detail}") from None

@@ -1,0 +1,384 @@
+"""The schedule: which route and which rows each worker reads at each step — a pure function.
+
+Nothing random is carried across calls: every slot is recomputed from the spec alone (seed,
+world size, batch size, per-route row counts, excluded corpora, recorded governance events), so
+resume, replay and a verifier all see the same schedule.
+
+Semantics of epoch ``e`` (``SCHEDULE_VERSION`` 1):
+
+1. Every route's rows ``0..n-1`` (positions in ``shards/train/ROUTE``) are permuted by ranking
+   them on PCG64 raw outputs seeded by ``derive_seed(seed, e, route)`` — seeded by the route's
+   name, so adding a route never moves another's rows. PCG64's raw stream and ``SeedSequence`` are
+   stable across numpy versions and platforms; ``hash()`` is never used.
+2. Each permuted route is cut into batches of ``batch_size`` rows; the last may be short, so no
+   row is dropped. A batch holds rows of one route only.
+3. All batches of all routes (policy order, then batch order) are ranked the same way with
+   ``derive_seed(seed, e)``, giving one order of ``B`` batches.
+4. ``steps_per_epoch = ceil(B / world_size)``. At step ``s`` rank ``r`` reads batch
+   ``s * world_size + r``, or has an empty slot (route ``None``) past the end.
+   ``global_step = e * steps_per_epoch + s``.
+5. Exclusions and gates are a post-filter: the slot is computed as without them, then rows of an
+   excluded corpus, or of a corpus gated by an event with ``event.step <= global_step``, are
+   dropped (the route stays set). Excluding corpus X therefore leaves every other slot of every
+   step bit-for-bit the same, which the counterfactual replay relies on.
+
+Example::
+
+    spec = ScheduleSpec.from_manifest(manifest, seed=7, world_size=2, batch_size=32)
+    for step in range(spec.steps_per_epoch):
+        mine = slot(spec, step, rank)          # mine.route, mine.rows, mine.corpora
+        counts = route_counts(step_slots(spec, step))   # examples per route, no communication
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, Literal
+
+import numpy as np
+from numpy.random import PCG64
+
+from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.errors import GovrayError
+from govray.data.shards import ShardManifest
+
+SCHEDULE_VERSION = 1
+
+
+class ScheduleError(GovrayError):
+    """The schedule's inputs are inconsistent (a world size below 1, a gate on an unknown corpus, ...)."""
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 64-bit seed from ``parts`` (sha256 of their canonical JSON): the same in every process, and
+    accepted by both ``numpy`` and ``torch.manual_seed``.
+
+    >>> derive_seed(7, 0, "public") == derive_seed(7, 0, "public") != derive_seed(7, 1, "public")
+    True
+    """
+    return int.from_bytes(hashlib.sha256(canonical_json(["govray", *parts])).digest()[:8], "big")
+
+
+def _ranking(seed: int, count: int) -> np.ndarray:
+    """A permutation of ``range(count)``: indices sorted by PCG64's raw 64-bit outputs."""
+    return np.argsort(PCG64(seed).random_raw(count), kind="stable")
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """One route's training rows: ``(corpus_id, rows)`` in shard order (corpus order, then row)."""
+
+    route: str
+    corpus_counts: tuple[tuple[str, int], ...]
+    _ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "corpus_counts", tuple((c, int(n)) for c, n in self.corpus_counts))
+        corpora = [corpus for corpus, _ in self.corpus_counts]
+        if len(set(corpora)) != len(corpora):
+            raise ScheduleError(f"route '{self.route}' lists a corpus twice: {', '.join(corpora)}")
+        negative = [corpus for corpus, rows in self.corpus_counts if rows < 0]
+        if negative:
+            raise ScheduleError(f"route '{self.route}': negative row count for {', '.join(negative)}")
+        object.__setattr__(self, "_ends", tuple(accumulate(rows for _, rows in self.corpus_counts)))
+
+    @property
+    def rows(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def corpus_of(self, index: int) -> str:
+        """The corpus of route-local row ``index``."""
+        if not 0 <= index < self.rows:
+            raise ScheduleError(f"route '{self.route}' has {self.rows} rows; no row {index}")
+        return self.corpus_counts[bisect_right(self._ends, index)][0]
+
+    def corpora_of(self, indexes: np.ndarray) -> tuple[str, ...]:
+        """The corpus of each row in ``indexes`` (vectorized ``corpus_of``)."""
+        positions = np.searchsorted(np.asarray(self._ends), indexes, side="right")
+        return tuple(self.corpus_counts[position][0] for position in positions.tolist())
+
+
+@dataclass(frozen=True)
+class ScheduleEvent:
+    """A recorded governance decision taken after ``step`` global steps.
+
+    ``gate``: stop routing ``corpus_id``'s rows from global step ``step`` on (memorization gate,
+    or the gate of a rollback). ``rollback``: the weights went back to those of the clean
+    checkpoint at ``to_step``, so global steps ``to_step .. step-1`` reached nothing (their slots
+    were trained, then discarded); the schedule's slots do not change.
+    """
+
+    step: int
+    kind: Literal["gate", "rollback"]
+    corpus_id: str = ""  # gate: the gated corpus
+    to_step: int | None = None  # rollback: the clean checkpoint's step
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {"step": self.step, "kind": self.kind, "corpus_id": self.corpus_id}
+        if self.to_step is not None:
+            document["to_step"] = self.to_step
+        return document
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one worker reads at one step: rows of a single route (``None``: no batch left)."""
+
+    route: str | None
+    rows: tuple[int, ...]  # route-local row indices, positions in shards/train/ROUTE
+    corpora: tuple[str, ...]  # the corpus of each row, parallel to ``rows``
+
+    @property
+    def empty(self) -> bool:
+        """No rows: past the epoch's last batch, or every row excluded or gated."""
+        return not self.rows
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Every input of the schedule. Frozen and hashable; ``digest()`` is recorded in checkpoints."""
+
+    seed: int
+    world_size: int
+    batch_size: int  # rows per worker per step (one slot)
+    routes: tuple[RouteLayout, ...]  # in policy order; routes with 0 rows allowed
+    excluded_corpora: frozenset[str] = frozenset()
+    events: tuple[ScheduleEvent, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "routes", tuple(self.routes))
+        object.__setattr__(self, "excluded_corpora", frozenset(self.excluded_corpora))
+        # Events are a set of decisions; a canonical order makes equal specs digest equally.
+        events = sorted(self.events, key=lambda event: (event.step, event.kind, event.corpus_id))
+        object.__setattr__(self, "events", tuple(events))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.world_size < 1:
+            raise ScheduleError(f"world size must be at least 1, not {self.world_size}")
+        if self.batch_size < 1:
+            raise ScheduleError(f"batch size must be at least 1, not {self.batch_size}")
+        names = [route.route for route in self.routes]
+        if len(set(names)) != len(names):
+            raise ScheduleError(f"routes repeat a name: {', '.join(names)}")
+        if sum(route.rows for route in self.routes) == 0:
+            raise ScheduleError(f"no training rows in any route ({', '.join(names) or 'no routes'})")
+        known = {corpus for route in self.routes for corpus, _ in route.corpus_counts}
+        listing = ", ".join(sorted(known))
+        unknown = sorted(self.excluded_corpora - known)
+        if unknown:
+            raise ScheduleError(f"excluded corpus '{unknown[0]}' has no training rows (corpora: {listing})")
+        for event in self.events:
+            if event.kind == "rollback":
+                if event.to_step is None or not 0 <= event.to_step < event.step or event.corpus_id:
+                    raise ScheduleError(
+                        f"rollback at step {event.step} must go back to an earlier step (to_step "
+                        f"{event.to_step}) and name no corpus"
+                    )
+                continue
+            if event.kind != "gate":
+                raise ScheduleError(f"unknown schedule event kind '{event.kind}' at step {event.step}")
+            if event.to_step is not None:
+                raise ScheduleError(f"gate of corpus '{event.corpus_id}' at step {event.step} has a to_step")
+            if event.step < 0:
+                raise ScheduleError(f"gate of corpus '{event.corpus_id}' at negative step {event.step}")
+            if event.corpus_id not in known:
+                raise ScheduleError(
+                    f"gate at step {event.step} names corpus '{event.corpus_id}', which has no "
+                    f"training rows (corpora: {listing})"
+                )
+
+    @classmethod
+    def from_manifest(
+        cls,
+        manifest: ShardManifest,
+        *,
+        seed: int,
+        world_size: int,
+        batch_size: int,
+        excluded_corpora: Iterable[str] = (),
+        events: Iterable[ScheduleEvent] = (),
+    ) -> ScheduleSpec:
+        """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order)."""
+        order = [corpus.corpus_id for corpus in manifest.corpora]
+        routes = []
+        for summary in manifest.routes:
+            unknown = sorted(set(summary.corpus_counts) - set(order))
+            if unknown:
+                raise ScheduleError(
+                    f"shards {manifest.key}: route '{summary.route}' counts rows of unlisted "
+                    f"corpora {', '.join(unknown)}"
+                )
+            counts = tuple((c, summary.corpus_counts[c]) for c in order if summary.corpus_counts.get(c))
+            route = RouteLayout(summary.route, counts)
+            if route.rows != summary.rows:
+                raise ScheduleError(
+                    f"shards {manifest.key}: route '{summary.route}' has {summary.rows} rows but its "
+                    f"corpus counts sum to {route.rows}"
+                )
+            routes.append(route)
+        return cls(
+            seed=seed,
+            world_size=world_size,
+            batch_size=batch_size,
+            routes=tuple(routes),
+            excluded_corpora=frozenset(excluded_corpora),
+            events=tuple(events),
+        )
+
+    @functools.cached_property
+    def batches_per_epoch(self) -> int:
+        return sum(math.ceil(route.rows / self.batch_size) for route in self.routes)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.batches_per_epoch / self.world_size)
+
+    def locate(self, global_step: int) -> tuple[int, int]:
+        """``(epoch, step within epoch)`` of ``global_step``."""
+        if global_step < 0:
+            raise ScheduleError(f"global step must be non-negative, not {global_step}")
+        epoch, step = divmod(global_step, self.steps_per_epoch)
+        return epoch, step
+
+    def route(self, name: str) -> RouteLayout:
+        for route in self.routes:
+            if route.route == name:
+                return route
+        raise ScheduleError(f"the schedule has no route '{name}'")
+
+    def withheld_corpora(self, global_step: int) -> frozenset[str]:
+        """Corpora whose rows are dropped at ``global_step``: excluded, or gated at or before it."""
+        gated = {
+            event.corpus_id for event in self.events if event.kind == "gate" and event.step <= global_step
+        }
+        return self.excluded_corpora | gated
+
+    def reverted(self, global_step: int) -> bool:
+        """Whether a later rollback discarded what ``global_step`` trained."""
+        return any(
+            event.kind == "rollback"
+            and event.to_step is not None
+            and event.to_step <= global_step < event.step
+            for event in self.events
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as a JSON document (stable ordering); ``from_json`` reads it back."""
+        return {
+            "version": SCHEDULE_VERSION,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "routes": [
+                {"route": route.route, "corpus_counts": [[c, n] for c, n in route.corpus_counts]}
+                for route in self.routes
+            ],
+            "excluded_corpora": sorted(self.excluded_corpora),
+            "events": [event.to_json() for event in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ScheduleSpec:
+        if data.get("version") != SCHEDULE_VERSION:
+            raise ScheduleError(
+                f"schedule version {data.get('version')!r} is not {SCHEDULE_VERSION}; this govray "
+                "cannot recompute it"
+            )
+        try:
+            return cls(
+                seed=int(data["seed"]),
+                world_size=int(data["world_size"]),
+                batch_size=int(data["batch_size"]),
+                routes=tuple(
+                    RouteLayout(str(r["route"]), tuple((str(c), int(n)) for c, n in r["corpus_counts"]))
+                    for r in data["routes"]
+                ),
+                excluded_corpora=frozenset(str(c) for c in data["excluded_corpora"]),
+                events=tuple(
+                    ScheduleEvent(
+                        step=int(e["step"]),
+                        kind=e["kind"],
+                        corpus_id=str(e["corpus_id"]),
+                        to_step=None if e.get("to_step") is None else int(e["to_step"]),
+                    )
+                    for e in data["events"]
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ScheduleError(f"malformed schedule spec: {error!r}") from None
+
+    def digest(self) -> str:
+        """sha256 of the spec's canonical JSON."""
+        return sha256_hex(canonical_json(self.to_json()))
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's order: steps 1-3 of the module docstring (a row lookup inverts it)."""
+
+    orders: tuple[np.ndarray, ...]  # per route: its route-local rows in this epoch's order
+    batch_routes: np.ndarray  # route index of the epoch's k-th batch
+    batch_starts: np.ndarray  # that batch's offset into its route's order
+
+
+# Keyed by the inputs the plan depends on only: a spec differing in world size, exclusions or
+# events (a counterfactual replay) shares its permutations.
+@functools.lru_cache(maxsize=4)
+def epoch_plan(seed: int, batch_size: int, routes: tuple[RouteLayout, ...], epoch: int) -> EpochPlan:
+    orders = tuple(_ranking(derive_seed(seed, epoch, route.route), route.rows) for route in routes)
+    batch_routes = np.concatenate(
+        [
+            np.full(math.ceil(route.rows / batch_size), index, dtype=np.int64)
+            for index, route in enumerate(routes)
+        ]
+    )
+    batch_starts = np.concatenate([np.arange(0, route.rows, batch_size, dtype=np.int64) for route in routes])
+    shuffle = _ranking(derive_seed(seed, epoch), len(batch_routes))
+    return EpochPlan(orders=orders, batch_routes=batch_routes[shuffle], batch_starts=batch_starts[shuffle])
+
+
+def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
+    """What worker ``rank`` reads at ``global_step``."""
+    if not 0 <= rank < spec.world_size:
+        raise ScheduleError(f"rank {rank} is outside the world of {spec.world_size} workers")
+    epoch, step = spec.locate(global_step)
+    plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+    batch = step * spec.world_size + rank
+    if batch >= len(plan.batch_routes):
+        return Slot(route=None, rows=(), corpora=())
+    index = int(plan.batch_routes[batch])
+    start = int(plan.batch_starts[batch])
+    route = spec.routes[index]
+    rows = plan.orders[index][start : start + spec.batch_size]
+    corpora = route.corpora_of(rows)
+    withheld = spec.withheld_corpora(global_step)
+    kept = [
+        (row, corpus) for row, corpus in zip(rows.tolist(), corpora, strict=True) if corpus not in withheld
+    ]
+    return Slot(
+        route=route.route,
+        rows=tuple(row for row, _ in kept),
+        corpora=tuple(corpus for _, corpus in kept),
+    )
+
+
+def step_slots(spec: ScheduleSpec, global_step: int) -> tuple[Slot, ...]:
+    """Every worker's slot at ``global_step``, indexed by rank."""
+    return tuple(slot(spec, global_step, rank) for rank in range(spec.world_size))
+
+
+def route_counts(slots: Sequence[Slot]) -> dict[str, int]:
+    """Examples per route over the non-empty ``slots`` of one step: the masked average's divisors."""
+    counts: dict[str, int] = {}
+    for item in slots:
+        if not item.empty:
+            assert item.route is not None
+            counts[item.route] = counts.get(item.route, 0) + len(item.rows)
+    return counts

@@ -1,0 +1,220 @@
+"""What runs before any training: the signed policy, the routing table, and the ingest.
+
+Each step records what a reviewer must be able to see later in the audit log: a run allowed
+with an unsigned policy, a verified policy, a refused ingest, a completed ingest.
+
+Example::
+
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)   # SignatureError if unsigned
+    result = ingest_experiment(config, checked, store)             # IngestError names the row
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from govray.config.experiment import ExperimentConfig
+from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.errors import GovrayError, IngestError
+from govray.core.keys import load_trust
+from govray.core.runtime import ensure_ray
+from govray.data.ingest import IngestResult, ingest
+from govray.governance.policy import VerifiedPolicy, load_verified_policy
+from govray.governance.routing import RoutingTable, resolve_routes
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.drift import FingerprintChange, changed_corpora
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Experiment
+from govray.train.trial import make_trial
+
+
+def config_digest(config: ExperimentConfig) -> str:
+    return sha256_hex(canonical_json(config.model_dump(mode="json")))
+
+
+@dataclass(frozen=True)
+class CheckedPolicy:
+    policy: VerifiedPolicy
+    routing: RoutingTable
+
+
+def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
+    """Verify the policy's signature and resolve it against the trial's model.
+
+    ``allow_unsigned`` (or ``policy.allow_unsigned`` in the config) lets an unsigned policy
+    through, and the audit log records that it did.
+    """
+    audit = AuditLog(store)
+    ref = config.policy
+    trust = load_trust(ref.trust) if ref.trust is not None else None
+    try:
+        verified = load_verified_policy(
+            ref.file, ref.signature_path, trust, allow_unsigned=allow_unsigned or ref.allow_unsigned
+        )
+    except GovrayError as error:
+        audit.append(AuditEventType.RUN_REFUSED, {"experiment": config.name, "reason": str(error)})
+        raise
+    if verified.signature is None:
+        audit.append(
+            AuditEventType.POLICY_UNSIGNED_ALLOWED,
+            {"experiment": config.name, "policy": verified.path, "policy_digest": verified.digest},
+        )
+    else:
+        audit.append(
+            AuditEventType.POLICY_VERIFIED,
+            {
+                "experiment": config.name,
+                "policy": verified.policy.name,
+                "version": verified.policy.version,
+                "policy_digest": verified.digest,
+                "keyid": verified.signature.keyid,
+                "signed_at": verified.signature.signed_at.isoformat(),
+            },
+        )
+    hparams = config.default_hparams()
+    trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
+    model = trial.build_model()
+    routing = resolve_routes(verified.policy, model, trial.layers(model))
+    return CheckedPolicy(policy=verified, routing=routing)
+
+
+def _existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:
+    """The newest experiment of this name with the same config, if any."""
+    digest = config_digest(config)
+    for experiment in reversed(store.list_experiments()):
+        if experiment.name == config.name and experiment.config_digest == digest:
+            return experiment
+    return None
+
+
+def _experiment_for(
+    config: ExperimentConfig, store: TrackingStore, policy: VerifiedPolicy, fork_of: int | None
+) -> Experiment:
+    """The newest experiment of this name with the same config, else (or when forking) a new one."""
+    digest = config_digest(config)
+    if fork_of is None and (existing := _existing_experiment(config, store)) is not None:
+        return existing
+    experiment = store.create_experiment(
+        name=config.name,
+        config_json=config.model_dump_json(),
+        config_digest=digest,
+        storage_path=config.storage_path,
+        description=config.description,
+        policy_digest=policy.digest,
+    )
+    assert experiment.id is not None
+    AuditLog(store).append(
+        AuditEventType.EXPERIMENT_CREATED,
+        {"name": config.name, "config_digest": digest},
+        experiment_id=experiment.id,
+    )
+    if fork_of is not None:
+        store.set_parent(experiment.id, fork_of)
+        AuditLog(store).append(
+            AuditEventType.EXPERIMENT_FORKED,
+            {"parent": fork_of, "child": experiment.id, "config_digest": digest},
+            experiment_id=experiment.id,
+        )
+    return experiment
+
+
+def ingest_experiment(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    store: TrackingStore,
+    *,
+    force: bool = False,
+    strict: bool = False,
+    warn: Callable[[str], None] | None = None,
+    fork_of: int | None = None,
+    check: Callable[[IngestResult], None] | None = None,
+) -> tuple[Experiment, IngestResult]:
+    """Ingest the experiment's corpora and record them (and the outcome) in the tracking store.
+
+    A corpus whose fingerprint differs from the previous run of this experiment is reported
+    through ``warn`` and the audit log; with ``strict`` the ingest is refused instead.
+    ``fork_of`` makes a new experiment whose lineage parent is that one, even for the same config.
+    ``check`` refuses what the caller cannot run on these shards (raising a ``GovrayError``).
+
+    A refusal (an ingest error, a changed corpus under ``strict``, ``check``) happens before the
+    experiment is created: it leaves its audit events (``ingest.refused`` or ``run.refused``,
+    naming the experiment) and nothing else in the tracking store.
+    """
+    audit = AuditLog(store)
+    existing = _existing_experiment(config, store) if fork_of is None else None
+    refused_in = existing.id if existing is not None else None
+    refusal = {"experiment": config.name, "config_digest": config_digest(config)}
+    ensure_ray()
+    try:
+        result = ingest(config, checked.policy, force=force)
+    except GovrayError as error:
+        audit.append(
+            AuditEventType.INGEST_REFUSED, {**refusal, "reason": str(error)}, experiment_id=refused_in
+        )
+        raise
+    fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in result.manifest.corpora}
+    changes = changed_corpora(store, config.name, fingerprints)
+    messages = [
+        f"corpus '{change.corpus_id}' changed since the previous run of '{config.name}' "
+        f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
+        for change in changes
+    ]
+    if strict and changes:
+        for change in changes:
+            audit.append(
+                AuditEventType.DATA_CHANGED,
+                {"experiment": config.name, **_change(change), "strict": strict},
+                experiment_id=refused_in,
+            )
+        reason = f"{'; '.join(messages)}; refused (--strict)"
+        audit.append(AuditEventType.INGEST_REFUSED, {**refusal, "reason": reason}, experiment_id=refused_in)
+        raise IngestError(reason)
+    if check is not None:
+        try:
+            check(result)
+        except GovrayError as error:
+            audit.append(
+                AuditEventType.RUN_REFUSED, {**refusal, "reason": str(error)}, experiment_id=refused_in
+            )
+            raise
+    experiment = _experiment_for(config, store, checked.policy, fork_of)
+    assert experiment.id is not None
+    for change, message in zip(changes, messages, strict=True):
+        audit.append(
+            AuditEventType.DATA_CHANGED, {**_change(change), "strict": strict}, experiment_id=experiment.id
+        )
+        if warn is not None:
+            warn(message)
+    store.record_corpora(
+        experiment.id,
+        [
+            {
+                "corpus_id": corpus.corpus_id,
+                "role": corpus.role,
+                "fingerprint": corpus.fingerprint,
+                "rows": corpus.rows,
+                "train_rows": corpus.train_rows,
+                "holdout_rows": corpus.holdout_rows,
+                "credential_json": canonical_json(corpus.credential).decode(),
+                "route_counts_json": canonical_json(corpus.route_counts).decode(),
+            }
+            for corpus in result.manifest.corpora
+        ],
+    )
+    store.set_experiment_state(experiment.id, "ingested")
+    audit.append(
+        AuditEventType.INGEST_COMPLETED,
+        {
+            "shards": result.manifest.key,
+            "reused": result.reused,
+            "fingerprints": {c.corpus_id: c.fingerprint for c in result.manifest.corpora},
+        },
+        experiment_id=experiment.id,
+    )
+    return experiment, result
+
+
+def _change(change: FingerprintChange) -> dict[str, str]:
+    return {"corpus": change.corpus_id, "before": change.before, "after": change.after}

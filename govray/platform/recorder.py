@@ -1,0 +1,179 @@
+"""The one writer of a running trial's rows: ``RunRecorder``, on the driver.
+
+A Ray Train run's driver hands it the reports its ``ReportSink`` queued (and, in-process, each
+report as it is made); a search's Tune callback hands it the reports each Tune result relays and
+each Tune checkpoint. It stores each step's report once (a restarted worker group re-runs the
+steps after its checkpoint), the trial's progress as state (last step, why it stopped, the trial a
+PBT clone continued), the decisions and their audit events, the ledger, each checkpoint, then
+applies checkpoint GC; and it settles the run's checkpoint folders against the store
+(``govray.platform.reconcile``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from govray.core.keys import TrustConfig
+from govray.core.storage import open_storage
+from govray.platform.gc import apply_gc, effective_gc_policy
+from govray.platform.reconcile import Reconciliation, reconcile_run
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import record_checkpoint, record_ledger
+from govray.tracking.store import TrackingStore
+from govray.tracking.tensorboard import TensorBoardLog
+from govray.train.ledger import Ledger
+from govray.train.reports import StepReport
+
+MEMORIZATION_EVENTS = {
+    "gate": AuditEventType.MEMORIZATION_GATE,
+    "rollback": AuditEventType.MEMORIZATION_ROLLBACK,
+}
+
+
+@dataclass(frozen=True)
+class GcSettings:
+    """What checkpoint GC needs as the run goes (Ray keeps every checkpoint). The policy is read
+    at every checkpoint: ``govray experiment set gc-policy`` applies mid-run."""
+
+    experiment_id: int
+    metric: str
+    smaller_is_better: bool
+    as_it_goes: bool = True  # False under PBT: a donor's earlier checkpoint may still be cloned
+
+
+class RunRecorder:
+    """Records one trial's reports and checkpoints in the tracking store (one owner per row)."""
+
+    def __init__(
+        self,
+        store: TrackingStore,
+        trial_id: int,
+        layers: dict[str, int | None],
+        gc: GcSettings,
+        *,
+        replaying: bool = False,
+        events: TensorBoardLog | None = None,
+        storage_path: str = "",
+        run_dir: str = "",
+        trust: TrustConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.trial_id = trial_id
+        self.layers = layers  # tensor name → layer, for the ledger rows
+        self.gc = gc
+        self.replaying = replaying  # decisions reported are the source trial's, applied
+        self.events = events
+        self.storage_path = storage_path  # the experiment's (on object storage: by cache paths)
+        self.run_dir = run_dir  # with ``trust``: the run's checkpoint folders are reconciled
+        self.trust = trust
+        self.reported = store.reported_steps(trial_id)  # steps whose report is in the store
+        self.latest: StepReport | None = None  # the newest report recorded
+
+    def record(self, report: StepReport) -> None:
+        """One report, and the checkpoint it carries (after recording what earlier reports lost at
+        a worker's death left on storage)."""
+        if report.checkpoint is not None and self.run_dir and self.trust is not None:
+            self.reconcile(below_step=report.step)
+        self.record_once(report)
+        if report.checkpoint is not None:
+            path = (
+                open_storage(self.storage_path).cached(report.checkpoint)
+                if self.storage_path
+                else report.checkpoint
+            )
+            self.record_checkpoint(str(path), report.step)
+
+    def record_once(self, report: StepReport) -> None:
+        """Store one report unless its step's report is already there."""
+        if report.step in self.reported:
+            return
+        store, trial_id = self.store, self.trial_id
+        training = {"epoch": float(report.epoch)}
+        validation: dict[str, float] = {}
+        for name, value in report.metrics.items():
+            if value == value:  # NaN: not storable, and means "no rows" here
+                (validation if name.startswith("validation_") else training)[name] = value
+        store.log_metrics(trial_id, report.step, "training", training)
+        if validation:
+            store.log_metrics(trial_id, report.step, "validation", validation)
+        if self.events is not None:
+            self.events.write(report.step, {**training, **validation})
+        if report.decisions:
+            decisions = [decision.model_dump(mode="json") for decision in report.decisions]
+            known = {decision.seq for decision in store.decisions(trial_id)}
+            store.record_decisions(trial_id, decisions, replayed=self.replaying)
+            for decision in decisions:
+                if decision["seq"] not in known and decision["kind"] in MEMORIZATION_EVENTS:
+                    self._audit(
+                        MEMORIZATION_EVENTS[decision["kind"]], {**decision, "replayed": self.replaying}
+                    )
+        if report.flagged is not None:
+            self._audit(
+                AuditEventType.MEMORIZATION_FLAGGED, {"step": report.step, **report.flagged.model_dump()}
+            )
+        if report.ledger is not None:
+            ledger = Ledger.from_json(report.ledger)
+            rows = [
+                (corpus, tensor, self.layers.get(tensor), entry.examples, entry.tokens, entry.steps)
+                for corpus, tensor, entry in ledger.rows()
+            ]
+            record_ledger(store, trial_id, rows)
+        store.record_progress(trial_id, report.step, report.stop, self._donor(report.cloned_from_run))
+        self.reported.add(report.step)
+        self.latest = report
+
+    def record_checkpoint(self, path: str, step: int) -> None:
+        record_checkpoint(self.store, self.trial_id, path, step)
+        if self.gc.as_it_goes:
+            self.collect_garbage()
+
+    def reconcile(self, below_step: int | None = None) -> Reconciliation:
+        """Settle the run's checkpoint folders against the store (``govray.platform.reconcile``); live
+        (``below_step`` given) it only records folders of earlier steps."""
+        assert self.trust is not None and self.storage_path
+        return reconcile_run(
+            self.store,
+            self.trial_id,
+            Path(self.run_dir),
+            self.trust,
+            record_report=lambda step, report: self.record_once(StepReport.parse({"step": step, **report})),
+            storage=open_storage(self.storage_path),
+            below_step=below_step,
+        )
+
+    def settle(self) -> None:
+        """When a run starts, resumes or ends: every checkpoint it left recorded (with reports a
+        worker's death lost), no partial or duplicate folder left behind, then GC over what is
+        now recorded."""
+        if self.reconcile().recorded:
+            self.collect_garbage()
+
+    def collect_garbage(self) -> None:
+        self.collect_all(self.store, self.gc)
+
+    @staticmethod
+    def collect_all(store: TrackingStore, gc: GcSettings) -> None:
+        """Apply the experiment's checkpoint GC policy over every trial's recorded checkpoints."""
+        apply_gc(
+            store,
+            gc.experiment_id,
+            effective_gc_policy(store, gc.experiment_id),
+            metric=gc.metric,
+            smaller_is_better=gc.smaller_is_better,
+        )
+
+    def _donor(self, run_name: str | None) -> int | None:
+        if run_name is None:
+            return None
+        experiment_id = self.store.get_trial(self.trial_id).experiment_id
+        donors = [t.id for t in self.store.list_trials(experiment_id) if t.ray_run_name == run_name]
+        return donors[0] if donors else None
+
+    def _audit(self, kind: AuditEventType, payload: dict[str, Any]) -> None:
+        experiment_id = self.store.get_trial(self.trial_id).experiment_id
+        AuditLog(self.store).append(kind, {"trial_id": self.trial_id, **payload}, experiment_id=experiment_id)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a RunRecorder stays on the driver")

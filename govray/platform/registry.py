@@ -1,0 +1,356 @@
+"""The model registry: named models, numbered versions of checkpoints, tags — and a version made
+by removing an adapter, with its own attestation naming the corpora that leaves out.
+
+>>> version = register(store, "digits", Path("storage/ray/RUN/checkpoint_000002"))  # doctest: +SKIP
+>>> resolve(store, "digits:1").directory                                              # doctest: +SKIP
+>>> clean = remove_adapter(store, "digits:1", "pii")  # -> digits:2, without adapter-pii  # doctest: +SKIP
+>>> clean.excluded_corpora                                                             # doctest: +SKIP
+('digits-writers',)
+
+A version registered from a checkpoint reads its model files there (GC never deletes a
+registered checkpoint). Removing an adapter writes a sealed directory
+``STORAGE/models/NAME/VERSION/`` — the base and the remaining adapters, the ledger without the
+removed adapter's tensors, the run spec it came from, a manifest signed by the platform key — so
+the new version verifies, attests and can be fine-tuned from like any checkpoint. Its
+attestations go to ``STORAGE/attestations/models/NAME/VERSION.{provenance,coverage}.dsse.json``
+and into the tracking store. Every change is an audit event (``registry.changed``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from govray.core.canonical import sha256_hex
+from govray.core.errors import GovrayError
+from govray.core.identifiers import Description, Label, ModelName, TagKey, TagValue, check, parse_model_ref
+from govray.core.keys import SigningKey, platform_key, platform_trust
+from govray.provenance.attest import (
+    PROVENANCE_TYPE,
+    Attestation,
+    Derivation,
+    attest_checkpoint,
+    run_spec_of,
+    statement_type,
+)
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import checkpoint_at
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import AttestationRecord, CheckpointRecord, CheckpointStatus, ModelVersion
+from govray.tracking.versions import (
+    VersionTaken,
+    attestations_of_version,
+    find_version,
+    insert_version,
+    is_registered,
+    model_versions,
+    next_version,
+    record_version_attestations,
+    replace_tags,
+)
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    RUN_SPEC_FILE,
+    CheckpointError,
+    load_checkpoint,
+    seal_checkpoint,
+)
+from govray.train.ledger import Ledger
+
+
+class RegistryError(GovrayError):
+    """A registry request that cannot be met: an unknown model or version, a bad name or tag, a
+    checkpoint the store does not know, an adapter the version does not carry."""
+
+    exit_code = 17
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    """One version of a registered model, with the checkpoint it descends from and where its
+    model files are."""
+
+    model: str
+    version: int
+    record: ModelVersion
+    checkpoint: CheckpointRecord
+    directory: Path
+    removed_adapters: tuple[str, ...]
+    excluded_corpora: tuple[str, ...]
+    tags: dict[str, str]
+
+    @property
+    def ref(self) -> str:
+        return f"{self.model}:{self.version}"
+
+    @property
+    def uri(self) -> str:
+        return model_uri(self.model, self.version)
+
+
+def model_uri(name: str, version: int) -> str:
+    return f"govray:model/{name}/{version}"
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """``NAME`` (the latest version) or ``NAME:VERSION``; ``RegistryError`` for anything else (a
+    name the pattern does not allow, a version that is not ASCII digits within 1..2^63-1)."""
+    return parse_model_ref(ref, RegistryError)
+
+
+def resolve(store: TrackingStore, ref: str) -> RegisteredVersion:
+    """The version ``ref`` names; ``RegistryError`` naming what is unknown."""
+    name, number = parse_ref(ref)
+    if not is_registered(store, name):
+        raise RegistryError(f"no registered model '{name}'")
+    found = find_version(store, name, number)
+    if found is None:
+        raise RegistryError(
+            f"model '{name}' has no version {number}" if number else f"model '{name}' has no versions"
+        )
+    return _version(*found)
+
+
+def versions(store: TrackingStore, name: str) -> list[RegisteredVersion]:
+    """The versions of model ``name``, oldest first."""
+    resolve(store, _checked_name(name))  # an unknown model is an error, not an empty list
+    return [_version(row, checkpoint) for row, checkpoint in model_versions(store, name)]
+
+
+def version_attestations(store: TrackingStore, version: RegisteredVersion) -> list[AttestationRecord]:
+    """The attestation envelopes kept for a version (provenance first, then coverage)."""
+    return attestations_of_version(store, version.record.id)
+
+
+def register(
+    store: TrackingStore,
+    name: str,
+    checkpoint: Path,
+    *,
+    description: str = "",
+    tags: Mapping[str, str] | None = None,
+    key: SigningKey | None = None,
+) -> RegisteredVersion:
+    """Register ``checkpoint`` (a checkpoint the store recorded, verified) as the next version of
+    model ``name``; its attestation (made now if the trial end did not) is kept for the version.
+    Everything asked is checked before anything is written: a refused request writes nothing."""
+    name = _checked_name(name)
+    description = check(Description, description, "description", RegistryError)
+    checked_tags = _checked_tags(tags or {})
+    record = _checkpoint_record(store, checkpoint)
+    written = attest_checkpoint(checkpoint, key)  # verifies it; refuses a tampered one
+    version = _add_version(store, name, record, description, checked_tags)
+    _record_attestations(store, version, written, record.id)
+    _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
+    return resolve(store, version.ref)
+
+
+def set_tags(
+    store: TrackingStore, ref: str, add: Mapping[str, str], remove: Iterable[str] = ()
+) -> RegisteredVersion:
+    """Set and remove tags of version ``ref`` (an unknown tag to remove is an error)."""
+    add = _checked_tags(add)
+    version = resolve(store, ref)
+    tags = dict(version.tags)
+    for tag in remove:
+        if tag not in tags:
+            raise RegistryError(
+                f"{version.ref} has no tag '{tag}' (tags: {', '.join(sorted(tags)) or 'none'})"
+            )
+        del tags[tag]
+    tags.update(add)
+    replace_tags(store, version.record.id, json.dumps(tags, sort_keys=True))
+    _audit(store, "tag", version, tags=tags)
+    return resolve(store, ref)
+
+
+def remove_adapter(
+    store: TrackingStore, ref: str, adapter: str, *, key: SigningKey | None = None
+) -> RegisteredVersion:
+    """A new version of ``ref``'s model without adapter ``adapter``: its file gone, its tensors out
+    of the ledger, and an attestation listing the corpora that now reach no tensor at all."""
+    adapter = check(Label, adapter, "adapter name", RegistryError)
+    source = resolve(store, ref)
+    adapter_file = source.directory / f"adapter-{adapter}.safetensors"
+    if not adapter_file.is_file():
+        present = sorted(
+            p.name[len("adapter-") : -len(".safetensors")]
+            for p in source.directory.glob("adapter-*.safetensors")
+        )
+        raise RegistryError(
+            f"{source.ref} carries no adapter '{adapter}' (adapters: {', '.join(present) or 'none'})"
+        )
+    key = key if key is not None else platform_key()
+    spec = run_spec_of(source.directory)
+    try:
+        loaded = load_checkpoint(source.directory, platform_trust(key, spec.trust))
+    except CheckpointError as error:
+        raise RegistryError(f"refusing to derive from {source.ref}: {error}") from None
+    ledger = Ledger.from_json(loaded.state.ledger)
+    kept = ledger.without_adapter(adapter)
+    reached = set(ledger.corpora())
+    excluded = tuple(sorted({*source.excluded_corpora, *(reached - set(kept.corpora()))}))
+    source_attestation = provenance_record(store, source)
+    number = next_version(store, source.model)
+    storage = _storage_of(source)
+    directory = storage / "models" / source.model / str(number)
+    if directory.exists():
+        raise RegistryError(f"{directory} exists already; refusing to overwrite another version's files")
+    directory.mkdir(parents=True)
+    for path in [source.directory / MODEL_FILE, *sorted(source.directory.glob("adapter-*.safetensors"))]:
+        if path != adapter_file:
+            shutil.copy2(path, directory / path.name)
+    (directory / RUN_SPEC_FILE).write_text(spec.model_dump_json(indent=1))
+    state = loaded.state.model_copy(
+        update={
+            "ledger": kept.to_json(),
+            "adapters": [name for name in loaded.state.adapters if name != adapter],
+            "clean_step": None,
+            "clean_ledgers": {},
+        }
+    )
+    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, key)
+    removed = (*source.removed_adapters, adapter)
+    written = attest_checkpoint(
+        directory,
+        key,
+        derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
+        destination=storage / "attestations" / "models" / source.model / str(number),
+    )
+    version = _add_version(
+        store,
+        source.model,
+        source.checkpoint,
+        f"{source.ref} without adapter '{adapter}'",
+        {},
+        number=number,
+        parent=source.record,
+        path=directory,
+        removed=removed,
+        excluded=excluded,
+    )
+    _record_attestations(store, version, written, None)
+    _audit(
+        store, "remove_adapter", version, source=source.ref, adapter=adapter, excluded_corpora=list(excluded)
+    )
+    return resolve(store, version.ref)
+
+
+def start_reference(store: TrackingStore, version: RegisteredVersion) -> dict[str, str]:
+    """What a run started from ``version`` records, so its attestation lists this version's
+    provenance attestation as its base model (``govray.platform.runner.run_trial(start_model=...)``)."""
+    attestation = provenance_record(store, version)
+    return {
+        "model": version.ref,
+        "model_uri": version.uri,
+        "model_attestation": f"govray:attestation/{attestation.id}",
+        "model_attestation_sha256": envelope_sha256(attestation),
+    }
+
+
+def provenance_record(store: TrackingStore, version: RegisteredVersion) -> AttestationRecord:
+    """The version's provenance attestation as the store keeps it."""
+    for record in version_attestations(store, version):
+        if statement_type(record.envelope_json) == PROVENANCE_TYPE:
+            return record
+    raise RegistryError(f"{version.ref} has no provenance attestation in the tracking store")
+
+
+def envelope_sha256(record: AttestationRecord) -> str:
+    """The sha256 of the envelope's bytes (the file written beside the model holds the same)."""
+    return sha256_hex(record.envelope_json.encode())
+
+
+def _version(row: ModelVersion, checkpoint: CheckpointRecord) -> RegisteredVersion:
+    return RegisteredVersion(
+        model=row.model_name,
+        version=row.version,
+        record=row,
+        checkpoint=checkpoint,
+        directory=Path(row.path if row.path is not None else checkpoint.path),
+        removed_adapters=tuple(json.loads(row.removed_adapters_json)),
+        excluded_corpora=tuple(json.loads(row.excluded_corpora_json)),
+        tags=json.loads(row.tags_json),
+    )
+
+
+def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointRecord:
+    record = checkpoint_at(store, checkpoint)
+    if record is None:
+        raise RegistryError(f"{checkpoint}: not a checkpoint this tracking store recorded")
+    if record.state == CheckpointStatus.DELETED.value:
+        raise RegistryError(f"{checkpoint}: deleted by checkpoint GC; register a kept one")
+    return record
+
+
+def _add_version(
+    store: TrackingStore,
+    name: str,
+    checkpoint: CheckpointRecord,
+    description: str,
+    tags: dict[str, str],
+    *,
+    number: int | None = None,
+    parent: ModelVersion | None = None,
+    path: Path | None = None,
+    removed: tuple[str, ...] = (),
+    excluded: tuple[str, ...] = (),
+) -> RegisteredVersion:
+    assert checkpoint.id is not None
+    number = number if number is not None else next_version(store, name)
+    row = ModelVersion(
+        model_name=name,
+        version=number,
+        checkpoint_id=checkpoint.id,
+        tags_json=json.dumps(tags, sort_keys=True),
+        parent_id=parent.id if parent is not None else None,
+        path=str(path) if path is not None else None,
+        description=description,
+        removed_adapters_json=json.dumps(list(removed)),
+        excluded_corpora_json=json.dumps(list(excluded)),
+    )
+    try:
+        insert_version(store, row, description)
+    except VersionTaken:
+        raise RegistryError(
+            f"another writer registered {name}:{number} at the same time; try again"
+        ) from None
+    return _version(row, checkpoint)
+
+
+def _record_attestations(
+    store: TrackingStore, version: RegisteredVersion, written: Attestation, checkpoint_id: int | None
+) -> None:
+    envelopes = [path.read_text() for path in (written.provenance, written.coverage)]
+    record_version_attestations(
+        store, version.record.id, checkpoint_id, written.subjects[MODEL_FILE], envelopes
+    )
+
+
+def _storage_of(version: RegisteredVersion) -> Path:
+    # STORAGE/ray/RUN/checkpoint_N and STORAGE/models/NAME/VERSION both sit three levels down.
+    return version.directory.resolve().parents[2]
+
+
+def _checked_name(name: str) -> str:
+    checked: str = check(ModelName, name, "model name", RegistryError)
+    return checked
+
+
+def _checked_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    return {
+        check(TagKey, tag, "tag", RegistryError): check(
+            TagValue, value, f"tag {tag!r}: the value", RegistryError
+        )
+        for tag, value in tags.items()
+    }
+
+
+def _audit(store: TrackingStore, action: str, version: RegisteredVersion, **details: object) -> None:
+    AuditLog(store).append(
+        AuditEventType.REGISTRY_CHANGED,
+        {"action": action, "model": version.model, "version": version.version, **details},
+    )

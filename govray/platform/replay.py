@@ -1,0 +1,259 @@
+"""Counterfactual replay: rerun a recorded trial with some corpora's schedule slots left empty.
+
+Everything else is identical — config, hyperparameters, seeds, policy, shards, schedule — and the
+replay runs under a fresh Ray Train run name. The influence report compares the original's final
+weights with the replay's, tensor by tensor: where the excluded corpus contributed **directly**
+(its gradients reached that tensor: from the ledger), and how far its influence spread
+**indirectly** (no direct contribution, yet the weights differ, because the layers it did train
+changed every other corpus's gradients).
+
+Example::
+
+    replayed = replay_trial(store, experiment="digits-governed", exclude=("digits-licensed",))
+    print(format_influence(replayed.report))
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+from safetensors.torch import load_file
+
+from govray.config.experiment import ExperimentConfig
+from govray.core.errors import GovrayError
+from govray.core.keys import load_trust, platform_key, platform_trust
+from govray.core.storage import open_storage
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import (
+    Progress,
+    TrialOutcome,
+    recorded_trial_code,
+    run_spec_path,
+    run_trial,
+    stored_ledger,
+)
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import TrialKind, TrialRecord
+from govray.train.checkpoint import find_checkpoints, verify_checkpoint
+from govray.train.decisions import RecordedDecision
+from govray.train.ledger import Ledger
+from govray.train.runspec import RunSpec
+
+
+class ReplayError(GovrayError):
+    """The recorded trial cannot be replayed as it was (missing, unfinished, or data changed)."""
+
+    exit_code = 11
+
+
+class TensorInfluence(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    tensor: str
+    file: str  # model.safetensors or adapter-NAME.safetensors
+    direct_examples: int  # examples of the excluded corpora whose gradients reached it (ledger)
+    distance: float  # L2 norm of (original - replay)
+    relative: float  # distance / L2 norm of the original
+    kind: str  # "direct", "indirect" or "none"
+
+
+class InfluenceReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    experiment: str
+    original_trial: int  # the trial replayed (compared with)
+    original_replay_of: int | None = None  # set when that trial is itself a replay of this trial
+    replay_trial: int
+    replay_run: str
+    excluded_corpora: list[str]  # the corpora whose influence is measured
+    # Corpora the replayed trial already left out (it is a replay): the replay leaves them out too.
+    already_excluded: list[str] = []
+    step: int
+    created_at: str
+    note: str = (
+        "direct = the excluded corpora's gradients reached this tensor's updates (ledger); "
+        "indirect = no direct contribution, but the weights differ because tensors they did train "
+        "changed the other corpora's gradients."
+    )
+    tensors: list[TensorInfluence]
+
+
+@dataclass(frozen=True)
+class Replay:
+    outcome: TrialOutcome
+    report: InfluenceReport
+    report_path: Path
+
+
+def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | None) -> TrialRecord:
+    """Trial ``trial_id``, or the experiment's latest completed original: never a replay unless
+    named (a replay compared with itself would show no influence at all)."""
+    trials = [t for t in store.list_trials(experiment_id) if t.state == "completed"]
+    if trial_id is not None:
+        trials = [t for t in trials if t.id == trial_id]
+    else:
+        trials = [t for t in trials if t.kind == TrialKind.ORIGINAL]
+    if not trials:
+        which = f"trial {trial_id}" if trial_id is not None else "a completed original trial"
+        raise ReplayError(f"experiment {experiment_id} has no {which} to replay")
+    return trials[-1]
+
+
+def _excluded_by(config: ExperimentConfig, trial: TrialRecord) -> tuple[str, ...]:
+    """The corpora a trial left out (a replay's; none for an original), from its run spec."""
+    if trial.kind == TrialKind.ORIGINAL:
+        return ()
+    assert trial.ray_run_name is not None
+    path = run_spec_path(config, trial.ray_run_name)
+    if not open_storage(config.storage_path).fetch(path):
+        raise ReplayError(f"trial {trial.id} is a replay whose run spec {path} is missing")
+    return RunSpec.model_validate_json(path.read_text()).excluded_corpora
+
+
+def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
+    """The decisions a trial recorded (LR cuts, early stops, gates, rollbacks), for a replay to
+    apply as they were."""
+    return tuple(
+        TypeAdapter(RecordedDecision).validate_python(
+            {"seq": row.seq, "step": row.step, "kind": row.kind, **json.loads(row.payload_json)}
+        )
+        for row in store.decisions(trial_id)
+    )
+
+
+def final_checkpoint(run_dir: Path, trust_file: Path | None) -> Path:
+    """The run's last checkpoint, verified (platform key and the experiment's trust file)."""
+    found = find_checkpoints(run_dir)
+    if not found:
+        raise ReplayError(f"{run_dir}: no checkpoint to compare with")
+    extra = load_trust(trust_file) if trust_file is not None else None
+    verify_checkpoint(found[-1], platform_trust(platform_key(), extra))
+    return found[-1]
+
+
+def tensor_influence(
+    original: Path, replay: Path, ledger: Ledger, excluded: tuple[str, ...]
+) -> list[TensorInfluence]:
+    """Per tensor of every weight file: direct examples of the excluded corpora and distances."""
+    rows = []
+    for path in sorted(original.glob("*.safetensors")):
+        if path.name.startswith("optimizer"):
+            continue
+        before, after = load_file(str(path)), load_file(str(replay / path.name))
+        for ledger_name in sorted(before):  # adapter files already use the ledger's names
+            name = ledger_name
+            direct = sum(
+                entry.examples
+                for (corpus, tensor), entry in ledger.entries.items()
+                if corpus in excluded and tensor == ledger_name
+            )
+            difference = (before[name].double() - after[name].double()).norm().item()
+            scale = before[name].double().norm().item()
+            kind = "direct" if direct else ("indirect" if difference > 0 else "none")
+            rows.append(
+                TensorInfluence(
+                    tensor=ledger_name,
+                    file=path.name,
+                    direct_examples=direct,
+                    distance=difference,
+                    relative=difference / scale if scale else 0.0,
+                    kind=kind,
+                )
+            )
+    return rows
+
+
+def replay_trial(
+    store: TrackingStore,
+    experiment: str,
+    exclude: tuple[str, ...],
+    *,
+    trial_id: int | None = None,
+    progress: Progress | None = None,
+) -> Replay:
+    """Rerun a recorded trial without ``exclude``'s rows and write the influence report."""
+    recorded = store.get_experiment(experiment)
+    assert recorded.id is not None
+    config = ExperimentConfig.model_validate_json(recorded.config_json)
+    original = _original_trial(store, recorded.id, trial_id)
+    assert original.id is not None
+    known = {corpus.corpus_id: corpus for corpus in store.list_corpora(recorded.id)}
+    unknown = [corpus for corpus in exclude if corpus not in known]
+    if unknown:
+        raise ReplayError(f"experiment '{recorded.name}' has no corpus {', '.join(unknown)}")
+    code = recorded_trial_code(config, original)  # the code it ran, whatever the working directory
+    already = _excluded_by(config, original)
+    checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
+    _, ingested = ingest_experiment(config, checked, store)
+    for corpus in ingested.manifest.corpora:
+        if corpus.fingerprint != known[corpus.corpus_id].fingerprint:
+            raise ReplayError(
+                f"corpus '{corpus.corpus_id}' changed since the recorded run (fingerprint "
+                f"{known[corpus.corpus_id].fingerprint[:16]}… → {corpus.fingerprint[:16]}…): "
+                "a replay needs the same bytes"
+            )
+    outcome = run_trial(
+        config,
+        checked,
+        recorded,
+        ingested.root,
+        store,
+        hparams=json.loads(original.hparams_json),
+        trial_seed=original.seed,
+        excluded_corpora=already + tuple(c for c in exclude if c not in already),
+        progress=progress,
+        recorded_decisions=recorded_decisions(store, original.id),
+        replay_of=original.id,
+        code=code,
+    )
+    if outcome.state != "completed":
+        raise ReplayError(
+            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
+            f"finish it with `govray resume {recorded.id}`, then compare"
+        )
+    assert original.ray_run_name is not None
+    original_dir = final_checkpoint(
+        Path(config.storage_path) / "ray" / original.ray_run_name, config.policy.trust
+    )
+    replay_dir = final_checkpoint(outcome.run_dir, config.policy.trust)
+    report = InfluenceReport(
+        experiment=recorded.name,
+        original_trial=original.id,
+        original_replay_of=original.replay_of,
+        replay_trial=outcome.trial_id,
+        replay_run=outcome.run_name,
+        excluded_corpora=list(exclude),
+        already_excluded=list(already),
+        step=outcome.steps_done,
+        created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        tensors=tensor_influence(original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude)),
+    )
+    path = (
+        Path(config.storage_path) / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.model_dump_json(indent=2))
+    AuditLog(store).append(
+        AuditEventType.REPLAY_COMPLETED,
+        {
+            "original_trial": original.id,
+            "replay_trial": outcome.trial_id,
+            "excluded": list(exclude),
+            "report": str(path),
+        },
+        experiment_id=recorded.id,
+    )
+    return Replay(outcome=outcome, report=report, report_path=path)
+
+
+def format_influence(report: InfluenceReport) -> str:
+    lines = [f"{'tensor':40} {'kind':9} {'direct examples':>15} {'distance':>12} {'relative':>10}"]
+    for row in report.tensors:
+        numbers = f"{row.direct_examples:>15} {row.distance:>12.6g} {row.relative:>10.3g}"
+        lines.append(f"{row.tensor:40} {row.kind:9} {numbers}")
+    return "\n".join(lines)

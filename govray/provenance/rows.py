@@ -1,0 +1,360 @@
+"""Row-level lineage: which trials, steps, checkpoints and parameter tensors one row reached.
+
+The answer to an erasure request ("did row 17 of corpus C train this model, and which part?")
+comes from the recorded schedule, never from a guess: for every trial of an experiment that
+ingested corpus C,
+
+1. the row's place in that experiment's shards: its route and its position in
+   ``shards/train/ROUTE`` (rows are ordered by corpus, then row number), or the holdout split,
+   which no training step reads;
+2. per epoch, the row's position in the route's permutation, hence its batch, hence the one global
+   step (and rank) whose slot held it (``govray.data.schedule``'s own epoch plan, not a scan of every
+   step); exclusions and gates (``withheld_corpora``) drop it from a slot, and a step a rollback
+   discarded (``reverted``) is listed apart, since its update left the weights;
+3. the checkpoints saved after a step that reached it (before any rollback undid that step): their
+   weights carry its influence;
+4. the tensors its route may update per the run's routing table: the adapter's LoRA tensors
+   (``adapter/NAME/...``) for an adapter route, the allowed base parameters otherwise.
+
+Example::
+
+    reach = row_reach(store, "digits-writers", 17)
+    for trial in reach.trials:
+        trial.steps, trial.checkpoints, trial.tensors
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from govray.core.errors import GovrayError
+from govray.core.identifiers import CorpusId, check
+from govray.data.schedule import ScheduleSpec, epoch_plan
+from govray.data.shards import ShardSet
+from govray.governance.routing import RoutingTable, layer_label
+from govray.provenance.attest import AttestationError, routing_of, run_spec_of
+from govray.tracking.lineage import checkpoints
+from govray.tracking.store import TrackingStore, masked
+from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, TrialRecord
+from govray.tracking.versions import versions_of_checkpoints
+from govray.train.checkpoint import STATE_FILE, CheckpointState, recorded_state
+from govray.train.runspec import RunSpec
+
+MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all
+
+
+class LineageError(GovrayError):
+    """A row lookup cannot be answered: unknown corpus, a row out of range, inconsistent records."""
+
+    exit_code = 18
+
+
+class RowPlacement(BaseModel):
+    """Where an ingest put the row: a training route and its position there, or the holdout."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shards: str  # the ingest's key
+    split: Literal["train", "holdout"]
+    route: str | None = None
+    position: int | None = None  # route-local row index: what the schedule's slots list
+
+
+class ReachedCheckpoint(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    step: int
+    path: str
+    state: str  # active, or deleted by GC (the record stays)
+
+
+class ReachedModel(BaseModel):
+    """A registered model version whose weights descend from a checkpoint the row reached."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    version: int
+    checkpoint_id: int
+    carries_row: bool  # False: the version removed the adapter that held the row's influence
+    removed_adapters: list[str]
+
+
+class TrialReach(BaseModel):
+    """What the row reached in one trial."""
+
+    model_config = ConfigDict(frozen=True)
+
+    experiment_id: int
+    experiment: str
+    trial_id: int
+    run_name: str | None
+    corpus_fingerprint: str  # of the corpus as this experiment ingested it
+    placement: RowPlacement | None  # None: the trial's shards are not readable (see note)
+    trained_steps: int  # global steps the trial's last checkpoint covers
+    step_count: int  # global steps whose update the row's gradient joined, still in the weights
+    steps: list[int]  # the first MAX_LISTED_STEPS of them
+    reverted_steps: list[int]  # trained with the row, then discarded by a rollback
+    checkpoints: list[ReachedCheckpoint]  # saved after such a step: they carry its influence
+    models: list[ReachedModel] = []  # registered versions of those checkpoints
+    tensors: list[str]  # the tensors its route updated (empty when it reached no step)
+    layers: list[str]  # their layers; ``adapter:NAME`` for adapter tensors
+    note: str = ""  # why it reached nothing, when it did not
+
+    @property
+    def reached(self) -> bool:
+        return self.step_count > 0 or bool(self.reverted_steps)
+
+
+class RowReach(BaseModel):
+    """Every trial in the tracking store that row ``row`` of ``corpus_id`` could have reached."""
+
+    model_config = ConfigDict(frozen=True)
+
+    corpus_id: str
+    row: int
+    trials: list[TrialReach]
+
+    @property
+    def reached(self) -> bool:
+        return any(trial.reached for trial in self.trials)
+
+
+def row_reach(store: TrackingStore, corpus_id: str, row: int) -> RowReach:
+    """Which trials, steps, checkpoints and parameter tensors row ``row`` (0-based, as ingested:
+    files in sorted order) of corpus ``corpus_id`` reached, from the recorded schedules.
+
+    Raises ``LineageError`` for a malformed corpus id, a corpus no experiment ingested or a row
+    outside every ingest."""
+    corpus_id = check(CorpusId, corpus_id, "corpus id", LineageError)
+    records = _corpus_records(store, corpus_id)
+    largest = max(record.rows for record in records)
+    if not 0 <= row < largest:
+        raise LineageError(
+            f"corpus '{corpus_id}' has {largest} rows (0..{largest - 1}); there is no row {row}"
+        )
+    places = _Places(corpus_id, row)
+    trials = []
+    for record in records:
+        experiment = store.get_experiment(record.experiment_id)
+        for trial in store.list_trials(record.experiment_id):
+            if row >= record.rows:
+                continue  # this ingest of the corpus was smaller
+            trials.append(_trial_reach(store, experiment, trial, record, places))
+    return RowReach(corpus_id=corpus_id, row=row, trials=trials)
+
+
+def row_steps(spec: ScheduleSpec, route: str, position: int, steps: int) -> tuple[list[int], list[int]]:
+    """The global steps below ``steps`` whose slot held route-local row ``position`` of ``route``:
+    ``(reached, reverted)``, where a reverted step was trained and then discarded by a rollback.
+
+    At most one step per epoch: its permuted position gives its batch, the epoch's batch order the
+    step. Steps at which its corpus was excluded or gated are in neither list."""
+    routes = [item.route for item in spec.routes]
+    if route not in routes:
+        raise LineageError(f"the schedule has no route '{route}' (routes: {', '.join(routes)})")
+    index = routes.index(route)
+    corpus = spec.routes[index].corpus_of(position)
+    reached: list[int] = []
+    reverted: list[int] = []
+    for epoch in range(math.ceil(steps / spec.steps_per_epoch)):
+        plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+        permuted = int(np.flatnonzero(plan.orders[index] == position)[0])
+        start = permuted - permuted % spec.batch_size
+        batch = int(np.flatnonzero((plan.batch_routes == index) & (plan.batch_starts == start))[0])
+        global_step = epoch * spec.steps_per_epoch + batch // spec.world_size
+        if global_step >= steps or corpus in spec.withheld_corpora(global_step):
+            continue
+        (reverted if spec.reverted(global_step) else reached).append(global_step)
+    return reached, reverted
+
+
+def in_weights(spec: ScheduleSpec, global_step: int, checkpoint_step: int) -> bool:
+    """Whether the update of ``global_step`` is in the weights of the checkpoint saved after
+    ``checkpoint_step`` steps: taken before it, and not undone by a rollback taken by then."""
+    return global_step < checkpoint_step and not any(
+        event.kind == "rollback"
+        and event.to_step is not None
+        and event.to_step <= global_step < event.step <= checkpoint_step
+        for event in spec.events
+    )
+
+
+def _corpus_records(store: TrackingStore, corpus_id: str) -> list[CorpusRecord]:
+    records = store.corpus_ingests(corpus_id)
+    if not records:
+        raise LineageError(
+            f"no experiment in tracking store {masked(store.url)} ingested corpus '{corpus_id}' "
+            f"(corpora: {', '.join(store.corpus_ids()) or 'none'})"
+        )
+    return records
+
+
+@dataclass
+class _Places:
+    """The row's placement per ingest (trials of one experiment share their shards)."""
+
+    corpus_id: str
+    row: int
+    found: dict[str, RowPlacement] = field(default_factory=dict)
+
+    def of(self, shard_root: Path) -> RowPlacement:
+        key = str(shard_root.resolve())
+        if key not in self.found:
+            self.found[key] = self._locate(ShardSet.open(shard_root))
+        return self.found[key]
+
+    def _locate(self, shards: ShardSet) -> RowPlacement:
+        summary = shards.manifest.corpus(self.corpus_id)
+        for route in summary.route_counts:
+            table = shards.route_table(route, columns=["_corpus", "_row"])
+            mine = pc.and_(
+                pc.equal(table.column("_corpus"), self.corpus_id), pc.equal(table.column("_row"), self.row)
+            )
+            hits = np.flatnonzero(mine.to_numpy(zero_copy_only=False))
+            if hits.size:
+                key = shards.manifest.key
+                return RowPlacement(shards=key, split="train", route=route, position=int(hits[0]))
+        if not summary.holdout_rows:
+            raise LineageError(
+                f"shards {shards.manifest.key}: row {self.row} of corpus '{self.corpus_id}' is in no "
+                "training route, and the corpus has no held-out rows"
+            )
+        return RowPlacement(shards=shards.manifest.key, split="holdout")
+
+
+def _trial_reach(
+    store: TrackingStore, experiment: Experiment, trial: TrialRecord, record: CorpusRecord, places: _Places
+) -> TrialReach:
+    assert trial.id is not None and experiment.id is not None
+    recorded = checkpoints(store, trial.id)
+    base: dict[str, Any] = {
+        "experiment_id": experiment.id,
+        "experiment": experiment.name,
+        "trial_id": trial.id,
+        "run_name": trial.ray_run_name,
+        "corpus_fingerprint": record.fingerprint,
+    }
+    nothing: dict[str, Any] = {
+        "trained_steps": 0,
+        "step_count": 0,
+        "steps": [],
+        "reverted_steps": [],
+        "checkpoints": [],
+    }
+    latest = _latest(recorded)
+    spec = _run_spec(experiment, trial, latest[0] if latest else None)
+    if spec is None:
+        note = f"no run spec: no checkpoint holds one, nor {experiment.storage_path}/runs"
+        return TrialReach(**base, placement=None, **nothing, tensors=[], layers=[], note=note)
+    placement = places.of(Path(spec.shard_root))
+    state = latest[1] if latest else None
+    if placement.split == "holdout" or state is None:
+        note = (
+            "in the holdout split: no training step reads it"
+            if placement.split == "holdout"
+            else "no checkpoint on storage records what it trained"
+        )
+        return TrialReach(**base, placement=placement, **nothing, tensors=[], layers=[], note=note)
+    assert placement.route is not None and placement.position is not None
+    schedule = ScheduleSpec.from_json(state.schedule)
+    if schedule.route(placement.route).corpus_of(placement.position) != places.corpus_id:
+        raise LineageError(
+            f"trial {trial.id}: its schedule puts another corpus at row {placement.position} of route "
+            f"'{placement.route}' than its shards {placement.shards} do"
+        )
+    reached, reverted = row_steps(schedule, placement.route, placement.position, state.step)
+    touched = sorted(reached + reverted)
+    kept = [
+        ReachedCheckpoint(id=c.id or 0, step=c.step, path=c.path, state=c.state)
+        for c in recorded
+        if any(in_weights(schedule, step, c.step) for step in touched)
+    ]
+    routing = routing_of(spec)
+    tensors, layers = route_tensors(routing, placement.route) if touched else ((), ())
+    adapter = routing.adapter_names.get(placement.route)
+    return TrialReach(
+        **base,
+        placement=placement,
+        trained_steps=state.step,
+        step_count=len(reached),
+        steps=reached[:MAX_LISTED_STEPS],
+        reverted_steps=reverted,
+        checkpoints=kept,
+        models=_models(store, [c.id for c in kept], adapter),
+        tensors=list(tensors),
+        layers=list(layers),
+        note="" if touched else _why_not(schedule, places.corpus_id, state.step),
+    )
+
+
+def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None) -> list[ReachedModel]:
+    """The registered versions of these checkpoints; one that removed ``adapter`` (the row's route's)
+    no longer carries the row."""
+    if not checkpoint_ids:
+        return []
+    found = []
+    for version in versions_of_checkpoints(store, checkpoint_ids):
+        removed = json.loads(version.removed_adapters_json)
+        found.append(
+            ReachedModel(
+                model=version.model_name,
+                version=version.version,
+                checkpoint_id=version.checkpoint_id,
+                carries_row=adapter is None or adapter not in removed,
+                removed_adapters=removed,
+            )
+        )
+    return found
+
+
+def _run_spec(experiment: Experiment, trial: TrialRecord, checkpoint: Path | None) -> RunSpec | None:
+    """The run's spec: the one its latest checkpoint names, else ``STORAGE/runs/RUN.json``."""
+    if checkpoint is not None:
+        with contextlib.suppress(AttestationError):  # a checkpoint from before checkpoints held one
+            return run_spec_of(checkpoint)
+    path = Path(experiment.storage_path) / "runs" / f"{trial.ray_run_name}.json"
+    if trial.ray_run_name is None or not path.is_file():
+        return None
+    try:
+        return RunSpec.model_validate_json(path.read_text())
+    except (OSError, ValidationError) as error:
+        raise LineageError(f"trial {trial.id}: its run spec {path} is unreadable: {error}") from None
+
+
+def _latest(recorded: list[CheckpointRecord]) -> tuple[Path, CheckpointState] | None:
+    """The trial's latest checkpoint still on storage, and its state (its schedule has every event),
+    checked against the manifest the store recorded: a changed one raises ``CheckpointError``."""
+    for record in reversed(recorded):
+        path = Path(record.path)
+        if (path / STATE_FILE).is_file():
+            return path, recorded_state(path, record.manifest_digest)
+    return None
+
+
+def route_tensors(routing: RoutingTable, route: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tensors ``route`` updates and their layers (``adapter:NAME`` for an adapter route)."""
+    tensors = routing.updated_tensors(route)
+    if route in routing.adapter_names:
+        return tensors, (layer_label(None, routing.adapter_names[route]),)
+    indexes = sorted({i for i in map(routing.layer_of_tensor, tensors) if i is not None})
+    return tensors, tuple(routing.layers[i] for i in indexes)
+
+
+def _why_not(schedule: ScheduleSpec, corpus_id: str, trained: int) -> str:
+    if corpus_id in schedule.excluded_corpora:
+        return "its corpus was excluded from this trial"
+    gates = [event.step for event in schedule.events if event.kind == "gate" and event.corpus_id == corpus_id]
+    if gates:
+        return f"its corpus was gated at step {min(gates)}, before the row's turn came"
+    return f"its turn in the schedule comes after the {trained} steps this trial trained"

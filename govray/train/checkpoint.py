@@ -1,0 +1,370 @@
+"""Governance-state checkpoints: weights, optimizer and governance state, signed.
+
+A checkpoint is a directory::
+
+    model.safetensors            the base model (its digest never depends on adapters)
+    adapter-NAME.safetensors     one file per adapter
+    optimizer.safetensors        optimizer tensors (``state.<param index>.<name>``)
+    optimizer.json               the rest of the optimizer state and its param groups
+    state.json                   step, epoch, schedule inputs, seeds, digests, ledger, recorded
+                                 decisions, the checkpoint a forked run started from
+    run.json                     the spec of the run that wrote it (trial, hyperparameters, policy,
+                                 shards...): what an attestation of this checkpoint is built from
+    report.json                  the report the checkpoint was reported with (step, losses,
+                                 validation, decisions...): the tracking store recovers it from
+                                 here when a worker died before Ray Train delivered the report
+    clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
+                                 under a memorization rollback policy, the last clean state when
+                                 it is an earlier step (what a rollback after a resume restores)
+    manifest.json                sha256 of every file above
+    manifest.sig                 DSSE envelope over manifest.json, by the platform key
+
+No pickle anywhere. Loading verifies the signature (a trusted, unrevoked platform key), that the
+envelope's payload is the manifest byte for byte, and every file's digest; any mismatch, missing
+or extra file is refused, naming the file.
+
+Example::
+
+    save_base(model, directory / MODEL_FILE)           # weights first (govray.governance.adapters)
+    seal_checkpoint(directory, optimizer.state_dict(), state, platform_key)
+    loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from govray.core.canonical import file_sha256
+from govray.core.dsse import read_envelope, sign_envelope, signing_time, verify_envelope
+from govray.core.errors import GovrayError, SignatureError, describe_validation_error
+from govray.core.keys import KeyRole, SigningKey, TrustConfig
+from govray.core.storage import Storage
+
+CHECKPOINT_FORMAT = "govray-checkpoint-v1"
+RUN_SPEC_FILE = "run.json"
+REPORT_FILE = "report.json"
+CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train's checkpoint folders, and local mode's
+MANIFEST_TYPE = "application/vnd.govray.checkpoint-manifest+json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "manifest.sig"
+
+
+class CheckpointError(GovrayError):
+    """A checkpoint is missing, unsigned, tampered with, or does not fit the run."""
+
+    exit_code = 10
+
+
+class CheckpointState(BaseModel):
+    """``state.json``: everything besides tensors that a resume or replay needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: str = CHECKPOINT_FORMAT
+    step: int = Field(ge=0)  # global steps completed
+    epoch: int = Field(ge=0)
+    seed: int
+    trial_seed: int
+    schedule: dict[str, Any]  # ScheduleSpec.to_json(): every input of the schedule
+    schedule_digest: str
+    policy_digest: str
+    config_digest: str
+    ledger: dict[str, Any]  # Ledger.to_json()
+    adapters: list[str] = Field(default_factory=list)
+    reproducibility: dict[str, Any] = Field(default_factory=dict)
+    plateau: dict[str, Any] = Field(default_factory=dict)  # PlateauState: LR decisions so far
+    early_stopping: dict[str, Any] = Field(default_factory=dict)  # EarlyStopState
+    gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
+    rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
+    clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    clean_ledgers: dict[str, dict[str, Any]] = Field(default_factory=dict)  # step → ledger of clean-STEP-*
+    memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
+    source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
+    run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_retired_fields(cls, raw: Any) -> Any:
+        # state.json written before memorization_baselines was retired holds it (always empty);
+        # those checkpoints still load and verify (their digests cover the file, not this model).
+        if isinstance(raw, dict) and "memorization_baselines" in raw:
+            return {name: value for name, value in raw.items() if name != "memorization_baselines"}
+        return raw
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: str = CHECKPOINT_FORMAT
+    step: int
+    files: dict[str, str]  # file name → sha256
+    signed_at: dt.datetime | None = None  # absent in checkpoints written before it was recorded
+
+    def to_bytes(self) -> bytes:
+        document = self.model_dump(mode="json", exclude_none=True)
+        return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _optimizer_files(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors (safetensors) and plain JSON."""
+    tensors: dict[str, torch.Tensor] = {}
+    plain_state: dict[str, dict[str, Any]] = {}
+    for index, values in optimizer_state["state"].items():
+        plain_state[str(index)] = {}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach().contiguous()
+            else:
+                plain_state[str(index)][name] = value
+    meta = {"state": plain_state, "param_groups": optimizer_state["param_groups"]}
+    return tensors, meta
+
+
+def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of the split: a dict ``optimizer.load_state_dict`` accepts."""
+    state: dict[int, dict[str, Any]] = {int(index): dict(values) for index, values in meta["state"].items()}
+    for key, tensor in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = tensor
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def seal_checkpoint(
+    directory: Path, optimizer_state: dict[str, Any], state: CheckpointState, key: SigningKey
+) -> str:
+    """Add optimizer state and ``state.json`` to a directory holding the weight files, then write
+    and sign the manifest over every file. Returns the manifest's sha256."""
+    if key.role != KeyRole.PLATFORM:
+        raise SignatureError(f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key")
+    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
+    save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
+    (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
+    (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
+    names = sorted(path.name for path in directory.iterdir() if path.is_file())
+    files = {name: file_sha256(directory / name) for name in names}
+    manifest = Manifest(step=state.step, files=files, signed_at=signing_time())
+    payload = manifest.to_bytes()
+    (directory / MANIFEST_FILE).write_bytes(payload)
+    envelope = sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at)
+    (directory / SIGNATURE_FILE).write_text(envelope.to_json())
+    return file_sha256(directory / MANIFEST_FILE)
+
+
+def save_clean_state(
+    directory: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+) -> None:
+    """Write an earlier clean state (weights of the governed model, optimizer state) beside a
+    checkpoint's own files, before ``seal_checkpoint`` signs them all; its ledger goes in
+    ``CheckpointState.clean_ledgers``."""
+    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        str(directory / _clean(step, "weights.safetensors")),
+    )
+    save_file(optimizer_tensors, str(directory / _clean(step, "optimizer.safetensors")))
+    (directory / _clean(step, "optimizer.json")).write_text(
+        json.dumps(optimizer_meta, indent=1, sort_keys=True)
+    )
+
+
+def load_clean_states(loaded: LoadedCheckpoint) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    """The clean states a verified checkpoint carries: step → (weights, optimizer state)."""
+    states = {}
+    for key in loaded.state.clean_ledgers:
+        step = int(key)
+        try:
+            weights = load_file(str(loaded.directory / _clean(step, "weights.safetensors")))
+            optimizer_state = optimizer_state_from_files(
+                load_file(str(loaded.directory / _clean(step, "optimizer.safetensors"))),
+                json.loads((loaded.directory / _clean(step, "optimizer.json")).read_text()),
+            )
+        except (OSError, SafetensorError, json.JSONDecodeError, ValueError) as error:
+            raise CheckpointError(
+                f"{loaded.directory}: its clean state of step {step} is unreadable: {error}"
+            ) from None
+        states[step] = (weights, optimizer_state)
+    return states
+
+
+def _clean(step: int, name: str) -> str:
+    return f"clean-{step:08d}-{name}"
+
+
+class LoadedCheckpoint(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    directory: Path
+    state: CheckpointState
+    optimizer_state: dict[str, Any]
+    manifest_digest: str
+    signer: str
+
+
+def verify_checkpoint(directory: Path, trust: TrustConfig) -> tuple[Manifest, str]:
+    """Check signature, manifest and every digest; returns (manifest, signer keyid)."""
+    if not (directory / MANIFEST_FILE).is_file():
+        raise CheckpointError(f"{directory}: not a govray checkpoint ({MANIFEST_FILE} missing)")
+    signature = directory / SIGNATURE_FILE
+    if not signature.is_file():
+        raise CheckpointError(f"{signature}: missing; an unsigned checkpoint is refused")
+    try:
+        payload, signer = verify_envelope(
+            read_envelope(signature),
+            trust,
+            KeyRole.PLATFORM,
+            expected_type=MANIFEST_TYPE,
+            what=f"checkpoint signature {signature}",
+        )
+    except SignatureError as error:
+        raise CheckpointError(str(error)) from None
+    if payload != (directory / MANIFEST_FILE).read_bytes():
+        raise CheckpointError(f"{directory / MANIFEST_FILE} differs from the manifest its signature covers")
+    try:
+        manifest = Manifest.model_validate_json(payload)
+    except ValidationError as error:
+        raise CheckpointError(f"{directory / MANIFEST_FILE}: {describe_validation_error(error)}") from None
+    present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
+    for extra in sorted(present - set(manifest.files)):
+        raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")
+    for name, digest in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the signed manifest but missing")
+        if file_sha256(path) != digest:
+            raise CheckpointError(f"{path}: sha256 does not match the signed manifest (tampered)")
+    return manifest, signer
+
+
+def load_checkpoint(directory: Path, trust: TrustConfig) -> LoadedCheckpoint:
+    """Verify, then read a checkpoint (safetensors and JSON only)."""
+    manifest, signer = verify_checkpoint(directory, trust)
+    try:
+        state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
+        optimizer_state = optimizer_state_from_files(
+            load_file(str(directory / OPTIMIZER_TENSORS)),
+            json.loads((directory / OPTIMIZER_META).read_text()),
+        )
+    except (ValidationError, SafetensorError, json.JSONDecodeError, ValueError) as error:
+        raise CheckpointError(f"{directory}: signed but unreadable: {error}") from None
+    if MODEL_FILE not in manifest.files:
+        raise CheckpointError(f"{directory}: the signed manifest lists no {MODEL_FILE}")
+    return LoadedCheckpoint(
+        directory=directory,
+        state=state,
+        optimizer_state=optimizer_state,
+        manifest_digest=file_sha256(directory / MANIFEST_FILE),
+        signer=signer,
+    )
+
+
+def recorded_state(directory: Path, manifest_digest: str) -> CheckpointState:
+    """A checkpoint's state, checked without a key against the manifest digest the tracking store
+    recorded for it: the store vouches for the manifest, the manifest for ``state.json``. Raises
+    ``CheckpointError`` when either changed since the checkpoint was recorded."""
+    manifest_path = directory / MANIFEST_FILE
+    try:
+        if file_sha256(manifest_path) != manifest_digest:
+            raise CheckpointError(
+                f"{directory}: its manifest is not the one the tracking store recorded (changed since)"
+            )
+        manifest = Manifest.model_validate_json(manifest_path.read_bytes())
+        if file_sha256(directory / STATE_FILE) != manifest.files.get(STATE_FILE):
+            raise CheckpointError(f"{directory / STATE_FILE}: sha256 does not match its manifest (tampered)")
+        return CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{directory}: {error.filename} is missing") from None
+    except ValidationError as error:
+        raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The step of a checkpoint, from its manifest (unverified: for listing only)."""
+    return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])
+
+
+def checkpoint_run(directory: Path) -> str:
+    """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
+    return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))
+
+
+def checkpoint_directories(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+    """Every checkpoint folder of a run (``checkpoint_*`` right below ``run_dir``, in this node's
+    cache and, for object storage, in the storage), whole or partial, sorted by name."""
+    if storage is not None:
+        return [run_dir / name for name in storage.subdirectories(run_dir, CHECKPOINT_PREFIX)]
+    if not run_dir.is_dir():
+        return []
+    return sorted(
+        path for path in run_dir.iterdir() if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)
+    )
+
+
+def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | None = None) -> Manifest:
+    """Verify one of a run's checkpoint folders where it lies (when only the storage holds it,
+    fetched into this node's cache, verified before it appears there); returns its manifest and
+    raises ``CheckpointError`` naming what does not verify."""
+    _fetch_verified(directory, trust, storage)
+    return verify_checkpoint(directory, trust)[0]
+
+
+def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage | None) -> None:
+    """Fetch a checkpoint folder only the storage holds into this node's cache, verified before it
+    appears there (``CheckpointError`` when it does not verify)."""
+    if storage is not None and not directory.exists():
+        storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
+
+
+def newest_verified_checkpoint(
+    run_dir: Path, trust: TrustConfig, storage: Storage | None = None
+) -> Path | None:
+    """The resume rule, the only one: of a run's checkpoint folders, the one with the highest step
+    that verifies (signature and every digest); among equal steps the first by name. Folders that
+    do not verify (a partial upload by a worker killed mid-copy, a tampered one) are passed over.
+    A report lost when a worker died still left its checkpoint here, and resuming from it is
+    exact: the tracking store recovers the report from the checkpoint's ``report.json``."""
+    candidates: list[tuple[int, str, Path]] = []
+    for directory in checkpoint_directories(run_dir, storage):
+        try:
+            _fetch_verified(directory, trust, storage)
+            candidates.append((-checkpoint_step(directory), directory.name, directory))
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+            continue  # no readable manifest: not a checkpoint (yet)
+    for _, _, directory in sorted(candidates):
+        try:
+            verify_checkpoint(directory, trust)
+        except CheckpointError:
+            continue
+        return directory
+    return None
+
+
+def checkpoint_report(directory: Path) -> dict[str, Any]:
+    """The report a (verified) checkpoint was reported with; empty for checkpoints written
+    before reports were kept in them."""
+    path = directory / REPORT_FILE
+    if not path.is_file():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: not JSON: {error}") from None
+    if not isinstance(report, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return report
+
+
+def find_checkpoints(root: Path) -> list[Path]:
+    """Every checkpoint directory below ``root``, by step."""
+    return sorted((path.parent for path in root.rglob(MANIFEST_FILE)), key=checkpoint_step)

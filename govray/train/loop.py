@@ -1,0 +1,188 @@
+"""The governed training loop: the whole run of one worker, wherever it runs.
+
+``train_worker`` opens the worker's ``Session`` (chosen once: Ray Train worker, in-process, or a
+Tune trial), resumes or starts, then for each step of the schedule::
+
+    governed.step(step)                           # govray.train.step: the governed step
+    at a report boundary: all-reduce the losses; at a validation: evaluate, measure memorization,
+        let the controller decide (LR, early stop, gate, rollback); at a checkpoint: seal it
+    session.report(StepReport(...))               # typed: metrics, and what the driver acts on
+
+A pause request checkpoints at the next step boundary and returns; a kill request returns without
+one. After a failure Ray Train restarts every worker, and each resumes from the newest verified
+checkpoint (per-step seeding: the schedule and the randomness need no RNG state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from govray.core.keys import SigningKey
+from govray.core.logs import WorkerLog
+from govray.core.runtime import ray_node_id
+from govray.core.storage import StorageError, open_storage
+from govray.train.reports import StepReport
+from govray.train.reproducibility import CodeSnapshot, use_recorded_code
+from govray.train.runspec import RunSpec
+from govray.train.session import RayTrainSession, Session
+from govray.train.state import TrialRun
+from govray.train.trial import importable
+from govray.train.validation import finished_clone_report, run_validation
+from govray.train.worker import Worker, all_reduce_sums
+
+OpenSession = Callable[[RunSpec, Worker], Session]
+
+
+def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession) -> None:
+    """``train_loop_per_worker`` for Ray Train (and, with another ``session``, for one worker
+    in-process or in a Tune trial). Each rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray
+    trial logs``); a Ray Train worker also tees its stdout and stderr there."""
+    spec = RunSpec.model_validate(config)
+    if spec.recorded_code:
+        snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
+        use_recorded_code(snapshot, Path(spec.code_dir), open_storage(spec.storage) if spec.storage else None)
+    else:
+        importable(spec.code_dir)  # Ray Train moves workers into the run directory
+    torch.set_num_threads(spec.threads)
+    worker = Worker.detect()
+    opened = session(spec, worker)
+    log = WorkerLog(Path(spec.log_dir) / f"rank-{worker.rank}.log", worker.rank) if spec.log_dir else None
+    if log is not None and spec.storage:  # a resumed run appends to what this rank wrote on another node
+        open_storage(spec.storage).pull_growing(log.path)
+    # In-process the worker is the driver, whose terminal shows a progress bar: no tee.
+    tee = log is not None and isinstance(opened, RayTrainSession)
+    with log or contextlib.nullcontext(), log.capture() if tee and log else contextlib.nullcontext():
+        try:
+            _train(spec, worker, opened, log)
+        except BaseException:
+            if log is not None:
+                log.write(traceback.format_exc())
+            raise
+        finally:
+            opened.close()
+            _publish_log(log, spec.storage)
+
+
+def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | None) -> None:
+    def note(message: str) -> None:
+        if log is not None:
+            log.write(message)
+
+    run = TrialRun.open(spec, worker)
+    governed, control = run.governed, run.control
+    start, resume = 0, session.resume_point()
+    if resume is not None:
+        start = run.restore(resume)
+        note(f"resumed from a verified checkpoint at step {start}")
+    elif spec.start_checkpoint:
+        run.start_from(Path(spec.start_checkpoint))
+        note(f"starting from checkpoint {spec.start_checkpoint} (its step {run.source['step']})")
+    if resume is None:
+        run.keep_clean(0)  # the starting weights are the first rollback target
+    node = ray_node_id()
+    note(
+        f"rank {worker.rank} of {worker.world_size}{f' on Ray node {node}' if node else ''}: "
+        f"steps {start + 1}..{spec.max_steps}, "
+        f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
+    )
+    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
+    if (control.stopped_early or start >= spec.max_steps) and run.cloned_from_run:
+        report = finished_clone_report(run, start)
+        note(
+            f"a clone of {run.restored_from_run}'s finished state at step {start}: nothing left to "
+            f"train; objective={report.metrics['objective']:.6g} (checkpoint)"
+        )
+        _deliver(run, report, key, session)
+        return
+    if control.stopped_early:
+        note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
+        return
+    loss_sum, examples = 0.0, 0
+    for step in range(start, spec.max_steps):
+        session.look_for_stop(step)
+        step_loss, step_examples = governed.step(step)
+        loss_sum, examples = loss_sum + step_loss, examples + step_examples
+        done = step + 1
+        last = done == spec.max_steps
+        stop = session.stop_requested()
+        if last:
+            stop = None  # the run is over anyway
+        validate = last or bool(spec.validation_period and done % spec.validation_period == 0)
+        save = validate or done % spec.checkpoint_period == 0 or stop == "pause"
+        if done % spec.report_every and not save and stop is None:
+            continue
+        totals = all_reduce_sums({"loss": loss_sum, "examples": float(examples)}, worker)
+        metrics = {
+            "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
+            "examples": float(int(totals["examples"])),
+        }
+        loss_sum, examples = 0.0, 0
+        flagged = None
+        if validate:
+            flagged = run_validation(run, done, metrics, note)
+            last = last or control.stopped_early  # an early stop ends the trial here, with its ledger
+        if last:
+            control.check_applied(done)
+        report = StepReport(
+            step=done,
+            epoch=governed.schedule.locate(step)[0],
+            metrics=metrics,
+            ledger=governed.ledger.to_json() if last else None,
+            decisions=tuple(control.decisions) if validate else (),
+            flagged=flagged,
+            stop="early_stop" if control.stopped_early else stop,  # type: ignore[arg-type]
+            cloned_from_run=run.cloned_from_run,
+        )
+        note(_line(report) + (" (checkpoint)" if save and key is not None else ""))
+        if save:  # the log in object storage before the checkpoint is reported: never behind it
+            _publish_log(log, spec.storage)
+        _deliver(run, report, key if save else None, session)
+        if stop is not None:
+            note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
+            return
+        if control.stopped_early:
+            note(f"stopped early after step {done} of {spec.max_steps}")
+            return
+    note(f"completed {spec.max_steps} steps")
+
+
+def _deliver(run: TrialRun, report: StepReport, key: SigningKey | None, session: Session) -> None:
+    """Report, after sealing the checkpoint that goes with it when ``key`` is given (rank 0)."""
+    if key is not None:
+
+        def save(folder: Path) -> None:
+            sealed = report.model_copy(update={"checkpoint": str(folder)})
+            run.save(folder, report.step, key, sealed.model_dump(mode="json"))
+
+        report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, save)})
+    session.report(report)
+
+
+def _line(report: StepReport) -> str:
+    """A report as one line of the rank's log."""
+    shown = {"step": report.step, "epoch": report.epoch, **report.metrics}
+    words = [
+        f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
+        for name, value in shown.items()
+    ]
+    return " ".join(
+        [word for word in words if "/" not in word.partition("=")[0]]
+        + ([f"stop={report.stop}"] if report.stop else [])
+    )
+
+
+def _publish_log(log: WorkerLog | None, storage: str) -> None:
+    """Copy a rank's log to object storage (at each checkpoint and at the end), where ``govray
+    trial logs`` reads every node's ranks; a failed copy is noted in the log, never fatal."""
+    if log is None or not storage:
+        return
+    try:
+        open_storage(storage).upload(log.path)
+    except StorageError as error:
+        log.write(f"could not copy this log to {storage}: {error}")

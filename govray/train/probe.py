@@ -1,0 +1,239 @@
+"""The memorization measures the training loop takes at every validation (scored by
+:mod:`govray.governance.memorization`; README, "Hyperparameter search", **Memorization**).
+
+For each training corpus with held-out rows, every forward pass runs through the corpus's own route
+(its adapter active, where memorized PII would live); a held-out row's route is what the policy
+gives its credential, since ingest routes held-out rows nowhere:
+
+- **loss gap** (Yeom et al. 2018): mean held-out loss - mean training loss, over a fixed sample of
+  training rows (lowest row hashes, as many as the held-out rows, at most ``LOSS_GAP_SAMPLE``);
+- **entropy profile**: the spectral entropy (``memorization.spectral_entropy``: Shannon entropy of
+  the normalized singular-value spectrum) of every layer's representation
+  (``Trial.representation``) on probe batches of up to ``PROBE_ROWS`` rows — a band calibrated on
+  ``CALIBRATION_BATCHES`` held-out batches, then one more held-out batch and one training batch
+  checked against it (``EntropyBand.check``); a corpus with fewer than
+  ``(CALIBRATION_BATCHES + 1) * MIN_PROBE_ROWS`` held-out rows gets no profile;
+- **canary exposure** (Carlini et al. 2019), for a corpus that declares canaries: each trained
+  canary's score (``Trial.sequence_scores``) ranked among the configured number of never-trained
+  candidates from the same template (rank definition), averaged over the corpus's trained
+  canaries (those with at least one copy among the training rows).
+
+Canary rows are left out of the loss gap and the profile: their copies fall on both sides of the
+holdout split, so "held-out" copies were trained too, and a repeated short text collapses a
+representation by its shape rather than by memorization.
+
+Work is split over ranks (rows for losses, whole batches for profiles, texts for scores) and
+summed in one all-gather, so every rank ends with the same measures.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from govray.data.schedule import derive_seed
+from govray.data.shards import ShardSet
+from govray.governance.adapters import GovernedModel
+from govray.governance.canaries import CanaryProbe
+from govray.governance.credentials import Credential
+from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
+from govray.governance.policy import DepthPolicy
+from govray.governance.routing import RoutingTable
+from govray.train.trial import Trial
+from govray.train.worker import RouteRows, Worker, all_reduce_sums, by_row_hash, without_rows
+
+LOSS_GAP_SAMPLE = 512  # training rows per corpus the loss gap compares with its held-out rows
+PROBE_ROWS = 32  # rows per entropy-profile batch
+MIN_PROBE_ROWS = 8  # smaller batches give no profile
+CALIBRATION_BATCHES = 4  # held-out batches the band is calibrated on
+_CHECK, _TRAINING = "check", "training"
+
+
+@dataclass
+class _CorpusPlan:
+    """The fixed rows and texts one corpus is measured on (chosen once; the model changes)."""
+
+    corpus_id: str
+    train_sample: pa.Table
+    holdout: pa.Table
+    entropy_batches: dict[str, pa.Table] = field(default_factory=dict)  # calibration-i, check, training
+    canary_texts: dict[str, list[str]] = field(default_factory=dict)  # route → trained canaries' texts
+    references: list[str] = field(default_factory=list)
+
+
+class MemorizationProbe:
+    """One worker's part of the measures, on rows fixed for the whole run."""
+
+    def __init__(
+        self,
+        trial: Trial,
+        model: GovernedModel,
+        routing: RoutingTable,
+        shards: ShardSet,
+        rows: RouteRows,
+        policy: DepthPolicy,
+        canaries: Mapping[str, CanaryProbe],
+        seed: int,
+        worker: Worker,
+    ) -> None:
+        self.trial = trial
+        self.model = model
+        self.routing = routing
+        self.worker = worker
+        self.layers = list(routing.layers)
+        self.plans: list[_CorpusPlan] = []
+        routes: dict[str, str] = {}  # credential JSON → route
+        for corpus in shards.manifest.corpora:
+            probe = canaries.get(corpus.corpus_id)
+            held = corpus.corpus_id in shards.manifest.holdout
+            if not corpus.train_rows or not (held or probe):
+                continue  # nothing trained, or nothing to measure it against
+            canary_rows = (
+                {row for canary in probe.canaries.canaries for row in canary.rows} if probe else set()
+            )
+            holdout = rows.corpus_rows(corpus.corpus_id).slice(0, 0)  # none held out: exposure only
+            if held:
+                holdout = without_rows(by_row_hash(shards.holdout_table(corpus.corpus_id)), canary_rows)
+                holdout = _with_policy_routes(holdout, policy, routes)
+            plan = _CorpusPlan(
+                corpus_id=corpus.corpus_id,
+                train_sample=rows.corpus_sample(
+                    corpus.corpus_id, min(holdout.num_rows, LOSS_GAP_SAMPLE), exclude=canary_rows
+                ),
+                holdout=holdout,
+            )
+            size = min(PROBE_ROWS, holdout.num_rows // (CALIBRATION_BATCHES + 1))
+            training = rows.corpus_sample(corpus.corpus_id, size, exclude=canary_rows)
+            if size >= MIN_PROBE_ROWS and training.num_rows == size:
+                for index in range(CALIBRATION_BATCHES):
+                    plan.entropy_batches[f"calibration-{index}"] = holdout.slice(index * size, size)
+                plan.entropy_batches[_CHECK] = holdout.slice(CALIBRATION_BATCHES * size, size)
+                plan.entropy_batches[_TRAINING] = training
+            if probe is not None:
+                self._plan_canaries(plan, probe, rows.corpus_rows(corpus.corpus_id), seed)
+            self.plans.append(plan)
+
+    @staticmethod
+    def _plan_canaries(plan: _CorpusPlan, probe: CanaryProbe, training: pa.Table, seed: int) -> None:
+        route_of = dict(
+            zip(training.column("_row").to_pylist(), training.column("_route").to_pylist(), strict=True)
+        )
+        for canary in probe.canaries.canaries:
+            trained = sorted(row for row in canary.rows if row in route_of)
+            if trained:  # every copy held out: never trained, so nothing to expose
+                plan.canary_texts.setdefault(route_of[trained[0]], []).append(canary.text)
+        rng = random.Random(derive_seed(seed, "canaries", plan.corpus_id))
+        plan.references = probe.canaries.candidates(probe.references, rng) if plan.canary_texts else []
+
+    @torch.no_grad()
+    def measure(self) -> dict[str, CorpusMeasures]:
+        """Every corpus's measures, the same on every rank."""
+        self.model.eval()
+        sums: dict[str, float] = {}
+        for plan in self.plans:
+            for kind, table in (("train", plan.train_sample), ("holdout", plan.holdout)):
+                mine = self.worker.mine(table)
+                sums[f"loss/{plan.corpus_id}/{kind}"] = self._loss_sum(mine)
+                sums[f"count/{plan.corpus_id}/{kind}"] = float(mine.num_rows)
+        batches = [
+            (plan.corpus_id, name, table)
+            for plan in self.plans
+            for name, table in plan.entropy_batches.items()
+        ]
+        for index, (corpus_id, name, table) in enumerate(batches):
+            if index % self.worker.world_size == self.worker.rank:
+                try:
+                    profile = entropy_profile(self._representations(table))
+                except ValueError:  # a NaN representation: no profile this time, on every rank
+                    profile = {layer: math.nan for layer in self.layers}
+                for layer, value in profile.items():
+                    sums[f"entropy/{corpus_id}/{name}/{layer}"] = value
+        for plan in self.plans:
+            for route, canaries in plan.canary_texts.items():
+                texts = canaries + plan.references
+                positions = range(self.worker.rank, len(texts), self.worker.world_size)
+                with self.model.active(self.routing.adapter_names.get(route)):
+                    scores = self.trial.sequence_scores(self.model, [texts[i] for i in positions])
+                for position, score in zip(positions, scores.tolist(), strict=True):
+                    sums[f"score/{plan.corpus_id}/{route}/{position}"] = float(score)
+        totals = all_reduce_sums(sums, self.worker)
+        return {plan.corpus_id: self._measures(plan, totals) for plan in self.plans}
+
+    def _measures(self, plan: _CorpusPlan, totals: Mapping[str, float]) -> CorpusMeasures:
+        corpus = plan.corpus_id
+        gap = None
+        if totals[f"count/{corpus}/train"] and totals[f"count/{corpus}/holdout"]:
+            gap = (
+                totals[f"loss/{corpus}/holdout"] / totals[f"count/{corpus}/holdout"]
+                - totals[f"loss/{corpus}/train"] / totals[f"count/{corpus}/train"]
+            )
+        drop = None
+        profiles = {
+            name: {layer: totals.get(f"entropy/{corpus}/{name}/{layer}", math.nan) for layer in self.layers}
+            for name in plan.entropy_batches
+        }
+        if profiles and not any(math.isnan(v) for profile in profiles.values() for v in profile.values()):
+            band = EntropyBand.calibrate([profiles[f"calibration-{i}"] for i in range(CALIBRATION_BATCHES)])
+            drop = band.check(training=profiles[_TRAINING], holdout=profiles[_CHECK]).drop_bits
+        bits = None
+        if plan.canary_texts:
+            exposures: list[float] = []
+            for route, canaries in plan.canary_texts.items():
+                scores = [
+                    totals[f"score/{corpus}/{route}/{i}"] for i in range(len(canaries) + len(plan.references))
+                ]
+                references = scores[len(canaries) :]
+                exposures.extend(exposure(score, references) for score in scores[: len(canaries)])
+            bits = sum(exposures) / len(exposures)
+        return CorpusMeasures(loss_gap=gap, exposure_bits=bits, entropy_drop=drop)
+
+    def _loss_sum(self, table: pa.Table) -> float:
+        total = 0.0
+        for route, part in _by_route(table):
+            with self.model.active(self.routing.adapter_names.get(route)):
+                total += float(self.trial.loss(self.model, self.trial.collate(part)).double().sum())
+        return total
+
+    def _representations(self, table: pa.Table) -> dict[str, torch.Tensor]:
+        """Each layer's representation of ``table``'s rows (route by route, concatenated)."""
+        modules = dict(self.model.base.named_modules())
+        captured: dict[str, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+        hooks = [
+            modules[layer].register_forward_hook(
+                lambda _module, _inputs, output, layer=layer: captured[layer].append(
+                    self.trial.representation(layer, output)
+                )
+            )
+            for layer in self.layers
+        ]
+        try:
+            for route, part in _by_route(table):
+                with self.model.active(self.routing.adapter_names.get(route)):
+                    self.trial.loss(self.model, self.trial.collate(part))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return {layer: torch.cat(parts) for layer, parts in captured.items() if parts}
+
+
+def _with_policy_routes(table: pa.Table, policy: DepthPolicy, cache: dict[str, str]) -> pa.Table:
+    """``_route`` set to the route the policy gives each row's credential."""
+    routes = []
+    for text in table.column("_credential").to_pylist():
+        if text not in cache:
+            cache[text] = policy.route_key_for(Credential.model_validate_json(text))
+        routes.append(cache[text])
+    return table.set_column(table.schema.get_field_index("_route"), "_route", pa.array(routes, pa.string()))
+
+
+def _by_route(table: pa.Table) -> list[tuple[str, pa.Table]]:
+    return [
+        (route, table.filter(pc.equal(table.column("_route"), route)))
+        for route in sorted(set(table.column("_route").to_pylist()))
+    ]

@@ -1,0 +1,79 @@
+"""What a trial's workers run: the one JSON document that crosses from the driver to every
+worker (and is kept in every checkpoint as ``run.json``).
+
+The driver builds it (``govray.platform.runner.new_run_spec``); attestation, row lookup and search read it
+without importing the training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
+from govray.config.training import TrainingSettings
+from govray.core.keys import TrustConfig
+from govray.governance.canaries import CanaryProbe
+from govray.governance.policy import DepthPolicy
+from govray.train.decisions import RecordedDecision
+
+
+class RunSpec(BaseModel):
+    """Everything a worker needs, as JSON (it crosses process and node boundaries)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trial: str
+    hparams: dict[str, Any]
+    # The experiment's training settings with hparams applied; None in a spec written before
+    # they were recorded (the trial resolves hparams over the defaults, as it did then).
+    settings: TrainingSettings | None = None
+    policy: DepthPolicy
+    shard_root: str
+    seed: int
+    trial_seed: int
+    max_steps: int
+    report_every: int
+    threads: int = 1
+    excluded_corpora: tuple[str, ...] = ()
+    code_dir: str = ""  # the driver's working directory: where the trial's module is importable
+    # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
+    recorded_code: bool = False
+    checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
+    platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
+    trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
+    config_digest: str = ""
+    policy_digest: str = ""
+    run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
+    reproducibility: dict[str, Any] = {}  # the trial's ReproducibilityRecord, kept in every checkpoint
+    validation_period: int | None = None  # steps between validations (each saves a checkpoint)
+    lr_schedule: PlateauSchedule | None = None
+    # A replay applies its source trial's decisions instead of taking its own.
+    recorded_decisions: tuple[RecordedDecision, ...] | None = None
+    early_stopping: EarlyStoppingPolicy | None = None
+    # Rank 0 reads a pause/kill request from this file at every step boundary (the driver writes it).
+    control_file: str = ""
+    control_period: int = 5  # steps between looks (a broadcast costs ~0.3 ms on 2 CPU workers)
+    # Start (not resume) from this checkpoint's weights and ledger: fork / --from-checkpoint.
+    start_checkpoint: str = ""
+    # ... when that checkpoint is a registered model version: its uri, and its provenance
+    # attestation's file name and sha256 (the run's attestation lists it as a dependency).
+    start_model: dict[str, str] = {}
+    log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
+    # The driver's ReportSink actor (``govray.train.session``): where rank 0 sends its reports
+    # without waiting (a run on Ray Train workers; empty in-process).
+    report_sink: str = ""
+    # Object storage (s3://...) whose node-local cache holds shard_root, run_dir and control_file:
+    # workers fetch from it what their node lacks, and local mode uploads its checkpoints to it.
+    storage: str = ""
+    run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
+    experiment: str = ""  # the experiment's name (a tag of the exported governance metrics)
+    # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
+    # trial restored, or a PBT clone continuing its donor.
+    resume_checkpoint: str = ""
+    # The search objective, reported at every validation: metric + lambda * memorization_score.
+    objective_metric: str = "validation_loss"
+    smaller_is_better: bool = True
+    memorization_lambda: float = 0.0
+    canaries: dict[str, CanaryProbe] = Field(default_factory=dict)  # corpus → its canaries

@@ -1,0 +1,235 @@
+"""Where a trial runs, as twins of one ``Session`` protocol, chosen once when it starts.
+
+The governed loop never asks where it runs. It asks its session to look for a stop request,
+to write a checkpoint, to deliver a report, and where to resume:
+
+- ``LocalSession``: one worker in the driver's process (Ray Train V2 local mode); reports go
+  straight to the driver's ``RunRecorder``.
+- ``RayTrainSession``: N Ray Train workers; rank 0 sends each report to the driver's
+  ``ReportSink`` actor without waiting (Ray Train V2 keeps one unread report per worker and its
+  controller polls every 2 s: reporting through it stalls fast steps), and writes each signed
+  checkpoint into the run directory itself (the resume rule reads that directory, not Ray's index).
+- ``TuneSession``: a 1-worker Tune trial; the reports since the last validation reach Tune with
+  it, and its checkpoint becomes the Tune checkpoint (what ASHA stops and PBT clones).
+
+All three read the driver's pause/kill request (``govray experiment pause|kill``) the same way:
+rank 0 looks at the control file every ``control_period`` steps and broadcasts what it found
+while the step computes, so every rank stops at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from govray.core.storage import Storage, open_storage
+from govray.train.checkpoint import CHECKPOINT_PREFIX, newest_verified_checkpoint
+from govray.train.reports import StepReport
+from govray.train.runspec import RunSpec
+from govray.train.worker import Worker
+
+STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
+STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
+REPORT_KEY = "govray_reports"  # a Tune result's reports since the last one, as a JSON list
+LAST_KEY = "govray_last"  # 1 in a trial's last Tune result: it ends the trial (``ends_trial``)
+Save = Callable[[Path], None]  # writes and signs a checkpoint into a folder
+
+
+class Session(Protocol):
+    """What the governed loop asks of the place it runs in."""
+
+    def resume_point(self) -> Path | None:
+        """The verified checkpoint this worker group resumes from, or None: a fresh start."""
+
+    def look_for_stop(self, step: int) -> None:
+        """Before ``step``: start looking for a pause/kill request (every ``control_period`` steps)."""
+
+    def stop_requested(self) -> str | None:
+        """After the step: ``pause`` or ``kill`` if the driver asked before it began."""
+
+    def checkpoint(self, steps_done: int, save: Save) -> str:
+        """Write (rank 0) and persist a checkpoint; returns the folder the driver records."""
+
+    def report(self, report: StepReport) -> None:
+        """Deliver rank 0's report (other ranks report nothing)."""
+
+    def close(self) -> None:
+        """At the end of the run: every report delivered."""
+
+
+class _RunDirectory:
+    """What every session shares: the stop request, and checkpoints in the run directory."""
+
+    def __init__(self, spec: RunSpec, worker: Worker) -> None:
+        self.spec = spec
+        self.worker = worker
+        self.storage: Storage | None = open_storage(spec.storage) if spec.storage else None
+        self._stop: tuple[torch.Tensor, Any] | None = None
+
+    def resume_point(self) -> Path | None:
+        """By one rule: the newest checkpoint of the run directory that verifies (a report lost
+        when a worker died leaves a folder only the directory shows); with none there, a search
+        segment's or a restored Tune trial's ``resume_checkpoint``."""
+        spec = self.spec
+        if spec.run_dir:
+            newest = newest_verified_checkpoint(Path(spec.run_dir), spec.trust, self.storage)
+            if newest is not None:
+                return newest
+        if spec.resume_checkpoint:
+            if self.storage is not None:  # a segment's checkpoint, fetched on this node from the bucket
+                self.storage.fetch(Path(spec.resume_checkpoint))
+            return Path(spec.resume_checkpoint)
+        return None
+
+    def look_for_stop(self, step: int) -> None:
+        if (step + 1) % self.spec.control_period:
+            self._stop = None
+            return
+        code = 0
+        if self.worker.rank == 0 and self.spec.control_file:
+            try:
+                code = STOP_CODES.get(Path(self.spec.control_file).read_text().strip(), 0)
+            except FileNotFoundError:
+                code = 0
+        flag = torch.tensor([code], dtype=torch.int64)
+        work = dist.broadcast(flag, src=0, async_op=True) if self.worker.distributed else None
+        self._stop = (flag, work)  # the broadcast runs while the step computes
+
+    def stop_requested(self) -> str | None:
+        if self._stop is None:
+            return None
+        flag, work = self._stop
+        if work is not None:
+            work.wait()
+        return STOP_NAMES.get(int(flag.item()))
+
+    def checkpoint(self, steps_done: int, save: Save) -> str:
+        folder = Path(self.spec.run_dir) / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
+        if self.worker.rank == 0:
+            if folder.exists():  # a partial folder a killed attempt left at this step (none verified)
+                shutil.rmtree(folder)
+                if self.storage is not None and folder.is_relative_to(self.storage.root):
+                    self.storage.delete_directory(folder)
+            save(folder)
+            if self.storage is not None and folder.is_relative_to(self.storage.root):
+                self.storage.upload(folder)  # then reported: a recorded checkpoint is on storage
+        return str(folder)
+
+    def close(self) -> None:
+        return None
+
+
+class LocalSession(_RunDirectory):
+    """One worker in the driver's process: reports go straight to ``deliver`` (the recorder)."""
+
+    def __init__(self, spec: RunSpec, worker: Worker, deliver: Callable[[StepReport], None]) -> None:
+        super().__init__(spec, worker)
+        self.deliver = deliver
+
+    def report(self, report: StepReport) -> None:
+        self.deliver(report)
+
+
+class ReportSink:
+    """A Ray actor on the driver's side: rank 0's reports, queued until the driver takes them."""
+
+    def __init__(self) -> None:
+        self.reports: list[str] = []
+
+    def put(self, report: str) -> None:
+        self.reports.append(report)
+
+    def take(self) -> list[str]:
+        taken, self.reports = self.reports, []
+        return taken
+
+
+def open_sink(name: str) -> Any:
+    """A new ``ReportSink`` actor called ``name`` (in this job's namespace, where its workers look)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(ReportSink).options(name=name).remote()
+
+
+def taken_reports(sink: Any) -> list[StepReport]:
+    """What the sink has queued since the last look."""
+    import ray
+
+    return [StepReport.model_validate_json(report) for report in ray.get(sink.take.remote())]
+
+
+class RayTrainSession(_RunDirectory):
+    """A Ray Train worker: rank 0 sends its reports to the driver's sink without waiting."""
+
+    def __init__(self, spec: RunSpec, worker: Worker) -> None:
+        super().__init__(spec, worker)
+        self._sink: Any = None
+        self._sent: list[Any] = []
+
+    def report(self, report: StepReport) -> None:
+        if self.worker.rank != 0:
+            return
+        import ray
+
+        if self._sink is None:
+            self._sink = ray.get_actor(self.spec.report_sink)
+        self._sent.append(self._sink.put.remote(report.model_dump_json()))
+        if len(self._sent) > 64:  # forget those delivered
+            _, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
+
+    def close(self) -> None:
+        import ray
+
+        ray.get(self._sent)  # the run ends when the driver can read all of its reports
+        self._sent = []
+
+
+class TuneSession(_RunDirectory):
+    """A 1-worker Tune trial: reports reach Tune with each validation, whose checkpoint Tune keeps."""
+
+    def __init__(self, spec: RunSpec, worker: Worker) -> None:
+        super().__init__(
+            spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")}), worker
+        )
+        self.pending: list[StepReport] = []
+
+    def report(self, report: StepReport) -> None:
+        import ray.tune
+        from ray.train import Checkpoint
+
+        self.pending.append(report)
+        if report.validated:  # a validation (the last step always is one)
+            folder = report.checkpoint
+            checkpoint = Checkpoint.from_directory(folder) if folder else None
+            ray.tune.report(tune_result(self.pending, self.spec.max_steps), checkpoint=checkpoint)
+            self.pending.clear()
+        if report.checkpoint is not None:
+            shutil.rmtree(report.checkpoint, ignore_errors=True)  # Tune keeps its copy
+
+    def close(self) -> None:
+        shutil.rmtree(self.spec.run_dir, ignore_errors=True)
+
+
+def tune_result(reports: list[StepReport], max_steps: int) -> dict[str, Any]:
+    """One Tune result for a validation: its objective and step, with every report since the
+    previous validation (Tune insists on the objective in each result), and whether it is the
+    trial's last (its last step, or its early stop)."""
+    last = reports[-1]
+    return {
+        REPORT_KEY: json.dumps([report.model_dump(mode="json") for report in reports], sort_keys=True),
+        "step": last.step,
+        "objective": last.metrics["objective"],
+        LAST_KEY: int(last.step >= max_steps or last.stop == "early_stop"),
+    }
+
+
+def tune_reports(result: dict[str, Any]) -> list[StepReport]:
+    """The reports a Tune result relays (none in a result Tune made itself)."""
+    return [StepReport.model_validate(report) for report in json.loads(result.get(REPORT_KEY, "[]"))]

@@ -1,0 +1,187 @@
+"""A trial's state across its checkpoints: the governed step's weights, optimizer and ledger, the
+controller's decisions and clean states, and where the run came from.
+
+``TrialRun.save`` seals a signed checkpoint of all of it; ``restore`` resumes from one (the same
+run, or a PBT clone continuing its donor); ``start_from`` begins a new run from another's weights
+and ledger (fork, ``--from-checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from govray.core.keys import SigningKey
+from govray.governance.adapters import save_adapter, save_base
+from govray.governance.memorization import MemorizationReport
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    REPORT_FILE,
+    RUN_SPEC_FILE,
+    CheckpointError,
+    CheckpointState,
+    load_checkpoint,
+    load_clean_states,
+    save_clean_state,
+    seal_checkpoint,
+)
+from govray.train.control import Controller
+from govray.train.decisions import GateDecision, RollbackDecision
+from govray.train.ledger import Ledger
+from govray.train.runspec import RunSpec
+from govray.train.step import GovernedStep, Snapshot
+from govray.train.trial import make_trial
+from govray.train.worker import Worker
+
+
+class TrialRun:
+    """One worker's whole trial: the governed step, its controller, and the run's provenance."""
+
+    def __init__(self, spec: RunSpec, governed: GovernedStep) -> None:
+        self.spec = spec
+        self.governed = governed
+        self.control: Controller[Snapshot] = Controller(
+            spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
+        )
+        self.source: dict[str, Any] = {}  # the checkpoint a fork started from
+        self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
+        self.last_report: MemorizationReport | None = None
+        self.run_name = spec.run_name or Path(spec.run_dir).name
+
+    @classmethod
+    def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
+        """The trial ``spec`` names, built for ``worker``."""
+        return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
+
+    @property
+    def cloned_from_run(self) -> str | None:
+        """A PBT clone: the run whose state this one continued."""
+        return self.restored_from_run if self.restored_from_run not in ("", self.run_name) else None
+
+    # -- decisions carried out ---------------------------------------------------------------------
+
+    def rescheduled(self) -> None:
+        self.governed.schedule = self.governed.scheduled(self.control.schedule_events())
+
+    def gate(self, decisions: list[GateDecision]) -> None:
+        self.control.gate(decisions)
+        self.rescheduled()
+
+    def roll_back(self, decision: RollbackDecision) -> None:
+        """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
+        since); the LR settings stay those in force now (a plateau cut is not undone)."""
+        self.governed.load_snapshot(self.control.rollback_snapshot(decision))
+        if self.control.plateau is not None:
+            self.governed.set_lr_scale(self.control.lr_scale)
+        self.rescheduled()
+
+    def act_on_memorization(
+        self, steps_done: int, report: MemorizationReport
+    ) -> list[GateDecision | RollbackDecision]:
+        """The controller's memorization decisions after this validation, carried out: roll back
+        to the clean state, gate the flagged corpora; then the clean state moves on."""
+        self.last_report = report
+        gated = {gate.corpus_id for gate in self.control.gates}
+        made = self.control.after_memorization(steps_done, report)
+        for decision in made:
+            if isinstance(decision, RollbackDecision):
+                self.roll_back(decision)
+        self.gate([d for d in made if isinstance(d, GateDecision)])
+        self.control.settle_clean(steps_done, report, gated, made, self.governed.snapshot)
+        return made
+
+    def keep_clean(self, steps_done: int) -> None:
+        self.control.keep_clean(steps_done, self.governed.snapshot)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint_state(self, steps_done: int) -> CheckpointState:
+        schedule = self.governed.schedule
+        return CheckpointState(
+            step=steps_done,
+            epoch=schedule.locate(steps_done)[0],
+            seed=self.spec.seed,
+            trial_seed=self.spec.trial_seed,
+            schedule=schedule.to_json(),
+            schedule_digest=schedule.digest(),
+            policy_digest=self.spec.policy_digest,
+            config_digest=self.spec.config_digest,
+            ledger=self.governed.ledger.to_json(),
+            adapters=list(self.governed.model.adapter_names()),
+            reproducibility=self.spec.reproducibility,
+            **self.control.state(),
+            clean_ledgers={
+                str(step): snap.ledger for step, snap in self.control.earlier_snapshots(steps_done)
+            },
+            memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
+            source=self.source,
+            run=self.run_name,
+        )
+
+    def save(self, directory: Path, steps_done: int, key: SigningKey, report: Mapping[str, Any]) -> None:
+        """Base and adapter weights, optimizer and governance state, and the ``report`` this
+        checkpoint goes with, signed by the platform key."""
+        model = self.governed.model
+        directory.mkdir(parents=True, exist_ok=True)
+        save_base(model, directory / MODEL_FILE)
+        for adapter in model.adapter_names():
+            save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
+        for step, snapshot in self.control.earlier_snapshots(steps_done):  # rollback targets survive a resume
+            save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+        (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
+        (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
+        seal_checkpoint(
+            directory, self.governed.optimizer.state_dict(), self.checkpoint_state(steps_done), key
+        )
+
+    def restore(self, directory: Path) -> int:
+        """Resume from a verified checkpoint; returns the number of steps it had completed."""
+        loaded = load_checkpoint(directory, self.spec.trust)
+        self.control.restore(loaded.state)
+        self.rescheduled()
+        if loaded.state.schedule_digest != self.governed.schedule.digest():
+            raise CheckpointError(
+                f"{directory}: its schedule inputs differ from this run's (a different run?)"
+            )
+        governed = self.governed
+        governed.load_weights(directory)
+        governed.optimizer.load_state_dict(loaded.optimizer_state)
+        governed.take_hyperparameters()
+        governed.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = loaded.state.source
+        self.restored_from_run = loaded.state.run
+        if self.control.plateau is not None and loaded.state.plateau:
+            governed.set_lr_scale(self.control.lr_scale)
+        if loaded.state.memorization:
+            self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
+        self.control.snapshots = {
+            step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+            for step, (weights, optimizer) in load_clean_states(loaded).items()
+        }
+        if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
+            self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
+        return loaded.state.step
+
+    def start_from(self, directory: Path) -> None:
+        """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
+        both runs have) and its ledger — what reached the weights stays on the record. The
+        optimizer starts fresh; the source is kept in every checkpoint of this run."""
+        loaded = load_checkpoint(directory, self.spec.trust)
+        try:
+            self.governed.load_weights(directory, adapters_present_only=True)
+        except RuntimeError as error:
+            raise CheckpointError(
+                f"{directory / MODEL_FILE} does not fit this trial's model: {error}"
+            ) from None
+        self.governed.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = {
+            "path": str(directory),
+            "manifest_sha256": loaded.manifest_digest,
+            "signer": loaded.signer,
+            "step": loaded.state.step,
+            "config_digest": loaded.state.config_digest,
+            "policy_digest": loaded.state.policy_digest,
+            **self.spec.start_model,
+        }

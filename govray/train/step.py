@@ -1,0 +1,223 @@
+"""The governed step: what every worker does for one step of the schedule.
+
+Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot (one route and its
+rows), the trial gives per-example losses, backward runs the governed allreduce (DDP's comm hook:
+each tensor's gradient masked to the slots that may update it, scaled by their example count),
+the governor clips per route group, the optimizer steps, and the ledger records what reached which
+tensor — from the schedule, never from the gradients.
+
+Example::
+
+    governed = GovernedStep(spec, Worker.detect(), trial)
+    loss_sum, examples = governed.step(0)
+    validation = governed.evaluate()    # {"validation_loss": ..., "validation_loss/CORPUS": ...}
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
+from govray.data.shards import ShardSet
+from govray.governance.adapters import GovernedModel, load_adapter
+from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
+from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.checkpoint import MODEL_FILE
+from govray.train.dashboard import GovernanceMetrics
+from govray.train.ledger import Ledger
+from govray.train.probe import MemorizationProbe
+from govray.train.runspec import RunSpec
+from govray.train.trial import Trial
+from govray.train.worker import RouteRows, Worker, all_reduce_sums
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A clean state kept in memory: what a rollback restores."""
+
+    step: int
+    weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
+    optimizer: dict[str, Any]
+    ledger: dict[str, Any]
+
+
+def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
+    """For every trainable tensor of ``model`` (in order), the routes that may update it."""
+    by_id: dict[int, frozenset[str]] = {
+        id(parameter): frozenset(table.routes_updating(name))
+        for name, parameter in model.base.named_parameters()
+    }
+    for route, adapter in table.adapter_names.items():
+        for parameter in model.adapter_parameters(adapter):
+            by_id[id(parameter)] = frozenset({route})
+    return [by_id[id(parameter)] for _, parameter in parameters_by_name(model)]
+
+
+class GovernedStep:
+    """One worker's model, governor, optimizer, schedule and ledger; ``step()`` is one governed step."""
+
+    def __init__(self, spec: RunSpec, worker: Worker, trial: Trial) -> None:
+        self.spec, self.worker, self.trial = spec, worker, trial
+        torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
+        base = trial.build_model()
+        self.routing = resolve_routes(spec.policy, base, trial.layers(base))
+        self.model = GovernedModel(
+            base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
+        )
+        self.shards = ShardSet.fetch(Path(spec.shard_root), spec.storage)
+        self.schedule = self.scheduled([])
+        self.rows = RouteRows(self.shards)
+        self.tokens = self.rows.tokens(trial)
+        named = parameters_by_name(self.model)
+        self.governor = GradientGovernor(named, allowed_route_sets(self.model, self.routing))
+        self.forward: nn.Module = self.model
+        if worker.distributed:
+            ddp = DistributedDataParallel(
+                self.model,
+                broadcast_buffers=False,  # running statistics are refused by routing, never synced
+                find_unused_parameters=bool(self.routing.adapter_names),  # inactive adapters
+            )
+            ddp.register_comm_hook(self.governor, governed_allreduce_hook)
+            self.forward = ddp
+        self.trainable = [parameter for _, parameter in named]
+        self.optimizer = trial.build_optimizer(self.trainable)
+        for group in self.optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])  # decisions scale it
+        self.probe = MemorizationProbe(
+            trial,
+            self.model,
+            self.routing,
+            self.shards,
+            self.rows,
+            spec.policy,
+            spec.canaries,
+            derive_seed(spec.seed, spec.trial_seed),
+            worker,
+        )
+        self.ledger = Ledger()
+        # Rank 0 sees every slot of every step: it alone exports the dashboard's counters.
+        run_name = spec.run_name or Path(spec.run_dir).name
+        self.exported = GovernanceMetrics(spec.experiment, run_name) if worker.rank == 0 else None
+
+    def step(self, step: int) -> tuple[float, int]:
+        """One governed step; returns this worker's (loss sum, examples)."""
+        slots = step_slots(self.schedule, step)  # one slot (route, rows) per worker
+        mine = slots[self.worker.rank]
+        # Per-step seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
+        torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
+        route = None if mine.empty else mine.route
+        self.governor.begin_step(step, route, route_counts(slots))  # the masks and divisors of this step
+        adapter = self.routing.adapter_names.get(route) if route is not None else None
+        self.model.train()
+        with self.model.active(adapter):  # base weights never see another route's adapter
+            batch = self.trial.collate(self.rows.take(mine))
+            losses = self.trial.loss(self.forward, batch)  # one loss per example
+            # DDP's comm hook: each tensor's gradient masked to the routes that may update it,
+            # summed and divided by those routes' example count (not the world size).
+            losses.sum().backward()
+        if not self.worker.distributed:
+            self.governor.govern_local()  # the same masks and divisors, without DDP
+        # grad None where no slot may update (no momentum, no decay); NaN refused; clip per group.
+        self.governor.finish_step(self.trial.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ledger.record_step(slots, self.routing, self.tokens)  # from the schedule, not the gradients
+        if self.exported is not None:
+            self.exported.record_step(slots, self.governor.masked_fraction())
+        return float(losses.detach().sum()), len(mine.rows)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics of the base model (adapters inactive) over every holdout row, split
+        across workers and summed; also per corpus (``validation_loss/CORPUS``)."""
+        self.model.eval()
+        sums: dict[str, float] = {}
+        for corpus in self.shards.manifest.holdout:
+            table = self.shards.holdout_table(corpus)
+            mine = self.worker.mine(table)
+            values = self.trial.evaluate(self.model, self.trial.collate(mine))
+            for name, per_example in values.items():
+                total = float(per_example.double().sum())
+                sums[name] = sums.get(name, 0.0) + total
+                sums[f"{name}/{corpus}"] = total
+            sums["count"] = sums.get("count", 0.0) + mine.num_rows
+            sums[f"count/{corpus}"] = float(mine.num_rows)
+        totals = all_reduce_sums(sums, self.worker)
+        metrics = {}
+        for key, value in totals.items():
+            if key.startswith("count"):
+                continue
+            name, _, corpus = key.partition("/")
+            count = totals[f"count/{corpus}"] if corpus else totals["count"]
+            metrics[f"validation_{key}"] = value / count if count else float("nan")
+        return metrics
+
+    def memorization(self) -> MemorizationReport:
+        """This validation's memorization measures (``probe.MemorizationProbe``), scored by the
+        policy's thresholds (or the defaults)."""
+        thresholds = self.spec.policy.memorization or MemorizationThresholds()
+        report = memorization_report(self.probe.measure(), thresholds)
+        if self.exported is not None:
+            self.exported.record_memorization(report)
+        return report
+
+    # -- what decisions change ---------------------------------------------------------------------
+
+    def scheduled(self, events: list[ScheduleEvent]) -> ScheduleSpec:
+        """The run's schedule with these gate and rollback events."""
+        return ScheduleSpec.from_manifest(
+            self.shards.manifest,
+            seed=derive_seed(self.spec.seed, self.spec.trial_seed, "schedule"),
+            world_size=self.worker.world_size,
+            batch_size=self.trial.batch_size,
+            excluded_corpora=self.spec.excluded_corpora,
+            events=events,
+        )
+
+    def set_lr_scale(self, scale: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * scale
+
+    def take_hyperparameters(self) -> None:
+        """After a restore: optimizer state from the checkpoint, settings (lr, betas, decay) from
+        this trial's hyperparameters — the same values on a plain resume, a PBT clone's mutated
+        ones when it continues its donor."""
+        fresh = self.trial.build_optimizer(self.trainable)
+        for restored, configured in zip(self.optimizer.param_groups, fresh.param_groups, strict=True):
+            for name, value in configured.items():
+                if name != "params":
+                    restored[name] = value
+            restored["initial_lr"] = configured["lr"]
+
+    def snapshot(self, steps_done: int) -> Snapshot:
+        return Snapshot(
+            step=steps_done,
+            weights={name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            ledger=self.ledger.to_json(),
+        )
+
+    def load_snapshot(self, snapshot: Snapshot) -> None:
+        """Weights, adapters, optimizer state and ledger of a clean state; the LR settings become
+        those in force now (``take_hyperparameters``; the caller reapplies its scale)."""
+        self.model.load_state_dict(snapshot.weights, strict=True)
+        self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+        self.ledger = Ledger.from_json(snapshot.ledger)
+        self.take_hyperparameters()
+
+    def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
+        """Base and adapter weights of a checkpoint folder (``adapters_present_only``: those it has)."""
+        self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
+        for adapter in self.model.adapter_names():
+            path = directory / f"adapter-{adapter}.safetensors"
+            if path.is_file() or not adapters_present_only:
+                load_adapter(self.model, adapter, path)

@@ -1,0 +1,226 @@
+"""The trial: what a user writes. govray supplies data, DDP, governance and checkpoints.
+
+govray owns the step: a trial gives per-example losses, and govray does backward, the governed
+allreduce, per-route-group clipping and the optimizer step. So a trial says only how to build the
+model, how to turn shard rows into a batch, the per-example loss, and (optionally) the model's
+ordered layers and per-example evaluation values. It contains no DDP, no Ray Data and no
+governance code; the same class runs in-process (one worker) and on N Ray Train workers.
+
+The optimizer, the batch size and gradient clipping are not the trial's: they are the experiment's
+``training`` section (:mod:`govray.config.training`), overridden per trial by hyperparameters of the
+same names (``optimizer``, ``lr``, ``weight_decay``, ``momentum``, ``batch_size``,
+``max_grad_norm``, ...). The trial receives them resolved as ``self.settings``; the default
+``build_optimizer`` builds ``settings.optimizer``, and a trial may still override it (it must
+then build the same optimizer every time: a restore rebuilds it to take its settings).
+
+The memorization probe and the ledger call a few optional hooks (:class:`ProbeHooks`:
+``tokens``, ``sequence_scores``, ``representation``); a trial overrides those its measures need.
+
+Example::
+
+    class DigitsTrial(Trial):
+        def build_model(self) -> nn.Module:
+            return DigitsMLP(hidden=self.hparams["hidden"])
+
+        def layers(self, model: nn.Module) -> list[str]:
+            return ["embed", "hidden", "head"]      # optional: default = top-level children
+
+        def collate(self, rows: pa.Table) -> dict[str, torch.Tensor]:
+            return {"x": torch.tensor(...), "y": torch.tensor(...)}
+
+        def loss(self, model, batch) -> torch.Tensor:          # shape [batch]: one loss per example
+            return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+
+from govray.config.training import OptimizerName, TrainingSettings
+from govray.core.canonical import file_sha256
+from govray.core.errors import ConfigError
+
+Batch = dict[str, torch.Tensor]
+
+
+class ProbeHooks:
+    """Optional hooks that govray calls to measure a run, never to train it.
+
+    Each has a default; a trial overrides the ones its measures need:
+
+    - ``tokens(rows)``: once per worker at the start of a run (and when an attestation's ledger
+      is recomputed), over each route's training rows, for the ledger's token counts.
+    - ``sequence_scores(model, texts)``: at every validation, for canary exposure — required when
+      a corpus declares canaries (``data.corpora[].canaries``; the driver refuses to start
+      otherwise, see :func:`defines_sequence_scores`).
+    - ``representation(layer, output)``: at every validation, from a forward hook on each
+      layer, for the entropy profile of the memorization probe.
+    """
+
+    def tokens(self, rows: pa.Table) -> list[int] | None:
+        """Tokens per row for the ledger (text trials); None: not a text trial."""
+        return None
+
+    def sequence_scores(self, model: nn.Module, texts: Sequence[str]) -> torch.Tensor:
+        """Per-text score, lower = more likely (e.g. total NLL in nats), for canary exposure.
+
+        Called without gradients, in eval mode, with the canary corpus's adapter active.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not define sequence_scores(model, texts), which canary "
+            "exposure needs"
+        )
+
+    def representation(self, layer: str, output: Any) -> torch.Tensor:
+        """One row per example of ``layer``'s output, for the entropy profile.
+
+        Default: the first tensor of the output, averaged over every dimension between the batch
+        and the feature dimension (a sequence model's positions).
+        """
+        tensor = output[0] if isinstance(output, tuple | list) else output
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"layer '{layer}' returned {type(output).__name__}; override representation()")
+        return tensor.mean(dim=tuple(range(1, tensor.dim() - 1))) if tensor.dim() > 2 else tensor
+
+
+class Trial(ProbeHooks, ABC):
+    """Base class of user trials.
+
+    ``hparams`` are one sample of the experiment's hyperparameter space; ``settings`` are the
+    experiment's ``training`` section with those hyperparameters applied (the driver resolves them;
+    given none, the defaults with ``hparams`` applied, which is what a trial built by hand for a
+    quick test wants).
+    """
+
+    def __init__(self, hparams: Mapping[str, Any], settings: TrainingSettings | None = None) -> None:
+        self.hparams = dict(hparams)
+        self.settings = settings if settings is not None else TrainingSettings().with_hyperparameters(hparams)
+
+    # --- required ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model; govray seeds torch's generator before calling it."""
+
+    @abstractmethod
+    def collate(self, rows: pa.Table) -> Batch:
+        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting)."""
+
+    # --- optional ---------------------------------------------------------------------------
+
+    def layers(self, model: nn.Module) -> Sequence[str] | None:
+        """The model's ordered layers (module names) for depth ranges; None: top-level children."""
+        return None
+
+    def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-example evaluation values; govray averages each over the evaluation rows.
+
+        Default: ``{"loss": self.loss(model, batch)}`` (reported as ``validation_loss``).
+        """
+        return {"loss": self.loss(model, batch)}
+
+    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over every trainable tensor (base and adapters), built again with the
+        same settings after a restore. Default: ``settings.optimizer``, with torch's defaults for
+        what it leaves out."""
+        optimizer = self.settings.optimizer
+        return _OPTIMIZERS[optimizer.name](parameters, **optimizer.arguments())
+
+    # --- from the settings (govray reads them; a trial need not override them) --------------
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per worker per step (one schedule slot)."""
+        return self.settings.batch_size
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip each route group's gradient norm to this (None: no clipping)."""
+        return self.settings.max_grad_norm
+
+
+_OPTIMIZERS: dict[OptimizerName, type[torch.optim.Optimizer]] = {
+    OptimizerName.ADAMW: torch.optim.AdamW,
+    OptimizerName.ADAM: torch.optim.Adam,
+    OptimizerName.SGD: torch.optim.SGD,
+}
+
+
+def defines_sequence_scores(trial: type[Trial]) -> bool:
+    """Whether a trial class can score texts (what a corpus with canaries needs)."""
+    return trial.sequence_scores is not ProbeHooks.sequence_scores
+
+
+def make_trial(path: str, hparams: Mapping[str, Any], settings: TrainingSettings | None = None) -> Trial:
+    """An instance of the trial class at ``path`` (see :func:`load_trial_class`) for one sample
+    of hyperparameters and its resolved settings (None: resolved from ``hparams`` alone, as a run
+    recorded before settings were resolved by the driver had them)."""
+    return load_trial_class(path)(hparams, settings)
+
+
+def importable(directory: str | os.PathLike[str]) -> None:
+    """Put ``directory`` first on ``sys.path`` unless it is there already (or is no directory):
+    where a trial's module is imported from, like ``python -m`` does with the working directory."""
+    path = os.fspath(directory)
+    if path and os.path.isdir(path) and path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def load_trial_class(path: str) -> type[Trial]:
+    """Import ``"package.module:Class"`` and check it is a :class:`Trial`.
+
+    Like ``python -m``, the working directory is importable: it is the trial's code directory
+    (the project root locally, the job's ``working_dir`` under ``ray job submit``).
+    """
+    importable(os.getcwd())
+    module_name, _, class_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"trial '{path}': cannot import module '{module_name}': {error}") from None
+    trial = getattr(module, class_name, None)
+    if not (isinstance(trial, type) and issubclass(trial, Trial)):
+        raise ConfigError(f"trial '{path}': '{class_name}' is not a govray Trial subclass in {module_name}")
+    return trial
+
+
+def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
+    """Make ``directory`` — a verified code snapshot holding ``files`` (path relative to the
+    import root → sha256) — where this process imports those modules from, whatever its
+    working directory.
+
+    ``directory`` goes first on ``sys.path``. A module already imported from other bytes than the
+    recorded ones is dropped, so the next import reads the snapshot; one imported from the same
+    bytes is kept (its classes stay the ones other code holds), and a package among them also
+    looks in the snapshot first for its submodules.
+    """
+    if str(directory) in sys.path:
+        sys.path.remove(str(directory))  # moved first: the snapshot wins over what else is importable
+    importable(directory)
+    for relative, digest in files.items():
+        name = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        module = sys.modules.get(name)
+        loaded = getattr(module, "__file__", None)
+        if module is None or loaded is None:
+            continue
+        if not (Path(loaded).is_file() and file_sha256(Path(loaded)) == digest):
+            del sys.modules[name]  # other code than recorded: imported again, from the snapshot
+        elif relative.endswith("/__init__.py"):
+            package_dir = str((directory / relative).parent)
+            if package_dir not in module.__path__:
+                module.__path__.insert(0, package_dir)
+    importlib.invalidate_caches()
