@@ -6,7 +6,14 @@ list and enforces it, and checks this docstring and README's layout against it):
 
     core → governance → config → data → train → tracking → provenance → platform → queries → cli
 
-Names are imported on first use, so ``import govray`` stays cheap (no torch, no Ray).
+Names are imported on first use, so ``import govray`` stays cheap (no torch, no Ray). A run, as
+``govray run`` does it::
+
+    config = govray.load_experiment(Path("jobs/examples/digits/experiment.yaml"))
+    store = govray.TrackingStore.open(config.database_url)
+    checked = govray.check_policy(config, store, allow_unsigned=False)   # signed policy, routing
+    experiment, ingested = govray.ingest_experiment(config, checked, store)
+    outcome = govray.run_trial(config, checked, experiment, ingested.root, store)
 """
 
 from __future__ import annotations

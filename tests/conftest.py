@@ -23,6 +23,7 @@ import yaml
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
 from govray.governance.policy import sign_policy
 from govray.tracking.store import TrackingStore
+from jobs.examples.digits.golden import EXAMPLE_CONFIG as EXAMPLE_CONFIG  # tests import it from here
 from jobs.examples.digits.golden import (
     GOLDEN_HPARAMS,
     GOLDEN_REPORT_EVERY,
