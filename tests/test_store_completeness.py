@@ -57,11 +57,11 @@ def test_every_checkpoint_carries_the_report_it_was_reported_with(golden_run: Go
     store, trial_id = golden_run.store, golden_run.outcome.trial_id
     for step, directory in by_step(golden_run.outcome.run_dir).items():
         verify_checkpoint(directory, trust())  # report.json is signed in the manifest
-        report = json.loads((directory / REPORT_FILE).read_text())
-        assert report["step"] == step
+        report = StepReport.parse(json.loads((directory / REPORT_FILE).read_text()))
+        assert report.step == step
         stored = {m.name: m.value for m in store.metrics(trial_id) if m.step == step}
-        assert stored["training_loss"] == report["training_loss"]
-        assert stored["validation_loss"] == report["validation_loss"]
+        assert stored["training_loss"] == report.metrics["training_loss"]
+        assert stored["validation_loss"] == report.metrics["validation_loss"]
 
 
 def test_resume_takes_the_newest_checkpoint_that_verifies(run_copy: Path) -> None:

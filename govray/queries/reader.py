@@ -51,6 +51,7 @@ from govray.tracking.tables import (
     ModelVersion,
     RegisteredModel,
     TrialRecord,
+    row_noun,
 )
 
 Query = TypeVar("Query", bound=Select[Any])
@@ -299,12 +300,7 @@ class StoreReader:
 def _get(session: Session, table: type[_Row], row_id: int) -> _Row:
     found = session.get(table, row_id)
     if found is None:
-        what = {
-            "CheckpointRecord": "checkpoint",
-            "AttestationRecord": "attestation",
-            "ModelVersion": "model version",
-        }
-        raise NotFoundError(f"no {what.get(table.__name__, table.__name__.lower())} with id {row_id}")
+        raise NotFoundError(f"no {row_noun(table)} with id {row_id}")
     return found
 
 

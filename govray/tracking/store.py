@@ -44,6 +44,7 @@ from govray.tracking.tables import (
     TrialKind,
     TrialRecord,
     TrialState,
+    row_noun,
     utcnow,
 )
 
@@ -440,7 +441,7 @@ def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
 def _require(session: Session, table: type[_Row], row_id: int) -> _Row:
     found = session.get(table, row_id) if 1 <= row_id <= MAX_ID else None  # beyond: no SQL integer
     if found is None:
-        raise TrackingError(f"no {table.__name__.lower()} with id {row_id} in the tracking store")
+        raise TrackingError(f"no {row_noun(table)} with id {row_id} in the tracking store")
     return found
 
 

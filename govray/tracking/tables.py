@@ -314,3 +314,9 @@ class AuditEvent(SQLModel, table=True):
     payload_json: str = Field(sa_type=Text)
     prev_hash: str
     hash: str
+
+
+def row_noun(table: type[SQLModel]) -> str:
+    """What one row of ``table`` is called in messages: ``trial``, ``checkpoint``, ``model version``."""
+    name = table.__name__.removesuffix("Record")
+    return "".join(f" {c.lower()}" if c.isupper() else c for c in name).strip()
