@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -183,6 +184,28 @@ def test_0008_moves_a_trials_progress_from_its_metric_rows_into_state(database_u
         ]
     finally:
         store.close()
+
+
+def test_a_report_is_recorded_whole_or_not_at_all(store: TrackingStore) -> None:
+    """A report's metric rows mark it recorded; they and the trial's progress share a transaction,
+    so a report refused (here: a NaN) leaves neither, and recording it again records both."""
+    experiment = store.create_experiment("atomic", "{}", "digest", "/runs/atomic")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    store.record_report(trial.id, 10, {"training": {"training_loss": 0.5}})
+    with pytest.raises(TrackingError, match="NaN"):
+        store.record_report(
+            trial.id,
+            20,
+            {"training": {"training_loss": 0.4}, "validation": {"validation_loss": math.nan}},
+            "pause",
+        )
+    assert store.reported_steps(trial.id) == {10}
+    assert (store.get_trial(trial.id).last_step, store.get_trial(trial.id).stop_reason) == (10, None)
+    store.record_report(trial.id, 20, {"training": {"training_loss": 0.4}}, "pause")
+    assert store.reported_steps(trial.id) == {10, 20}
+    assert (store.get_trial(trial.id).last_step, store.get_trial(trial.id).stop_reason) == (20, "pause")
 
 
 def test_upgrading_twice_is_a_no_op(store: TrackingStore) -> None:

@@ -86,7 +86,10 @@ class RunRecorder:
             self.record_checkpoint(str(path), report.step)
 
     def record_once(self, report: StepReport) -> None:
-        """Store one report unless its step's report is already there."""
+        """Store one report unless its step's report is already there. Its metric rows go last,
+        in one transaction with the trial's progress: they mark the report recorded, so a driver
+        that dies before them leaves the report to be recorded whole again (decisions, ledger and
+        checkpoint rows are idempotent)."""
         if report.step in self.reported:
             return
         store, trial_id = self.store, self.trial_id
@@ -95,9 +98,6 @@ class RunRecorder:
         for name, value in report.metrics.items():
             if value == value:  # NaN: not storable, and means "no rows" here
                 (validation if name.startswith("validation_") else training)[name] = value
-        store.log_metrics(trial_id, report.step, "training", training)
-        if validation:
-            store.log_metrics(trial_id, report.step, "validation", validation)
         if self.events is not None:
             self.events.write(report.step, {**training, **validation})
         if report.decisions:
@@ -120,7 +120,9 @@ class RunRecorder:
                 for corpus, tensor, entry in ledger.rows()
             ]
             record_ledger(store, trial_id, rows)
-        store.record_progress(trial_id, report.step, report.stop, self._donor(report.cloned_from_run))
+        scalars = {"training": training, **({"validation": validation} if validation else {})}
+        donor = self._donor(report.cloned_from_run)
+        store.record_report(trial_id, report.step, scalars, report.stop, donor)
         self.reported.add(report.step)
         self.latest = report
 

@@ -300,21 +300,24 @@ class TrackingStore:
             session.add(trial)
         return trial
 
-    def record_progress(
-        self, trial_id: int, step: int, stop_reason: str | None = None, cloned_from: int | None = None
+    def record_report(
+        self,
+        trial_id: int,
+        step: int,
+        scalars: Mapping[MetricKind | str, Mapping[str, float]],
+        stop_reason: str | None = None,
+        cloned_from: int | None = None,
     ) -> TrialRecord:
-        """A trial's state after a report: the last step it reported (never going back), why it
-        stops there (``pause``, ``kill``, ``early_stop``), the trial it continued (a PBT clone)."""
-        with self.session() as session:
-            trial = _require(session, TrialRecord, trial_id)
-            trial.last_step = max(trial.last_step or 0, step)
-            if stop_reason is not None:
-                trial.stop_reason = stop_reason
-            if cloned_from is not None:
-                _require(session, TrialRecord, cloned_from)
-                trial.cloned_from = cloned_from
-            session.add(trial)
-        return trial
+        """One report in one transaction: its scalars (by kind) and the trial's progress. A driver
+        that dies while recording a report leaves neither, so the report recorded again (from its
+        checkpoint's ``report.json``) records both."""
+        rows = [row for kind, values in scalars.items() for row in _metric_rows(trial_id, step, kind, values)]
+        try:
+            with self.session() as session:
+                session.add_all(rows)
+                return _advance(session, trial_id, step, stop_reason, cloned_from)
+        except IntegrityError as exc:
+            raise TrackingError(f"cannot log metrics for trial {trial_id}: {exc.orig}") from exc
 
     def clear_stop(self, trial_id: int) -> None:
         """A trial that runs again (a resume) is no longer stopped."""
@@ -381,16 +384,7 @@ class TrackingStore:
         NaN is refused (SQLite would silently store it as NULL); the caller decides what a NaN
         loss means. Infinities are stored as they are.
         """
-        metric_kind = _member(MetricKind, kind).value
-        if nans := sorted(name for name, value in values.items() if math.isnan(value)):
-            raise TrackingError(f"trial {trial_id} reported NaN at step {step} for: {', '.join(nans)}")
-        now = utcnow()
-        rows = [
-            Metric(
-                trial_id=trial_id, step=step, kind=metric_kind, name=name, value=float(value), recorded_at=now
-            )
-            for name, value in values.items()
-        ]
+        rows = _metric_rows(trial_id, step, kind, values)
         try:
             with self.session() as session:
                 session.add_all(rows)
@@ -454,3 +448,30 @@ def _corpus_record(experiment_id: int, record: Mapping[str, Any]) -> CorpusRecor
     except ValidationError as exc:
         corpus = record.get("corpus_id", "?")
         raise TrackingError(f"corpus record {corpus!r} is invalid: {exc}") from exc
+
+
+def _metric_rows(
+    trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
+) -> list[Metric]:
+    metric_kind = _member(MetricKind, kind).value
+    if nans := sorted(name for name, value in values.items() if math.isnan(value)):
+        raise TrackingError(f"trial {trial_id} reported NaN at step {step} for: {', '.join(nans)}")
+    now = utcnow()
+    return [
+        Metric(trial_id=trial_id, step=step, kind=metric_kind, name=name, value=float(value), recorded_at=now)
+        for name, value in values.items()
+    ]
+
+
+def _advance(
+    session: Session, trial_id: int, step: int, stop_reason: str | None, cloned_from: int | None
+) -> TrialRecord:
+    trial = _require(session, TrialRecord, trial_id)
+    trial.last_step = max(trial.last_step or 0, step)
+    if stop_reason is not None:
+        trial.stop_reason = stop_reason
+    if cloned_from is not None:
+        _require(session, TrialRecord, cloned_from)
+        trial.cloned_from = cloned_from
+    session.add(trial)
+    return trial
