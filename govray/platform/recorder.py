@@ -126,6 +126,17 @@ class RunRecorder:
         self.reported.add(report.step)
         self.latest = report
 
+    def rewrite_events(self) -> None:
+        """Start this driver's TensorBoard file with every report the store holds (a resumed run:
+        the file of the driver that recorded them may be on a node that is gone)."""
+        if self.events is None:
+            return
+        by_step: dict[int, dict[str, float]] = {}
+        for metric in self.store.metrics(self.trial_id):
+            by_step.setdefault(metric.step, {})[metric.name] = metric.value
+        for step in sorted(by_step):
+            self.events.write(step, by_step[step])
+
     def record_checkpoint(self, path: str, step: int) -> None:
         record_checkpoint(self.store, self.trial_id, path, step)
         if self.gc.as_it_goes:

@@ -426,6 +426,7 @@ def _train(
         sink = open_sink(spec.report_sink)
     trainer = governed_trainer(config, spec, run_name, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
+    recorder.rewrite_events()
     # Ray Train's own index of a run's checkpoints (written by runs from before govray sealed its
     # checkpoints itself) may name folders GC deleted since; a resumed controller refuses those.
     open_storage(config.storage_path).delete_file(Path(spec.run_dir) / RAY_CHECKPOINT_INDEX)

@@ -1,15 +1,18 @@
 """TensorBoard event files of each trial: the scalars the tracking store records, as it records them.
 
-Whoever writes a trial's metrics to the store (the Ray Train controller's callback, the driver in
-local mode, a search's Tune callback on the driver) writes the same scalars, at the same steps, to
-``STORAGE/tensorboard/RUN/`` — one TensorBoard run per trial::
+The driver's run recorder (``govray.platform.recorder``: a Ray Train run, an in-process run, each
+Tune trial) writes the scalars it stores, at the same steps, to ``STORAGE/tensorboard/RUN/`` — one
+TensorBoard run per trial::
 
     tensorboard --logdir STORAGE/tensorboard
 
 Tags are the store's metric names (``training_loss``, ``validation_loss``,
 ``validation_loss/digits-public``, ``memorization_score``, ``loss_gap/digits-writers``, ...);
 TensorBoard keeps 32-bit floats where the store keeps 64-bit ones. With an ``s3://`` storage path
-the files are written in the driver node's cache of it and uploaded when the trial's run ends.
+the files are written in the driver node's cache of it and uploaded when the trial's run ends; a
+resumed run's file starts with every report the store already holds (the killed driver's file may
+lie on a node that is gone), and its first event tells TensorBoard to drop what earlier files said
+from that step on.
 """
 
 from __future__ import annotations

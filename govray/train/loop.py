@@ -52,9 +52,12 @@ def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession)
     torch.set_num_threads(spec.threads)
     worker = Worker.detect()
     opened = session(spec, worker)
-    log = WorkerLog(Path(spec.log_dir) / f"rank-{worker.rank}.log", worker.rank) if spec.log_dir else None
-    if log is not None and spec.storage:  # a resumed run appends to what this rank wrote on another node
-        open_storage(spec.storage).pull_growing(log.path)
+    log = None
+    if spec.log_dir:
+        path = Path(spec.log_dir) / f"rank-{worker.rank}.log"
+        if spec.storage:  # a resumed run appends to what this rank wrote on another node (before opening it)
+            open_storage(spec.storage).pull_growing(path)
+        log = WorkerLog(path, worker.rank)
     # In-process the worker is the driver, whose terminal shows a progress bar: no tee.
     tee = log is not None and isinstance(opened, RayTrainSession)
     with log or contextlib.nullcontext(), log.capture() if tee and log else contextlib.nullcontext():
