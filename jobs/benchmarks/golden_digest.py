@@ -44,7 +44,13 @@ GOLDEN_HPARAMS: dict[str, Any] = {
     "batch_size": 16,
     "max_grad_norm": 0.25,
 }
-MEMORIZER: dict[str, Any] = {"hidden": 256, "dropout": 0.0, "lr": 0.003, "optimizer": "adamw", "batch_size": 32}
+MEMORIZER: dict[str, Any] = {
+    "hidden": 256,
+    "dropout": 0.0,
+    "lr": 0.003,
+    "optimizer": "adamw",
+    "batch_size": 32,
+}
 
 
 def sha256(data: bytes) -> str:
@@ -123,9 +129,12 @@ def digest(name: str, store: Any, trial_id: int) -> list[str]:
     for file in files:
         lines.append(f"{name} {file} {sha256((final / file).read_bytes())}")
     ledger = [
-        [r.corpus_id, r.parameter, r.layer_index, r.examples, r.tokens, r.steps] for r in ledger_rows(store, trial_id)
+        [r.corpus_id, r.parameter, r.layer_index, r.examples, r.tokens, r.steps]
+        for r in ledger_rows(store, trial_id)
     ]
-    decisions = [[d.seq, d.kind, d.step, json.loads(d.payload_json), d.replayed] for d in store.decisions(trial_id)]
+    decisions = [
+        [d.seq, d.kind, d.step, json.loads(d.payload_json), d.replayed] for d in store.decisions(trial_id)
+    ]
     metrics = sorted(
         (m.name, m.step, repr(m.value)) for m in store.metrics(trial_id) if m.name not in CONTROL_METRICS
     )
