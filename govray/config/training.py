@@ -8,11 +8,16 @@ overrides it for one trial, so a search can sample it::
       optimizer: {name: sgd, lr: 0.05}     # adamw (default) | adam | sgd, and their settings
       batch_size: 16                       # rows per worker per step (one schedule slot)
       max_grad_norm: 0.25                  # clip each route group's gradient norm (default: none)
+      precision: bf16                      # fp32 (default) | bf16 | fp16 (DESIGN.md, "Precision")
+      accumulation_steps: 4                # micro-batches per slot (the first 3 under no_sync())
+      deterministic: true                  # deterministic torch / cuBLAS / NCCL (GPU replay bit-exact)
     hyperparameters:
       lr: {type: log, minval: -3, maxval: -1}   # overrides training.optimizer.lr
 
 The hyperparameters that override settings are ``optimizer`` (the name), ``lr``,
 ``weight_decay``, ``momentum``, ``betas``, ``eps``, ``batch_size`` and ``max_grad_norm``.
+``precision``, ``accumulation_steps`` and ``deterministic`` are the engine's: the same for every
+trial of an experiment (a search never samples them).
 The driver resolves them into one :class:`TrainingSettings` per trial
 (:meth:`TrainingSettings.with_hyperparameters`), which the workers' trials receive.
 """
@@ -23,7 +28,15 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from govray.core.errors import ConfigError, describe_validation_error
 
@@ -52,6 +65,25 @@ OPTIMIZER_SETTINGS = ("lr", "weight_decay", "momentum", "betas", "eps")
 SETTING_HYPERPARAMETERS = ("optimizer", *OPTIMIZER_SETTINGS, "batch_size", "max_grad_norm")
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class Precision(StrEnum):
+    """The step's arithmetic (DESIGN.md, "Precision").
+
+    ``fp32``: everything in float32. ``bf16``: forward and backward under bfloat16 autocast;
+    parameters, optimizer state and the gradient reduction stay float32. ``fp16``: float16
+    autocast with a dynamic loss scale per route group: an overflow skips only the tensors of the
+    route that produced it (a recorded decision), and only that route's scale backs off.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+# Engine settings a trial's hyperparameters never override; left at these defaults they are not
+# serialized, so an experiment or run spec written before they existed keeps its bytes and digest.
+ENGINE_DEFAULTS: dict[str, Any] = {"precision": Precision.FP32, "accumulation_steps": 1, "deterministic": False}
 
 
 class OptimizerConfig(BaseModel):
@@ -98,6 +130,28 @@ class TrainingSettings(BaseModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     batch_size: int = Field(default=32, ge=1)  # rows per worker per step (one schedule slot)
     max_grad_norm: float | None = Field(default=None, gt=0.0)  # per route group; None: no clipping
+    precision: Precision = Precision.FP32
+    # A slot's rows split into this many micro-batches (same route, counts and masks of the slot).
+    accumulation_steps: int = Field(default=1, ge=1)
+    # torch deterministic algorithms, a fixed cuBLAS workspace and NCCL algorithm/protocol.
+    deterministic: bool = False
+
+    @model_validator(mode="after")
+    def _micro_batches_fit(self) -> TrainingSettings:
+        if self.accumulation_steps > self.batch_size:
+            raise ValueError(
+                f"accumulation_steps {self.accumulation_steps} exceeds batch_size {self.batch_size}: "
+                "every micro-batch needs at least one row"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_default_engine(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        for name, default in ENGINE_DEFAULTS.items():
+            if getattr(self, name) == default:
+                dumped.pop(name, None)
+        return dumped
 
     def with_hyperparameters(self, hparams: Mapping[str, Any]) -> TrainingSettings:
         """These settings, each overridden by the hyperparameter of its name.
@@ -120,6 +174,7 @@ class TrainingSettings(BaseModel):
                 taken = {"name", *_SHARED_SETTINGS, *_OWN_SETTINGS[OptimizerName(hparams["optimizer"])]}
                 optimizer = {name: value for name, value in optimizer.items() if name in taken}
         raw = {
+            **{name: getattr(self, name) for name in ENGINE_DEFAULTS},
             "optimizer": optimizer,
             "batch_size": hparams.get("batch_size", self.batch_size),
             "max_grad_norm": hparams.get("max_grad_norm", self.max_grad_norm),
