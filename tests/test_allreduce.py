@@ -82,6 +82,7 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
                     x, y = inputs(case, rank)
                     per_example_loss(ddp, x, y).sum().backward()
                     governor.finish_step()
+                    governor.check_finite()  # a boundary at every step
                     grads = {
                         name: None if p.grad is None else p.grad.clone()
                         for name, p in model.named_parameters()

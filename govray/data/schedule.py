@@ -369,6 +369,62 @@ def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
     )
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """Every slot of one step, summed by route without a Python object per row or per rank.
+
+    ``rows[route]``: the route-local rows of every non-empty slot of that route (rank order);
+    ``corpus[route]``: the index into ``spec.route(route).corpus_counts`` of each. What the
+    masked average's divisors and the ledger need, in O(routes) Python work plus vectorized
+    O(world size * batch size) array work (``step_slots`` builds one ``Slot`` per rank).
+    """
+
+    routes: tuple[RouteLayout, ...]
+    rows: dict[str, np.ndarray]
+    corpus: dict[str, np.ndarray]
+
+    def route_counts(self) -> dict[str, int]:
+        """Examples per route (the same as ``route_counts(step_slots(...))``)."""
+        return {route: len(rows) for route, rows in self.rows.items() if len(rows)}
+
+    def corpus_examples(self) -> dict[tuple[str, str], int]:
+        """Examples per (corpus, route)."""
+        counts: dict[tuple[str, str], int] = {}
+        for layout in self.routes:
+            if layout.route not in self.rows:
+                continue
+            tally = np.bincount(self.corpus[layout.route], minlength=len(layout.corpus_counts))
+            for position, count in enumerate(tally.tolist()):
+                if count:
+                    counts[layout.corpus_counts[position][0], layout.route] = count
+        return counts
+
+
+def step_rows(spec: ScheduleSpec, global_step: int) -> StepRows:
+    """Every worker's slot at ``global_step``, summed by route (see :class:`StepRows`)."""
+    epoch, step = spec.locate(global_step)
+    plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+    first = step * spec.world_size
+    last = min(first + spec.world_size, len(plan.batch_routes))
+    batch_routes, batch_starts = plan.batch_routes[first:last], plan.batch_starts[first:last]
+    withheld = spec.withheld_corpora(global_step)
+    offsets = np.arange(spec.batch_size, dtype=np.int64)
+    rows: dict[str, np.ndarray] = {}
+    corpus: dict[str, np.ndarray] = {}
+    for index in np.unique(batch_routes).tolist():
+        layout = spec.routes[index]
+        positions = (batch_starts[batch_routes == index][:, None] + offsets[None, :]).ravel()
+        taken = plan.orders[index][positions[positions < layout.rows]]
+        corpora = np.searchsorted(np.asarray(layout._ends), taken, side="right")
+        dropped = [position for position, (name, _) in enumerate(layout.corpus_counts) if name in withheld]
+        if dropped:
+            kept = ~np.isin(corpora, dropped)
+            taken, corpora = taken[kept], corpora[kept]
+        if len(taken):
+            rows[layout.route], corpus[layout.route] = taken, corpora
+    return StepRows(spec.routes, rows, corpus)
+
+
 def step_slots(spec: ScheduleSpec, global_step: int) -> tuple[Slot, ...]:
     """Every worker's slot at ``global_step``, indexed by rank."""
     return tuple(slot(spec, global_step, rank) for rank in range(spec.world_size))

@@ -10,7 +10,9 @@ any non-finite value (what plain DDP spends on dividing by the world size).
 
 A parameter with empty S gets ``grad = None``: no optimizer step, no momentum, no weight decay.
 A non-finite value that survives masking came from an allowed slot, so every rank sees it after
-the reduction and stops with :class:`NonFiniteGradientError`.
+the reduction: it raises its route group's flag on the device, and the next boundary
+(``check_finite``: before any report, snapshot or checkpoint leaves the worker) stops every rank
+with :class:`NonFiniteGradientError` naming the tensors and routes. No step waits on the device.
 
 Example (inside a worker, around ``loss.backward()``)::
 
@@ -18,7 +20,8 @@ Example (inside a worker, around ``loss.backward()``)::
     ddp.register_comm_hook(governor, governed_allreduce_hook)
     governor.begin_step(step=t, local_route="public", route_counts={"public": 64, "licensed": 32})
     losses.sum().backward()
-    governor.finish_step()           # grad None where S is empty; raises on an allowed NaN
+    governor.finish_step()           # grad None where S is empty; clip per route group
+    governor.check_finite()          # at a boundary: raises on an allowed NaN since the last check
 """
 
 # No ``from __future__ import annotations``: DDP checks the comm hook's annotations at runtime.
@@ -43,12 +46,27 @@ class _Region:
     numel: int
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A flat buffer's parameters (a DDP bucket, or one ``.grad`` without DDP)."""
+
+    regions: tuple[_Region, ...]
+    numel: int
+
+
 class GradientGovernor:
     """Per-step governance state shared by the DDP comm hook and the optimizer step.
 
     ``allowed_routes[i]`` is the set of routes that may update parameter ``i`` (in the order of
-    ``named_parameters``). Bucket layouts are cached by the bucket's parameters, not its index,
-    because DDP rebuilds its buckets after the first iteration.
+    ``named_parameters``). Parameters allowed the same routes form a *route group*; per step the
+    governor keeps one example count per group (O(groups), whatever the number of tensors).
+    Bucket layouts are cached by the bucket's parameters, not its index, because DDP rebuilds its
+    buckets after the first iteration; each (layout, route) gets one precomputed flat mask on the
+    bucket's device, applied by selection in one op.
+
+    Nothing here reads a device value on the host during a step: the non-finite flags (one per
+    route group) stay on the device until :meth:`check_finite`, which the loop calls at report
+    and checkpoint boundaries, before anything leaves the worker.
     """
 
     def __init__(
@@ -62,17 +80,22 @@ class GradientGovernor:
         self.parameters = [parameter for _, parameter in named_parameters]
         self.allowed_routes = list(allowed_routes)
         self._index = {id(parameter): index for index, parameter in enumerate(self.parameters)}
-        self._sizes = [parameter.numel() for parameter in self.parameters]
-        self._total_size = sum(self._sizes)
-        self._layouts: dict[tuple[int, ...], tuple[_Region, ...]] = {}
         groups = sorted(set(self.allowed_routes), key=lambda routes: sorted(routes))
         self.groups: list[frozenset[str]] = groups
         self._group_of = [groups.index(routes) for routes in self.allowed_routes]
+        self._members: list[list[nn.Parameter]] = [[] for _ in groups]
+        for parameter, group in zip(self.parameters, self._group_of, strict=True):
+            self._members[group].append(parameter)
+        self._group_sizes = [sum(parameter.numel() for parameter in members) for members in self._members]
+        self._total_size = sum(self._group_sizes)
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._masks: dict[tuple[tuple[int, ...], str | None, torch.device], torch.Tensor | None] = {}
         self.step = -1
         self.local_route: str | None = None
-        self.counts: list[int] = [0] * len(self.parameters)
-        self._found_nonfinite = torch.zeros(1)
-        self._inverse: dict[int, torch.Tensor] = {}  # count → tensor([1 / count]), reused
+        self.group_counts: list[int] = [0] * len(groups)
+        self._found: dict[torch.device, torch.Tensor] = {}  # device → one flag per route group
+        self._first: dict[torch.device, torch.Tensor] = {}  # device → first flagged step per group
+        self._inverse: dict[tuple[int, torch.device], torch.Tensor] = {}  # (count, device) → [1/count]
 
     # -- per step --------------------------------------------------------------------------
 
@@ -80,41 +103,72 @@ class GradientGovernor:
         """Set this worker's route (None for an empty slot) and every route's example count."""
         self.step = step
         self.local_route = local_route
-        group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
-        self.counts = [group_counts[group] for group in self._group_of]
-        self._found_nonfinite.zero_()
+        self.group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
+
+    def count(self, index: int) -> int:
+        """Examples of this step whose gradients may reach parameter ``index`` (its divisor)."""
+        return self.group_counts[self._group_of[index]]
 
     def masked_fraction(self) -> float:
         """The fraction of trainable parameter elements that no slot of this step may update
         (they get no update at all)."""
-        masked = sum(size for size, count in zip(self._sizes, self.counts, strict=True) if count == 0)
+        sizes = zip(self._group_sizes, self.group_counts, strict=True)
+        masked = sum(size for size, count in sizes if not count)
         return masked / self._total_size if self._total_size else 0.0
 
     def contributes(self, index: int) -> bool:
         """Whether this worker's slot may update parameter ``index`` at this step."""
         return self.local_route is not None and self.local_route in self.allowed_routes[index]
 
-    def mask(self, tensor: torch.Tensor, regions: Sequence[_Region]) -> None:
-        """Overwrite with zeros the regions this worker may not update (selection: a NaN or inf
-        there is replaced, never multiplied)."""
-        for region in regions:
-            if not self.contributes(region.index):
-                tensor.narrow(0, region.offset, region.numel).zero_()
+    def mask(self, tensor: torch.Tensor, layout: _Layout) -> None:
+        """Overwrite with zeros the regions this worker may not update, in one op (selection: a
+        NaN or inf there is replaced, never multiplied)."""
+        key = (tuple(region.index for region in layout.regions), self.local_route, tensor.device)
+        if key not in self._masks:
+            keep = [self.contributes(region.index) for region in layout.regions]
+            if all(keep):
+                self._masks[key] = None
+            else:
+                flat = torch.ones(layout.numel, dtype=torch.bool)
+                for region, kept in zip(layout.regions, keep, strict=True):
+                    if kept:
+                        flat[region.offset : region.offset + region.numel] = False
+                self._masks[key] = flat.to(tensor.device)
+        masked = self._masks[key]
+        if masked is not None:
+            tensor.masked_fill_(masked, 0.0)
 
-    def average(self, tensor: torch.Tensor, regions: Sequence[_Region]) -> None:
-        """Divide each summed region by its example count, flagging non-finite values (one pass)."""
-        by_count: dict[int, list[torch.Tensor]] = {}
-        for region in regions:
-            count = self.counts[region.index]
+    def average(self, tensor: torch.Tensor, layout: _Layout) -> None:
+        """Divide each summed region by its example count, raising the region's route-group flag
+        on a non-finite value (one fused pass per count; no host sync)."""
+        by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for region in layout.regions:
+            group = self._group_of[region.index]
+            count = self.group_counts[group]
             if count:  # count 0: every worker zeroed it, and its grad becomes None
-                by_count.setdefault(count, []).append(tensor.narrow(0, region.offset, region.numel))
-        for count, views in by_count.items():
-            inverse = self._inverse.get(count)
-            if inverse is None:
-                inverse = self._inverse[count] = torch.tensor([1.0 / count])
-            torch._amp_foreach_non_finite_check_and_unscale_(views, self._found_nonfinite, inverse)
+                by_key.setdefault((group, count), []).append(tensor.narrow(0, region.offset, region.numel))
+        found = self.flags(tensor.device)
+        for (group, count), views in by_key.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                views, found[group : group + 1], self._inverse_of(count, tensor.device)
+            )
 
-    def layout(self, parameters: Sequence[torch.Tensor]) -> tuple[_Region, ...]:
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """The non-finite flag of each route group on ``device`` (raised, never cleared, until
+        :meth:`check_finite`)."""
+        found = self._found.get(device)
+        if found is None:
+            found = self._found[device] = torch.zeros(len(self.groups), device=device)
+            self._first[device] = torch.full((len(self.groups),), -1, dtype=torch.int64, device=device)
+        return found
+
+    def _inverse_of(self, count: int, device: torch.device) -> torch.Tensor:
+        inverse = self._inverse.get((count, device))
+        if inverse is None:
+            inverse = self._inverse[count, device] = torch.tensor([1.0 / count], device=device)
+        return inverse
+
+    def layout(self, parameters: Sequence[torch.Tensor]) -> _Layout:
         key = tuple(id(parameter) for parameter in parameters)
         cached = self._layouts.get(key)
         if cached is None:
@@ -122,59 +176,83 @@ class GradientGovernor:
             for parameter in parameters:
                 regions.append(_Region(self._index[id(parameter)], offset, parameter.numel()))
                 offset += parameter.numel()
-            cached = self._layouts[key] = tuple(regions)
+            cached = self._layouts[key] = _Layout(tuple(regions), offset)
         return cached
 
     def govern_local(self) -> None:
         """The same masks and averaging without DDP (one worker), on each ``.grad``."""
+        by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
         for index, parameter in enumerate(self.parameters):
             if parameter.grad is None:
                 continue
-            regions = (_Region(index, 0, parameter.numel()),)
-            flat = parameter.grad.view(-1)
-            self.mask(flat, regions)
-            self.average(flat, regions)
+            if not self.contributes(index):
+                parameter.grad.zero_()  # selection: fills, never multiplies
+            group = self._group_of[index]
+            count = self.group_counts[group]
+            if count:
+                by_key.setdefault((group, count), []).append(parameter.grad)
+        for (group, count), grads in by_key.items():
+            found = self.flags(grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found[group : group + 1], self._inverse_of(count, grads[0].device)
+            )
 
     def finish_step(self, max_grad_norm: float | None = None) -> None:
-        """After backward (and the allreduce): drop grads nobody may apply, check, clip per group."""
-        for index, parameter in enumerate(self.parameters):
-            if self.counts[index] == 0:
-                parameter.grad = None  # no slot may update it: no step, no momentum, no decay
-        if bool(self._found_nonfinite.item()):
-            self._raise_nonfinite()
-        if max_grad_norm is not None:
-            self.clip_per_group(max_grad_norm)
+        """After backward (and the allreduce): drop grads nobody may apply, clip per group.
 
-    def clip_per_group(self, max_norm: float) -> None:
-        """Clip each route group (parameters updated by the same routes) on its own norm, so one
-        route's gradients never rescale another's."""
-        for group_index in range(len(self.groups)):
-            members = [
-                parameter
-                for parameter, group in zip(self.parameters, self._group_of, strict=True)
-                if group == group_index and parameter.grad is not None
-            ]
-            if members:
-                torch.nn.utils.clip_grad_norm_(members, max_norm, foreach=True)
+        A non-finite gradient is not looked for here (that would wait for the device every
+        step): it raises its group's flag, and :meth:`check_finite` refuses it at the boundary.
+        """
+        for device, found in self._found.items():  # which step raised a group's flag first
+            first = self._first[device]
+            first.masked_fill_((found > 0) & (first < 0), self.step)
+        for group, count in enumerate(self.group_counts):
+            if count == 0:
+                for parameter in self._members[group]:
+                    parameter.grad = None  # no slot may update it: no step, no momentum, no decay
+            elif max_grad_norm is not None:
+                # Each route group clipped on its own norm: one route's gradients never rescale
+                # another's. (clip_grad_norm_ computes on the device: no host sync.)
+                grads = [parameter for parameter in self._members[group] if parameter.grad is not None]
+                if grads:
+                    torch.nn.utils.clip_grad_norm_(grads, max_grad_norm, foreach=True)
 
-    def _raise_nonfinite(self) -> None:
-        culprits = [
+    def check_finite(self) -> None:
+        """At a boundary (report, checkpoint, snapshot): raise if any step since the last check
+        had a non-finite gradient from a slot allowed to update it, naming the routes and the
+        tensors it left non-finite. One device-to-host read of one flag per route group."""
+        if not self._found:
+            return
+        raised = torch.stack([found.cpu() for found in self._found.values()]).amax(dim=0).tolist()
+        firsts = torch.stack([first.cpu() for first in self._first.values()]).tolist()
+        for device, found in self._found.items():
+            found.zero_()
+            self._first[device].fill_(-1)
+        flagged = {
+            group: min(first[group] for first in firsts if first[group] >= 0)
+            for group, flag in enumerate(raised)
+            if flag
+        }
+        if not flagged:
+            return
+        # A non-finite update spreads (the next forward pass sees it everywhere): name the route
+        # groups it first appeared in, and the step it did.
+        step = min(flagged.values())
+        bad_groups = [group for group, first in flagged.items() if first == step]
+        routes = sorted({route for group in bad_groups for route in self.groups[group]})
+        members = [
+            name for name, group in zip(self.names, self._group_of, strict=True) if group in bad_groups
+        ]
+        broken = [
             name
             for name, parameter in zip(self.names, self.parameters, strict=True)
-            if parameter.grad is not None and not bool(torch.isfinite(parameter.grad).all())
+            if name in members and not bool(torch.isfinite(parameter.detach()).all())
         ]
-        routes = sorted(
-            {
-                route
-                for index, name in enumerate(self.names)
-                if name in culprits
-                for route in self.allowed_routes[index]
-            }
-        )
+        culprits = broken or members
         raise NonFiniteGradientError(
-            f"step {self.step}: non-finite gradient in {', '.join(culprits[:5]) or 'a bucket'}"
+            f"step {step}: non-finite gradient in {', '.join(culprits[:5])}"
             f"{' …' if len(culprits) > 5 else ''} from a slot allowed to update it "
-            f"(routes {', '.join(routes)}); training stopped"
+            f"(routes {', '.join(routes)}); found at the boundary after step {self.step}; training stopped"
         )
 
 
@@ -183,14 +261,14 @@ def governed_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: mask this worker's bucket, sum it over all workers, divide by the counts."""
     buffer = bucket.buffer()
-    regions = governor.layout(bucket.parameters())
-    governor.mask(buffer, regions)
+    layout = governor.layout(bucket.parameters())
+    governor.mask(buffer, layout)
     work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
 
     def reduced(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         result = future.value()[0]
-        governor.average(result, regions)
+        governor.average(result, layout)
         return result
 
     return work.get_future().then(reduced)

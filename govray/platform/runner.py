@@ -247,6 +247,7 @@ def new_run_spec(
         excluded_corpora=excluded_corpora,
         report_every=report_every,
         threads=default_threads(config.resources.cpus_per_worker),
+        use_gpu=config.resources.use_gpu,
         reproducibility=reproducibility,
         code_dir=os.getcwd(),
         checkpoint_period=config.checkpoint.period,

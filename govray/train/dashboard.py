@@ -21,19 +21,17 @@ trained, so steps re-run after a restart count again; the ledger is the exact re
 Example (rank 0, inside the step)::
 
     exported = GovernanceMetrics(experiment="digits-governed", trial="digits-governed-trial3-1a2b")
-    exported.record_step(slots, governor.masked_fraction())
+    exported.record_step(step_rows(schedule, step).corpus_examples(), governor.masked_fraction())
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
 from ray.util import metrics
 
-from govray.data.schedule import Slot
 from govray.governance.memorization import MemorizationReport
 
 TRIAL_TAGS = ("experiment", "trial")
@@ -82,12 +80,8 @@ class GovernanceMetrics:
         self.tags = {"experiment": experiment, "trial": trial}
         self._route_tags: dict[tuple[str, str], dict[str, str]] = {}
 
-    def record_step(self, slots: Sequence[Slot], masked_fraction: float) -> None:
+    def record_step(self, examples: Mapping[tuple[str, str], int], masked_fraction: float) -> None:
         """One step: every slot's examples by (corpus, route), and the step's masked fraction."""
-        examples: Counter[tuple[str, str]] = Counter()
-        for item in slots:
-            if item.route is not None:
-                examples.update((corpus, item.route) for corpus in item.corpora)
         for key, count in examples.items():
             self.instruments.examples.inc(count, tags=self._tags(key))
         self.instruments.masked_fraction.set(masked_fraction, tags=self.tags)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.core.errors import GovrayError, describe_validation_error
-from govray.data.schedule import ScheduleSpec, Slot, step_slots
+from govray.data.schedule import ScheduleSpec, Slot, StepRows, step_rows
 from govray.governance.routing import ADAPTER_PREFIX, RoutingTable, layer_label
 
 LEDGER_VERSION = 1
@@ -59,14 +60,36 @@ class _LedgerDocument(BaseModel):
     entries: list[_LedgerRow]
 
 
-@dataclass
 class Ledger:
     """Per ``(corpus_id, tensor name)``: examples, tokens and steps that contributed DIRECTLY.
 
     Tensor names are base parameter names or adapter tensors ``adapter/NAME/TARGET.lora_A|B``.
+
+    A step is recorded per (corpus, route) — O(slots), whatever the number of tensors — and
+    expanded to (corpus, tensor) only when ``entries`` is read (a ledger written, compared or
+    reported): every tensor a route updates gains that route's examples and tokens; ``steps``
+    grows by one per (corpus, tensor) reached at a step, however many of the corpus's routes
+    reached it, so the pending step counts are kept per (corpus, set of routes reached).
     """
 
-    entries: dict[tuple[str, str], LedgerEntry] = field(default_factory=dict)
+    def __init__(self, entries: dict[tuple[str, str], LedgerEntry] | None = None) -> None:
+        self._entries: dict[tuple[str, str], LedgerEntry] = dict(entries or {})
+        self._table: RoutingTable | None = None
+        self._examples: Counter[tuple[str, str]] = Counter()  # (corpus, route) → examples
+        self._tokens: Counter[tuple[str, str]] = Counter()  # (corpus, route) → tokens
+        self._steps: Counter[tuple[str, frozenset[str]]] = Counter()  # (corpus, routes) → steps
+
+    @property
+    def entries(self) -> dict[tuple[str, str], LedgerEntry]:
+        """Every (corpus, tensor) entry, with the steps recorded so far expanded."""
+        self._expand()
+        return self._entries
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ledger) and self.entries == other.entries
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.entries!r})"
 
     def record_step(
         self,
@@ -79,21 +102,80 @@ class Ledger:
         ``tokens`` maps a route to the token count of each of its route-local rows. ``steps``
         grows by one per (corpus, tensor) reached at this step, however many slots reached it.
         """
-        reached: set[tuple[str, str]] = set()
+        examples: Counter[tuple[str, str]] = Counter()
+        token_counts: Counter[tuple[str, str]] = Counter()
         for item in slots:
             if item.empty:
                 continue
             assert item.route is not None
-            examples = Counter(item.corpora)
-            token_counts = self._slot_tokens(item, tokens) if tokens is not None else Counter()
-            for tensor in table.updated_tensors(item.route):
-                for corpus, count in examples.items():
-                    entry = self.entries.setdefault((corpus, tensor), LedgerEntry())
-                    entry.examples += count
-                    entry.tokens += token_counts[corpus]
-                    reached.add((corpus, tensor))
-        for key in reached:
-            self.entries[key].steps += 1
+            examples.update((corpus, item.route) for corpus in item.corpora)
+            if tokens is not None:
+                for corpus, count in self._slot_tokens(item, tokens).items():
+                    token_counts[corpus, item.route] += count
+        self._record(examples, token_counts, table)
+
+    def record_rows(
+        self, step: StepRows, table: RoutingTable, tokens: Mapping[str, np.ndarray] | None = None
+    ) -> None:
+        """``record_step`` from a step's rows summed by route (``schedule.step_rows``): the
+        same entries, in array work instead of a Python loop over every row of every slot."""
+        token_counts: Counter[tuple[str, str]] = Counter()
+        if tokens is not None:
+            for layout in step.routes:
+                if layout.route not in step.rows:
+                    continue
+                rows = step.rows[layout.route]
+                counts = tokens.get(layout.route)
+                if counts is None:
+                    raise LedgerError(
+                        f"token counts name no route '{layout.route}' (routes: {', '.join(tokens)})"
+                    )
+                if len(rows) and int(rows.max()) >= len(counts):
+                    raise LedgerError(
+                        f"token counts of route '{layout.route}' cover {len(counts)} rows; "
+                        f"no row {int(rows.max())}"
+                    )
+                sums = np.bincount(
+                    step.corpus[layout.route], weights=counts[rows], minlength=len(layout.corpus_counts)
+                )
+                for position, total in enumerate(sums.tolist()):
+                    if total:
+                        token_counts[layout.corpus_counts[position][0], layout.route] = int(total)
+        self._record(Counter(step.corpus_examples()), token_counts, table)
+
+    def _record(
+        self,
+        examples: Counter[tuple[str, str]],
+        tokens: Counter[tuple[str, str]],
+        table: RoutingTable,
+    ) -> None:
+        if self._table is not None and self._table is not table and self._table != table:
+            self._expand()
+        self._table = table
+        self._examples.update(examples)
+        self._tokens.update(tokens)
+        reached: dict[str, set[str]] = {}
+        for corpus, route in examples:
+            reached.setdefault(corpus, set()).add(route)
+        self._steps.update((corpus, frozenset(routes)) for corpus, routes in reached.items())
+
+    def _expand(self) -> None:
+        """Fold the pending (corpus, route) counts into the (corpus, tensor) entries."""
+        table = self._table
+        if table is None or not (self._examples or self._steps):
+            return
+        for (corpus, route), count in self._examples.items():
+            added = self._tokens[corpus, route]
+            for tensor in table.updated_tensors(route):
+                entry = self._entries.setdefault((corpus, tensor), LedgerEntry())
+                entry.examples += count
+                entry.tokens += added
+        for (corpus, routes), count in self._steps.items():
+            for tensor in {tensor for route in routes for tensor in table.updated_tensors(route)}:
+                self._entries[corpus, tensor].steps += count
+        self._examples.clear()
+        self._tokens.clear()
+        self._steps.clear()
 
     @staticmethod
     def _slot_tokens(item: Slot, tokens: Mapping[str, Sequence[int]]) -> Counter[str]:
@@ -185,10 +267,15 @@ def recompute_ledger(
     """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone
     (steps a rollback discarded reached nothing)."""
     ledger = Ledger()
+    arrays = (
+        None
+        if tokens is None
+        else {route: np.asarray(counts, dtype=np.int64) for route, counts in tokens.items()}
+    )
     for global_step in range(steps):
         if spec.reverted(global_step):
             continue
-        ledger.record_step(step_slots(spec, global_step), table, tokens)
+        ledger.record_rows(step_rows(spec, global_step), table, arrays)
     return ledger
 
 

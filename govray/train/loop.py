@@ -3,9 +3,10 @@
 ``train_worker`` opens the worker's ``Session`` (chosen once: Ray Train worker, in-process, or a
 Tune trial), resumes or starts, then for each step of the schedule::
 
-    governed.step(step)                           # govray.train.step: the governed step
-    at a report boundary: all-reduce the losses; at a validation: evaluate, measure memorization,
-        let the controller decide (LR, early stop, gate, rollback); at a checkpoint: seal it
+    governed.step(step)                           # govray.train.step: never waits for the device
+    at a report boundary: refuse a non-finite gradient since the last one; all-reduce the losses;
+        at a validation: evaluate, measure memorization, let the controller decide (LR, early
+        stop, gate, rollback); at a checkpoint: seal it
     session.report(StepReport(...))               # typed: metrics, and what the driver acts on
 
 A pause request checkpoints at the next step boundary and returns; a kill request returns without
@@ -50,7 +51,7 @@ def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession)
     else:
         importable(spec.code_dir)  # Ray Train moves workers into the run directory
     torch.set_num_threads(spec.threads)
-    worker = Worker.detect()
+    worker = Worker.detect(spec.use_gpu)
     opened = session(spec, worker)
     log = None
     if spec.log_dir:
@@ -106,10 +107,10 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     if control.stopped_early:
         note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
         return
-    loss_sum, examples = 0.0, 0
+    loss_sum, examples = torch.zeros((), dtype=torch.float64, device=worker.device), 0
     for step in range(start, spec.max_steps):
         session.look_for_stop(step)
-        step_loss, step_examples = governed.step(step)
+        step_loss, step_examples = governed.step(step)  # nothing read from the device
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
         done = step + 1
         last = done == spec.max_steps
@@ -120,12 +121,15 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         save = validate or done % spec.checkpoint_period == 0 or stop == "pause"
         if done % spec.report_every and not save and stop is None:
             continue
-        totals = all_reduce_sums({"loss": loss_sum, "examples": float(examples)}, worker)
+        # The boundary: the device is read here, and a non-finite gradient since the last one
+        # stops the run before any report, snapshot or checkpoint holds its state.
+        governed.governor.check_finite()
+        totals = all_reduce_sums({"loss": float(loss_sum), "examples": float(examples)}, worker)
         metrics = {
             "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
             "examples": float(int(totals["examples"])),
         }
-        loss_sum, examples = 0.0, 0
+        loss_sum, examples = torch.zeros_like(loss_sum), 0
         flagged = None
         if validate:
             flagged = run_validation(run, done, metrics, note)

@@ -45,6 +45,7 @@ from govray.governance.credentials import Credential
 from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
+from govray.train.batches import on_device
 from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums, by_row_hash, without_rows
 
@@ -197,7 +198,8 @@ class MemorizationProbe:
         total = 0.0
         for route, part in _by_route(table):
             with self.model.active(self.routing.adapter_names.get(route)):
-                total += float(self.trial.loss(self.model, self.trial.collate(part)).double().sum())
+                batch = on_device(self.trial.collate(part), self.worker.device)
+                total += float(self.trial.loss(self.model, batch).double().sum())
         return total
 
     def _representations(self, table: pa.Table) -> dict[str, torch.Tensor]:
@@ -207,7 +209,7 @@ class MemorizationProbe:
         hooks = [
             modules[layer].register_forward_hook(
                 lambda _module, _inputs, output, layer=layer: captured[layer].append(
-                    self.trial.representation(layer, output)
+                    self.trial.representation(layer, output).float().cpu()
                 )
             )
             for layer in self.layers
@@ -215,7 +217,7 @@ class MemorizationProbe:
         try:
             for route, part in _by_route(table):
                 with self.model.active(self.routing.adapter_names.get(route)):
-                    self.trial.loss(self.model, self.trial.collate(part))
+                    self.trial.loss(self.model, on_device(self.trial.collate(part), self.worker.device))
         finally:
             for hook in hooks:
                 hook.remove()

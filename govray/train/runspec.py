@@ -36,6 +36,7 @@ class RunSpec(BaseModel):
     max_steps: int
     report_every: int
     threads: int = 1
+    use_gpu: bool = False  # each worker trains on its GPU (resources.use_gpu)
     excluded_corpora: tuple[str, ...] = ()
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.

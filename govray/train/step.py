@@ -1,36 +1,52 @@
 """The governed step: what every worker does for one step of the schedule.
 
 Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot (one route and its
-rows), the trial gives per-example losses, backward runs the governed allreduce (DDP's comm hook:
-each tensor's gradient masked to the slots that may update it, scaled by their example count),
-the governor clips per route group, the optimizer steps, and the ledger records what reached which
-tensor — from the schedule, never from the gradients.
+rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
+governed allreduce (DDP's comm hook: each tensor's gradient masked to the slots that may update
+it, scaled by their example count) — after k-1 micro-batches accumulated under ``no_sync()`` when
+``accumulation_steps`` is k — the governor clips per route group, the optimizer steps, and the
+ledger records what reached which tensor — from the schedule, never from the gradients.
+
+Nothing in a step waits for the device: the loss sum stays a device tensor and the non-finite
+flags stay on the device until the loop's next boundary (``check_finite``).
 
 Example::
 
     governed = GovernedStep(spec, Worker.detect(), trial)
-    loss_sum, examples = governed.step(0)
+    loss_sum, examples = governed.step(0)       # loss_sum: a 0-d float64 tensor on the device
+    governed.governor.check_finite()            # at a boundary
     validation = governed.evaluate()    # {"validation_loss": ..., "validation_loss/CORPUS": ...}
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed, route_counts, step_slots
+from govray.config.training import Precision
+from govray.data.schedule import (
+    ScheduleEvent,
+    ScheduleSpec,
+    Slot,
+    derive_seed,
+    slot,
+    step_rows,
+)
 from govray.data.shards import ShardSet
 from govray.governance.adapters import GovernedModel, load_adapter
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.batches import Prefetcher, on_device
 from govray.train.checkpoint import MODEL_FILE
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
@@ -67,22 +83,34 @@ class GovernedStep:
 
     def __init__(self, spec: RunSpec, worker: Worker, trial: Trial) -> None:
         self.spec, self.worker, self.trial = spec, worker, trial
+        self.device = worker.device
+        settings = trial.settings
+        self.micro_batches = settings.accumulation_steps
+        self.autocast_dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
+            settings.precision
+        )
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
-        base = trial.build_model()
+        base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
+        base.to(self.device)
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
         self.shards = ShardSet.fetch(Path(spec.shard_root), spec.storage)
         self.schedule = self.scheduled([])
         self.rows = RouteRows(self.shards)
-        self.tokens = self.rows.tokens(trial)
+        self.batches = Prefetcher(self.rows.take, trial.collate, self.device, self.micro_batches)
+        counted = self.rows.tokens(trial)
+        self.tokens = (  # per route, tokens of each route-local row (the ledger's counts)
+            None if counted is None else {r: np.asarray(c, dtype=np.int64) for r, c in counted.items()}
+        )
         named = parameters_by_name(self.model)
         self.governor = GradientGovernor(named, allowed_route_sets(self.model, self.routing))
         self.forward: nn.Module = self.model
         if worker.distributed:
             ddp = DistributedDataParallel(
                 self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False,  # running statistics are refused by routing, never synced
                 find_unused_parameters=bool(self.routing.adapter_names),  # inactive adapters
             )
@@ -108,32 +136,58 @@ class GovernedStep:
         run_name = spec.run_name or Path(spec.run_dir).name
         self.exported = GovernanceMetrics(spec.experiment, run_name) if worker.rank == 0 else None
 
-    def step(self, step: int) -> tuple[float, int]:
-        """One governed step; returns this worker's (loss sum, examples)."""
-        slots = step_slots(self.schedule, step)  # one slot (route, rows) per worker
-        mine = slots[self.worker.rank]
+    def step(self, step: int) -> tuple[torch.Tensor, int]:
+        """One governed step; returns this worker's loss sum (a float64 device tensor: reading it
+        is the caller's choice, at a boundary) and its example count."""
+        mine = slot(self.schedule, step, self.worker.rank)  # this worker's route and rows
+        every = step_rows(self.schedule, step)  # every worker's slot, summed by route: O(workers)
         # Per-step seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
         torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
         route = None if mine.empty else mine.route
-        self.governor.begin_step(step, route, route_counts(slots))  # the masks and divisors of this step
+        self.governor.begin_step(step, route, every.route_counts())  # the masks and divisors of this step
         adapter = self.routing.adapter_names.get(route) if route is not None else None
+        upcoming = self._upcoming(step)
         self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with self.model.active(adapter):  # base weights never see another route's adapter
-            batch = self.trial.collate(self.rows.take(mine))
-            losses = self.trial.loss(self.forward, batch)  # one loss per example
-            # DDP's comm hook: each tensor's gradient masked to the routes that may update it,
-            # summed and divided by those routes' example count (not the world size).
-            losses.sum().backward()
+            parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches
+            for index, batch in enumerate(parts):
+                # The first k-1 micro-batches accumulate locally; the last one's backward runs
+                # DDP's comm hook: each tensor's gradient masked to the routes that may update
+                # it, summed and divided by those routes' example count (not the world size).
+                last = index == len(parts) - 1
+                with self._autocast(), contextlib.nullcontext() if last else self._no_sync():
+                    losses = self.trial.loss(self.forward, batch)  # one loss per example
+                    total = losses.float().sum()
+                total.backward()
+                loss_sum += total.detach().double()
         if not self.worker.distributed:
             self.governor.govern_local()  # the same masks and divisors, without DDP
-        # grad None where no slot may update (no momentum, no decay); NaN refused; clip per group.
+        # grad None where no slot may update (no momentum, no decay); clip per group; a NaN
+        # raises a flag on the device that the next boundary refuses (check_finite).
         self.governor.finish_step(self.trial.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ledger.record_step(slots, self.routing, self.tokens)  # from the schedule, not the gradients
+        self.ledger.record_rows(every, self.routing, self.tokens)  # from the schedule, not the gradients
         if self.exported is not None:
-            self.exported.record_step(slots, self.governor.masked_fraction())
-        return float(losses.detach().sum()), len(mine.rows)
+            self.exported.record_step(every.corpus_examples(), self.governor.masked_fraction())
+        return loss_sum, len(mine.rows)
+
+    def _upcoming(self, step: int) -> Slot | None:
+        """This worker's slot at the next step (what the prefetcher collates meanwhile)."""
+        if step + 1 >= self.spec.max_steps:
+            return None
+        return slot(self.schedule, step + 1, self.worker.rank)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[object]:
+        if isinstance(self.forward, DistributedDataParallel):
+            return self.forward.no_sync()
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -144,7 +198,8 @@ class GovernedStep:
         for corpus in self.shards.manifest.holdout:
             table = self.shards.holdout_table(corpus)
             mine = self.worker.mine(table)
-            values = self.trial.evaluate(self.model, self.trial.collate(mine))
+            with self._autocast():
+                values = self.trial.evaluate(self.model, on_device(self.trial.collate(mine), self.device))
             for name, per_example in values.items():
                 total = float(per_example.double().sum())
                 sums[name] = sums.get(name, 0.0) + total
@@ -216,7 +271,9 @@ class GovernedStep:
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
         """Base and adapter weights of a checkpoint folder (``adapters_present_only``: those it has)."""
-        self.model.base.load_state_dict(load_file(str(directory / MODEL_FILE)), strict=True)
+        self.model.base.load_state_dict(
+            load_file(str(directory / MODEL_FILE), device=str(self.device)), strict=True
+        )
         for adapter in self.model.adapter_names():
             path = directory / f"adapter-{adapter}.safetensors"
             if path.is_file() or not adapters_present_only:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 import torch.distributed as dist
 
 from govray.data.schedule import Slot
@@ -18,16 +19,29 @@ from govray.train.trial import Trial
 
 @dataclass
 class Worker:
-    """One worker's view: rank, world size, and whether a process group exists."""
+    """One worker's view: rank, world size, its device, and whether a process group exists."""
 
     rank: int
     world_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
-    def detect(cls) -> Worker:
+    def detect(cls, use_gpu: bool = False) -> Worker:
+        """This process's rank and world (1 without a process group) and its device: the GPU
+        Ray Train assigned it (``ray.train.torch.get_device()``) when ``use_gpu`` and CUDA is
+        there, else the CPU."""
+        device = torch.device("cpu")
+        if use_gpu and torch.cuda.is_available():
+            try:
+                import ray.train.torch
+
+                device = ray.train.torch.get_device()
+            except (RuntimeError, ValueError, AttributeError):  # not a Ray Train worker: in-process
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls(0, 1)
+            return cls(dist.get_rank(), dist.get_world_size(), device)
+        return cls(0, 1, device)
 
     @property
     def distributed(self) -> bool:

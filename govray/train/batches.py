@@ -1,0 +1,87 @@
+"""Batches off the step's critical path: a slot's rows collated one step ahead in a background
+thread, into pinned memory on a GPU, split into the slot's micro-batches, and moved to the
+worker's device with ``non_blocking``.
+
+The step asks for its own slot and names the next one; while it computes, the next slot's rows
+are read and collated. A prefetched batch is used only for exactly the slot it was made for (a
+gate or a rollback that changes the schedule makes it a miss, collated on the spot). ``collate``
+therefore runs in another thread: it must not draw from torch's global random generator (the
+step seeds it per step; augmentation belongs in ``loss``).
+
+Example::
+
+    batches = Prefetcher(rows, trial, torch.device("cuda", 0), micro_batches=4)
+    for step in steps:
+        parts = batches.take(slot_of(step), upcoming=slot_of(step + 1))   # 4 batches on the GPU
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pyarrow as pa
+import torch
+
+from govray.data.schedule import Slot
+from govray.train.trial import Batch
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` on ``device`` (asynchronous from pinned memory; the same tensors on their device)."""
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def micro_batches(rows: pa.Table, parts: int) -> list[pa.Table]:
+    """``rows`` split into at most ``parts`` consecutive non-empty pieces, sizes differing by at
+    most one (larger first); one empty piece for no rows (the slot still joins the allreduce)."""
+    if rows.num_rows == 0:
+        return [rows]
+    count = min(parts, rows.num_rows)
+    size, extra = divmod(rows.num_rows, count)
+    pieces, offset = [], 0
+    for index in range(count):
+        length = size + (1 if index < extra else 0)
+        pieces.append(rows.slice(offset, length))
+        offset += length
+    return pieces
+
+
+class Prefetcher:
+    """Collates slots in one background thread, one step ahead of the step that trains them."""
+
+    def __init__(
+        self,
+        take: Callable[[Slot], pa.Table],
+        collate: Callable[[pa.Table], Batch],
+        device: torch.device,
+        micro_batches: int = 1,
+    ) -> None:
+        self._take, self._collate = take, collate
+        self.device = device
+        self.parts = micro_batches
+        self._pin = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="govray-collate")
+        self._ahead: tuple[Slot, Future[list[Batch]]] | None = None
+
+    def _prepare(self, slot: Slot) -> list[Batch]:
+        prepared = [self._collate(part) for part in micro_batches(self._take(slot), self.parts)]
+        if self._pin:
+            prepared = [{name: tensor.pin_memory() for name, tensor in batch.items()} for batch in prepared]
+        return prepared
+
+    def take(self, slot: Slot, upcoming: Slot | None = None) -> list[Batch]:
+        """The micro-batches of ``slot`` on the device; starts collating ``upcoming``."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == slot:
+            prepared = ahead[1].result()
+        else:
+            if ahead is not None:
+                ahead[1].cancel()
+            prepared = self._prepare(slot)
+        if upcoming is not None:
+            self._ahead = (upcoming, self._pool.submit(self._prepare, upcoming))
+        return [on_device(batch, self.device) for batch in prepared]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
