@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.core.errors import GovrayError, describe_validation_error
-from govray.data.schedule import ScheduleSpec, Slot, StepRows, step_rows
+from govray.data.schedule import RouteLayout, ScheduleSpec, Slot, StepRows, step_rows
 from govray.governance.routing import ADAPTER_PREFIX, RoutingTable, layer_label
 
 LEDGER_VERSION = 1
@@ -60,6 +60,30 @@ class _LedgerDocument(BaseModel):
     entries: list[_LedgerRow]
 
 
+@dataclass
+class _RouteTally:
+    """One route's pending counts, per position in its layout's corpus list."""
+
+    layout: RouteLayout
+    examples: np.ndarray
+    tokens: np.ndarray
+    steps: np.ndarray  # steps that reached the corpus, for corpora no other route holds
+    solo: np.ndarray  # bool: the corpus is in this route only
+    shared: tuple[int, ...]  # positions of corpora other routes hold too
+
+    @classmethod
+    def of(cls, layout: RouteLayout, routes_of: Mapping[str, int]) -> _RouteTally:
+        solo = np.array([routes_of[corpus] <= 1 for corpus, _ in layout.corpus_counts], dtype=bool)
+        zeros = np.zeros(len(layout.corpus_counts), dtype=np.int64)
+        shared = tuple(np.flatnonzero(~solo).tolist())
+        return cls(layout, zeros.copy(), zeros.copy(), zeros.copy(), solo, shared)
+
+    def clear(self) -> None:
+        self.examples[:] = 0
+        self.tokens[:] = 0
+        self.steps[:] = 0
+
+
 class Ledger:
     """Per ``(corpus_id, tensor name)``: examples, tokens and steps that contributed DIRECTLY.
 
@@ -78,6 +102,8 @@ class Ledger:
         self._examples: Counter[tuple[str, str]] = Counter()  # (corpus, route) → examples
         self._tokens: Counter[tuple[str, str]] = Counter()  # (corpus, route) → tokens
         self._steps: Counter[tuple[str, frozenset[str]]] = Counter()  # (corpus, routes) → steps
+        self._layouts: tuple[RouteLayout, ...] = ()
+        self._tallies: dict[str, _RouteTally] = {}  # per route, per corpus position (record_rows)
 
     @property
     def entries(self) -> dict[tuple[str, str], LedgerEntry]:
@@ -118,13 +144,19 @@ class Ledger:
         self, step: StepRows, table: RoutingTable, tokens: Mapping[str, np.ndarray] | None = None
     ) -> None:
         """``record_step`` from a step's rows summed by route (``schedule.step_rows``): the
-        same entries, in array work instead of a Python loop over every row of every slot."""
-        token_counts: Counter[tuple[str, str]] = Counter()
-        if tokens is not None:
-            for layout in step.routes:
-                if layout.route not in step.rows:
-                    continue
-                rows = step.rows[layout.route]
+        same entries, counted in arrays per route (one bincount per route and step) instead of
+        a Python loop over every row of every slot."""
+        self._use_table(table)
+        tallies = self._tallies_for(step.routes)
+        reached: dict[str, set[str]] = {}  # corpora several routes hold: their routes reached
+        for layout in step.routes:
+            if layout.route not in step.rows:
+                continue
+            tally = tallies[layout.route]
+            rows, positions = step.rows[layout.route], step.corpus[layout.route]
+            examples = np.bincount(positions, minlength=len(layout.corpus_counts))
+            tally.examples += examples
+            if tokens is not None:
                 counts = tokens.get(layout.route)
                 if counts is None:
                     raise LedgerError(
@@ -135,13 +167,31 @@ class Ledger:
                         f"token counts of route '{layout.route}' cover {len(counts)} rows; "
                         f"no row {int(rows.max())}"
                     )
-                sums = np.bincount(
-                    step.corpus[layout.route], weights=counts[rows], minlength=len(layout.corpus_counts)
+                # float64 sums of integers are exact below 2**53 tokens per step and corpus
+                tally.tokens += np.bincount(positions, weights=counts[rows], minlength=len(examples)).astype(
+                    np.int64
                 )
-                for position, total in enumerate(sums.tolist()):
-                    if total:
-                        token_counts[layout.corpus_counts[position][0], layout.route] = int(total)
-        self._record(Counter(step.corpus_examples()), token_counts, table)
+            present = examples > 0
+            tally.steps += present & tally.solo
+            for position in tally.shared:
+                if present[position]:
+                    reached.setdefault(layout.corpus_counts[position][0], set()).add(layout.route)
+        self._steps.update((corpus, frozenset(routes)) for corpus, routes in reached.items())
+
+    def _use_table(self, table: RoutingTable) -> None:
+        if self._table is not None and self._table is not table and self._table != table:
+            self._expand()
+        self._table = table
+
+    def _tallies_for(self, layouts: tuple[RouteLayout, ...]) -> dict[str, _RouteTally]:
+        if self._layouts is not layouts and self._layouts != layouts:
+            self._expand()
+            routes_of: Counter[str] = Counter(
+                corpus for layout in layouts for corpus, rows in layout.corpus_counts if rows
+            )
+            self._tallies = {layout.route: _RouteTally.of(layout, routes_of) for layout in layouts}
+            self._layouts = layouts
+        return self._tallies
 
     def _record(
         self,
@@ -149,9 +199,7 @@ class Ledger:
         tokens: Counter[tuple[str, str]],
         table: RoutingTable,
     ) -> None:
-        if self._table is not None and self._table is not table and self._table != table:
-            self._expand()
-        self._table = table
+        self._use_table(table)
         self._examples.update(examples)
         self._tokens.update(tokens)
         reached: dict[str, set[str]] = {}
@@ -162,20 +210,38 @@ class Ledger:
     def _expand(self) -> None:
         """Fold the pending (corpus, route) counts into the (corpus, tensor) entries."""
         table = self._table
-        if table is None or not (self._examples or self._steps):
+        if table is None:
             return
-        for (corpus, route), count in self._examples.items():
-            added = self._tokens[corpus, route]
-            for tensor in table.updated_tensors(route):
-                entry = self._entries.setdefault((corpus, tensor), LedgerEntry())
+        examples, tokens, steps = self._examples, self._tokens, self._steps
+        for route, tally in self._tallies.items():
+            for position in np.flatnonzero(tally.examples).tolist():
+                corpus = tally.layout.corpus_counts[position][0]
+                examples[corpus, route] += int(tally.examples[position])
+                tokens[corpus, route] += int(tally.tokens[position])
+            for position in np.flatnonzero(tally.steps).tolist():
+                steps[tally.layout.corpus_counts[position][0], frozenset({route})] += int(
+                    tally.steps[position]
+                )
+            tally.clear()
+        if not (examples or steps):
+            return
+        updated: dict[str, tuple[str, ...]] = {}
+        for (corpus, route), count in examples.items():
+            added = tokens[corpus, route]
+            if route not in updated:
+                updated[route] = table.updated_tensors(route)
+            for tensor in updated[route]:
+                entry = self._entries.get((corpus, tensor))
+                if entry is None:
+                    entry = self._entries[corpus, tensor] = LedgerEntry()
                 entry.examples += count
                 entry.tokens += added
-        for (corpus, routes), count in self._steps.items():
+        for (corpus, routes), count in steps.items():
             for tensor in {tensor for route in routes for tensor in table.updated_tensors(route)}:
                 self._entries[corpus, tensor].steps += count
-        self._examples.clear()
-        self._tokens.clear()
-        self._steps.clear()
+        examples.clear()
+        tokens.clear()
+        steps.clear()
 
     @staticmethod
     def _slot_tokens(item: Slot, tokens: Mapping[str, Sequence[int]]) -> Counter[str]:
