@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.signer import SSlibKey
+from torch import nn
 
 from govray.cli import main
 from govray.core.canonical import canonical_json
@@ -27,12 +29,17 @@ from govray.provenance.attest import (
     Attestation,
     AttestationError,
     attest_checkpoint,
+    routing_of,
+    run_spec_of,
     verify_attestation,
 )
 from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.rows import row_reach
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoint import CheckpointState
 from govray.train.ledger import Ledger
+from govray.train.trial import make_trial, resolve_trial_routes
+from jobs.examples.digits.trial import DigitsTrial
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun
 from tests.test_fault_tolerance import final_checkpoint
 
@@ -73,6 +80,11 @@ def test_the_statements_name_the_model_files_the_corpora_and_what_reached_each_t
 
     build = provenance["predicate"]["buildDefinition"]
     assert build["externalParameters"]["policy"]["sha256"] == golden_run.checked.policy.digest
+    assert build["internalParameters"]["replay_equivalence"] == {  # a CPU run: replay is bit for bit
+        "exact": True,
+        "tolerance": {"rtol": 0.0, "atol": 0.0},
+        "basis": "CPU kernels and gloo",
+    }
     assert build["externalParameters"]["hyperparameters"] == GOLDEN_HPARAMS
     manifest = ShardSet.open(golden_run.shard_root).manifest
     dependencies = {d["name"]: d for d in build["resolvedDependencies"]}
@@ -96,6 +108,32 @@ def test_the_statements_name_the_model_files_the_corpora_and_what_reached_each_t
     assert matrix["annotations"]["content"]["digits-writers"] == {
         "adapter:pii-lora": max(e for (c, _), e in rows.items() if c == "digits-writers")
     }
+
+
+def test_run_json_holds_the_routing_table_and_attesting_or_looking_up_a_row_never_builds_the_model(
+    golden_run: GoldenRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = final_checkpoint(golden_run.outcome.run_dir)
+    spec = run_spec_of(checkpoint)  # the checkpoint's own signed run.json
+    assert spec.routing is not None
+    assert spec.routing == resolve_trial_routes(
+        spec.policy, make_trial(spec.trial, spec.hparams, spec.settings)
+    )
+    built = DigitsTrial.build_model
+
+    def only_on_meta(self: DigitsTrial) -> nn.Module:
+        if torch.get_default_device().type != "meta":
+            raise AssertionError("the full model was built")
+        return built(self)
+
+    monkeypatch.setattr(DigitsTrial, "build_model", only_on_meta)
+    with pytest.raises(AssertionError, match="full model"):  # the guard bites a real build
+        make_trial(spec.trial, spec.hparams, spec.settings).build_model()
+    written = attest_checkpoint(checkpoint, destination=tmp_path / "again")
+    assert statement_of(written.coverage)["predicate"]["ledger"]
+    assert row_reach(golden_run.store, "digits-writers", 0).trials
+    # A run.json written before it held the table: resolved on the meta device, to the same table.
+    assert routing_of(spec.model_copy(update={"routing": None})) == spec.routing
 
 
 @pytest.fixture

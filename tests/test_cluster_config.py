@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.train import ScalingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster.yaml"
@@ -25,8 +26,10 @@ def load() -> dict[str, Any]:
 
 
 def pip_installs(config: dict[str, Any]) -> list[list[str]]:
-    """The arguments of every ``pip install`` in the setup commands."""
+    """The arguments of every ``pip install`` in the setup commands (a node type's too)."""
     commands = config["setup_commands"] + config.get("head_setup_commands", [])
+    for spec in config["available_node_types"].values():
+        commands = commands + spec.get("worker_setup_commands", [])
     return [
         words[words.index("install") + 1 :]
         for words in (shlex.split(command, comments=True) for command in commands)
@@ -72,16 +75,49 @@ def test_setup_installs_pyprojects_version_of_govray_under_the_constraints() -> 
     assert config["file_mounts"]["~/govray"] == "."
     installs = pip_installs(config)
     assert ["--no-cache-dir", "-c", "~/govray/constraints.txt", "~/govray"] in installs  # not -e
-    pinned = {
-        line.split("==")[0].lower()
-        for line in (REPO / "constraints.txt").read_text().splitlines()
-        if "==" in line and not line.startswith("#")
-    }
+    pinned = constraints()
     for arguments in installs:
         assert "-e" not in arguments and "--editable" not in arguments
         assert arguments[arguments.index("-c") + 1] == "~/govray/constraints.txt"
-        named = [word for word in arguments if not word.startswith(("-", "~"))]
-        assert set(named) <= pinned, f"{named} not all pinned in constraints.txt"
+        for word in arguments:
+            if word.startswith(("-", "~")):
+                continue
+            name, _, version = word.partition("==")
+            assert name.lower() in pinned, f"{name} is not pinned in constraints.txt"
+            # a build of the pinned version (torch==2.13.0+cu128), never another version
+            assert not version or version.split("+")[0] == pinned[name.lower()], word
+
+
+def constraints() -> dict[str, str]:
+    """constraints.txt: name → pinned version."""
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    pins = (line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+    return {name.lower(): version.strip() for name, version in pins}
+
+
+def test_the_gpu_worker_installs_the_cuda_build_of_the_pinned_torch_and_fails_setup_without_a_gpu() -> None:
+    node_types = load()["available_node_types"]
+    gpu_setup = node_types["gpu-worker"]["worker_setup_commands"]
+    (install,) = [
+        arguments for arguments in pip_installs({"setup_commands": gpu_setup, "available_node_types": {}})
+    ]
+    (torch_pin,) = [word for word in install if word.startswith("torch==")]
+    local = torch_pin.partition("+")[2]
+    assert local.startswith("cu"), f"{torch_pin}: not a CUDA build"
+    assert f"--extra-index-url=https://download.pytorch.org/whl/{local}" in install
+    assert any("torch.cuda.is_available()" in command for command in gpu_setup[1:])  # after the install
+    assert "worker_setup_commands" not in node_types["cpu-worker"]  # CPU nodes keep the pinned wheel
+
+
+def test_a_gpu_training_worker_fits_only_the_gpu_worker_type() -> None:
+    """What the runner asks for a Ray Train worker of an experiment with ``use_gpu: true``."""
+    asked = ScalingConfig(use_gpu=True, resources_per_worker={"CPU": 2})._resources_per_worker_not_none
+    assert asked == {"CPU": 2, "GPU": 1}
+    workers = {name: spec["resources"] for name, spec in load()["available_node_types"].items()}
+    fits = [
+        name for name, offered in workers.items() if all(offered.get(k, 0) >= v for k, v in asked.items())
+    ]
+    assert fits == ["gpu-worker"]
 
 
 def test_every_node_starts_ray_with_token_auth_from_the_launching_users_token() -> None:

@@ -22,12 +22,12 @@ from govray.core.keys import load_trust
 from govray.core.runtime import ensure_ray
 from govray.data.ingest import IngestResult, ingest
 from govray.governance.policy import VerifiedPolicy, load_verified_policy
-from govray.governance.routing import RoutingTable, resolve_routes
+from govray.governance.routing import RoutingTable
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.drift import FingerprintChange, changed_corpora
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
-from govray.train.trial import make_trial
+from govray.train.trial import make_trial, resolve_trial_routes
 
 
 def config_digest(config: ExperimentConfig) -> str:
@@ -41,7 +41,8 @@ class CheckedPolicy:
 
 
 def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
-    """Verify the policy's signature and resolve it against the trial's model.
+    """Verify the policy's signature and resolve it against the trial's model (built on the meta
+    device, with the default hyperparameters).
 
     ``allow_unsigned`` (or ``policy.allow_unsigned`` in the config) lets an unsigned policy
     through, and the audit log records that it did.
@@ -75,8 +76,7 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
         )
     hparams = config.default_hparams()
     trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
-    model = trial.build_model()
-    routing = resolve_routes(verified.policy, model, trial.layers(model))
+    routing = resolve_trial_routes(verified.policy, trial)  # on the meta device: no weights allocated
     return CheckedPolicy(policy=verified, routing=routing)
 
 

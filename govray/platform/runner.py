@@ -48,10 +48,16 @@ from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
-from govray.train.reproducibility import CodeSnapshot, ReproducibilityRecord, build_record, use_recorded_code
+from govray.train.reproducibility import (
+    CodeSnapshot,
+    ReproducibilityRecord,
+    build_record,
+    deterministic_worker_env,
+    use_recorded_code,
+)
 from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
-from govray.train.trial import defines_sequence_scores, load_trial_class, make_trial
+from govray.train.trial import defines_sequence_scores, load_trial_class, make_trial, resolve_trial_routes
 from govray.train.worker import default_threads
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
@@ -91,6 +97,10 @@ def governed_trainer(
             storage_path=storage.ray_path(storage.root / "ray"),
             storage_filesystem=storage.filesystem,
             failure_config=FailureConfig(max_failures=config.max_restarts),
+            # Set when each worker process starts, before Ray Train creates its process group
+            # (NCCL reads its algorithm and protocol then): training.deterministic's variables.
+            # A Train V2 field; mypy resolves ray.train.RunConfig to V1's, which lacks it.
+            worker_runtime_env={"env_vars": deterministic_worker_env(spec.settings or config.training)},  # type: ignore[call-arg]
         ),
     )
 
@@ -235,11 +245,15 @@ def new_run_spec(
             "sequence_scores(model, texts) to score them"
         )
     check_memorization_inputs(checked, ShardSet.open(shard_root).manifest, canaries)
+    settings = config.training.with_hyperparameters(hparams)
+    policy = checked.policy.policy
     return RunSpec(
         trial=config.trial,
         hparams=hparams,
-        settings=config.training.with_hyperparameters(hparams),
-        policy=checked.policy.policy,
+        settings=settings,
+        policy=policy,
+        # This sample's model (hyperparameters may change its shape), on the meta device.
+        routing=resolve_trial_routes(policy, make_trial(config.trial, hparams, settings)),
         shard_root=str(shard_root),
         seed=config.seed,
         trial_seed=trial_seed,
@@ -413,7 +427,7 @@ def _train(
     recorder = RunRecorder(
         store,
         trial_id,
-        checked.routing.tensor_layers(),
+        (spec.routing or checked.routing).tensor_layers(),  # this trial's model (its hparams)
         gc,
         replaying=spec.recorded_decisions is not None,
         events=events,

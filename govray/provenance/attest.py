@@ -7,6 +7,9 @@ DSSE envelope signed with the platform's Ed25519 key (payload type
 
 - **provenance** (predicate ``https://slsa.dev/provenance/v1``): ``externalParameters`` hold the
   trial, hyperparameters, seed, steps, excluded corpora and the config and policy digests;
+  ``internalParameters`` the schedule, the reproducibility record and ``replay_equivalence``
+  (``{"exact": bool, "tolerance": {"rtol", "atol"}, "basis"}``: exact on CPU and in deterministic
+  mode, else the stated tolerance a replay's weights meet);
   ``resolvedDependencies`` one descriptor per corpus (its fingerprint as the sha256 digest, its
   credential and row counts as annotations, and the checkpoint a forked run started from);
   ``byproducts`` the coverage matrix (corpus by layer → examples) and the last memorization report;
@@ -34,12 +37,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.data.shards import ShardSet
-from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label, resolve_routes
+from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label
 from govray.tracking.lineage import checkpoints, record_attestation
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import (
@@ -51,8 +56,9 @@ from govray.train.checkpoint import (
     load_checkpoint,
 )
 from govray.train.ledger import Ledger
+from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.runspec import RunSpec
-from govray.train.trial import importable, make_trial
+from govray.train.trial import importable, make_trial, resolve_trial_routes
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PROVENANCE_TYPE = "https://slsa.dev/provenance/v1"
@@ -240,6 +246,8 @@ def provenance(
                 "schedule_sha256": state.schedule_digest,
                 "shards": manifest.key,
                 "reproducibility": state.reproducibility,
+                # Removal = replay: bit for bit, or within this stated tolerance (GPUs).
+                "replay_equivalence": _replay_equivalence(state.reproducibility),
             },
             "resolvedDependencies": dependencies,
         },
@@ -409,12 +417,21 @@ def _byproduct(name: str, content: Any) -> dict[str, Any]:
     }
 
 
+def _replay_equivalence(recorded: dict[str, Any]) -> dict[str, Any]:
+    try:
+        record = ReproducibilityRecord.model_validate(recorded)
+    except ValidationError as error:
+        raise AttestationError(f"the checkpoint's reproducibility record is unreadable: {error}") from None
+    return record.replay_equivalence().model_dump(mode="json")
+
+
 def routing_of(spec: RunSpec) -> RoutingTable:
-    """The routing table of the run ``spec`` describes (its trial's model, resolved by its policy)."""
+    """The routing table of the run ``spec`` describes: the one its run.json holds, else (a run
+    recorded before it held one) its trial's model resolved by its policy on the meta device."""
+    if spec.routing is not None:
+        return spec.routing
     importable(spec.code_dir)  # where the trial's module was importable when it ran
-    trial = make_trial(spec.trial, spec.hparams, spec.settings)
-    model = trial.build_model()
-    return resolve_routes(spec.policy, model, trial.layers(model))
+    return resolve_trial_routes(spec.policy, make_trial(spec.trial, spec.hparams, spec.settings))
 
 
 def _layer_name(index: int | None, names: list[str], tensor: str) -> str:

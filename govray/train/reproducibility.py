@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from govray.config.experiment import CorpusSpec, ExperimentConfig
+from govray.config.training import Precision, TrainingSettings
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import GovrayError, IngestError
 from govray.core.storage import Storage
@@ -43,8 +44,20 @@ from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.train.trial import import_code_from, load_trial_class
 
 DEFAULT_MAX_COPY_BYTES = 2 * 1024**3
+# What training.deterministic sets in every worker process. cuBLAS reads its workspace setting
+# at its first call and NCCL its algorithm and protocol when a communicator is created, which Ray
+# Train does (init_process_group) before the training function runs: so these reach the workers
+# through their Ray runtime environment (deterministic_worker_env), at process start.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 # The variables that change thread counts or kernel choices, hence the bits of a result.
-DETERMINISM_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+DETERMINISM_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", *DETERMINISTIC_ENV)
+# Replay of a run that is not bit-exact (GPU kernels without deterministic mode, NCCL's reduction
+# order): the stated bound on |replayed - original| per weight, as torch.allclose(rtol, atol) reads it.
+GPU_REPLAY_TOLERANCE = {
+    Precision.FP32: (1e-3, 1e-4),
+    Precision.BF16: (2e-2, 2e-3),
+    Precision.FP16: (2e-2, 2e-3),
+}
 
 _RECORD = ConfigDict(extra="forbid", frozen=True)
 
@@ -337,6 +350,26 @@ def _publish(staging: Path, final: Path, is_intact: Callable[[Path], bool]) -> N
 # --- the record -------------------------------------------------------------------------------
 
 
+class ReplayTolerance(BaseModel):
+    """|replayed - original| <= atol + rtol * |original|, per weight (``torch.allclose``)."""
+
+    model_config = _RECORD
+
+    rtol: float
+    atol: float
+
+
+class ReplayEquivalence(BaseModel):
+    """What an attestation promises about a replay: exact (bit-identical weights), or equal within
+    ``tolerance``; ``basis`` says why."""
+
+    model_config = _RECORD
+
+    exact: bool
+    tolerance: ReplayTolerance
+    basis: str
+
+
 class ReproducibilityRecord(BaseModel):
     """Everything needed to re-run a trial: stored in the tracking store and in each checkpoint."""
 
@@ -349,6 +382,43 @@ class ReproducibilityRecord(BaseModel):
     environment: EnvironmentRecord
     corpora: list[CorpusSnapshot]
     threads: int  # torch intra-op threads per worker
+    # The engine's settings that decide whether a replay is bit-exact (defaults: a record written
+    # before they were recorded, when every run was fp32 on CPU).
+    device: str = "cpu"  # "cuda": the workers trained on GPUs
+    precision: Precision = Precision.FP32
+    deterministic: bool = False  # training.deterministic: see use_deterministic_mode
+
+    def replay_equivalence(self) -> ReplayEquivalence:
+        """How closely a replay of this run (same world size, backend, threads, hardware class)
+        reproduces its weights: bit for bit on CPU or in deterministic mode, else within the
+        stated tolerance of the run's precision (DESIGN.md, "Scope of bit-exactness")."""
+        if self.device == "cpu" or self.deterministic:
+            basis = "CPU kernels and gloo" if self.device == "cpu" else "deterministic mode"
+            return ReplayEquivalence(exact=True, tolerance=ReplayTolerance(rtol=0.0, atol=0.0), basis=basis)
+        rtol, atol = GPU_REPLAY_TOLERANCE[self.precision]
+        return ReplayEquivalence(
+            exact=False,
+            tolerance=ReplayTolerance(rtol=rtol, atol=atol),
+            basis=f"{self.precision.value} on GPUs, not deterministic (NCCL and kernel reduction order)",
+        )
+
+
+def deterministic_worker_env(settings: TrainingSettings) -> dict[str, str]:
+    """The environment variables every worker process starts with for ``settings`` (set before
+    its process group exists; none unless deterministic)."""
+    return dict(DETERMINISTIC_ENV) if settings.deterministic else {}
+
+
+def use_deterministic_mode(settings: TrainingSettings | None) -> None:
+    """In a worker, before its model is built: torch's deterministic algorithms on (an operation
+    without one raises) with cuBLAS's fixed workspace when ``settings.deterministic``, else off
+    (a worker in the driver's process must not inherit a previous run's mode). Such a worker
+    (local mode) gets the variables here; NCCL's only matter to a process group, which it lacks."""
+    deterministic = settings is not None and settings.deterministic
+    if deterministic:
+        for name, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(name, value)  # a worker's runtime environment set them already
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def build_record(
@@ -375,4 +445,7 @@ def build_record(
         environment=capture_environment(),
         corpora=[snapshot_corpus(spec, storage) for spec in config.data.corpora],
         threads=threads,
+        device="cuda" if config.resources.use_gpu else "cpu",
+        precision=config.training.precision,
+        deterministic=config.training.deterministic,
     )

@@ -2,7 +2,9 @@
 worker (and is kept in every checkpoint as ``run.json``).
 
 The driver builds it (``govray.platform.runner.new_run_spec``); attestation, row lookup and search read it
-without importing the training loop.
+without importing the training loop. It carries the run's routing table, resolved by the driver on a
+meta-device model: readers take it from here instead of building the model, and every worker checks
+that its own model resolves to the same table.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
 from govray.config.training import TrainingSettings
+from govray.core.errors import RoutingError
 from govray.core.keys import TrustConfig
 from govray.governance.canaries import CanaryProbe
 from govray.governance.policy import DepthPolicy
+from govray.governance.routing import RoutingTable
 from govray.train.decisions import RecordedDecision
 
 
@@ -30,6 +34,9 @@ class RunSpec(BaseModel):
     # they were recorded (the trial resolves hparams over the defaults, as it did then).
     settings: TrainingSettings | None = None
     policy: DepthPolicy
+    # The policy resolved against the trial's model (on the meta device, by the driver); None in a
+    # spec written before it was recorded (readers resolve it on the meta device themselves).
+    routing: RoutingTable | None = None
     shard_root: str
     seed: int
     trial_seed: int
@@ -78,3 +85,38 @@ class RunSpec(BaseModel):
     smaller_is_better: bool = True
     memorization_lambda: float = 0.0
     canaries: dict[str, CanaryProbe] = Field(default_factory=dict)  # corpus → its canaries
+
+    def check_routing(self, resolved: RoutingTable) -> None:
+        """Refuse a worker whose model resolves to another routing table than the one the run was
+        planned, attested and looked up with (the trial's code changed since)."""
+        if self.routing is None or resolved == self.routing:
+            return
+        planned = self.routing
+        compared = {
+            "layers": (planned.layers, resolved.layers),
+            "parameters": (_shapes(planned), _shapes(resolved)),
+            "routes": (planned.routes, resolved.routes),
+            "masks": (planned.masks, resolved.masks),
+            "adapter targets": (planned.adapter_targets, resolved.adapter_targets),
+        }
+        differing = [what for what, (mine, theirs) in compared.items() if mine != theirs]
+        first = _first_difference(_shapes(planned), _shapes(resolved))
+        raise RoutingError(
+            f"trial {self.trial}: the model built here resolves policy '{self.policy.name}' "
+            f"v{self.policy.version} to another routing table than the run's (run.json): the "
+            f"trial's code changed since the run was planned; {', '.join(differing) or 'tables'} "
+            f"differ{f' (parameters: {first})' if first else ''}"
+        )
+
+
+def _shapes(table: RoutingTable) -> tuple[str, ...]:
+    return tuple(f"{info.name} ({info.numel} elements)" for info in table.parameters)
+
+
+def _first_difference(planned: tuple[str, ...], found: tuple[str, ...]) -> str:
+    for index, (mine, theirs) in enumerate(zip(planned, found, strict=False)):
+        if mine != theirs:
+            return f"#{index} is {mine} in run.json, {theirs} here"
+    if len(planned) != len(found):
+        return f"run.json lists {len(planned)}, the model has {len(found)}"
+    return ""

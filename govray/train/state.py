@@ -30,6 +30,7 @@ from govray.train.checkpoint import (
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.ledger import Ledger
+from govray.train.reproducibility import use_deterministic_mode
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep, Snapshot
 from govray.train.trial import make_trial
@@ -52,7 +53,8 @@ class TrialRun:
 
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
-        """The trial ``spec`` names, built for ``worker``."""
+        """The trial ``spec`` names, built for ``worker`` (in deterministic mode if its settings say so)."""
+        use_deterministic_mode(spec.settings)  # before the model is built
         return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
 
     @property

@@ -92,6 +92,7 @@ class GovernedStep:
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
+        spec.check_routing(self.routing)  # the table the driver planned, attests and looks rows up with
         base.to(self.device)
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")

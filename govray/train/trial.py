@@ -49,6 +49,8 @@ from torch import nn
 from govray.config.training import OptimizerName, TrainingSettings
 from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError
+from govray.governance.policy import DepthPolicy
+from govray.governance.routing import RoutingTable, resolve_routes
 
 Batch = dict[str, torch.Tensor]
 
@@ -126,6 +128,18 @@ class Trial(ProbeHooks, ABC):
         """The model's ordered layers (module names) for depth ranges; None: top-level children."""
         return None
 
+    def build_meta_model(self) -> nn.Module:
+        """The model's structure without its memory: every parameter on the ``meta`` device.
+
+        Routing is resolved on it (:func:`resolve_trial_routes`), so the driver, attestation and
+        row lookup never build a full model. Default: :meth:`build_model` under
+        ``torch.device("meta")``. A trial whose ``build_model`` loads weights (transformers'
+        ``from_pretrained`` refuses the meta device) overrides it to build the same architecture
+        from its config: ``with torch.device("meta"): return AutoModelForCausalLM.from_config(config)``.
+        """
+        with torch.device("meta"):
+            return self.build_model()
+
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-example evaluation values; govray averages each over the evaluation rows.
 
@@ -170,6 +184,27 @@ def make_trial(path: str, hparams: Mapping[str, Any], settings: TrainingSettings
     of hyperparameters and its resolved settings (None: resolved from ``hparams`` alone, as a run
     recorded before settings were resolved by the driver had them)."""
     return load_trial_class(path)(hparams, settings)
+
+
+def resolve_trial_routes(policy: DepthPolicy, trial: Trial) -> RoutingTable:
+    """``policy`` resolved against ``trial``'s model built on the meta device (no parameter memory;
+    the seed is irrelevant: routing reads names, shapes and layers, never values)."""
+    name = type(trial).__name__
+    try:
+        model = trial.build_meta_model()
+    except Exception as error:  # a trial's own code: say where routing needs it to work
+        raise ConfigError(
+            f"trial {name} cannot build its model on the meta device, where routing is resolved: "
+            f"{error} (override build_meta_model to build the architecture without weights)"
+        ) from error
+    placed = sorted({parameter.device.type for parameter in model.parameters()} - {"meta"})
+    if placed:
+        raise ConfigError(
+            f"trial {name} put parameters on {', '.join(placed)} under torch.device('meta'): "
+            "build_model must not choose a device (govray places the model), or override "
+            "build_meta_model"
+        )
+    return resolve_routes(policy, model, trial.layers(model))
 
 
 def importable(directory: str | os.PathLike[str]) -> None:

@@ -163,8 +163,8 @@ def throughput(steps: int) -> tuple[float, str, str]:
         governed.governor.check_finite()
         print(
             f"throughput: {steps - 3} interleaved pairs on {worker.device}, {precision}, batch "
-            f"{trial.batch_size}: per-pair ratios min {min(ratios):.3f} median {statistics.median(ratios):.3f} "
-            f"max {max(ratios):.3f}"
+            f"{trial.batch_size}: per-pair ratios min {min(ratios):.3f} "
+            f"median {statistics.median(ratios):.3f} max {max(ratios):.3f}"
         )
         return statistics.median(ratios), precision, worker.device.type
 
@@ -182,7 +182,8 @@ def main() -> None:
     per_step = bookkeeping(args.bookkeeping_steps, args.checkpoint_period)
     print(f"govray-1worker/torch throughput ratio (hf lm, {precision}, {device}): {ratio:.3f}")
     print(
-        f"governance bookkeeping per step ({RANKS} ranks x {TENSORS} tensors x {CORPORA} corpora): {per_step:.3f} ms"
+        f"governance bookkeeping per step ({RANKS} ranks x {TENSORS} tensors x {CORPORA} corpora): "
+        f"{per_step:.3f} ms"
     )
 
 
