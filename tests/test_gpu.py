@@ -186,6 +186,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             governor.begin_step(0, slots[rank], counts(slots, sizes))
             loss(ddp, *inputs(index, rank, sizes[rank], nan_rank == rank)).sum().backward()
             governor.finish_step()
+            governor.check_finite()  # the boundary: a NaN on a masked slot never raises
             grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
             devices = {p.grad.device.type for p in model.parameters() if p.grad is not None}
             optimizer.step()
