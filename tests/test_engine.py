@@ -20,9 +20,12 @@ from torch.overrides import TorchFunctionMode
 
 from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, step_rows, step_slots
 from govray.governance.allreduce import NonFiniteGradientError
+from govray.platform.replay import Replay, recorded_decisions, replay_trial
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints
+from govray.train.decisions import LossScaleSkip
 from govray.train.ledger import Ledger
 from govray.train.runspec import RunSpec
+from govray.train.scaling import INIT_SCALE
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
 from govray.train.worker import Worker
@@ -37,10 +40,10 @@ ADAPTER_CORPUS = "digits-writers"
 @dataclass
 class Pair:
     original: GoldenRun
-    without_adapter_corpus: GoldenRun
+    replay: Replay  # ``govray replay --exclude-corpus digits-writers`` of the original
 
 
-def _pair(root: Path, workers: int, training: dict[str, Any]) -> Pair:
+def _pair(root: Path, workers: int, training: dict[str, Any], **overrides: Any) -> Pair:
     path = _golden_example(
         root,
         workers=workers,
@@ -48,8 +51,13 @@ def _pair(root: Path, workers: int, training: dict[str, Any]) -> Pair:
         hparams=GOLDEN_HPARAMS,
         lr_schedule=False,
         training=training,
+        **overrides,
     )
-    return Pair(_golden_run(path), _golden_run(path, excluded=(ADAPTER_CORPUS,)))
+    original = _golden_run(path)
+    replay = replay_trial(
+        original.store, original.config.name, (ADAPTER_CORPUS,), trial_id=original.outcome.trial_id
+    )
+    return Pair(original, replay)
 
 
 @pytest.fixture(scope="module")
@@ -59,34 +67,71 @@ def bf16_pair(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
-def accumulation_pair(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    """Two Ray Train workers (DDP: three micro-batches under no_sync, the last through the hook)."""
-    return _pair(tmp_path_factory.mktemp("accumulation"), 2, {"accumulation_steps": 4})
+def fp16_accumulation_pair(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """Two Ray Train workers (DDP: three micro-batches of each slot under no_sync, the last
+    through the hook), fp16 with per-route loss scales, and the PII corpus's losses boosted so its
+    route (the adapter's) overflows."""
+    return _pair(
+        tmp_path_factory.mktemp("fp16-accumulation"),
+        2,
+        {"precision": "fp16", "accumulation_steps": 4},
+        trial="tests.overflow_trial:OverflowDigitsTrial",
+    )
 
 
-def final_files(run: GoldenRun) -> dict[str, Path]:
-    final = find_checkpoints(run.outcome.run_dir)[-1]
+def final_files(run_dir: Path) -> dict[str, Path]:
+    final = find_checkpoints(run_dir)[-1]
     return {path.name: path for path in final.iterdir() if path.suffix == ".safetensors"}
 
 
 def assert_removal_is_the_replay(pair: Pair) -> None:
-    original, replay = final_files(pair.original), final_files(pair.without_adapter_corpus)
+    original = final_files(pair.original.outcome.run_dir)
+    replay = final_files(pair.replay.outcome.run_dir)
     assert original[MODEL_FILE].read_bytes() == replay[MODEL_FILE].read_bytes()
     adapter = load_file(str(original["adapter-pii-lora.safetensors"]))
-    assert any(
-        name.endswith("lora_B") and bool(tensor.abs().sum() > 0) for name, tensor in adapter.items()
-    ), "the adapter learned from its corpus (so its exact absence from the base is not vacuous)"
+    learned = [name for name, tensor in adapter.items() if name.endswith("lora_B") and bool(tensor.any())]
+    assert learned, "the adapter learned from its corpus (so its exact absence from the base is not vacuous)"
     ledger = pair.original.outcome.ledger
+    assert ledger is not None and pair.replay.outcome.ledger is not None
     assert {tensor for corpus, tensor in ledger.entries if corpus == ADAPTER_CORPUS} == {
         tensor for tensor in ledger.tensors() if tensor.startswith("adapter/pii-lora/")
     }
-    assert {k: v for k, v in ledger.entries.items() if k[0] != ADAPTER_CORPUS} == (
-        pair.without_adapter_corpus.outcome.ledger.entries
-    )
+    assert {
+        k: v for k, v in ledger.entries.items() if k[0] != ADAPTER_CORPUS
+    } == pair.replay.outcome.ledger.entries
 
 
 def test_bf16_removal_of_the_adapter_is_the_replay_without_its_corpus(bf16_pair: Pair) -> None:
     assert_removal_is_the_replay(bf16_pair)
+
+
+def test_accumulation_and_fp16_removal_of_the_adapter_is_the_replay_without_its_corpus(
+    fp16_accumulation_pair: Pair,
+) -> None:
+    assert_removal_is_the_replay(fp16_accumulation_pair)
+
+
+def test_fp16_an_overflow_on_the_adapter_route_skips_only_its_tensors(fp16_accumulation_pair: Pair) -> None:
+    """The injected overflow is attributed to the adapter's route alone: recorded skips name only
+    it, the base stepped at those steps (bit-identical to the replay above, which has no adapter
+    route and skipped nothing of the base that the original did not), and the replay applied
+    the original's record for the routes it keeps."""
+    original = recorded_decisions(
+        fp16_accumulation_pair.original.store, fp16_accumulation_pair.original.outcome.trial_id
+    )
+    skips = [d for d in original if isinstance(d, LossScaleSkip)]
+    adapter_only = [d for d in skips if d.routes == ["pii"]]
+    assert adapter_only, f"the boosted PII losses overflowed (skips: {skips})"
+    assert all(
+        (d.scales and d.scales[0] < INIT_SCALE) or d.step == adapter_only[0].step for d in adapter_only
+    )
+    replayed = recorded_decisions(
+        fp16_accumulation_pair.original.store, fp16_accumulation_pair.replay.outcome.trial_id
+    )
+    kept = [(d.step, d.routes) for d in skips if set(d.routes) - {"pii"}]
+    assert [(d.step, d.routes) for d in replayed if isinstance(d, LossScaleSkip)] == [
+        (step, [route for route in routes if route != "pii"]) for step, routes in kept
+    ]
 
 
 def test_bf16_really_ran_under_autocast(bf16_pair: Pair) -> None:

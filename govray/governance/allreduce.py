@@ -93,17 +93,28 @@ class GradientGovernor:
         self.step = -1
         self.local_route: str | None = None
         self.group_counts: list[int] = [0] * len(groups)
+        self.loss_scale: float | None = None  # fp16: this worker's slot's loss scale
+        self._overflow: dict[torch.device, torch.Tensor] = {}  # fp16: this worker's own overflow
         self._found: dict[torch.device, torch.Tensor] = {}  # device → one flag per route group
         self._first: dict[torch.device, torch.Tensor] = {}  # device → first flagged step per group
         self._inverse: dict[tuple[int, torch.device], torch.Tensor] = {}  # (count, device) → [1/count]
 
     # -- per step --------------------------------------------------------------------------
 
-    def begin_step(self, step: int, local_route: str | None, route_counts: Mapping[str, int]) -> None:
-        """Set this worker's route (None for an empty slot) and every route's example count."""
+    def begin_step(
+        self,
+        step: int,
+        local_route: str | None,
+        route_counts: Mapping[str, int],
+        loss_scale: float | None = None,
+    ) -> None:
+        """Set this worker's route (None for an empty slot) and every route's example count;
+        under fp16, the loss scale this worker's slot was multiplied by (its contribution is
+        unscaled and checked for overflow before the sum)."""
         self.step = step
         self.local_route = local_route
         self.group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
+        self.loss_scale = loss_scale
 
     def count(self, index: int) -> int:
         """Examples of this step whose gradients may reach parameter ``index`` (its divisor)."""
@@ -137,6 +148,38 @@ class GradientGovernor:
         masked = self._masks[key]
         if masked is not None:
             tensor.masked_fill_(masked, 0.0)
+        if self.loss_scale is not None:
+            self._unscale_own([tensor])
+
+    def _unscale_own(self, tensors: list[torch.Tensor]) -> None:
+        """fp16: divide this worker's own contribution by its route's loss scale; on an overflow
+        there, raise its flag and zero the contribution (its route's tensors skip the step, and
+        no inf reaches another rank's sum)."""
+        assert self.loss_scale is not None
+        device = tensors[0].device
+        overflow = self._overflow.get(device)
+        if overflow is None:
+            overflow = self._overflow[device] = torch.zeros(1, device=device)
+        inverse = torch.full((1,), 1.0 / self.loss_scale, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, overflow, inverse)
+        overflowed = overflow > 0
+        for tensor in tensors:
+            tensor.masked_fill_(overflowed, 0.0)
+
+    def overflowed_routes(self, routes: Sequence[str], distributed: bool) -> frozenset[str]:
+        """fp16, after backward: the routes whose slot overflowed on any rank (one small
+        all-reduce, then one host read: the skip is decided on the host, as torch's GradScaler
+        does with a non-fused optimizer)."""
+        device = next(iter(self._overflow), self.parameters[0].device)
+        flags = torch.zeros(len(routes), device=device)
+        if self.local_route is not None:
+            for overflow in self._overflow.values():
+                flags[routes.index(self.local_route)] += overflow.to(device).squeeze(0)
+        if distributed:
+            dist.all_reduce(flags)
+        for overflow in self._overflow.values():
+            overflow.zero_()
+        return frozenset(route for route, flag in zip(routes, flags.tolist(), strict=True) if flag)
 
     def average(self, tensor: torch.Tensor, layout: _Layout) -> None:
         """Divide each summed region by its example count, raising the region's route-group flag
@@ -182,6 +225,13 @@ class GradientGovernor:
     def govern_local(self) -> None:
         """The same masks and averaging without DDP (one worker), on each ``.grad``."""
         by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
+        own = [
+            parameter.grad
+            for index, parameter in enumerate(self.parameters)
+            if parameter.grad is not None and self.contributes(index)
+        ]
+        if self.loss_scale is not None and own:
+            self._unscale_own(own)
         for index, parameter in enumerate(self.parameters):
             if parameter.grad is None:
                 continue
@@ -197,7 +247,7 @@ class GradientGovernor:
                 grads, found[group : group + 1], self._inverse_of(count, grads[0].device)
             )
 
-    def finish_step(self, max_grad_norm: float | None = None) -> None:
+    def finish_step(self, max_grad_norm: float | None = None, skip: frozenset[str] = frozenset()) -> None:
         """After backward (and the allreduce): drop grads nobody may apply, clip per group.
 
         A non-finite gradient is not looked for here (that would wait for the device every
@@ -207,9 +257,11 @@ class GradientGovernor:
             first = self._first[device]
             first.masked_fill_((found > 0) & (first < 0), self.step)
         for group, count in enumerate(self.group_counts):
-            if count == 0:
+            if count == 0 or skip & self.groups[group]:
+                # No slot may update it (or, fp16, a route that may overflowed): no step, no
+                # momentum, no decay.
                 for parameter in self._members[group]:
-                    parameter.grad = None  # no slot may update it: no step, no momentum, no decay
+                    parameter.grad = None
             elif max_grad_norm is not None:
                 # Each route group clipped on its own norm: one route's gradients never rescale
                 # another's. (clip_grad_norm_ computes on the device: no host sync.)

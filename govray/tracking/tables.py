@@ -100,6 +100,7 @@ class DecisionKind(StrEnum):
     EARLY_STOP = "early_stop"
     GATE = "gate"
     ROLLBACK = "rollback"
+    LOSS_SCALE_SKIP = "loss_scale_skip"  # fp16: a route's overflow skipped its tensors' update
 
 
 class MetricKind(StrEnum):

@@ -89,6 +89,7 @@ class CheckpointState(BaseModel):
     gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
     rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
     clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    loss_scaling: dict[str, Any] = Field(default_factory=dict)  # fp16: LossScalingState
     clean_ledgers: dict[str, dict[str, Any]] = Field(default_factory=dict)  # step → ledger of clean-STEP-*
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from

@@ -28,14 +28,16 @@ from govray.train.decisions import (
     EarlyStopping,
     EarlyStopState,
     GateDecision,
+    LossScaleSkip,
     LrDecision,
     Plateau,
     PlateauState,
     RecordedDecision,
     RollbackDecision,
 )
+from govray.train.scaling import LossScaler
 
-Decision = LrDecision | EarlyStopDecision | GateDecision | RollbackDecision
+Decision = LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
 Kept = TypeVar("Kept")  # what the caller keeps of a clean state (weights, optimizer, ledger)
 
@@ -61,6 +63,9 @@ class Controller(Generic[Kept]):
         # Rollback targets: the last clean state (a replay keeps those its record goes back to).
         self.clean_step: int | None = None
         self.snapshots: dict[int, Kept] = {}
+        # fp16's per-route loss scales and the skips they led to (the governed step asks it).
+        recorded_skips = None if self.record is None else self._recorded(LossScaleSkip)
+        self.scaler = LossScaler(recorded_skips, next_seq=lambda: len(self.decisions))
 
     @property
     def replaying(self) -> bool:
@@ -69,7 +74,7 @@ class Controller(Generic[Kept]):
     @property
     def decisions(self) -> list[Decision]:
         """Every decision taken (or applied) so far, in order."""
-        taken: list[Decision] = [*self.gates, *self.rollbacks]
+        taken: list[Decision] = [*self.gates, *self.rollbacks, *self.scaler.skips]
         if self.plateau is not None:
             taken.extend(self.plateau.decisions)
         if self.early is not None and self.early.decision is not None:
@@ -274,6 +279,7 @@ class Controller(Generic[Kept]):
             "gates": [gate.model_dump(mode="json") for gate in self.gates],
             "rollbacks": [rollback.model_dump(mode="json") for rollback in self.rollbacks],
             "clean_step": self.clean_step,
+            "loss_scaling": self.scaler.to_json() if self.scaler.state.scales or self.scaler.skips else {},
         }
 
     def restore(self, state: Any) -> None:
@@ -285,3 +291,4 @@ class Controller(Generic[Kept]):
         if self.early is not None and state.early_stopping:
             self.early.state = EarlyStopState.model_validate(state.early_stopping)
         self.clean_step = state.clean_step
+        self.scaler.restore(state.loss_scaling)

@@ -237,6 +237,23 @@ class RollbackDecision(BaseModel):
         return self
 
 
+class LossScaleSkip(BaseModel):
+    """fp16: at global step ``step - 1`` (``step`` steps done after it) the gradients of
+    ``routes`` overflowed under their loss scales (``scales``, in route order), so the tensors
+    those routes may update skipped the step and those routes' scales backed off. Every other
+    tensor stepped. A replay skips the same tensors at the same step, whatever its own overflow
+    check says (an adapter route's overflow never touches the base: removal = replay holds)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["loss_scale_skip"] = "loss_scale_skip"
+    routes: list[str] = Field(min_length=1)
+    scales: list[float] | None  # None in a replay: the source's scales, not observed here
+
+
 RecordedDecision = Annotated[
-    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision, Field(discriminator="kind")
+    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip,
+    Field(discriminator="kind"),
 ]

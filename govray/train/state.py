@@ -46,6 +46,7 @@ class TrialRun:
         self.control: Controller[Snapshot] = Controller(
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
         )
+        governed.scaler = self.control.scaler  # fp16's skips are the controller's decisions
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None

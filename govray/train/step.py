@@ -52,6 +52,7 @@ from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
 from govray.train.probe import MemorizationProbe
 from govray.train.runspec import RunSpec
+from govray.train.scaling import LossScaler
 from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
@@ -99,6 +100,9 @@ class GovernedStep:
         )
         self.shards = ShardSet.fetch(Path(spec.shard_root), spec.storage)
         self.schedule = self.scheduled([])
+        self.route_names = [layout.route for layout in self.schedule.routes]
+        # fp16's per-route loss scales; the trial's controller shares its own (TrialRun).
+        self.scaler = LossScaler(None, next_seq=lambda: len(self.scaler.skips))
         self.rows = RouteRows(self.shards)
         self.batches = Prefetcher(self.rows.take, trial.collate, self.device, self.micro_batches)
         counted = self.rows.tokens(trial)
@@ -145,7 +149,10 @@ class GovernedStep:
         # Per-step seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
         torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
         route = None if mine.empty else mine.route
-        self.governor.begin_step(step, route, every.route_counts())  # the masks and divisors of this step
+        counts = every.route_counts()
+        # fp16: this slot's loss is multiplied by its route's scale (and unscaled in the hook).
+        scale = self.scaler.scale(route) if self.autocast_dtype is torch.float16 else None
+        self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
         adapter = self.routing.adapter_names.get(route) if route is not None else None
         upcoming = self._upcoming(step)
         self.model.train()
@@ -160,13 +167,17 @@ class GovernedStep:
                 with self._autocast(), contextlib.nullcontext() if last else self._no_sync():
                     losses = self.trial.loss(self.forward, batch)  # one loss per example
                     total = losses.float().sum()
-                total.backward()
+                (total if scale is None else total * scale).backward()
                 loss_sum += total.detach().double()
         if not self.worker.distributed:
             self.governor.govern_local()  # the same masks and divisors, without DDP
+        skip: frozenset[str] = frozenset()
+        if scale is not None:  # fp16: the routes that overflowed skip their tensors (a decision)
+            found = self.governor.overflowed_routes(self.route_names, self.worker.distributed)
+            skip = self.scaler.settle(step + 1, counts, found)
         # grad None where no slot may update (no momentum, no decay); clip per group; a NaN
         # raises a flag on the device that the next boundary refuses (check_finite).
-        self.governor.finish_step(self.trial.max_grad_norm)
+        self.governor.finish_step(self.trial.max_grad_norm, skip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.ledger.record_rows(every, self.routing, self.tokens)  # from the schedule, not the gradients
