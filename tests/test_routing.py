@@ -177,7 +177,7 @@ def test_adapter_route_updates_no_base_parameter_and_names_its_targets() -> None
     bad = spec.model_copy(
         update={"adapters": {"a": spec.adapters["a"].model_copy(update={"targets": ("conv*",)})}}
     )
-    with pytest.raises(RoutingError, match=r"adapter 'a' target 'conv\*' matches no Linear module"):
+    with pytest.raises(RoutingError, match=r"adapter 'a' target 'conv\*' matches no Linear, Embedding or Conv1D module"):
         resolve_routes(bad, Stack(3))
 
 
