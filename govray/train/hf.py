@@ -134,7 +134,13 @@ class CausalLMTrial(Trial):
         Rows are right-padded and attention is causal, so no real token attends to padding and no
         attention mask is needed.
         """
-        logits = model(input_ids=batch["ids"], use_cache=False).logits
+        ids = batch["ids"]
+        if len(ids) == 0:
+            # An empty slot still runs forward and backward (DDP's hook with it): transformers
+            # refuses an empty batch, so one BOS row goes through the graph and none of it is kept.
+            logits = model(input_ids=ids.new_full((1, 1), BOS), use_cache=False).logits[:0]
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits
         return F.cross_entropy(
             logits.transpose(1, 2).float(), batch["targets"], ignore_index=IGNORE, reduction="none"
         )
