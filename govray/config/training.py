@@ -83,7 +83,11 @@ class Precision(StrEnum):
 
 # Engine settings a trial's hyperparameters never override; left at these defaults they are not
 # serialized, so an experiment or run spec written before they existed keeps its bytes and digest.
-ENGINE_DEFAULTS: dict[str, Any] = {"precision": Precision.FP32, "accumulation_steps": 1, "deterministic": False}
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "precision": Precision.FP32,
+    "accumulation_steps": 1,
+    "deterministic": False,
+}
 
 
 class OptimizerConfig(BaseModel):
