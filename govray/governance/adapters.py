@@ -1,23 +1,31 @@
-"""Removable LoRA adapters that never touch the base model's names or forward pass unless active.
+"""Removable adapters: PEFT LoRA layers in the user's model, gated by govray.
 
-``GovernedModel`` wraps the user's model as its child ``base`` (parameter names inside it are
-exactly the user's, so ``model.base.state_dict()`` is the base file) and keeps every adapter under
-``adapters[NAME][TARGET]`` (``TARGET`` is the Linear module's name with ``.`` replaced by ``__``).
-A forward hook on each target Linear adds the adapter's delta only while that adapter is active;
-while it is inactive the hook returns ``None``, so the Linear's output is the base output itself
-(bit-exact, not ``+ 0``) and the adapter's tensors stay out of the autograd graph.
+``GovernedModel`` wraps the user's model as its child ``base``. Each adapter target (an
+``nn.Linear``, ``nn.Embedding`` or transformers ``Conv1D``) is replaced in place by PEFT's LoRA
+layer around it, so ``PeftModel.from_pretrained`` reads what govray saves. PEFT renames a wrapped
+module's tensors (``hidden.weight`` → ``hidden.base_layer.weight``); govray never shows that
+name: ``base_named_parameters()``, ``base_state()`` and the base file use the user's names,
+``adapter_tensors()`` the ledger names ``adapter/NAME/TARGET.lora_A|B``, and
+``GovernedModel.state_dict()`` keeps govray's own keys (``base.USER_NAME``,
+``adapters.NAME.TARGET__KEY.lora_A|B``).
 
-Adapters are initialised from their own ``torch.Generator``, seeded from (seed, adapter, target),
-never from the global RNG: adding or dropping one shifts neither the base nor any other adapter.
+The gating is govray's: one adapter (or none) is active, set on every LoRA layer's active-adapter
+list directly — PEFT's ``set_adapter`` would flip ``requires_grad``, which DDP must never see.
+An inactive layer returns its base layer's output tensor itself (bit-exact, not ``+ 0``) and its
+adapter tensors stay out of the autograd graph. Adapters are initialised after the base from their
+own ``torch.Generator``, seeded from (seed, adapter, target); the global RNG is left as it was.
 
-Files are safetensors only (no pickle): one for the base, one per adapter. Example::
+Files are safetensors only (no pickle): one for the base, one per adapter (``save_adapter``,
+format ``govray-lora-v1``, ledger names: what checkpoints and attestations hold), and PEFT's
+directory layout for other tools (``save_peft_adapter``). Example::
 
     base = DigitsMLP(hidden=32, dropout=0.0)        # build the base first
     model = GovernedModel(base, resolve_routes(policy, base), policy.adapters, seed=7)
     with model.active("pii-lora"):
         loss = loss_fn(model(pixels), labels)       # only this batch sees the adapter
     save_base(model, directory / "model.safetensors")
-    save_adapter(model, "pii-lora", directory / "pii-lora.safetensors")
+    save_adapter(model, "pii-lora", directory / "adapter-pii-lora.safetensors")
+    save_peft_adapter(model, "pii-lora", directory / "pii-lora")  # PeftModel.from_pretrained(base, ...)
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,15 +43,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.nn import functional as F
-from torch.utils.hooks import RemovableHandle
 
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import GovrayError
 from govray.governance.policy import AdapterSpec
-from govray.governance.routing import RoutingTable, adapter_tensor_names
+from govray.governance.routing import RoutingTable, adapter_tensor_names, lora_target_kind
 
 ADAPTER_FORMAT = "govray-lora-v1"
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+_WRAPPED = ".base_layer."  # where PEFT puts a wrapped module's own tensors
 
 
 class AdapterError(GovrayError):
@@ -51,64 +61,33 @@ class AdapterError(GovrayError):
     exit_code = 9
 
 
-class LoRA(nn.Module):
-    """One low-rank adapter on one Linear: ``delta(x) = (alpha / rank) * (x @ A.T) @ B.T``.
-
-    ``lora_A`` is uniform in ``±1/sqrt(in_features)`` (what ``nn.Linear`` uses for its weight),
-    drawn from ``generator``; ``lora_B`` is zero, so a fresh adapter changes nothing.
-    """
-
-    def __init__(
-        self, in_features: int, out_features: int, rank: int, alpha: float, generator: torch.Generator
-    ) -> None:
-        super().__init__()
-        self.rank = rank
-        self.alpha = alpha
-        bound = 1.0 / math.sqrt(in_features)
-        self.lora_A = nn.Parameter(
-            torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
-        )
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.lora_A), self.lora_B) * (self.alpha / self.rank)
-
-
-class _LoRAHook:
-    """Forward hook on a target Linear: adds the adapter's delta while that adapter is active.
-
-    A small object rather than a closure so a deep copy or pickle of the model copies it along.
-    """
-
-    def __init__(self, owner: GovernedModel, adapter: str, key: str) -> None:
-        self.owner = owner
-        self.adapter = adapter
-        self.key = key
-
-    def __call__(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
-    ) -> torch.Tensor | None:
-        if self.owner.active_adapter != self.adapter:
-            return None  # leave the base output untouched
-        lora = self.owner.lora(self.adapter, self.key)
-        return output + lora(args[0] if args else kwargs["input"])
-
-
-def _module_key(target: str) -> str:
-    return target.replace(".", "__")
-
-
 def _adapter_seed(seed: int, adapter: str, target: str) -> int:
     digest = hashlib.sha256(canonical_json(["govray-lora-init", seed, adapter, target])).digest()
     return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: any torch.Generator accepts it
 
 
-class GovernedModel(nn.Module):
-    """The user's model (child ``base``) and its removable adapters (child ``adapters``).
+def _initial_factors(
+    kind: str, rank: int, in_features: int, out_features: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh adapter's ``(A, B)``, drawn on the CPU in float32 (device-independent), its delta zero.
 
-    ``adapters`` is a ``ModuleDict`` keyed by adapter name, each a ``ModuleDict`` of ``LoRA``
-    keyed by target module name with ``.`` replaced by ``__``. One adapter (or none) is active at a
-    time; ``forward`` is the base model's forward.
+    Linear and Conv1D: ``A`` uniform in ``±1/sqrt(in_features)`` (``nn.Linear``'s and PEFT's
+    default), ``B`` zero. Embedding (PEFT's convention): ``A`` zero, ``B`` standard normal.
+    """
+    if kind == "embedding":
+        return torch.zeros(rank, in_features), torch.randn(out_features, rank, generator=generator)
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator), torch.zeros(
+        out_features, rank
+    )
+
+
+class GovernedModel(nn.Module):
+    """The user's model (child ``base``, PEFT LoRA layers injected at the adapter targets).
+
+    One adapter (or none) is active at a time; ``forward`` is the base model's forward.
+    ``parameters()`` lists the base tensors in the user's order, then each adapter's ``A, B`` per
+    target (the optimizer's and the governor's order, whatever PEFT's module nesting).
     """
 
     def __init__(
@@ -116,50 +95,91 @@ class GovernedModel(nn.Module):
     ) -> None:
         super().__init__()
         self.base = base
-        self.adapters = nn.ModuleDict()
         self._active: str | None = None
         self._targets: dict[str, tuple[str, ...]] = {}
         self._specs: dict[str, AdapterSpec] = {}
-        self._hooks: dict[str, list[RemovableHandle]] = {}
+        self._layers: dict[str, Any] = {}  # target → the PEFT LoraLayer wrapping it
+        self._kinds: dict[str, str] = {}  # target → lora_target_kind of the wrapped module
         for route, adapter in table.adapter_names.items():
             if adapter in self._targets:
                 continue  # several routes may name one adapter
             if adapter not in specs:
                 raise AdapterError(f"route '{route}' names adapter '{adapter}', which has no spec")
             self._add_adapter(adapter, table.adapter_targets[route], specs[adapter], seed)
+        self._gate()
+        self.register_state_dict_post_hook(GovernedModel._govray_keys)
+        self.register_load_state_dict_pre_hook(GovernedModel._peft_keys)
+
+    # -- building -----------------------------------------------------------------------------
 
     def _add_adapter(self, adapter: str, targets: tuple[str, ...], spec: AdapterSpec, seed: int) -> None:
         if not adapter or "." in adapter:
             raise AdapterError(f"adapter name '{adapter}' must be non-empty and contain no '.'")
-        modules = nn.ModuleDict()
-        linears: list[tuple[str, nn.Linear]] = []
+        if len({_module_key(target) for target in targets}) != len(targets):
+            raise AdapterError(f"adapter '{adapter}': targets collide on module keys ({', '.join(targets)})")
         for target in targets:
-            try:
-                linear = self.base.get_submodule(target)
-            except AttributeError:
-                linear = None
-            if not isinstance(linear, nn.Linear):
-                raise AdapterError(
-                    f"adapter '{adapter}': target '{target}' is not a Linear module of the model"
-                )
-            key = _module_key(target)
-            if key in modules:
-                raise AdapterError(f"adapter '{adapter}': targets collide on module key '{key}'")
+            self._wrap(adapter, target, spec)
+            kind = self._kinds[target]
+            lora_a, lora_b = _factors(self._layers[target], adapter, kind)
             generator = torch.Generator().manual_seed(_adapter_seed(seed, adapter, target))
-            lora = LoRA(linear.in_features, linear.out_features, spec.rank, spec.alpha, generator)
-            # Drawn on the CPU in float32, then placed like the base weight: init is device-independent.
-            modules[key] = lora.to(device=linear.weight.device, dtype=linear.weight.dtype)
-            linears.append((key, linear))
-        self.adapters[adapter] = modules
+            initial = _initial_factors(kind, spec.rank, lora_a.shape[1], lora_b.shape[0], generator)
+            with torch.no_grad():
+                lora_a.copy_(initial[0])
+                lora_b.copy_(initial[1])
         self._targets[adapter] = targets
         self._specs[adapter] = spec
-        self._hooks[adapter] = [
-            linear.register_forward_hook(_LoRAHook(self, adapter, key), with_kwargs=True)
-            for key, linear in linears
-        ]
+
+    def _wrap(self, adapter: str, target: str, spec: AdapterSpec) -> None:
+        """Add ``adapter``'s LoRA to ``target``, wrapping it in a PEFT layer on first use."""
+        from peft import LoraConfig
+        from peft.tuners.lora.layer import dispatch_default
+
+        module: nn.Module | None
+        kind: str | None
+        if target in self._layers:
+            kind, module = self._kinds[target], self._layers[target]
+        else:
+            try:
+                module = self.base.get_submodule(target)
+            except AttributeError:
+                module = None
+            kind = lora_target_kind(module) if module is not None else None
+        if module is None or kind is None:
+            raise AdapterError(
+                f"adapter '{adapter}': target '{target}' is not a Linear, Embedding or Conv1D "
+                "module of the model"
+            )
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT's scaling is alpha / r, a float
+            lora_dropout=spec.dropout,
+            fan_in_fan_out=kind == "conv1d",
+            init_lora_weights=False,  # govray draws the init from the adapter's own generator
+        )
+        # PEFT builds its factors from the global RNG; what it draws is overwritten, the RNG restored.
+        with torch.random.fork_rng(devices=[]):
+            if target in self._layers:
+                self._layers[target].update_layer(adapter, spec.rank, spec.alpha, config=config)
+            else:
+                layer = dispatch_default(module, adapter, config=config, r=spec.rank, lora_alpha=spec.alpha)
+                parent, _, child = target.rpartition(".")
+                setattr(self.base.get_submodule(parent), child, layer)
+                self._layers[target], self._kinds[target] = layer, kind
+
+    def _gate(self) -> None:
+        """Make exactly the active adapter's LoRA run: set each layer's active list, and keep every
+        adapter tensor trainable (PEFT's own switches would flip ``requires_grad``)."""
+        for layer in self._layers.values():
+            active = [self._active] if self._active in _adapters_of(layer) else []
+            layer._active_adapter = active  # PEFT's set_adapter also flips requires_grad
+        for adapter in self._targets:
+            for parameter in self.adapter_parameters(adapter):
+                parameter.requires_grad_(True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.base(*args, **kwargs)
+
+    # -- the active adapter ---------------------------------------------------------------------
 
     def _require(self, adapter: str) -> None:
         if adapter not in self._targets:
@@ -170,7 +190,9 @@ class GovernedModel(nn.Module):
         """Make ``adapter`` the only active adapter, or (``None``) run the bare base model."""
         if adapter is not None:
             self._require(adapter)
-        self._active = adapter
+        if adapter != self._active:
+            self._active = adapter
+            self._gate()
 
     @contextmanager
     def active(self, adapter: str | None) -> Iterator[None]:
@@ -180,66 +202,185 @@ class GovernedModel(nn.Module):
         try:
             yield
         finally:
-            self._active = previous
+            self.activate(previous)
 
     @property
     def active_adapter(self) -> str | None:
         """The adapter whose delta the forward pass adds, or ``None``."""
         return self._active
 
+    # -- what the model holds -------------------------------------------------------------------
+
     def adapter_names(self) -> tuple[str, ...]:
         """The adapters this model holds, in routing-table order."""
         return tuple(self._targets)
 
     def adapter_targets(self, adapter: str) -> tuple[str, ...]:
-        """The base Linear modules ``adapter`` wraps, in routing-table order."""
+        """The base modules ``adapter`` wraps, in routing-table order."""
         self._require(adapter)
         return self._targets[adapter]
 
     def adapter_spec(self, adapter: str) -> AdapterSpec:
-        """The policy's declaration of ``adapter`` (targets, rank, alpha)."""
+        """The policy's declaration of ``adapter`` (targets, rank, alpha, dropout)."""
         self._require(adapter)
         return self._specs[adapter]
 
-    def lora(self, adapter: str, key: str) -> LoRA:
-        """The ``LoRA`` of ``adapter`` on the target whose module key (``.`` → ``__``) is ``key``."""
-        modules = self.adapters[adapter]
-        assert isinstance(modules, nn.ModuleDict)
-        lora = modules[key]
-        assert isinstance(lora, LoRA)
-        return lora
+    def target_kind(self, target: str) -> str:
+        """What an adapter target is (``routing.lora_target_kind``): linear, conv1d or embedding."""
+        if target not in self._kinds:
+            raise AdapterError(f"model has no adapter on '{target}'")
+        return self._kinds[target]
 
-    def _loras(self, adapter: str) -> list[tuple[str, LoRA]]:
+    def adapter_factors(self, adapter: str) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """``(target, A, B)`` of ``adapter`` per target, in target order. ``A`` is ``[rank, in]``
+        (Embedding: ``[rank, num_embeddings]``), ``B`` is ``[out, rank]``."""
         self._require(adapter)
-        return [(target, self.lora(adapter, _module_key(target))) for target in self._targets[adapter]]
+        return [
+            (target, *_factors(self._layers[target], adapter, self._kinds[target]))
+            for target in self._targets[adapter]
+        ]
 
     def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
-        """``lora_A``, ``lora_B`` of each target, in target order (what the adapter route trains)."""
-        return [param for _, lora in self._loras(adapter) for param in (lora.lora_A, lora.lora_B)]
+        """``A``, ``B`` of each target, in target order (what the adapter route trains)."""
+        return [parameter for _, a, b in self.adapter_factors(adapter) for parameter in (a, b)]
 
     def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
         """The adapter's tensors (detached) under their ledger names ``adapter/NAME/TARGET.lora_A|B``."""
         tensors: dict[str, torch.Tensor] = {}
-        for target, lora in self._loras(adapter):
+        for target, lora_a, lora_b in self.adapter_factors(adapter):
             name_a, name_b = adapter_tensor_names(adapter, target)
-            tensors[name_a] = lora.lora_A.detach()
-            tensors[name_b] = lora.lora_B.detach()
+            tensors[name_a] = lora_a.detach()
+            tensors[name_b] = lora_b.detach()
         return tensors
 
+    def user_name(self, name: str) -> str:
+        """The user's name of a tensor of ``base`` named as PEFT nests it (``X.base_layer.weight``
+        → ``X.weight``); other names are returned as they are."""
+        head, found, rest = name.partition(_WRAPPED)
+        return f"{head}.{rest}" if found and head in self._layers else name
+
+    def _adapter_ids(self) -> set[int]:
+        return {id(parameter) for adapter in self._targets for parameter in self.adapter_parameters(adapter)}
+
+    def base_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The base model's parameters under the user's names, in the user's order (no adapter's)."""
+        adapters = self._adapter_ids()
+        for name, parameter in self.base.named_parameters():
+            if id(parameter) not in adapters:
+                yield self.user_name(name), parameter
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """torch's names, in govray's order: every base tensor (the user's order), then each adapter's."""
+        named = list(super().named_parameters(prefix, recurse, remove_duplicate))
+        adapters = self._adapter_ids()
+        order = {
+            id(p): index
+            for index, p in enumerate(p for a in self._targets for p in self.adapter_parameters(a))
+        }
+        yield from ((name, p) for name, p in named if id(p) not in adapters)
+        yield from sorted(
+            ((name, p) for name, p in named if id(p) in adapters), key=lambda item: order[id(item[1])]
+        )
+
     def base_state(self) -> dict[str, torch.Tensor]:
-        """The base model's ``state_dict``, under the user's own names."""
-        return dict(self.base.state_dict())
+        """The base model's ``state_dict`` under the user's own names, without adapter tensors."""
+        adapter_keys = set(self._adapter_keys())
+        return {
+            self.user_name(name): tensor
+            for name, tensor in self.base.state_dict().items()
+            if name not in adapter_keys
+        }
+
+    def load_base_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a base state under the user's names (what ``save_base`` writes), strictly: a
+        missing or unexpected name raises ``RuntimeError``, as ``load_state_dict`` does."""
+        adapter_keys = self._adapter_keys()
+        expected = {self.user_name(name): name for name in self.base.state_dict() if name not in adapter_keys}
+        missing = [name for name in expected if name not in state]
+        unexpected = [name for name in state if name not in expected]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"base state does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        self.base.load_state_dict({expected[name]: tensor for name, tensor in state.items()}, strict=False)
+
+    # -- state_dict keys: govray's, never PEFT's ------------------------------------------------
+
+    def _adapter_keys(self) -> dict[str, str]:
+        """PEFT's key (under ``base``) of every adapter tensor → govray's key (under the model)."""
+        keys: dict[str, str] = {}
+        for adapter, targets in self._targets.items():
+            for target in targets:
+                peft_a, peft_b = _peft_names(target, adapter, self._kinds[target])
+                ours = f"adapters.{adapter}.{_module_key(target)}"
+                keys[peft_a], keys[peft_b] = f"{ours}.lora_A", f"{ours}.lora_B"
+        return keys
+
+    def _govray_keys(self, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        adapter_keys = self._adapter_keys()
+        base = prefix + "base."
+        mine = [(key, state.pop(key)) for key in list(state) if key.startswith(base)]
+        adapters = {}
+        for key, tensor in mine:
+            inner = key[len(base) :]
+            if inner in adapter_keys:
+                adapters[prefix + adapter_keys[inner]] = tensor
+            else:
+                state[base + self.user_name(inner)] = tensor
+        for ours in adapter_keys.values():  # adapters after the base, in adapter order
+            if prefix + ours in adapters:
+                state[prefix + ours] = adapters[prefix + ours]
+
+    def _peft_keys(self, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        peft_of = {ours: inner for inner, ours in self._adapter_keys().items()}
+        base = prefix + "base."
+        for key in list(state):
+            if key.startswith(base):
+                owner, _dot, tensor = key[len(base) :].rpartition(".")
+                if owner in self._layers:  # targets are leaf modules: their tensors sit right below
+                    state[f"{base}{owner}.base_layer.{tensor}"] = state.pop(key)
+            elif key[len(prefix) :] in peft_of and key.startswith(prefix):
+                state[base + peft_of[key[len(prefix) :]]] = state.pop(key)
 
     def drop_adapter(self, adapter: str) -> None:
-        """Remove ``adapter``'s modules and hooks; the base model is untouched."""
+        """Remove ``adapter``'s tensors; a target no adapter uses any more is unwrapped again, so
+        with every adapter dropped ``base`` is the user's model exactly."""
         self._require(adapter)
-        for handle in self._hooks.pop(adapter):
-            handle.remove()
-        del self.adapters[adapter]
-        del self._targets[adapter]
-        del self._specs[adapter]
         if self._active == adapter:
             self._active = None
+        self._gate()  # nothing of this adapter active: PEFT's delete_adapter then leaves requires_grad alone
+        for target in self._targets.pop(adapter):
+            layer = self._layers[target]
+            layer.delete_adapter(adapter)
+            if not _adapters_of(layer):
+                parent, _, child = target.rpartition(".")
+                setattr(self.base.get_submodule(parent), child, layer.base_layer)
+                del self._layers[target], self._kinds[target]
+        del self._specs[adapter]
+        self._gate()
+
+
+def _module_key(target: str) -> str:
+    return target.replace(".", "__")
+
+
+def _adapters_of(layer: Any) -> set[str]:
+    return set(layer.lora_A) | set(layer.lora_embedding_A)
+
+
+def _factors(layer: Any, adapter: str, kind: str) -> tuple[nn.Parameter, nn.Parameter]:
+    if kind == "embedding":
+        return layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]
+    return layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+
+
+def _peft_names(target: str, adapter: str, kind: str) -> tuple[str, str]:
+    """PEFT's names (within the model) of an adapter's ``A`` and ``B`` on ``target``."""
+    if kind == "embedding":
+        return f"{target}.lora_embedding_A.{adapter}", f"{target}.lora_embedding_B.{adapter}"
+    return f"{target}.lora_A.{adapter}.weight", f"{target}.lora_B.{adapter}.weight"
 
 
 def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
@@ -272,7 +413,49 @@ def save_adapter(model: GovernedModel, adapter: str, path: Path) -> str:
         "rank": str(spec.rank),
         "alpha": str(spec.alpha),
     }
+    if spec.dropout:
+        metadata["dropout"] = str(spec.dropout)  # absent at 0: files from before dropout keep their bytes
     return _write_safetensors(tensors, path, metadata)
+
+
+def save_peft_adapter(model: GovernedModel, adapter: str, directory: Path) -> Path:
+    """Write ``adapter`` in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
+    so that ``peft.PeftModel.from_pretrained(base, directory)`` puts it on a plain copy of the
+    base model; returns ``directory``.
+
+    The config names the exact target modules (an anchored regular expression, so no other module
+    whose name ends the same way is wrapped) and the base model's ``name_or_path`` if it has one.
+    """
+    from peft import LoraConfig
+
+    spec = model.adapter_spec(adapter)
+    targets = model.adapter_targets(adapter)
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]
+        lora_dropout=spec.dropout,
+        target_modules="|".join(re.escape(target) for target in targets),  # PEFT fullmatches a str
+        fan_in_fan_out=any(model.target_kind(target) == "conv1d" for target in targets),
+        base_model_name_or_path=getattr(model.base, "name_or_path", None) or None,
+        inference_mode=True,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(directory))
+    tensors = {}
+    for target, lora_a, lora_b in model.adapter_factors(adapter):
+        # PEFT's saved keys: the module path under its wrapper, without the adapter's name.
+        names = (
+            ("lora_embedding_A", "lora_embedding_B")
+            if model.target_kind(target) == "embedding"
+            else (
+                "lora_A.weight",
+                "lora_B.weight",
+            )
+        )
+        for name, tensor in zip(names, (lora_a, lora_b), strict=True):
+            tensors[f"base_model.model.{target}.{name}"] = tensor.detach().cpu().contiguous()
+    _write_safetensors(tensors, directory / PEFT_WEIGHTS_FILE, {"format": "pt"})
+    return directory
 
 
 def save_base(model: GovernedModel, path: Path) -> str:
@@ -306,7 +489,9 @@ def _read_adapter_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tens
 
 
 def load_adapter(model: GovernedModel, adapter: str, path: Path) -> None:
-    """Load ``adapter``'s tensors from ``path``; refuse a file that does not match, naming the tensor."""
+    """Load ``adapter``'s tensors from a ``save_adapter`` file (format ``govray-lora-v1``: what
+    checkpoints hold, before and after adapters became PEFT layers — same tensors, same math);
+    refuse a file that does not match, naming the tensor."""
     expected = model.adapter_tensors(adapter)
     spec = model.adapter_spec(adapter)
     metadata, tensors = _read_adapter_file(path)

@@ -32,7 +32,16 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from govray.core.canonical import file_sha256
 from govray.core.documents import parse_yaml_mapping, read_text
@@ -89,7 +98,10 @@ Route = Literal["all"] | LayerRoute | AdapterRoute
 
 
 class AdapterSpec(BaseModel):
-    """A removable LoRA adapter on the Linear modules whose names match ``targets`` (globs)."""
+    """A removable LoRA adapter (PEFT's) on the modules whose names match ``targets`` (globs):
+    ``nn.Linear``, ``nn.Embedding`` or transformers' ``Conv1D``; ``dropout`` on the adapter's
+    input (0: none). Left at 0, ``dropout`` is not serialized, so a policy or run spec written
+    before it existed keeps its bytes and digest."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -97,6 +109,14 @@ class AdapterSpec(BaseModel):
     targets: tuple[str, ...] = Field(min_length=1)
     rank: int = Field(default=4, ge=1)
     alpha: float = Field(default=8.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @model_serializer(mode="wrap")
+    def _without_default_dropout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        if self.dropout == 0.0:
+            dumped.pop("dropout", None)
+        return dumped
 
 
 MatchValue = str | bool | list[str] | list[bool]

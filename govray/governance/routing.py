@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class RoutingTable:
     layers: tuple[str, ...]
     parameters: tuple[ParameterInfo, ...]
     masks: dict[str, tuple[bool, ...]]  # route key → one flag per parameter, in model order
-    adapter_targets: dict[str, tuple[str, ...]]  # adapter route key → Linear modules it wraps
+    adapter_targets: dict[str, tuple[str, ...]]  # adapter route key → modules it wraps (lora_target_kind)
     adapter_names: dict[str, str]  # adapter route key → adapter name
 
     @property
@@ -201,16 +202,30 @@ def _layer_route_mask(
     )
 
 
+def lora_target_kind(module: nn.Module) -> str | None:
+    """What a LoRA adapter may wrap: ``linear`` (``nn.Linear``), ``conv1d`` (transformers'
+    ``Conv1D``, GPT-2's projections, weight ``[in, out]``), ``embedding``; None: nothing."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    # A model holding a Conv1D has imported transformers; one without never needs it imported.
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    if pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D):
+        return "conv1d"
+    return None
+
+
 def _adapter_targets(model: nn.Module, route: AdapterRoute, key: str, policy: DepthPolicy) -> tuple[str, ...]:
     spec = policy.adapters[route.adapter]
-    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    wrappable = [name for name, module in model.named_modules() if lora_target_kind(module) is not None]
     targets: list[str] = []
     for pattern in spec.targets:
-        matched = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
+        matched = [name for name in wrappable if fnmatch.fnmatchcase(name, pattern)]
         if not matched:
             raise RoutingError(
-                f"route '{key}': adapter '{route.adapter}' target '{pattern}' matches no Linear "
-                f"module (Linear modules: {', '.join(linears) or 'none'})"
+                f"route '{key}': adapter '{route.adapter}' target '{pattern}' matches no Linear, "
+                f"Embedding or Conv1D module (those modules: {', '.join(wrappable) or 'none'})"
             )
         targets.extend(name for name in matched if name not in targets)
     return tuple(targets)

@@ -71,7 +71,7 @@ def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozen
     """For every trainable tensor of ``model`` (in order), the routes that may update it."""
     by_id: dict[int, frozenset[str]] = {
         id(parameter): frozenset(table.routes_updating(name))
-        for name, parameter in model.base.named_parameters()
+        for name, parameter in model.base_named_parameters()
     }
     for route, adapter in table.adapter_names.items():
         for parameter in model.adapter_parameters(adapter):
@@ -283,9 +283,7 @@ class GovernedStep:
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
         """Base and adapter weights of a checkpoint folder (``adapters_present_only``: those it has)."""
-        self.model.base.load_state_dict(
-            load_file(str(directory / MODEL_FILE), device=str(self.device)), strict=True
-        )
+        self.model.load_base_state(load_file(str(directory / MODEL_FILE), device=str(self.device)))
         for adapter in self.model.adapter_names():
             path = directory / f"adapter-{adapter}.safetensors"
             if path.is_file() or not adapters_present_only:

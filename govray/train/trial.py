@@ -125,8 +125,12 @@ class Trial(ProbeHooks, ABC):
     # --- optional ---------------------------------------------------------------------------
 
     def layers(self, model: nn.Module) -> Sequence[str] | None:
-        """The model's ordered layers (module names) for depth ranges; None: top-level children."""
-        return None
+        """The model's ordered layers (module names) for depth ranges. Default: for a transformers
+        decoder, embeddings, each block, final norm, head (:func:`govray.train.hf.decoder_layers`);
+        otherwise None, the model's top-level children."""
+        from govray.train.hf import decoder_layers, is_transformers_model
+
+        return decoder_layers(model) if is_transformers_model(model) else None
 
     def build_meta_model(self) -> nn.Module:
         """The model's structure without its memory: every parameter on the ``meta`` device.

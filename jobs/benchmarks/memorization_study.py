@@ -95,7 +95,9 @@ class Study:
         self.records_probe = [records[index] for index in plain if index not in held]
         self.records_holdout = [records[index] for index in sorted(held)]
         self.references = self.canaries.candidates(args.refs, random.Random(0))
-        self.base_optimizer = torch.optim.AdamW(self.model.base.parameters(), lr=args.lr)
+        self.base_optimizer = torch.optim.AdamW(
+            [parameter for _, parameter in self.model.base_named_parameters()], lr=args.lr
+        )
         self.adapter_optimizer = torch.optim.AdamW(self.model.adapter_parameters(ADAPTER), lr=args.adapter_lr)
         self.rng = random.Random(0)
 

@@ -1,0 +1,1 @@
+"""The Hugging Face example: a tiny Llama from transformers under a signed depth policy."""

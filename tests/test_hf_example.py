@@ -1,0 +1,100 @@
+"""The Hugging Face example's promises through the real runner (Ray Train, 1 worker, a few steps):
+licensed prose never changes the lower blocks or the tied embeddings, PII records reach only their
+PEFT adapter, and removing the adapter equals the replay without the PII corpus, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from govray.data.schedule import derive_seed
+from govray.platform.replay import replay_trial
+from govray.tracking.lineage import checkpoints, ledger_rows
+from govray.train.checkpoint import MODEL_FILE, RUN_SPEC_FILE
+from govray.train.runspec import RunSpec
+from jobs.examples.digits.golden import opened, save_experiment
+from jobs.examples.hf_lm.trial import TinyLlamaTrial
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "hf_lm"
+STEPS = 6
+LOWER = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")  # below licensed's depth range
+
+
+def example_under(root: Path) -> Path:
+    """The example with absolute data and policy paths, storage under ``root``, a few steps."""
+    raw: dict[str, Any] = yaml.safe_load((EXAMPLE / "experiment.yaml").read_text())
+    for corpus in raw["data"]["corpora"]:
+        corpus["path"] = str((EXAMPLE / corpus["path"]).resolve())
+        if "canaries" in corpus:
+            corpus["canaries"] = {
+                "file": str((EXAMPLE / corpus["canaries"]["file"]).resolve()),
+                "references": 50,
+            }
+    raw["policy"] = {key: str((EXAMPLE / value).resolve()) for key, value in raw["policy"].items()}
+    raw["storage_path"] = "storage"
+    raw["searcher"]["max_length"] = {"batches": STEPS}
+    raw["checkpoint"] = {"period": STEPS // 2, "save_trial_latest": 10}
+    raw["min_validation_period"] = STEPS // 2
+    return save_experiment(root, raw)
+
+
+def model_files(store: Any, trial_id: int) -> dict[int, Path]:
+    return {c.step: Path(c.path) for c in checkpoints(store, trial_id) if c.state == "active"}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int, int]:
+    """A run without the public corpus (only licensed prose and PII records train), and its replay
+    without the PII records: ``(store, run trial id, replay trial id)``."""
+    from govray.platform.runner import run_trial
+
+    path = example_under(tmp_path_factory.mktemp("hf-lm"))
+    config, store, checked, experiment, ingested = opened(path)
+    outcome = run_trial(
+        config, checked, experiment, ingested.root, store, excluded_corpora=("text-public",), report_every=3
+    )
+    # A replay of an original leaves out only what it is told (not what run_trial excluded).
+    replay = replay_trial(store, config.name, ("text-public", "text-records"), trial_id=outcome.trial_id)
+    return store, outcome.trial_id, replay.outcome.trial_id
+
+
+def test_licensed_prose_leaves_the_lower_blocks_and_tied_embeddings_at_their_init(
+    hf_runs: tuple[Any, int, int],
+) -> None:
+    store, run, _ = hf_runs
+    final = model_files(store, run)[STEPS]
+    spec = RunSpec.model_validate_json((final / RUN_SPEC_FILE).read_text())
+    torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))  # as the governed step builds it
+    initial = TinyLlamaTrial(spec.hparams).build_model().state_dict()
+    trained = load_file(str(final / MODEL_FILE))
+    assert trained.keys() == initial.keys()  # the user's names: no PEFT base_layer in the file
+    for name, tensor in trained.items():
+        if name.startswith(LOWER) or name == "lm_head.weight":
+            assert torch.equal(tensor, initial[name]), name
+        elif name.startswith("model.layers.3.mlp."):
+            assert not torch.equal(tensor, initial[name]), name  # licensed trained the upper blocks
+    reached = {(row.corpus_id, row.parameter) for row in ledger_rows(store, run)}
+    assert {corpus for corpus, _ in reached} == {"text-licensed", "text-records"}
+    assert not any(p.startswith(LOWER) or p == "lm_head.weight" for c, p in reached if c == "text-licensed")
+    assert all(p.startswith("adapter/records-lora/") for c, p in reached if c == "text-records")
+
+
+def test_removing_the_adapter_equals_the_replay_without_the_pii_records(
+    hf_runs: tuple[Any, int, int],
+) -> None:
+    store, run, replay = hf_runs
+    original, replayed = model_files(store, run), model_files(store, replay)
+    assert sorted(original) == sorted(replayed) == [STEPS // 2, STEPS]
+    for step in original:
+        base = (original[step] / MODEL_FILE).read_bytes()
+        assert base == (replayed[step] / MODEL_FILE).read_bytes(), f"base differs at step {step}"
+    adapter = "adapter-records-lora.safetensors"
+    assert (original[STEPS] / adapter).read_bytes() != (replayed[STEPS] / adapter).read_bytes()
