@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from govray.data.schedule import derive_seed
@@ -17,33 +16,15 @@ from govray.platform.replay import replay_trial
 from govray.tracking.lineage import checkpoints, ledger_rows
 from govray.train.checkpoint import MODEL_FILE, RUN_SPEC_FILE
 from govray.train.runspec import RunSpec
-from jobs.examples.digits.golden import opened, save_experiment
+from jobs.examples.digits.golden import opened
+from jobs.examples.hf_lm.golden import example_under
 from jobs.examples.hf_lm.trial import TinyLlamaTrial
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "hf_lm"
 STEPS = 6
 LOWER = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")  # below licensed's depth range
-
-
-def example_under(root: Path) -> Path:
-    """The example with absolute data and policy paths, storage under ``root``, a few steps."""
-    raw: dict[str, Any] = yaml.safe_load((EXAMPLE / "experiment.yaml").read_text())
-    for corpus in raw["data"]["corpora"]:
-        corpus["path"] = str((EXAMPLE / corpus["path"]).resolve())
-        if "canaries" in corpus:
-            corpus["canaries"] = {
-                "file": str((EXAMPLE / corpus["canaries"]["file"]).resolve()),
-                "references": 50,
-            }
-    raw["policy"] = {key: str((EXAMPLE / value).resolve()) for key, value in raw["policy"].items()}
-    raw["storage_path"] = "storage"
-    raw["searcher"]["max_length"] = {"batches": STEPS}
-    raw["checkpoint"] = {"period": STEPS // 2, "save_trial_latest": 10}
-    raw["min_validation_period"] = STEPS // 2
-    return save_experiment(root, raw)
 
 
 def model_files(store: Any, trial_id: int) -> dict[int, Path]:
@@ -56,7 +37,7 @@ def hf_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> tupl
     without the PII records: ``(store, run trial id, replay trial id)``."""
     from govray.platform.runner import run_trial
 
-    path = example_under(tmp_path_factory.mktemp("hf-lm"))
+    path = example_under(tmp_path_factory.mktemp("hf-lm"), STEPS)
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(
         config, checked, experiment, ingested.root, store, excluded_corpora=("text-public",), report_every=3

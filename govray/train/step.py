@@ -155,7 +155,8 @@ class GovernedStep:
         self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
         adapter = self.routing.adapter_names.get(route) if route is not None else None
         upcoming = self._upcoming(step)
-        self.model.train()
+        if not self.model.training:  # after a validation (train() walks every module)
+            self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with self.model.active(adapter):  # base weights never see another route's adapter
             parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches

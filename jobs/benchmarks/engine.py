@@ -22,6 +22,7 @@ Run: ``python -m jobs.benchmarks.engine [--steps 30]``. The last two lines are::
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -94,14 +95,25 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
 
 
 def _hf_example(root: Path) -> tuple[Any, Any]:
-    """The hf_lm example ingested under ``root``: its run spec and trial, built as a run builds them."""
+    """The hf_lm example ingested under ``root``: a run spec and its trial, as a run builds them."""
+    from govray.core.keys import TrustConfig
     from govray.platform.runner import new_run_spec
     from govray.train.trial import make_trial
-    from jobs.examples.hf_lm.golden import hf_example, opened_example
+    from jobs.examples.digits.golden import opened
+    from jobs.examples.hf_lm.golden import example_under
 
-    config, checked, ingested = opened_example(hf_example(root))
+    config, _, checked, _, ingested = opened(example_under(root, steps=1000))
     hparams = config.default_hparams()
-    spec = new_run_spec(config, checked, ingested.root, hparams, run_name="bench", trial_seed=0)
+    spec = new_run_spec(
+        config,
+        checked,
+        ingested.root,
+        "bench",
+        hparams=hparams,
+        trial_seed=0,
+        reproducibility={},
+        trust=TrustConfig(),
+    )
     return spec, make_trial(spec.trial, spec.hparams, spec.settings)
 
 
@@ -121,22 +133,24 @@ def throughput(steps: int) -> tuple[float, str, str]:
         trial = type(trial)(spec.hparams, settings)
         worker = Worker.detect(use_gpu)
         governed = GovernedStep(spec, worker, trial)
-        torch.manual_seed(0)
-        plain = trial.build_model().to(worker.device)
+        # The plain loop trains a copy of the same model (its PEFT adapter layers too, active on
+        # the adapter route's batches as a PEFT user's would be) on the very rows of each step.
+        plain = copy.deepcopy(governed.model)
         optimizer = torch.optim.AdamW(plain.parameters(), lr=settings.optimizer.lr)
         slots = [slot(governed.schedule, step, worker.rank) for step in range(steps)]
-        batches = [  # the very rows the governed step trains, collated once, on the device
+        batches = [
             {
                 name: tensor.to(worker.device)
                 for name, tensor in trial.collate(governed.rows.take(item)).items()
             }
             for item in slots
         ]
-        autocast = torch.autocast(worker.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        adapters = [governed.routing.adapter_names.get(item.route) if item.route else None for item in slots]
 
-        def plain_step(batch: dict[str, torch.Tensor]) -> None:
-            with autocast:
-                loss = trial.loss(plain, batch).float().mean()
+        def plain_step(step: int) -> None:
+            autocast = torch.autocast(worker.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+            with plain.active(adapters[step]), autocast:
+                loss = trial.loss(plain, batches[step]).float().mean()
             loss.backward()
             if settings.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(plain.parameters(), settings.max_grad_norm, foreach=True)
@@ -154,11 +168,11 @@ def throughput(steps: int) -> tuple[float, str, str]:
 
         for step in range(3):  # warm-up: layouts, masks, optimizer state, allocator
             governed.step(step)
-            plain_step(batches[step])
+            plain_step(step)
         ratios = []
         for step in range(3, steps):
             governed_time = timed(lambda s=step: governed.step(s))
-            plain_time = timed(lambda s=step: plain_step(batches[s]))
+            plain_time = timed(lambda s=step: plain_step(s))
             ratios.append(plain_time / governed_time)  # same rows: throughput ratio = time ratio
         governed.governor.check_finite()
         print(
