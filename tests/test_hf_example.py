@@ -4,6 +4,7 @@ PEFT adapter, and removing the adapter equals the replay without the PII corpus,
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,56 @@ def test_removing_the_adapter_equals_the_replay_without_the_pii_records(
         assert base == (replayed[step] / MODEL_FILE).read_bytes(), f"base differs at step {step}"
     adapter = "adapter-records-lora.safetensors"
     assert (original[STEPS] / adapter).read_bytes() != (replayed[STEPS] / adapter).read_bytes()
+
+
+def test_the_trained_adapter_exported_in_peft_layout_loads_with_peft_and_gives_govrays_logits(
+    hf_runs: tuple[Any, int, int], tmp_path: Path
+) -> None:
+    """``govray export peft-adapter`` of the final checkpoint: ``PeftModel.from_pretrained`` on a
+    plain copy of the base model gives exactly the logits of govray's model with the adapter
+    active; a tampered adapter file is refused before anything is written."""
+    from peft import PeftModel
+
+    from govray.cli import main
+    from govray.core.keys import platform_key, platform_trust, save_trust
+    from govray.governance.adapters import GovernedModel, load_adapter
+
+    store, run, _ = hf_runs
+    final = model_files(store, run)[STEPS]
+    trust = tmp_path / "trust.yaml"
+    save_trust(platform_trust(platform_key()), trust)
+    out = tmp_path / "peft"
+    command = ["export", "peft-adapter", "--checkpoint", str(final), "--adapter", "records-lora"]
+    assert main([*command, "--out", str(out), "--trust", str(trust)]) == 0
+    assert {path.name for path in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+
+    spec = RunSpec.model_validate_json((final / RUN_SPEC_FILE).read_text())
+    trial = TinyLlamaTrial(spec.hparams)
+    ids = trial.collate(_rows(["Jane Doe, 12 Example Street", "The quick brown fox"]))["ids"]
+    governed = GovernedModel(trial.build_model(), spec.routing, spec.policy.adapters, seed=0)  # type: ignore[arg-type]
+    governed.load_base_state(load_file(str(final / MODEL_FILE)))
+    load_adapter(governed, "records-lora", final / "adapter-records-lora.safetensors")
+    governed.eval()
+    with torch.no_grad(), governed.active("records-lora"):
+        expected = governed(ids).logits
+    plain = trial.build_model()
+    plain.load_state_dict(load_file(str(final / MODEL_FILE)))
+    peft_model = PeftModel.from_pretrained(plain, str(out)).eval()
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, expected)
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(final, tampered)
+    weights = bytearray((tampered / "adapter-records-lora.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (tampered / "adapter-records-lora.safetensors").write_bytes(bytes(weights))
+    refused = tmp_path / "refused"
+    command = ["export", "peft-adapter", "--checkpoint", str(tampered), "--adapter", "records-lora"]
+    assert main([*command, "--out", str(refused), "--trust", str(trust)]) != 0
+    assert not refused.exists()
+
+
+def _rows(texts: list[str]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({"text": texts})

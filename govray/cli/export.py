@@ -1,4 +1,5 @@
-"""``govray export eu-summary MODEL[:VERSION]``: the EU AI Act training-content summary."""
+"""``govray export eu-summary MODEL[:VERSION]``: the EU AI Act training-content summary.
+``govray export peft-adapter MODEL[:VERSION] --adapter NAME --out DIR``: an adapter in PEFT's layout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import typer
 
 from govray.core.errors import GovrayError
+from govray.core.keys import load_trust
+from govray.platform.peft_export import export_peft_adapter
 from govray.platform.registry import resolve
 from govray.provenance.eu_summary import EuSummary, Period, eu_summary
 from govray.tracking.lineage import trial_of
@@ -65,6 +68,39 @@ def eu_summary_command(
             provider=provider,
         )
     typer.echo(summary.model_dump_json(indent=2) if output == Format.JSON else to_markdown(summary))
+
+
+@app.command("peft-adapter")
+def peft_adapter_command(
+    model: str | None = typer.Argument(
+        None, metavar="MODEL[:VERSION]", help="A registered model (its latest version without :VERSION)."
+    ),
+    adapter: str = typer.Option(..., "--adapter", help="The adapter to export (a name in the run's policy)."),
+    out: Path = typer.Option(
+        ..., "--out", help="Directory for adapter_config.json and adapter_model.safetensors."
+    ),
+    trust: Path = typer.Option(..., "--trust", help="Trust file listing the platform keys to accept."),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Export from this checkpoint directory instead of a registered model."
+    ),
+    database: str | None = typer.Option(
+        None, "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL (the registry)."
+    ),
+) -> None:
+    """Write ADAPTER of a verified model version in PEFT's layout, so that
+    ``PeftModel.from_pretrained(base, OUT)`` loads what govray trained. Exits 9 for an unknown
+    adapter, 17 for an unknown model or version."""
+    if (model is None) == (checkpoint is None):
+        raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
+    if model is not None:
+        if not database:
+            raise GovrayError(
+                "a registered model needs the tracking store: --database URL or GOVRAY_DATABASE"
+            )
+        checkpoint = resolve(TrackingStore.open(database), model).directory
+    assert checkpoint is not None
+    written = export_peft_adapter(checkpoint, adapter, out, load_trust(trust))
+    typer.echo(f"{adapter}: {written} (PeftModel.from_pretrained(base, '{written}'))")
 
 
 def to_markdown(summary: EuSummary) -> str:

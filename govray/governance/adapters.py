@@ -34,7 +34,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -419,43 +419,78 @@ def save_adapter(model: GovernedModel, adapter: str, path: Path) -> str:
 
 
 def save_peft_adapter(model: GovernedModel, adapter: str, directory: Path) -> Path:
-    """Write ``adapter`` in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
+    """Write ``adapter`` of a live model in PEFT's layout (see :func:`write_peft_adapter`)."""
+    targets = model.adapter_targets(adapter)
+    return write_peft_adapter(
+        directory,
+        model.adapter_spec(adapter),
+        {target: model.target_kind(target) for target in targets},
+        {target: (lora_a, lora_b) for target, lora_a, lora_b in model.adapter_factors(adapter)},
+        getattr(model.base, "name_or_path", None) or None,
+    )
+
+
+def write_peft_adapter(
+    directory: Path,
+    spec: AdapterSpec,
+    kinds: Mapping[str, str],
+    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    base_name_or_path: str | None = None,
+) -> Path:
+    """Write an adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
     so that ``peft.PeftModel.from_pretrained(base, directory)`` puts it on a plain copy of the
-    base model; returns ``directory``.
+    base model; returns ``directory``. ``kinds``: each target's ``lora_target_kind``; ``factors``:
+    each target's ``(A, B)`` as PEFT holds them.
 
     The config names the exact target modules (an anchored regular expression, so no other module
-    whose name ends the same way is wrapped) and the base model's ``name_or_path`` if it has one.
+    whose name ends the same way is wrapped) and the base model's ``name_or_path`` if known.
     """
     from peft import LoraConfig
 
-    spec = model.adapter_spec(adapter)
-    targets = model.adapter_targets(adapter)
+    targets = tuple(kinds)
     config = LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,  # type: ignore[arg-type]
         lora_dropout=spec.dropout,
         target_modules="|".join(re.escape(target) for target in targets),  # PEFT fullmatches a str
-        fan_in_fan_out=any(model.target_kind(target) == "conv1d" for target in targets),
-        base_model_name_or_path=getattr(model.base, "name_or_path", None) or None,
+        fan_in_fan_out=any(kinds[target] == "conv1d" for target in targets),
+        base_model_name_or_path=base_name_or_path,
         inference_mode=True,
     )
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(directory))
     tensors = {}
-    for target, lora_a, lora_b in model.adapter_factors(adapter):
+    for target in targets:
         # PEFT's saved keys: the module path under its wrapper, without the adapter's name.
         names = (
             ("lora_embedding_A", "lora_embedding_B")
-            if model.target_kind(target) == "embedding"
-            else (
-                "lora_A.weight",
-                "lora_B.weight",
-            )
+            if kinds[target] == "embedding"
+            else ("lora_A.weight", "lora_B.weight")
         )
-        for name, tensor in zip(names, (lora_a, lora_b), strict=True):
+        for name, tensor in zip(names, factors[target], strict=True):
             tensors[f"base_model.model.{target}.{name}"] = tensor.detach().cpu().contiguous()
     _write_safetensors(tensors, directory / PEFT_WEIGHTS_FILE, {"format": "pt"})
     return directory
+
+
+def read_adapter_factors(
+    path: Path, adapter: str, targets: Sequence[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each target's ``(A, B)`` from an adapter file govray wrote (``save_adapter``), refusing
+    a file of another adapter or format, or one that lacks a target's tensors."""
+    metadata, tensors = _read_adapter_file(path)
+    if metadata.get("adapter") != adapter or metadata.get("format") != ADAPTER_FORMAT:
+        raise AdapterError(
+            f"adapter file {path}: metadata says format '{metadata.get('format')}', adapter "
+            f"'{metadata.get('adapter')}'; expected format '{ADAPTER_FORMAT}', adapter '{adapter}'"
+        )
+    factors = {}
+    for target in targets:
+        name_a, name_b = adapter_tensor_names(adapter, target)
+        if name_a not in tensors or name_b not in tensors:
+            raise AdapterError(f"adapter file {path}: no tensors for target '{target}'")
+        factors[target] = (tensors[name_a], tensors[name_b])
+    return factors
 
 
 def save_base(model: GovernedModel, path: Path) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -95,18 +96,35 @@ class CausalLMTrial(Trial):
         return int(self.hparams.get("context", 128))
 
     def build_model(self) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         pretrained = self.hparams.get("pretrained")
         if pretrained is not None:
             return AutoModelForCausalLM.from_pretrained(str(pretrained), local_files_only=True)
+        return AutoModelForCausalLM.from_config(self.model_config())
+
+    def build_meta_model(self) -> nn.Module:
+        """The architecture on the meta device (``from_pretrained`` refuses it: a pretrained
+        model's structure is built from its saved config, without reading its weights)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.model_config())
+
+    def model_config(self) -> Any:
+        """The transformers config: ``pretrained``'s saved one, or the ``model`` hyperparameter's."""
+        from transformers import AutoConfig
+
+        pretrained = self.hparams.get("pretrained")
+        if pretrained is not None:
+            return AutoConfig.from_pretrained(str(pretrained), local_files_only=True)
         settings = dict(self.hparams.get("model") or {})
         model_type = settings.pop("model_type", None)
         if model_type is None:
             raise ConfigError(
                 f"{type(self).__name__}: hyperparameter 'model' needs a 'model_type' (or give 'pretrained')"
             )
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
+        return AutoConfig.for_model(model_type, **settings)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` after BOS (byte-level: its UTF-8 bytes)."""
