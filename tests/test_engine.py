@@ -148,12 +148,6 @@ def test_bf16_really_ran_under_autocast(bf16_pair: Pair) -> None:
     assert any(not torch.equal(weights["bf16"][name], weights["fp32"][name]) for name in weights["fp32"])
 
 
-def test_accumulation_removal_of_the_adapter_is_the_replay_without_its_corpus(
-    accumulation_pair: Pair,
-) -> None:
-    assert_removal_is_the_replay(accumulation_pair)
-
-
 # -- no host sync in the step ------------------------------------------------------------------
 
 HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})

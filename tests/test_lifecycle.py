@@ -201,9 +201,7 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
     training = TrialRun.open(spec, Worker(0, 1))
     training.start_from(golden_final)
     expected = load_file(str(golden_final / MODEL_FILE))
-    assert all(
-        training.governed.model.base.state_dict()[name].equal(tensor) for name, tensor in expected.items()
-    )
+    assert all(training.governed.model.base_state()[name].equal(tensor) for name, tensor in expected.items())
 
 
 def test_a_tampered_source_checkpoint_is_refused_before_anything_is_recorded(

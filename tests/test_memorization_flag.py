@@ -203,7 +203,7 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
         ("gate", None),
     ]
     clean_weights = load_file(str(by_step[public["to_step"]] / "model.safetensors"))
-    assert all(torch.equal(resumed.governed.model.base.state_dict()[k], v) for k, v in clean_weights.items())
+    assert all(torch.equal(resumed.governed.model.base_state()[k], v) for k, v in clean_weights.items())
     assert resumed.governed.ledger == Ledger.from_json(clean.state.ledger)
 
     # The final ledger is the schedule's with the gates and the discarded steps as events.

@@ -198,7 +198,7 @@ def assert_exposure_is_the_checkpoints(
     base = trial.build_model()
     policy = load_policy(root / "lambda-0.0" / "policy.yaml")
     model = GovernedModel(base, resolve_routes(policy, base, trial.layers(base)), policy.adapters, seed=0)
-    model.base.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    model.load_base_state(load_file(str(checkpoint / "model.safetensors")))
     canaries = CanarySet.load(corpora / "canaries.json")
     run = store.get_trial(trial_id)
     references = canaries.candidates(
