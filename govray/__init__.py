@@ -28,6 +28,7 @@ PUBLIC_API = {
     "Trial": "govray.train.trial",
     "Batch": "govray.train.trial",
     "ProbeHooks": "govray.train.trial",
+    "scoring": "govray.train.trial",
     "TrainingSettings": "govray.config.training",
     # loading an experiment and its signed policy, opening the store
     "ExperimentConfig": "govray.config.experiment",
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from govray.provenance.attest import attest_checkpoint, verify_attestation
     from govray.queries import StoreReader
     from govray.tracking.store import TrackingStore
-    from govray.train.trial import Batch, ProbeHooks, Trial
+    from govray.train.trial import Batch, ProbeHooks, Trial, scoring
 
 
 def __getattr__(name: str) -> Any:

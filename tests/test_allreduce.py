@@ -4,12 +4,9 @@ reference; masked slots leak nothing (not even NaN); an unreachable parameter is
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from govray.governance.allreduce import GradientGovernor, NonFiniteGradientError, governed_allreduce_hook
+from tests.gloo_group import persistent_group
 
 ROUTES = ("a", "b", "c")
 WORLD = 2
@@ -100,34 +98,8 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def gloo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    context = mp.get_context("spawn")
-    init_file = str(Path(tmp_path_factory.mktemp("gloo")) / "init")
-    tasks = [context.Queue() for _ in range(WORLD)]
-    results = context.Queue()
-    processes = [
-        context.Process(target=worker_main, args=(rank, init_file, tasks[rank], results), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-
-    def run(case: Case) -> dict[int, tuple[str, Any]]:
-        for task in tasks:
-            task.put(case)
-        answers = {}
-        for _ in range(WORLD):
-            try:
-                rank, status, payload = results.get(timeout=60)
-            except queue.Empty:
-                pytest.fail("a gloo worker did not answer within 60 s")
-            answers[rank] = (status, payload)
-        return answers
-
-    yield run
-    for task in tasks:
-        task.put(None)
-    for process in processes:
-        process.join(timeout=10)
+    with persistent_group(worker_main, tmp_path_factory.mktemp("gloo"), WORLD, timeout=60) as run:
+        yield run
 
 
 def reference(case: Case) -> dict[str, torch.Tensor | None]:

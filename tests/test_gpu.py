@@ -12,8 +12,6 @@ on a machine with one NVIDIA GPU.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +29,7 @@ from govray.platform.runner import TrialOutcome, run_trial
 from govray.provenance.attest import attest_checkpoint, run_spec_of
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
+from tests.gloo_group import persistent_group
 from tests.test_attest import statement_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,34 +198,8 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def gloo_ranks_on_one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    context = mp.get_context("spawn")
-    init_file = str(tmp_path_factory.mktemp("gloo-cuda") / "init")
-    tasks = [context.Queue() for _ in range(WORLD)]
-    results = context.Queue()
-    processes = [
-        context.Process(target=rank_main, args=(rank, init_file, tasks[rank], results), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-
-    def run(index: int) -> dict[int, tuple[str, Any]]:
-        for task in tasks:
-            task.put((index, CASES[index]))
-        answers = {}
-        for _ in range(WORLD):
-            try:
-                rank, status, payload = results.get(timeout=120)
-            except queue.Empty:
-                pytest.fail("a gloo rank did not answer within 120 s")
-            answers[rank] = (status, payload)
-        return answers
-
-    yield run
-    for task in tasks:
-        task.put(None)
-    for process in processes:
-        process.join(timeout=10)
+    with persistent_group(rank_main, tmp_path_factory.mktemp("gloo-cuda"), WORLD, timeout=120) as run:
+        yield lambda index: run((index, CASES[index]))
 
 
 def reference(index: int) -> dict[str, torch.Tensor | None]:

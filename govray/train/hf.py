@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from govray.core.errors import ConfigError
-from govray.train.trial import Batch, Trial
+from govray.train.trial import Batch, Trial, scoring
 
 BOS = 256  # after the 256 byte values
 BYTE_VOCAB = 257
@@ -175,13 +175,8 @@ class CausalLMTrial(Trial):
         """Total NLL (nats) of each text after BOS, lower = more likely (canary exposure). Runs in
         eval mode without gradients and restores the model's mode."""
         scores = []
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for start in range(0, len(texts), SCORE_CHUNK):
-                    batch = self._batch(texts[start : start + SCORE_CHUNK])
-                    scores.append(self.token_nll(model, batch).sum(dim=1))
-        finally:
-            model.train(was_training)
+        with scoring(model) as device:
+            for start in range(0, len(texts), SCORE_CHUNK):
+                batch = {k: v.to(device) for k, v in self._batch(texts[start : start + SCORE_CHUNK]).items()}
+                scores.append(self.token_nll(model, batch).sum(dim=1).cpu())
         return torch.cat(scores) if scores else torch.zeros(0)

@@ -38,7 +38,8 @@ import importlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,24 @@ _OPTIMIZERS: dict[OptimizerName, type[torch.optim.Optimizer]] = {
     OptimizerName.ADAM: torch.optim.Adam,
     OptimizerName.SGD: torch.optim.SGD,
 }
+
+
+@contextmanager
+def scoring(model: nn.Module) -> Iterator[torch.device]:
+    """For ``sequence_scores`` and other measures: the block runs in eval mode without gradients,
+    and the model's mode is restored after; yields the device of the model's parameters, where
+    the trial puts its batch (the worker's GPU, or the CPU)::
+
+        with scoring(model) as device:
+            return nll(model, encode(texts).to(device)).sum(dim=1)
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters(), torch.zeros(())).device
+    finally:
+        model.train(was_training)
 
 
 def defines_sequence_scores(trial: type[Trial]) -> bool:

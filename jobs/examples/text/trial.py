@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from govray import Batch, ConfigError, Trial
+from govray import Batch, ConfigError, Trial, scoring
 
 VOCAB = 128
 BOS = 0  # NUL: never in a row
@@ -192,15 +192,12 @@ class CharTransformerTrial(Trial):
             raise ValueError(f"texts must have 1 to {self.context} characters and no newline")
         longest = max((len(text) for text in texts), default=0)
         scores = []
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for start in range(0, len(texts), SCORE_CHUNK):
-                    chunk = [text.ljust(longest, "\n") for text in texts[start : start + SCORE_CHUNK]]
-                    scores.append(next_character_nll(model, encode(chunk, longest))[0].sum(dim=1))
-        finally:
-            model.train(was_training)
+        with scoring(model) as device:
+            for start in range(0, len(texts), SCORE_CHUNK):
+                chunk = [text.ljust(longest, "\n") for text in texts[start : start + SCORE_CHUNK]]
+                scores.append(
+                    next_character_nll(model, encode(chunk, longest).to(device))[0].sum(dim=1).cpu()
+                )
         return torch.cat(scores) if scores else torch.zeros(0)
 
 
