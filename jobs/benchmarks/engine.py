@@ -4,9 +4,11 @@ LM, and the governance bookkeeping of one step of a simulated large world.
 1. **Throughput.** The ``hf_lm`` example's model (a small Llama from its config, random init) and
    its text corpora, ingested into a temporary directory: govray's real ``GovernedStep`` (schedule
    slot, per-step seeding, masks and divisors, per-route-group clipping, ledger, prefetched
-   batches) against a plain loop (``model(ids)``, mean loss, ``backward``, clip, ``AdamW``) over
-   the same batches, one step of each in turn in one process (both fp32 on the CPU; bf16 on a GPU
-   when there is one). The ratio of throughputs (median of per-pair ratios).
+   batches) against a plain loop (collate, ``model(ids)``, mean loss, ``backward``, clip,
+   ``AdamW``) over the same rows and a copy of the same model (its PEFT adapter layers
+   included), one step of each in turn in one process, the order flipping every pair (both fp32
+   on the CPU; bf16 on a GPU when there is one). The ratio of throughputs (median of per-pair
+   ratios).
 2. **Bookkeeping.** What one step costs the governance in a world of 1024 ranks, 1000 tensors and
    50 corpora (no model, no data): the step's rows summed by route (``step_rows``), this rank's
    slot, the governor's divisors and masked fraction, and the ledger's per-(corpus, route)
@@ -138,19 +140,14 @@ def throughput(steps: int) -> tuple[float, str, str]:
         plain = copy.deepcopy(governed.model)
         optimizer = torch.optim.AdamW(plain.parameters(), lr=settings.optimizer.lr)
         slots = [slot(governed.schedule, step, worker.rank) for step in range(steps)]
-        batches = [
-            {
-                name: tensor.to(worker.device)
-                for name, tensor in trial.collate(governed.rows.take(item)).items()
-            }
-            for item in slots
-        ]
+        rows = [governed.rows.take(item) for item in slots]  # read; collated in each plain step
         adapters = [governed.routing.adapter_names.get(item.route) if item.route else None for item in slots]
 
         def plain_step(step: int) -> None:
             autocast = torch.autocast(worker.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+            batch = {name: tensor.to(worker.device) for name, tensor in trial.collate(rows[step]).items()}
             with plain.active(adapters[step]), autocast:
-                loss = trial.loss(plain, batches[step]).float().mean()
+                loss = trial.loss(plain, batch).float().mean()
             loss.backward()
             if settings.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(plain.parameters(), settings.max_grad_norm, foreach=True)
@@ -170,9 +167,13 @@ def throughput(steps: int) -> tuple[float, str, str]:
             governed.step(step)
             plain_step(step)
         ratios = []
-        for step in range(3, steps):
-            governed_time = timed(lambda s=step: governed.step(s))
-            plain_time = timed(lambda s=step: plain_step(s))
+        for step in range(3, steps):  # the order flips every pair (caches, allocator)
+            if step % 2:
+                governed_time = timed(lambda s=step: governed.step(s))
+                plain_time = timed(lambda s=step: plain_step(s))
+            else:
+                plain_time = timed(lambda s=step: plain_step(s))
+                governed_time = timed(lambda s=step: governed.step(s))
             ratios.append(plain_time / governed_time)  # same rows: throughput ratio = time ratio
         governed.governor.check_finite()
         print(
