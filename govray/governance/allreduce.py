@@ -54,6 +54,9 @@ class _Layout:
     numel: int
 
 
+_MaskPlan = torch.Tensor | tuple[tuple[int, int], ...]
+
+
 class GradientGovernor:
     """Per-step governance state shared by the DDP comm hook and the optimizer step.
 
@@ -61,8 +64,8 @@ class GradientGovernor:
     ``named_parameters``). Parameters allowed the same routes form a *route group*; per step the
     governor keeps one example count per group (O(groups), whatever the number of tensors).
     Bucket layouts are cached by the bucket's parameters, not its index, because DDP rebuilds its
-    buckets after the first iteration; each (layout, route) gets one precomputed flat mask on the
-    bucket's device, applied by selection in one op.
+    buckets after the first iteration; each (layout, route) gets a precomputed masking plan on the
+    bucket's device (merged ranges, or one flat mask applied in one op on a GPU).
 
     Nothing here reads a device value on the host during a step: the non-finite flags (one per
     route group) stay on the device until :meth:`check_finite`, which the loop calls at report
@@ -89,7 +92,8 @@ class GradientGovernor:
         self._group_sizes = [sum(parameter.numel() for parameter in members) for members in self._members]
         self._total_size = sum(self._group_sizes)
         self._layouts: dict[tuple[int, ...], _Layout] = {}
-        self._masks: dict[tuple[tuple[int, ...], str | None, torch.device], torch.Tensor | None] = {}
+        # (layout, route, device) → masked ranges (offset, numel), or a flat mask on a GPU
+        self._masks: dict[tuple[tuple[int, ...], str | None, torch.device], _MaskPlan] = {}
         self.step = -1
         self.local_route: str | None = None
         self.group_counts: list[int] = [0] * len(groups)
@@ -132,24 +136,39 @@ class GradientGovernor:
         return self.local_route is not None and self.local_route in self.allowed_routes[index]
 
     def mask(self, tensor: torch.Tensor, layout: _Layout) -> None:
-        """Overwrite with zeros the regions this worker may not update, in one op (selection: a
-        NaN or inf there is replaced, never multiplied)."""
+        """Overwrite with zeros the regions this worker may not update (selection: a NaN or inf
+        there is replaced, never multiplied), from a plan precomputed per (bucket layout, route,
+        device): adjacent masked regions merged into ranges; on a GPU, several ranges become one
+        flat boolean mask applied in one ``masked_fill_`` (one kernel); a single range, or any on
+        the CPU (where a full-bucket mask pass costs ~30x a zero-fill of the range), is zeroed in
+        place."""
         key = (tuple(region.index for region in layout.regions), self.local_route, tensor.device)
-        if key not in self._masks:
-            keep = [self.contributes(region.index) for region in layout.regions]
-            if all(keep):
-                self._masks[key] = None
-            else:
-                flat = torch.ones(layout.numel, dtype=torch.bool)
-                for region, kept in zip(layout.regions, keep, strict=True):
-                    if kept:
-                        flat[region.offset : region.offset + region.numel] = False
-                self._masks[key] = flat.to(tensor.device)
-        masked = self._masks[key]
-        if masked is not None:
-            tensor.masked_fill_(masked, 0.0)
+        plan = self._masks.get(key)
+        if plan is None:
+            plan = self._masks[key] = self._mask_plan(layout, tensor.device)
+        if isinstance(plan, torch.Tensor):
+            tensor.masked_fill_(plan, 0.0)
+        else:
+            for offset, length in plan:
+                tensor.narrow(0, offset, length).zero_()
         if self.loss_scale is not None:
             self._unscale_own([tensor])
+
+    def _mask_plan(self, layout: _Layout, device: torch.device) -> torch.Tensor | tuple[tuple[int, int], ...]:
+        ranges: list[list[int]] = []
+        for region in layout.regions:
+            if self.contributes(region.index):
+                continue
+            if ranges and ranges[-1][0] + ranges[-1][1] == region.offset:
+                ranges[-1][1] += region.numel
+            else:
+                ranges.append([region.offset, region.numel])
+        if len(ranges) <= 1 or device.type == "cpu":
+            return tuple((offset, length) for offset, length in ranges)
+        flat = torch.zeros(layout.numel, dtype=torch.bool)
+        for offset, length in ranges:
+            flat[offset : offset + length] = True
+        return flat.to(device)
 
     def _unscale_own(self, tensors: list[torch.Tensor]) -> None:
         """fp16: divide this worker's own contribution by its route's loss scale; on an overflow
