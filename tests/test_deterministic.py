@@ -56,6 +56,7 @@ def deterministic_run(ray_session: None, tmp_path_factory: pytest.TempPathFactor
     return outcome, probes, path
 
 
+@pytest.mark.cluster  # a 2-worker run of its own (~40 s): the second tier
 def test_workers_train_with_deterministic_algorithms_and_start_with_the_fixed_nccl_and_cublas_settings(
     deterministic_run: tuple[Any, Path, Path],
 ) -> None:
@@ -72,6 +73,7 @@ def test_workers_train_with_deterministic_algorithms_and_start_with_the_fixed_nc
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.cluster  # a 2-worker run of its own (~40 s): the second tier
 def test_the_record_and_the_attestation_say_deterministic_mode_was_on_and_replay_is_exact(
     deterministic_run: tuple[Any, Path, Path], tmp_path: Path
 ) -> None:
