@@ -159,8 +159,10 @@ class RunRecorder:
     def settle(self) -> None:
         """When a run starts, resumes or ends: every checkpoint it left recorded (with reports a
         worker's death lost), no partial or duplicate folder left behind, then GC over what is
-        now recorded."""
-        if self.reconcile().recorded:
+        now recorded — also when nothing new was recorded: a driver killed between recording a
+        checkpoint and collecting garbage left that GC undone (GC is idempotent). Under PBT (no
+        GC as it goes) only when checkpoints were recovered, as before."""
+        if self.reconcile().recorded or self.gc.as_it_goes:
             self.collect_garbage()
 
     def collect_garbage(self) -> None:
