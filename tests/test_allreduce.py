@@ -70,7 +70,7 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             model = build_model(case.seed)
             before = {name: p.detach().clone() for name, p in model.named_parameters()}
             governor = GradientGovernor(list(model.named_parameters()), case.allowed)
-            ddp = DistributedDataParallel(model, broadcast_buffers=False)  # rank-local buffers, as govray
+            ddp = DistributedDataParallel(model, forward_sync_buffers=False)  # rank-local buffers, as govray
             ddp.register_comm_hook(governor, governed_allreduce_hook)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
             try:

@@ -179,7 +179,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             model = build_model(index)
             before = {name: p.detach().clone() for name, p in model.named_parameters()}
             governor = GradientGovernor(list(model.named_parameters()), ALLOWED)
-            ddp = DistributedDataParallel(model, device_ids=[0], broadcast_buffers=False)
+            ddp = DistributedDataParallel(model, device_ids=[0], forward_sync_buffers=False)
             ddp.register_comm_hook(governor, governed_allreduce_hook)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
             governor.begin_step(0, slots[rank], counts(slots, sizes))

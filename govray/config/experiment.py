@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from govray.config.training import SETTING_HYPERPARAMETERS, TrainingSettings
+from govray.config.training import SETTING_HYPERPARAMETERS, Precision, TrainingSettings
 from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import ConfigError, describe_validation_error
 from govray.core.identifiers import ExperimentName
@@ -258,6 +258,13 @@ class PlacementStrategy(StrEnum):
     STRICT_SPREAD = "STRICT_SPREAD"  # one worker per node, or wait (for more nodes)
 
 
+class Strategy(StrEnum):
+    """How the workers hold the model: whole on each (DDP), or sharded across them (FSDP2)."""
+
+    DDP = "ddp"  # a full copy of model, gradients and optimizer state per worker; governed allreduce
+    FSDP = "fsdp"  # each worker holds a shard; governed reduce-scatter (govray.train.sharding)
+
+
 class Resources(BaseModel):
     model_config = _STRICT
 
@@ -266,6 +273,22 @@ class Resources(BaseModel):
     cpus_per_worker: float = Field(default=1.0, gt=0)
     # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    strategy: Strategy = Strategy.DDP
+
+    @model_validator(mode="after")
+    def _sharding_needs_workers(self) -> Resources:
+        if self.strategy == Strategy.FSDP and self.workers < 2:
+            raise ValueError("strategy fsdp shards the model across workers: it needs workers >= 2")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_default_strategy(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left at ddp, the strategy is not serialized: an experiment written before it existed
+        # keeps its bytes and its digest.
+        dumped: dict[str, Any] = handler(self)
+        if self.strategy == Strategy.DDP:
+            dumped.pop("strategy", None)
+        return dumped
 
 
 class TrackingConfig(BaseModel):
@@ -427,6 +450,15 @@ class ExperimentConfig(BaseModel):
     min_validation_period: int | None = Field(default=None, ge=1)
     lr_schedule: PlateauSchedule | None = None
     early_stopping: EarlyStoppingPolicy | None = None
+
+    @model_validator(mode="after")
+    def _fsdp_precision(self) -> ExperimentConfig:
+        if self.resources.strategy == Strategy.FSDP and self.training.precision == Precision.FP16:
+            raise ValueError(
+                "precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision, fp32 reduction); "
+                "fp16's per-route loss scales run under strategy ddp"
+            )
+        return self
 
     @model_validator(mode="after")
     def _plateau_needs_validations(self) -> ExperimentConfig:

@@ -501,9 +501,15 @@ def save_base(model: GovernedModel, path: Path) -> str:
     names hold a copy, so the file reloads with ``load_state_dict(strict=True)``. Adapters never
     enter this file, so its digest does not depend on which adapters exist.
     """
+    return save_base_tensors(model.base_state(), path)
+
+
+def save_base_tensors(state: Mapping[str, torch.Tensor], path: Path) -> str:
+    """``save_base``'s file from a base state (the user's names; what a sharded checkpoint's
+    shards put together give): the same bytes for the same tensors."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in model.base_state().items():
+    for name, tensor in state.items():
         stored = tensor.detach().cpu()
         storage = stored.untyped_storage().data_ptr()
         if storage in seen or not stored.is_contiguous():

@@ -275,6 +275,7 @@ class GradientGovernor:
         for device, found in self._found.items():  # which step raised a group's flag first
             first = self._first[device]
             first.masked_fill_((found > 0) & (first < 0), self.step)
+        clipped: list[int] = []
         for group, count in enumerate(self.group_counts):
             if count == 0 or skip & self.groups[group]:
                 # No slot may update it (or, fp16, a route that may overflowed): no step, no
@@ -282,11 +283,18 @@ class GradientGovernor:
                 for parameter in self._members[group]:
                     parameter.grad = None
             elif max_grad_norm is not None:
-                # Each route group clipped on its own norm: one route's gradients never rescale
-                # another's. (clip_grad_norm_ computes on the device: no host sync.)
-                grads = [parameter for parameter in self._members[group] if parameter.grad is not None]
-                if grads:
-                    torch.nn.utils.clip_grad_norm_(grads, max_grad_norm, foreach=True)
+                clipped.append(group)
+        if clipped:
+            assert max_grad_norm is not None
+            self._clip_groups(clipped, max_grad_norm)
+
+    def _clip_groups(self, groups: Sequence[int], max_grad_norm: float) -> None:
+        """Each route group clipped on its own norm: one route's gradients never rescale
+        another's. (clip_grad_norm_ computes on the device: no host sync.)"""
+        for group in groups:
+            grads = [parameter for parameter in self._members[group] if parameter.grad is not None]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, max_grad_norm, foreach=True)
 
     def check_finite(self) -> None:
         """At a boundary (report, checkpoint, snapshot): raise if any step since the last check
@@ -294,14 +302,18 @@ class GradientGovernor:
         tensors it left non-finite. One device-to-host read of one flag per route group."""
         if not self._found:
             return
-        raised = torch.stack([found.cpu() for found in self._found.values()]).amax(dim=0).tolist()
-        firsts = torch.stack([first.cpu() for first in self._first.values()]).tolist()
+        stacked = torch.stack([first.cpu() for first in self._first.values()])
+        earliest = torch.where(stacked < 0, torch.iinfo(torch.int64).max, stacked).amin(dim=0)
+        raised, firsts = self._agree_on_flags(
+            torch.stack([found.cpu() for found in self._found.values()]).amax(dim=0),
+            torch.where(earliest == torch.iinfo(torch.int64).max, -1, earliest),
+        )
         for device, found in self._found.items():
             found.zero_()
             self._first[device].fill_(-1)
         flagged = {
-            group: min(first[group] for first in firsts if first[group] >= 0)
-            for group, flag in enumerate(raised)
+            group: int(first)
+            for group, (flag, first) in enumerate(zip(raised.tolist(), firsts.tolist(), strict=True))
             if flag
         }
         if not flagged:
@@ -314,10 +326,9 @@ class GradientGovernor:
         members = [
             name for name, group in zip(self.names, self._group_of, strict=True) if group in bad_groups
         ]
+        indices = [index for index, group in enumerate(self._group_of) if group in bad_groups]
         broken = [
-            name
-            for name, parameter in zip(self.names, self.parameters, strict=True)
-            if name in members and not bool(torch.isfinite(parameter.detach()).all())
+            self.names[index] for index, bad in zip(indices, self._non_finite(indices), strict=True) if bad
         ]
         culprits = broken or members
         raise NonFiniteGradientError(
@@ -325,6 +336,17 @@ class GradientGovernor:
             f"{' …' if len(culprits) > 5 else ''} from a slot allowed to update it "
             f"(routes {', '.join(routes)}); found at the boundary after step {self.step}; training stopped"
         )
+
+    def _agree_on_flags(
+        self, raised: torch.Tensor, firsts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flags (one per route group) and first flagged steps (-1: none) every rank acts
+        on. After an allreduce every rank saw the same sums: its own."""
+        return raised, firsts
+
+    def _non_finite(self, indices: Sequence[int]) -> list[bool]:
+        """Whether each of these parameters holds a non-finite value now."""
+        return [not bool(torch.isfinite(self.parameters[index].detach()).all()) for index in indices]
 
 
 def governed_allreduce_hook(

@@ -262,6 +262,7 @@ def new_run_spec(
         report_every=report_every,
         threads=default_threads(config.resources.cpus_per_worker),
         use_gpu=config.resources.use_gpu,
+        strategy=config.resources.strategy,
         reproducibility=reproducibility,
         code_dir=os.getcwd(),
         checkpoint_period=config.checkpoint.period,

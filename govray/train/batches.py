@@ -32,19 +32,21 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
-def micro_batches(rows: pa.Table, parts: int) -> list[pa.Table]:
+def micro_batches(rows: pa.Table, parts: int, exactly: bool = False) -> list[pa.Table]:
     """``rows`` split into at most ``parts`` consecutive non-empty pieces, sizes differing by at
-    most one (larger first); one empty piece for no rows (the slot still joins the allreduce)."""
-    if rows.num_rows == 0:
-        return [rows]
+    most one (larger first); one empty piece for no rows (the slot still joins the allreduce).
+    ``exactly``: always ``parts`` pieces, empty ones last (under FSDP every forward is a
+    collective, so every rank runs as many)."""
     count = min(parts, rows.num_rows)
-    size, extra = divmod(rows.num_rows, count)
     pieces, offset = [], 0
-    for index in range(count):
-        length = size + (1 if index < extra else 0)
-        pieces.append(rows.slice(offset, length))
-        offset += length
-    return pieces
+    if count:
+        size, extra = divmod(rows.num_rows, count)
+        for index in range(count):
+            length = size + (1 if index < extra else 0)
+            pieces.append(rows.slice(offset, length))
+            offset += length
+    wanted = parts if exactly else 1
+    return pieces + [rows.slice(0, 0)] * (wanted - len(pieces))
 
 
 class Prefetcher:
@@ -56,16 +58,18 @@ class Prefetcher:
         collate: Callable[[pa.Table], Batch],
         device: torch.device,
         micro_batches: int = 1,
+        exactly: bool = False,
     ) -> None:
         self._take, self._collate = take, collate
         self.device = device
         self.parts = micro_batches
+        self.exactly = exactly  # always ``micro_batches`` of them (FSDP: see ``micro_batches``)
         self._pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="govray-collate")
         self._ahead: tuple[Slot, Future[list[Batch]]] | None = None
 
     def _prepare(self, slot: Slot) -> list[Batch]:
-        prepared = [self._collate(part) for part in micro_batches(self._take(slot), self.parts)]
+        prepared = [self._collate(part) for part in micro_batches(self._take(slot), self.parts, self.exactly)]
         if self._pin:
             prepared = [{name: tensor.pin_memory() for name, tensor in batch.items()} for batch in prepared]
         return prepared

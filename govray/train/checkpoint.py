@@ -19,6 +19,13 @@ A checkpoint is a directory::
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
+Under ``resources.strategy: fsdp`` the base model and the optimizer tensors are sharded: instead
+of ``model.safetensors`` and ``optimizer.safetensors`` each rank writes and hashes its own
+``model-shard-RRRRR-of-WWWWW.safetensors`` and ``optimizer-shard-RRRRR-of-WWWWW.safetensors`` (its
+shard of each tensor, with the tensor's global shape and offset in the file's metadata), and
+rank 0 signs one manifest listing every file's digest. A rank that resumes verifies the signature,
+the shared files and its own shards only (``verify_checkpoint(..., rank=R)``).
+
 No pickle anywhere. Loading verifies the signature (a trusted, unrevoked platform key), that the
 envelope's payload is the manifest byte for byte, and every file's digest; any mismatch, missing
 or extra file is refused, naming the file.
@@ -34,6 +41,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +68,18 @@ OPTIMIZER_META = "optimizer.json"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
+_SHARD = re.compile(r"^(model|optimizer)-shard-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def shard_file(kind: str, rank: int, world_size: int) -> str:
+    """The name of a rank's shard file (``kind``: ``model`` or ``optimizer``)."""
+    return f"{kind}-shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def shard_owner(name: str) -> int | None:
+    """The rank whose shard file ``name`` is; None for a file every rank may read."""
+    match = _SHARD.match(name)
+    return int(match.group(2)) if match else None
 
 
 class CheckpointError(GovrayError):
@@ -89,6 +110,8 @@ class CheckpointState(BaseModel):
     gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
     rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
     clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    # FSDP: {"world_size": N}; the model and optimizer are in per-rank shard files. Empty: whole.
+    sharding: dict[str, Any] = Field(default_factory=dict)
     loss_scaling: dict[str, Any] = Field(default_factory=dict)  # fp16: LossScalingState
     clean_ledgers: dict[str, dict[str, Any]] = Field(default_factory=dict)  # step → ledger of clean-STEP-*
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
@@ -118,7 +141,7 @@ class Manifest(BaseModel):
         return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _optimizer_files(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_optimizer_state(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split ``optimizer.state_dict()`` into tensors (safetensors) and plain JSON."""
     tensors: dict[str, torch.Tensor] = {}
     plain_state: dict[str, dict[str, Any]] = {}
@@ -143,18 +166,28 @@ def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict[str,
 
 
 def seal_checkpoint(
-    directory: Path, optimizer_state: dict[str, Any], state: CheckpointState, key: SigningKey
+    directory: Path,
+    optimizer_state: dict[str, Any],
+    state: CheckpointState,
+    key: SigningKey,
+    shard_digests: Mapping[str, str] | None = None,
 ) -> str:
     """Add optimizer state and ``state.json`` to a directory holding the weight files, then write
-    and sign the manifest over every file. Returns the manifest's sha256."""
+    and sign the manifest over every file. Returns the manifest's sha256.
+
+    A sharded checkpoint (``shard_digests``: every rank's shard files and the digests their ranks
+    computed) keeps its optimizer tensors in the shards: only ``optimizer.json`` is written here,
+    and the shard files are listed with their ranks' digests, not read again."""
     if key.role != KeyRole.PLATFORM:
         raise SignatureError(f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key")
-    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
-    save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
+    optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
+    if shard_digests is None:
+        save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
     (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
-    names = sorted(path.name for path in directory.iterdir() if path.is_file())
-    files = {name: file_sha256(directory / name) for name in names}
+    shards = dict(shard_digests or {})
+    names = sorted(path.name for path in directory.iterdir() if path.is_file() and path.name not in shards)
+    files = {**{name: file_sha256(directory / name) for name in names}, **shards}
     manifest = Manifest(step=state.step, files=files, signed_at=signing_time())
     payload = manifest.to_bytes()
     (directory / MANIFEST_FILE).write_bytes(payload)
@@ -169,7 +202,7 @@ def save_clean_state(
     """Write an earlier clean state (weights of the governed model, optimizer state) beside a
     checkpoint's own files, before ``seal_checkpoint`` signs them all; its ledger goes in
     ``CheckpointState.clean_ledgers``."""
-    optimizer_tensors, optimizer_meta = _optimizer_files(optimizer_state)
+    optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
     save_file(
         {name: tensor.contiguous() for name, tensor in weights.items()},
         str(directory / _clean(step, "weights.safetensors")),
@@ -213,8 +246,10 @@ class LoadedCheckpoint(BaseModel):
     signer: str
 
 
-def verify_checkpoint(directory: Path, trust: TrustConfig) -> tuple[Manifest, str]:
-    """Check signature, manifest and every digest; returns (manifest, signer keyid)."""
+def verify_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> tuple[Manifest, str]:
+    """Check signature, manifest and every digest; returns (manifest, signer keyid). With
+    ``rank``, the shard files of other ranks are neither read nor looked for (each rank of a
+    sharded run verifies what it reads: the shared files and its own shards)."""
     if not (directory / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{directory}: not a govray checkpoint ({MANIFEST_FILE} missing)")
     signature = directory / SIGNATURE_FILE
@@ -239,8 +274,11 @@ def verify_checkpoint(directory: Path, trust: TrustConfig) -> tuple[Manifest, st
     present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
     for extra in sorted(present - set(manifest.files)):
         raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")
+    sharded = any(shard_owner(name) is not None for name in manifest.files)
     for name, digest in sorted(manifest.files.items()):
         path = directory / name
+        if rank is not None and (shard_owner(name) not in (None, rank) or (name == MODEL_FILE and sharded)):
+            continue  # another rank's shard, or the whole model put together: not what this rank reads
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the signed manifest but missing")
         if file_sha256(path) != digest:
@@ -248,19 +286,24 @@ def verify_checkpoint(directory: Path, trust: TrustConfig) -> tuple[Manifest, st
     return manifest, signer
 
 
-def load_checkpoint(directory: Path, trust: TrustConfig) -> LoadedCheckpoint:
-    """Verify, then read a checkpoint (safetensors and JSON only)."""
-    manifest, signer = verify_checkpoint(directory, trust)
+def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> LoadedCheckpoint:
+    """Verify, then read a checkpoint (safetensors and JSON only). Of a sharded checkpoint, a
+    ``rank`` verifies the shared files and its own shards, and its optimizer state is its shards';
+    without a rank every file is verified (what reads all shards: consolidation, a fork)."""
+    manifest, signer = verify_checkpoint(directory, trust, rank)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
+        world = state.sharding.get("world_size")  # sharded: the rank's optimizer shard (rank 0's without one)
+        tensors = OPTIMIZER_TENSORS if world is None else shard_file("optimizer", rank or 0, world)
+        model = MODEL_FILE if world is None else shard_file("model", rank or 0, world)
+        if model not in manifest.files or tensors not in manifest.files:
+            raise CheckpointError(f"{directory}: the signed manifest lists no {model} and {tensors}")
         optimizer_state = optimizer_state_from_files(
-            load_file(str(directory / OPTIMIZER_TENSORS)),
+            load_file(str(directory / tensors)),
             json.loads((directory / OPTIMIZER_META).read_text()),
         )
     except (ValidationError, SafetensorError, json.JSONDecodeError, ValueError) as error:
         raise CheckpointError(f"{directory}: signed but unreadable: {error}") from None
-    if MODEL_FILE not in manifest.files:
-        raise CheckpointError(f"{directory}: the signed manifest lists no {MODEL_FILE}")
     return LoadedCheckpoint(
         directory=directory,
         state=state,
@@ -293,6 +336,13 @@ def recorded_state(directory: Path, manifest_digest: str) -> CheckpointState:
 def checkpoint_step(directory: Path) -> int:
     """The step of a checkpoint, from its manifest (unverified: for listing only)."""
     return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])
+
+
+def checkpoint_world_size(directory: Path) -> int | None:
+    """The ranks a sharded checkpoint is sharded over (None: not sharded), from its state
+    (unverified: loading verifies it)."""
+    world = json.loads((directory / STATE_FILE).read_text()).get("sharding", {}).get("world_size")
+    return int(world) if world is not None else None
 
 
 def checkpoint_run(directory: Path) -> str:
@@ -334,7 +384,20 @@ def newest_verified_checkpoint(
     that verifies (signature and every digest); among equal steps the first by name. Folders that
     do not verify (a partial upload by a worker killed mid-copy, a tampered one) are passed over.
     A report lost when a worker died still left its checkpoint here, and resuming from it is
-    exact: the tracking store recovers the report from the checkpoint's ``report.json``."""
+    exact: the tracking store recovers the report from the checkpoint's ``report.json``. (The
+    ranks of a sharded run apply the same rule together: ``RunDirectory.resume_point``.)"""
+    for directory, refusal in checkpoint_candidates(run_dir, trust, storage):
+        if refusal is None:
+            return directory
+    return None
+
+
+def checkpoint_candidates(
+    run_dir: Path, trust: TrustConfig, storage: Storage | None = None, rank: int | None = None
+) -> Iterator[tuple[Path, str | None]]:
+    """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
+    each with why it does not verify (None: it does; with ``rank``, as far as that rank reads),
+    verified one at a time as the caller asks for the next."""
     candidates: list[tuple[int, str, Path]] = []
     for directory in checkpoint_directories(run_dir, storage):
         try:
@@ -344,11 +407,11 @@ def newest_verified_checkpoint(
             continue  # no readable manifest: not a checkpoint (yet)
     for _, _, directory in sorted(candidates):
         try:
-            verify_checkpoint(directory, trust)
-        except CheckpointError:
-            continue
-        return directory
-    return None
+            verify_checkpoint(directory, trust, rank)
+        except CheckpointError as error:
+            yield directory, str(error)
+        else:
+            yield directory, None
 
 
 def checkpoint_report(directory: Path) -> dict[str, Any]:

@@ -81,6 +81,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     run = TrialRun.open(spec, worker)
     governed, control = run.governed, run.control
     start, resume = 0, session.resume_point()
+    for reason in session.passed_over:
+        note(f"passed over a newer checkpoint that does not verify: {reason}")
     if resume is not None:
         start = run.restore(resume)
         note(f"resumed from a verified checkpoint at step {start}")
@@ -149,7 +151,7 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         note(_line(report) + (" (checkpoint)" if save and key is not None else ""))
         if save:  # the log in object storage before the checkpoint is reported: never behind it
             _publish_log(log, spec.storage)
-        _deliver(run, report, key if save else None, session)
+        _deliver(run, report, key, session, save)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
             return
@@ -159,15 +161,18 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     note(f"completed {spec.max_steps} steps")
 
 
-def _deliver(run: TrialRun, report: StepReport, key: SigningKey | None, session: Session) -> None:
-    """Report, after sealing the checkpoint that goes with it when ``key`` is given (rank 0)."""
-    if key is not None:
+def _deliver(
+    run: TrialRun, report: StepReport, key: SigningKey | None, session: Session, save: bool = True
+) -> None:
+    """Report, after sealing the checkpoint that goes with it when ``save`` and the run signs its
+    checkpoints (rank 0 holds the ``key``; under FSDP every rank writes its shards)."""
+    if save and (key is not None or (run.governed.sharded and run.spec.platform_key)):
 
-        def save(folder: Path) -> None:
+        def write(folder: Path) -> None:
             sealed = report.model_copy(update={"checkpoint": str(folder)})
             run.save(folder, report.step, key, sealed.model_dump(mode="json"))
 
-        report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, save)})
+        report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, write)})
     session.report(report)
 
 

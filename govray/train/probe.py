@@ -82,11 +82,15 @@ class MemorizationProbe:
         canaries: Mapping[str, CanaryProbe],
         seed: int,
         worker: Worker,
+        split: bool = True,
     ) -> None:
         self.trial = trial
         self.model = model
         self.routing = routing
         self.worker = worker
+        # Split the measures' rows and batches across ranks; not under FSDP, where every forward
+        # is a collective (all ranks run the same forwards, rank 0's values count).
+        self.split = split or not worker.distributed
         self.layers = list(routing.layers)
         self.plans: list[_CorpusPlan] = []
         routes: dict[str, str] = {}  # credential JSON → route
@@ -136,33 +140,39 @@ class MemorizationProbe:
     def measure(self) -> dict[str, CorpusMeasures]:
         """Every corpus's measures, the same on every rank."""
         self.model.eval()
+        rank, world = (self.worker.rank, self.worker.world_size) if self.split else (0, 1)
+        counted = self.split or self.worker.rank == 0  # whether this rank's values enter the sums
         sums: dict[str, float] = {}
         for plan in self.plans:
             for kind, table in (("train", plan.train_sample), ("holdout", plan.holdout)):
-                mine = self.worker.mine(table)
-                sums[f"loss/{plan.corpus_id}/{kind}"] = self._loss_sum(mine)
-                sums[f"count/{plan.corpus_id}/{kind}"] = float(mine.num_rows)
+                mine = self.worker.mine(table) if self.split else table
+                loss = self._loss_sum(mine)
+                if counted:
+                    sums[f"loss/{plan.corpus_id}/{kind}"] = loss
+                    sums[f"count/{plan.corpus_id}/{kind}"] = float(mine.num_rows)
         batches = [
             (plan.corpus_id, name, table)
             for plan in self.plans
             for name, table in plan.entropy_batches.items()
         ]
         for index, (corpus_id, name, table) in enumerate(batches):
-            if index % self.worker.world_size == self.worker.rank:
+            if index % world == rank:
                 try:
                     profile = entropy_profile(self._representations(table))
                 except ValueError:  # a NaN representation: no profile this time, on every rank
                     profile = {layer: math.nan for layer in self.layers}
                 for layer, value in profile.items():
-                    sums[f"entropy/{corpus_id}/{name}/{layer}"] = value
+                    if counted:
+                        sums[f"entropy/{corpus_id}/{name}/{layer}"] = value
         for plan in self.plans:
             for route, canaries in plan.canary_texts.items():
                 texts = canaries + plan.references
-                positions = range(self.worker.rank, len(texts), self.worker.world_size)
+                positions = range(rank, len(texts), world)
                 with self.model.active(self.routing.adapter_names.get(route)):
                     scores = self.trial.sequence_scores(self.model, [texts[i] for i in positions])
                 for position, score in zip(positions, scores.tolist(), strict=True):
-                    sums[f"score/{plan.corpus_id}/{route}/{position}"] = float(score)
+                    if counted:
+                        sums[f"score/{plan.corpus_id}/{route}/{position}"] = float(score)
         totals = all_reduce_sums(sums, self.worker)
         return {plan.corpus_id: self._measures(plan, totals) for plan in self.plans}
 

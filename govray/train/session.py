@@ -31,8 +31,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from govray.config.experiment import Strategy
 from govray.core.storage import Storage, open_storage
-from govray.train.checkpoint import CHECKPOINT_PREFIX, newest_verified_checkpoint
+from govray.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_candidates
 from govray.train.reports import StepReport
 from govray.train.runspec import RunSpec
 from govray.train.worker import Worker
@@ -46,6 +47,8 @@ Save = Callable[[Path], None]  # writes and signs a checkpoint into a folder
 
 class Session(Protocol):
     """What the governed loop asks of the place it runs in."""
+
+    passed_over: list[str]  # after resume_point: why newer checkpoints were not resumed from
 
     def resume_point(self) -> Path | None:
         """The verified checkpoint this worker group resumes from, or None: a fresh start."""
@@ -74,6 +77,9 @@ class _RunDirectory:
         self.worker = worker
         self.storage: Storage | None = open_storage(spec.storage) if spec.storage else None
         self._stop: tuple[torch.Tensor, Any] | None = None
+        # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
+        self.sharded = spec.strategy == Strategy.FSDP and worker.distributed
+        self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
 
     def resume_point(self) -> Path | None:
         """By one rule: the newest checkpoint of the run directory that verifies (a report lost
@@ -81,13 +87,29 @@ class _RunDirectory:
         segment's or a restored Tune trial's ``resume_checkpoint``."""
         spec = self.spec
         if spec.run_dir:
-            newest = newest_verified_checkpoint(Path(spec.run_dir), spec.trust, self.storage)
+            newest = self._newest_verified(Path(spec.run_dir))
             if newest is not None:
                 return newest
         if spec.resume_checkpoint:
             if self.storage is not None:  # a segment's checkpoint, fetched on this node from the bucket
                 self.storage.fetch(Path(spec.resume_checkpoint))
             return Path(spec.resume_checkpoint)
+        return None
+
+    def _newest_verified(self, run_dir: Path) -> Path | None:
+        """The resume rule; the ranks of a sharded run apply it together: each verifies what it
+        reads of each candidate, newest first, and they resume from the first that verifies on
+        every rank (one that does not is passed over on every rank, the reason kept)."""
+        rank = self.worker.rank if self.sharded else None
+        for directory, refusal in checkpoint_candidates(run_dir, self.spec.trust, self.storage, rank):
+            said: list[Any] = [refusal]
+            if self.sharded:
+                said = [None] * self.worker.world_size
+                dist.all_gather_object(said, refusal)
+            refusals = [reason for reason in said if reason is not None]
+            if not refusals:
+                return directory
+            self.passed_over.extend(refusals)
         return None
 
     def look_for_stop(self, step: int) -> None:
@@ -113,15 +135,19 @@ class _RunDirectory:
         return STOP_NAMES.get(int(flag.item()))
 
     def checkpoint(self, steps_done: int, save: Save) -> str:
+        """Rank 0 writes the checkpoint (under FSDP every rank writes its shards into the folder
+        rank 0 made fresh) and puts it on the storage before it is reported."""
         folder = Path(self.spec.run_dir) / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
-        if self.worker.rank == 0:
-            if folder.exists():  # a partial folder a killed attempt left at this step (none verified)
-                shutil.rmtree(folder)
-                if self.storage is not None and folder.is_relative_to(self.storage.root):
-                    self.storage.delete_directory(folder)
-            save(folder)
+        if self.worker.rank == 0 and folder.exists():  # a partial folder a killed attempt left
+            shutil.rmtree(folder)  # (none verified: it was not resumed from)
             if self.storage is not None and folder.is_relative_to(self.storage.root):
-                self.storage.upload(folder)  # then reported: a recorded checkpoint is on storage
+                self.storage.delete_directory(folder)
+        if self.sharded:
+            dist.barrier()  # the folder is fresh before any rank writes its shards there
+        if self.worker.rank == 0 or self.sharded:
+            save(folder)
+        if self.worker.rank == 0 and self.storage is not None and folder.is_relative_to(self.storage.root):
+            self.storage.upload(folder)  # then reported: a recorded checkpoint is on storage
         return str(folder)
 
     def close(self) -> None:

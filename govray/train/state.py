@@ -13,8 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from govray.core.canonical import file_sha256
+from govray.core.errors import ConfigError
 from govray.core.keys import SigningKey
-from govray.governance.adapters import save_adapter, save_base
+from govray.core.storage import open_storage
+from govray.governance.adapters import save_adapter, save_base, save_base_tensors
 from govray.governance.memorization import MemorizationReport
 from govray.train.checkpoint import (
     MODEL_FILE,
@@ -26,15 +31,17 @@ from govray.train.checkpoint import (
     load_clean_states,
     save_clean_state,
     seal_checkpoint,
+    shard_owner,
 )
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
 from govray.train.runspec import RunSpec
+from govray.train.sharding import consolidated, local_optimizer_state, sharded_optimizer_state, write_shards
 from govray.train.step import GovernedStep, Snapshot
 from govray.train.trial import make_trial
-from govray.train.worker import Worker
+from govray.train.worker import Worker, agreed
 
 
 class TrialRun:
@@ -47,6 +54,11 @@ class TrialRun:
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
         )
         governed.scaler = self.control.scaler  # fp16's skips are the controller's decisions
+        if governed.sharded and self.control.rolls_back:
+            raise ConfigError(
+                "a memorization rollback policy with strategy fsdp is not supported yet (its clean "
+                "state would be a second sharded copy in memory); use strategy ddp, or action gate"
+            )
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -114,6 +126,7 @@ class TrialRun:
             ledger=self.governed.ledger.to_json(),
             adapters=list(self.governed.model.adapter_names()),
             reproducibility=self.spec.reproducibility,
+            sharding={"world_size": self.governed.worker.world_size} if self.governed.sharded else {},
             **self.control.state(),
             clean_ledgers={
                 str(step): snap.ledger for step, snap in self.control.earlier_snapshots(steps_done)
@@ -123,25 +136,82 @@ class TrialRun:
             run=self.run_name,
         )
 
-    def save(self, directory: Path, steps_done: int, key: SigningKey, report: Mapping[str, Any]) -> None:
+    def save(
+        self, directory: Path, steps_done: int, key: SigningKey | None, report: Mapping[str, Any]
+    ) -> None:
         """Base and adapter weights, optimizer and governance state, and the ``report`` this
-        checkpoint goes with, signed by the platform key."""
+        checkpoint goes with, signed by the platform key (rank 0's ``key``). Under FSDP every
+        rank calls it: each writes and hashes its own shard files, rank 0 the rest and the
+        manifest over all of them."""
         model = self.governed.model
         directory.mkdir(parents=True, exist_ok=True)
-        save_base(model, directory / MODEL_FILE)
+        shard_digests = self._save_shards(directory) if self.governed.sharded else None
+        if key is None:
+            return  # a rank other than 0 of a sharded run: its shards are written
+        if shard_digests is None:
+            save_base(model, directory / MODEL_FILE)
+        elif "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
+            # A validation's or the trial's last checkpoint also holds the whole base model (what
+            # the registry, attestations and exports read), put together from the shard files.
+            self._consolidate(directory, shard_digests)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
         for step, snapshot in self.control.earlier_snapshots(steps_done):  # rollback targets survive a resume
             save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
-        seal_checkpoint(
-            directory, self.governed.optimizer.state_dict(), self.checkpoint_state(steps_done), key
+        optimizer = self.governed.optimizer.state_dict()
+        if shard_digests is not None:
+            optimizer = local_optimizer_state(optimizer)
+        seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
+
+    def _save_shards(self, directory: Path) -> dict[str, str] | None:
+        """Every rank's shard files written (and on object storage), their digests gathered on
+        rank 0 (None on the other ranks)."""
+        governed, worker = self.governed, self.governed.worker
+        written = write_shards(directory, governed.model, governed.optimizer, worker.rank, worker.world_size)
+        storage = open_storage(self.spec.storage) if self.spec.storage else None
+        if storage is not None and directory.is_relative_to(storage.root):
+            storage.upload(*(directory / name for name in written))  # before rank 0 seals the manifest
+        gathered: list[Any] = [None] * worker.world_size
+        dist.all_gather_object(gathered, written)
+        return (
+            {name: digest for part in gathered for name, digest in part.items()} if worker.rank == 0 else None
         )
 
+    def _consolidate(self, directory: Path, shard_digests: Mapping[str, str]) -> None:
+        """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
+        other nodes fetched from the object storage), each checked against its rank's digest."""
+        storage = open_storage(self.spec.storage) if self.spec.storage else None
+        for name, digest in shard_digests.items():
+            path = directory / name
+            if storage is not None and not path.exists():
+                storage.fetch(path)
+            if shard_owner(name) != 0 and file_sha256(path) != digest:
+                raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
+        save_base_tensors(consolidated(directory, self.governed.worker.world_size), directory / MODEL_FILE)
+
     def restore(self, directory: Path) -> int:
-        """Resume from a verified checkpoint; returns the number of steps it had completed."""
-        loaded = load_checkpoint(directory, self.spec.trust)
+        """Resume from a verified checkpoint; returns the number of steps it had completed. Under
+        FSDP each rank verifies and reads what it needs (the shared files, its own shards), and
+        every rank refuses if any rank did, naming the files."""
+        worker, sharded = self.governed.worker, self.governed.sharded
+        loaded = agreed(
+            lambda: load_checkpoint(directory, self.spec.trust, worker.rank if sharded else None),
+            worker if sharded else None,
+            CheckpointError,
+        )
+        written_by = loaded.state.sharding.get("world_size")
+        if sharded and written_by != worker.world_size:
+            raise CheckpointError(
+                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
+                f"{worker.world_size} sharded workers: a governed run resumes on the world size it "
+                "started with (its schedule gives each worker its slots)"
+            )
+        if written_by is not None and not sharded:
+            raise CheckpointError(
+                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not"
+            )
         self.control.restore(loaded.state)
         self.rescheduled()
         if loaded.state.schedule_digest != self.governed.schedule.digest():
@@ -150,7 +220,10 @@ class TrialRun:
             )
         governed = self.governed
         governed.load_weights(directory)
-        governed.optimizer.load_state_dict(loaded.optimizer_state)
+        optimizer_state = loaded.optimizer_state
+        if governed.sharded:
+            optimizer_state = sharded_optimizer_state(governed.optimizer, optimizer_state)
+        governed.optimizer.load_state_dict(optimizer_state)
         governed.take_hyperparameters()
         governed.ledger = Ledger.from_json(loaded.state.ledger)
         self.source = loaded.state.source

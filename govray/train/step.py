@@ -32,7 +32,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from govray.config.experiment import Strategy
 from govray.config.training import Precision
+from govray.core.errors import ConfigError
 from govray.data.schedule import (
     ScheduleEvent,
     ScheduleSpec,
@@ -47,12 +49,22 @@ from govray.governance.allreduce import GradientGovernor, governed_allreduce_hoo
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.batches import Prefetcher, on_device
-from govray.train.checkpoint import MODEL_FILE
+from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
 from govray.train.probe import MemorizationProbe
 from govray.train.runspec import RunSpec
 from govray.train.scaling import LossScaler
+from govray.train.sharding import (
+    ShardedGovernor,
+    consolidated,
+    gradient_sync,
+    layer_units,
+    load_shards,
+    load_whole,
+    optimizer_groups,
+    shard_model,
+)
 from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
@@ -87,9 +99,15 @@ class GovernedStep:
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
+        self.sharded = spec.strategy == Strategy.FSDP
+        if self.sharded and not worker.distributed:
+            raise ConfigError("strategy fsdp shards the model across workers: it needs workers >= 2")
+        # Under FSDP, bf16 is FSDP2's mixed precision (bf16 compute, fp32 reduction), not autocast.
         self.autocast_dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
             settings.precision
         )
+        if self.sharded:
+            self.autocast_dtype = None
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
@@ -104,24 +122,35 @@ class GovernedStep:
         # fp16's per-route loss scales; the trial's controller shares its own (TrialRun).
         self.scaler = LossScaler(None, next_seq=lambda: len(self.scaler.skips))
         self.rows = RouteRows(self.shards)
-        self.batches = Prefetcher(self.rows.take, trial.collate, self.device, self.micro_batches)
+        self.batches = Prefetcher(
+            self.rows.take, trial.collate, self.device, self.micro_batches, exactly=self.sharded
+        )
         counted = self.rows.tokens(trial)
         self.tokens = (  # per route, tokens of each route-local row (the ledger's counts)
             None if counted is None else {r: np.asarray(c, dtype=np.int64) for r, c in counted.items()}
         )
-        named = parameters_by_name(self.model)
-        self.governor = GradientGovernor(named, allowed_route_sets(self.model, self.routing))
         self.forward: nn.Module = self.model
-        if worker.distributed:
+        if self.sharded:  # FSDP2: each rank holds a shard of every base tensor
+            shard_model(
+                self.model, layer_units(base, trial.fsdp_units(base)), settings.precision, self.device
+            )
+        named = parameters_by_name(self.model)
+        self.governor = (
+            ShardedGovernor(self.model, named, allowed_route_sets(self.model, self.routing), self.device)
+            if self.sharded
+            else GradientGovernor(named, allowed_route_sets(self.model, self.routing))
+        )
+        if worker.distributed and not self.sharded:
             ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,  # running statistics are refused by routing, never synced
+                forward_sync_buffers=False,  # running statistics are refused by routing, never synced
                 find_unused_parameters=bool(self.routing.adapter_names),  # inactive adapters
             )
             ddp.register_comm_hook(self.governor, governed_allreduce_hook)
             self.forward = ddp
-        self.trainable = [parameter for _, parameter in named]
+        # Under FSDP, sharded and whole (adapter) tensors in their own parameter groups.
+        self.trainable = optimizer_groups([parameter for _, parameter in named])
         self.optimizer = trial.build_optimizer(self.trainable)
         for group in self.optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])  # decisions scale it
@@ -135,6 +164,7 @@ class GovernedStep:
             spec.canaries,
             derive_seed(spec.seed, spec.trial_seed),
             worker,
+            split=not self.sharded,
         )
         self.ledger = Ledger()
         # Rank 0 sees every slot of every step: it alone exports the dashboard's counters.
@@ -170,7 +200,9 @@ class GovernedStep:
                     total = losses.float().sum()
                 (total if scale is None else total * scale).backward()
                 loss_sum += total.detach().double()
-        if not self.worker.distributed:
+        if isinstance(self.governor, ShardedGovernor):
+            self.governor.govern_sharded()  # each rank divides its shards; adapters reduced whole
+        elif not self.worker.distributed:
             self.governor.govern_local()  # the same masks and divisors, without DDP
         skip: frozenset[str] = frozenset()
         if scale is not None:  # fp16: the routes that overflowed skip their tensors (a decision)
@@ -200,6 +232,8 @@ class GovernedStep:
     def _no_sync(self) -> contextlib.AbstractContextManager[object]:
         if isinstance(self.forward, DistributedDataParallel):
             return self.forward.no_sync()
+        if self.sharded:
+            return gradient_sync(self.model, enabled=False)
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -283,8 +317,18 @@ class GovernedStep:
         self.take_hyperparameters()
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
-        """Base and adapter weights of a checkpoint folder (``adapters_present_only``: those it has)."""
-        self.model.load_base_state(load_file(str(directory / MODEL_FILE), device=str(self.device)))
+        """Base and adapter weights of a (verified) checkpoint folder (``adapters_present_only``:
+        those it has). Under FSDP a rank reads its own shard file; a checkpoint sharded otherwise,
+        or not at all (a fork's source), is read whole and each rank keeps its part."""
+        world = checkpoint_world_size(directory)
+        if self.sharded and world == self.worker.world_size:
+            load_shards(self.model, directory / shard_file("model", self.worker.rank, world))
+        else:
+            whole = consolidated(directory, world) if world else load_file(str(directory / MODEL_FILE))
+            if self.sharded:
+                load_whole(self.model, whole, directory)
+            else:
+                self.model.load_base_state({name: t.to(self.device) for name, t in whole.items()})
         for adapter in self.model.adapter_names():
             path = directory / f"adapter-{adapter}.safetensors"
             if path.is_file() or not adapters_present_only:

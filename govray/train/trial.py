@@ -38,7 +38,7 @@ import importlib
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 from torch import nn
+from torch.optim.optimizer import ParamsT
 
 from govray.config.training import OptimizerName, TrainingSettings
 from govray.core.canonical import file_sha256
@@ -133,6 +134,12 @@ class Trial(ProbeHooks, ABC):
 
         return decoder_layers(model) if is_transformers_model(model) else None
 
+    def fsdp_units(self, model: nn.Module) -> Sequence[str] | None:
+        """Under ``resources.strategy: fsdp``, the modules sharded as units (each all-gathered
+        before its forward, its gradients reduce-scattered after its backward). Default: the
+        layers (:meth:`layers`); a module whose tensors another unit shares stays in the root."""
+        return self.layers(model)
+
     def build_meta_model(self) -> nn.Module:
         """The model's structure without its memory: every parameter on the ``meta`` device.
 
@@ -152,10 +159,11 @@ class Trial(ProbeHooks, ABC):
         """
         return {"loss": self.loss(model, batch)}
 
-    def build_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    def build_optimizer(self, parameters: ParamsT) -> torch.optim.Optimizer:
         """The optimizer over every trainable tensor (base and adapters), built again with the
         same settings after a restore. Default: ``settings.optimizer``, with torch's defaults for
-        what it leaves out."""
+        what it leaves out. ``parameters`` is what torch's optimizers take: the tensors, or under
+        FSDP parameter groups (sharded tensors, then the adapters' whole tensors)."""
         optimizer = self.settings.optimizer
         return _OPTIMIZERS[optimizer.name](parameters, **optimizer.arguments())
 

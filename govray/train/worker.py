@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
+from govray.core.errors import GovrayError
 from govray.data.schedule import Slot
 from govray.data.shards import ShardSet
 from govray.train.trial import Trial
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,6 +110,27 @@ def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, fl
     dist.all_gather_object(gathered, {key: values[key] for key in keys})
     names = sorted({key for part in gathered for key in part})
     return {name: sum(part.get(name, 0.0) for part in gathered) for name in names}
+
+
+def agreed(action: Callable[[], T], worker: Worker | None, error: type[GovrayError] = GovrayError) -> T:
+    """``action()`` on every rank of ``worker``'s group, which either all go on or all raise: an
+    ``error`` on any rank is raised on every rank (on the others with what each refusing rank
+    said: a rank that went on alone would wait for them in its next collective). Without a group
+    (``worker`` None or alone): ``action()``."""
+    if worker is None or not worker.distributed:
+        return action()
+    try:
+        result, refusal = action(), None
+    except error as raised:
+        result, refusal = None, raised
+    said: list[Any] = [None] * worker.world_size
+    dist.all_gather_object(said, None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    others = [f"rank {rank}: {message}" for rank, message in enumerate(said) if message is not None]
+    if others:
+        raise error("; ".join(others))
+    return cast(T, result)
 
 
 def default_threads(cpus_per_worker: float) -> int:

@@ -1,0 +1,405 @@
+"""Governed FSDP2 (``resources.strategy: fsdp``): the model sharded across the workers, every
+promise of the governed allreduce kept.
+
+Each rank holds 1/N of every base tensor, of its gradient and of its optimizer state (FSDP2's
+``fully_shard`` per layer unit, then the root). One step, as :class:`ShardedGovernor` runs it:
+
+- forward and backward as FSDP2 runs them (an all-gather per unit before its forward, a
+  reduce-scatter per unit after its backward);
+- **before** a unit's reduce-scatter, each rank zero-fills (selection, never a product) the
+  gradient of every tensor its slot's route may not update: a hook on FSDP's unsharded
+  parameter, run when autograd has accumulated its gradient;
+- the reduce-scatter sums (divide factor 1, sum reduction); each rank divides its shard of a
+  tensor by that tensor's example count from the schedule, raising the route group's flag on a
+  non-finite value (no host sync);
+- clipping is per route group, from one all-reduce of the groups' squared norms;
+- tensors no slot may update get ``grad = None`` (no step, no momentum, no decay);
+- at a boundary the non-finite flags are all-reduced, so every rank stops at the same step
+  naming the same tensors.
+
+Adapters are not sharded: an adapter runs only on its route's slots, so a unit of its own would
+enter its all-gather and reduce-scatter on some ranks only, in a different order on each. They
+are kept whole on every rank (FSDP's ``ignored_params``, their own optimizer parameter group) and
+reduced after backward in one flat buffer, masked and averaged exactly as DDP's comm hook does.
+An adapter is small (rank times width per target).
+
+Under ``precision: bf16`` FSDP2's ``MixedPrecisionPolicy`` computes in bf16 and reduces in fp32;
+parameters and optimizer state stay fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from govray.config.training import Precision
+from govray.core.canonical import file_sha256
+from govray.governance.adapters import GovernedModel
+from govray.governance.allreduce import GradientGovernor
+from govray.train.checkpoint import CheckpointError, shard_file, split_optimizer_state
+
+_NONE = torch.iinfo(torch.int64).max  # "no flagged step" while all-reducing the first flagged steps
+
+
+def layer_units(base: nn.Module, names: Sequence[str] | None) -> list[nn.Module]:
+    """The modules FSDP shards as units, in order: the named ones (default: the model's top-level
+    children), leaving to the root unit a module whose tensors another unit shares (tied
+    embedding and head: FSDP2 needs a shared tensor in one unit) and any name that is not a
+    module."""
+    chosen = list(names) if names is not None else [name for name, _ in base.named_children()]
+    modules: list[nn.Module] = []
+    for name in chosen:
+        try:
+            module = base.get_submodule(name)
+        except AttributeError:
+            continue  # a tensor, not a module: it stays in the root unit
+        if module is not base and any(parameter.requires_grad for parameter in module.parameters()):
+            modules.append(module)
+    owners: dict[int, list[int]] = {}
+    for position, module in enumerate(modules):
+        for parameter in module.parameters():
+            owners.setdefault(id(parameter), []).append(position)
+    shared = {position for places in owners.values() if len(places) > 1 for position in places}
+    return [module for position, module in enumerate(modules) if position not in shared]
+
+
+def shard_model(
+    model: GovernedModel, units: Sequence[nn.Module], precision: Precision, device: torch.device
+) -> None:
+    """``fully_shard`` each unit, then the root, with adapter tensors left whole; gradients are
+    summed by the reduce-scatter (the governor divides by the counts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == Precision.BF16
+        else MixedPrecisionPolicy()
+    )
+    ignored = {
+        parameter for adapter in model.adapter_names() for parameter in model.adapter_parameters(adapter)
+    }
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """FSDP's ``no_sync``: with ``enabled`` false the unsharded gradients accumulate locally
+    (the first k-1 micro-batches of a slot) and no reduce-scatter runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if enabled or not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def optimizer_groups(parameters: Sequence[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, Any]]:
+    """The optimizer's parameters: as they are; under FSDP the sharded tensors and the whole
+    (adapter) tensors in their own parameter groups (foreach kernels take one kind at a time)."""
+    sharded: list[nn.Parameter] = [p for p in parameters if isinstance(p, DTensor)]
+    whole: list[nn.Parameter] = [p for p in parameters if not isinstance(p, DTensor)]
+    if not sharded or not whole:
+        return list(parameters)
+    return [{"params": sharded}, {"params": whole}]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a view: writing it writes the shard); a whole
+    tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedGovernor(GradientGovernor):
+    """The governed allreduce's semantics under FSDP2 (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        named_parameters: Sequence[tuple[str, nn.Parameter]],
+        allowed_routes: Sequence[frozenset[str]],
+        device: torch.device,
+    ) -> None:
+        super().__init__(named_parameters, allowed_routes)
+        self.rank = dist.get_rank()
+        self._replicated = [
+            index for index, parameter in enumerate(self.parameters) if not isinstance(parameter, DTensor)
+        ]
+        self.flags(device)  # every rank joins the boundary's all-reduce, stepped or not
+        self._attach(model)
+
+    def _attach(self, model: nn.Module) -> None:
+        """Zero-fill hooks on FSDP's unsharded parameters, created by an unshard of each unit in
+        turn (one unit whole at a time) and kept across steps: FSDP frees and refills their
+        storage, never replaces them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            module.unshard()
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for record in group.fsdp_params:
+                    index = self._index.get(id(record.sharded_param))
+                    if index is not None:  # (None: frozen, no gradient)
+                        record._unsharded_param.register_post_accumulate_grad_hook(self._zero_fill(index))
+            module.reshard()
+
+    def _zero_fill(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(parameter: torch.Tensor) -> None:
+            if parameter.grad is not None and not self.contributes(index):
+                parameter.grad.zero_()  # selection: a NaN there is replaced, never multiplied
+
+        return hook
+
+    def govern_sharded(self) -> None:
+        """After backward (the reduce-scatters done): reduce the whole (adapter) tensors in one
+        flat buffer as DDP's hook does, and divide each rank's shards by their counts."""
+        if self._replicated:
+            self._reduce_replicated()
+        by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for index, parameter in enumerate(self.parameters):
+            if parameter.grad is None or not isinstance(parameter, DTensor):
+                continue
+            group = self._group_of[index]
+            count = self.group_counts[group]
+            if count:
+                by_key.setdefault((group, count), []).append(local(parameter.grad))
+        for (group, count), shards in by_key.items():
+            found = self.flags(shards[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                shards, found[group : group + 1], self._inverse_of(count, shards[0].device)
+            )
+
+    def _reduce_replicated(self) -> None:
+        parameters = [self.parameters[index] for index in self._replicated]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        layout = self.layout(parameters)
+        self.mask(flat, layout)  # this rank's forbidden regions zero-filled
+        dist.all_reduce(flat)
+        self.average(flat, layout)  # divided by the counts, flags raised
+        for parameter, view in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+            parameter.grad = view.view_as(parameter)
+
+    def _clip_groups(self, groups: Sequence[int], max_grad_norm: float) -> None:
+        """Per route group, from one all-reduce of every group's squared norm: a shard's square
+        counted on its rank, a whole tensor's on rank 0 only."""
+        members = [
+            [
+                local(p.grad)
+                for p in self._members[group]
+                if p.grad is not None and (isinstance(p, DTensor) or self.rank == 0)
+            ]
+            for group in groups
+        ]
+        whole = [[local(p.grad) for p in self._members[group] if p.grad is not None] for group in groups]
+        device = next((grads[0].device for grads in whole if grads), None)
+        if device is None:
+            return
+        squares = torch.stack(
+            [
+                torch.stack([norm.float() for norm in torch._foreach_norm(grads)]).square().sum()
+                if grads
+                else torch.zeros((), device=device)
+                for grads in members
+            ]
+        )
+        dist.all_reduce(squares)
+        coefficients = (max_grad_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for position, grads in enumerate(whole):
+            if grads:
+                torch._foreach_mul_(grads, coefficients[position])
+
+    def _agree_on_flags(
+        self, raised: torch.Tensor, firsts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each rank flagged its own shards: the flags (max) and first flagged steps (min) of all."""
+        device = next(iter(self._found))  # NCCL reduces device tensors only
+        raised = raised.to(device)
+        firsts = torch.where(firsts < 0, torch.full_like(firsts, _NONE), firsts).to(device)
+        dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+        dist.all_reduce(firsts, op=dist.ReduceOp.MIN)
+        return raised.cpu(), torch.where(firsts == _NONE, torch.full_like(firsts, -1), firsts).cpu()
+
+    def _non_finite(self, indices: Sequence[int]) -> list[bool]:
+        flags = torch.tensor(
+            [not bool(torch.isfinite(local(self.parameters[index].detach())).all()) for index in indices],
+            dtype=torch.int64,
+            device=next(iter(self._found)),
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [bool(flag) for flag in flags.tolist()]
+
+
+# -- sharded checkpoints ---------------------------------------------------------------------------
+
+SHARDS_KEY = "govray.shards"  # a shard file's metadata: name → [global shape, offset along dim 0]
+
+
+def _file_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's part of each tensor, on the CPU, contiguous and storage-disjoint (safetensors
+    refuses shared storage: a tied tensor is stored under each name), and where each shard lies."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    tensors: dict[str, torch.Tensor] = {}
+    placement: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        part = local(tensor).detach()
+        if isinstance(tensor, DTensor):
+            _, offset = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements
+            )
+            placement[name] = [list(tensor.shape), list(offset)]
+        stored = part.cpu()
+        if stored.untyped_storage().data_ptr() in seen or not stored.is_contiguous() or stored is part:
+            stored = stored.clone(memory_format=torch.contiguous_format)
+        seen.add(stored.untyped_storage().data_ptr())
+        tensors[name] = stored
+    return tensors, placement
+
+
+def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each sharded tensor replaced by this rank's shard."""
+    return {
+        "state": {
+            index: {
+                name: local(value) if isinstance(value, torch.Tensor) else value
+                for name, value in values.items()
+            }
+            for index, values in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }
+
+
+def write_shards(
+    directory: Path, model: GovernedModel, optimizer: torch.optim.Optimizer, rank: int, world_size: int
+) -> dict[str, str]:
+    """Write this rank's shard files (base model, optimizer tensors); returns their sha256 by name."""
+    tensors, placement = _file_tensors(model.base_state())
+    optimizer_tensors, _ = split_optimizer_state(local_optimizer_state(optimizer.state_dict()))
+    optimizer_tensors = {name: tensor.cpu().contiguous() for name, tensor in optimizer_tensors.items()}
+    written: dict[str, str] = {}
+    for kind, contents, layout in (("model", tensors, placement), ("optimizer", optimizer_tensors, {})):
+        name = shard_file(kind, rank, world_size)
+        save_file(contents, str(directory / name), metadata={SHARDS_KEY: json.dumps(layout, sort_keys=True)})
+        written[name] = file_sha256(directory / name)
+    return written
+
+
+def load_shards(model: GovernedModel, path: Path) -> None:
+    """Load this rank's model shard file into the sharded model (every base tensor, by the user's
+    names), refusing a file that does not fit, naming the tensor."""
+    shards = load_file(str(path))
+    state = model.base_state()
+    missing = sorted(set(state) - set(shards))
+    unexpected = sorted(set(shards) - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name, target in state.items():
+            mine = local(target)
+            if tuple(mine.shape) != tuple(shards[name].shape):
+                found, expected = tuple(shards[name].shape), tuple(mine.shape)
+                raise CheckpointError(f"{path}: {name} has shape {found}, this rank's shard {expected}")
+            mine.copy_(shards[name])
+
+
+def load_whole(model: GovernedModel, whole: Mapping[str, torch.Tensor], source: Path) -> None:
+    """Load whole tensors (an unsharded checkpoint's base model, or a sharded one put together)
+    into the sharded model: each rank copies its part."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = model.base_state()
+    missing = sorted(set(state) - set(whole))
+    unexpected = sorted(set(whole) - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not fit this trial's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name, target in state.items():
+            tensor = whole[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{source}: {name} has shape {tuple(tensor.shape)}, the model {tuple(target.shape)}"
+                )
+            if isinstance(target, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(
+                    target.shape, target.device_mesh, target.placements
+                )
+                tensor = tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+            local(target).copy_(tensor)
+
+
+def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A rank's optimizer state as read from its shard file, its shards made sharded tensors
+    again (laid out as their parameters), ready for ``optimizer.load_state_dict``."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    restored: dict[int, dict[str, Any]] = {}
+    for index, values in state["state"].items():
+        parameter = parameters[int(index)]
+        restored[index] = {
+            name: DTensor.from_local(
+                value.to(parameter.device),
+                parameter.device_mesh,
+                parameter.placements,
+                run_check=False,
+                shape=parameter.shape,
+                stride=parameter.stride(),
+            )
+            if isinstance(parameter, DTensor)
+            and isinstance(value, torch.Tensor)
+            and value.shape == local(parameter).shape
+            and value.dim() > 0
+            else value
+            for name, value in values.items()
+        }
+    return {"state": restored, "param_groups": state["param_groups"]}
+
+
+def consolidated(directory: Path, world_size: int) -> dict[str, torch.Tensor]:
+    """The whole base model of a sharded checkpoint (every rank's shard file, read on one
+    machine): each tensor put together from its shards at their offsets."""
+    whole: dict[str, torch.Tensor] = {}
+    for rank in range(world_size):
+        path = directory / shard_file("model", rank, world_size)
+        with safe_open(str(path), framework="pt") as handle:
+            placement = json.loads((handle.metadata() or {}).get(SHARDS_KEY, "{}"))
+            for name in handle.keys():  # noqa: SIM118
+                part = handle.get_tensor(name)
+                if name not in placement:
+                    whole.setdefault(name, part)  # a whole tensor, the same in every rank's file
+                    continue
+                shape, offset = placement[name]
+                target = whole.setdefault(name, torch.empty(shape, dtype=part.dtype))
+                index = tuple(
+                    slice(start, start + size) for start, size in zip(offset, part.shape, strict=True)
+                )
+                target[index] = part
+    return whole

@@ -1,0 +1,260 @@
+"""Governed FSDP2 keeps the governed allreduce's promises, in one persistent 2-process gloo group
+running the golden run's governed step: the sharded update equals DDP's (within fp32 rounding:
+the reduce-scatter sums in another order), a tensor no slot may update stays bit-identical under
+AdamW with weight decay (fp32, and bf16 mixed precision with gradient accumulation), and a
+non-finite gradient stops every rank at the boundary naming the tensor and the route."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from govray.config.experiment import ExperimentConfig
+from govray.core.keys import KeyRole, SigningKey, platform_trust
+from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
+from tests.conftest import GoldenRun
+from tests.gloo_group import persistent_group
+from tests.test_engine import run_spec
+
+WORLD = 2
+STEPS = 10
+PUBLIC = "digits-public"  # the only corpus whose route may update the embedding
+ADAMW = {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1}
+
+
+@dataclass(frozen=True)
+class Task:
+    spec: str  # RunSpec JSON
+    strategy: str
+    excluded: tuple[str, ...] = ()
+    training: tuple[tuple[str, Any], ...] = ()  # engine settings (precision, accumulation_steps)
+    nan_step: int | None = None  # from this step on, rank 1's losses are NaN
+    resume_at: int | None = None  # checkpoint here, train on; then a fresh run resumes from it
+    tamper: str | None = None  # the checkpoint file in which a byte is flipped before the resume
+
+
+def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
+    import torch.distributed as dist
+
+    from govray.governance.allreduce import NonFiniteGradientError
+    from govray.train.runspec import RunSpec
+    from govray.train.step import GovernedStep
+    from govray.train.trial import make_trial
+    from govray.train.worker import Worker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    while (task := tasks.get()) is not None:
+        try:
+            spec = RunSpec.model_validate_json(task.spec)
+            spec = spec.model_copy(update={"strategy": task.strategy, "excluded_corpora": task.excluded})
+            hparams = {**spec.hparams, **ADAMW}
+            assert spec.settings is not None
+            settings = spec.settings.model_copy(update=dict(task.training)).with_hyperparameters(hparams)
+            spec = spec.model_copy(update={"hparams": hparams, "settings": settings})
+            if task.resume_at is not None:
+                results.put((rank, *resumed(spec, task, rank)))
+                continue
+            governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, hparams, settings))
+
+            before = whole(governed.model)
+            try:
+                for step in range(STEPS):
+                    if task.nan_step == step and rank == 1:  # from here on, rank 1's losses are NaN
+                        loss = governed.trial.loss
+                        governed.trial.loss = lambda model, batch, f=loss: f(model, batch) * float("nan")  # type: ignore[method-assign]
+                    governed.step(step)
+                governed.governor.check_finite()
+            except NonFiniteGradientError as error:
+                results.put((rank, "nonfinite", str(error)))
+                continue
+            after = whole(governed.model)
+            results.put((rank, "ok", (before, after) if rank == 0 else None))
+        except Exception:
+            results.put((rank, "crash", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
+    """Train, checkpoint at ``task.resume_at`` (every rank its shards), train to the end; then a
+    fresh run resumes from the checkpoint (one file tampered with, maybe) and trains to the end:
+    ``("ok", (uninterrupted, resumed))`` on rank 0, or ``("refused", message)``."""
+    import torch.distributed as dist
+
+    from govray.core.keys import SigningKey
+    from govray.train.checkpoint import CheckpointError
+    from govray.train.state import TrialRun
+    from govray.train.worker import Worker
+
+    assert task.resume_at is not None
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    folder = Path(spec.run_dir) / f"checkpoint_{task.resume_at:08d}"
+    if rank == 0 and folder.exists():  # an earlier task's (a session makes the folder fresh so)
+        shutil.rmtree(folder)
+    dist.barrier()
+    first = TrialRun.open(spec, Worker.detect())
+    for step in range(task.resume_at):
+        first.governed.step(step)
+    first.save(folder, task.resume_at, key, {"step": task.resume_at})
+    for step in range(task.resume_at, STEPS):
+        first.governed.step(step)
+    uninterrupted = whole(first.governed.model)
+    if task.tamper is not None and rank == 0:
+        data = bytearray((folder / task.tamper).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (folder / task.tamper).write_bytes(bytes(data))
+    dist.barrier()
+    second = TrialRun.open(spec, Worker.detect())
+    try:
+        start = second.restore(folder)
+    except CheckpointError as error:
+        return "refused", str(error)
+    for step in range(start, STEPS):
+        second.governed.step(step)
+    again = whole(second.governed.model)
+    return "ok", (uninterrupted, again) if rank == 0 else None
+
+
+def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor whole (a sharded one gathered: every rank calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+@pytest.fixture(scope="module")
+def gloo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with persistent_group(rank_main, tmp_path_factory.mktemp("fsdp"), WORLD, timeout=240) as run:
+        yield run
+
+
+def weights(run: Any, task: Task) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    answers = run(task)
+    for rank, (status, payload) in answers.items():
+        assert status == "ok", f"rank {rank}: {payload}"
+    before, after = answers[0][1]
+    return before, after
+
+
+def test_the_sharded_update_equals_the_ddp_update(gloo_pair: Any, golden_run: GoldenRun) -> None:
+    """10 steps of the golden trial (3 routes, the PII adapter, per-group clipping at 0.25,
+    AdamW with weight decay): FSDP's weights equal DDP's within fp32 rounding, element by element."""
+    spec = run_spec(golden_run).model_dump_json()
+    ddp_before, ddp = weights(gloo_pair, Task(spec, "ddp"))
+    fsdp_before, fsdp = weights(gloo_pair, Task(spec, "fsdp"))
+    assert ddp.keys() == fsdp.keys()
+    assert any(".lora_" in name for name in ddp), "the adapter is in play"
+    for name in ddp:
+        assert torch.equal(ddp_before[name], fsdp_before[name]), f"{name}: the same initial weights"
+        assert not torch.equal(ddp_before[name], ddp[name]), (
+            f"{name}: trained (the comparison is not vacuous)"
+        )
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "training",
+    [(), (("precision", "bf16"), ("accumulation_steps", 2))],
+    ids=["fp32", "bf16-accumulation"],
+)
+def test_a_tensor_no_slot_may_update_is_bit_identical_under_adamw_with_decay(
+    gloo_pair: Any, golden_run: GoldenRun, training: tuple[tuple[str, Any], ...]
+) -> None:
+    """Without the public corpus no slot may update the embedding: after 10 sharded AdamW steps
+    with weight decay it is the initial embedding bit for bit, while what the licensed and PII
+    routes may update trained."""
+    spec = run_spec(golden_run).model_dump_json()
+    before, after = weights(gloo_pair, Task(spec, "fsdp", excluded=(PUBLIC,), training=training))
+    embedding = [name for name in before if name.startswith("base.embed.")]
+    assert embedding
+    for name in before:
+        if name in embedding:
+            assert torch.equal(before[name], after[name]), name
+        else:
+            assert not torch.equal(before[name], after[name]), f"{name} trained"
+
+
+@pytest.fixture(scope="module")
+def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The golden run's spec, signing its checkpoints with a key of this test module's own."""
+    root = tmp_path_factory.mktemp("fsdp-checkpoints")
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    private, _ = key.save(root / "platform")
+    return run_spec(golden_run).model_copy(
+        update={"platform_key": str(private), "trust": platform_trust(key), "run_dir": str(root / "run")}
+    )
+
+
+def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(gloo_pair: Any, signing_spec: Any) -> None:
+    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=4))
+    assert answers[1][0] == "ok", answers[1]
+    status, (uninterrupted, again) = answers[0]
+    assert status == "ok"
+    folder = Path(signing_spec.run_dir) / "checkpoint_00000004"
+    assert {shard_owner(path.name) for path in folder.iterdir()} == {None, 0, 1}, "each rank wrote its shards"
+    assert not (folder / MODEL_FILE).exists()
+    for name in uninterrupted:
+        assert torch.equal(uninterrupted[name], again[name]), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [shard_file(kind, rank, WORLD) for kind in ("model", "optimizer") for rank in range(WORLD)]
+    + ["adapter-pii-lora.safetensors", "optimizer.json", "state.json"],
+)
+def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_on_every_rank_naming_it(
+    gloo_pair: Any, signing_spec: Any, name: str
+) -> None:
+    """The rank that reads the file refuses it; the other rank refuses too (with that rank's
+    message) instead of resuming alone."""
+    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=2, tamper=name))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status)
+        assert f"{name}: sha256 does not match the signed manifest (tampered)" in message, message
+
+
+def test_a_non_finite_gradient_stops_every_rank_naming_tensor_and_route(
+    gloo_pair: Any, golden_run: GoldenRun
+) -> None:
+    """NaN losses on rank 1 from step 3: both ranks refuse at the boundary with the same message,
+    naming the step, tensors and routes (each rank flags its own shards; the boundary all-reduces
+    the flags)."""
+    answers = gloo_pair(Task(run_spec(golden_run).model_dump_json(), "fsdp", nan_step=3))
+    assert {status for status, _ in answers.values()} == {"nonfinite"}, answers
+    messages = {message for _, message in answers.values()}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    match = re.match(
+        r"step (\d+): non-finite gradient in (.+) from a slot allowed to update it \(routes (.+)\)", message
+    )
+    assert match is not None, message
+    assert int(match.group(1)) >= 3
+
+
+def test_fsdp_is_validated() -> None:
+    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    with pytest.raises(
+        ValueError, match="strategy fsdp shards the model across workers: it needs workers >= 2"
+    ):
+        ExperimentConfig.model_validate({**raw, "resources": {"strategy": "fsdp"}})
+    with pytest.raises(ValueError, match="precision fp16 with strategy fsdp: use bf16"):
+        ExperimentConfig.model_validate(
+            {**raw, "resources": {"strategy": "fsdp", "workers": 2}, "training": {"precision": "fp16"}}
+        )
+    config = ExperimentConfig.model_validate({**raw, "resources": {"strategy": "fsdp", "workers": 2}})
+    assert config.model_dump(mode="json")["resources"]["strategy"] == "fsdp"
+    default = ExperimentConfig.model_validate({**raw, "resources": {"workers": 2}})
+    assert "strategy" not in default.model_dump(mode="json")["resources"], "ddp leaves digests as they were"

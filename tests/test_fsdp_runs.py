@@ -1,0 +1,114 @@
+"""Whole governed FSDP runs on 2 Ray Train workers (gloo): removing the adapter's corpus is the
+replay without it, bit for bit in every shard; a worker SIGKILLed after the first checkpoint
+resumes from the sharded checkpoint and ends bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from govray.core.runtime import train_worker_pids
+from govray.platform.replay import Replay, replay_trial
+from govray.tracking.lineage import checkpoints
+from govray.train.checkpoint import MODEL_FILE, checkpoint_step, find_checkpoints, shard_owner
+from jobs.examples.digits.golden import GOLDEN_HPARAMS
+from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
+
+pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier
+
+STEPS = 30
+ADAPTER_CORPUS = "digits-writers"
+HPARAMS = {**GOLDEN_HPARAMS, "optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1}
+
+
+@dataclass
+class FsdpRuns:
+    path: Path  # the experiment
+    original: GoldenRun
+    replay: Replay  # ``govray replay --exclude-corpus digits-writers`` of the original
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> FsdpRuns:
+    path = _golden_example(
+        tmp_path_factory.mktemp("fsdp"),
+        workers=2,
+        max_length={"batches": STEPS},
+        hparams=HPARAMS,
+        lr_schedule=False,
+        resources={"workers": 2, "cpus_per_worker": 1, "strategy": "fsdp"},
+    )
+    original = _golden_run(path)
+    replay = replay_trial(
+        original.store, original.config.name, (ADAPTER_CORPUS,), trial_id=original.outcome.trial_id
+    )
+    return FsdpRuns(path, original, replay)
+
+
+def final(run_dir: Path) -> Path:
+    found = find_checkpoints(run_dir)
+    assert found and checkpoint_step(found[-1]) == STEPS
+    return found[-1]
+
+
+def shard_files(folder: Path) -> dict[str, Path]:
+    return {path.name: path for path in folder.iterdir() if shard_owner(path.name) is not None}
+
+
+def test_the_run_is_sharded(fsdp_runs: FsdpRuns) -> None:
+    folder = final(fsdp_runs.original.outcome.run_dir)
+    assert not (folder / MODEL_FILE).exists()
+    assert {shard_owner(name) for name in shard_files(folder)} == {0, 1}
+
+
+def test_removing_the_adapter_is_the_replay_without_its_corpus_in_every_shard(fsdp_runs: FsdpRuns) -> None:
+    original = final(fsdp_runs.original.outcome.run_dir)
+    replay = final(fsdp_runs.replay.outcome.run_dir)
+    shards = shard_files(original)
+    assert shards.keys() == shard_files(replay).keys()
+    for name in shards:
+        if name.startswith("model-"):
+            assert (original / name).read_bytes() == (replay / name).read_bytes(), name
+    adapter = load_file(str(original / "adapter-pii-lora.safetensors"))
+    assert any(name.endswith("lora_B") and bool(t.any()) for name, t in adapter.items()), (
+        "the adapter learned"
+    )
+    ledger, replayed = fsdp_runs.original.outcome.ledger, fsdp_runs.replay.outcome.ledger
+    assert ledger is not None and replayed is not None
+    assert {k: v for k, v in ledger.entries.items() if k[0] != ADAPTER_CORPUS} == replayed.entries
+
+
+def test_a_killed_worker_resumes_from_the_sharded_checkpoint_bit_identically(fsdp_runs: FsdpRuns) -> None:
+    """The same experiment again, one Ray Train worker SIGKILLed once the checkpoint of step 10 is
+    recorded: Ray Train restarts the group, both ranks resume from their shards."""
+    store = fsdp_runs.original.store
+    known = {trial.id for trial in store.list_trials(1)}
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(run=_golden_run(fsdp_runs.path)), daemon=True)
+    thread.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and thread.is_alive():
+        new = [t for t in store.list_trials(1) if t.id not in known]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+            pids = train_worker_pids()
+            if pids:
+                killed = pids[-1]
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    thread.join(timeout=600)
+    assert killed is not None, "never saw the first checkpoint of the run to kill"
+    assert "run" in result, "the killed run did not finish"
+    resumed = final(result["run"].outcome.run_dir)
+    original = final(fsdp_runs.original.outcome.run_dir)
+    for name in [*shard_files(original), "adapter-pii-lora.safetensors", "optimizer.json"]:
+        assert (original / name).read_bytes() == (resumed / name).read_bytes(), name
+    assert result["run"].outcome.ledger == fsdp_runs.original.outcome.ledger
