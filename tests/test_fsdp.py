@@ -71,8 +71,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             try:
                 for step in range(STEPS):
                     if task.nan_step == step and rank == 1:  # from here on, rank 1's losses are NaN
-                        loss = governed.trial.loss
-                        governed.trial.loss = lambda model, batch, f=loss: f(model, batch) * float("nan")  # type: ignore[method-assign]
+                        governed.trial.loss = poisoned(governed.trial.loss)  # type: ignore[method-assign]
                     governed.step(step)
                 governed.governor.check_finite()
             except NonFiniteGradientError as error:
@@ -123,6 +122,15 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         second.governed.step(step)
     again = whole(second.governed.model)
     return "ok", (uninterrupted, again) if rank == 0 else None
+
+
+def poisoned(loss: Any) -> Any:
+    """A trial's ``loss`` whose every value is NaN."""
+
+    def nan_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return loss(model, batch) * float("nan")
+
+    return nan_loss
 
 
 def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,12 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from govray.core.canonical import file_sha256
+from govray.core.keys import platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
 from govray.platform.replay import Replay, replay_trial
-from govray.tracking.lineage import checkpoints
-from govray.train.checkpoint import MODEL_FILE, checkpoint_step, find_checkpoints, shard_owner
+from govray.tracking.lineage import attestations, checkpoints
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    checkpoint_step,
+    find_checkpoints,
+    shard_owner,
+    verify_checkpoint,
+)
+from govray.train.sharding import consolidated
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
 
@@ -63,10 +73,24 @@ def shard_files(folder: Path) -> dict[str, Path]:
     return {path.name: path for path in folder.iterdir() if shard_owner(path.name) is not None}
 
 
-def test_the_run_is_sharded(fsdp_runs: FsdpRuns) -> None:
-    folder = final(fsdp_runs.original.outcome.run_dir)
-    assert not (folder / MODEL_FILE).exists()
-    assert {shard_owner(name) for name in shard_files(folder)} == {0, 1}
+def test_the_run_is_sharded_and_its_last_checkpoint_holds_the_whole_model(fsdp_runs: FsdpRuns) -> None:
+    """Each rank wrote its shards into every checkpoint; only the last (and a validation's) also
+    holds ``model.safetensors``, the shards put together — what the attestation names."""
+    found = find_checkpoints(fsdp_runs.original.outcome.run_dir)
+    assert [checkpoint_step(folder) for folder in found] == [10, 20, 30]
+    for folder in found:
+        assert {shard_owner(name) for name in shard_files(folder)} == {0, 1}
+        assert (folder / MODEL_FILE).exists() == (folder == found[-1])
+    whole = load_file(str(found[-1] / MODEL_FILE))
+    assert whole.keys() == consolidated(found[-1], 2).keys()
+    for name, tensor in consolidated(found[-1], 2).items():
+        assert torch.equal(whole[name], tensor), name
+    verify_checkpoint(found[-1], platform_trust(platform_key()))  # every file, every rank's shards
+    store = fsdp_runs.original.store
+    last = checkpoints(store, fsdp_runs.original.outcome.trial_id)[-1]
+    recorded = attestations(store, last.id)  # type: ignore[arg-type]
+    assert recorded, "the trial's end attested its last checkpoint"
+    assert {record.subject_digest for record in recorded} == {file_sha256(found[-1] / MODEL_FILE)}
 
 
 def test_removing_the_adapter_is_the_replay_without_its_corpus_in_every_shard(fsdp_runs: FsdpRuns) -> None:
@@ -98,7 +122,7 @@ def test_a_killed_worker_resumes_from_the_sharded_checkpoint_bit_identically(fsd
     deadline = time.monotonic() + 300
     while killed is None and time.monotonic() < deadline and thread.is_alive():
         new = [t for t in store.list_trials(1) if t.id not in known]
-        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):
             pids = train_worker_pids()
             if pids:
                 killed = pids[-1]
