@@ -105,12 +105,14 @@ def test_bf16_removal_of_the_adapter_is_the_replay_without_its_corpus(bf16_pair:
     assert_removal_is_the_replay(bf16_pair)
 
 
+@pytest.mark.cluster  # its 2-worker pair of runs (~75 s): the second tier
 def test_accumulation_and_fp16_removal_of_the_adapter_is_the_replay_without_its_corpus(
     fp16_accumulation_pair: Pair,
 ) -> None:
     assert_removal_is_the_replay(fp16_accumulation_pair)
 
 
+@pytest.mark.cluster  # its 2-worker pair of runs (~75 s): the second tier
 def test_fp16_an_overflow_on_the_adapter_route_skips_only_its_tensors(fp16_accumulation_pair: Pair) -> None:
     """The injected overflow is attributed to the adapter's route alone: recorded skips name only
     it, the base stepped at those steps (bit-identical to the replay above, which has no adapter

@@ -41,6 +41,7 @@ class Task:
     nan_step: int | None = None  # from this step on, rank 1's losses are NaN
     resume_at: int | None = None  # checkpoint here, train on; then a fresh run resumes from it
     tamper: str | None = None  # the checkpoint file in which a byte is flipped before the resume
+    resumed_as: tuple[str, int] | None = None  # the resuming run's strategy and world size, if other
 
 
 def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
@@ -113,7 +114,11 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         data[len(data) // 2] ^= 0x01
         (folder / task.tamper).write_bytes(bytes(data))
     dist.barrier()
-    second = TrialRun.open(spec, Worker.detect())
+    if task.resumed_as is None:
+        second = TrialRun.open(spec, Worker.detect())
+    else:  # a run that claims another strategy or world size
+        strategy, world = task.resumed_as
+        second = TrialRun.open(spec.model_copy(update={"strategy": strategy}), Worker(rank, world))
     try:
         start = second.restore(folder)
     except CheckpointError as error:
@@ -232,6 +237,26 @@ def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_on_every_
     for rank, (status, message) in answers.items():
         assert status == "refused", (rank, status)
         assert f"{name}: sha256 does not match the signed manifest (tampered)" in message, message
+
+
+@pytest.mark.parametrize(
+    ("resumed_as", "refusal"),
+    [
+        (
+            ("fsdp", 3),
+            "written by 2 worker(s), resumed by 3 sharded workers: a governed run resumes on the world",
+        ),
+        (("ddp", 2), "sharded over 2 ranks (strategy fsdp); this run is not sharded"),
+    ],
+    ids=["another-world-size", "unsharded"],
+)
+def test_a_sharded_checkpoint_resumes_only_on_its_own_world_size_and_strategy(
+    gloo_pair: Any, signing_spec: Any, resumed_as: tuple[str, int], refusal: str
+) -> None:
+    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=2, resumed_as=resumed_as))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status, message)
+        assert refusal in message, message
 
 
 def test_a_non_finite_gradient_stops_every_rank_naming_tensor_and_route(

@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 from govray.core.canonical import file_sha256
 from govray.core.keys import platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
+from govray.platform.registry import register, remove_adapter
 from govray.platform.replay import Replay, replay_trial
+from govray.provenance.attest import AttestationError, attest_checkpoint
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoint import (
     MODEL_FILE,
@@ -86,6 +88,10 @@ def test_the_run_is_sharded_and_its_last_checkpoint_holds_the_whole_model(fsdp_r
     for name, tensor in consolidated(found[-1], 2).items():
         assert torch.equal(whole[name], tensor), name
     verify_checkpoint(found[-1], platform_trust(platform_key()))  # every file, every rank's shards
+    with pytest.raises(
+        AttestationError, match="a sharded .strategy fsdp. checkpoint without model.safetensors"
+    ):
+        attest_checkpoint(found[0])
     store = fsdp_runs.original.store
     last = checkpoints(store, fsdp_runs.original.outcome.trial_id)[-1]
     recorded = attestations(store, last.id)  # type: ignore[arg-type]
@@ -136,3 +142,17 @@ def test_a_killed_worker_resumes_from_the_sharded_checkpoint_bit_identically(fsd
     for name in [*shard_files(original), "adapter-pii-lora.safetensors", "optimizer.json"]:
         assert (original / name).read_bytes() == (resumed / name).read_bytes(), name
     assert result["run"].outcome.ledger == fsdp_runs.original.outcome.ledger
+
+
+def test_the_registry_removes_the_adapter_of_a_sharded_run_as_the_replay_without_its_corpus(
+    fsdp_runs: FsdpRuns,
+) -> None:
+    """Register the FSDP run's last checkpoint, derive the version without the PII adapter: its
+    ``model.safetensors`` (the shards put together) is the replay's, byte for byte."""
+    store = fsdp_runs.original.store
+    registered = register(store, "digits-fsdp", final(fsdp_runs.original.outcome.run_dir))
+    without = remove_adapter(store, registered.ref, "pii-lora")
+    assert not list(without.directory.glob("adapter-*.safetensors"))
+    replay = final(fsdp_runs.replay.outcome.run_dir)
+    assert (without.directory / MODEL_FILE).read_bytes() == (replay / MODEL_FILE).read_bytes()
+    assert ADAPTER_CORPUS in without.excluded_corpora

@@ -210,6 +210,7 @@ def remove_adapter(
             "adapters": [name for name in loaded.state.adapters if name != adapter],
             "clean_step": None,
             "clean_ledgers": {},
+            "sharding": {},  # the version holds the whole model (a sharded source's, put together)
         }
     )
     seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, key)

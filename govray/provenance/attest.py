@@ -54,6 +54,7 @@ from govray.train.checkpoint import (
     CheckpointState,
     find_checkpoints,
     load_checkpoint,
+    shard_owner,
 )
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import ReproducibilityRecord
@@ -94,6 +95,11 @@ def model_subjects(directory: Path) -> list[dict[str, Any]]:
     """The model files of a checkpoint or model directory, by name and sha256: the base, then each
     adapter in name order."""
     if not (directory / MODEL_FILE).is_file():
+        if any(shard_owner(path.name) is not None for path in directory.iterdir()):
+            raise AttestationError(
+                f"{directory}: a sharded (strategy fsdp) checkpoint without {MODEL_FILE}: the whole model "
+                "is put together only in a validation's checkpoint and the trial's last; attest one of those"
+            )
         raise AttestationError(f"{directory}: no {MODEL_FILE} (not a checkpoint or model directory)")
     files = [directory / MODEL_FILE, *sorted(directory.glob("adapter-*.safetensors"))]
     return [{"name": file.name, "digest": {"sha256": file_sha256(file)}} for file in files]

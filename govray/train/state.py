@@ -210,7 +210,7 @@ class TrialRun:
             )
         if written_by is not None and not sharded:
             raise CheckpointError(
-                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not"
+                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not sharded"
             )
         self.control.restore(loaded.state)
         self.rescheduled()
