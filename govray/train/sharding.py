@@ -30,7 +30,7 @@ parameters and optimizer state stay fp32.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -261,17 +261,13 @@ SHARDS_KEY = "govray.shards"  # a shard file's metadata: name → [global shape,
 def _file_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's part of each tensor, on the CPU, contiguous and storage-disjoint (safetensors
     refuses shared storage: a tied tensor is stored under each name), and where each shard lies."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     tensors: dict[str, torch.Tensor] = {}
     placement: dict[str, Any] = {}
     seen: set[int] = set()
     for name, tensor in state.items():
         part = local(tensor).detach()
         if isinstance(tensor, DTensor):
-            _, offset = compute_local_shape_and_global_offset(
-                tensor.shape, tensor.device_mesh, tensor.placements
-            )
+            _, offset = _local_box(tensor)
             placement[name] = [list(tensor.shape), list(offset)]
         stored = part.cpu()
         if stored.untyped_storage().data_ptr() in seen or not stored.is_contiguous() or stored is part:
@@ -279,6 +275,13 @@ def _file_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Te
         seen.add(stored.untyped_storage().data_ptr())
         tensors[name] = stored
     return tensors, placement
+
+
+def _local_box(tensor: DTensor) -> tuple[Sequence[int], Sequence[int]]:
+    """Where this rank's shard of ``tensor`` lies in it: (shape, offset)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
 
 
 def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -314,47 +317,44 @@ def load_shards(model: GovernedModel, path: Path) -> None:
     """Load this rank's model shard file into the sharded model (every base tensor, by the user's
     names), refusing a file that does not fit, naming the tensor."""
     shards = load_file(str(path))
-    state = model.base_state()
-    missing = sorted(set(state) - set(shards))
-    unexpected = sorted(set(shards) - set(state))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    with torch.no_grad():
-        for name, target in state.items():
-            mine = local(target)
-            if tuple(mine.shape) != tuple(shards[name].shape):
-                found, expected = tuple(shards[name].shape), tuple(mine.shape)
-                raise CheckpointError(f"{path}: {name} has shape {found}, this rank's shard {expected}")
-            mine.copy_(shards[name])
+    _copy_in(model, shards.keys(), path, lambda name, _target: shards[name])
 
 
 def load_whole(model: GovernedModel, whole: Mapping[str, torch.Tensor], source: Path) -> None:
     """Load whole tensors (an unsharded checkpoint's base model, or a sharded one put together)
     into the sharded model: each rank copies its part."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    def part(name: str, target: torch.Tensor) -> torch.Tensor:
+        tensor = whole[name]
+        if not isinstance(target, DTensor) or tuple(tensor.shape) != tuple(target.shape):
+            return tensor  # (a shape that does not fit is refused by the caller)
+        shape, offset = _local_box(target)
+        return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+    _copy_in(model, whole.keys(), source, part)
+
+
+def _copy_in(
+    model: GovernedModel,
+    names: Iterable[str],
+    source: Path,
+    part: Callable[[str, torch.Tensor], torch.Tensor],
+) -> None:
+    """Copy ``part(name, tensor)`` into this rank's part of each base tensor; names or shapes that
+    do not fit the model are refused, naming the tensors."""
     state = model.base_state()
-    missing = sorted(set(state) - set(whole))
-    unexpected = sorted(set(whole) - set(state))
+    missing, unexpected = sorted(set(state) - set(names)), sorted(set(names) - set(state))
     if missing or unexpected:
         raise CheckpointError(
             f"{source} does not fit this trial's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
         for name, target in state.items():
-            tensor = whole[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(
-                    f"{source}: {name} has shape {tuple(tensor.shape)}, the model {tuple(target.shape)}"
-                )
-            if isinstance(target, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(
-                    target.shape, target.device_mesh, target.placements
-                )
-                tensor = tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-            local(target).copy_(tensor)
+            mine, value = local(target), part(name, target)
+            if tuple(mine.shape) != tuple(value.shape):
+                found, expected = tuple(value.shape), tuple(mine.shape)
+                raise CheckpointError(f"{source}: {name} has shape {found}, this rank's part {expected}")
+            mine.copy_(value)
 
 
 def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

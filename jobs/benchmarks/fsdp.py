@@ -38,20 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobs.benchmarks.governance_overhead import POLICY  # routes: open (all layers), upper (last two)
 from jobs.examples.text.trial import VOCAB, CharTransformer
 
 WORLD, D_MODEL, N_LAYERS, N_HEADS, CONTEXT, BATCH = 2, 512, 8, 8, 64, 4
 LAYERS = ("embed", *(f"blocks.{index}" for index in range(N_LAYERS)), "head")
 MAX_GRAD_NORM = 1.0
 ROUTES = ("open", "upper")  # rank r's slot is on ROUTES[r]
-POLICY: dict[str, Any] = {
-    "name": "bench",
-    "version": 1,
-    "rules": [
-        {"name": "open", "match": {"license_class": "public-domain"}, "route": "all"},
-        {"name": "upper", "match": {"license_class": "licensed"}, "route": {"depth": {"min": -2}}},
-    ],
-}
 HeldBytes = tuple[int, int, int]  # parameters, gradients, optimizer state
 
 
