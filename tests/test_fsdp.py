@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from govray.config.experiment import ExperimentConfig
+from govray.config.experiment import ExperimentConfig, Strategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
@@ -42,6 +42,7 @@ class Task:
     resume_at: int | None = None  # checkpoint here, train on; then a fresh run resumes from it
     tamper: str | None = None  # the checkpoint file in which a byte is flipped before the resume
     resumed_as: tuple[str, int] | None = None  # the resuming run's strategy and world size, if other
+    rollback: bool = False  # keep clean states, checkpoint, train on, roll back (``rolled_back``)
 
 
 def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
@@ -58,11 +59,15 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     while (task := tasks.get()) is not None:
         try:
             spec = RunSpec.model_validate_json(task.spec)
-            spec = spec.model_copy(update={"strategy": task.strategy, "excluded_corpora": task.excluded})
+            update = {"strategy": Strategy(task.strategy), "excluded_corpora": task.excluded}
+            spec = spec.model_copy(update=update)
             hparams = {**spec.hparams, **ADAMW}
             assert spec.settings is not None
             settings = spec.settings.model_copy(update=dict(task.training)).with_hyperparameters(hparams)
             spec = spec.model_copy(update={"hparams": hparams, "settings": settings})
+            if task.rollback:
+                results.put((rank, *rolled_back(spec, rank)))
+                continue
             if task.resume_at is not None:
                 results.put((rank, *resumed(spec, task, rank)))
                 continue
@@ -118,7 +123,7 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         second = TrialRun.open(spec, Worker.detect())
     else:  # a run that claims another strategy or world size
         strategy, world = task.resumed_as
-        second = TrialRun.open(spec.model_copy(update={"strategy": strategy}), Worker(rank, world))
+        second = TrialRun.open(spec.model_copy(update={"strategy": Strategy(strategy)}), Worker(rank, world))
     try:
         start = second.restore(folder)
     except CheckpointError as error:
@@ -127,6 +132,60 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         second.governed.step(step)
     again = whole(second.governed.model)
     return "ok", (uninterrupted, again) if rank == 0 else None
+
+
+def rolled_back(spec: Any, rank: int) -> tuple[str, Any]:
+    """Under a rollback policy: a clean state at step 4, checkpointed and kept in no memory;
+    at step 6 a rollback to it reads that checkpoint; the checkpoint at step 8 carries it, and
+    a run resumed from there rolls back to it again from the carried copy:
+    ``("ok", (clean, after the first rollback, after the second, initial, files carried))``."""
+    import torch.distributed as dist
+
+    from govray.core.keys import SigningKey
+    from govray.governance.memorization import MemorizationThresholds
+    from govray.train.decisions import RollbackDecision
+    from govray.train.state import TrialRun
+    from govray.train.worker import Worker
+
+    thresholds = MemorizationThresholds(loss_gap=0.5, action="rollback")
+    spec = spec.model_copy(
+        update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
+    )
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    run_dir = Path(spec.run_dir)
+    if rank == 0 and run_dir.exists():
+        shutil.rmtree(run_dir)
+    dist.barrier()
+
+    def checkpoint(run: Any, step: int) -> Path:
+        folder = run_dir / f"checkpoint_{step:08d}"
+        run.save(folder, step, key, {"step": step})
+        return folder
+
+    run = TrialRun.open(spec, Worker.detect())
+    run.keep_clean(0)
+    initial = whole(run.governed.model)
+    checkpoint(run, 0)
+    for step in range(4):
+        run.governed.step(step)
+    run.keep_clean(4)  # a validation found it clean
+    clean = whole(run.governed.model)
+    checkpoint(run, 4)
+    for step in range(4, 6):
+        run.governed.step(step)
+    snapshots = list(run.control.snapshots.values())
+    assert snapshots and all(s.on_storage and not s.weights and not s.optimizer for s in snapshots)
+    run.roll_back(RollbackDecision(seq=0, step=6, to_step=4, corpora=["digits-public"], score=None))
+    first = whole(run.governed.model)
+    for step in range(6, 8):
+        run.governed.step(step)
+    folder = checkpoint(run, 8)  # carries the clean state of step 4
+    carried = sorted(path.name for path in folder.iterdir() if path.name.startswith("clean-"))
+    resumed = TrialRun.open(spec, Worker.detect())
+    resumed.restore(folder)
+    resumed.roll_back(RollbackDecision(seq=1, step=8, to_step=4, corpora=["digits-licensed"], score=None))
+    second = whole(resumed.governed.model)
+    return "ok", (clean, first, second, initial, carried) if rank == 0 else None
 
 
 def poisoned(loss: Any) -> Any:
@@ -257,6 +316,21 @@ def test_a_sharded_checkpoint_resumes_only_on_its_own_world_size_and_strategy(
     for rank, (status, message) in answers.items():
         assert status == "refused", (rank, status, message)
         assert refusal in message, message
+
+
+def test_an_fsdp_rollback_restores_the_clean_state_from_storage(gloo_pair: Any, signing_spec: Any) -> None:
+    """No clean state is kept in memory: a rollback reads the signed checkpoint of the clean step
+    (its own shards, or the copies a later checkpoint carries), bit for bit."""
+    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", rollback=True))
+    assert answers[1][0] == "ok", answers[1]
+    status, (clean, first, second, initial, carried) = answers[0]
+    assert status == "ok"
+    assert {shard_owner(name) for name in carried} == {None, 0, 1}, carried  # each rank carried its own
+    assert all(name.startswith("clean-00000004-") for name in carried), carried
+    assert any(not torch.equal(clean[name], initial[name]) for name in clean), "training moved it"
+    for name in clean:
+        assert torch.equal(first[name], clean[name]), name
+        assert torch.equal(second[name], clean[name]), name
 
 
 def test_a_non_finite_gradient_stops_every_rank_naming_tensor_and_route(

@@ -1,9 +1,12 @@
 """Whole governed FSDP runs on 2 Ray Train workers (gloo): removing the adapter's corpus is the
-replay without it, bit for bit in every shard; a worker SIGKILLed after the first checkpoint
-resumes from the sharded checkpoint and ends bit-identical to the uninterrupted run."""
+replay without it, bit for bit in every shard (and in the registry's version without the
+adapter); a worker SIGKILLed after the first checkpoint resumes from the sharded checkpoint and
+ends bit-identical to the uninterrupted run; a memorizing run rolls back from storage while GC
+deletes old checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -17,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from govray.core.canonical import file_sha256
-from govray.core.keys import platform_key, platform_trust
+from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
 from govray.platform.registry import register, remove_adapter
 from govray.platform.replay import Replay, replay_trial
@@ -33,6 +36,7 @@ from govray.train.checkpoint import (
 from govray.train.sharding import consolidated
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
+from tests.test_memorization_flag import MEMORIZER, trained
 
 pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier
 
@@ -156,3 +160,36 @@ def test_the_registry_removes_the_adapter_of_a_sharded_run_as_the_replay_without
     replay = final(fsdp_runs.replay.outcome.run_dir)
     assert (without.directory / MODEL_FILE).read_bytes() == (replay / MODEL_FILE).read_bytes()
     assert ADAPTER_CORPUS in without.excluded_corpora
+
+
+def test_an_fsdp_run_rolls_back_from_storage_while_gc_deletes_old_checkpoints(
+    ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
+) -> None:
+    """A memorizing 2-worker FSDP run under a rollback policy, GC keeping one latest checkpoint as
+    it goes: each rollback reads the clean state from storage (the checkpoint that carries it;
+    none in memory), and the weights that go on are the clean ones bit for bit: evaluated again
+    at the rollback step they give the clean step's validation loss exactly."""
+    policy = (authority_key, trust, {"loss_gap": 0.5, "action": "rollback"})
+    outcome, store = trained(
+        tmp_path,
+        MEMORIZER,
+        steps=1500,
+        random_labels=True,
+        validate_every=300,
+        policy=policy,
+        resources={"workers": 2, "cpus_per_worker": 1, "strategy": "fsdp"},
+        keep_latest=1,
+    )
+    assert outcome.steps_done == 1500  # it went on after the rollbacks, to the end
+    decisions = store.decisions(outcome.trial_id)
+    rollbacks = [json.loads(d.payload_json) | {"step": d.step} for d in decisions if d.kind == "rollback"]
+    assert rollbacks, "the memorizing corpus was flagged and rolled back"
+    assert any(rollback["to_step"] for rollback in rollbacks), rollbacks  # one read a clean checkpoint
+    for rollback in rollbacks:
+        at = {m.name: m.value for m in store.metrics(outcome.trial_id) if m.step == rollback["step"]}
+        clean = {m.name: m.value for m in store.metrics(outcome.trial_id) if m.step == rollback["to_step"]}
+        assert at["rolled_back_to"] == rollback["to_step"]
+        if rollback["to_step"]:
+            assert at["validation_loss"] == clean["validation_loss"], (rollback, at, clean)
+    live = [c for c in checkpoints(store, outcome.trial_id) if c.state == "active"]
+    assert len(live) < len(checkpoints(store, outcome.trial_id)), "GC deleted checkpoints as it went"

@@ -40,8 +40,17 @@ def trained(
     random_labels: bool,
     validate_every: int | None = None,
     policy: tuple[SigningKey, TrustConfig, dict[str, Any]] | None = None,
+    resources: dict[str, Any] | None = None,
+    keep_latest: int = 1000,
 ) -> tuple[TrialOutcome, TrackingStore]:
-    path = _golden_example(root, workers=1, max_length={"batches": steps}, hparams=hparams, lr_schedule=False)
+    path = _golden_example(
+        root,
+        workers=1,
+        max_length={"batches": steps},
+        hparams=hparams,
+        lr_schedule=False,
+        **({"resources": resources} if resources else {}),
+    )
     if policy is not None:  # the example policy plus a memorization section, signed by a test authority
         key, trust, memorization = policy
         document = yaml.safe_load((root / "policies" / "digits.policy.yaml").read_text())
@@ -56,7 +65,7 @@ def trained(
         pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", [shuffled]), public)
     raw = yaml.safe_load(path.read_text())
     raw["min_validation_period"] = validate_every or steps  # by default one validation, at the end
-    raw["checkpoint"]["save_trial_latest"] = 1000  # tests read every one
+    raw["checkpoint"]["save_trial_latest"] = keep_latest  # by default tests read every one
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     config = load_experiment(path)
     store = TrackingStore.open(config.database_url)

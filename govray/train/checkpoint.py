@@ -68,7 +68,7 @@ OPTIMIZER_META = "optimizer.json"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
-_SHARD = re.compile(r"^(model|optimizer)-shard-(\d{5})-of-(\d{5})\.safetensors$")
+_SHARD = re.compile(r"^(?:clean-\d{8}-)?(model|optimizer)-shard-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 def shard_file(kind: str, rank: int, world_size: int) -> str:
@@ -77,7 +77,8 @@ def shard_file(kind: str, rank: int, world_size: int) -> str:
 
 
 def shard_owner(name: str) -> int | None:
-    """The rank whose shard file ``name`` is; None for a file every rank may read."""
+    """The rank whose shard file ``name`` is (its own, or a clean state's copy, ``clean-STEP-``);
+    None for a file every rank may read."""
     match = _SHARD.match(name)
     return int(match.group(2)) if match else None
 
@@ -230,6 +231,11 @@ def load_clean_states(loaded: LoadedCheckpoint) -> dict[int, tuple[dict[str, tor
             ) from None
         states[step] = (weights, optimizer_state)
     return states
+
+
+def clean_name(step: int, name: str) -> str:
+    """The name under which a checkpoint carries ``name`` of its earlier clean state at ``step``."""
+    return _clean(step, name)
 
 
 def _clean(step: int, name: str) -> str:

@@ -91,13 +91,16 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         note(f"starting from checkpoint {spec.start_checkpoint} (its step {run.source['step']})")
     if resume is None:
         run.keep_clean(0)  # the starting weights are the first rollback target
+    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
+    if resume is None and governed.sharded and control.snapshots and spec.platform_key:
+        # Under FSDP a clean state is a checkpoint, not a copy in memory: the starting one too.
+        _deliver(run, StepReport(step=0, epoch=0, metrics={}), key, session, report_it=False)
     node = ray_node_id()
     note(
         f"rank {worker.rank} of {worker.world_size}{f' on Ray node {node}' if node else ''}: "
         f"steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
-    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     if (control.stopped_early or start >= spec.max_steps) and run.cloned_from_run:
         report = finished_clone_report(run, start)
         note(
@@ -162,10 +165,17 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
 
 
 def _deliver(
-    run: TrialRun, report: StepReport, key: SigningKey | None, session: Session, save: bool = True
+    run: TrialRun,
+    report: StepReport,
+    key: SigningKey | None,
+    session: Session,
+    save: bool = True,
+    *,
+    report_it: bool = True,
 ) -> None:
-    """Report, after sealing the checkpoint that goes with it when ``save`` and the run signs its
-    checkpoints (rank 0 holds the ``key``; under FSDP every rank writes its shards)."""
+    """Report (unless not ``report_it``), after sealing the checkpoint that goes with it when
+    ``save`` and the run signs its checkpoints (rank 0 holds the ``key``; under FSDP every rank
+    writes its shards)."""
     if save and (key is not None or (run.governed.sharded and run.spec.platform_key)):
 
         def write(folder: Path) -> None:
@@ -173,7 +183,8 @@ def _deliver(
             run.save(folder, report.step, key, sealed.model_dump(mode="json"))
 
         report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, write)})
-    session.report(report)
+    if report_it:
+        session.report(report)
 
 
 def _line(report: StepReport) -> str:

@@ -9,36 +9,50 @@ and ledger (fork, ``--from-checkpoint``).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from govray.core.canonical import file_sha256
-from govray.core.errors import ConfigError
 from govray.core.keys import SigningKey
 from govray.core.storage import open_storage
-from govray.governance.adapters import save_adapter, save_base, save_base_tensors
+from govray.governance.adapters import load_adapter, save_adapter, save_base, save_base_tensors
 from govray.governance.memorization import MemorizationReport
 from govray.train.checkpoint import (
     MODEL_FILE,
+    OPTIMIZER_META,
     REPORT_FILE,
     RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
+    checkpoint_step,
+    clean_name,
     load_checkpoint,
     load_clean_states,
+    optimizer_state_from_files,
     save_clean_state,
     seal_checkpoint,
+    shard_file,
     shard_owner,
+    verify_checkpoint,
 )
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
 from govray.train.runspec import RunSpec
-from govray.train.sharding import consolidated, local_optimizer_state, sharded_optimizer_state, write_shards
+from govray.train.sharding import (
+    consolidated,
+    load_shards,
+    local_optimizer_state,
+    sharded_optimizer_state,
+    write_shards,
+)
 from govray.train.step import GovernedStep, Snapshot
 from govray.train.trial import make_trial
 from govray.train.worker import Worker, agreed
@@ -54,11 +68,9 @@ class TrialRun:
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
         )
         governed.scaler = self.control.scaler  # fp16's skips are the controller's decisions
-        if governed.sharded and self.control.rolls_back:
-            raise ConfigError(
-                "a memorization rollback policy with strategy fsdp is not supported yet (its clean "
-                "state would be a second sharded copy in memory); use strategy ddp, or action gate"
-            )
+        # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
+        # a rollback returns to (its own state, or the copies it carries of earlier ones).
+        self.latest: Path | None = None
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -87,7 +99,11 @@ class TrialRun:
     def roll_back(self, decision: RollbackDecision) -> None:
         """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
         since); the LR settings stay those in force now (a plateau cut is not undone)."""
-        self.governed.load_snapshot(self.control.rollback_snapshot(decision))
+        snapshot = self.control.rollback_snapshot(decision)
+        if snapshot.on_storage:
+            self._load_clean(snapshot)
+        else:
+            self.governed.load_snapshot(snapshot)
         if self.control.plateau is not None:
             self.governed.set_lr_scale(self.control.lr_scale)
         self.rescheduled()
@@ -109,6 +125,47 @@ class TrialRun:
 
     def keep_clean(self, steps_done: int) -> None:
         self.control.keep_clean(steps_done, self.governed.snapshot)
+
+    def _load_clean(self, snapshot: Snapshot) -> None:
+        """FSDP: back to a clean state from storage (no copy of it was kept in memory): the last
+        checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
+        reads its own shards, and every rank refuses if one does."""
+        folder, governed = self.latest, self.governed
+        if folder is None:
+            raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
+        worker = governed.worker
+        agreed(lambda: verify_checkpoint(folder, self.spec.trust, worker.rank), worker, CheckpointError)
+        own = checkpoint_step(folder) == snapshot.step
+
+        def path(name: str) -> Path:
+            return folder / (name if own else clean_name(snapshot.step, name))
+
+        load_shards(governed.model, path(shard_file("model", worker.rank, worker.world_size)))
+        for adapter in governed.model.adapter_names():
+            load_adapter(governed.model, adapter, path(f"adapter-{adapter}.safetensors"))
+        state = optimizer_state_from_files(
+            load_file(str(path(shard_file("optimizer", worker.rank, worker.world_size)))),
+            json.loads(path(OPTIMIZER_META).read_text()),
+        )
+        governed.optimizer.load_state_dict(sharded_optimizer_state(governed.optimizer, state))
+        governed.ledger = Ledger.from_json(snapshot.ledger)
+        governed.take_hyperparameters()
+
+    def _carry_clean(self, directory: Path, steps_done: int, names: list[str]) -> dict[str, str]:
+        """FSDP: into a new checkpoint, this rank's ``names`` of every earlier clean state, linked
+        (or copied) from the last checkpoint, which holds each (its own, or carried); returns the
+        copies' sha256 by name."""
+        carried: dict[str, str] = {}
+        for step, _ in self.control.earlier_snapshots(steps_done):
+            source = self.latest
+            if source is None:
+                raise CheckpointError(f"the clean state of step {step} is in no checkpoint of this run")
+            own = checkpoint_step(source) == step
+            for name in names:
+                target = directory / clean_name(step, name)
+                link_or_copy(source / (name if own else clean_name(step, name)), target)
+                carried[target.name] = file_sha256(target)
+        return carried
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -145,8 +202,9 @@ class TrialRun:
         manifest over all of them."""
         model = self.governed.model
         directory.mkdir(parents=True, exist_ok=True)
-        shard_digests = self._save_shards(directory) if self.governed.sharded else None
+        shard_digests = self._save_shards(directory, steps_done) if self.governed.sharded else None
         if key is None:
+            self.latest = directory
             return  # a rank other than 0 of a sharded run: its shards are written
         if shard_digests is None:
             save_base(model, directory / MODEL_FILE)
@@ -156,20 +214,32 @@ class TrialRun:
             self._consolidate(directory, shard_digests)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
-        for step, snapshot in self.control.earlier_snapshots(steps_done):  # rollback targets survive a resume
-            save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+        if shard_digests is None:
+            for step, snapshot in self.control.earlier_snapshots(
+                steps_done
+            ):  # rollback targets survive a resume
+                save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+        else:  # the clean states' shared files (the shards are carried by their ranks)
+            shared = [
+                OPTIMIZER_META,
+                *(f"adapter-{adapter}.safetensors" for adapter in model.adapter_names()),
+            ]
+            self._carry_clean(directory, steps_done, shared)
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         optimizer = self.governed.optimizer.state_dict()
         if shard_digests is not None:
             optimizer = local_optimizer_state(optimizer)
         seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
+        self.latest = directory
 
-    def _save_shards(self, directory: Path) -> dict[str, str] | None:
+    def _save_shards(self, directory: Path, steps_done: int) -> dict[str, str] | None:
         """Every rank's shard files written (and on object storage), their digests gathered on
         rank 0 (None on the other ranks)."""
         governed, worker = self.governed, self.governed.worker
         written = write_shards(directory, governed.model, governed.optimizer, worker.rank, worker.world_size)
+        own = [shard_file(kind, worker.rank, worker.world_size) for kind in ("model", "optimizer")]
+        written |= self._carry_clean(directory, steps_done, own)
         storage = open_storage(self.spec.storage) if self.spec.storage else None
         if storage is not None and directory.is_relative_to(storage.root):
             storage.upload(*(directory / name for name in written))  # before rank 0 seals the manifest
@@ -232,10 +302,17 @@ class TrialRun:
             governed.set_lr_scale(self.control.lr_scale)
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
-        self.control.snapshots = {
-            step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
-            for step, (weights, optimizer) in load_clean_states(loaded).items()
-        }
+        self.latest = directory
+        if sharded:  # the clean states stay on storage: this checkpoint carries them
+            self.control.snapshots = {
+                int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)
+                for step, ledger in loaded.state.clean_ledgers.items()
+            }
+        else:
+            self.control.snapshots = {
+                step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+                for step, (weights, optimizer) in load_clean_states(loaded).items()
+            }
         if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
             self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
         return loaded.state.step
@@ -261,3 +338,11 @@ class TrialRun:
             "policy_digest": loaded.state.policy_digest,
             **self.spec.start_model,
         }
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` the same file as ``source``: a hard link (no copy) where the filesystem allows."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

@@ -71,12 +71,15 @@ from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A clean state kept in memory: what a rollback restores."""
+    """A clean state: what a rollback restores. Under DDP its weights and optimizer state are
+    kept in memory; under FSDP (``on_storage``) they are not: they are the signed checkpoint of
+    its step, carried on by every later checkpoint (``TrialRun``)."""
 
     step: int
     weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
     optimizer: dict[str, Any]
     ledger: dict[str, Any]
+    on_storage: bool = False
 
 
 def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
@@ -301,6 +304,8 @@ class GovernedStep:
             restored["initial_lr"] = configured["lr"]
 
     def snapshot(self, steps_done: int) -> Snapshot:
+        if self.sharded:  # no second copy in memory: the checkpoint of this step holds it
+            return Snapshot(steps_done, {}, {}, self.ledger.to_json(), on_storage=True)
         return Snapshot(
             step=steps_done,
             weights={name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
