@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from govray.config.experiment import ExperimentConfig, Strategy
+from govray.config.experiment import ExperimentConfig, ParallelStrategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
@@ -59,7 +59,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     while (task := tasks.get()) is not None:
         try:
             spec = RunSpec.model_validate_json(task.spec)
-            update = {"strategy": Strategy(task.strategy), "excluded_corpora": task.excluded}
+            update = {"strategy": ParallelStrategy(task.strategy), "excluded_corpora": task.excluded}
             spec = spec.model_copy(update=update)
             hparams = {**spec.hparams, **ADAMW}
             assert spec.settings is not None
@@ -123,7 +123,9 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         second = TrialRun.open(spec, Worker.detect())
     else:  # a run that claims another strategy or world size
         strategy, world = task.resumed_as
-        second = TrialRun.open(spec.model_copy(update={"strategy": Strategy(strategy)}), Worker(rank, world))
+        second = TrialRun.open(
+            spec.model_copy(update={"strategy": ParallelStrategy(strategy)}), Worker(rank, world)
+        )
     try:
         start = second.restore(folder)
     except CheckpointError as error:

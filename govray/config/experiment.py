@@ -258,7 +258,7 @@ class PlacementStrategy(StrEnum):
     STRICT_SPREAD = "STRICT_SPREAD"  # one worker per node, or wait (for more nodes)
 
 
-class Strategy(StrEnum):
+class ParallelStrategy(StrEnum):
     """How the workers hold the model: whole on each (DDP), or sharded across them (FSDP2)."""
 
     DDP = "ddp"  # a full copy of model, gradients and optimizer state per worker; governed allreduce
@@ -273,11 +273,11 @@ class Resources(BaseModel):
     cpus_per_worker: float = Field(default=1.0, gt=0)
     # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
-    strategy: Strategy = Strategy.DDP
+    strategy: ParallelStrategy = ParallelStrategy.DDP
 
     @model_validator(mode="after")
     def _sharding_needs_workers(self) -> Resources:
-        if self.strategy == Strategy.FSDP and self.workers < 2:
+        if self.strategy == ParallelStrategy.FSDP and self.workers < 2:
             raise ValueError("strategy fsdp shards the model across workers: it needs workers >= 2")
         return self
 
@@ -286,7 +286,7 @@ class Resources(BaseModel):
         # Left at ddp, the strategy is not serialized: an experiment written before it existed
         # keeps its bytes and its digest.
         dumped: dict[str, Any] = handler(self)
-        if self.strategy == Strategy.DDP:
+        if self.strategy == ParallelStrategy.DDP:
             dumped.pop("strategy", None)
         return dumped
 
@@ -453,7 +453,7 @@ class ExperimentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fsdp_precision(self) -> ExperimentConfig:
-        if self.resources.strategy == Strategy.FSDP and self.training.precision == Precision.FP16:
+        if self.resources.strategy == ParallelStrategy.FSDP and self.training.precision == Precision.FP16:
             raise ValueError(
                 "precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision, fp32 reduction); "
                 "fp16's per-route loss scales run under strategy ddp"

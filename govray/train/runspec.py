@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule, Strategy
+from govray.config.experiment import EarlyStoppingPolicy, ParallelStrategy, PlateauSchedule
 from govray.config.training import TrainingSettings
 from govray.core.errors import RoutingError
 from govray.core.keys import TrustConfig
@@ -44,7 +44,9 @@ class RunSpec(BaseModel):
     report_every: int
     threads: int = 1
     use_gpu: bool = False  # each worker trains on its GPU (resources.use_gpu)
-    strategy: Strategy = Strategy.DDP  # resources.strategy: a full model per worker, or FSDP2 shards
+    strategy: ParallelStrategy = (
+        ParallelStrategy.DDP
+    )  # resources.strategy: a full model per worker, or FSDP2 shards
     excluded_corpora: tuple[str, ...] = ()
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.

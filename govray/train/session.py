@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from govray.config.experiment import Strategy
+from govray.config.experiment import ParallelStrategy
 from govray.core.storage import Storage, open_storage
 from govray.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_candidates
 from govray.train.reports import StepReport
@@ -78,7 +78,7 @@ class _RunDirectory:
         self.storage: Storage | None = open_storage(spec.storage) if spec.storage else None
         self._stop: tuple[torch.Tensor, Any] | None = None
         # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
-        self.sharded = spec.strategy == Strategy.FSDP and worker.distributed
+        self.sharded = spec.strategy == ParallelStrategy.FSDP and worker.distributed
         self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
 
     def resume_point(self) -> Path | None:

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from govray.config.experiment import Strategy
+from govray.config.experiment import ParallelStrategy
 from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.data.schedule import (
@@ -102,7 +102,7 @@ class GovernedStep:
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
-        self.sharded = spec.strategy == Strategy.FSDP
+        self.sharded = spec.strategy == ParallelStrategy.FSDP
         if self.sharded and not worker.distributed:
             raise ConfigError("strategy fsdp shards the model across workers: it needs workers >= 2")
         # Under FSDP, bf16 is FSDP2's mixed precision (bf16 compute, fp32 reduction), not autocast.
