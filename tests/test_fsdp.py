@@ -66,7 +66,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             settings = spec.settings.model_copy(update=dict(task.training)).with_hyperparameters(hparams)
             spec = spec.model_copy(update={"hparams": hparams, "settings": settings})
             if task.rollback:
-                results.put((rank, *rolled_back(spec, rank)))
+                results.put((rank, *rolled_back(spec, rank, task.tamper)))
                 continue
             if task.resume_at is not None:
                 results.put((rank, *resumed(spec, task, rank)))
@@ -136,15 +136,18 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
     return "ok", (uninterrupted, again) if rank == 0 else None
 
 
-def rolled_back(spec: Any, rank: int) -> tuple[str, Any]:
+def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, Any]:
     """Under a rollback policy: a clean state at step 4, checkpointed and kept in no memory;
     at step 6 a rollback to it reads that checkpoint; the checkpoint at step 8 carries it, and
     a run resumed from there rolls back to it again from the carried copy:
-    ``("ok", (clean, after the first rollback, after the second, initial, files carried))``."""
+    ``("ok", (clean, after the first rollback, after the second, initial, files carried))``.
+    With ``tamper``, that file of the clean checkpoint gets a flipped byte before the checkpoint
+    at step 8 carries it: ``("refused", message)``."""
     import torch.distributed as dist
 
     from govray.core.keys import SigningKey
     from govray.governance.memorization import MemorizationThresholds
+    from govray.train.checkpoint import CheckpointError
     from govray.train.decisions import RollbackDecision
     from govray.train.state import TrialRun
     from govray.train.worker import Worker
@@ -175,6 +178,18 @@ def rolled_back(spec: Any, rank: int) -> tuple[str, Any]:
     checkpoint(run, 4)
     for step in range(4, 6):
         run.governed.step(step)
+    if tamper is not None:
+        if rank == 0:
+            path = run_dir / "checkpoint_00000004" / tamper
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            path.write_bytes(bytes(data))
+        dist.barrier()
+        try:
+            checkpoint(run, 8)
+        except CheckpointError as error:
+            return "refused", str(error)
+        return "ok", None
     snapshots = list(run.control.snapshots.values())
     assert snapshots and all(s.on_storage and not s.weights and not s.optimizer for s in snapshots)
     run.roll_back(RollbackDecision(seq=0, step=6, to_step=4, corpora=["digits-public"], score=None))
@@ -333,6 +348,18 @@ def test_an_fsdp_rollback_restores_the_clean_state_from_storage(gloo_pair: Any, 
     for name in clean:
         assert torch.equal(first[name], clean[name]), name
         assert torch.equal(second[name], clean[name]), name
+
+
+@pytest.mark.parametrize("name", [shard_file("model", 1, WORLD), "optimizer.json"])
+def test_a_tampered_clean_state_is_never_carried_into_a_new_checkpoint(
+    gloo_pair: Any, signing_spec: Any, name: str
+) -> None:
+    """The checkpoint that carries a clean state checks each file against its signed manifest
+    first: a byte flipped since is refused (on every rank), never signed again."""
+    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", rollback=True, tamper=name))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status)
+        assert f"checkpoint_00000004/{name}: sha256 does not match its signed manifest" in message, message
 
 
 def test_a_non_finite_gradient_stops_every_rank_naming_tensor_and_route(

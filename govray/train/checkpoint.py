@@ -252,10 +252,9 @@ class LoadedCheckpoint(BaseModel):
     signer: str
 
 
-def verify_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> tuple[Manifest, str]:
-    """Check signature, manifest and every digest; returns (manifest, signer keyid). With
-    ``rank``, the shard files of other ranks are neither read nor looked for (each rank of a
-    sharded run verifies what it reads: the shared files and its own shards)."""
+def signed_manifest(directory: Path, trust: TrustConfig) -> tuple[Manifest, str]:
+    """A checkpoint's manifest, checked against its signature (a trusted, unrevoked platform key;
+    the payload byte for byte), without reading the files it lists; returns (manifest, signer)."""
     if not (directory / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{directory}: not a govray checkpoint ({MANIFEST_FILE} missing)")
     signature = directory / SIGNATURE_FILE
@@ -277,19 +276,65 @@ def verify_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = No
         manifest = Manifest.model_validate_json(payload)
     except ValidationError as error:
         raise CheckpointError(f"{directory / MANIFEST_FILE}: {describe_validation_error(error)}") from None
+    return manifest, signer
+
+
+def verify_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> tuple[Manifest, str]:
+    """Check signature, manifest and every digest; returns (manifest, signer keyid). With
+    ``rank``, the shard files of other ranks are neither read nor looked for (each rank of a
+    sharded run verifies what it reads: the shared files and its own shards)."""
+    manifest, signer = signed_manifest(directory, trust)
     present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
     for extra in sorted(present - set(manifest.files)):
         raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")
     sharded = any(shard_owner(name) is not None for name in manifest.files)
     for name, digest in sorted(manifest.files.items()):
         path = directory / name
-        if rank is not None and (shard_owner(name) not in (None, rank) or (name == MODEL_FILE and sharded)):
+        if rank is not None and not rank_reads(name, rank, sharded):
             continue  # another rank's shard, or the whole model put together: not what this rank reads
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the signed manifest but missing")
         if file_sha256(path) != digest:
             raise CheckpointError(f"{path}: sha256 does not match the signed manifest (tampered)")
     return manifest, signer
+
+
+def rank_reads(name: str, rank: int, sharded: bool) -> bool:
+    """Whether ``rank`` reads checkpoint file ``name`` (not another rank's shard, nor, of a
+    sharded checkpoint, the whole model put together)."""
+    return shard_owner(name) in (None, rank) and not (sharded and name == MODEL_FILE)
+
+
+def fetch_part(directory: Path, storage: Storage | None, rank: int) -> None:
+    """Of a checkpoint on object storage, the files ``rank`` reads made present in this node's
+    cache (a node holds the shards its own ranks wrote; the shared files come from the bucket).
+    Unverified: the caller verifies them (``verify_checkpoint(..., rank=R)``)."""
+    if storage is None or not directory.is_relative_to(storage.root):
+        return
+    for name in (MANIFEST_FILE, SIGNATURE_FILE):
+        storage.fetch(directory / name)
+    try:
+        listed = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes()).files
+    except (OSError, ValidationError):
+        return  # no readable manifest: verification says so
+    sharded = any(shard_owner(name) is not None for name in listed)
+    for name in listed:
+        if rank_reads(name, rank, sharded):
+            storage.fetch(directory / name)
+
+
+def ordered_checkpoints(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+    """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
+    unverified (each manifest fetched from the storage if needed)."""
+    found: list[tuple[int, str, Path]] = []
+    for directory in checkpoint_directories(run_dir, storage):
+        try:
+            if storage is not None and directory.is_relative_to(storage.root):
+                storage.fetch(directory / MANIFEST_FILE)
+            found.append((-checkpoint_step(directory), directory.name, directory))
+        except (OSError, ValueError, KeyError, TypeError, GovrayError):
+            continue  # no readable manifest: not a checkpoint (yet)
+    return [directory for _, _, directory in sorted(found)]
 
 
 def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> LoadedCheckpoint:

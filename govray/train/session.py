@@ -32,8 +32,15 @@ import torch
 import torch.distributed as dist
 
 from govray.config.experiment import ParallelStrategy
-from govray.core.storage import Storage, open_storage
-from govray.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_candidates
+from govray.core.storage import Storage, StorageError, open_storage
+from govray.train.checkpoint import (
+    CHECKPOINT_PREFIX,
+    CheckpointError,
+    checkpoint_candidates,
+    fetch_part,
+    ordered_checkpoints,
+    verify_checkpoint,
+)
 from govray.train.reports import StepReport
 from govray.train.runspec import RunSpec
 from govray.train.worker import Worker
@@ -97,15 +104,31 @@ class _RunDirectory:
         return None
 
     def _newest_verified(self, run_dir: Path) -> Path | None:
-        """The resume rule; the ranks of a sharded run apply it together: each verifies what it
-        reads of each candidate, newest first, and they resume from the first that verifies on
-        every rank (one that does not is passed over on every rank, the reason kept)."""
-        rank = self.worker.rank if self.sharded else None
-        for directory, refusal in checkpoint_candidates(run_dir, self.spec.trust, self.storage, rank):
-            said: list[Any] = [refusal]
-            if self.sharded:
-                said = [None] * self.worker.world_size
-                dist.all_gather_object(said, refusal)
+        """The resume rule; the ranks of a sharded run apply it together: rank 0 lists the
+        candidates (newest first) for all, each rank verifies what it reads of each, and they
+        resume from the first that verifies on every rank (one that does not is passed over on
+        every rank, the reasons kept)."""
+        if not self.sharded:
+            for directory, refusal in checkpoint_candidates(run_dir, self.spec.trust, self.storage):
+                if refusal is None:
+                    return directory
+                self.passed_over.append(refusal)
+            return None
+        rank = self.worker.rank
+        listed: list[Any] = [
+            [str(d) for d in ordered_checkpoints(run_dir, self.storage)] if rank == 0 else None
+        ]
+        dist.broadcast_object_list(listed, src=0)
+        for name in listed[0]:
+            directory = Path(name)
+            try:
+                fetch_part(directory, self.storage, rank)
+                verify_checkpoint(directory, self.spec.trust, rank)
+                refusal = None
+            except (CheckpointError, StorageError, OSError) as error:
+                refusal = str(error)
+            said: list[Any] = [None] * self.worker.world_size
+            dist.all_gather_object(said, refusal)
             refusals = [reason for reason in said if reason is not None]
             if not refusals:
                 return directory

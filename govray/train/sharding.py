@@ -308,6 +308,7 @@ def write_shards(
     written: dict[str, str] = {}
     for kind, contents, layout in (("model", tensors, placement), ("optimizer", optimizer_tensors, {})):
         name = shard_file(kind, rank, world_size)
+        (directory / name).unlink(missing_ok=True)  # (a killed attempt's): never write through a link
         save_file(contents, str(directory / name), metadata={SHARDS_KEY: json.dumps(layout, sort_keys=True)})
         written[name] = file_sha256(directory / name)
     return written

@@ -30,15 +30,16 @@ from govray.train.checkpoint import (
     RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
-    checkpoint_step,
+    checkpoint_world_size,
     clean_name,
+    fetch_part,
     load_checkpoint,
     load_clean_states,
     optimizer_state_from_files,
     save_clean_state,
     seal_checkpoint,
     shard_file,
-    shard_owner,
+    signed_manifest,
     verify_checkpoint,
 )
 from govray.train.control import Controller
@@ -70,7 +71,8 @@ class TrialRun:
         governed.scaler = self.control.scaler  # fp16's skips are the controller's decisions
         # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
-        self.latest: Path | None = None
+        self.latest: tuple[Path, int] | None = None  # (folder, step)
+        self.storage = open_storage(spec.storage) if spec.storage else None
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -130,15 +132,19 @@ class TrialRun:
         """FSDP: back to a clean state from storage (no copy of it was kept in memory): the last
         checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
         reads its own shards, and every rank refuses if one does."""
-        folder, governed = self.latest, self.governed
-        if folder is None:
+        if self.latest is None:
             raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
+        (folder, step), governed = self.latest, self.governed
         worker = governed.worker
-        agreed(lambda: verify_checkpoint(folder, self.spec.trust, worker.rank), worker, CheckpointError)
-        own = checkpoint_step(folder) == snapshot.step
+
+        def verified() -> None:
+            fetch_part(folder, self.storage, worker.rank)
+            verify_checkpoint(folder, self.spec.trust, worker.rank)
+
+        agreed(verified, worker, CheckpointError)
 
         def path(name: str) -> Path:
-            return folder / (name if own else clean_name(snapshot.step, name))
+            return folder / (name if step == snapshot.step else clean_name(snapshot.step, name))
 
         load_shards(governed.model, path(shard_file("model", worker.rank, worker.world_size)))
         for adapter in governed.model.adapter_names():
@@ -152,19 +158,28 @@ class TrialRun:
         governed.take_hyperparameters()
 
     def _carry_clean(self, directory: Path, steps_done: int, names: list[str]) -> dict[str, str]:
-        """FSDP: into a new checkpoint, this rank's ``names`` of every earlier clean state, linked
-        (or copied) from the last checkpoint, which holds each (its own, or carried); returns the
-        copies' sha256 by name."""
+        """FSDP: into a new checkpoint, these files of every earlier clean state, hard-linked (or
+        copied) from the last checkpoint, which holds each (its own, or carried), each checked
+        against that checkpoint's signed manifest (a tampered file is never signed again);
+        returns the copies' sha256 by name."""
         carried: dict[str, str] = {}
-        for step, _ in self.control.earlier_snapshots(steps_done):
-            source = self.latest
-            if source is None:
-                raise CheckpointError(f"the clean state of step {step} is in no checkpoint of this run")
-            own = checkpoint_step(source) == step
+        earlier = self.control.earlier_snapshots(steps_done)
+        if not earlier:
+            return carried
+        if self.latest is None:
+            raise CheckpointError(f"the clean state of step {earlier[0][0]} is in no checkpoint of this run")
+        source, source_step = self.latest
+        fetch_part(source, self.storage, self.governed.worker.rank)
+        signed = signed_manifest(source, self.spec.trust)[0].files
+        for step, _ in earlier:
             for name in names:
+                origin = source / (name if step == source_step else clean_name(step, name))
                 target = directory / clean_name(step, name)
-                link_or_copy(source / (name if own else clean_name(step, name)), target)
+                target.unlink(missing_ok=True)  # (a killed attempt's): never write through a link
+                link_or_copy(origin, target)
                 carried[target.name] = file_sha256(target)
+                if carried[target.name] != signed.get(origin.name):
+                    raise CheckpointError(f"{origin}: sha256 does not match its signed manifest (tampered)")
         return carried
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -199,13 +214,29 @@ class TrialRun:
         """Base and adapter weights, optimizer and governance state, and the ``report`` this
         checkpoint goes with, signed by the platform key (rank 0's ``key``). Under FSDP every
         rank calls it: each writes and hashes its own shard files, rank 0 the rest and the
-        manifest over all of them."""
-        model = self.governed.model
+        manifest over all of them, and every rank raises if any rank failed."""
         directory.mkdir(parents=True, exist_ok=True)
-        shard_digests = self._save_shards(directory, steps_done) if self.governed.sharded else None
+        if not self.governed.sharded:
+            assert key is not None
+            self._seal(directory, steps_done, key, report, None)
+        else:
+            digests = self._save_shards(directory, steps_done)
+            worker = self.governed.worker
+            agreed(lambda: self._seal(directory, steps_done, key, report, digests), worker, CheckpointError)
+        self.latest = (directory, steps_done)
+
+    def _seal(
+        self,
+        directory: Path,
+        steps_done: int,
+        key: SigningKey | None,
+        report: Mapping[str, Any],
+        shard_digests: Mapping[str, str] | None,
+    ) -> None:
+        """Rank 0 (``key``): everything but the shards, then the signed manifest."""
         if key is None:
-            self.latest = directory
-            return  # a rank other than 0 of a sharded run: its shards are written
+            return
+        model = self.governed.model
         if shard_digests is None:
             save_base(model, directory / MODEL_FILE)
         elif "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
@@ -214,70 +245,84 @@ class TrialRun:
             self._consolidate(directory, shard_digests)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
-        if shard_digests is None:
-            for step, snapshot in self.control.earlier_snapshots(
-                steps_done
-            ):  # rollback targets survive a resume
+        if shard_digests is None:  # rollback targets survive a resume
+            for step, snapshot in self.control.earlier_snapshots(steps_done):
                 save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
         else:  # the clean states' shared files (the shards are carried by their ranks)
-            shared = [
-                OPTIMIZER_META,
-                *(f"adapter-{adapter}.safetensors" for adapter in model.adapter_names()),
-            ]
-            self._carry_clean(directory, steps_done, shared)
+            adapters = [f"adapter-{adapter}.safetensors" for adapter in model.adapter_names()]
+            self._carry_clean(directory, steps_done, [OPTIMIZER_META, *adapters])
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         optimizer = self.governed.optimizer.state_dict()
         if shard_digests is not None:
             optimizer = local_optimizer_state(optimizer)
         seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
-        self.latest = directory
 
-    def _save_shards(self, directory: Path, steps_done: int) -> dict[str, str] | None:
-        """Every rank's shard files written (and on object storage), their digests gathered on
-        rank 0 (None on the other ranks)."""
+    def _save_shards(self, directory: Path, steps_done: int) -> dict[str, str]:
+        """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
+        gathered (every rank raises if any failed)."""
         governed, worker = self.governed, self.governed.worker
-        written = write_shards(directory, governed.model, governed.optimizer, worker.rank, worker.world_size)
-        own = [shard_file(kind, worker.rank, worker.world_size) for kind in ("model", "optimizer")]
-        written |= self._carry_clean(directory, steps_done, own)
-        storage = open_storage(self.spec.storage) if self.spec.storage else None
-        if storage is not None and directory.is_relative_to(storage.root):
-            storage.upload(*(directory / name for name in written))  # before rank 0 seals the manifest
+
+        def write() -> dict[str, str]:
+            rank, world = worker.rank, worker.world_size
+            written = write_shards(directory, governed.model, governed.optimizer, rank, world)
+            own = [shard_file(kind, rank, world) for kind in ("model", "optimizer")]
+            written |= self._carry_clean(directory, steps_done, own)
+            if self.storage is not None and directory.is_relative_to(self.storage.root):
+                self.storage.upload(*(directory / name for name in written))  # before rank 0 seals
+            return written
+
+        written = agreed(write, worker, CheckpointError)
         gathered: list[Any] = [None] * worker.world_size
         dist.all_gather_object(gathered, written)
-        return (
-            {name: digest for part in gathered for name, digest in part.items()} if worker.rank == 0 else None
-        )
+        return {name: digest for part in gathered for name, digest in part.items()}
+
+    def _fits_world(self, directory: Path) -> None:
+        """Refuse a checkpoint sharded over another world size (read unverified from its state:
+        a refusal only; what is loaded is verified)."""
+        fetch_part(directory, self.storage, self.governed.worker.rank)
+        try:
+            written_by = checkpoint_world_size(directory)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"{directory}: unreadable state: {error}") from None
+        self._refuse_other_world(directory, written_by)
+
+    def _refuse_other_world(self, directory: Path, written_by: int | None) -> None:
+        world = self.governed.worker.world_size
+        if written_by != world:
+            raise CheckpointError(
+                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
+                f"{world} sharded workers: a governed run resumes on the world size it started with "
+                "(its schedule gives each worker its slots)"
+            )
 
     def _consolidate(self, directory: Path, shard_digests: Mapping[str, str]) -> None:
         """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
         other nodes fetched from the object storage), each checked against its rank's digest."""
-        storage = open_storage(self.spec.storage) if self.spec.storage else None
-        for name, digest in shard_digests.items():
-            path = directory / name
-            if storage is not None and not path.exists():
-                storage.fetch(path)
-            if shard_owner(name) != 0 and file_sha256(path) != digest:
+        world = self.governed.worker.world_size
+        for rank in range(world):
+            path = directory / shard_file("model", rank, world)
+            if self.storage is not None and not path.exists():
+                self.storage.fetch(path)
+            if rank != 0 and file_sha256(path) != shard_digests[path.name]:
                 raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
-        save_base_tensors(consolidated(directory, self.governed.worker.world_size), directory / MODEL_FILE)
+        save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)
 
     def restore(self, directory: Path) -> int:
         """Resume from a verified checkpoint; returns the number of steps it had completed. Under
         FSDP each rank verifies and reads what it needs (the shared files, its own shards), and
         every rank refuses if any rank did, naming the files."""
         worker, sharded = self.governed.worker, self.governed.sharded
+        if sharded:  # refused before any rank looks for its shards (its file may not exist)
+            agreed(lambda: self._fits_world(directory), worker, CheckpointError)
         loaded = agreed(
             lambda: load_checkpoint(directory, self.spec.trust, worker.rank if sharded else None),
             worker if sharded else None,
             CheckpointError,
         )
         written_by = loaded.state.sharding.get("world_size")
-        if sharded and written_by != worker.world_size:
-            raise CheckpointError(
-                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
-                f"{worker.world_size} sharded workers: a governed run resumes on the world size it "
-                "started with (its schedule gives each worker its slots)"
-            )
+        if sharded:
+            self._refuse_other_world(directory, written_by)  # (again, now that the state is verified)
         if written_by is not None and not sharded:
             raise CheckpointError(
                 f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not sharded"
@@ -302,7 +347,7 @@ class TrialRun:
             governed.set_lr_scale(self.control.lr_scale)
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
-        self.latest = directory
+        self.latest = (directory, loaded.state.step)
         if sharded:  # the clean states stay on storage: this checkpoint carries them
             self.control.snapshots = {
                 int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)

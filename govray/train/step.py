@@ -105,6 +105,8 @@ class GovernedStep:
         self.sharded = spec.strategy == ParallelStrategy.FSDP
         if self.sharded and not worker.distributed:
             raise ConfigError("strategy fsdp shards the model across workers: it needs workers >= 2")
+        if self.sharded and settings.precision == Precision.FP16:
+            raise ConfigError("precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision)")
         # Under FSDP, bf16 is FSDP2's mixed precision (bf16 compute, fp32 reduction), not autocast.
         self.autocast_dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
             settings.precision
@@ -194,14 +196,16 @@ class GovernedStep:
         with self.model.active(adapter):  # base weights never see another route's adapter
             parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches
             for index, batch in enumerate(parts):
-                # The first k-1 micro-batches accumulate locally; the last one's backward runs
-                # DDP's comm hook: each tensor's gradient masked to the routes that may update
-                # it, summed and divided by those routes' example count (not the world size).
+                # The first k-1 micro-batches accumulate locally (forward and backward under
+                # no_sync); the last one's backward runs the governed reduction: each tensor's
+                # gradient masked to the routes that may update it, summed and divided by those
+                # routes' example count (not the world size).
                 last = index == len(parts) - 1
-                with self._autocast(), contextlib.nullcontext() if last else self._no_sync():
-                    losses = self.trial.loss(self.forward, batch)  # one loss per example
-                    total = losses.float().sum()
-                (total if scale is None else total * scale).backward()
+                with contextlib.nullcontext() if last else self._no_sync():
+                    with self._autocast():
+                        losses = self.trial.loss(self.forward, batch)  # one loss per example
+                        total = losses.float().sum()
+                    (total if scale is None else total * scale).backward()
                 loss_sum += total.detach().double()
         if isinstance(self.governor, ShardedGovernor):
             self.governor.govern_sharded()  # each rank divides its shards; adapters reduced whole

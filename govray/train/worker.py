@@ -113,15 +113,15 @@ def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, fl
 
 
 def agreed(action: Callable[[], T], worker: Worker | None, error: type[GovrayError] = GovrayError) -> T:
-    """``action()`` on every rank of ``worker``'s group, which either all go on or all raise: an
-    ``error`` on any rank is raised on every rank (on the others with what each refusing rank
-    said: a rank that went on alone would wait for them in its next collective). Without a group
-    (``worker`` None or alone): ``action()``."""
+    """``action()`` on every rank of ``worker``'s group, which either all go on or all raise: a
+    failure on any rank is raised there, and as ``error`` with what each failing rank said on the
+    others (a rank that went on alone would wait for them in its next collective). Without a
+    group (``worker`` None or alone): ``action()``."""
     if worker is None or not worker.distributed:
         return action()
     try:
         result, refusal = action(), None
-    except error as raised:
+    except Exception as raised:
         result, refusal = None, raised
     said: list[Any] = [None] * worker.world_size
     dist.all_gather_object(said, None if refusal is None else str(refusal))
