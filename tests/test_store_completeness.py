@@ -196,8 +196,9 @@ def _verified_folders(run_dir: Path) -> int:
 
 def _run_killing_a_worker(golden_run: GoldenRun, golden_example: Path, seed: int) -> tuple[GoldenRun, str]:
     """The golden configuration with one Ray Train worker SIGKILLed once the ``k``-th checkpoint
-    folder verifies on storage, ``delay`` seconds later (seed 0: at once, before Ray Train's
-    next 2-s poll collects the report that goes with it)."""
+    folder verifies on storage, ``delay`` seconds later or when the next checkpoint's folder
+    appears, whichever comes first (seed 0: at once, before Ray Train's next 2-s poll collects the
+    report that goes with it)."""
     rng = random.Random(seed)
     k = 1 if seed == 0 else rng.choice([1, 2])
     delay = 0.0 if seed == 0 else rng.uniform(0.0, 2.5)
@@ -211,8 +212,13 @@ def _run_killing_a_worker(golden_run: GoldenRun, golden_example: Path, seed: int
     killed = None
     while killed is None and time.monotonic() < deadline and thread.is_alive():
         new = [t for t in store.list_trials(1) if t.id not in known and t.ray_run_name]
-        if new and _verified_folders(golden_run.outcome.run_dir.parent / str(new[0].ray_run_name)) >= k:
-            time.sleep(delay)
+        run_dir = golden_run.outcome.run_dir.parent / str(new[0].ray_run_name) if new else None
+        if run_dir is not None and _verified_folders(run_dir) >= k:
+            # ``delay`` later, or sooner if the next checkpoint's folder appears first: the workers
+            # are still alive then (a fast run could otherwise end within the delay).
+            until = time.monotonic() + delay
+            while time.monotonic() < until and len(checkpoint_directories(run_dir)) <= k:
+                time.sleep(0.01)
             pids = sorted(train_worker_pids())
             if pids:
                 killed = pids[victim]
