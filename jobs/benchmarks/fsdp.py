@@ -30,15 +30,14 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from jobs.benchmarks.governance_overhead import POLICY  # routes: open (all layers), upper (last two)
+from jobs.benchmarks.governance_overhead import POLICY, timed_pairs  # POLICY: open (all), upper (last two)
 from jobs.examples.text.trial import VOCAB, CharTransformer
 
 WORLD, D_MODEL, N_LAYERS, N_HEADS, CONTEXT, BATCH = 2, 512, 8, 8, 64, 4
@@ -165,27 +164,6 @@ def held_bytes(parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimi
             if isinstance(value, torch.Tensor)
         ),
     )
-
-
-def timed_pairs(
-    governed: Callable[[int], None], plain: Callable[[int], None], steps: int, warmup: int
-) -> list[list[float]]:
-    """(governed seconds, plain seconds) of each measured step on this rank, interleaved."""
-    import torch.distributed as dist
-
-    pairs = []
-    for step in range(warmup + steps):
-        # Alternate which goes first so neither always inherits a warm cache.
-        order = [(governed, 0), (plain, 1)] if step % 2 == 0 else [(plain, 1), (governed, 0)]
-        measured = [0.0, 0.0]
-        for run, slot in order:
-            dist.barrier()
-            started = time.perf_counter()
-            run(step)
-            measured[slot] = time.perf_counter() - started
-        if step >= warmup:
-            pairs.append(measured)
-    return pairs
 
 
 def fsdp_pairs(

@@ -20,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,20 +108,7 @@ def ddp_pairs(config: dict[str, Any]) -> None:
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
 
-    pairs = []  # (governed seconds, plain seconds) per measured step
-    for step in range(int(config["warmup"]) + int(config["steps"])):
-        # Alternate which goes first so neither always inherits a warm cache.
-        order = (
-            [(governed_step, 0), (plain_step, 1)] if step % 2 == 0 else [(plain_step, 1), (governed_step, 0)]
-        )
-        measured = [0.0, 0.0]
-        for run, slot in order:
-            dist.barrier()
-            started = time.perf_counter()
-            run(step)
-            measured[slot] = time.perf_counter() - started
-        if step >= int(config["warmup"]):
-            pairs.append(measured)
+    pairs = timed_pairs(governed_step, plain_step, int(config["steps"]), int(config["warmup"]))
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, pairs)
     if rank == 0:
@@ -179,6 +167,27 @@ def single_worker_ratio(steps: int, warmup: int, threads: int) -> tuple[float, f
             govray_time += middle - started
             torch_time += ended - middle
     return torch_time / govray_time, steps / govray_time, steps / torch_time
+
+
+def timed_pairs(
+    governed: Callable[[int], None], plain: Callable[[int], None], steps: int, warmup: int
+) -> list[list[float]]:
+    """(governed seconds, plain seconds) of each measured step on this rank, interleaved."""
+    import torch.distributed as dist
+
+    pairs = []
+    for step in range(warmup + steps):
+        # Alternate which goes first so neither always inherits a warm cache.
+        order = [(governed, 0), (plain, 1)] if step % 2 == 0 else [(plain, 1), (governed, 0)]
+        measured = [0.0, 0.0]
+        for run, slot in order:
+            dist.barrier()
+            started = time.perf_counter()
+            run(step)
+            measured[slot] = time.perf_counter() - started
+        if step >= warmup:
+            pairs.append(measured)
+    return pairs
 
 
 def main() -> None:
