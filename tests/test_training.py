@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from govray.core.keys import platform_key, platform_trust
 from govray.data.schedule import ScheduleSpec, derive_seed, step_slots
+from govray.data.reader import ShardReader
 from govray.data.shards import ShardSet
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
@@ -62,7 +63,7 @@ def reference_weights(
     model = GovernedModel(base, table, policy.adapters, seed=derive_seed(config.seed, "adapters"))
     allowed = allowed_route_sets(model, table)
     named = parameters_by_name(model)
-    rows = RouteRows(ShardSet.open(run.shard_root))
+    rows = RouteRows(ShardReader(ShardSet.open(run.shard_root)))
     schedule = schedule_of(run, workers=2)
     for step in range(steps):
         slots = step_slots(schedule, step)

@@ -216,11 +216,26 @@ def _placeholder(field: str) -> Any:
     }[field]
 
 
+EVAL_ROWS = 50_000  # held-out rows per corpus a validation evaluates, unless data.eval_rows says
+
+
 class DataConfig(BaseModel):
     model_config = _STRICT
 
     holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     corpora: list[CorpusSpec] = Field(min_length=1)
+    # Held-out rows per corpus a validation evaluates, evenly spaced over the holdout: a validation
+    # costs the same whatever the corpus's size (recorded in every run.json).
+    eval_rows: int = Field(default=EVAL_ROWS, ge=1)
+
+    @model_serializer(mode="wrap")
+    def _without_default_eval_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left at its default it is not serialized: an experiment written before it existed keeps
+        # its bytes and its digest.
+        dumped: dict[str, Any] = handler(self)
+        if self.eval_rows == EVAL_ROWS:
+            dumped.pop("eval_rows", None)
+        return dumped
 
     @field_validator("corpora")
     @classmethod

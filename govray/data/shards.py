@@ -115,12 +115,22 @@ class ShardSet:
         return shards
 
     @classmethod
-    def fetch(cls, root: Path, storage: str) -> ShardSet:
-        """The shard set at ``root`` in this node's cache of object storage ``storage`` (a local
-        storage_path or "": used where it lies), downloaded and verified first when missing."""
+    def fetch_manifest(cls, root: Path, storage: str, sha256: str = "") -> ShardSet:
+        """The shard set at ``root``, its manifest fetched from object storage ``storage`` when this
+        node lacks it (a local storage_path or "": read where it lies) and checked against
+        ``sha256``, the digest the run recorded in its signed run.json ("": a run recorded before
+        it was). Its files are fetched and checked one at a time, when read (``ShardReader``)."""
+        path = root / MANIFEST
+
+        def check(candidate: Path) -> None:
+            if sha256 and file_sha256(candidate) != sha256:
+                raise IngestError(f"shard manifest {path} does not match the digest the run recorded")
+
         if storage:
-            open_storage(storage).fetch(root, verify=lambda staged: cls.open(staged, verify=True))
-        return cls.open(root)
+            open_storage(storage).fetch(path, verify=check)
+        shards = cls.open(root)
+        check(path)
+        return shards
 
     def verify(self) -> None:
         """Check every shard file's digest against the manifest."""

@@ -28,13 +28,14 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from govray.config.experiment import ExperimentConfig, load_canaries
+from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError, GovrayError
 from govray.core.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.core.logs import log_dir
 from govray.core.storage import open_storage
 from govray.data.ingest import IngestResult
 from govray.data.schedule import ScheduleSpec, derive_seed
-from govray.data.shards import ShardManifest, ShardSet
+from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
 from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.platform.recorder import GcSettings, RunRecorder
@@ -255,6 +256,8 @@ def new_run_spec(
         # This sample's model (hyperparameters may change its shape), on the meta device.
         routing=resolve_trial_routes(policy, make_trial(config.trial, hparams, settings)),
         shard_root=str(shard_root),
+        shards_sha256=file_sha256(shard_root / MANIFEST),
+        eval_rows=config.data.eval_rows,
         seed=config.seed,
         trial_seed=trial_seed,
         max_steps=plan_steps(config, shard_root, hparams, trial_seed=trial_seed),

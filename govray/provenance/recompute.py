@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from govray.core.keys import TrustConfig
+from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleError, ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.provenance.attest import COVERAGE_TYPE, AttestationError, routing_of, run_spec_of
@@ -50,7 +51,7 @@ def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: Tru
     spec = run_spec_of(model_dir)
     routing = routing_of(spec)
     trial = make_trial(spec.trial, spec.hparams, spec.settings)
-    tokens = RouteRows(ShardSet.open(Path(spec.shard_root))).tokens(trial)
+    tokens = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root)))).tokens(trial)
     recomputed = recompute_ledger(schedule, routing, int(predicate["steps"]), tokens)
     if loaded.state.source:
         recomputed = _source_ledger(loaded.state.source, trust).merge(recomputed)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -47,6 +49,19 @@ def micro_batches(rows: pa.Table, parts: int, exactly: bool = False) -> list[pa.
             offset += length
     wanted = parts if exactly else 1
     return pieces + [rows.slice(0, 0)] * (wanted - len(pieces))
+
+
+Rows = TypeVar("Rows", pa.Table, np.ndarray)
+
+
+def row_batches(rows: Rows, size: int, count: int | None = None) -> list[Rows]:
+    """``rows`` (a table, or an array of row positions) in consecutive batches of ``size`` (the
+    last may be short; one empty batch for no rows); ``count``: exactly that many, empty ones last
+    (FSDP: every rank runs as many forwards)."""
+    pieces = [rows[start : start + size] for start in range(0, len(rows), size)] or [rows[:0]]
+    if count is not None:
+        pieces += [rows[:0]] * (count - len(pieces))
+    return pieces
 
 
 class Prefetcher:

@@ -328,16 +328,12 @@ def recompute_ledger(
     spec: ScheduleSpec,
     table: RoutingTable,
     steps: int,
-    tokens: Mapping[str, Sequence[int]] | None = None,
+    tokens: Mapping[str, Sequence[int] | np.ndarray] | None = None,
 ) -> Ledger:
     """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone
-    (steps a rollback discarded reached nothing)."""
+    (steps a rollback discarded reached nothing); ``tokens``: per route, each row's tokens."""
     ledger = Ledger()
-    arrays = (
-        None
-        if tokens is None
-        else {route: np.asarray(counts, dtype=np.int64) for route, counts in tokens.items()}
-    )
+    arrays = None if tokens is None else {route: np.asarray(counts) for route, counts in tokens.items()}
     for global_step in range(steps):
         if spec.reverted(global_step):
             continue

@@ -3,7 +3,9 @@
 
 For each training corpus with held-out rows, every forward pass runs through the corpus's own route
 (its adapter active, where memorized PII would live); a held-out row's route is what the policy
-gives its credential, since ingest routes held-out rows nowhere:
+gives its credential, since ingest routes held-out rows nowhere. The rows are fixed for the run and
+bounded whatever the corpus's size: the ``PROBE_HOLDOUT_ROWS`` held-out rows with the lowest row
+hashes (found in one pass over the hash column, a row group at a time), and as many training rows:
 
 - **loss gap** (Yeom et al. 2018): mean held-out loss - mean training loss, over a fixed sample of
   training rows (lowest row hashes, as many as the held-out rows, at most ``LOSS_GAP_SAMPLE``);
@@ -38,18 +40,19 @@ import pyarrow.compute as pc
 import torch
 
 from govray.data.schedule import derive_seed
-from govray.data.shards import ShardSet
+from govray.data.shards import ShardManifest
 from govray.governance.adapters import GovernedModel
 from govray.governance.canaries import CanaryProbe
 from govray.governance.credentials import Credential
 from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
-from govray.train.batches import on_device
+from govray.train.batches import on_device, row_batches
 from govray.train.trial import Trial
-from govray.train.worker import RouteRows, Worker, all_reduce_sums, by_row_hash, without_rows
+from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
 LOSS_GAP_SAMPLE = 512  # training rows per corpus the loss gap compares with its held-out rows
+PROBE_HOLDOUT_ROWS = 4096  # held-out rows per corpus the probe measures (lowest row hashes)
 PROBE_ROWS = 32  # rows per entropy-profile batch
 MIN_PROBE_ROWS = 8  # smaller batches give no profile
 CALIBRATION_BATCHES = 4  # held-out batches the band is calibrated on
@@ -76,7 +79,7 @@ class MemorizationProbe:
         trial: Trial,
         model: GovernedModel,
         routing: RoutingTable,
-        shards: ShardSet,
+        manifest: ShardManifest,
         rows: RouteRows,
         policy: DepthPolicy,
         canaries: Mapping[str, CanaryProbe],
@@ -94,17 +97,17 @@ class MemorizationProbe:
         self.layers = list(routing.layers)
         self.plans: list[_CorpusPlan] = []
         routes: dict[str, str] = {}  # credential JSON → route
-        for corpus in shards.manifest.corpora:
+        for corpus in manifest.corpora:
             probe = canaries.get(corpus.corpus_id)
-            held = corpus.corpus_id in shards.manifest.holdout
+            held = corpus.corpus_id in manifest.holdout
             if not corpus.train_rows or not (held or probe):
                 continue  # nothing trained, or nothing to measure it against
             canary_rows = (
                 {row for canary in probe.canaries.canaries for row in canary.rows} if probe else set()
             )
-            holdout = rows.corpus_rows(corpus.corpus_id).slice(0, 0)  # none held out: exposure only
+            holdout = rows.reader.empty()  # none held out: exposure only
             if held:
-                holdout = without_rows(by_row_hash(shards.holdout_table(corpus.corpus_id)), canary_rows)
+                holdout = rows.holdout_sample(corpus.corpus_id, PROBE_HOLDOUT_ROWS, exclude=canary_rows)
                 holdout = _with_policy_routes(holdout, policy, routes)
             plan = _CorpusPlan(
                 corpus_id=corpus.corpus_id,
@@ -121,13 +124,13 @@ class MemorizationProbe:
                 plan.entropy_batches[_CHECK] = holdout.slice(CALIBRATION_BATCHES * size, size)
                 plan.entropy_batches[_TRAINING] = training
             if probe is not None:
-                self._plan_canaries(plan, probe, rows.corpus_rows(corpus.corpus_id), seed)
+                self._plan_canaries(plan, probe, rows, seed)
             self.plans.append(plan)
 
     @staticmethod
-    def _plan_canaries(plan: _CorpusPlan, probe: CanaryProbe, training: pa.Table, seed: int) -> None:
-        route_of = dict(
-            zip(training.column("_row").to_pylist(), training.column("_route").to_pylist(), strict=True)
+    def _plan_canaries(plan: _CorpusPlan, probe: CanaryProbe, rows: RouteRows, seed: int) -> None:
+        route_of = rows.routes_of(
+            plan.corpus_id, {row for canary in probe.canaries.canaries for row in canary.rows}
         )
         for canary in probe.canaries.canaries:
             trained = sorted(row for row in canary.rows if row in route_of)
@@ -205,12 +208,15 @@ class MemorizationProbe:
         return CorpusMeasures(loss_gap=gap, exposure_bits=bits, entropy_drop=drop)
 
     def _loss_sum(self, table: pa.Table) -> float:
-        total = 0.0
+        """The sum of ``table``'s per-example losses, route by route, in batches of the trial's
+        batch size (summed once, in row order)."""
+        losses: list[torch.Tensor] = []
         for route, part in _by_route(table):
             with self.model.active(self.routing.adapter_names.get(route)):
-                batch = on_device(self.trial.collate(part), self.worker.device)
-                total += float(self.trial.loss(self.model, batch).double().sum())
-        return total
+                for piece in row_batches(part, self.trial.batch_size):
+                    batch = on_device(self.trial.collate(piece), self.worker.device)
+                    losses.append(self.trial.loss(self.model, batch).double())
+        return float(torch.cat(losses).sum()) if losses else 0.0
 
     def _representations(self, table: pa.Table) -> dict[str, torch.Tensor]:
         """Each layer's representation of ``table``'s rows (route by route, concatenated)."""

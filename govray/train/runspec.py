@@ -38,6 +38,12 @@ class RunSpec(BaseModel):
     # spec written before it was recorded (readers resolve it on the meta device themselves).
     routing: RoutingTable | None = None
     shard_root: str
+    # sha256 of the shard manifest (whose per-file digests every read is checked against); "" in a
+    # run.json written before it was recorded.
+    shards_sha256: str = ""
+    # Held-out rows per corpus a validation evaluates (evenly spaced); None: all of them (a run.json
+    # written before the limit existed).
+    eval_rows: int | None = None
     seed: int
     trial_seed: int
     max_steps: int

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from govray.config.experiment import ParallelStrategy
 from govray.config.training import Precision
 from govray.core.errors import ConfigError
+from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.schedule import (
     ScheduleEvent,
     ScheduleSpec,
@@ -48,7 +48,7 @@ from govray.governance.adapters import GovernedModel, load_adapter
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
-from govray.train.batches import Prefetcher, on_device
+from govray.train.batches import Prefetcher, on_device, row_batches
 from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
@@ -121,19 +121,17 @@ class GovernedStep:
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
-        self.shards = ShardSet.fetch(Path(spec.shard_root), spec.storage)
+        self.shards = ShardSet.fetch_manifest(Path(spec.shard_root), spec.storage, spec.shards_sha256)
         self.schedule = self.scheduled([])
         self.route_names = [layout.route for layout in self.schedule.routes]
         # fp16's per-route loss scales; the trial's controller shares its own (TrialRun).
         self.scaler = LossScaler(None, next_seq=lambda: len(self.scaler.skips))
-        self.rows = RouteRows(self.shards)
+        # Reads follow the schedule: only the row groups of this worker's slots, prefetched.
+        self.rows = RouteRows(ShardReader(self.shards, spec.storage))
         self.batches = Prefetcher(
             self.rows.take, trial.collate, self.device, self.micro_batches, exactly=self.sharded
         )
-        counted = self.rows.tokens(trial)
-        self.tokens = (  # per route, tokens of each route-local row (the ledger's counts)
-            None if counted is None else {r: np.asarray(c, dtype=np.int64) for r, c in counted.items()}
-        )
+        self.tokens = self.rows.tokens(trial)  # per route, tokens of each route-local row (the ledger's)
         self.forward: nn.Module = self.model
         if self.sharded:  # FSDP2: each rank holds a shard of every base tensor
             shard_model(
@@ -163,7 +161,7 @@ class GovernedStep:
             trial,
             self.model,
             self.routing,
-            self.shards,
+            self.shards.manifest,
             self.rows,
             spec.policy,
             spec.canaries,
@@ -245,21 +243,32 @@ class GovernedStep:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation metrics of the base model (adapters inactive) over every holdout row, split
-        across workers and summed; also per corpus (``validation_loss/CORPUS``)."""
+        """Validation metrics of the base model (adapters inactive) over each corpus's held-out
+        rows — at most ``eval_rows`` of them, evenly spaced (``evaluation_rows``) — split across
+        workers, in batches of the trial's batch size, and summed; also per corpus
+        (``validation_loss/CORPUS``)."""
         self.model.eval()
         sums: dict[str, float] = {}
+        size, world = self.trial.batch_size, self.worker.world_size
         for corpus in self.shards.manifest.holdout:
-            table = self.shards.holdout_table(corpus)
-            mine = self.worker.mine(table)
-            with self._autocast():
-                values = self.trial.evaluate(self.model, on_device(self.trial.collate(mine), self.device))
-            for name, per_example in values.items():
-                total = float(per_example.double().sum())
+            run = self.rows.reader.holdout_files(corpus)
+            chosen = evaluation_rows(run.rows, self.spec.eval_rows)
+            mine = chosen[self.worker.rank :: world]
+            # Under FSDP every forward is a collective: every rank runs as many batches.
+            forwards = max(1, -(-len(chosen[::world]) // size)) if self.sharded else None
+            values: dict[str, list[torch.Tensor]] = {}
+            for positions in row_batches(mine, size, forwards):
+                rows = self.rows.reader.take_from(run, positions)
+                with self._autocast():
+                    batch = on_device(self.trial.collate(rows), self.device)
+                    for name, per_example in self.trial.evaluate(self.model, batch).items():
+                        values.setdefault(name, []).append(per_example.double())
+            for name, parts in values.items():
+                total = float(torch.cat(parts).sum())
                 sums[name] = sums.get(name, 0.0) + total
                 sums[f"{name}/{corpus}"] = total
-            sums["count"] = sums.get("count", 0.0) + mine.num_rows
-            sums[f"count/{corpus}"] = float(mine.num_rows)
+            sums["count"] = sums.get("count", 0.0) + len(mine)
+            sums[f"count/{corpus}"] = float(len(mine))
         totals = all_reduce_sums(sums, self.worker)
         metrics = {}
         for key, value in totals.items():

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
 from govray.core.errors import GovrayError
+from govray.data.reader import FileRun, ShardReader
 from govray.data.schedule import Slot
-from govray.data.shards import ShardSet
 from govray.train.trial import Trial
 
 T = TypeVar("T")
@@ -56,35 +57,92 @@ class Worker:
 
 
 class RouteRows:
-    """Training rows of each route, loaded once per worker; a slot reads its rows by index."""
+    """The training rows a worker reads, by route-local position (``ShardReader``: only the row
+    groups its slots touch), and the fixed row samples the memorization probe measures on."""
 
-    def __init__(self, shards: ShardSet) -> None:
-        self.tables = {
-            route.route: shards.route_table(route.route) for route in shards.manifest.routes if route.rows
-        }
-        self._empty = next(iter(self.tables.values())).slice(0, 0)
+    def __init__(self, reader: ShardReader) -> None:
+        self.reader = reader
 
     def take(self, slot: Slot) -> pa.Table:
         if slot.empty or slot.route is None:
-            return self._empty
-        return self.tables[slot.route].take(pa.array(slot.rows, type=pa.int64()))
-
-    def corpus_rows(self, corpus_id: str) -> pa.Table:
-        """Every training row of a corpus (over all its routes), in ``by_row_hash`` order."""
-        parts = [table.filter(pc.equal(table.column("_corpus"), corpus_id)) for table in self.tables.values()]
-        return by_row_hash(pa.concat_tables([part for part in parts if part.num_rows] or [self._empty]))
+            return self.reader.empty()
+        return self.reader.take(slot.route, slot.rows)
 
     def corpus_sample(self, corpus_id: str, count: int, exclude: Collection[int] = ()) -> pa.Table:
         """``count`` training rows of a corpus: those with the lowest row hashes, leaving out the
-        rows numbered in ``exclude`` (a corpus's canaries)."""
-        return without_rows(self.corpus_rows(corpus_id), exclude).slice(0, count)
+        rows numbered in ``exclude`` (a corpus's canaries), in ``by_row_hash`` order."""
+        runs = [self.reader.route_files(route.route) for route in self.reader.shards.manifest.routes]
+        return lowest_hashes(self.reader, runs, corpus_id, count, exclude)
 
-    def tokens(self, trial: Trial) -> dict[str, list[int]] | None:
-        """Tokens per route-local row, for the ledger; None unless the trial counts tokens."""
-        counts = {route: trial.tokens(table) for route, table in self.tables.items()}
-        if any(value is None for value in counts.values()):
-            return None
-        return {route: list(value) for route, value in counts.items() if value is not None}
+    def holdout_sample(self, corpus_id: str, count: int, exclude: Collection[int] = ()) -> pa.Table:
+        """Like ``corpus_sample``, over the corpus's held-out rows."""
+        return lowest_hashes(self.reader, [self.reader.holdout_files(corpus_id)], corpus_id, count, exclude)
+
+    def routes_of(self, corpus_id: str, rows: Collection[int]) -> dict[int, str]:
+        """The route of each of ``rows`` (row numbers of a corpus) that is a training row."""
+        wanted = pa.array(sorted(rows), pa.int64())
+        found: dict[int, str] = {}
+        for route in self.reader.shards.manifest.routes:
+            for part in self.reader.scan(self.reader.route_files(route.route), ["_corpus", "_row"]):
+                hit = pc.and_(
+                    pc.equal(part.column("_corpus"), corpus_id), pc.is_in(part.column("_row"), wanted)
+                )
+                found.update(dict.fromkeys(part.filter(hit).column("_row").to_pylist(), route.route))
+        return found
+
+    def tokens(self, trial: Trial) -> dict[str, np.ndarray] | None:
+        """Tokens per route-local row, for the ledger (one int32 per row, read a row group at a
+        time); None unless the trial counts tokens."""
+        counted: dict[str, np.ndarray] = {}
+        for route in self.reader.shards.manifest.routes:
+            parts = []
+            for part in self.reader.scan(self.reader.route_files(route.route)):
+                values = trial.tokens(part)
+                if values is None:
+                    return None
+                parts.append(np.asarray(values, dtype=np.int32))
+            counted[route.route] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return counted
+
+
+def lowest_hashes(
+    reader: ShardReader, runs: Sequence[FileRun], corpus_id: str, count: int, exclude: Collection[int]
+) -> pa.Table:
+    """The ``count`` rows of ``corpus_id`` in ``runs`` with the lowest (row hash, row), in that
+    order, minus the rows numbered in ``exclude``: one pass over three columns, keeping at most
+    ``count`` candidates, then only those rows read whole."""
+    best = pa.table(
+        {
+            "_row_hash": pa.array([], pa.string()),
+            "_row": pa.array([], pa.int64()),
+            "_run": pa.array([], pa.int64()),
+            "_at": pa.array([], pa.int64()),
+        }
+    )
+    for index, run in enumerate(runs):
+        at = 0
+        for part in reader.scan(run, ["_corpus", "_row_hash", "_row"]):
+            positions = pa.array(np.arange(at, at + part.num_rows, dtype=np.int64))
+            at += part.num_rows
+            mine = pc.equal(part.column("_corpus"), corpus_id)
+            candidates = pa.table(
+                {
+                    "_row_hash": part.column("_row_hash"),
+                    "_row": part.column("_row"),
+                    "_run": pa.array(np.full(part.num_rows, index, dtype=np.int64)),
+                    "_at": positions,
+                }
+            ).filter(mine)
+            best = by_row_hash(without_rows(pa.concat_tables([best, candidates]), exclude)).slice(0, count)
+    if not best.num_rows:
+        return reader.empty()
+    parts = [
+        reader.take_from(
+            runs[index], best.filter(pc.equal(best.column("_run"), index)).column("_at").to_numpy()
+        )
+        for index in sorted(set(best.column("_run").to_pylist()))
+    ]
+    return by_row_hash(pa.concat_tables(parts, promote_options="permissive"))
 
 
 def by_row_hash(rows: pa.Table) -> pa.Table:
