@@ -159,7 +159,7 @@ def test_reads_that_follow_the_schedule_train_bit_identically_to_loading_everyth
         take = WholeTables(governed.shards).take if loader == "everything" else governed.rows.take
         read: Counter[tuple[str, str]] = Counter()
 
-        def counted(slot: Slot, take=take, read=read) -> pa.Table:  # type: ignore[no-untyped-def]
+        def counted(slot: Slot, take=take, read=read) -> pa.Table:
             rows = take(slot)
             read.update(
                 zip(rows.column("_corpus").to_pylist(), rows.column("_route").to_pylist(), strict=True)
