@@ -159,8 +159,8 @@ def test_reads_that_follow_the_schedule_train_bit_identically_to_loading_everyth
         take = WholeTables(governed.shards).take if loader == "everything" else governed.rows.take
         read: Counter[tuple[str, str]] = Counter()
 
-        def counted(slot: Slot, take=take, read=read) -> pa.Table:
-            rows = take(slot)
+        def counted(wanted: Slot, take=take, read=read) -> pa.Table:
+            rows = take(wanted)
             read.update(
                 zip(rows.column("_corpus").to_pylist(), rows.column("_route").to_pylist(), strict=True)
             )

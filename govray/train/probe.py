@@ -52,7 +52,7 @@ from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
 LOSS_GAP_SAMPLE = 512  # training rows per corpus the loss gap compares with its held-out rows
-PROBE_HOLDOUT_ROWS = 4096  # held-out rows per corpus the probe measures (lowest row hashes)
+PROBE_HOLDOUT_ROWS = 1024  # held-out rows per corpus the probe measures (lowest row hashes)
 PROBE_ROWS = 32  # rows per entropy-profile batch
 MIN_PROBE_ROWS = 8  # smaller batches give no profile
 CALIBRATION_BATCHES = 4  # held-out batches the band is calibrated on
