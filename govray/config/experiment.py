@@ -216,11 +216,21 @@ def _placeholder(field: str) -> Any:
     }[field]
 
 
+class PackingConfig(BaseModel):
+    """Text packed into fixed-length windows of ``seq_len`` tokens (the trial's ``tokenize``); a
+    window holds rows of one route and one corpus only (:mod:`govray.data.packing`)."""
+
+    model_config = _STRICT
+
+    seq_len: int = Field(ge=2)  # tokens per window: a model sees at least one next-token target
+
+
 class DataConfig(BaseModel):
     model_config = _STRICT
 
     holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     corpora: list[CorpusSpec] = Field(min_length=1)
+    packing: PackingConfig | None = None  # None: a batch is rows, not packed windows
 
     @field_validator("corpora")
     @classmethod
@@ -231,6 +241,15 @@ class DataConfig(BaseModel):
                 raise ValueError(f"corpus id '{corpus.id}' appears more than once")
             seen.add(corpus.id)
         return corpora
+
+    @model_serializer(mode="wrap")
+    def _without_unset_packing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left unset, packing is not serialized: an experiment written before it existed keeps its
+        # bytes and its digest.
+        dumped: dict[str, Any] = handler(self)
+        if self.packing is None:
+            dumped.pop("packing", None)
+        return dumped
 
 
 # --- the rest ---------------------------------------------------------------------------------
