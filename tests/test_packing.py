@@ -12,17 +12,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from govray.config.experiment import load_experiment
+from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError, IngestError
 from govray.core.keys import load_trust
 from govray.data.ingest import ingest
 from govray.data.packed import PackedStore
 from govray.data.packing import pack_shards
 from govray.data.schedule import ScheduleSpec, slot
-from govray.data.shards import MANIFEST, ShardSet
+from govray.data.shards import MANIFEST, ShardFile, ShardSet
 from govray.governance.policy import load_verified_policy
 from govray.platform.preflight import config_digest
 from govray.train.trial import defines_tokenize
@@ -37,6 +39,7 @@ SEQ_LEN = 160  # the text corpora's rows have up to 128 characters: one or two p
 SHORT = 48  # most rows are longer: cut into chunks
 TOKENIZER = "text-trial-characters"
 LONG_ROWS = 4000
+SPLIT_ROWS = 700  # rows per shard file in the split shard set
 
 
 tokenize = CharTransformerTrial({}).tokenize  # the text example's own: a character per token
@@ -91,14 +94,49 @@ def everything(store: PackedStore, route: str) -> pa.Table:
     return store.take(route, np.arange(store.layout(route).rows))
 
 
-def stores(store: PackedStore, short: PackedStore) -> list[PackedStore]:
-    return [store, short]
+@pytest.fixture(scope="module")
+def split(shards: ShardSet, tmp_path_factory: pytest.TempPathFactory) -> ShardSet:
+    """The same rows with each route's file cut into files of SPLIT_ROWS rows (a file may hold
+    two corpora, or part of one): windows never cross files."""
+    root = tmp_path_factory.mktemp("split")
+    routes = []
+    for route in shards.manifest.routes:
+        table = shards.route_table(route.route) if route.rows else None
+        files = []
+        for number, start in enumerate(range(0, route.rows, SPLIT_ROWS)):
+            path = root / "train" / route.route / f"part-{number:05d}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            assert table is not None
+            pq.write_table(table.slice(start, SPLIT_ROWS), path)
+            files.append(
+                ShardFile(
+                    path=str(path.relative_to(root)),
+                    rows=min(SPLIT_ROWS, route.rows - start),
+                    sha256=file_sha256(path),
+                )
+            )
+        routes.append(route.model_copy(update={"files": files}))
+    manifest = shards.manifest.model_copy(
+        update={"key": f"{shards.manifest.key[:60]}spli", "routes": routes, "holdout": {}}
+    )
+    (root / MANIFEST).write_text(manifest.to_json())
+    return ShardSet.open(root, verify=True)
+
+
+@pytest.fixture(scope="module")
+def packings(
+    shards: ShardSet, split: ShardSet, store: PackedStore, short: PackedStore
+) -> list[tuple[ShardSet, PackedStore]]:
+    """Each store with the shard set it packs: one file per route at two lengths, and many files."""
+    cut = pack_shards(split, seq_len=SHORT, tokenize=tokenize, tokenizer=TOKENIZER)
+    assert all(len(route.parts) > 1 for route in cut.manifest.routes if route.parts)
+    return [(shards, store), (shards, short), (split, cut)]
 
 
 def test_a_window_holds_one_route_and_one_corpus_and_at_most_seq_len_tokens(
-    shards: ShardSet, store: PackedStore, short: PackedStore
+    packings: list[tuple[ShardSet, PackedStore]],
 ) -> None:
-    for packed in stores(store, short):
+    for shards, packed in packings:
         for route in shards.manifest.routes:
             layout = packed.layout(route.route)
             windows = everything(packed, route.route)
@@ -116,9 +154,9 @@ def test_a_window_holds_one_route_and_one_corpus_and_at_most_seq_len_tokens(
 
 
 def test_examples_and_tokens_per_corpus_and_route_are_exact(
-    shards: ShardSet, store: PackedStore, short: PackedStore
+    packings: list[tuple[ShardSet, PackedStore]],
 ) -> None:
-    for packed in stores(store, short):
+    for shards, packed in packings:
         for route in shards.manifest.routes:
             corpora, _, tokens = route_rows(shards, route.route)
             layout = packed.layout(route.route)
@@ -160,9 +198,9 @@ def by_hand(shards: ShardSet, route: str, seq_len: int) -> list[tuple[str, int, 
 
 
 def test_windows_are_the_rows_in_shard_order_packed_greedily(
-    shards: ShardSet, store: PackedStore, short: PackedStore
+    packings: list[tuple[ShardSet, PackedStore]],
 ) -> None:
-    for packed in stores(store, short):
+    for shards, packed in packings:
         for route in shards.manifest.routes:
             _, _, tokens = route_rows(shards, route.route)
             windows = everything(packed, route.route)
@@ -204,10 +242,12 @@ def test_rows_longer_than_seq_len_are_cut_into_chunks_and_counted_once(
         )
 
 
-def test_locate_equals_a_brute_force_search(shards: ShardSet, store: PackedStore, short: PackedStore) -> None:
-    for packed in stores(store, short):
-        for route in shards.manifest.routes:
-            corpora, row_numbers, tokens = route_rows(shards, route.route)
+def test_locate_equals_a_brute_force_search(
+    packings: list[tuple[ShardSet, PackedStore]], shards: ShardSet, store: PackedStore
+) -> None:
+    for source, packed in packings:
+        for route in source.manifest.routes:
+            corpora, row_numbers, tokens = route_rows(source, route.route)
             counts = everything(packed, route.route)["tokens"].to_numpy()
             starts, ends = np.cumsum(counts) - counts, np.cumsum(counts)  # each window's tokens in the route
             position = 0

@@ -7,8 +7,9 @@ a contiguous range of the route, as its rows did, and the schedule's exclusions 
 windows by corpus exactly as they dropped rows. A row is never split across windows unless it is
 longer than ``seq_len``: then it is cut into chunks of ``seq_len`` tokens from its start, each
 full chunk a window of its own, and the last (shorter) chunk starts a new window that the rows
-after it may join; the row counts as one example, in its first window. Windows are stored
-unpadded (the reader pads them to ``seq_len``).
+after it may join; the row counts as one example, in its first window. A row of no tokens joins
+the open window (or opens one), so a window may, rarely, hold only such rows and no token.
+Windows are stored unpadded (the reader pads them to ``seq_len``).
 
 One Ray task packs one shard file into one part of the store, holding one file's rows at most
 (read in batches); windows never cross files. Over all windows of a (corpus, route) the examples
