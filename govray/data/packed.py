@@ -24,7 +24,8 @@ Example::
     spec = ScheduleSpec(seed=7, world_size=2, batch_size=8, routes=store.layouts())
     mine = slot(spec, step, rank)                           # positions are windows now
     batch = store.take(mine.route, np.asarray(mine.rows))   # input_ids [8 x seq_len], tokens, ...
-    divisor = store.tokens(route, every_slots_positions).sum()   # per-token loss normaliser
+    windows = step_rows(spec, step).rows                    # every slot's windows, per route
+    divisors = {route: int(store.tokens(route, w).sum()) for route, w in windows.items()}  # per token
 """
 
 from __future__ import annotations
