@@ -219,6 +219,15 @@ def _placeholder(field: str) -> Any:
 EVAL_ROWS = 50_000  # held-out rows per corpus a validation evaluates, unless data.eval_rows says
 
 
+class PackingConfig(BaseModel):
+    """Text packed into fixed-length windows of ``seq_len`` tokens (the trial's ``tokenize``); a
+    window holds rows of one route and one corpus only (:mod:`govray.data.packing`)."""
+
+    model_config = _STRICT
+
+    seq_len: int = Field(ge=2)  # tokens per window: a model sees at least one next-token target
+
+
 class DataConfig(BaseModel):
     model_config = _STRICT
 
@@ -227,15 +236,7 @@ class DataConfig(BaseModel):
     # Held-out rows per corpus a validation evaluates, evenly spaced over the holdout: a validation
     # costs the same whatever the corpus's size (recorded in every run.json).
     eval_rows: int = Field(default=EVAL_ROWS, ge=1)
-
-    @model_serializer(mode="wrap")
-    def _without_default_eval_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left at its default it is not serialized: an experiment written before it existed keeps
-        # its bytes and its digest.
-        dumped: dict[str, Any] = handler(self)
-        if self.eval_rows == EVAL_ROWS:
-            dumped.pop("eval_rows", None)
-        return dumped
+    packing: PackingConfig | None = None  # None: a batch is rows, not packed windows
 
     @field_validator("corpora")
     @classmethod
@@ -246,6 +247,17 @@ class DataConfig(BaseModel):
                 raise ValueError(f"corpus id '{corpus.id}' appears more than once")
             seen.add(corpus.id)
         return corpora
+
+    @model_serializer(mode="wrap")
+    def _without_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left at their defaults, eval_rows and packing are not serialized: an experiment written
+        # before they existed keeps its bytes and its digest.
+        dumped: dict[str, Any] = handler(self)
+        if self.eval_rows == EVAL_ROWS:
+            dumped.pop("eval_rows", None)
+        if self.packing is None:
+            dumped.pop("packing", None)
+        return dumped
 
 
 # --- the rest ---------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 govray owns the step: a trial gives per-example losses, and govray does backward, the governed
 allreduce, per-route-group clipping and the optimizer step. So a trial says only how to build the
 model, how to turn shard rows into a batch, the per-example loss, and (optionally) the model's
-ordered layers and per-example evaluation values. It contains no DDP, no Ray Data and no
-governance code; the same class runs in-process (one worker) and on N Ray Train workers.
+ordered layers, per-example evaluation values and, for packed text, how to tokenize rows. It
+contains no DDP, no Ray Data and no governance code; the same class runs in-process (one worker)
+and on N Ray Train workers.
 
 The optimizer, the batch size and gradient clipping are not the trial's: they are the experiment's
 ``training`` section (:mod:`govray.config.training`), overridden per trial by hyperparameters of the
@@ -152,6 +153,18 @@ class Trial(ProbeHooks, ABC):
         with torch.device("meta"):
             return self.build_model()
 
+    def tokenize(self, rows: pa.Table) -> list[list[int]]:
+        """The token ids of each shard row, in order, for ``data.packing`` (text packed into
+        fixed-length windows, :mod:`govray.data.packing`); ids are integers in ``[0, 2**32)``.
+
+        Packing concatenates rows as given: a trial whose model should see where one row ends
+        and the next begins appends its end-of-text id here. Required when the experiment sets
+        ``data.packing`` (see :func:`defines_tokenize`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not define tokenize(rows), which data.packing needs"
+        )
+
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-example evaluation values; govray averages each over the evaluation rows.
 
@@ -208,6 +221,11 @@ def scoring(model: nn.Module) -> Iterator[torch.device]:
 def defines_sequence_scores(trial: type[Trial]) -> bool:
     """Whether a trial class can score texts (what a corpus with canaries needs)."""
     return trial.sequence_scores is not ProbeHooks.sequence_scores
+
+
+def defines_tokenize(trial: type[Trial]) -> bool:
+    """Whether a trial class can tokenize shard rows (what ``data.packing`` needs)."""
+    return trial.tokenize is not Trial.tokenize
 
 
 def make_trial(path: str, hparams: Mapping[str, Any], settings: TrainingSettings | None = None) -> Trial:

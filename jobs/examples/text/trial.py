@@ -182,6 +182,10 @@ class CharTransformerTrial(Trial):
         """Characters predicted per row: those before the padding."""
         return [len(text.rstrip("\n")) for text in rows["text"].to_pylist()]
 
+    def tokenize(self, rows: pa.Table) -> list[list[int]]:
+        """Code points of each row's characters before the padding (as many as ``tokens`` counts)."""
+        return [list(text.rstrip("\n").encode("ascii")) for text in rows["text"].to_pylist()]
+
     def sequence_scores(self, model: nn.Module, texts: Sequence[str]) -> torch.Tensor:
         """Total NLL in nats of each text (unpadded, 1 to ``context`` characters) after BOS.
 
