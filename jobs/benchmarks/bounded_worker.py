@@ -1,0 +1,34 @@
+"""A worker alone in this process (no Ray), for tests/test_worker_memory.py and data_scale.py:
+
+    python -m jobs.benchmarks.bounded_worker RUN_JSON STEPS
+
+trains STEPS governed steps of the run, validates once, measures memorization once, and prints
+JSON with its peak RSS in bytes and the examples its ledger counted."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+from govray.train.runspec import RunSpec
+from govray.train.step import GovernedStep
+from govray.train.trial import make_trial
+from govray.train.worker import Worker
+
+
+def main(run_json: str, steps: int) -> None:
+    spec = RunSpec.model_validate_json(Path(run_json).read_text())
+    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    examples = sum(int(governed.step(step)[1]) for step in range(steps))
+    governed.batches.close()
+    validation = governed.evaluate()
+    governed.memorization()
+    counted = max(entry.examples for entry in governed.ledger.entries.values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(json.dumps({"peak_rss": peak, "examples": examples, "ledger": counted, **validation}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,82 @@
+"""Worker memory does not grow with the corpus: a worker trains, validates and measures
+memorization on a corpus several times larger than a memory cap set for its growth, reading only
+its slots' row groups (DESIGN.md, "Data at scale")."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from govray.core.keys import load_trust, platform_key, platform_trust
+from govray.platform.runner import new_run_spec
+from jobs.examples.digits.golden import REPO, copy_example, opened, save_experiment
+
+pytestmark = pytest.mark.cluster
+
+PAYLOAD = 16 << 10  # bytes of incompressible payload per row (the trial never reads it)
+CAP = 100 << 20  # how much more a worker may hold for the large corpus than for a tenth of it
+STEPS = 60
+
+
+def corpus(path: Path, rows: int) -> int:
+    """The digits example's public rows repeated to ``rows`` rows, each with a random payload;
+    returns its size on disk."""
+    digits = pq.read_table(REPO / "jobs" / "examples" / "digits" / "data" / "public.parquet")
+    table = digits.take(pa.array(np.arange(rows) % digits.num_rows))
+    rng = np.random.default_rng(rows)
+    payload = pa.array([rng.bytes(PAYLOAD) for _ in range(rows)], pa.binary())
+    table = table.append_column("copy", pa.array(np.arange(rows))).append_column("payload", payload)
+    pq.write_table(table, path, row_group_size=1024, compression="zstd")
+    return path.stat().st_size
+
+
+def trained(root: Path, rows: int) -> tuple[int, dict[str, Any]]:
+    raw = copy_example(root)
+    size = corpus(root / "data" / "large.parquet", rows)
+    public = dict(raw["data"]["corpora"][0], id="payloads", path="data/large.parquet")
+    raw["data"] = {"holdout_fraction": 0.05, "eval_rows": 256, "corpora": [public]}
+    raw["searcher"]["max_length"] = {"batches": STEPS}
+    config, _store, checked, _experiment, ingested = opened(save_experiment(root, raw))
+    trust = platform_trust(platform_key(), load_trust(config.policy.trust) if config.policy.trust else None)
+    hparams = {**config.default_hparams(), "batch_size": 16}
+    spec = new_run_spec(
+        config,
+        checked,
+        ingested.root,
+        "memory",
+        hparams=hparams,
+        trial_seed=0,
+        reproducibility={},
+        trust=trust,
+    )
+    (root / "run.json").write_text(spec.model_dump_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.benchmarks.bounded_worker", str(root / "run.json"), str(STEPS)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return size, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_corpus_several_times_larger_than_the_workers_memory_cap_trains_to_completion(
+    ray_session: None, tmp_path: Path
+) -> None:
+    small_size, small = trained(tmp_path / "small", 3_200)
+    large_size, large = trained(tmp_path / "large", 32_000)
+    assert large_size - small_size > 4 * CAP  # the corpus grew by several times the cap
+    assert large["ledger"] == large["examples"] >= STEPS * 16 - 15  # every step read its slot
+    assert math.isfinite(large["validation_loss"])
+    grown = large["peak_rss"] - small["peak_rss"]
+    assert grown < CAP, f"the worker's peak RSS grew by {grown / 2**20:.0f} MiB with the corpus"
