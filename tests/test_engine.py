@@ -23,7 +23,7 @@ from govray.governance.allreduce import NonFiniteGradientError
 from govray.platform.replay import Replay, recorded_decisions, replay_trial
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints
 from govray.train.decisions import LossScaleSkip
-from govray.train.ledger import Ledger
+from govray.train.ledger import Ledger, TokensPerRow
 from govray.train.runspec import RunSpec
 from govray.train.scaling import INIT_SCALE
 from govray.train.step import GovernedStep
@@ -264,7 +264,7 @@ def test_the_ledger_by_route_expands_to_exactly_the_ledger_by_tensor(seed: int) 
     by_route, by_slot = Ledger(), Ledger()
     arrays = {route: np.asarray(counts) for route, counts in tokens.items()}
     for step in range(2 * spec.steps_per_epoch + 1):
-        by_route.record_rows(step_rows(spec, step), TABLE, arrays)
+        by_route.record_rows(step_rows(spec, step), TABLE, TokensPerRow(arrays))
         by_slot.record_step(step_slots(spec, step), TABLE, tokens)
         if step % 3 == 0:
             assert by_route.entries == by_slot.entries  # expanding midway changes nothing

@@ -187,11 +187,16 @@ class PackedStore:
         return store
 
     @classmethod
-    def fetch(cls, root: Path, storage: str, *, verify: bool | Literal["touched"] = "touched") -> PackedStore:
+    def fetch(
+        cls, root: Path, storage: str, *, verify: bool | Literal["touched"] = "touched", sha256: str = ""
+    ) -> PackedStore:
         """The store at ``root`` in this node's cache of object storage ``storage`` (a local
-        storage_path or "": used where it lies), downloaded and verified first when missing."""
+        storage_path or "": used where it lies), downloaded and verified first when missing;
+        its manifest checked against ``sha256`` (the digest a run recorded) when given."""
         if storage:
             open_storage(storage).fetch(root, verify=lambda staged: cls._staged(staged, root.name))
+        if sha256 and file_sha256(root / MANIFEST) != sha256:
+            raise IngestError(f"packed store manifest {root / MANIFEST} does not match the digest the run recorded")
         return cls.open(root, verify=verify)
 
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,6 +32,35 @@ LEDGER_VERSION = 1
 
 class LedgerError(GovrayError):
     """A ledger document is malformed, or token counts do not cover a route's rows."""
+
+
+class RowCounts(Protocol):
+    """What each scheduled position of a route holds: its examples (None: one each) and its
+    tokens (None: not counted)."""
+
+    def examples(self, route: str, positions: np.ndarray) -> np.ndarray | None: ...
+
+    def tokens(self, route: str, positions: np.ndarray) -> np.ndarray | None: ...
+
+
+class TokensPerRow:
+    """One example per row, with the tokens a trial's ``tokens`` hook counted for each row."""
+
+    def __init__(self, counts: Mapping[str, Sequence[int] | np.ndarray]) -> None:
+        self.counts = {route: np.asarray(values) for route, values in counts.items()}
+
+    def examples(self, route: str, positions: np.ndarray) -> None:
+        return None
+
+    def tokens(self, route: str, positions: np.ndarray) -> np.ndarray:
+        counts = self.counts.get(route)
+        if counts is None:
+            raise LedgerError(f"token counts name no route '{route}' (routes: {', '.join(self.counts)})")
+        if len(positions) and int(positions.max()) >= len(counts):
+            raise LedgerError(
+                f"token counts of route '{route}' cover {len(counts)} rows; no row {int(positions.max())}"
+            )
+        return counts[positions]
 
 
 @dataclass
@@ -140,12 +169,12 @@ class Ledger:
                     token_counts[corpus, item.route] += count
         self._record(examples, token_counts, table)
 
-    def record_rows(
-        self, step: StepRows, table: RoutingTable, tokens: Mapping[str, np.ndarray] | None = None
-    ) -> None:
+    def record_rows(self, step: StepRows, table: RoutingTable, counts: RowCounts | None = None) -> None:
         """``record_step`` from a step's rows summed by route (``schedule.step_rows``): the
         same entries, counted in arrays per route (one bincount per route and step) instead of
-        a Python loop over every row of every slot."""
+        a Python loop over every row of every slot. ``counts`` says what each scheduled position
+        holds: one example and its tokens (``TokensPerRow``), or a packed window's examples and
+        tokens (``govray.data.packed.PackedStore``); None: one example each, no tokens."""
         self._use_table(table)
         tallies = self._tallies_for(step.routes)
         reached: dict[str, set[str]] = {}  # corpora several routes hold: their routes reached
@@ -154,24 +183,14 @@ class Ledger:
                 continue
             tally = tallies[layout.route]
             rows, positions = step.rows[layout.route], step.corpus[layout.route]
-            examples = np.bincount(positions, minlength=len(layout.corpus_counts))
-            tally.examples += examples
+            read = np.bincount(positions, minlength=len(layout.corpus_counts))  # positions per corpus
+            present = read > 0
+            held = counts.examples(layout.route, rows) if counts is not None else None
+            tokens = counts.tokens(layout.route, rows) if counts is not None else None
+            # float64 sums of integers are exact below 2**53 examples or tokens per step and corpus
+            tally.examples += read if held is None else _weighted(positions, held, len(read))
             if tokens is not None:
-                counts = tokens.get(layout.route)
-                if counts is None:
-                    raise LedgerError(
-                        f"token counts name no route '{layout.route}' (routes: {', '.join(tokens)})"
-                    )
-                if len(rows) and int(rows.max()) >= len(counts):
-                    raise LedgerError(
-                        f"token counts of route '{layout.route}' cover {len(counts)} rows; "
-                        f"no row {int(rows.max())}"
-                    )
-                # float64 sums of integers are exact below 2**53 tokens per step and corpus
-                tally.tokens += np.bincount(positions, weights=counts[rows], minlength=len(examples)).astype(
-                    np.int64
-                )
-            present = examples > 0
+                tally.tokens += _weighted(positions, tokens, len(read))
             tally.steps += present & tally.solo
             for position in tally.shared:
                 if present[position]:
@@ -324,20 +343,25 @@ class Ledger:
         return ledger
 
 
+def _weighted(positions: np.ndarray, weights: np.ndarray, length: int) -> np.ndarray:
+    return np.bincount(positions, weights=weights, minlength=length).astype(np.int64)
+
+
 def recompute_ledger(
     spec: ScheduleSpec,
     table: RoutingTable,
     steps: int,
-    tokens: Mapping[str, Sequence[int] | np.ndarray] | None = None,
+    tokens: Mapping[str, Sequence[int] | np.ndarray] | RowCounts | None = None,
 ) -> Ledger:
     """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone
-    (steps a rollback discarded reached nothing); ``tokens``: per route, each row's tokens."""
+    (steps a rollback discarded reached nothing); ``tokens``: per route, each row's tokens, or what
+    each position holds (``RowCounts``)."""
     ledger = Ledger()
-    arrays = None if tokens is None else {route: np.asarray(counts) for route, counts in tokens.items()}
+    counts = TokensPerRow(tokens) if isinstance(tokens, Mapping) else tokens
     for global_step in range(steps):
         if spec.reverted(global_step):
             continue
-        ledger.record_rows(step_rows(spec, global_step), table, arrays)
+        ledger.record_rows(step_rows(spec, global_step), table, counts)
     return ledger
 
 

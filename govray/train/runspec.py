@@ -41,6 +41,10 @@ class RunSpec(BaseModel):
     # sha256 of the shard manifest (whose per-file digests every read is checked against); "" in a
     # run.json written before it was recorded.
     shards_sha256: str = ""
+    # data.packing: the packed token store the schedule reads windows from, and its manifest's
+    # sha256 ("": rows are read, not windows).
+    packed_root: str = ""
+    packed_sha256: str = ""
     # Held-out rows per corpus a validation evaluates (evenly spaced); None: all of them (a run.json
     # written before the limit existed).
     eval_rows: int | None = None

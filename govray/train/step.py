@@ -34,11 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from govray.config.experiment import ParallelStrategy
 from govray.config.training import Precision
 from govray.core.errors import ConfigError
+from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.schedule import (
     ScheduleEvent,
     ScheduleSpec,
     Slot,
+    StepRows,
     derive_seed,
     slot,
     step_rows,
@@ -122,16 +124,22 @@ class GovernedStep:
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
         self.shards = ShardSet.fetch_manifest(Path(spec.shard_root), spec.storage, spec.shards_sha256)
+        # Under data.packing a scheduled position is a window of tokens, not a row.
+        self.packed = (
+            PackedStore.fetch(Path(spec.packed_root), spec.storage, sha256=spec.packed_sha256)
+            if spec.packed_root
+            else None
+        )
         self.schedule = self.scheduled([])
         self.route_names = [layout.route for layout in self.schedule.routes]
         # fp16's per-route loss scales; the trial's controller shares its own (TrialRun).
         self.scaler = LossScaler(None, next_seq=lambda: len(self.scaler.skips))
         # Reads follow the schedule: only the row groups of this worker's slots, prefetched.
-        self.rows = RouteRows(ShardReader(self.shards, spec.storage))
+        self.rows = RouteRows(ShardReader(self.shards, spec.storage), self.packed, trial.pad_id)
         self.batches = Prefetcher(
             self.rows.take, trial.collate, self.device, self.micro_batches, exactly=self.sharded
         )
-        self.tokens = self.rows.tokens(trial)  # per route, tokens of each route-local row (the ledger's)
+        self.counts = self.rows.counts(trial)  # examples and tokens of each position (the ledger's)
         self.forward: nn.Module = self.model
         if self.sharded:  # FSDP2: each rank holds a shard of every base tensor
             shard_model(
@@ -182,7 +190,7 @@ class GovernedStep:
         # Per-step seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
         torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
         route = None if mine.empty else mine.route
-        counts = every.route_counts()
+        counts = self._divisors(every)
         # fp16: this slot's loss is multiplied by its route's scale (and unscaled in the hook).
         scale = self.scaler.scale(route) if self.autocast_dtype is torch.float16 else None
         self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
@@ -218,10 +226,18 @@ class GovernedStep:
         self.governor.finish_step(self.trial.max_grad_norm, skip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ledger.record_rows(every, self.routing, self.tokens)  # from the schedule, not the gradients
+        self.ledger.record_rows(every, self.routing, self.counts)  # from the schedule, not the gradients
         if self.exported is not None:
             self.exported.record_step(every.corpus_examples(), self.governor.masked_fraction())
         return loss_sum, len(mine.rows)
+
+    def _divisors(self, every: StepRows) -> dict[str, int]:
+        """What each route's summed gradient is divided by: its examples at this step, or under
+        data.packing its tokens (per-token normalisation), both from the schedule alone."""
+        if self.packed is None:
+            return every.route_counts()
+        tokens = {route: int(self.packed.tokens(route, rows).sum()) for route, rows in every.rows.items()}
+        return {route: count for route, count in tokens.items() if count}  # a 0-token window adds nothing
 
     def _upcoming(self, step: int) -> Slot | None:
         """This worker's slot at the next step (what the prefetcher collates meanwhile)."""

@@ -123,9 +123,16 @@ class Trial(ProbeHooks, ABC):
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting)."""
+        """Per-example losses, shape ``[len(batch)]``; govray sums them (per-example weighting).
+
+        Under ``data.packing`` a training batch holds windows of tokens (``collate`` gets columns
+        ``input_ids``, each ``seq_len`` ids padded with ``pad_id``, and ``tokens``, the real ones):
+        return each window's SUM of per-token losses; govray divides by the route group's tokens
+        (per-token normalisation). Evaluation and the probe still read rows."""
 
     # --- optional ---------------------------------------------------------------------------
+
+    pad_id: int = 0  # the id that pads a packed window (``data.packing``) to ``seq_len``
 
     def layers(self, model: nn.Module) -> Sequence[str] | None:
         """The model's ordered layers (module names) for depth ranges. Default: for a transformers

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from govray.core.errors import GovrayError
+from govray.data.packed import PackedStore
 from govray.data.reader import FileRun, ShardReader
 from govray.data.schedule import Slot
+from govray.train.ledger import RowCounts, TokensPerRow
 from govray.train.trial import Trial
 
 T = TypeVar("T")
@@ -57,16 +59,30 @@ class Worker:
 
 
 class RouteRows:
-    """The training rows a worker reads, by route-local position (``ShardReader``: only the row
-    groups its slots touch), and the fixed row samples the memorization probe measures on."""
+    """What a worker's slots read, by route-local position: rows (``ShardReader``: only the row
+    groups its slots touch), or under ``data.packing`` windows of tokens (``PackedStore``,
+    padded with ``pad_id``); and the fixed row samples the memorization probe measures on."""
 
-    def __init__(self, reader: ShardReader) -> None:
+    def __init__(self, reader: ShardReader, packed: PackedStore | None = None, pad_id: int = 0) -> None:
         self.reader = reader
+        self.packed = packed
+        self.pad_id = pad_id
 
     def take(self, slot: Slot) -> pa.Table:
+        if self.packed is not None:
+            route = slot.route or self.packed.manifest.routes[0].route
+            return self.packed.take(route, np.asarray(slot.rows, dtype=np.int64), pad_id=self.pad_id)
         if slot.empty or slot.route is None:
             return self.reader.empty()
         return self.reader.take(slot.route, slot.rows)
+
+    def counts(self, trial: Trial) -> RowCounts | None:
+        """What each scheduled position holds, for the ledger: a packed window's examples and
+        tokens; one row and its tokens when the trial counts them; else None (one example)."""
+        if self.packed is not None:
+            return self.packed
+        tokens = self.tokens(trial)
+        return None if tokens is None else TokensPerRow(tokens)
 
     def corpus_sample(self, corpus_id: str, count: int, exclude: Collection[int] = ()) -> pa.Table:
         """``count`` training rows of a corpus: those with the lowest row hashes, leaving out the

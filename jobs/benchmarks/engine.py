@@ -44,7 +44,7 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
     from govray.governance.allreduce import GradientGovernor, parameters_by_name
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
-    from govray.train.ledger import Ledger
+    from govray.train.ledger import Ledger, TokensPerRow
 
     with torch.device("meta"):  # 1000 tensors of a 500-layer stack; never allocated
         model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(TENSORS // 2)))
@@ -73,7 +73,7 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
         for start, route in enumerate(("public", "licensed", "pii"))
     )
     schedule = ScheduleSpec(seed=1, world_size=RANKS, batch_size=BATCH, routes=routes)
-    tokens = {route.route: rng.integers(1, 512, route.rows) for route in routes}
+    tokens = TokensPerRow({route.route: rng.integers(1, 512, route.rows) for route in routes})
     ledger = Ledger()
     rank = 17
     timings = []

@@ -164,11 +164,22 @@ class CharTransformerTrial(Trial):
         assert isinstance(model, CharTransformer)
         return ["embed", *(f"blocks.{index}" for index in range(len(model.blocks))), "head"]
 
+    pad_id = PAD  # a packed window (data.packing) is padded like a row
+
     def collate(self, rows: pa.Table) -> Batch:
+        if "input_ids" in rows.column_names:  # packed windows of code points (data.packing)
+            ids = rows["input_ids"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            width = len(ids) // rows.num_rows if rows.num_rows else self.context
+            return {
+                "text": torch.from_numpy(ids.astype(np.int64).reshape(rows.num_rows, width)),
+                "tokens": torch.as_tensor(rows["tokens"].to_numpy(zero_copy_only=False)),
+            }
         return {"text": encode(rows["text"].to_pylist(), self.context)}
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         nll, _ = next_character_nll(model, batch["text"])
+        if "tokens" in batch:  # a packed window: the sum over its characters (govray divides)
+            return nll.sum(dim=1)
         return nll.sum(dim=1) / _characters(batch["text"])
 
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
