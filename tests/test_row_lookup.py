@@ -49,7 +49,10 @@ def assert_fast_path_matches_scan(spec: ScheduleSpec, steps: int) -> int:
     return len(expected)
 
 
-def test_row_steps_equal_a_scan_of_every_slot_across_epochs_exclusions_gates_and_rollbacks() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_row_steps_equal_a_scan_of_every_slot_across_epochs_exclusions_gates_and_rollbacks(
+    version: int,
+) -> None:
     spec = ScheduleSpec(
         seed=11,
         world_size=3,
@@ -64,6 +67,7 @@ def test_row_steps_equal_a_scan_of_every_slot_across_epochs_exclusions_gates_and
             ScheduleEvent(step=9, kind="gate", corpus_id="c"),
             ScheduleEvent(step=7, kind="rollback", to_step=4),
         ),
+        version=version,
     )
     steps = 4 * spec.steps_per_epoch + 1  # several epochs and one step into the next
     assert assert_fast_path_matches_scan(spec, steps) > 0
