@@ -13,7 +13,7 @@ import pytest
 from conftest import GoldenRun
 
 from govray.cli import main
-from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, slot
+from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleEvent, ScheduleSpec, slot
 from govray.data.shards import ShardSet
 from govray.governance.routing import resolve_routes
 from govray.provenance.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
@@ -126,6 +126,7 @@ def test_every_training_row_of_the_golden_run_reaches_exactly_the_steps_a_scan_f
 ) -> None:
     state = final_state(golden_run)
     spec = ScheduleSpec.from_json(state.schedule)
+    assert spec.version == run_spec(golden_run).schedule_version == SCHEDULE_VERSION  # a new run: the latest
     assert state.step == 30 < spec.steps_per_epoch  # each row trained at most once
     ledger = Ledger.from_json(state.ledger)
     examples = sum(max(e.examples for c, _, e in ledger.rows() if c == corpus) for corpus in ledger.corpora())
