@@ -67,6 +67,14 @@ class ScheduleError(GovrayError):
     """The schedule's inputs are inconsistent (a world size below 1, a gate on an unknown corpus, ...)."""
 
 
+def _check_version(version: object) -> None:
+    if version not in READABLE_VERSIONS:
+        raise ScheduleError(
+            f"schedule version {version!r} is not one this govray can recompute "
+            f"({', '.join(map(str, READABLE_VERSIONS))})"
+        )
+
+
 @dataclass(frozen=True)
 class RouteLayout:
     """One route's training rows: ``(corpus_id, rows)`` in shard order (corpus order, then row)."""
@@ -158,11 +166,7 @@ class ScheduleSpec:
         self._validate()
 
     def _validate(self) -> None:
-        if self.version not in READABLE_VERSIONS:
-            raise ScheduleError(
-                f"schedule version {self.version!r} is not one this govray can recompute "
-                f"({', '.join(map(str, READABLE_VERSIONS))})"
-            )
+        _check_version(self.version)
         if self.world_size < 1:
             raise ScheduleError(f"world size must be at least 1, not {self.world_size}")
         if self.batch_size < 1:
@@ -298,11 +302,7 @@ class ScheduleSpec:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ScheduleSpec:
-        if data.get("version") not in READABLE_VERSIONS:
-            raise ScheduleError(
-                f"schedule version {data.get('version')!r} is not one this govray can recompute "
-                f"({', '.join(map(str, READABLE_VERSIONS))})"
-            )
+        _check_version(data.get("version"))
         try:
             return cls(
                 seed=int(data["seed"]),
