@@ -1,39 +1,49 @@
 """The schedule: which route and which rows each worker reads at each step — a pure function.
 
 Nothing random is carried across calls: every slot is recomputed from the spec alone (seed,
-world size, batch size, per-route row counts, excluded corpora, recorded governance events), so
-resume, replay and a verifier all see the same schedule.
+world size, batch size, per-route row counts, excluded corpora, recorded governance events, the
+schedule version), so resume, replay and a verifier all see the same schedule.
 
-Semantics of epoch ``e`` (``SCHEDULE_VERSION`` 1):
+Semantics of epoch ``e``:
 
-1. Every route's rows ``0..n-1`` (positions in ``shards/train/ROUTE``) are permuted by ranking
-   them on PCG64 raw outputs seeded by ``derive_seed(seed, e, route)`` — seeded by the route's
-   name, so adding a route never moves another's rows. PCG64's raw stream and ``SeedSequence`` are
-   stable across numpy versions and platforms; ``hash()`` is never used.
-2. Each permuted route is cut into batches of ``batch_size`` rows; the last may be short, so no
-   row is dropped. A batch holds rows of one route only.
-3. All batches of all routes (policy order, then batch order) are ranked the same way with
-   ``derive_seed(seed, e)``, giving one order of ``B`` batches.
+1. Every route's rows ``0..n-1`` (positions in ``shards/train/ROUTE``) are permuted by a bijection
+   keyed by ``derive_seed(seed, e, route)`` — keyed by the route's name, so adding a route never
+   moves another's rows. Position ``p`` of the permuted route holds row ``order(p)``.
+2. Each permuted route is cut into batches of ``batch_size`` positions; the last may be short, so
+   no row is dropped. A batch holds rows of one route only.
+3. All batches of all routes (policy order, then batch order) — ``B`` of them — are put in one
+   order by a bijection on ``[0, B)`` keyed by ``derive_seed(seed, e)``.
 4. ``steps_per_epoch = ceil(B / world_size)``. At step ``s`` rank ``r`` reads batch
-   ``s * world_size + r``, or has an empty slot (route ``None``) past the end.
+   ``s * world_size + r`` of that order, or has an empty slot (route ``None``) past the end.
    ``global_step = e * steps_per_epoch + s``.
 5. Exclusions and gates are a post-filter: the slot is computed as without them, then rows of an
    excluded corpus, or of a corpus gated by an event with ``event.step <= global_step``, are
    dropped (the route stays set). Excluding corpus X therefore leaves every other slot of every
    step bit-for-bit the same, which the counterfactual replay relies on.
 
+The versions differ in the bijections of steps 1 and 3 only (``ScheduleSpec.version``):
+
+- **2** (``SCHEDULE_VERSION``, new runs): ``KeyedPermutation``, a Feistel network with
+  cycle-walking, never materialised. A step evaluates only its ``world_size`` batches: O(1) memory
+  in the route sizes, so a route of 10^9 rows costs what one of 10^3 does, and a row's steps are
+  found through the inverses without building an epoch (``row_slots``).
+- **1** (runs recorded before version 2, recomputed exactly as they ran): the rows of a route,
+  and the batches of the epoch, are ranked by PCG64's raw 64-bit outputs (``epoch_plan``), which
+  holds a whole epoch's order in memory.
+
+Both are stable across numpy versions and platforms; ``hash()`` is never used.
+
 Example::
 
     spec = ScheduleSpec.from_manifest(manifest, seed=7, world_size=2, batch_size=32)
     for step in range(spec.steps_per_epoch):
         mine = slot(spec, step, rank)          # mine.route, mine.rows, mine.corpora
-        counts = route_counts(step_slots(spec, step))   # examples per route, no communication
+        counts = step_rows(spec, step).route_counts()   # examples per route, no communication
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,32 +52,27 @@ from itertools import accumulate
 from typing import Any, Literal
 
 import numpy as np
-from numpy.random import PCG64
 
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import GovrayError
+from govray.data.orders import EpochOrder, Sizes, epoch_order
+from govray.data.permutation import derive_seed as derive_seed  # the schedule's keys, named here
 from govray.data.shards import ShardManifest
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2  # what new runs use; every version in READABLE_VERSIONS is recomputed exactly
+READABLE_VERSIONS = (1, 2)
 
 
 class ScheduleError(GovrayError):
     """The schedule's inputs are inconsistent (a world size below 1, a gate on an unknown corpus, ...)."""
 
 
-def derive_seed(*parts: int | str) -> int:
-    """A 64-bit seed from ``parts`` (sha256 of their canonical JSON): the same in every process, and
-    accepted by both ``numpy`` and ``torch.manual_seed``.
-
-    >>> derive_seed(7, 0, "public") == derive_seed(7, 0, "public") != derive_seed(7, 1, "public")
-    True
-    """
-    return int.from_bytes(hashlib.sha256(canonical_json(["govray", *parts])).digest()[:8], "big")
-
-
-def _ranking(seed: int, count: int) -> np.ndarray:
-    """A permutation of ``range(count)``: indices sorted by PCG64's raw 64-bit outputs."""
-    return np.argsort(PCG64(seed).random_raw(count), kind="stable")
+def _check_version(version: object) -> None:
+    if version not in READABLE_VERSIONS:
+        raise ScheduleError(
+            f"schedule version {version!r} is not one this govray can recompute "
+            f"({', '.join(map(str, READABLE_VERSIONS))})"
+        )
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class ScheduleSpec:
     routes: tuple[RouteLayout, ...]  # in policy order; routes with 0 rows allowed
     excluded_corpora: frozenset[str] = frozenset()
     events: tuple[ScheduleEvent, ...] = ()
+    version: int = SCHEDULE_VERSION  # how the rows and batches are permuted (module docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routes", tuple(self.routes))
@@ -160,6 +166,7 @@ class ScheduleSpec:
         self._validate()
 
     def _validate(self) -> None:
+        _check_version(self.version)
         if self.world_size < 1:
             raise ScheduleError(f"world size must be at least 1, not {self.world_size}")
         if self.batch_size < 1:
@@ -204,8 +211,10 @@ class ScheduleSpec:
         batch_size: int,
         excluded_corpora: Iterable[str] = (),
         events: Iterable[ScheduleEvent] = (),
+        version: int = SCHEDULE_VERSION,
     ) -> ScheduleSpec:
-        """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order)."""
+        """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order); a
+        run's schedule passes the run's ``version`` (``RunSpec.schedule_version``)."""
         order = [corpus.corpus_id for corpus in manifest.corpora]
         routes = []
         for summary in manifest.routes:
@@ -230,11 +239,17 @@ class ScheduleSpec:
             routes=tuple(routes),
             excluded_corpora=frozenset(excluded_corpora),
             events=tuple(events),
+            version=version,
         )
 
     @functools.cached_property
     def batches_per_epoch(self) -> int:
         return sum(math.ceil(route.rows / self.batch_size) for route in self.routes)
+
+    @functools.cached_property
+    def sizes(self) -> Sizes:
+        """``(route, rows)`` of every route, in policy order: what the epoch's order depends on."""
+        return tuple((route.route, route.rows) for route in self.routes)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -270,9 +285,10 @@ class ScheduleSpec:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The spec as a JSON document (stable ordering); ``from_json`` reads it back."""
+        """The spec as a JSON document (stable ordering); ``from_json`` reads it back. A version-1
+        spec's document is what it was before version 2 existed, so recorded digests still match."""
         return {
-            "version": SCHEDULE_VERSION,
+            "version": self.version,
             "seed": self.seed,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
@@ -286,11 +302,7 @@ class ScheduleSpec:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ScheduleSpec:
-        if data.get("version") != SCHEDULE_VERSION:
-            raise ScheduleError(
-                f"schedule version {data.get('version')!r} is not {SCHEDULE_VERSION}; this govray "
-                "cannot recompute it"
-            )
+        _check_version(data.get("version"))
         try:
             return cls(
                 seed=int(data["seed"]),
@@ -310,6 +322,7 @@ class ScheduleSpec:
                     )
                     for e in data["events"]
                 ),
+                version=int(data["version"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ScheduleError(f"malformed schedule spec: {error!r}") from None
@@ -319,29 +332,9 @@ class ScheduleSpec:
         return sha256_hex(canonical_json(self.to_json()))
 
 
-@dataclass(frozen=True)
-class EpochPlan:
-    """One epoch's order: steps 1-3 of the module docstring (a row lookup inverts it)."""
-
-    orders: tuple[np.ndarray, ...]  # per route: its route-local rows in this epoch's order
-    batch_routes: np.ndarray  # route index of the epoch's k-th batch
-    batch_starts: np.ndarray  # that batch's offset into its route's order
-
-
-# Keyed by the inputs the plan depends on only: a spec differing in world size, exclusions or
-# events (a counterfactual replay) shares its permutations.
-@functools.lru_cache(maxsize=4)
-def epoch_plan(seed: int, batch_size: int, routes: tuple[RouteLayout, ...], epoch: int) -> EpochPlan:
-    orders = tuple(_ranking(derive_seed(seed, epoch, route.route), route.rows) for route in routes)
-    batch_routes = np.concatenate(
-        [
-            np.full(math.ceil(route.rows / batch_size), index, dtype=np.int64)
-            for index, route in enumerate(routes)
-        ]
-    )
-    batch_starts = np.concatenate([np.arange(0, route.rows, batch_size, dtype=np.int64) for route in routes])
-    shuffle = _ranking(derive_seed(seed, epoch), len(batch_routes))
-    return EpochPlan(orders=orders, batch_routes=batch_routes[shuffle], batch_starts=batch_starts[shuffle])
+def epoch_of(spec: ScheduleSpec, epoch: int) -> EpochOrder:
+    """Epoch ``epoch``'s order of rows and batches: steps 1-3 of the module docstring."""
+    return epoch_order(spec.version, spec.seed, spec.batch_size, spec.sizes, epoch)
 
 
 def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
@@ -349,14 +342,14 @@ def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
     if not 0 <= rank < spec.world_size:
         raise ScheduleError(f"rank {rank} is outside the world of {spec.world_size} workers")
     epoch, step = spec.locate(global_step)
-    plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
     batch = step * spec.world_size + rank
-    if batch >= len(plan.batch_routes):
+    if batch >= spec.batches_per_epoch:
         return Slot(route=None, rows=(), corpora=())
-    index = int(plan.batch_routes[batch])
-    start = int(plan.batch_starts[batch])
+    order = epoch_of(spec, epoch)
+    routes, starts = order.batches(batch, batch + 1)
+    index, start = int(routes[0]), int(starts[0])
     route = spec.routes[index]
-    rows = plan.orders[index][start : start + spec.batch_size]
+    rows = order.rows(index, np.arange(start, min(start + spec.batch_size, route.rows)))
     corpora = route.corpora_of(rows)
     withheld = spec.withheld_corpora(global_step)
     kept = [
@@ -367,6 +360,21 @@ def slot(spec: ScheduleSpec, global_step: int, rank: int) -> Slot:
         rows=tuple(row for row, _ in kept),
         corpora=tuple(corpus for _, corpus in kept),
     )
+
+
+def row_slots(spec: ScheduleSpec, route: str, position: int, epochs: int) -> list[tuple[int, int]]:
+    """Every ``(global_step, rank)`` of epochs ``0..epochs-1`` whose slot holds route-local row
+    ``position`` of ``route``, in step order: one per epoch, unless its corpus was excluded or
+    gated by then (as ``slot`` drops it). Version 2 finds each through the inverses in O(1)."""
+    index = [layout.route for layout in spec.routes].index(spec.route(route).route)
+    corpus = spec.routes[index].corpus_of(position)
+    found = []
+    for epoch in range(epochs):
+        batch = epoch_of(spec, epoch).batch_of(index, position)
+        global_step = epoch * spec.steps_per_epoch + batch // spec.world_size
+        if corpus not in spec.withheld_corpora(global_step):
+            found.append((global_step, batch % spec.world_size))
+    return found
 
 
 @dataclass(frozen=True)
@@ -403,10 +411,9 @@ class StepRows:
 def step_rows(spec: ScheduleSpec, global_step: int) -> StepRows:
     """Every worker's slot at ``global_step``, summed by route (see :class:`StepRows`)."""
     epoch, step = spec.locate(global_step)
-    plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
+    order = epoch_of(spec, epoch)
     first = step * spec.world_size
-    last = min(first + spec.world_size, len(plan.batch_routes))
-    batch_routes, batch_starts = plan.batch_routes[first:last], plan.batch_starts[first:last]
+    batch_routes, batch_starts = order.batches(first, min(first + spec.world_size, spec.batches_per_epoch))
     withheld = spec.withheld_corpora(global_step)
     offsets = np.arange(spec.batch_size, dtype=np.int64)
     rows: dict[str, np.ndarray] = {}
@@ -414,7 +421,7 @@ def step_rows(spec: ScheduleSpec, global_step: int) -> StepRows:
     for index in np.unique(batch_routes).tolist():
         layout = spec.routes[index]
         positions = (batch_starts[batch_routes == index][:, None] + offsets[None, :]).ravel()
-        taken = plan.orders[index][positions[positions < layout.rows]]
+        taken = order.rows(index, positions[positions < layout.rows])
         corpora = np.searchsorted(np.asarray(layout._ends), taken, side="right")
         dropped = [position for position, (name, _) in enumerate(layout.corpus_counts) if name in withheld]
         if dropped:

@@ -39,7 +39,7 @@ from govray.platform.runner import (
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import find_checkpoints, verify_checkpoint
+from govray.train.checkpoint import checkpoint_schedule_version, find_checkpoints, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
 from govray.train.runspec import RunSpec
@@ -197,6 +197,10 @@ def replay_trial(
                 f"{known[corpus.corpus_id].fingerprint[:16]}… → {corpus.fingerprint[:16]}…): "
                 "a replay needs the same bytes"
             )
+    assert original.ray_run_name is not None
+    original_dir = final_checkpoint(
+        Path(config.storage_path) / "ray" / original.ray_run_name, config.policy.trust
+    )
     outcome = run_trial(
         config,
         checked,
@@ -210,16 +214,13 @@ def replay_trial(
         recorded_decisions=recorded_decisions(store, original.id),
         replay_of=original.id,
         code=code,
+        schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
     )
     if outcome.state != "completed":
         raise ReplayError(
             f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
             f"finish it with `govray resume {recorded.id}`, then compare"
         )
-    assert original.ray_run_name is not None
-    original_dir = final_checkpoint(
-        Path(config.storage_path) / "ray" / original.ray_run_name, config.policy.trust
-    )
     replay_dir = final_checkpoint(outcome.run_dir, config.policy.trust)
     report = InfluenceReport(
         experiment=recorded.name,

@@ -34,7 +34,7 @@ from govray.core.keys import TrustConfig, load_trust, platform_key, platform_key
 from govray.core.logs import log_dir
 from govray.core.storage import open_storage
 from govray.data.ingest import IngestResult
-from govray.data.schedule import ScheduleSpec, derive_seed
+from govray.data.schedule import SCHEDULE_VERSION, ScheduleSpec, derive_seed
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
 from govray.platform.preflight import CheckedPolicy, config_digest
@@ -119,7 +119,11 @@ class TrialOutcome:
 
 
 def plan_steps(
-    config: ExperimentConfig, manifest_root: Path, hparams: dict[str, Any], trial_seed: int
+    config: ExperimentConfig,
+    manifest_root: Path,
+    hparams: dict[str, Any],
+    trial_seed: int,
+    schedule_version: int = SCHEDULE_VERSION,
 ) -> int:
     """Total steps from the searcher's ``max_length`` (batches, or epochs of the schedule)."""
     length = config.searcher.max_length
@@ -132,6 +136,7 @@ def plan_steps(
         seed=derive_seed(config.seed, trial_seed, "schedule"),
         world_size=config.resources.workers,
         batch_size=trial.batch_size,
+        version=schedule_version,
     )
     return length.epochs * schedule.steps_per_epoch
 
@@ -153,6 +158,7 @@ def run_trial(
     start_model: Mapping[str, str] | None = None,
     replay_of: int | None = None,
     code: CodeSnapshot | None = None,
+    schedule_version: int = SCHEDULE_VERSION,
 ) -> TrialOutcome:
     """Train one trial data-parallel on Ray Train and record it; raises ``TrainingFailed``.
 
@@ -163,7 +169,8 @@ def run_trial(
     verified weights and ledger (recorded as the trial's lineage source); ``start_model`` names
     the registered model version that checkpoint is (``govray.platform.registry.start_reference``), whose
     attestation the trial's own then lists as its base model. A replay names the trial it reruns
-    (``replay_of``) and runs that trial's recorded ``code`` (see :func:`recorded_trial_code`).
+    (``replay_of``) and runs that trial's recorded ``code`` (see :func:`recorded_trial_code`) on
+    its ``schedule_version``. A run started from a checkpoint is a new run: the current version.
     """
     assert experiment.id is not None
     values = hparams if hparams is not None else config.default_hparams()
@@ -210,6 +217,7 @@ def run_trial(
         recorded_decisions=recorded_decisions,
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
         start_model=start_model,
+        schedule_version=schedule_version,
     )
     if code is not None:
         spec = on_recorded_code(spec, code_directory(config, code))
@@ -236,6 +244,7 @@ def new_run_spec(
     start_checkpoint: str = "",
     start_model: Mapping[str, str] | None = None,
     validation_period: int | None = None,
+    schedule_version: int = SCHEDULE_VERSION,
 ) -> RunSpec:
     """Everything the workers of run ``run_name`` need, from the experiment and one hyperparameter
     sample (a searcher may impose a ``validation_period`` when the config sets none)."""
@@ -260,8 +269,9 @@ def new_run_spec(
         eval_rows=config.data.eval_rows,
         seed=config.seed,
         trial_seed=trial_seed,
-        max_steps=plan_steps(config, shard_root, hparams, trial_seed=trial_seed),
+        max_steps=plan_steps(config, shard_root, hparams, trial_seed, schedule_version),
         excluded_corpora=excluded_corpora,
+        schedule_version=schedule_version,
         report_every=report_every,
         threads=default_threads(config.resources.cpus_per_worker),
         use_gpu=config.resources.use_gpu,

@@ -38,6 +38,7 @@ from govray.config.experiment import ExperimentConfig
 from govray.core.errors import ConfigError, GovrayError
 from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.core.storage import open_storage
+from govray.data.schedule import SCHEDULE_VERSION
 from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.platform.runner import governed_trainer, last_step, new_run_spec
@@ -48,6 +49,7 @@ from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
 from govray.train.checkpoint import (
     checkpoint_report,
     checkpoint_run,
+    checkpoint_schedule_version,
     checkpoint_step,
     newest_verified_checkpoint,
 )
@@ -119,6 +121,9 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
     run_name = trial_run_name(config, ray.tune.get_context().get_trial_id())
     restored = ray.tune.get_checkpoint()
     with restored.as_directory() if restored is not None else tempfile.TemporaryDirectory() as scratch:
+        # A restored trial or a PBT clone continues its checkpoint's schedule (a search begun
+        # before schedule version 2 keeps version 1).
+        version = checkpoint_schedule_version(Path(scratch)) if restored is not None else SCHEDULE_VERSION
         spec = new_run_spec(
             config,
             setup.checked,
@@ -130,6 +135,7 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
             trust=TrustConfig.model_validate_json(setup.trust_json),
             report_every=setup.report_every,
             validation_period=setup.validation_period,
+            schedule_version=version,
         ).model_copy(update={"resume_checkpoint": scratch if restored is not None else ""})
         if config.resources.workers == 1:
             _local_trial(config, spec)

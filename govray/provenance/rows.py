@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from govray.core.errors import GovrayError
 from govray.core.identifiers import CorpusId, check
-from govray.data.schedule import ScheduleSpec, epoch_plan
+from govray.data.schedule import ScheduleSpec, row_slots
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, layer_label
 from govray.provenance.attest import AttestationError, routing_of, run_spec_of
@@ -158,24 +158,16 @@ def row_steps(spec: ScheduleSpec, route: str, position: int, steps: int) -> tupl
     """The global steps below ``steps`` whose slot held route-local row ``position`` of ``route``:
     ``(reached, reverted)``, where a reverted step was trained and then discarded by a rollback.
 
-    At most one step per epoch: its permuted position gives its batch, the epoch's batch order the
-    step. Steps at which its corpus was excluded or gated are in neither list."""
+    At most one step per epoch (``schedule.row_slots``). Steps at which its corpus was excluded or
+    gated are in neither list."""
     routes = [item.route for item in spec.routes]
     if route not in routes:
         raise LineageError(f"the schedule has no route '{route}' (routes: {', '.join(routes)})")
-    index = routes.index(route)
-    corpus = spec.routes[index].corpus_of(position)
     reached: list[int] = []
     reverted: list[int] = []
-    for epoch in range(math.ceil(steps / spec.steps_per_epoch)):
-        plan = epoch_plan(spec.seed, spec.batch_size, spec.routes, epoch)
-        permuted = int(np.flatnonzero(plan.orders[index] == position)[0])
-        start = permuted - permuted % spec.batch_size
-        batch = int(np.flatnonzero((plan.batch_routes == index) & (plan.batch_starts == start))[0])
-        global_step = epoch * spec.steps_per_epoch + batch // spec.world_size
-        if global_step >= steps or corpus in spec.withheld_corpora(global_step):
-            continue
-        (reverted if spec.reverted(global_step) else reached).append(global_step)
+    for global_step, _ in row_slots(spec, route, position, math.ceil(steps / spec.steps_per_epoch)):
+        if global_step < steps:
+            (reverted if spec.reverted(global_step) else reached).append(global_step)
     return reached, reverted
 
 

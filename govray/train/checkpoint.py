@@ -396,6 +396,12 @@ def checkpoint_world_size(directory: Path) -> int | None:
     return int(world) if world is not None else None
 
 
+def checkpoint_schedule_version(directory: Path) -> int:
+    """The schedule version a checkpoint's run trained on, from its state (unverified: loading
+    verifies it, and a resume refuses a schedule other than its own)."""
+    return int(json.loads((directory / STATE_FILE).read_text())["schedule"]["version"])
+
+
 def checkpoint_run(directory: Path) -> str:
     """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
     return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))

@@ -58,6 +58,9 @@ class RunSpec(BaseModel):
         ParallelStrategy.DDP
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     excluded_corpora: tuple[str, ...] = ()
+    # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
+    # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (new_run_spec).
+    schedule_version: int = 1
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
     recorded_code: bool = False

@@ -308,6 +308,18 @@ class TrialRun:
                 raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
         save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)
 
+    def _check_schedule(self, directory: Path, state: CheckpointState) -> None:
+        schedule = self.governed.schedule
+        if state.schedule.get("version") != schedule.version:
+            raise CheckpointError(
+                f"{directory}: written on schedule version {state.schedule.get('version')}, this run "
+                f"is on version {schedule.version} (its run spec's schedule_version)"
+            )
+        if state.schedule_digest != schedule.digest():
+            raise CheckpointError(
+                f"{directory}: its schedule inputs differ from this run's (a different run?)"
+            )
+
     def restore(self, directory: Path) -> int:
         """Resume from a verified checkpoint; returns the number of steps it had completed. Under
         FSDP each rank verifies and reads what it needs (the shared files, its own shards), and
@@ -329,10 +341,7 @@ class TrialRun:
             )
         self.control.restore(loaded.state)
         self.rescheduled()
-        if loaded.state.schedule_digest != self.governed.schedule.digest():
-            raise CheckpointError(
-                f"{directory}: its schedule inputs differ from this run's (a different run?)"
-            )
+        self._check_schedule(directory, loaded.state)
         governed = self.governed
         governed.load_weights(directory)
         optimizer_state = loaded.optimizer_state

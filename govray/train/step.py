@@ -315,6 +315,7 @@ class GovernedStep:
             batch_size=self.trial.batch_size,
             excluded_corpora=self.spec.excluded_corpora,
             events=events,
+            version=self.spec.schedule_version,
         )
 
     def set_lr_scale(self, scale: float) -> None:
