@@ -196,7 +196,9 @@ class PackedStore:
         if storage:
             open_storage(storage).fetch(root, verify=lambda staged: cls._staged(staged, root.name))
         if sha256 and file_sha256(root / MANIFEST) != sha256:
-            raise IngestError(f"packed store manifest {root / MANIFEST} does not match the digest the run recorded")
+            raise IngestError(
+                f"packed store manifest {root / MANIFEST} does not match the digest the run recorded"
+            )
         return cls.open(root, verify=verify)
 
     @classmethod

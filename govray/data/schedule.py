@@ -212,12 +212,19 @@ class ScheduleSpec:
         excluded_corpora: Iterable[str] = (),
         events: Iterable[ScheduleEvent] = (),
         version: int = SCHEDULE_VERSION,
+        windows: Sequence[RouteLayout] | None = None,
     ) -> ScheduleSpec:
         """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order); a
-        run's schedule passes the run's ``version`` (``RunSpec.schedule_version``)."""
+        run's schedule passes the run's ``version`` (``RunSpec.schedule_version``). Under
+        ``data.packing`` the positions scheduled are a packed store's ``windows`` (its layouts,
+        ``PackedStore.layouts()``), not the rows."""
         order = [corpus.corpus_id for corpus in manifest.corpora]
         routes = []
-        for summary in manifest.routes:
+        if windows is not None and [w.route for w in windows] != [r.route for r in manifest.routes]:
+            raise ScheduleError(
+                f"shards {manifest.key}: the packed windows' routes are not the shards' routes"
+            )
+        for summary in manifest.routes if windows is None else ():
             unknown = sorted(set(summary.corpus_counts) - set(order))
             if unknown:
                 raise ScheduleError(
@@ -236,7 +243,7 @@ class ScheduleSpec:
             seed=seed,
             world_size=world_size,
             batch_size=batch_size,
-            routes=tuple(routes),
+            routes=tuple(routes) if windows is None else tuple(windows),
             excluded_corpora=frozenset(excluded_corpora),
             events=tuple(events),
             version=version,

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -28,12 +29,15 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from govray.config.experiment import ExperimentConfig, load_canaries
-from govray.core.canonical import file_sha256
+from govray.config.training import TrainingSettings
+from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import ConfigError, GovrayError
 from govray.core.keys import TrustConfig, load_trust, platform_key, platform_key_path, platform_trust
 from govray.core.logs import log_dir
 from govray.core.storage import open_storage
 from govray.data.ingest import IngestResult
+from govray.data.packed import PackedStore
+from govray.data.packing import pack_shards
 from govray.data.schedule import SCHEDULE_VERSION, ScheduleSpec, derive_seed
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
@@ -58,7 +62,13 @@ from govray.train.reproducibility import (
 )
 from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
-from govray.train.trial import defines_sequence_scores, load_trial_class, make_trial, resolve_trial_routes
+from govray.train.trial import (
+    defines_sequence_scores,
+    defines_tokenize,
+    load_trial_class,
+    make_trial,
+    resolve_trial_routes,
+)
 from govray.train.worker import default_threads
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
@@ -124,8 +134,10 @@ def plan_steps(
     hparams: dict[str, Any],
     trial_seed: int,
     schedule_version: int = SCHEDULE_VERSION,
+    packed: PackedStore | None = None,
 ) -> int:
-    """Total steps from the searcher's ``max_length`` (batches, or epochs of the schedule)."""
+    """Total steps from the searcher's ``max_length`` (batches, or epochs of the schedule: of its
+    ``packed`` windows under data.packing)."""
     length = config.searcher.max_length
     if length.batches is not None:
         return length.batches
@@ -137,6 +149,7 @@ def plan_steps(
         world_size=config.resources.workers,
         batch_size=trial.batch_size,
         version=schedule_version,
+        windows=packed.layouts() if packed is not None else None,
     )
     return length.epochs * schedule.steps_per_epoch
 
@@ -228,6 +241,33 @@ def run_trial(
     return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
 
 
+def packed_store(
+    config: ExperimentConfig, shard_root: Path, hparams: dict[str, Any], settings: TrainingSettings
+) -> PackedStore | None:
+    """Under ``data.packing``, the shards' training rows packed into windows by the trial's
+    ``tokenize`` (built once per shards, window length and tokenizer — the trial's class, the
+    bytes of its module and the hyperparameters — then reused); None otherwise."""
+    packing = config.data.packing
+    if packing is None:
+        return None
+    trial_class = load_trial_class(config.trial)
+    if not defines_tokenize(trial_class):
+        raise ConfigError(
+            f"data.packing packs tokens, but trial {config.trial} defines no tokenize(rows) to make them"
+        )
+    source = inspect.getsourcefile(trial_class)
+    tokenizer = canonical_json(
+        {"trial": config.trial, "module": file_sha256(Path(source)) if source else "", "hparams": hparams}
+    ).decode()
+    return pack_shards(
+        ShardSet.open(shard_root),
+        seq_len=packing.seq_len,
+        tokenize=make_trial(config.trial, hparams, settings).tokenize,
+        tokenizer=tokenizer,
+        storage=config.storage_path if "://" in config.storage_path else "",
+    )
+
+
 def new_run_spec(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -257,6 +297,7 @@ def new_run_spec(
     check_memorization_inputs(checked, ShardSet.open(shard_root).manifest, canaries)
     settings = config.training.with_hyperparameters(hparams)
     policy = checked.policy.policy
+    packed = packed_store(config, shard_root, hparams, settings)
     return RunSpec(
         trial=config.trial,
         hparams=hparams,
@@ -269,7 +310,9 @@ def new_run_spec(
         eval_rows=config.data.eval_rows,
         seed=config.seed,
         trial_seed=trial_seed,
-        max_steps=plan_steps(config, shard_root, hparams, trial_seed, schedule_version),
+        packed_root=str(packed.root) if packed is not None else "",
+        packed_sha256=file_sha256(packed.root / MANIFEST) if packed is not None else "",
+        max_steps=plan_steps(config, shard_root, hparams, trial_seed, schedule_version, packed),
         excluded_corpora=excluded_corpora,
         schedule_version=schedule_version,
         report_every=report_every,

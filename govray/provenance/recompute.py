@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from govray.core.keys import TrustConfig
+from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleError, ScheduleSpec
 from govray.data.shards import ShardSet
@@ -51,8 +52,9 @@ def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: Tru
     spec = run_spec_of(model_dir)
     routing = routing_of(spec)
     trial = make_trial(spec.trial, spec.hparams, spec.settings)
-    tokens = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root)))).tokens(trial)
-    recomputed = recompute_ledger(schedule, routing, int(predicate["steps"]), tokens)
+    packed = PackedStore.open(Path(spec.packed_root), verify=True) if spec.packed_root else None
+    counts = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root))), packed).counts(trial)
+    recomputed = recompute_ledger(schedule, routing, int(predicate["steps"]), counts)
     if loaded.state.source:
         recomputed = _source_ledger(loaded.state.source, trust).merge(recomputed)
     removed = sorted(set(routing.adapter_names.values()) - set(loaded.state.adapters))

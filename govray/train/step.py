@@ -316,6 +316,7 @@ class GovernedStep:
             excluded_corpora=self.spec.excluded_corpora,
             events=events,
             version=self.spec.schedule_version,
+            windows=self.packed.layouts() if self.packed is not None else None,
         )
 
     def set_lr_scale(self, scale: float) -> None:
