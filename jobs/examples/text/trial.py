@@ -172,7 +172,7 @@ class CharTransformerTrial(Trial):
             width = len(ids) // rows.num_rows if rows.num_rows else self.context
             return {
                 "text": torch.from_numpy(ids.astype(np.int64).reshape(rows.num_rows, width)),
-                "tokens": torch.as_tensor(rows["tokens"].to_numpy(zero_copy_only=False)),
+                "tokens": torch.tensor(rows["tokens"].to_numpy(zero_copy_only=False)),
             }
         return {"text": encode(rows["text"].to_pylist(), self.context)}
 
