@@ -48,9 +48,14 @@ def _json_value(value: Any) -> Any:
     return str(value)  # dates, decimals: their canonical string form
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # JSON values as they are
+
+
 def row_hash(row: dict[str, Any]) -> str:
     """sha256 of the row's canonical JSON (source columns only)."""
-    return sha256_hex(canonical_json(_json_value(row)))
+    # _json_value(row), without a call per scalar (most values are): ingest hashes every row.
+    values = {str(k): v if type(v) in _SCALARS else _json_value(v) for k, v in row.items()}
+    return sha256_hex(canonical_json(values))
 
 
 def in_holdout(digest: str, fraction: float) -> bool:
