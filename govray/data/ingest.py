@@ -205,7 +205,7 @@ def _collect(corpora: list[_Corpus]) -> list[list[UnitReport]]:
     first_refusal = len(refs)
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0, fetch_local=False)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=False)
         for ref in ready:
             index = order[ref]
             if index > first_refusal:

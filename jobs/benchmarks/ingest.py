@@ -114,9 +114,8 @@ def main() -> None:
         files = sum(len(route.files) for route in result.manifest.routes)
         print(f"runs: {', '.join(f'{s:.2f} s' for s in seconds)}; {files} training files")
         median = statistics.median(seconds)
-        print(
-            f"ingest: {total} rows in {median:.2f} s: {total / median:,.0f} rows/s (median of {args.runs} runs)"
-        )
+        rate = f"{total / median:,.0f} rows/s"
+        print(f"ingest: {total} rows in {median:.2f} s: {rate} (median of {args.runs} runs)")
 
 
 if __name__ == "__main__":
