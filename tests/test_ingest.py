@@ -178,8 +178,10 @@ def test_fingerprint_is_recomputable_by_a_third_party(three_corpora: Path, tmp_p
 def test_shards_keep_the_row_credential_and_hash(three_corpora: Path) -> None:
     config, policy = verified(three_corpora)
     result = ingest(config, policy)
-    table = pq.read_table(result.root / result.manifest.route("licensed").files[0].path).to_pylist()
+    (file,) = [file for file in result.manifest.route("licensed").files if file.corpus == "mixed"]
+    table = pq.read_table(result.root / file.path).to_pylist()
     mixed = [row for row in table if row["_corpus"] == "mixed"]
+    assert len(mixed) == len(table) == file.rows  # one file per (route, corpus, unit)
     assert mixed and all('"license_class":"licensed"' in row["_credential"] for row in mixed)
     assert all(len(row["_row_hash"]) == 64 for row in table)
 

@@ -12,10 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+# What json.dumps builds on every call with these options: ingest encodes every row once.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
 
 def canonical_json(value: Any) -> bytes:
     """Serialize ``value`` deterministically (sorted keys, no whitespace, UTF-8)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _ENCODER.encode(value).encode()
 
 
 def sha256_hex(data: bytes) -> str:

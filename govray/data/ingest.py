@@ -3,11 +3,16 @@ and write route-partitioned shards.
 
 Pipeline, per corpus: one Ray task per file checks it first (``govray.data.validate``: empty
 files, duplicated columns or JSON keys, malformed JSONL lines), because Ray Data's own refusals
-name nothing; Ray Data reads the files (order preserved) into Arrow blocks; one Ray task
-per block numbers its rows, validates each row's credential, resolves its route with the policy,
-hashes it and assigns the holdout split; then one Ray task per route (and per holdout corpus)
-writes that partition's parquet files. Nothing is written unless every row of every corpus is
-valid, so a refused ingest leaves no partial shards behind.
+name nothing; one Ray task fingerprints the corpus (a single sha256 stream over its files, so
+corpora hash in parallel, each while its rows are processed); Ray Data reads the files (order
+preserved) into Arrow blocks; then one Ray task per unit of ``ROWS_PER_UNIT`` consecutive rows
+(``govray.data.units``; blocks that straddle units are cut by one task per block) numbers its
+rows, validates each row's credential, resolves its route with the policy, hashes it, assigns
+the holdout split and writes the unit's files into a staging directory. No task holds more than
+one block or one unit, and the files do not depend on how Ray Data cut the blocks. Only when
+every row of every corpus is valid does the staging directory become ``STORAGE/shards/KEY``;
+after a refusal the unit tasks are stopped and the staging directory deleted, so a refused
+ingest leaves nothing behind.
 
 Example::
 
@@ -25,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 import ray.data
 import ray.exceptions
 
-from govray.config.experiment import CorpusRole, CorpusSpec, ExperimentConfig
-from govray.core.canonical import canonical_json, file_sha256, sha256_hex
+from govray.config.experiment import CorpusSpec, ExperimentConfig
+from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
 from govray.core.storage import open_storage
 from govray.data.fingerprint import corpus_files, fingerprint_files
@@ -44,12 +48,28 @@ from govray.data.shards import (
     ShardManifest,
     ShardSet,
 )
+from govray.data.units import (
+    HOLDOUT,
+    ROWS_PER_UNIT,
+    RowRefusal,
+    UnitJob,
+    UnitReport,
+    split_block,
+    unit_pieces,
+    write_unit,
+)
 from govray.data.validate import check_file, diagnose_file, locate
-from govray.governance.credentials import build_credential
-from govray.governance.policy import DepthPolicy, VerifiedPolicy
+from govray.governance.policy import VerifiedPolicy
 
-ROWS_PER_SHARD_FILE = 100_000
-HOLDOUT = "__holdout__"  # the _route value of rows not used for training
+
+@dataclass(frozen=True)
+class IngestLoad:
+    """How the ingest cut its work: no task held more than one block or one unit of rows."""
+
+    blocks: int  # Ray Data blocks read, over all corpora
+    largest_block_rows: int  # a block straddling units is cut by one task that holds it alone
+    units: int  # unit tasks (each annotates and writes ROWS_PER_UNIT rows or fewer)
+    largest_unit_rows: int  # the most rows one unit task received, as it counted them
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,7 @@ class IngestResult:
     root: Path
     manifest: ShardManifest
     reused: bool  # True when identical shards already existed
+    load: IngestLoad
 
 
 def _read(spec: CorpusSpec, files: Sequence[Path]) -> ray.data.Dataset:
@@ -78,96 +99,6 @@ def _read(spec: CorpusSpec, files: Sequence[Path]) -> ray.data.Dataset:
     return ray.data.read_csv(paths, partitioning=None, file_extensions=None)  # type: ignore[arg-type]
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)  # dates, decimals: their canonical string form
-
-
-def row_hash(row: dict[str, Any]) -> str:
-    """sha256 of the row's canonical JSON (source columns only)."""
-    return sha256_hex(canonical_json(_json_value(row)))
-
-
-def in_holdout(digest: str, fraction: float) -> bool:
-    """Deterministic split: the first 64 bits of the row hash as a fraction of 2**64."""
-    return int(digest[:16], 16) < fraction * 2**64
-
-
-@ray.remote(num_returns=2)
-def _annotate_block(
-    block: pa.Table, offset: int, spec_json: str, policy_json: str, holdout_fraction: float
-) -> tuple[pa.Table | None, dict[str, Any]]:
-    """Number, validate, route, hash and split the rows of one block.
-
-    Returns the annotated block and a summary; on the first bad row, ``(None, {"error": ...,
-    "kind": ..., "row": ...})`` (the kind names the error class: a bad credential or a row that
-    matches no policy rule; the row is its 0-based number in the corpus, or None).
-    """
-    spec = CorpusSpec.model_validate_json(spec_json)
-    policy = DepthPolicy.model_validate_json(policy_json)
-    base = spec.base_credential()
-    missing = [column for column in spec.credential_columns.values() if column not in block.column_names]
-    if missing:
-        return None, {
-            "error": f"corpus '{spec.id}': credential column(s) {', '.join(missing)} not in the data "
-            f"(its columns: {', '.join(block.column_names)})",
-            "kind": "credential",
-            "row": None,
-        }
-    cache: dict[tuple[Any, ...], tuple[str, str]] = {}
-    routes, hashes, credentials = [], [], []
-    for index, row in enumerate(block.to_pylist()):
-        number = offset + index
-        overrides = tuple(row[column] for column in spec.credential_columns.values())
-        if overrides not in cache:
-            for field, column in spec.credential_columns.items():
-                if row[column] is None:
-                    return None, {
-                        "error": f"corpus '{spec.id}' row {number}: credential field '{field}' "
-                        f"(column '{column}') is empty",
-                        "kind": "credential",
-                        "row": number,
-                    }
-            values = {**base, **{f: row[c] for f, c in spec.credential_columns.items()}}
-            try:
-                credential = build_credential(values, where=f"corpus '{spec.id}' row {number}")
-                route = (
-                    policy.route_key_for(credential, where=f" (row {number})")
-                    if spec.role == CorpusRole.TRAIN
-                    else HOLDOUT
-                )
-            except (CredentialError, PolicyError) as error:
-                kind = "credential" if isinstance(error, CredentialError) else "policy"
-                return None, {"error": str(error), "kind": kind, "row": number}
-            cache[overrides] = (route, canonical_json(credential.model_dump(mode="json")).decode())
-        route, credential_text = cache[overrides]
-        digest = row_hash(row)
-        if spec.role != CorpusRole.TRAIN or in_holdout(digest, holdout_fraction):
-            route = HOLDOUT
-        routes.append(route)
-        hashes.append(digest)
-        credentials.append(credential_text)
-    rows = pa.array(range(offset, offset + block.num_rows), type=pa.int64())
-    annotated = (
-        block.append_column("_corpus", pa.array([spec.id] * block.num_rows, type=pa.string()))
-        .append_column("_row", rows)
-        .append_column("_row_hash", pa.array(hashes, type=pa.string()))
-        .append_column("_route", pa.array(routes, type=pa.string()))
-        .append_column("_credential", pa.array(credentials, type=pa.string()))
-    )
-    counts: dict[str, int] = {}
-    for route in routes:
-        counts[route] = counts.get(route, 0) + 1
-    return annotated, {"error": None, "counts": counts}
-
-
 @ray.remote
 def _num_rows(block: pa.Table) -> int:
     return block.num_rows
@@ -178,43 +109,21 @@ def _check_file(file: str, format_name: str) -> str | None:
     return check_file(Path(file), format_name)
 
 
+_fingerprint = ray.remote(fingerprint_files)
+
+
 # The error a row's summary names, by its kind: each has its documented exit code.
 _ROW_ERRORS: dict[str, type[GovrayError]] = {"credential": CredentialError, "policy": PolicyError}
-
-
-@ray.remote
-def _write_partition(
-    route: str, corpus: str | None, directory: str, relative: str, *blocks: pa.Table
-) -> list[dict[str, Any]]:
-    """Write the rows of ``route`` (optionally of one corpus) from ``blocks``, in order."""
-    import pyarrow.compute as pc
-
-    parts = []
-    for block in blocks:
-        keep = pc.equal(block["_route"], route)
-        if corpus is not None:
-            keep = pc.and_(keep, pc.equal(block["_corpus"], corpus))
-        parts.append(block.filter(keep))
-    table = pa.concat_tables(parts, promote_options="permissive").combine_chunks()
-    written = []
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    for number, start in enumerate(range(0, table.num_rows, ROWS_PER_SHARD_FILE)):
-        name = f"part-{number:05d}.parquet"
-        path = Path(directory) / name
-        chunk = table.slice(start, ROWS_PER_SHARD_FILE)
-        pq.write_table(chunk, path, compression="zstd", row_group_size=16_384)
-        written.append({"path": f"{relative}/{name}", "rows": chunk.num_rows, "sha256": file_sha256(path)})
-    return written
 
 
 @dataclass
 class _Corpus:
     spec: CorpusSpec
-    relative_files: list[str]
-    fingerprint: str
-    blocks: list[ray.ObjectRef]
-    counts: dict[str, int]
+    files: list[tuple[str, Path]]  # (relative path, file), sorted
+    fingerprint: ray.ObjectRef  # of str
+    units: list[ray.ObjectRef]  # of UnitReport, in row order
     rows: int
+    block_sizes: list[int]
 
 
 def ingest_key(config: ExperimentConfig, policy: VerifiedPolicy, fingerprints: dict[str, str]) -> str:
@@ -237,7 +146,11 @@ def ingest_key(config: ExperimentConfig, policy: VerifiedPolicy, fingerprints: d
     )
 
 
-def _process_corpus(spec: CorpusSpec, policy_json: str, default_holdout: float) -> _Corpus:
+def _launch(
+    spec: CorpusSpec, policy_json: str, default_holdout: float, staging: Path, launched: list[ray.ObjectRef]
+) -> _Corpus:
+    """Check a corpus's files, read it, and start its fingerprint and unit tasks (added to
+    ``launched`` as they start: ingest stops them when anything fails)."""
     format_name = spec.resolved_format.value
     files = corpus_files(spec.path, format_name, corpus_id=spec.id)
     paths = [file for _, file in files]
@@ -245,7 +158,8 @@ def _process_corpus(spec: CorpusSpec, policy_json: str, default_holdout: float) 
     problems = ray.get([_check_file.remote(str(file), format_name) for file in paths])
     if problem := next((problem for problem in problems if problem), None):
         raise IngestError(f"corpus '{spec.id}': {problem}")
-    fingerprint = fingerprint_files(files)
+    fingerprint = _fingerprint.remote(files)
+    launched.append(fingerprint)
     try:
         blocks = _read(spec, paths).to_arrow_refs()
     except Exception as error:  # Ray Data wraps reader errors: say which file failed, and where
@@ -255,29 +169,83 @@ def _process_corpus(spec: CorpusSpec, policy_json: str, default_holdout: float) 
         raise IngestError(f"corpus '{spec.id}' ({spec.path}) is empty: it has no rows")
     holdout = spec.holdout_fraction if spec.holdout_fraction is not None else default_holdout
     spec_json = spec.model_dump_json()
-    annotated: list[ray.ObjectRef] = []
-    summaries: list[ray.ObjectRef] = []
-    offset = 0
-    for block, size in zip(blocks, sizes, strict=True):
-        refs: Any = _annotate_block.remote(block, offset, spec_json, policy_json, holdout)  # num_returns=2
-        annotated.append(refs[0])
-        summaries.append(refs[1])
-        offset += size
-    counts: dict[str, int] = {}
-    for summary in ray.get(summaries):  # in row order: the first error is the first bad row
-        if summary["error"]:
-            raise _row_error(summary, paths, format_name)
-        for route, count in summary["counts"].items():
-            counts[route] = counts.get(route, 0) + count
-    return _Corpus(spec, [relative for relative, _ in files], fingerprint, annotated, counts, sum(sizes))
+    units = []
+    for unit, pieces in enumerate(_unit_inputs(blocks, sizes)):
+        job = UnitJob(spec_json, policy_json, holdout, unit, unit * ROWS_PER_UNIT, str(staging))
+        units.append(write_unit.remote(job, *pieces))
+        launched.append(units[-1])
+    return _Corpus(spec, files, fingerprint, units, sum(sizes), sizes)
 
 
-def _row_error(summary: dict[str, Any], files: list[Path], format_name: str) -> GovrayError:
-    """The error of a block's first bad row, with the file, row and line it sits at."""
-    message = summary["error"]
-    if summary["row"] is not None and (where := locate(files, format_name, summary["row"])):
+def _unit_inputs(blocks: list[ray.ObjectRef], sizes: list[int]) -> list[list[ray.ObjectRef]]:
+    """Per unit, the refs of its rows in order: a block that lies inside the unit as it is, and
+    the pieces of a block that straddles units, cut by one ``split_block`` task per block."""
+    plans = unit_pieces(sizes)
+    bounds: dict[int, list[tuple[int, int]]] = {}
+    for pieces in plans:
+        for block, start, stop in pieces:
+            bounds.setdefault(block, []).append((start, stop))
+    refs: dict[tuple[int, int], ray.ObjectRef] = {}
+    for block, cuts in bounds.items():
+        if len(cuts) == 1:
+            refs[block, 0] = blocks[block]
+            continue
+        split: Any = split_block.options(num_returns=len(cuts)).remote(blocks[block], cuts)
+        for (start, _), piece in zip(cuts, split, strict=True):
+            refs[block, start] = piece
+    return [[refs[block, start] for block, start, _ in pieces] for pieces in plans]
+
+
+def _collect(corpora: list[_Corpus]) -> list[list[UnitReport]]:
+    """Every unit's report, per corpus in row order. Raises the refusal of the first bad row (in
+    corpus order, then row): once a unit refuses, the units after it are cancelled."""
+    refs = [ref for corpus in corpora for ref in corpus.units]
+    order = {ref: index for index, ref in enumerate(refs)}
+    reports: dict[int, UnitReport] = {}
+    first_refusal = len(refs)
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=False)
+        for ref in ready:
+            index = order[ref]
+            if index > first_refusal:
+                continue  # cancelled: a unit before it refused a row
+            try:
+                reports[index] = report = ray.get(ref)
+            except ray.exceptions.RayTaskError as error:
+                raise IngestError(f"writing shards failed: {_root_cause(error)}") from None
+            if report.refusal is not None and index < first_refusal:
+                first_refusal = index
+                for later in pending:
+                    if order[later] > index:
+                        ray.cancel(later)
+    start = 0
+    collected = []
+    for corpus in corpora:
+        mine = [reports[index] for index in range(start, min(start + len(corpus.units), first_refusal))]
+        if first_refusal < start + len(corpus.units):
+            refusal = reports[first_refusal].refusal
+            assert refusal is not None
+            raise _row_error(refusal, [file for _, file in corpus.files], corpus.spec.resolved_format.value)
+        collected.append(mine)
+        start += len(corpus.units)
+    return collected
+
+
+def _stop(refs: list[ray.ObjectRef]) -> None:
+    """Cancel these tasks and wait until none runs: nothing writes after ingest gives up."""
+    pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[1]
+    for ref in pending:
+        ray.cancel(ref)
+    ray.wait(pending, num_returns=len(pending), fetch_local=False)
+
+
+def _row_error(refusal: RowRefusal, files: list[Path], format_name: str) -> GovrayError:
+    """The error of a unit's first bad row, with the file, row and line it sits at."""
+    message = refusal.message
+    if refusal.row is not None and (where := locate(files, format_name, refusal.row)):
         message += f" (at {where})"
-    return _ROW_ERRORS.get(summary["kind"], IngestError)(message)
+    return _ROW_ERRORS[refusal.kind](message)
 
 
 def _read_failure(files: list[Path], format_name: str, error: BaseException) -> str:
@@ -308,91 +276,99 @@ def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = Fa
 
     Raises ``IngestError`` naming the corpus, and the file, row and column at fault
     (``CredentialError`` for a row's bad credential, ``PolicyError`` for a row that matches no
-    rule); writes nothing then. Rows count from 0, lines from 1 (``govray.data.validate``).
+    rule); leaves nothing under ``STORAGE/shards`` then. Rows count from 0, lines from 1
+    (``govray.data.validate``).
     """
     storage = open_storage(config.storage_path)
     storage.check()  # unreachable object storage is refused before any corpus is read
     policy_json = policy.policy.model_dump_json()
-    corpora = [
-        _process_corpus(spec, policy_json, config.data.holdout_fraction) for spec in config.data.corpora
-    ]
-    key = ingest_key(config, policy, {c.spec.id: c.fingerprint for c in corpora})
-    root = storage.root / "shards" / key
-    fetched = storage.fetch(root, verify=lambda staged: ShardSet.open(staged, verify=True))
-    if fetched and (root / MANIFEST).exists() and not force:
-        existing = ShardSet.open(root, verify=True)
-        return IngestResult(root=root, manifest=existing.manifest, reused=True)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=root.parent))
+    shards = storage.root / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    # Unit tasks write here as they go; it becomes STORAGE/shards/KEY once every row is valid.
+    staging = Path(tempfile.mkdtemp(prefix=".ingest-", dir=shards))
+    launched: list[ray.ObjectRef] = []
     try:
-        manifest = _write_shards(config, policy, corpora, key, staging)
+        corpora = [
+            _launch(spec, policy_json, config.data.holdout_fraction, staging, launched)
+            for spec in config.data.corpora
+        ]
+        reports = _collect(corpora)
+        ids = [corpus.spec.id for corpus in corpora]
+        fingerprints = dict(zip(ids, ray.get([corpus.fingerprint for corpus in corpora]), strict=True))
+        key = ingest_key(config, policy, fingerprints)
+        root = shards / key
+        load = _load(corpora, reports)
+        fetched = storage.fetch(root, verify=lambda staged: ShardSet.open(staged, verify=True))
+        if fetched and (root / MANIFEST).exists() and not force:
+            shutil.rmtree(staging)
+            existing = ShardSet.open(root, verify=True)
+            return IngestResult(root=root, manifest=existing.manifest, reused=True, load=load)
+        manifest = _manifest(config, policy, corpora, reports, fingerprints, key)
         (staging / MANIFEST).write_text(manifest.to_json())
         if root.exists():
             shutil.rmtree(root)
         staging.rename(root)  # atomic: readers see complete shards or none
     except BaseException:
+        _stop(launched)
         shutil.rmtree(staging, ignore_errors=True)
         raise
     storage.upload(root)  # the manifest last: other nodes see complete shards or none
-    return IngestResult(root=root, manifest=manifest, reused=False)
+    return IngestResult(root=root, manifest=manifest, reused=False, load=load)
 
 
-def _write_shards(
+def _load(corpora: list[_Corpus], reports: list[list[UnitReport]]) -> IngestLoad:
+    return IngestLoad(
+        blocks=sum(len(corpus.block_sizes) for corpus in corpora),
+        largest_block_rows=max(size for corpus in corpora for size in corpus.block_sizes),
+        units=sum(len(units) for units in reports),
+        largest_unit_rows=max(unit.received_rows for units in reports for unit in units),
+    )
+
+
+def _manifest(
     config: ExperimentConfig,
     policy: VerifiedPolicy,
     corpora: list[_Corpus],
+    reports: list[list[UnitReport]],
+    fingerprints: dict[str, str],
     key: str,
-    staging: Path,
 ) -> ShardManifest:
-    all_blocks = [block for corpus in corpora for block in corpus.blocks]
-    route_keys = list(policy.policy.routes())
-    route_jobs = {
-        route: _write_partition.remote(
-            route, None, str(staging / "train" / route), f"train/{route}", *all_blocks
-        )
-        for route in route_keys
-        if any(corpus.counts.get(route) for corpus in corpora)
-    }
-    holdout_jobs = {
-        corpus.spec.id: _write_partition.remote(
-            HOLDOUT,
-            corpus.spec.id,
-            str(staging / "holdout" / corpus.spec.id),
-            f"holdout/{corpus.spec.id}",
-            *corpus.blocks,
-        )
-        for corpus in corpora
-        if corpus.counts.get(HOLDOUT)
-    }
-    try:
-        route_files = dict(zip(route_jobs, ray.get(list(route_jobs.values())), strict=True))
-        holdout_files = dict(zip(holdout_jobs, ray.get(list(holdout_jobs.values())), strict=True))
-    except ray.exceptions.RayTaskError as error:
-        raise IngestError(f"writing shards failed: {_root_cause(error)}") from None
+    """Files in shard order (policy route, then corpus order, then row), and exact counts."""
+    counts: list[dict[str, int]] = []
+    for units in reports:
+        total: dict[str, int] = {}
+        for unit in units:
+            for route, count in unit.counts.items():
+                total[route] = total.get(route, 0) + count
+        counts.append(total)
+
+    def files(route: str, units: list[list[UnitReport]]) -> list[ShardFile]:
+        return [unit.files[route] for corpus in units for unit in corpus if route in unit.files]
+
     routes = [
         RouteSummary(
             route=route,
-            rows=sum(corpus.counts.get(route, 0) for corpus in corpora),
-            corpus_counts={c.spec.id: c.counts[route] for c in corpora if c.counts.get(route)},
-            files=[ShardFile(**entry) for entry in route_files.get(route, [])],
+            rows=sum(count.get(route, 0) for count in counts),
+            corpus_counts={c.spec.id: n[route] for c, n in zip(corpora, counts, strict=True) if n.get(route)},
+            files=files(route, reports),
         )
-        for route in route_keys
+        for route in policy.policy.routes()
     ]
     summaries = [
         CorpusSummary(
             corpus_id=corpus.spec.id,
             role=corpus.spec.role.value,
             format=corpus.spec.resolved_format.value,
-            fingerprint=corpus.fingerprint,
-            files=corpus.relative_files,
+            fingerprint=fingerprints[corpus.spec.id],
+            files=[relative for relative, _ in corpus.files],
             rows=corpus.rows,
-            train_rows=corpus.rows - corpus.counts.get(HOLDOUT, 0),
-            holdout_rows=corpus.counts.get(HOLDOUT, 0),
-            route_counts={route: count for route, count in corpus.counts.items() if route != HOLDOUT},
+            train_rows=corpus.rows - count.get(HOLDOUT, 0),
+            holdout_rows=count.get(HOLDOUT, 0),
+            route_counts={route: n for route, n in count.items() if route != HOLDOUT},
             credential=corpus.spec.base_credential(),
             credential_columns=corpus.spec.credential_columns,
         )
-        for corpus in corpora
+        for corpus, count in zip(corpora, counts, strict=True)
     ]
     return ShardManifest(
         key=key,
@@ -402,5 +378,9 @@ def _write_shards(
         holdout_fraction=config.data.holdout_fraction,
         corpora=summaries,
         routes=routes,
-        holdout={cid: [ShardFile(**entry) for entry in files] for cid, files in holdout_files.items()},
+        holdout={
+            corpus.spec.id: files(HOLDOUT, [units])
+            for corpus, units, count in zip(corpora, reports, counts, strict=True)
+            if count.get(HOLDOUT)
+        },
     )

@@ -3,22 +3,38 @@
 Layout under ``STORAGE/shards/KEY/`` (KEY digests every input of the ingest, so a changed corpus,
 policy or holdout fraction gets new shards and an unchanged one reuses them)::
 
-    manifest.json                    counts, fingerprints, files (no timestamps: re-ingest is byte-identical)
-    train/ROUTE/part-00000.parquet   training rows of one route, ordered by (corpus order, row)
-    holdout/CORPUS/part-00000.parquet  holdout rows of a training corpus; every row of an eval corpus
+    manifest.json                      counts, fingerprints, files (no timestamps: re-ingest is identical)
+    train/ROUTE/CORPUS-000000.parquet  training rows of one route from one unit of a corpus
+    holdout/CORPUS/000000.parquet      held-out rows of one unit (every row of an eval corpus)
+
+A unit is a fixed range of ``ROWS_PER_UNIT`` consecutive corpus rows (``govray.data.units``); each
+file holds its rows in row order, in zstd row groups of ``ROW_GROUP_ROWS`` rows. The manifest
+lists each route's files in shard order (corpus order, then row), each with its rows, sha256,
+corpus and first and last corpus row, so a row is found without reading files
+(:meth:`ShardSet.locate`) and a reader fetches and verifies only the files it touches
+(:meth:`ShardSet.fetch_file`).
 
 Each shard row keeps its source columns plus ``_corpus``, ``_row`` (0-based row number within
 the corpus, files in sorted order), ``_row_hash`` (sha256 of the row's canonical JSON),
 ``_route`` and ``_credential`` (the row's full credential, canonical JSON).
+
+Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
+per file) stays readable; :meth:`ShardSet.locate` scans its route files.
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,7 +43,7 @@ from govray.core.errors import IngestError
 from govray.core.storage import open_storage
 
 MANIFEST = "manifest.json"
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2
 ROW_COLUMNS = ("_corpus", "_row", "_row_hash", "_route", "_credential")
 
 
@@ -37,6 +53,11 @@ class ShardFile(BaseModel):
     path: str  # relative to the shard directory
     rows: int
     sha256: str
+    # Format 2: the corpus of every row of the file, and the corpus row numbers it spans
+    # (inclusive; the file holds some of the rows between them, in order). None in format 1.
+    corpus: str | None = None
+    first_row: int | None = None
+    last_row: int | None = None
 
 
 class CorpusSummary(BaseModel):
@@ -95,12 +116,65 @@ class ShardManifest(BaseModel):
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
 
+_Split = Literal["train", "holdout"]
+
+
+@dataclass(frozen=True)
+class RowLocation:
+    """Where an ingest put one corpus row.
+
+    ``position`` is route-local in the training split (the index into the route's rows in shard
+    order: what the schedule's slots list) and an index into the corpus's held-out rows in the
+    holdout; ``file`` and ``index`` are the shard file that holds the row and its place there."""
+
+    split: _Split
+    route: str | None  # None in the holdout
+    position: int
+    file: ShardFile
+    index: int
+
+
+@dataclass(frozen=True)
+class _FileSpans:
+    """One route's (or one corpus's held-out) files, searchable by (corpus order, first row)."""
+
+    files: tuple[ShardFile, ...]
+    starts: tuple[tuple[int, int], ...]  # (corpus order, first row) of each file
+    offsets: tuple[int, ...]  # rows of the earlier files
+
+    @classmethod
+    def of(cls, files: Sequence[ShardFile], order: dict[str, int]) -> _FileSpans:
+        starts = []
+        for file in files:
+            if file.corpus is None or file.first_row is None:
+                raise IngestError(f"shard file {file.path} names no corpus or first row")
+            starts.append((order[file.corpus], file.first_row))
+        offsets = tuple(accumulate((file.rows for file in files), initial=0))[:-1]
+        return cls(tuple(files), tuple(starts), offsets)
+
+    def covering(self, corpus_order: int, row: int) -> tuple[ShardFile, int] | None:
+        """The one file whose row span holds ``row`` of the corpus, and its rows' offset."""
+        index = bisect_right(self.starts, (corpus_order, row)) - 1
+        if index < 0 or self.starts[index][0] != corpus_order:
+            return None
+        file = self.files[index]
+        assert file.last_row is not None
+        return (file, self.offsets[index]) if row <= file.last_row else None
+
+
 class ShardSet:
-    """Read access to one ingest's shards."""
+    """Read access to one ingest's shards.
+
+    Example::
+
+        shards = ShardSet.open(root)
+        where = shards.locate("news-2024", 17)   # RowLocation(split="train", route="public", ...)
+    """
 
     def __init__(self, root: Path, manifest: ShardManifest) -> None:
         self.root = root
         self.manifest = manifest
+        self._spans: dict[tuple[_Split, str], _FileSpans] | None = None
 
     @classmethod
     def open(cls, root: Path, *, verify: bool = False) -> ShardSet:
@@ -132,16 +206,109 @@ class ShardSet:
         check(path)
         return shards
 
+    def files(self) -> list[ShardFile]:
+        """Every shard file: each route's in shard order, then each corpus's held-out files."""
+        files = [file for route in self.manifest.routes for file in route.files]
+        return files + [file for group in self.manifest.holdout.values() for file in group]
+
     def verify(self) -> None:
         """Check every shard file's digest against the manifest."""
-        files = [file for route in self.manifest.routes for file in route.files]
-        files += [file for group in self.manifest.holdout.values() for file in group]
-        for file in files:
-            path = self.root / file.path
-            if not path.exists():
-                raise IngestError(f"shard file {path} listed in the manifest is missing")
-            if file_sha256(path) != file.sha256:
-                raise IngestError(f"shard file {path} does not match its digest in the manifest")
+        for file in self.files():
+            self.verify_file(file)
+
+    def verify_file(self, file: ShardFile, path: Path | None = None) -> None:
+        """Check one shard file (at ``path``, by default where it lies) against its manifest digest."""
+        path = path or self.root / file.path
+        if not path.exists():
+            raise IngestError(f"shard file {path} listed in the manifest is missing")
+        if file_sha256(path) != file.sha256:
+            raise IngestError(f"shard file {path} does not match its digest in the manifest")
+
+    def fetch_file(self, file: ShardFile, storage: str) -> Path:
+        """The local path of one shard file, downloaded from object storage ``storage`` (a local
+        storage_path or "": used where it lies) when missing; checked against its digest."""
+        path = self.root / file.path
+        if storage:
+            open_storage(storage).fetch(path, verify=lambda staged: self.verify_file(file, staged))
+        self.verify_file(file, path)
+        return path
+
+    def locate(self, corpus_id: str, row: int) -> RowLocation:
+        """Where row ``row`` (0-based, as ingested) of ``corpus_id`` lies: its split, route and
+        route-local position, and the file that holds it.
+
+        Bisects the manifest's files to the one file per route (and holdout) whose row span holds
+        the row, and reads one row group of ``_row`` from each until it is found."""
+        rows = self.manifest.corpus(corpus_id).rows
+        if not 0 <= row < rows:
+            raise IngestError(
+                f"corpus '{corpus_id}' has {rows} rows (0..{rows - 1}) in shards {self.manifest.key}; "
+                f"there is no row {row}"
+            )
+        if self.manifest.format_version < 2:
+            return self._scan(corpus_id, row)
+        order = [corpus.corpus_id for corpus in self.manifest.corpora].index(corpus_id)
+        for (split, name), spans in self._file_spans().items():
+            covering = spans.covering(order, row)
+            index = self._index_in_file(covering[0], row) if covering else None
+            if covering and index is not None:
+                route = name if split == "train" else None
+                return RowLocation(split, route, covering[1] + index, covering[0], index)
+        raise IngestError(
+            f"shards {self.manifest.key}: row {row} of corpus '{corpus_id}' is in none of their files"
+        )
+
+    def _file_spans(self) -> dict[tuple[_Split, str], _FileSpans]:
+        """Per route (``("train", ROUTE)``) and held-out corpus (``("holdout", CORPUS)``): computed
+        once per shard set."""
+        if self._spans is None:
+            order = {corpus.corpus_id: index for index, corpus in enumerate(self.manifest.corpora)}
+            spans: dict[tuple[_Split, str], _FileSpans] = {
+                ("train", route.route): _FileSpans.of(route.files, order) for route in self.manifest.routes
+            }
+            for corpus, files in self.manifest.holdout.items():
+                spans["holdout", corpus] = _FileSpans.of(files, order)
+            self._spans = spans
+        return self._spans
+
+    def _index_in_file(self, file: ShardFile, row: int) -> int | None:
+        """The index of corpus row ``row`` in ``file`` (rows ascend), reading one row group."""
+        parquet = pq.ParquetFile(self.root / file.path)
+        metadata = parquet.metadata
+        leaves = [parquet.schema.column(i).path for i in range(metadata.num_columns)]
+        column = leaves.index("_row")  # a leaf index: source columns may nest
+        start = 0
+        for group in range(metadata.num_row_groups):
+            size = metadata.row_group(group).num_rows
+            statistics = metadata.row_group(group).column(column).statistics
+            if statistics is None or not statistics.has_min_max or statistics.min <= row <= statistics.max:
+                numbers = parquet.read_row_group(group, columns=["_row"]).column("_row").to_numpy()
+                found = int(np.searchsorted(numbers, row))
+                if found < len(numbers) and numbers[found] == row:
+                    return start + found
+            start += size
+        return None
+
+    def _scan(self, corpus_id: str, row: int) -> RowLocation:
+        """Format 1 has no row spans per file: read the ``_corpus`` and ``_row`` columns."""
+        groups: list[tuple[_Split, str | None, list[ShardFile]]] = [
+            ("train", route.route, route.files) for route in self.manifest.routes if route.rows
+        ]
+        if corpus_id in self.manifest.holdout:
+            groups.append(("holdout", None, self.manifest.holdout[corpus_id]))
+        for split, route, files in groups:
+            position = 0
+            for file in files:
+                table = pq.read_table(self.root / file.path, columns=["_corpus", "_row"])
+                mine = pc.and_(pc.equal(table["_corpus"], corpus_id), pc.equal(table["_row"], row))
+                hits = np.flatnonzero(mine.to_numpy(zero_copy_only=False))
+                if hits.size:
+                    index = int(hits[0])
+                    return RowLocation(split, route, position + index, file, index)
+                position += file.rows
+        raise IngestError(
+            f"shards {self.manifest.key}: row {row} of corpus '{corpus_id}' is in none of their files"
+        )
 
     def route_table(self, route: str, columns: Sequence[str] | None = None) -> pa.Table:
         """All training rows of ``route``, in shard order."""
@@ -158,4 +325,5 @@ class ShardSet:
         ]
         if not tables:
             raise IngestError(f"shards {self.manifest.key}: nothing to read")
-        return pa.concat_tables(tables)
+        # Files of different corpora (or units) may differ in columns or inferred types.
+        return pa.concat_tables(tables, promote_options="permissive")

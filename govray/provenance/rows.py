@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from govray.core.errors import GovrayError
+from govray.core.errors import GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
 from govray.data.schedule import ScheduleSpec, row_slots
 from govray.data.shards import ShardSet
@@ -207,22 +206,14 @@ class _Places:
         return self.found[key]
 
     def _locate(self, shards: ShardSet) -> RowPlacement:
-        summary = shards.manifest.corpus(self.corpus_id)
-        for route in summary.route_counts:
-            table = shards.route_table(route, columns=["_corpus", "_row"])
-            mine = pc.and_(
-                pc.equal(table.column("_corpus"), self.corpus_id), pc.equal(table.column("_row"), self.row)
-            )
-            hits = np.flatnonzero(mine.to_numpy(zero_copy_only=False))
-            if hits.size:
-                key = shards.manifest.key
-                return RowPlacement(shards=key, split="train", route=route, position=int(hits[0]))
-        if not summary.holdout_rows:
-            raise LineageError(
-                f"shards {shards.manifest.key}: row {self.row} of corpus '{self.corpus_id}' is in no "
-                "training route, and the corpus has no held-out rows"
-            )
-        return RowPlacement(shards=shards.manifest.key, split="holdout")
+        key = shards.manifest.key
+        try:
+            found = shards.locate(self.corpus_id, self.row)  # the shards' row index: one row group read
+        except IngestError as error:
+            raise LineageError(str(error)) from None
+        if found.split == "holdout":
+            return RowPlacement(shards=key, split="holdout")
+        return RowPlacement(shards=key, split="train", route=found.route, position=found.position)
 
 
 def _trial_reach(

@@ -1,0 +1,244 @@
+"""Ingest at scale: one task per unit of consecutive rows, files independent of how Ray Data cut the
+blocks, a manifest that says which rows each file spans, and a row index that finds a row's route
+and position by reading one row group."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import ray.data
+
+from govray.core.errors import IngestError, PolicyError
+from govray.core.keys import SigningKey
+from govray.data.ingest import IngestResult, ingest
+from govray.data.shards import MANIFEST, ShardManifest, ShardSet
+from govray.data.units import ROW_GROUP_ROWS, ROWS_PER_UNIT, unit_pieces
+from tests.conftest import table_rows, write_corpus
+from tests.test_ingest import LICENSES, build, corpus_spec, verified
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+FIRST_FILES = (80_000, 50_000)  # parquet: by default blocks larger than a unit
+SECOND_ROWS = 70_000  # jsonl: the last unit holds 70,000 - 65,536 rows
+COLUMNS = {"license_class": "lic", "sensitivity": "sens"}
+
+
+def rows(count: int, start: int = 0) -> list[dict[str, Any]]:
+    """Small rows over three routes: public-domain → public, licensed → licensed, proprietary
+    (always pii) → the adapter route pii."""
+    licenses = [LICENSES[(i * 7) % 3] for i in range(start, start + count)]
+    sensitivity = ["pii" if lic == "proprietary" else "public" for lic in licenses]
+    return table_rows(count, start=start, lic=licenses, sens=sensitivity)
+
+
+def write_corpora(directory: Path, second: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    start = 0
+    for number, count in enumerate(FIRST_FILES):
+        write_corpus(directory / "first" / f"part-{number}.parquet", rows(count, start))
+        start += count
+    write_corpus(directory / "second.jsonl", second)
+    return [
+        corpus_spec("first", "first", format="parquet", credential_columns=COLUMNS),
+        corpus_spec("second", "second.jsonl", credential_columns=COLUMNS),
+    ]
+
+
+@dataclass
+class TwoSplits:
+    default: IngestResult  # Ray Data's own blocks
+    small: IngestResult  # blocks of at most 64 KiB: thousands of rows each, many per unit
+
+
+@pytest.fixture(scope="module")
+def two_splits(tmp_path_factory: pytest.TempPathFactory, authority_key: SigningKey) -> Iterator[TwoSplits]:
+    from govray.core.keys import TrustConfig, save_trust
+
+    directory = tmp_path_factory.mktemp("units")
+    trust_file = directory / "trust.yaml"
+    save_trust(TrustConfig(keys=[authority_key.public_key]), trust_file)
+    corpora = write_corpora(directory, rows(SECOND_ROWS, start=500_000))
+    config, policy = verified(build(directory, authority_key, trust_file, corpora))
+    default = ingest(config, policy)
+    context = ray.data.DataContext.get_current()
+    target = context.target_max_block_size
+    context.target_max_block_size = 64 * 1024
+    try:
+        small = ingest(config.model_copy(update={"storage_path": str(directory / "small")}), policy)
+    finally:
+        context.target_max_block_size = target
+    yield TwoSplits(default, small)
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_shards_are_byte_identical_whatever_the_block_split(two_splits: TwoSplits) -> None:
+    default, small = two_splits.default, two_splits.small
+    assert default.load.blocks < 10 < small.load.blocks  # really another split
+    assert digests(default.root) == digests(small.root)
+    assert default.manifest == small.manifest
+    first, second = default.manifest.corpora
+    assert (first.rows, second.rows) == (sum(FIRST_FILES), SECOND_ROWS)
+    assert default.load.units == small.load.units == 2 + 2  # 130,000 and 70,000 rows
+
+
+def test_no_task_holds_more_than_one_block_or_one_unit(two_splits: TwoSplits) -> None:
+    default, small = two_splits.default.load, two_splits.small.load
+    # Ray Data's own blocks straddle units: one task cuts each, the unit tasks get their rows only.
+    assert default.largest_block_rows > ROWS_PER_UNIT == default.largest_unit_rows
+    # Small blocks: a unit task receives its own rows, never a whole route or corpus.
+    assert small.largest_block_rows < ROWS_PER_UNIT == small.largest_unit_rows
+
+
+def test_manifest_lists_each_routes_files_by_corpus_then_row_with_their_row_spans(
+    two_splits: TwoSplits,
+) -> None:
+    result = two_splits.default
+    manifest, shards = result.manifest, ShardSet.open(result.root, verify=True)
+    order = [corpus.corpus_id for corpus in manifest.corpora]
+    seen: set[tuple[str, int]] = set()
+    groups = [(route.files, route.rows) for route in manifest.routes if route.rows]
+    groups += [(files, manifest.corpus(corpus).holdout_rows) for corpus, files in manifest.holdout.items()]
+    for files, expected_rows in groups:
+        assert files == sorted(files, key=lambda f: (order.index(f.corpus or ""), f.first_row))
+        assert sum(file.rows for file in files) == expected_rows
+        for file in files:
+            table = pq.read_table(result.root / file.path, columns=["_corpus", "_row"])
+            numbers = table.column("_row").to_pylist()
+            assert set(table.column("_corpus").to_pylist()) == {file.corpus}
+            assert numbers == sorted(numbers) and len(numbers) == file.rows
+            assert (numbers[0], numbers[-1]) == (file.first_row, file.last_row)
+            assert numbers[0] // ROWS_PER_UNIT == numbers[-1] // ROWS_PER_UNIT  # one unit per file
+            assert pq.ParquetFile(result.root / file.path).metadata.row_group(0).num_rows <= ROW_GROUP_ROWS
+            seen.update((file.corpus or "", number) for number in numbers)
+    assert len(seen) == sum(corpus.rows for corpus in manifest.corpora)  # every row exactly once
+    for route in manifest.routes:  # route_table still reads a route whole, in shard order
+        if route.rows:
+            table = shards.route_table(route.route, ["_corpus", "_row"])
+            assert table.num_rows == route.rows
+            corpora = table.column("_corpus").to_pylist()
+            assert {c: corpora.count(c) for c in order if c in corpora} == route.corpus_counts
+
+
+def brute_force(shards: ShardSet) -> dict[tuple[str, int], tuple[str, str | None, int]]:
+    """(corpus, row) → (split, route, position), from every row of every route and holdout."""
+    found: dict[tuple[str, int], tuple[str, str | None, int]] = {}
+    for route in shards.manifest.routes:
+        if route.rows:
+            table = shards.route_table(route.route, ["_corpus", "_row"])
+            keys = zip(table["_corpus"].to_pylist(), table["_row"].to_pylist(), strict=True)
+            for position, key in enumerate(keys):
+                found[key] = ("train", route.route, position)
+    for corpus in shards.manifest.holdout:
+        for position, row in enumerate(shards.holdout_table(corpus, ["_row"])["_row"].to_pylist()):
+            found[corpus, row] = ("holdout", None, position)
+    return found
+
+
+def sample_rows(manifest: ShardManifest) -> list[tuple[str, int]]:
+    """First and last rows of every file, unit boundaries, ends of corpora, and random rows."""
+    files = [file for route in manifest.routes for file in route.files]
+    files += [file for group in manifest.holdout.values() for file in group]
+    chosen = {
+        (file.corpus or "", row)
+        for file in files
+        for row in (file.first_row, file.last_row)
+        if row is not None
+    }
+    generator = random.Random(0)
+    for corpus in manifest.corpora:
+        ends = [0, ROWS_PER_UNIT - 1, ROWS_PER_UNIT, corpus.rows - 1]
+        chosen.update((corpus.corpus_id, row) for row in ends + generator.sample(range(corpus.rows), 150))
+    return sorted(chosen)
+
+
+def test_locate_finds_every_sampled_row_where_a_scan_of_every_file_does(two_splits: TwoSplits) -> None:
+    shards = ShardSet.open(two_splits.small.root)
+    expected = brute_force(shards)
+    sampled = sample_rows(shards.manifest)
+    splits = set()
+    for corpus, row in sampled:
+        found = shards.locate(corpus, row)
+        assert (found.split, found.route, found.position) == expected[corpus, row], (corpus, row)
+        held = pq.read_table(shards.root / found.file.path, columns=["_row"])["_row"][found.index].as_py()
+        assert held == row and found.file.corpus == corpus
+        splits.add((found.split, found.route))
+    assert {("holdout", None), ("train", "public"), ("train", "licensed"), ("train", "pii")} <= splits
+
+
+def test_locate_refuses_a_row_out_of_range_or_an_unknown_corpus(two_splits: TwoSplits) -> None:
+    shards = ShardSet.open(two_splits.default.root)
+    with pytest.raises(IngestError, match=rf"corpus 'second' has {SECOND_ROWS} rows \(0..69999\) in shards"):
+        shards.locate("second", SECOND_ROWS)
+    with pytest.raises(IngestError, match=r"there is no row -1"):
+        shards.locate("first", -1)
+    with pytest.raises(IngestError, match=r"have no corpus 'third'"):
+        shards.locate("third", 0)
+
+
+def test_format_1_shards_stay_readable_and_locate_scans_them(two_splits: TwoSplits, tmp_path: Path) -> None:
+    """Shards written before the row index (format 1: files without corpus or row spans)."""
+    root = tmp_path / "v1"
+    shutil.copytree(two_splits.default.root, root)
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["format_version"] = 1
+    for group in [route["files"] for route in manifest["routes"]] + list(manifest["holdout"].values()):
+        for file in group:
+            del file["corpus"], file["first_row"], file["last_row"]
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    old, new = ShardSet.open(root, verify=True), ShardSet.open(two_splits.default.root)
+    for corpus, row in [("first", 0), ("first", 70_001), ("second", SECOND_ROWS - 1)]:
+        scanned, indexed = old.locate(corpus, row), new.locate(corpus, row)
+        assert (scanned.split, scanned.route, scanned.position, scanned.index, scanned.file.path) == (
+            indexed.split,
+            indexed.route,
+            indexed.position,
+            indexed.index,
+            indexed.file.path,
+        )
+
+
+def test_a_bad_row_in_the_last_unit_of_the_second_corpus_is_refused_and_leaves_nothing(
+    tmp_path: Path, authority_key: SigningKey, trust_file: Path
+) -> None:
+    second = rows(SECOND_ROWS)
+    second[-1] = {**second[-1], "lic": "copyleft", "sens": "public"}  # matches no rule
+    write_corpus(tmp_path / "first.csv", rows(1000))
+    corpora = [
+        corpus_spec("first", "first.csv", credential_columns=COLUMNS),
+        corpus_spec("second", "second.jsonl", credential_columns=COLUMNS),
+    ]
+    write_corpus(tmp_path / "second.jsonl", second)
+    config, policy = verified(build(tmp_path, authority_key, trust_file, corpora))
+    last = SECOND_ROWS - 1
+    with pytest.raises(PolicyError, match=rf"corpus 'second' \(row {last}\) matches no rule") as refused:
+        ingest(config, policy)
+    assert str(refused.value).endswith(f"(at {tmp_path / 'second.jsonl'} row {last} (line {last + 1}))")
+    assert not list((Path(config.storage_path) / "shards").rglob("*")), "a refused ingest leaves no files"
+
+
+def test_unit_pieces_cover_each_unit_exactly_with_the_blocks_that_hold_it() -> None:
+    generator = random.Random(1)
+    for _ in range(200):
+        sizes = [generator.choice([0, 1, 3, 7, 10, 25]) for _ in range(generator.randint(1, 12))]
+        units = unit_pieces(sizes, unit_rows=8)
+        starts = [sum(sizes[:block]) for block in range(len(sizes))]
+        covered = [
+            [starts[b] + r for b, start, stop in pieces for r in range(start, stop)] for pieces in units
+        ]
+        assert covered == [list(range(u * 8, min((u + 1) * 8, sum(sizes)))) for u in range(len(units))]
+        assert all(start < stop for pieces in units for _, start, stop in pieces)
