@@ -32,8 +32,18 @@ from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
 
 ROWS_PER_UNIT = 65_536  # rows per unit: each route file holds at most this many
-ROW_GROUP_ROWS = 1024  # small row groups: a reader fetches a row by position, not the whole file
+# Small row groups: a reader fetches a row by position, decoding its row group, not the file. At
+# most ROW_GROUP_ROWS rows and about ROW_GROUP_BYTES (wide rows: fewer; never below 16 rows).
+ROW_GROUP_ROWS = 1024
+ROW_GROUP_BYTES = 1 << 20
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training
+
+
+def group_rows(rows: pa.Table) -> int:
+    """Rows per row group for ``rows``: as many as fit ``ROW_GROUP_BYTES`` decoded (a function of
+    the data alone, so a re-ingest writes the same bytes), within [16, ``ROW_GROUP_ROWS``]."""
+    width = max(1, rows.nbytes // max(1, rows.num_rows))
+    return max(16, min(ROW_GROUP_ROWS, ROW_GROUP_BYTES // width))
 
 
 def _json_value(value: Any) -> Any:
@@ -144,13 +154,14 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     counts: dict[str, int] = {}
     files: dict[str, ShardFile] = {}
     for route in pc.unique(annotated["_route"]).to_pylist():
-        rows = annotated.filter(pc.equal(annotated["_route"], route))
+        # One chunk: its byte size (hence its row groups) does not depend on how blocks were cut.
+        rows = annotated.filter(pc.equal(annotated["_route"], route)).combine_chunks()
         relative = unit_file(route, spec.id, job.unit)
         path = Path(job.directory) / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         # Statistics of _row only: a reader finds a row's row group from the footer.
         pq.write_table(
-            rows, path, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=["_row"]
+            rows, path, compression="zstd", row_group_size=group_rows(rows), write_statistics=["_row"]
         )
         numbers = rows["_row"]
         counts[route] = rows.num_rows
