@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from govray.core.keys import platform_key, platform_key_path
+from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.provenance.attest import routing_of, run_spec_of
@@ -72,7 +73,7 @@ def test_the_stored_run_recorded_schedule_version_1_and_its_checkpoints_verify(s
 
 def test_the_ledgers_of_the_stored_run_recompute_from_its_version_1_schedule(stored: StoredRun) -> None:
     trial = make_trial(stored.spec.trial, stored.spec.hparams, stored.spec.settings)
-    tokens = RouteRows(ShardSet.open(stored.shard_root)).tokens(trial)
+    tokens = RouteRows(ShardReader(ShardSet.open(stored.shard_root))).tokens(trial)
     for checkpoint in (stored.first, stored.second):
         state = stored.state(checkpoint)
         schedule = ScheduleSpec.from_json(state.schedule)

@@ -17,7 +17,7 @@ Example::
 
     reader = ShardReader(ShardSet.open(root))
     batch = reader.take("public", np.array([17, 3, 912]))      # three rows, in that order
-    for part in reader.scan(reader.holdout_files("writers"), columns=["_row_hash"]):
+    for start, part in reader.scan(reader.holdout_files("writers"), columns=["_row_hash"]):
         ...                                                     # one row group at a time
 """
 
@@ -133,15 +133,21 @@ class ShardReader:
         back[np.concatenate(order)] = np.arange(len(wanted), dtype=np.int64)
         return gathered.take(pa.array(back, type=pa.int64()))
 
-    def scan(self, run: FileRun, columns: Sequence[str] | None = None) -> Iterator[pa.Table]:
-        """Every row of ``run`` in order, one row group at a time (bounded memory; not cached)."""
-        for file in run.files:
+    def scan(
+        self, run: FileRun, columns: Sequence[str] | None = None, corpus: str | None = None
+    ) -> Iterator[tuple[int, pa.Table]]:
+        """Every row of ``run`` in order, one row group at a time (bounded memory; not cached), with
+        the position of its first row; ``corpus``: only files that may hold its rows (a format-2
+        file names its one corpus)."""
+        for index, file in enumerate(run.files):
+            if corpus is not None and file.corpus is not None and file.corpus != corpus:
+                continue
             with self._lock:
                 parquet, ends = self._file(file)
             for group in range(len(ends) - 1):
                 with self._lock:
                     table = parquet.read_row_group(group, columns=list(columns) if columns else None)
-                yield table
+                yield int(run.starts[index] + ends[group]), table
 
     # -- files --------------------------------------------------------------------------------------
 

@@ -95,15 +95,13 @@ class RouteRows:
         return lowest_hashes(self.reader, [self.reader.holdout_files(corpus_id)], corpus_id, count, exclude)
 
     def routes_of(self, corpus_id: str, rows: Collection[int]) -> dict[int, str]:
-        """The route of each of ``rows`` (row numbers of a corpus) that is a training row."""
-        wanted = pa.array(sorted(rows), pa.int64())
+        """The route of each of ``rows`` (row numbers of a corpus) that is a training row, found
+        through the shards' row index (``ShardSet.locate``)."""
         found: dict[int, str] = {}
-        for route in self.reader.shards.manifest.routes:
-            for part in self.reader.scan(self.reader.route_files(route.route), ["_corpus", "_row"]):
-                hit = pc.and_(
-                    pc.equal(part.column("_corpus"), corpus_id), pc.is_in(part.column("_row"), wanted)
-                )
-                found.update(dict.fromkeys(part.filter(hit).column("_row").to_pylist(), route.route))
+        for row in sorted(rows):
+            place = self.reader.shards.locate(corpus_id, row)
+            if place.route is not None:
+                found[row] = place.route
         return found
 
     def tokens(self, trial: Trial) -> dict[str, np.ndarray] | None:
@@ -112,7 +110,7 @@ class RouteRows:
         counted: dict[str, np.ndarray] = {}
         for route in self.reader.shards.manifest.routes:
             parts = []
-            for part in self.reader.scan(self.reader.route_files(route.route)):
+            for _, part in self.reader.scan(self.reader.route_files(route.route)):
                 values = trial.tokens(part)
                 if values is None:
                     return None
@@ -136,10 +134,8 @@ def lowest_hashes(
         }
     )
     for index, run in enumerate(runs):
-        at = 0
-        for part in reader.scan(run, ["_corpus", "_row_hash", "_row"]):
+        for at, part in reader.scan(run, ["_corpus", "_row_hash", "_row"], corpus=corpus_id):
             positions = pa.array(np.arange(at, at + part.num_rows, dtype=np.int64))
-            at += part.num_rows
             mine = pc.equal(part.column("_corpus"), corpus_id)
             candidates = pa.table(
                 {
