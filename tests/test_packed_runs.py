@@ -15,6 +15,7 @@ import yaml
 from govray.data.packed import PackedStore
 from govray.data.schedule import slot, step_rows
 from govray.platform.runner import run_trial
+from govray.provenance.rows import row_reach
 from govray.train.checkpoint import find_checkpoints
 from govray.train.ledger import recompute_ledger
 from govray.train.runspec import RunSpec
@@ -113,3 +114,28 @@ def test_each_route_groups_gradient_is_divided_by_its_tokens_from_the_schedule(p
         else:
             assert torch.equal(updated[name].detach(), parameter.detach()), name
     assert allowed <= set(updated)
+
+
+def test_an_erasure_lookup_in_a_packed_run_finds_the_steps_of_the_windows_holding_the_row(
+    packed_run: GoldenRun,
+) -> None:
+    spec = last_spec(packed_run)
+    store = PackedStore.open(Path(spec.packed_root))
+    schedule = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings)).schedule
+    first = slot(schedule, 0, 0)
+    assert first.route is not None
+    window = store.take(first.route, np.asarray(first.rows[:1]))
+    corpus, row = window.column("_corpus")[0].as_py(), window.column("_row")[0].as_py()
+    held = store.locate(corpus, row)
+    expected = sorted(
+        {
+            s
+            for s in range(STEPS)
+            for route, position in held
+            if slot(schedule, s, 0).route == route and position in slot(schedule, s, 0).rows
+        }
+    )
+    assert 0 in expected
+    (reach,) = row_reach(packed_run.store, corpus, row).trials
+    assert reach.placement is not None and reach.placement.windows == [position for _, position in held]
+    assert reach.steps == expected and reach.step_count == len(expected)

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from govray.core.errors import GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
+from govray.data.packed import PackedStore
 from govray.data.schedule import ScheduleSpec, row_slots
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, layer_label
@@ -65,6 +66,8 @@ class RowPlacement(BaseModel):
     split: Literal["train", "holdout"]
     route: str | None = None
     position: int | None = None  # route-local row index: what the schedule's slots list
+    # Under data.packing: the positions of the windows holding its tokens (what the slots list).
+    windows: list[int] | None = None
 
 
 class ReachedCheckpoint(BaseModel):
@@ -248,14 +251,23 @@ def _trial_reach(
             else "no checkpoint on storage records what it trained"
         )
         return TrialReach(**base, placement=placement, **nothing, tensors=[], layers=[], note=note)
-    assert placement.route is not None and placement.position is not None
+    route, position = placement.route, placement.position
+    assert route is not None and position is not None
+    positions = [position]
+    if spec.packed_root:  # the schedule ordered windows: the row's tokens lie in one or more
+        positions = _windows(spec, places)
+        placement = placement.model_copy(update={"windows": positions})
     schedule = ScheduleSpec.from_json(state.schedule)
-    if schedule.route(placement.route).corpus_of(placement.position) != places.corpus_id:
-        raise LineageError(
-            f"trial {trial.id}: its schedule puts another corpus at row {placement.position} of route "
-            f"'{placement.route}' than its shards {placement.shards} do"
-        )
-    reached, reverted = row_steps(schedule, placement.route, placement.position, state.step)
+    reached: list[int] = []
+    reverted: list[int] = []
+    for position in positions:
+        if schedule.route(route).corpus_of(position) != places.corpus_id:
+            raise LineageError(
+                f"trial {trial.id}: its schedule puts another corpus at position {position} of route "
+                f"'{route}' than its shards {placement.shards} do"
+            )
+        steps, undone = row_steps(schedule, route, position, state.step)
+        reached, reverted = sorted(reached + steps), sorted(reverted + undone)
     touched = sorted(reached + reverted)
     kept = [
         ReachedCheckpoint(id=c.id or 0, step=c.step, path=c.path, state=c.state)
@@ -263,8 +275,8 @@ def _trial_reach(
         if any(in_weights(schedule, step, c.step) for step in touched)
     ]
     routing = routing_of(spec)
-    tensors, layers = route_tensors(routing, placement.route) if touched else ((), ())
-    adapter = routing.adapter_names.get(placement.route)
+    tensors, layers = route_tensors(routing, route) if touched else ((), ())
+    adapter = routing.adapter_names.get(route)
     return TrialReach(
         **base,
         placement=placement,
@@ -278,6 +290,17 @@ def _trial_reach(
         layers=list(layers),
         note="" if touched else _why_not(schedule, places.corpus_id, state.step),
     )
+
+
+def _windows(spec: RunSpec, places: _Places) -> list[int]:
+    """The positions of the packed windows that hold the row's tokens (``PackedStore.locate``)."""
+    try:
+        return [
+            position
+            for _, position in PackedStore.open(Path(spec.packed_root)).locate(places.corpus_id, places.row)
+        ]
+    except IngestError as error:
+        raise LineageError(str(error)) from None
 
 
 def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None) -> list[ReachedModel]:
