@@ -343,7 +343,7 @@ def _manifest(
         counts.append(total)
 
     def files(route: str, units: list[list[UnitReport]]) -> list[ShardFile]:
-        return [unit.files[route] for corpus in units for unit in corpus if route in unit.files]
+        return [file for corpus in units for unit in corpus for file in unit.files.get(route, [])]
 
     routes = [
         RouteSummary(

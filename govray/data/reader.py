@@ -39,7 +39,7 @@ from govray.core.storage import open_storage
 from govray.data.shards import ShardFile, ShardSet
 
 CACHE_BYTES = 64 << 20  # decoded row groups kept per reader
-OPEN_FILES = 32  # parquet footers kept open per reader
+OPEN_FILES = 8  # parquet footers kept open per reader (each: its row groups' metadata)
 
 
 @dataclass(frozen=True)

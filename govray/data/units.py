@@ -36,6 +36,7 @@ ROWS_PER_UNIT = 65_536  # rows per unit: each route file holds at most this many
 # most ROW_GROUP_ROWS rows and about ROW_GROUP_BYTES (wide rows: fewer; never below 16 rows).
 ROW_GROUP_ROWS = 1024
 ROW_GROUP_BYTES = 1 << 20
+GROUPS_PER_FILE = 64  # a unit's rows of one route fill files of at most this many row groups
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training
 
 
@@ -131,15 +132,17 @@ class UnitReport:
 
     received_rows: int
     counts: dict[str, int] = field(default_factory=dict)
-    files: dict[str, ShardFile] = field(default_factory=dict)
+    files: dict[str, list[ShardFile]] = field(default_factory=dict)  # per route, in row order
     refusal: RowRefusal | None = None
 
 
-def unit_file(route: str, corpus_id: str, unit: int) -> str:
-    """The path of a unit's file of ``route`` (``HOLDOUT``: its held-out rows), relative to the shards."""
+def unit_file(route: str, corpus_id: str, unit: int, part: int = 0, parts: int = 1) -> str:
+    """The path of a unit's file of ``route`` (``HOLDOUT``: its held-out rows), relative to the
+    shards; a unit of wide rows fills several (``part`` of ``parts``)."""
+    suffix = f"-{part:02d}" if parts > 1 else ""
     if route == HOLDOUT:
-        return f"holdout/{corpus_id}/{unit:06d}.parquet"
-    return f"train/{route}/{corpus_id}-{unit:06d}.parquet"
+        return f"holdout/{corpus_id}/{unit:06d}{suffix}.parquet"
+    return f"train/{route}/{corpus_id}-{unit:06d}{suffix}.parquet"
 
 
 @ray.remote
@@ -152,28 +155,37 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     if isinstance(annotated, RowRefusal):
         return UnitReport(received_rows=table.num_rows, refusal=annotated)
     counts: dict[str, int] = {}
-    files: dict[str, ShardFile] = {}
+    files: dict[str, list[ShardFile]] = {}
     for route in pc.unique(annotated["_route"]).to_pylist():
         # One chunk: its byte size (hence its row groups) does not depend on how blocks were cut.
         rows = annotated.filter(pc.equal(annotated["_route"], route)).combine_chunks()
-        relative = unit_file(route, spec.id, job.unit)
-        path = Path(job.directory) / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Statistics of _row only: a reader finds a row's row group from the footer.
-        pq.write_table(
-            rows, path, compression="zstd", row_group_size=group_rows(rows), write_statistics=["_row"]
-        )
-        numbers = rows["_row"]
         counts[route] = rows.num_rows
-        files[route] = ShardFile(
-            path=relative,
-            rows=rows.num_rows,
-            sha256=file_sha256(path),
-            corpus=spec.id,
-            first_row=numbers[0].as_py(),
-            last_row=numbers[-1].as_py(),
-        )
+        group = group_rows(rows)
+        per_file = group * GROUPS_PER_FILE  # a footer a reader keeps open stays small
+        parts = range(0, rows.num_rows, per_file)
+        files[route] = [
+            _write(
+                rows.slice(start, per_file), group, job, unit_file(route, spec.id, job.unit, part, len(parts))
+            )
+            for part, start in enumerate(parts)
+        ]
     return UnitReport(received_rows=table.num_rows, counts=counts, files=files)
+
+
+def _write(rows: pa.Table, group: int, job: UnitJob, relative: str) -> ShardFile:
+    path = Path(job.directory) / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Statistics of _row only: a reader finds a row's row group from the footer.
+    pq.write_table(rows, path, compression="zstd", row_group_size=group, write_statistics=["_row"])
+    numbers = rows["_row"]
+    return ShardFile(
+        path=relative,
+        rows=rows.num_rows,
+        sha256=file_sha256(path),
+        corpus=str(rows["_corpus"][0].as_py()),
+        first_row=numbers[0].as_py(),
+        last_row=numbers[-1].as_py(),
+    )
 
 
 def annotate(

@@ -8,7 +8,6 @@ JSON with its peak RSS in bytes and the examples its ledger counted."""
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -16,6 +15,15 @@ from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
 from govray.train.worker import Worker
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes (``VmHWM``: unlike ``ru_maxrss``, not inherited from the
+    process that started it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmHWM (not Linux?)")
 
 
 def main(run_json: str, steps: int) -> None:
@@ -26,7 +34,7 @@ def main(run_json: str, steps: int) -> None:
     validation = governed.evaluate()
     governed.memorization()
     counted = max(entry.examples for entry in governed.ledger.entries.values())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = peak_rss()
     print(json.dumps({"peak_rss": peak, "examples": examples, "ledger": counted, **validation}))
 
 
