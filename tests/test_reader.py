@@ -99,7 +99,7 @@ def test_only_the_files_a_read_touches_are_checked_and_a_tampered_one_is_refused
     reader = ShardReader(shards)
     reader.take("public", [0, 5, 60, 149])  # files 0, 1 and 2 only
     assert sorted(reader._verified) == [f.path for f in shards.manifest.route("public").files[:3]]
-    with pytest.raises(IngestError, match=f"shard file {last} does not match its digest"):
+    with pytest.raises(IngestError, match=f"shard file {last} does not match its digest in the manifest"):
         reader.take("public", [150])
 
 

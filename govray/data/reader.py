@@ -33,9 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from govray.core.canonical import file_sha256
 from govray.core.errors import IngestError
-from govray.core.storage import open_storage
 from govray.data.shards import ShardFile, ShardSet
 
 CACHE_BYTES = 64 << 20  # decoded row groups kept per reader
@@ -64,7 +62,7 @@ class ShardReader:
 
     def __init__(self, shards: ShardSet, storage: str = "", cache_bytes: int = CACHE_BYTES) -> None:
         self.shards = shards
-        self._storage = open_storage(storage) if storage else None
+        self._storage = storage
         self._cache_bytes = cache_bytes
         self._runs: dict[str, FileRun] = {
             route.route: FileRun.of(route.files) for route in shards.manifest.routes
@@ -170,16 +168,10 @@ class ShardReader:
 
     def _local(self, file: ShardFile) -> Path:
         """``file`` on this node, fetched when missing, checked against its digest once."""
-        path = self.shards.root / file.path
-        if file.path in self._verified:
-            return path
-        if self._storage is not None:
-            self._storage.fetch(path, verify=lambda staged: _check_digest(staged, file))
-        if not path.exists():
-            raise IngestError(f"shard file {path} listed in the manifest is missing")
-        _check_digest(path, file)
-        self._verified.add(file.path)
-        return path
+        if file.path not in self._verified:
+            self.shards.fetch_file(file, self._storage)
+            self._verified.add(file.path)
+        return self.shards.root / file.path
 
     def _group(
         self, file: ShardFile, parquet: pq.ParquetFile, group: int, columns: Sequence[str] | None
@@ -205,11 +197,6 @@ class ShardReader:
         with self._lock:
             parquet, _ = self._file(runs[0].files[0])
         return parquet.schema_arrow
-
-
-def _check_digest(path: Path, file: ShardFile) -> None:
-    if file_sha256(path) != file.sha256:
-        raise IngestError(f"shard file {path} does not match its digest in the shard manifest")
 
 
 def evaluation_rows(total: int, limit: int | None) -> np.ndarray:
