@@ -4,10 +4,7 @@ its slots' row groups (DESIGN.md, "Data at scale")."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from govray.core.keys import load_trust, platform_key, platform_trust
-from govray.platform.runner import new_run_spec
+from jobs.benchmarks.bounded_worker import train_alone
 from jobs.examples.digits.golden import REPO, copy_example, opened, save_experiment
 
 pytestmark = pytest.mark.cluster
@@ -46,28 +42,8 @@ def trained(root: Path, rows: int) -> tuple[int, dict[str, Any]]:
     raw["data"] = {"holdout_fraction": 0.05, "eval_rows": 256, "corpora": [public]}
     raw["searcher"]["max_length"] = {"batches": STEPS}
     config, _store, checked, _experiment, ingested = opened(save_experiment(root, raw))
-    trust = platform_trust(platform_key(), load_trust(config.policy.trust) if config.policy.trust else None)
     hparams = {**config.default_hparams(), "batch_size": 16}
-    spec = new_run_spec(
-        config,
-        checked,
-        ingested.root,
-        "memory",
-        hparams=hparams,
-        trial_seed=0,
-        reproducibility={},
-        trust=trust,
-    )
-    (root / "run.json").write_text(spec.model_dump_json())
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.benchmarks.bounded_worker", str(root / "run.json"), str(STEPS)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    return size, json.loads(done.stdout.strip().splitlines()[-1])
+    return size, train_alone(root, config, checked, ingested.root, hparams, STEPS)
 
 
 def test_a_corpus_several_times_larger_than_the_workers_memory_cap_trains_to_completion(

@@ -8,13 +8,38 @@ JSON with its peak RSS in bytes and the examples its ledger counted."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from govray.core.keys import load_trust, platform_key, platform_trust
+from govray.platform.runner import new_run_spec
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
 from govray.train.worker import Worker
+
+
+def train_alone(
+    root: Path, config: Any, checked: Any, shard_root: Path, hparams: dict[str, Any], steps: int
+) -> dict[str, Any]:
+    """A run of ``config`` over ``shard_root`` (its spec written to ``root/run.json``) trained for
+    ``steps`` steps by a worker alone in a fresh process: what ``main`` prints."""
+    trust = platform_trust(platform_key(), load_trust(config.policy.trust) if config.policy.trust else None)
+    spec = new_run_spec(
+        config, checked, shard_root, root.name, hparams=hparams, trial_seed=0, reproducibility={}, trust=trust
+    )
+    (root / "run.json").write_text(spec.model_dump_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.benchmarks.bounded_worker", str(root / "run.json"), str(steps)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def peak_rss() -> int:

@@ -23,12 +23,9 @@ Last lines:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +36,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from govray.core.keys import load_trust, platform_key, platform_trust
 from govray.core.runtime import ensure_ray
-from govray.platform.runner import new_run_spec, run_trial
+from govray.platform.runner import run_trial
 from govray.provenance.rows import row_reach
-from jobs.examples.digits.golden import REPO, copy_example, opened, save_experiment
+from jobs.benchmarks.bounded_worker import train_alone
+from jobs.examples.digits.golden import copy_example, opened, save_experiment
 
 ROWS_PER_FILE = 1_000_000
 CORPUS = "scale-public"
@@ -86,29 +83,6 @@ def plain_ray_data(files: list[Path], out: Path) -> float:
     return time.perf_counter() - started
 
 
-def worker_peak(root: Path, config: Any, checked: Any, shard_root: Path, steps: int) -> dict[str, Any]:
-    trust = platform_trust(platform_key(), load_trust(config.policy.trust) if config.policy.trust else None)
-    spec = new_run_spec(
-        config,
-        checked,
-        shard_root,
-        "scale",
-        hparams=config.default_hparams(),
-        trial_seed=0,
-        reproducibility={},
-        trust=trust,
-    )
-    (root / "run.json").write_text(spec.model_dump_json())
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.benchmarks.bounded_worker", str(root / "run.json"), str(steps)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
 def lookup_p99(
     config: Any, checked: Any, experiment_record: Any, shard_root: Path, store: Any, rows: int, lookups: int
 ) -> float:
@@ -147,7 +121,7 @@ def main() -> None:
         started = time.perf_counter()
         config, store, checked, record, ingested = opened(path)
         ingest = time.perf_counter() - started
-        peak = worker_peak(root, config, checked, ingested.root, args.steps)
+        peak = train_alone(root, config, checked, ingested.root, config.default_hparams(), args.steps)
         results[rows] = {"plain_s": plain, "ingest_s": ingest, **peak}
         print(
             f"{rows:>11,} rows: ingest {ingest:7.1f} s ({rows / ingest:>9,.0f} rows/s), plain Ray Data "
