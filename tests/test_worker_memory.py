@@ -18,7 +18,7 @@ from jobs.examples.digits.golden import REPO, copy_example, opened, save_experim
 
 pytestmark = pytest.mark.cluster
 
-PAYLOAD = 16 << 10  # bytes of incompressible payload per row (the trial never reads it)
+PAYLOAD = 4 << 10  # bytes of incompressible payload per row (the trial never reads it)
 CAP = 64 << 20  # how much more a worker may hold for the large corpus than for a quarter of it
 STEPS = 60
 
@@ -49,10 +49,11 @@ def trained(root: Path, rows: int) -> tuple[int, dict[str, Any]]:
 def test_a_corpus_several_times_larger_than_the_workers_memory_cap_trains_to_completion(
     ray_session: None, tmp_path: Path
 ) -> None:
-    # Both corpora outgrow the reader's row-group cache; the larger by nine times the cap.
-    small_size, small = trained(tmp_path / "small", 12_000)
-    large_size, large = trained(tmp_path / "large", 48_000)
-    assert large_size - small_size > 8 * CAP  # the corpus grew by several times the cap
+    # Both corpora outgrow what a worker bounds (its row-group cache, its open files, the probe's
+    # samples); the larger by six times the cap.
+    small_size, small = trained(tmp_path / "small", 32_000)
+    large_size, large = trained(tmp_path / "large", 128_000)
+    assert large_size - small_size > 5 * CAP  # the corpus grew by several times the cap
     assert large["ledger"] == large["examples"] >= STEPS * 16 - 15  # every step read its slot
     assert math.isfinite(large["validation_loss"])
     grown = large["peak_rss"] - small["peak_rss"]
