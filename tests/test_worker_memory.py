@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.benchmarks.bounded_worker import train_alone
-from jobs.examples.digits.golden import REPO, copy_example, opened, save_experiment
+from jobs.benchmarks.scale_trial import FEATURES
+from jobs.examples.digits.golden import copy_example, opened, save_experiment
 
 pytestmark = pytest.mark.cluster
 
@@ -24,14 +25,14 @@ STEPS = 60
 
 
 def corpus(path: Path, rows: int) -> int:
-    """The digits example's public rows repeated to ``rows`` rows, each with a random payload;
-    returns its size on disk."""
-    digits = pq.read_table(REPO / "jobs" / "examples" / "digits" / "data" / "public.parquet")
-    table = digits.take(pa.array(np.arange(rows) % digits.num_rows))
+    """``rows`` rows of the data_scale trial's eight features and label, each with a random
+    payload; returns its size on disk."""
     rng = np.random.default_rng(rows)
-    payload = pa.array([rng.bytes(PAYLOAD) for _ in range(rows)], pa.binary())
-    table = table.append_column("copy", pa.array(np.arange(rows))).append_column("payload", payload)
-    pq.write_table(table, path, row_group_size=1024, compression="zstd")
+    features = rng.standard_normal((rows, len(FEATURES)), dtype=np.float32)
+    columns: dict[str, Any] = {name: features[:, index] for index, name in enumerate(FEATURES)}
+    columns["label"] = (features[:, 0] > 0).astype(np.int64)
+    columns["payload"] = pa.array([rng.bytes(PAYLOAD) for _ in range(rows)], pa.binary())
+    pq.write_table(pa.table(columns), path, row_group_size=1024, compression="zstd")
     return path.stat().st_size
 
 
@@ -39,6 +40,8 @@ def trained(root: Path, rows: int) -> tuple[int, dict[str, Any]]:
     raw = copy_example(root)
     size = corpus(root / "data" / "large.parquet", rows)
     public = dict(raw["data"]["corpora"][0], id="payloads", path="data/large.parquet")
+    raw["trial"] = "jobs.benchmarks.scale_trial:ScaleTrial"
+    raw["hyperparameters"] = {"lr": 0.01}
     raw["data"] = {"holdout_fraction": 0.05, "eval_rows": 256, "corpora": [public]}
     raw["searcher"]["max_length"] = {"batches": STEPS}
     config, _store, checked, _experiment, ingested = opened(save_experiment(root, raw))
