@@ -23,7 +23,6 @@ import yaml
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
 from govray.governance.policy import sign_policy
 from govray.tracking.store import TrackingStore
-from jobs.benchmarks.ingest import CREDENTIAL
 from jobs.examples.digits.golden import EXAMPLE_CONFIG as EXAMPLE_CONFIG  # tests import it from here
 from jobs.examples.digits.golden import (
     GOLDEN_HPARAMS,
@@ -40,7 +39,15 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 
-BASE_CREDENTIAL: dict[str, Any] = CREDENTIAL  # a public-domain tabular corpus (the ingest benchmark's)
+BASE_CREDENTIAL: dict[str, Any] = {
+    "license_class": "public-domain",
+    "jurisdiction": "US",
+    "sensitivity": "public",
+    "source_type": "public-dataset",
+    "modality": "tabular",
+    "tdm_opt_out": False,
+    "collection_period": {"start": "2020-01-01", "end": "2020-12-31"},
+}
 
 
 @pytest.fixture(scope="session")

@@ -22,12 +22,20 @@ from govray.governance.policy import VerifiedPolicy, load_verified_policy
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from jobs.benchmarks.ingest import POLICY as BENCHMARK_POLICY
 from tests.conftest import BASE_CREDENTIAL, table_rows, write_corpus, write_experiment, write_signed_policy
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-POLICY: dict[str, Any] = {**BENCHMARK_POLICY, "name": "ingest-test"}  # the ingest benchmark's rules
+POLICY: dict[str, Any] = {
+    "name": "ingest-test",
+    "version": 1,
+    "adapters": {"pii-lora": {"targets": ["hidden"]}},
+    "rules": [
+        {"name": "public", "match": {"license_class": "public-domain"}, "route": "all"},
+        {"name": "licensed", "match": {"license_class": "licensed"}, "route": {"depth": {"min": -1}}},
+        {"name": "pii", "match": {"sensitivity": "pii"}, "route": {"adapter": "pii-lora"}},
+    ],
+}
 LICENSES = ["public-domain", "licensed", "proprietary"]
 
 
