@@ -356,7 +356,7 @@ def test_a_trial_without_tokenize_is_refused_naming_it(shards: ShardSet) -> None
     assert defines_tokenize(CharTransformerTrial) and not defines_tokenize(DigitsTrial)
     with pytest.raises(
         IngestError,
-        match=r"tokenizing shard file .*part-00000.parquet rows 0\.\.1023 failed: "
+        match=r"tokenizing shard file .*/train/[a-z]+/text-[a-z]+-000000\.parquet rows 0\.\.[0-9]+ failed: "
         r"NotImplementedError: DigitsTrial does not define tokenize\(rows\), which data.packing needs",
     ):
         pack_shards(shards, seq_len=64, tokenize=DigitsTrial({}).tokenize, tokenizer="digits")
