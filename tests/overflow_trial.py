@@ -13,7 +13,7 @@ from torch import nn
 
 from jobs.examples.digits.trial import DigitsTrial
 
-BOOST = 16.0
+BOOST = 8.0
 OVERFLOWING_CORPUS = "digits-writers"
 
 

@@ -34,6 +34,7 @@ from tests.conftest import GoldenRun, _golden_example, _golden_run
 from tests.test_ledger import TABLE
 
 ENGINE_STEPS = 12
+FP16_STEPS = 18
 ADAPTER_CORPUS = "digits-writers"
 
 
@@ -43,11 +44,13 @@ class Pair:
     replay: Replay  # ``govray replay --exclude-corpus digits-writers`` of the original
 
 
-def _pair(root: Path, workers: int, training: dict[str, Any], **overrides: Any) -> Pair:
+def _pair(
+    root: Path, workers: int, training: dict[str, Any], steps: int = ENGINE_STEPS, **overrides: Any
+) -> Pair:
     path = _golden_example(
         root,
         workers=workers,
-        max_length={"batches": ENGINE_STEPS},
+        max_length={"batches": steps},
         hparams=GOLDEN_HPARAMS,
         lr_schedule=False,
         training=training,
@@ -70,11 +73,13 @@ def bf16_pair(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def fp16_accumulation_pair(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     """Two Ray Train workers (DDP: three micro-batches of each slot under no_sync, the last
     through the hook), fp16 with per-route loss scales, and the PII corpus's losses boosted so its
-    route (the adapter's) overflows."""
+    route (the adapter's) overflows. 18 steps: the PII route is in 8 of them under this seed's
+    schedule, so after its overflows have backed its scale off it also steps (the adapter learns)."""
     return _pair(
         tmp_path_factory.mktemp("fp16-accumulation"),
         2,
         {"precision": "fp16", "accumulation_steps": 4},
+        steps=FP16_STEPS,
         trial="tests.overflow_trial:OverflowDigitsTrial",
     )
 
