@@ -216,7 +216,7 @@ def trained_canaries(config: Any, canaries: CanarySet) -> list[str]:
     """Canaries with at least one copy outside the holdout (by row hash, as ingest splits)."""
     import json
 
-    from govray.data.units import in_holdout, row_hash
+    from govray.data.rowhash import in_holdout, row_hash
 
     rows = [json.loads(line) for line in Path(config.data.corpora[1].path).read_text().splitlines()]
     return [

@@ -21,6 +21,11 @@ def canonical_json(value: Any) -> bytes:
     return _ENCODER.encode(value).encode()
 
 
+def canonical_text(value: Any) -> str:
+    """``canonical_json(value)`` before its UTF-8 encoding."""
+    return _ENCODER.encode(value)
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

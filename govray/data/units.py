@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
 from govray.config.experiment import CorpusRole, CorpusSpec
-from govray.core.canonical import canonical_json, file_sha256, sha256_hex
+from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import CredentialError, PolicyError
+from govray.data.rowhash import holdout_mask, row_hashes
 from govray.data.shards import ShardFile
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -38,6 +40,8 @@ ROW_GROUP_ROWS = 1024
 ROW_GROUP_BYTES = 1 << 20
 GROUPS_PER_FILE = 64  # a unit's rows of one route fill files of at most this many row groups
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training
+# Columns of few distinct values, dictionary-encoded in the files (with the credential columns).
+DICTIONARY_COLUMNS = ("_corpus", "_route", "_credential")
 
 
 def group_rows(rows: pa.Table) -> int:
@@ -45,33 +49,6 @@ def group_rows(rows: pa.Table) -> int:
     the data alone, so a re-ingest writes the same bytes), within [16, ``ROW_GROUP_ROWS``]."""
     width = max(1, rows.nbytes // max(1, rows.num_rows))
     return max(16, min(ROW_GROUP_ROWS, ROW_GROUP_BYTES // width))
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)  # dates, decimals: their canonical string form
-
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})  # JSON values as they are
-
-
-def row_hash(row: dict[str, Any]) -> str:
-    """sha256 of the row's canonical JSON (source columns only)."""
-    # _json_value(row), without a call per scalar (most values are): ingest hashes every row.
-    values = {str(k): v if type(v) in _SCALARS else _json_value(v) for k, v in row.items()}
-    return sha256_hex(canonical_json(values))
-
-
-def in_holdout(digest: str, fraction: float) -> bool:
-    """Deterministic split: the first 64 bits of the row hash as a fraction of 2**64."""
-    return int(digest[:16], 16) < fraction * 2**64
 
 
 def unit_pieces(sizes: Sequence[int], unit_rows: int = ROWS_PER_UNIT) -> list[list[tuple[int, int, int]]]:
@@ -165,18 +142,30 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
         parts = range(0, rows.num_rows, per_file)
         files[route] = [
             _write(
-                rows.slice(start, per_file), group, job, unit_file(route, spec.id, job.unit, part, len(parts))
+                rows.slice(start, per_file),
+                group,
+                job,
+                unit_file(route, spec.id, job.unit, part, len(parts)),
+                [*DICTIONARY_COLUMNS, *spec.credential_columns.values()],
             )
             for part, start in enumerate(parts)
         ]
     return UnitReport(received_rows=table.num_rows, counts=counts, files=files)
 
 
-def _write(rows: pa.Table, group: int, job: UnitJob, relative: str) -> ShardFile:
+def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: list[str]) -> ShardFile:
     path = Path(job.directory) / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Statistics of _row only: a reader finds a row's row group from the footer.
-    pq.write_table(rows, path, compression="zstd", row_group_size=group, write_statistics=["_row"])
+    # Statistics of _row only: a reader finds a row's row group from the footer. Snappy, and
+    # dictionaries only for the columns that repeat a few values: ingest writes every row.
+    pq.write_table(
+        rows,
+        path,
+        compression="snappy",
+        row_group_size=group,
+        write_statistics=["_row"],
+        use_dictionary=dictionary,
+    )
     numbers = rows["_row"]
     return ShardFile(
         path=relative,
@@ -192,8 +181,11 @@ def annotate(
     table: pa.Table, first_row: int, spec: CorpusSpec, policy: DepthPolicy, holdout_fraction: float
 ) -> pa.Table | RowRefusal:
     """Number, validate, route, hash and split the rows of ``table`` (corpus rows from
-    ``first_row``): the table with the shard columns added, or the refusal of its first bad row."""
-    base = spec.base_credential()
+    ``first_row``): the table with the shard columns added, or the refusal of its first bad row.
+
+    A credential is built and routed once per distinct combination of the corpus's credential
+    columns, in the order the combinations first occur, so the first refusal is that of the
+    first bad row; the rows are hashed a table at a time (``govray.data.rowhash``)."""
     missing = [column for column in spec.credential_columns.values() if column not in table.column_names]
     if missing:
         return RowRefusal(
@@ -202,45 +194,74 @@ def annotate(
             "credential",
             None,
         )
-    cache: dict[tuple[Any, ...], tuple[str, str]] = {}
-    routes, hashes, credentials = [], [], []
-    for index, row in enumerate(table.to_pylist()):
-        number = first_row + index
-        overrides = tuple(row[column] for column in spec.credential_columns.values())
-        if overrides not in cache:
-            for name, column in spec.credential_columns.items():
-                if row[column] is None:
-                    return RowRefusal(
-                        f"corpus '{spec.id}' row {number}: credential field '{name}' (column '{column}') "
-                        "is empty",
-                        "credential",
-                        number,
-                    )
-            values = {**base, **{f: row[c] for f, c in spec.credential_columns.items()}}
-            try:
-                credential = build_credential(values, where=f"corpus '{spec.id}' row {number}")
-                route = (
-                    policy.route_key_for(credential, where=f" (row {number})")
-                    if spec.role == CorpusRole.TRAIN
-                    else HOLDOUT
-                )
-            except (CredentialError, PolicyError) as error:
-                kind: Literal["credential", "policy"] = (
-                    "credential" if isinstance(error, CredentialError) else "policy"
-                )
-                return RowRefusal(str(error), kind, number)
-            cache[overrides] = (route, canonical_json(credential.model_dump(mode="json")).decode())
-        route, credential_text = cache[overrides]
-        digest = row_hash(row)
-        if spec.role != CorpusRole.TRAIN or in_holdout(digest, holdout_fraction):
-            route = HOLDOUT
-        routes.append(route)
-        hashes.append(digest)
-        credentials.append(credential_text)
+    count = table.num_rows
+    combinations, of_row, first_rows = _combinations(table, list(spec.credential_columns.values()))
+    routes, credentials = [], []
+    for values, first in zip(combinations, first_rows.tolist(), strict=True):
+        resolved = _resolve(spec, policy, values, first_row + first)
+        if isinstance(resolved, RowRefusal):
+            return resolved
+        routes.append(resolved[0])
+        credentials.append(resolved[1])
+    hashes, prefixes = row_hashes(table)
+    route = pc.take(pa.array(routes, type=pa.string()), pa.array(of_row))
+    if spec.role == CorpusRole.TRAIN:
+        held_out = pa.array(holdout_mask(prefixes, holdout_fraction))
+        route = pc.if_else(held_out, pa.scalar(HOLDOUT, type=pa.string()), route)
     return (
-        table.append_column("_corpus", pa.array([spec.id] * table.num_rows, type=pa.string()))
-        .append_column("_row", pa.array(range(first_row, first_row + table.num_rows), type=pa.int64()))
-        .append_column("_row_hash", pa.array(hashes, type=pa.string()))
-        .append_column("_route", pa.array(routes, type=pa.string()))
-        .append_column("_credential", pa.array(credentials, type=pa.string()))
+        table.append_column("_corpus", pa.array(np.full(count, spec.id, dtype=object), type=pa.string()))
+        .append_column("_row", pa.array(np.arange(first_row, first_row + count, dtype=np.int64)))
+        .append_column("_row_hash", hashes)
+        .append_column("_route", route)
+        .append_column("_credential", pc.take(pa.array(credentials, type=pa.string()), pa.array(of_row)))
     )
+
+
+def _combinations(
+    table: pa.Table, columns: list[str]
+) -> tuple[list[tuple[Any, ...]], np.ndarray, np.ndarray]:
+    """The distinct value combinations of ``columns`` in the order they first occur, each row's
+    combination (an index into them) and each combination's first row."""
+    count = table.num_rows
+    if not columns:
+        return [()], np.zeros(count, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    codes, dictionaries = [], []
+    for column in columns:
+        encoded = table[column].combine_chunks().dictionary_encode(null_encoding="encode")
+        codes.append(encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64))
+        dictionaries.append(encoded.dictionary.to_pylist())
+    _, first_rows, of_row = np.unique(np.stack(codes, axis=1), axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first_rows, kind="stable")  # by first occurrence
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    combinations = [
+        tuple(dictionary[code[row]] for dictionary, code in zip(dictionaries, codes, strict=True))
+        for row in first_rows[order].tolist()
+    ]
+    return combinations, rank[of_row.reshape(-1)], first_rows[order]
+
+
+def _resolve(
+    spec: CorpusSpec, policy: DepthPolicy, values: tuple[Any, ...], number: int
+) -> tuple[str, str] | RowRefusal:
+    """The route and the canonical credential JSON of rows with these credential-column
+    ``values``, or the refusal of row ``number``, the first such row."""
+    overrides = dict(zip(spec.credential_columns, values, strict=True))
+    for name, column in spec.credential_columns.items():
+        if overrides[name] is None:
+            return RowRefusal(
+                f"corpus '{spec.id}' row {number}: credential field '{name}' (column '{column}') is empty",
+                "credential",
+                number,
+            )
+    try:
+        credential = build_credential(
+            {**spec.base_credential(), **overrides}, where=f"corpus '{spec.id}' row {number}"
+        )
+        train = spec.role == CorpusRole.TRAIN
+        route = policy.route_key_for(credential, where=f" (row {number})") if train else HOLDOUT
+    except CredentialError as error:
+        return RowRefusal(str(error), "credential", number)
+    except PolicyError as error:
+        return RowRefusal(str(error), "policy", number)
+    return route, canonical_json(credential.model_dump(mode="json")).decode()
