@@ -227,6 +227,30 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
     return _golden_run(path)
 
 
+@dataclass(frozen=True)
+class RegisteredPair:
+    """A registered version of the one-epoch golden run and the version made from it by removing
+    its PII adapter: what the tools users already run (model_signing, CycloneDX, MLflow) read."""
+
+    store: Any
+    version: Any  # RegisteredVersion
+    without_adapter: Any  # RegisteredVersion, without adapter REMOVED_ADAPTER
+
+
+REMOVED_ADAPTER = "pii-lora"
+
+
+@pytest.fixture(scope="session")
+def registered_pair(golden_local_epoch: GoldenRun) -> RegisteredPair:
+    from govray.platform.registry import register, remove_adapter
+    from govray.train.checkpoint import find_checkpoints
+
+    store = golden_local_epoch.store
+    final = find_checkpoints(golden_local_epoch.outcome.run_dir)[-1]
+    version = register(store, "digits-where-users-look", final, description="one epoch")
+    return RegisteredPair(store, version, remove_adapter(store, version.ref, REMOVED_ADAPTER))
+
+
 def edited_trial_elsewhere(directory: Path) -> dict[str, str]:
     """A working directory away from the project with its own copy of the digits trial, edited
     after the golden runs (its losses doubled: every weight would change), and the environment

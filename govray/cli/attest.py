@@ -10,20 +10,31 @@ import typer
 from govray.cli.common import console
 from govray.core.keys import load_trust
 from govray.provenance.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint, verify_attestation
+from govray.provenance.model_signature import is_model_signature, verify_model_signature
 from govray.provenance.recompute import check_attested_ledger
 
 
 def attest(
     checkpoint: Path = typer.Argument(..., help="A checkpoint directory of a govray run."),
+    model_signing: bool = typer.Option(
+        False,
+        "--model-signing",
+        help="Also sign the directory for OpenSSF model_signing (the platform's ECDSA key).",
+    ),
 ) -> None:
     """Verify the checkpoint, then write its provenance and coverage statements, signed by the
-    platform key, under STORAGE/attestations/RUN/."""
-    written = attest_checkpoint(checkpoint)
+    platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model
+    signature that ``model_signing verify key`` checks)."""
+    written = attest_checkpoint(checkpoint, model_signature=model_signing)
     console.print(f"provenance: {written.provenance}\ncoverage:   {written.coverage}", highlight=False)
+    if written.model_signature is not None:
+        console.print(f"model signature: {written.model_signature}", highlight=False)
 
 
 def verify(
-    envelope: Path = typer.Argument(..., help="An attestation envelope (DSSE JSON)."),
+    envelope: Path = typer.Argument(
+        ..., help="An attestation envelope (DSSE JSON) or an OpenSSF model signature (Sigstore bundle)."
+    ),
     model_dir: Path = typer.Option(..., "--model-dir", help="The directory holding the model files."),
     trust: Path = typer.Option(..., "--trust", help="Trust file listing the platform keys to accept."),
     policy: Path | None = typer.Option(
@@ -37,8 +48,17 @@ def verify(
     ),
 ) -> None:
     """Check the signature (trusted, unrevoked key), every subject digest against the files, and
-    optionally the policy and the ledger; exits non-zero naming what broke."""
+    optionally the policy and the ledger; exits non-zero naming what broke. A model signature is
+    checked by ``model_signing``'s own verifier: every file of the directory, none more."""
     trusted = load_trust(trust)
+    if is_model_signature(envelope):
+        if policy is not None or recompute:
+            raise typer.BadParameter(
+                "--policy and --recompute-ledger check attestations, not model signatures"
+            )
+        signed = verify_model_signature(envelope, model_dir, trusted)
+        console.print(f"verified: model_signing signature by {signed.signer}; {len(signed.files)} files")
+        return
     verified = verify_attestation(envelope, model_dir=model_dir, trust=trusted, policy=policy)
     subjects = ", ".join(subject["name"] for subject in verified.statement["subject"])
     console.print(f"verified: {verified.statement['predicateType']} signed by {verified.signer}; {subjects}")

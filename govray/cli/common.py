@@ -11,6 +11,7 @@ from rich.table import Table
 
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.core.identifiers import IdentifierError, parse_id
+from govray.core.keys import KeyType
 from govray.tracking.store import TrackingStore
 
 # Piped output (logs, CI) gets wide lines rather than folded ids and digests.
@@ -18,6 +19,11 @@ console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 ConfigArgument = typer.Argument(..., exists=False, help="Experiment file (YAML).")
 Database = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL.")
+KeyTypeOption = typer.Option(
+    KeyType.ED25519,
+    "--keytype",
+    help="ed25519 (policies, manifests, attestations) or ecdsa (P-256: OpenSSF model signatures).",
+)
 AllowUnsigned = typer.Option(
     False, "--allow-unsigned-policy", help="Run with an unsigned policy (recorded in the audit log)."
 )

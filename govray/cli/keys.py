@@ -1,6 +1,7 @@
 """``govray keys list | generate | rotate | revoke``: the two signing roles' keys in a trust file.
 
-Roles: ``policy-authority`` signs depth policies; ``platform`` signs checkpoints and attestations.
+Roles: ``policy-authority`` signs depth policies; ``platform`` signs checkpoints and attestations
+(Ed25519) and OpenSSF model signatures (ECDSA P-256, ``--keytype ecdsa``).
 Rotation adds a new key to the trust file (so signatures by the old key still verify) and, with
 ``--revoke-old``, revokes the old one at once: every signature by a revoked key is refused from
 then on, whenever it was made.
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import console, table
+from govray.cli.common import KeyTypeOption, console, table
 from govray.cli.policy import keygen
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key, save_trust
+from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, platform_key, save_trust
 
 app = typer.Typer(help="Signing keys of the two roles, rotation and revocation.", no_args_is_help=True)
 app.command("generate")(keygen)
@@ -47,12 +48,13 @@ def rotate(
         [], "--revoke-old", help="Key id(s) of the same role to revoke now."
     ),
     reason: str = typer.Option("rotated", "--reason", help="Why the old keys are revoked."),
+    keytype: KeyType = KeyTypeOption,
 ) -> None:
     """Generate a new key for ``role``, trust it, and optionally revoke old keys of that role."""
     config = load_trust(trust) if trust.exists() else TrustConfig()
     for keyid in revoke_old:
         _require_role(config, keyid, role)
-    key = SigningKey.generate(role)
+    key = SigningKey.generate(role, keytype)
     private, public = key.save(out)
     config.add(key.public_key)
     for keyid in revoke_old:
@@ -72,14 +74,29 @@ def trust_platform(
         None, "--from", help="Start a new trust file from this one (e.g. policies/trust.yaml)."
     ),
 ) -> None:
-    """Trust this machine's platform key (``$GOVRAY_HOME/keys/platform.key``), which signs its
-    checkpoints and attestations, so ``govray verify`` and ``govray serve --trust`` accept them."""
+    """Trust this machine's platform keys (``$GOVRAY_HOME/keys/platform.key``, which signs its
+    checkpoints and attestations, and ``platform-ecdsa.key``, which signs its OpenSSF model
+    signatures), so ``govray verify`` and ``govray serve --trust`` accept them."""
     source = trust if trust.exists() else base
     config = load_trust(source) if source is not None else TrustConfig()
-    key = platform_key()
-    config.add(key.public_key)
+    for keytype in KeyType:
+        key = platform_key(keytype=keytype)
+        config.add(key.public_key)
+        console.print(f"platform {keytype.value} key [bold]{key.keyid}[/] trusted in {trust}")
     save_trust(config, trust)
-    console.print(f"platform key [bold]{key.keyid}[/] trusted in {trust}")
+
+
+@app.command("pem")
+def pem(keyid: str = typer.Argument(..., help="Key id of an ecdsa key."), trust: Path = TrustFile) -> None:
+    """Print an ecdsa key of the trust file as PEM: what ``model_signing verify key --public_key``
+    reads."""
+    for key in load_trust(trust).keys:
+        if key.keyid == keyid:
+            if key.keytype != KeyType.ECDSA:
+                raise SignatureError(f"key {keyid} is {key.keytype.value}; model_signing reads ecdsa keys")
+            typer.echo(key.public, nl=False)
+            return
+    raise SignatureError(f"key {keyid} is not in the trust file")
 
 
 @app.command("revoke")

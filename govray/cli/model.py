@@ -13,6 +13,7 @@ from govray.cli.common import Database, console, table
 from govray.platform.registry import (
     RegisteredVersion,
     RegistryError,
+    model_signature_of,
     register,
     remove_adapter,
     resolve,
@@ -126,6 +127,7 @@ def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> d
         "removed_adapters": list(version.removed_adapters),
         "excluded_corpora": list(version.excluded_corpora),
         "attestations": attestation_ids,
+        "model_signature": str(model_signature_of(version)),
     }
 
 

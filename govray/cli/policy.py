@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
+from govray.cli.common import AllowUnsigned, ConfigArgument, KeyTypeOption, console, open_experiment, table
 from govray.core.dsse import read_envelope
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
+from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, save_trust
 from govray.governance.policy import load_verified_policy, sign_policy
 from govray.platform.preflight import check_policy
 
@@ -20,9 +20,10 @@ def keygen(
     out: Path = typer.Option(..., "--out", help="Path prefix: writes PREFIX.key and PREFIX.pub."),
     role: KeyRole = typer.Option(KeyRole.POLICY_AUTHORITY, "--role", help="Which role the key signs for."),
     trust: Path | None = typer.Option(None, "--trust", help="Add the public key to this trust file."),
+    keytype: KeyType = KeyTypeOption,
 ) -> None:
-    """Generate an Ed25519 key pair for a signing role."""
-    key = SigningKey.generate(role)
+    """Generate a key pair for a signing role (Ed25519; ECDSA P-256 for the platform's model signatures)."""
+    key = SigningKey.generate(role, keytype)
     private, public = key.save(out)
     console.print(
         f"{role.value} key [bold]{key.keyid}[/]\n  private: {private} (keep secret)\n  public:  {public}"

@@ -1,14 +1,20 @@
-"""Ed25519 keys for the two signing roles, and the trust file that says which keys count.
+"""Signing keys for the two roles, and the trust file that says which keys count.
 
 Roles: the **policy authority** signs depth policies; the **platform** signs checkpoint manifests
-and attestations. Key ids are the ones securesystemslib computes (sha256 of the canonical JSON of
-``{"keytype", "scheme", "keyval": {"public": hex}}``), so standard verifiers find them.
+and attestations. Those keys are Ed25519. The platform also holds one ECDSA key (NIST P-256),
+because the OpenSSF ``model_signing`` tool verifies elliptic-curve keys only: it signs the model
+signatures of registered versions (``govray.provenance.model_signature``).
+
+Key ids are the ones securesystemslib computes (sha256 of the canonical JSON of
+``{"keytype", "scheme", "keyval": {"public": ...}}``: hex for Ed25519, PEM for ECDSA), so standard
+verifiers find them.
 
 The trust file (YAML) lists trusted public keys per role; rotation is adding a key to the list,
-revocation is an entry in ``revoked``::
+revocation is an entry in ``revoked`` (for either key type)::
 
     keys:
       - {role: policy-authority, keytype: ed25519, scheme: ed25519, public: 9f2c…, keyid: 4a1b…}
+      - {role: platform, keytype: ecdsa, scheme: ecdsa-sha2-nistp256, public: "-----BEGIN…", keyid: …}
     revoked:
       - {keyid: 77de…, revoked_at: 2026-10-01T00:00:00Z, reason: laptop stolen}
 """
@@ -18,20 +24,22 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import yaml
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.canonical import canonical_text, sha256_hex
 from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import SignatureError, describe_validation_error
 
@@ -44,58 +52,98 @@ class KeyRole(StrEnum):
     PLATFORM = "platform"
 
 
-def compute_keyid(public_hex: str) -> str:
-    """The key id securesystemslib gives an Ed25519 key with this raw public key (hex)."""
-    return sha256_hex(
-        canonical_json({"keytype": KEYTYPE, "scheme": SCHEME, "keyval": {"public": public_hex}})
-    )
+class KeyType(StrEnum):
+    """``ed25519`` signs govray's DSSE envelopes; ``ecdsa`` (P-256) signs OpenSSF model signatures."""
+
+    ED25519 = "ed25519"
+    ECDSA = "ecdsa"
+
+
+SCHEMES = {KeyType.ED25519: SCHEME, KeyType.ECDSA: "ecdsa-sha2-nistp256"}
+PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+
+
+def compute_keyid(public: str, keytype: KeyType = KeyType.ED25519) -> str:
+    """The key id securesystemslib gives this public key (Ed25519: raw key in hex; ECDSA: PEM)."""
+    scheme = SCHEMES[keytype]
+    description = canonical_text({"keytype": keytype.value, "scheme": scheme, "keyval": {"public": public}})
+    # securesystemslib's (OLPC) canonical JSON escapes only '"' and '\\' in strings: a PEM's line
+    # breaks stay raw bytes there (a PEM holds no backslash, so this undoes exactly JSON's escapes).
+    return sha256_hex(description.replace("\\n", "\n").encode())
 
 
 class PublicKey(BaseModel):
-    """A public Ed25519 key as securesystemslib describes it, plus its role."""
+    """A public key as securesystemslib describes it, plus its role."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: KeyRole
-    keytype: str = KEYTYPE
+    keytype: KeyType = KeyType.ED25519
     scheme: str = SCHEME
-    public: str = Field(pattern=r"^[0-9a-f]{64}$")
+    public: str  # Ed25519: the raw key in hex; ECDSA: SubjectPublicKeyInfo PEM
     keyid: str = Field(pattern=r"^[0-9a-f]{64}$")
     added_at: dt.datetime | None = None
 
     @model_validator(mode="after")
     def _keyid_matches(self) -> PublicKey:
-        if self.keytype != KEYTYPE or self.scheme != SCHEME:
-            raise ValueError(f"only {KEYTYPE}/{SCHEME} keys are supported")
-        expected = compute_keyid(self.public)
+        if (scheme := SCHEMES[self.keytype]) != self.scheme:
+            raise ValueError(f"a {self.keytype.value} key's scheme is {scheme}, not {self.scheme}")
+        self._crypto_key()  # a malformed key is refused here, not at its first signature
+        expected = compute_keyid(self.public, self.keytype)
         if self.keyid != expected:
             raise ValueError(f"keyid {self.keyid} does not match the public key (expected {expected})")
         return self
 
     def sslib_dict(self) -> dict[str, Any]:
         """The key in securesystemslib's ``SSlibKey.from_dict`` format."""
-        return {"keytype": self.keytype, "scheme": self.scheme, "keyval": {"public": self.public}}
+        return {"keytype": self.keytype.value, "scheme": self.scheme, "keyval": {"public": self.public}}
 
     def verify(self, signature: bytes, data: bytes) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(self.public))
+        key = self._crypto_key()
         try:
-            key.verify(signature, data)
+            if isinstance(key, Ed25519PublicKey):
+                key.verify(signature, data)
+            else:
+                key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
         except InvalidSignature:
             return False
         return True
 
+    def _crypto_key(self) -> Ed25519PublicKey | ec.EllipticCurvePublicKey:
+        if self.keytype == KeyType.ED25519:
+            if not re.fullmatch(r"[0-9a-f]{64}", self.public):
+                raise ValueError("an ed25519 public key is 64 lowercase hex digits")
+            return Ed25519PublicKey.from_public_bytes(bytes.fromhex(self.public))
+        loaded = serialization.load_pem_public_key(self.public.encode())
+        if not isinstance(loaded, ec.EllipticCurvePublicKey) or loaded.curve.name != "secp256r1":
+            raise ValueError("an ecdsa public key is a NIST P-256 (secp256r1) key in PEM")
+        return loaded
+
+
+def _public_text(public: Ed25519PublicKey | ec.EllipticCurvePublicKey) -> str:
+    if isinstance(public, Ed25519PublicKey):
+        return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+    return public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode()
+
 
 class SigningKey:
-    """A private Ed25519 key of one role. Stored as PKCS#8 PEM (mode 0600) beside a ``.pub``."""
+    """A private key of one role: Ed25519, or (the platform's model-signing key) ECDSA P-256.
+    Stored as PKCS#8 PEM (mode 0600) beside a ``.pub`` (and, for ECDSA, a ``.pub.pem`` that
+    ``model_signing verify key --public_key`` reads)."""
 
-    def __init__(self, private: Ed25519PrivateKey, role: KeyRole) -> None:
+    def __init__(self, private: PrivateKey, role: KeyRole) -> None:
         self._private = private
         self.role = role
-        raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        keytype = KeyType.ED25519 if isinstance(private, Ed25519PrivateKey) else KeyType.ECDSA
+        public = _public_text(private.public_key())
         self.public_key = PublicKey(
             role=role,
-            public=raw.hex(),
-            keyid=compute_keyid(raw.hex()),
+            keytype=keytype,
+            scheme=SCHEMES[keytype],
+            public=public,
+            keyid=compute_keyid(public, keytype),
             added_at=dt.datetime.now(dt.UTC).replace(microsecond=0),
         )
 
@@ -104,16 +152,22 @@ class SigningKey:
         return self.public_key.keyid
 
     @classmethod
-    def generate(cls, role: KeyRole) -> SigningKey:
+    def generate(cls, role: KeyRole, keytype: KeyType = KeyType.ED25519) -> SigningKey:
+        if keytype == KeyType.ECDSA:
+            return cls(ec.generate_private_key(ec.SECP256R1()), role)
         return cls(Ed25519PrivateKey.generate(), role)
 
     def sign(self, data: bytes) -> bytes:
-        return self._private.sign(data)
+        if isinstance(self._private, Ed25519PrivateKey):
+            return self._private.sign(data)
+        return self._private.sign(data, ec.ECDSA(hashes.SHA256()))
 
     def save(self, prefix: Path) -> tuple[Path, Path]:
-        """Write ``PREFIX.key`` (private, 0600) and ``PREFIX.pub`` (public, YAML); refuse to overwrite."""
+        """Write ``PREFIX.key`` (private, 0600) and ``PREFIX.pub`` (public, YAML; an ECDSA key also
+        ``PREFIX.pub.pem``); refuse to overwrite."""
         private_path, public_path = prefix.with_suffix(".key"), prefix.with_suffix(".pub")
-        for path in (private_path, public_path):
+        pem_path = prefix.with_suffix(".pub.pem")
+        for path in (private_path, public_path, pem_path):
             if path.exists():
                 raise SignatureError(f"{path} exists; refusing to overwrite a key")
         prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +181,8 @@ class SigningKey:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(header + pem)
         public_path.write_text(yaml.safe_dump(self.public_key.model_dump(mode="json"), sort_keys=True))
+        if self.public_key.keytype == KeyType.ECDSA:
+            pem_path.write_text(self.public_key.public)
         return private_path, public_path
 
     @classmethod
@@ -142,8 +198,10 @@ class SigningKey:
             private = serialization.load_pem_private_key(pem, password=None)
         except ValueError as error:
             raise SignatureError(f"{path} is not a PEM private key: {error}") from None
+        if isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp256r1":
+            return cls(private, role)
         if not isinstance(private, Ed25519PrivateKey):
-            raise SignatureError(f"{path} is not an Ed25519 key")
+            raise SignatureError(f"{path} is neither an Ed25519 nor an ECDSA P-256 key")
         return cls(private, role)
 
 
@@ -220,24 +278,28 @@ def govray_home() -> Path:
     return Path(os.environ.get("GOVRAY_HOME", "~/.govray")).expanduser()
 
 
-def platform_key_path(home: Path | None = None) -> Path:
-    """``HOME/keys/platform.key``: where the platform's private key lives on every node."""
-    return (home or govray_home()) / "keys" / "platform.key"
+def platform_key_path(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -> Path:
+    """``HOME/keys/platform.key`` (Ed25519) or ``HOME/keys/platform-ecdsa.key`` (the model-signing
+    key): where the platform's private keys live on every node."""
+    name = "platform.key" if keytype == KeyType.ED25519 else "platform-ecdsa.key"
+    return (home or govray_home()) / "keys" / name
 
 
-def platform_key(home: Path | None = None) -> SigningKey:
-    """The platform's signing key, created on first use at :func:`platform_key_path`.
+def platform_key(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -> SigningKey:
+    """The platform's signing key of ``keytype``, created on first use at :func:`platform_key_path`.
 
     On a cluster, provision the same file on every node (it signs checkpoints on rank 0).
     """
-    private = platform_key_path(home)
+    private = platform_key_path(home, keytype)
     prefix = private.with_suffix("")
     if not private.exists():
         with contextlib.suppress(SignatureError):  # another process created it first
-            SigningKey.generate(KeyRole.PLATFORM).save(prefix)
+            SigningKey.generate(KeyRole.PLATFORM, keytype).save(prefix)
     key = SigningKey.load(private)
     if key.role != KeyRole.PLATFORM:
         raise SignatureError(f"{private} is a {key.role.value} key, not the platform key")
+    if key.public_key.keytype != keytype:
+        raise SignatureError(f"{private} is a {key.public_key.keytype.value} key, not {keytype.value}")
     return key
 
 

@@ -13,7 +13,9 @@ registered checkpoint). Removing an adapter writes a sealed directory
 removed adapter's tensors, the run spec it came from, a manifest signed by the platform key — so
 the new version verifies, attests and can be fine-tuned from like any checkpoint. Its
 attestations go to ``STORAGE/attestations/models/NAME/VERSION.{provenance,coverage}.dsse.json``
-and into the tracking store. Every change is an audit event (``registry.changed``).
+and into the tracking store. Every version also gets an OpenSSF model signature of its directory
+(:func:`model_signature_of`), which ``model_signing verify key`` checks. Every change is an audit
+event (``registry.changed``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from govray.provenance.attest import (
     Attestation,
     Derivation,
     attest_checkpoint,
+    attestation_prefix,
     run_spec_of,
+    signature_path,
     statement_type,
 )
 from govray.tracking.audit import AuditEventType, AuditLog
@@ -141,7 +145,7 @@ def register(
     description = check(Description, description, "description", RegistryError)
     checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
-    written = attest_checkpoint(checkpoint, key)  # verifies it; refuses a tampered one
+    written = attest_checkpoint(checkpoint, key, model_signature=True)  # verifies it; refuses a tampered one
     version = _add_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
     _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
@@ -219,7 +223,8 @@ def remove_adapter(
         directory,
         key,
         derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
-        destination=storage / "attestations" / "models" / source.model / str(number),
+        destination=_derived_prefix(storage, source.model, number),
+        model_signature=True,
     )
     version = _add_version(
         store,
@@ -258,6 +263,18 @@ def provenance_record(store: TrackingStore, version: RegisteredVersion) -> Attes
         if statement_type(record.envelope_json) == PROVENANCE_TYPE:
             return record
     raise RegistryError(f"{version.ref} has no provenance attestation in the tracking store")
+
+
+def model_signature_of(version: RegisteredVersion) -> Path:
+    """The OpenSSF model signature of the version's directory (``model_signing verify key
+    --signature THIS --public_key platform-ecdsa.pub.pem DIRECTORY``)."""
+    if version.record.path is not None:  # a derived version's own sealed directory
+        return signature_path(_derived_prefix(_storage_of(version), version.model, version.version))
+    return signature_path(attestation_prefix(version.directory, run_spec_of(version.directory)))
+
+
+def _derived_prefix(storage: Path, model: str, number: int) -> Path:
+    return storage / "attestations" / "models" / model / str(number)
 
 
 def envelope_sha256(record: AttestationRecord) -> str:

@@ -24,6 +24,9 @@ Envelopes are written to ``STORAGE/attestations/RUN/CHECKPOINT.{provenance,cover
     verified = verify_attestation(written.provenance, model_dir=checkpoint_dir, trust=trust)
     verified.statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
 
+On request (every registered version asks) the checkpoint directory also gets an OpenSSF model
+signature, ``CHECKPOINT.model-signing.sig`` beside the envelopes (``govray.provenance.model_signature``).
+
 ``verify_attestation`` checks the signature (a trusted, unrevoked platform key), the statement's
 form, and every subject's digest against the files in ``model_dir`` — a missing, changed or
 unlisted model file is refused by name. securesystemslib's DSSE verifies the same envelopes.
@@ -42,9 +45,10 @@ from pydantic import ValidationError
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.core.errors import GovrayError, SignatureError
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust
+from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label
+from govray.provenance.model_signature import SIGNATURE_SUFFIX, sign_model
 from govray.tracking.lineage import checkpoints, record_attestation
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import (
@@ -83,6 +87,7 @@ class Attestation:
     provenance: Path
     coverage: Path
     subjects: dict[str, str]  # model file name → sha256
+    model_signature: Path | None = None  # the OpenSSF model signature, when asked for
 
 
 @dataclass(frozen=True)
@@ -135,11 +140,14 @@ def attest_checkpoint(
     *,
     derivation: Derivation | None = None,
     destination: Path | None = None,
+    model_signature: bool = False,
 ) -> Attestation:
     """Verify ``checkpoint`` (a tampered one is refused), build both statements and write them
     signed by the platform key; returns the envelope paths. They go to
     ``STORAGE/attestations/RUN/CHECKPOINT.KIND.dsse.json`` unless ``destination`` (a path prefix)
-    is given; ``derivation`` attests a model version made by removing adapters."""
+    is given; ``derivation`` attests a model version made by removing adapters;
+    ``model_signature`` also signs the directory for ``model_signing`` (the platform's ECDSA key)
+    into ``DESTINATION.model-signing.sig``."""
     key = key if key is not None else platform_key()
     spec = run_spec_of(checkpoint)
     try:
@@ -155,7 +163,7 @@ def attest_checkpoint(
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
     }
     if destination is None:
-        destination = _beside(checkpoint, spec)
+        destination = attestation_prefix(checkpoint, spec)
     destination.parent.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind, statement in statements.items():
@@ -163,7 +171,17 @@ def attest_checkpoint(
         path = destination.with_name(f"{destination.name}.{kind}.dsse.json")
         path.write_text(envelope.to_json())
         paths[kind] = path
-    return Attestation(**paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects})
+    signature = None
+    if model_signature:
+        signature = sign_model(checkpoint, signature_path(destination), platform_key(keytype=KeyType.ECDSA))
+    return Attestation(
+        **paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects}, model_signature=signature
+    )
+
+
+def signature_path(destination: Path) -> Path:
+    """Where the OpenSSF model signature of the attestations at ``destination`` goes."""
+    return destination.with_name(f"{destination.name}.{SIGNATURE_SUFFIX}")
 
 
 def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None = None) -> Attestation | None:
@@ -357,9 +375,9 @@ def verify_attestation(
     return VerifiedAttestation(statement=statement, signer=signer)
 
 
-def _beside(checkpoint: Path, spec: RunSpec) -> Path:
+def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:
     """``STORAGE/attestations/RUN/CHECKPOINT``, for a run's own checkpoints and for the copies Ray
-    Tune keeps elsewhere of a search trial's."""
+    Tune keeps elsewhere of a search trial's: the prefix of its attestations' file names."""
     if spec.run_dir and spec.run_name:
         return Path(spec.run_dir).parent.parent / "attestations" / spec.run_name / checkpoint.name
     run = checkpoint.resolve().parent

@@ -1,0 +1,127 @@
+"""OpenSSF model signatures: what the ``model_signing`` tool (the ``model-signing`` package, v1.x)
+verifies, made and checked with that package's own signer and verifier.
+
+A signature is a Sigstore bundle holding a DSSE envelope over an in-toto statement of predicate
+type ``https://model_signing/signature/v1.0`` that lists every file of the model directory by
+sha256. ``model_signing`` verifies elliptic-curve keys only, so it is signed with the platform's
+ECDSA P-256 key (``KeyType.ECDSA``), trusted, rotated and revoked in the trust file under the
+platform role like the Ed25519 keys. Anyone verifies it without govray::
+
+    model_signing verify key --signature SIG --public_key platform-ecdsa.pub.pem MODEL_DIR
+
+``verify_model_signature`` does the same and also asks the trust file: the key must be trusted
+for the platform role and not revoked.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import model_signing
+from cryptography.hazmat.primitives import serialization
+
+from govray.core.errors import GovrayError, SignatureError
+from govray.core.keys import KeyRole, KeyType, PublicKey, SigningKey, TrustConfig
+
+PREDICATE_TYPE = "https://model_signing/signature/v1.0"
+BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle"  # followed by .v0.3+json (any version)
+SIGNATURE_SUFFIX = "model-signing.sig"
+
+
+class ModelSignatureError(GovrayError):
+    """A model signature cannot be made, or does not verify (the message says what broke)."""
+
+    exit_code = 16
+
+
+@dataclass(frozen=True)
+class VerifiedModelSignature:
+    signer: str  # the key id (securesystemslib's) of the trusted platform ECDSA key
+    files: tuple[str, ...]  # every signed file, relative to the model directory
+
+
+def sign_model(directory: Path, signature: Path, key: SigningKey) -> Path:
+    """Sign every file of ``directory`` with ``key`` (an ECDSA P-256 platform key) into
+    ``signature`` (outside the directory: a checkpoint's signed manifest admits no extra file)."""
+    if key.public_key.keytype != KeyType.ECDSA or key.role != KeyRole.PLATFORM:
+        raise ModelSignatureError(
+            f"key {key.keyid} is a {key.role.value} {key.public_key.keytype.value} key; model signatures "
+            "take the platform's ecdsa key (model_signing verifies elliptic-curve keys only)"
+        )
+    signature.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:  # mode 0700: the PEM never lies readable
+        private = Path(scratch) / "platform-ecdsa.key"
+        key.save(private.with_suffix(""))
+        model_signing.signing.Config().use_elliptic_key_signer(private_key=private).sign(directory, signature)
+    return signature
+
+
+def verify_model_signature(signature: Path, model_dir: Path, trust: TrustConfig) -> VerifiedModelSignature:
+    """Check ``signature`` with ``model_signing``'s verifier against ``model_dir`` (any changed,
+    added or removed file is refused) under a trusted, unrevoked platform ECDSA key."""
+    bundle = read_bundle(signature)
+    key = _signing_key(bundle, trust, signature)
+    with tempfile.TemporaryDirectory() as scratch:
+        public = Path(scratch) / "platform.pub.pem"
+        public.write_text(key.public)
+        try:
+            model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).verify(
+                model_dir, signature
+            )
+        except (ValueError, OSError) as error:
+            raise ModelSignatureError(f"model signature {signature} refuses {model_dir}: {error}") from None
+    return VerifiedModelSignature(signer=key.keyid, files=signed_files(bundle))
+
+
+def is_model_signature(path: Path) -> bool:
+    """Whether ``path`` holds a Sigstore bundle (what ``model_signing`` writes), not a DSSE envelope."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(document, dict) and str(document.get("mediaType", "")).startswith(BUNDLE_MEDIA_TYPE)
+
+
+def read_bundle(path: Path) -> dict[str, Any]:
+    """The bundle as JSON, read WITHOUT verifying it (``verify_model_signature`` verifies)."""
+    try:
+        document = json.loads(path.read_text())
+    except OSError as error:
+        raise ModelSignatureError(f"cannot read {path}: {error.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelSignatureError(f"{path}: not a JSON Sigstore bundle: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("dsseEnvelope"), dict):
+        raise ModelSignatureError(f"{path}: not a Sigstore bundle with a DSSE envelope")
+    return document
+
+
+def signed_files(bundle: dict[str, Any]) -> tuple[str, ...]:
+    """The file names the bundle's statement lists (read from the payload, not verified)."""
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    return tuple(resource["name"] for resource in statement["predicate"]["resources"])
+
+
+def key_hint(key: PublicKey) -> str:
+    """What ``model_signing`` records to name its key: sha256 of the SubjectPublicKeyInfo PEM."""
+    loaded = serialization.load_pem_public_key(key.public.encode())
+    pem = loaded.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(pem).hexdigest()
+
+
+def _signing_key(bundle: dict[str, Any], trust: TrustConfig, path: Path) -> PublicKey:
+    hint = bundle.get("verificationMaterial", {}).get("publicKey", {}).get("hint", "")
+    for candidate in trust.keys:
+        if candidate.keytype == KeyType.ECDSA and key_hint(candidate) == hint:
+            try:
+                return trust.trusted_key(candidate.keyid, KeyRole.PLATFORM)
+            except SignatureError as error:
+                raise ModelSignatureError(f"model signature {path}: {error}") from None
+    raise ModelSignatureError(
+        f"model signature {path}: its key (hint {hint or 'none'}) is no ecdsa key in the trust file"
+    )
