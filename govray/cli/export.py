@@ -1,8 +1,10 @@
 """``govray export eu-summary MODEL[:VERSION]``: the EU AI Act training-content summary.
+``govray export bom MODEL[:VERSION] --format cyclonedx``: a CycloneDX 1.6 ML-BOM.
 ``govray export peft-adapter MODEL[:VERSION] --adapter NAME --out DIR``: an adapter in PEFT's layout."""
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import typer
 from govray.core.errors import GovrayError
 from govray.core.keys import load_trust
 from govray.platform.peft_export import export_peft_adapter
-from govray.platform.registry import resolve
+from govray.platform.registry import RegisteredVersion, envelope_sha256, provenance_record, resolve
+from govray.provenance.attest import statement_of
+from govray.provenance.bom import cyclonedx_bom
 from govray.provenance.eu_summary import EuSummary, Period, eu_summary
 from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
@@ -22,6 +26,10 @@ app = typer.Typer(help="Export documents for reviewers and regulators.", no_args
 class Format(StrEnum):
     MD = "md"
     JSON = "json"
+
+
+class BomFormat(StrEnum):
+    CYCLONEDX = "cyclonedx"
 
 
 @app.command("eu-summary")
@@ -49,15 +57,7 @@ def eu_summary_command(
             raise GovrayError(
                 "a registered model needs the tracking store: --database URL or GOVRAY_DATABASE"
             )
-        version = resolve(store, model)
-        summary = eu_summary(
-            version.directory,
-            model=version.model,
-            version=str(version.version),
-            excluded_corpora=version.excluded_corpora,
-            trial=store.get_trial(version.checkpoint.trial_id),
-            provider=provider,
-        )
+        summary = version_summary(store, resolve(store, model), provider)
     else:
         assert checkpoint is not None
         summary = eu_summary(
@@ -68,6 +68,43 @@ def eu_summary_command(
             provider=provider,
         )
     typer.echo(summary.model_dump_json(indent=2) if output == Format.JSON else to_markdown(summary))
+
+
+@app.command("bom")
+def bom_command(
+    model: str = typer.Argument(
+        ..., metavar="MODEL[:VERSION]", help="A registered model (its latest version without :VERSION)."
+    ),
+    output: BomFormat = typer.Option(BomFormat.CYCLONEDX, "--format", help="cyclonedx (CycloneDX 1.6 JSON)."),
+    database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+) -> None:
+    """An ML-BOM of a model version: the model (every file's sha256, policy, adapters, removed
+    adapters), each corpus as a data component (credential, fingerprint, examples that reached the
+    model), dependencies from its provenance attestation. Exits 17 for an unknown model or version."""
+    store = TrackingStore.open(database)
+    version = resolve(store, model)
+    record = provenance_record(store, version)
+    document = cyclonedx_bom(
+        version.directory,
+        version_summary(store, version),
+        statement_of(record.envelope_json),
+        model_uri=version.uri,
+        removed_adapters=version.removed_adapters,
+        attestation_sha256=envelope_sha256(record),
+    )
+    typer.echo(json.dumps(document, indent=2))
+
+
+def version_summary(store: TrackingStore, version: RegisteredVersion, provider: str = "") -> EuSummary:
+    """The training-content summary of a registered version."""
+    return eu_summary(
+        version.directory,
+        model=version.model,
+        version=str(version.version),
+        excluded_corpora=version.excluded_corpora,
+        trial=store.get_trial(version.checkpoint.trial_id),
+        provider=provider,
+    )
 
 
 @app.command("peft-adapter")
