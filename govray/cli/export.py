@@ -14,9 +14,9 @@ from govray.core.errors import GovrayError
 from govray.core.keys import load_trust
 from govray.platform.peft_export import export_peft_adapter
 from govray.platform.registry import RegisteredVersion, envelope_sha256, provenance_record, resolve
-from govray.provenance.attest import statement_of
 from govray.provenance.bom import cyclonedx_bom
 from govray.provenance.eu_summary import EuSummary, Period, eu_summary
+from govray.queries.ledger import statement_of
 from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
 

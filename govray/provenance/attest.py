@@ -388,24 +388,12 @@ def statement_type(envelope_json: str) -> str | None:
     """The predicate type an envelope claims, read WITHOUT verifying it (to sort envelopes; trust
     only what ``verify_attestation`` returns)."""
     try:
-        statement = statement_of(envelope_json)
-    except AttestationError:
-        return None
-    kind = statement.get("predicateType")
-    return kind if isinstance(kind, str) else None
-
-
-def statement_of(envelope_json: str) -> dict[str, Any]:
-    """The statement an envelope the tracking store kept carries, read WITHOUT verifying it (the
-    store's own copy; a reader outside verifies the envelope with ``verify_attestation``)."""
-    try:
         envelope = Envelope.model_validate_json(envelope_json)
         statement = json.loads(envelope.payload_bytes())
-    except (ValueError, SignatureError) as error:
-        raise AttestationError(f"not an attestation envelope: {error}") from None
-    if not isinstance(statement, dict):
-        raise AttestationError("the envelope's payload is not an in-toto statement")
-    return statement
+    except (ValueError, SignatureError):
+        return None
+    kind = statement.get("predicateType") if isinstance(statement, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _start_dependencies(source: dict[str, Any]) -> list[dict[str, Any]]:
