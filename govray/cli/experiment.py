@@ -1,4 +1,4 @@
-"""``govray experiment list | describe | set gc-policy`` (``govray experiments`` is the same)."""
+"""``govray experiment list | describe | set gc-policy | mlflow-sync`` (``govray experiments``: the same)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from govray.cli import lifecycle
 from govray.cli.common import Database, console, table
 from govray.cli.describe import ExperimentDescription, TrialDescription, describe_experiment
 from govray.config.experiment import load_experiment
-from govray.core.errors import ConfigError
+from govray.core.errors import ConfigError, GovrayError
 from govray.platform.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
+from govray.platform.mlflow_mirror import sync_experiment
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
@@ -93,6 +94,22 @@ def describe(
     console.print(trials if description.trials else "trials: none", highlight=False)
     for trial in description.trials:
         _print_trial_records(trial)
+
+
+@app.command("mlflow-sync")
+def mlflow_sync(experiment: str = ExperimentArgument, database: str = Database) -> None:
+    """Copy to the experiment's MLflow server (``tracking.mlflow``) what it lacks: trials, metrics,
+    states, registered versions. Runs and registrations do this themselves; this catches up after
+    an outage at once."""
+    store = TrackingStore.open(database)
+    found = store.get_experiment(experiment)
+    assert found.id is not None
+    synced = sync_experiment(store, found.id)
+    if synced is None:
+        raise GovrayError(f"experiment {found.id} '{found.name}' names no MLflow server (tracking.mlflow)")
+    if not synced:
+        raise GovrayError(f"experiment {found.id} '{found.name}': the MLflow server did not take the mirror")
+    console.print(f"experiment {found.id} '{found.name}' mirrored to MLflow", highlight=False)
 
 
 @settings.command("gc-policy")

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
+from govray.platform.mlflow_mirror import sync_experiment
 from govray.platform.registry import (
     RegisteredVersion,
     RegistryError,
@@ -40,10 +41,10 @@ def register_command(
     tags: list[str] = Tags,
 ) -> None:
     """Verify and attest CHECKPOINT, then register it as NAME's next version."""
-    version = register(
-        TrackingStore.open(database), name, checkpoint, description=description, tags=_pairs(tags)
-    )
+    store = TrackingStore.open(database)
+    version = register(store, name, checkpoint, description=description, tags=_pairs(tags))
     console.print(f"registered {version.ref} ← {version.directory}", highlight=False)
+    _mirror(store, version)
 
 
 @app.command("list")
@@ -102,9 +103,11 @@ def remove_adapter_command(
     database: str = Database,
 ) -> None:
     """Make a new version without ADAPTER, attested with the corpora that leaves out."""
-    version = remove_adapter(TrackingStore.open(database), ref, adapter)
+    store = TrackingStore.open(database)
+    version = remove_adapter(store, ref, adapter)
     excluded = ", ".join(version.excluded_corpora) or "none"
     console.print(f"{version.ref}: {version.directory} (excluded corpora: {excluded})", highlight=False)
+    _mirror(store, version)
 
 
 def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> dict[str, Any]:
@@ -129,6 +132,11 @@ def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> d
         "attestations": attestation_ids,
         "model_signature": str(model_signature_of(version)),
     }
+
+
+def _mirror(store: TrackingStore, version: RegisteredVersion) -> None:
+    """Mirror the version's experiment to MLflow when it names a server (a failure only warns)."""
+    sync_experiment(store, store.get_trial(version.checkpoint.trial_id).experiment_id)
 
 
 def _pairs(items: list[str]) -> dict[str, str]:

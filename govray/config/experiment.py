@@ -318,10 +318,37 @@ class Resources(BaseModel):
         return dumped
 
 
+class MlflowConfig(BaseModel):
+    """An MLflow tracking server that mirrors the experiment (``govray.platform.mlflow_mirror``)."""
+
+    model_config = _STRICT
+
+    uri: str  # http(s)://HOST:PORT of an `mlflow server`
+    experiment_prefix: str = "govray/"  # MLflow experiment = prefix + govray experiment name
+
+    @field_validator("uri")
+    @classmethod
+    def _http(cls, uri: str) -> str:
+        if not uri.startswith(("http://", "https://")):
+            raise ValueError(
+                "tracking.mlflow.uri is an MLflow tracking server: http://HOST:PORT or https://..."
+            )
+        return uri.rstrip("/")
+
+
 class TrackingConfig(BaseModel):
     model_config = _STRICT
 
     database: str | None = None  # default: sqlite:///<storage_path>/govray.db
+    mlflow: MlflowConfig | None = None  # optional mirror; govray's store stays the record
+
+    @model_serializer(mode="wrap")
+    def _without_absent_mirror(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Without a mirror, an experiment written before the mirror existed keeps its bytes and digest.
+        dumped: dict[str, Any] = handler(self)
+        if self.mlflow is None:
+            dumped.pop("mlflow", None)
+        return dumped
 
     @field_validator("database")
     @classmethod

@@ -41,6 +41,7 @@ from govray.data.packing import pack_shards
 from govray.data.schedule import SCHEDULE_VERSION, ScheduleSpec, derive_seed
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
+from govray.platform.mlflow_mirror import mirrored
 from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.provenance.attest import attest_trial_end
@@ -468,11 +469,27 @@ def _train(
     spec: RunSpec,
     progress: Progress | None,
 ) -> TrialOutcome:
-    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run).
+    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run), mirrored
+    to MLflow from this driver when the experiment names a server (``tracking.mlflow``).
 
     The driver owns the lifecycle: trial and experiment go ``active``, then ``completed``,
     ``paused`` or ``killed`` (on a request) or ``errored``.
     """
+    assert experiment.id is not None
+    with mirrored(store, config.tracking.mlflow, experiment.id):
+        return _fit_and_record(config, checked, experiment, store, trial_id, run_name, spec, progress)
+
+
+def _fit_and_record(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    store: TrackingStore,
+    trial_id: int,
+    run_name: str,
+    spec: RunSpec,
+    progress: Progress | None,
+) -> TrialOutcome:
     assert experiment.id is not None
     max_steps = spec.max_steps
     gc = GcSettings(

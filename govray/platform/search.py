@@ -39,6 +39,7 @@ from govray.core.errors import ConfigError, GovrayError
 from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.core.storage import open_storage
 from govray.data.schedule import SCHEDULE_VERSION
+from govray.platform.mlflow_mirror import mirrored
 from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.platform.runner import governed_trainer, last_step, new_run_spec
@@ -418,7 +419,8 @@ def run_search(
                     verbose=0,
                 ),
             )
-        results = tuner.fit()
+        with mirrored(store, config.tracking.mlflow, experiment.id):
+            results = tuner.fit()
         tracking.collect_garbage()  # every trial is done: nothing can be cloned any more
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
