@@ -239,7 +239,8 @@ def run_trial(
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
     open_storage(config.storage_path).upload(spec_path)
-    return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
+    with mirrored(store, config.tracking.mlflow, experiment.id):
+        return _train(config, checked, experiment, store, trial_id, run_name, spec, progress)
 
 
 def packed_store(
@@ -456,7 +457,8 @@ def resume_trial(
             f"{checked.policy.digest[:16]}…: resume refused"
         )
     spec = on_recorded_code(spec, code_directory(config, recorded_trial_code(config, trial)))
-    return _train(config, checked, experiment, store, trial.id, trial.ray_run_name, spec, progress)
+    with mirrored(store, config.tracking.mlflow, trial.experiment_id):
+        return _train(config, checked, experiment, store, trial.id, trial.ray_run_name, spec, progress)
 
 
 def _train(
@@ -469,27 +471,12 @@ def _train(
     spec: RunSpec,
     progress: Progress | None,
 ) -> TrialOutcome:
-    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run), mirrored
-    to MLflow from this driver when the experiment names a server (``tracking.mlflow``).
+    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run).
 
     The driver owns the lifecycle: trial and experiment go ``active``, then ``completed``,
-    ``paused`` or ``killed`` (on a request) or ``errored``.
+    ``paused`` or ``killed`` (on a request) or ``errored``. Callers mirror it to MLflow
+    (``mirrored``) when the experiment names a server.
     """
-    assert experiment.id is not None
-    with mirrored(store, config.tracking.mlflow, experiment.id):
-        return _fit_and_record(config, checked, experiment, store, trial_id, run_name, spec, progress)
-
-
-def _fit_and_record(
-    config: ExperimentConfig,
-    checked: CheckedPolicy,
-    experiment: Experiment,
-    store: TrackingStore,
-    trial_id: int,
-    run_name: str,
-    spec: RunSpec,
-    progress: Progress | None,
-) -> TrialOutcome:
     assert experiment.id is not None
     max_steps = spec.max_steps
     gc = GcSettings(
