@@ -25,17 +25,17 @@ TrustFile = typer.Option(..., "--trust", help="The trust file (YAML) to read and
 
 @app.command("list")
 def list_keys(trust: Path = TrustFile) -> None:
-    """Every key in the trust file: role, key id, when it was added, and revocation."""
+    """Every key in the trust file: role, type, key id, when it was added, and revocation."""
     config = load_trust(trust)
     revoked = {entry.keyid: entry for entry in config.revoked}
-    listing = table("role", "key id", "added", "status")
+    listing = table("role", "type", "key id", "added", "status")
     for key in config.keys:
         entry = revoked.get(key.keyid)
         status = (
             "trusted" if entry is None else f"revoked {entry.revoked_at.isoformat()} {entry.reason}".strip()
         )
         added = key.added_at.isoformat() if key.added_at else "-"
-        listing.add_row(key.role.value, key.keyid, added, status)
+        listing.add_row(key.role.value, key.keytype.value, key.keyid, added, status)
     console.print(listing)
 
 
