@@ -74,7 +74,7 @@ def verify_model_signature(signature: Path, model_dir: Path, trust: TrustConfig)
             model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).verify(
                 model_dir, signature
             )
-        except (ValueError, OSError) as error:
+        except Exception as error:  # model_signing refuses with ValueError, protobuf and I/O errors alike
             raise ModelSignatureError(f"model signature {signature} refuses {model_dir}: {error}") from None
     return VerifiedModelSignature(signer=key.keyid, files=signed_files(bundle))
 
