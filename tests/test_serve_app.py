@@ -226,6 +226,7 @@ def test_row_lookup_answers_from_the_schedule(served: Served) -> None:
     assert reach["corpus_id"] == PII and reach["row"] == 0
     mine = [trial for trial in reach["trials"] if trial["trial_id"] == served.trial_id]
     assert mine and all(t.startswith("adapter/pii-lora/") for trial in mine for t in trial["tensors"])
+    assert [(t["running"], t["as_of"]) for t in mine] == [(False, "as of step 30 (completed)")]
     response = served.call("GET", f"/api/corpora/{PII}/rows/100000000")
     assert response.status_code == 404 and "no row 100000000" in detail(response)
 

@@ -45,6 +45,7 @@ from govray.queries.views import (
     Window,
     page,
 )
+from govray.tracking.lineage import as_of
 from govray.tracking.tables import (
     LIVE_TRIAL_STATES,
     AttestationRecord,
@@ -290,11 +291,6 @@ def _not_stored(checkpoint: CheckpointRecord) -> NotFoundError:
         "(`govray experiment backfill-ledgers` stores it)",
         checkpoint_id=checkpoint.id or 0,
     )
-
-
-def as_of(step: int, trial_state: str) -> str:
-    """``as of step N (running)``: what an answer about a trial's weights reflects."""
-    return f"as of step {step} ({'running' if trial_state in LIVE_TRIAL_STATES else trial_state})"
 
 
 def latest_checkpoint(session: Session, trial_id: int) -> CheckpointRecord:

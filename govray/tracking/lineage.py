@@ -24,6 +24,7 @@ from govray.core.errors import TrackingError
 from govray.core.identifiers import MAX_ID
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
+    LIVE_TRIAL_STATES,
     AttestationRecord,
     CheckpointRecord,
     CheckpointStatus,
@@ -95,6 +96,11 @@ def checkpoint_ledger_rows(store: TrackingStore, checkpoint_id: int) -> list[Led
 
 def _ordered(session: Session, query: Any) -> list[LedgerRow]:
     return list(session.exec(query.order_by(col(LedgerRow.corpus_id), col(LedgerRow.parameter))))
+
+
+def as_of(step: int, trial_state: str) -> str:
+    """``as of step N (running)``: what an answer about a trial's weights reflects."""
+    return f"as of step {step} ({'running' if trial_state in LIVE_TRIAL_STATES else trial_state})"
 
 
 def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int) -> CheckpointRecord:
