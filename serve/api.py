@@ -156,7 +156,9 @@ async def version_lineage(
     request: Request, name: Name, version: VersionNumber, layer: Layer = None
 ) -> Response:
     return await answer(
-        request, lambda reader: reader.version_lineage(name, version, layer), changes.lineage_reads
+        request,
+        lambda reader: loading_ledgers(request, lambda: reader.version_lineage(name, version, layer)),
+        changes.lineage_reads,
     )
 
 
