@@ -73,6 +73,9 @@ class TrialState(StrEnum):
 
 
 TERMINAL_TRIAL_STATES = frozenset({TrialState.COMPLETED, TrialState.ERRORED, TrialState.KILLED})
+# A pending trial may be about to resume from its latest checkpoint, a running or paused one surely
+# will: its ledger and checkpoints may still grow.
+LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value, TrialState.PAUSED.value})
 TERMINAL_EXPERIMENT_STATES = frozenset(
     {ExperimentState.COMPLETED, ExperimentState.ERRORED, ExperimentState.KILLED}
 )
