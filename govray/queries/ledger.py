@@ -128,7 +128,8 @@ def _aggregates() -> tuple[ColumnElement[Any], ...]:
 
 class LayerNames:
     """Layer names by tensor, read from the signed coverage attestation of a checkpoint (the store
-    keeps only layer indexes). Envelopes never change, so each is parsed once."""
+    keeps only layer indexes), or of another checkpoint of its trial (one model, one naming) when
+    it has none of its own. Envelopes never change, so each is parsed once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the app answers from several threads
@@ -143,12 +144,28 @@ class LayerNames:
                 return known
         names = self._read(session, checkpoint_id)
         if names is None:
-            return {}  # not attested (yet): layers are named by index
+            attested = self._attested_sibling(session, checkpoint_id)
+            # not attested (yet), nor any checkpoint of its trial: layers are named by index
+            return self.of(session, attested) if attested is not None else {}
         with self._lock:
             self._by_checkpoint[checkpoint_id] = names
             if len(self._by_checkpoint) > NAME_CACHE_SIZE:
                 self._by_checkpoint.popitem(last=False)
         return names
+
+    @staticmethod
+    def _attested_sibling(session: Session, checkpoint_id: int) -> int | None:
+        """The newest checkpoint of the same trial with an attestation stored about it."""
+        trial = select(CheckpointRecord.trial_id).where(CheckpointRecord.id == checkpoint_id)
+        siblings = select(CheckpointRecord.id).where(col(CheckpointRecord.trial_id).in_(trial))
+        query = (
+            select(AttestationRecord.checkpoint_id)
+            .where(col(AttestationRecord.checkpoint_id).in_(siblings))
+            .order_by(col(AttestationRecord.id).desc())
+            .limit(1)
+        )
+        found = session.exec(query).first()
+        return found if found != checkpoint_id else None
 
     @staticmethod
     def _read(session: Session, checkpoint_id: int) -> dict[str, str] | None:
