@@ -8,7 +8,8 @@ states that answers show):
 - ``trial N``: the trial's state, its checkpoints (recorded, deleted by GC) and its ledger rows —
   not its metrics, so a report that only records metrics leaves its lineage cached;
 - ``checkpoint N``: the attestations stored about it (they name its layers);
-- ``corpus C``: its ledger rows in every trial and its ingests;
+- ``corpus C``: its ledger rows in every trial (a new row, or any checkpoint deleted by GC) and its
+  ingests;
 - ``experiment N``: its trials and their states;
 - ``versions``: every model version (registering one changes which versions an answer lists);
 - ``anything``: an answer whose reads are not tracked: any commit makes it stale.
@@ -112,9 +113,14 @@ def stamps(session: Session, topics: Iterable[Topic]) -> dict[Topic, Any]:
 
 
 def _trials(session: Session, ids: list[int]) -> dict[int, Any]:
-    states = dict(
-        session.exec(select(TrialRecord.id, TrialRecord.state).where(col(TrialRecord.id).in_(ids))).all()
-    )
+    # The newest ledger row of each trial: one seek per trial on the (trial, id) index, in one query.
+    newest = select(func.max(LedgerRow.id)).where(LedgerRow.trial_id == TrialRecord.id).scalar_subquery()
+    states = {
+        trial_id: (state, row)
+        for trial_id, state, row in session.exec(
+            select(TrialRecord.id, TrialRecord.state, newest).where(col(TrialRecord.id).in_(ids))
+        )
+    }
     deleted = case((col(CheckpointRecord.state) == CheckpointStatus.DELETED.value, 1), else_=0)
     saved = _grouped(
         session,
@@ -122,13 +128,7 @@ def _trials(session: Session, ids: list[int]) -> dict[int, Any]:
         .where(col(CheckpointRecord.trial_id).in_(ids))
         .group_by(col(CheckpointRecord.trial_id)),
     )
-    rows = _grouped(
-        session,
-        select(LedgerRow.trial_id, func.count(), func.max(LedgerRow.id))
-        .where(col(LedgerRow.trial_id).in_(ids))
-        .group_by(col(LedgerRow.trial_id)),
-    )
-    return {key: (states.get(key), saved.get(key), rows.get(key)) for key in ids}
+    return {key: (states.get(key), saved.get(key)) for key in ids}
 
 
 def _checkpoints(session: Session, ids: list[int]) -> dict[int, Any]:
@@ -141,19 +141,22 @@ def _checkpoints(session: Session, ids: list[int]) -> dict[int, Any]:
 
 
 def _corpora(session: Session, ids: list[str]) -> dict[str, Any]:
-    rows = _grouped(
-        session,
-        select(LedgerRow.corpus_id, func.count(), func.max(LedgerRow.id))
-        .where(col(LedgerRow.corpus_id).in_(ids))
-        .group_by(col(LedgerRow.corpus_id)),
-    )
+    # The newest ledger row of each corpus: one seek each on the (corpus, id) index (counting a
+    # corpus's rows would read them all after every commit).
+    named = select(CorpusRecord.corpus_id).where(col(CorpusRecord.corpus_id).in_(ids)).distinct().subquery()
+    newest = select(func.max(LedgerRow.id)).where(LedgerRow.corpus_id == named.c.corpus_id).scalar_subquery()
+    rows = dict(session.exec(select(named.c.corpus_id, newest)).all())
+    # GC drops a deleted checkpoint's rows; an answer about a corpus may have counted them.
+    deleted = session.exec(
+        select(func.count()).where(col(CheckpointRecord.state) == CheckpointStatus.DELETED.value)
+    ).one()
     ingests = _grouped(
         session,
         select(CorpusRecord.corpus_id, func.count(), func.max(CorpusRecord.id))
         .where(col(CorpusRecord.corpus_id).in_(ids))
         .group_by(col(CorpusRecord.corpus_id)),
     )
-    return {key: (rows.get(key), ingests.get(key)) for key in ids}
+    return {key: (rows.get(key), deleted, ingests.get(key)) for key in ids}
 
 
 def _experiments(session: Session, ids: list[int]) -> dict[int, Any]:

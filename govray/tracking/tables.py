@@ -287,6 +287,8 @@ class LedgerRow(SQLModel, table=True):
         Index("ix_ledger_rows_corpus_parameter", "corpus_id", "parameter"),
         Index("ix_ledger_rows_trial_parameter", "trial_id", "parameter"),
         Index("ix_ledger_rows_corpus_trial", "corpus_id", "trial_id", "checkpoint_id"),  # migration 0005
+        Index("ix_ledger_rows_corpus_id", "corpus_id", "id"),  # migration 0009: newest row of a corpus
+        Index("ix_ledger_rows_trial_id", "trial_id", "id"),  # and of a trial
     )
 
     id: int | None = Field(default=None, primary_key=True)
