@@ -28,8 +28,11 @@ from govray.core.identifiers import (
     RowNumber,
     Version,
 )
+from govray.core.keys import load_trust
+from govray.platform.ledgers import store_checkpoint_ledger
 from govray.provenance.rows import LineageError, RowReach, row_reach
-from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window
+from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window, changes
+from govray.queries.errors import LedgerNotStored
 from govray.queries.views import (
     AttestationView,
     AuditEventView,
@@ -45,7 +48,8 @@ from govray.queries.views import (
 )
 from govray.tracking.audit import AuditEventType
 from govray.tracking.store import TrackingStore
-from serve.cache import ResponseCache
+from serve.cache import Reads, ResponseCache, untracked
+from serve.settings import ServeSettings
 
 router = APIRouter(prefix="/api")
 Id = Annotated[RecordId, PathParam()]
@@ -60,19 +64,23 @@ Limit = Annotated[
 ]
 Layer = Annotated[Label | None, Query(description="Only this layer: its name, its index, or adapter:NAME.")]
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Nothing with that id or name."}}
+CACHE_HEADER = "X-Govray-Cache"  # hit: the answer was cached, and nothing it read has changed since
 
 
-async def answer(request: Request, ask: Callable[[StoreReader], BaseModel]) -> Response:
-    """``ask``'s answer as JSON, from the cache while the store has not changed. A cached answer is
-    sent from the event loop; only a miss goes to a worker thread (each hop costs a GIL handoff,
-    which on a busy 2-core node cut throughput to 0.6x of an async endpoint's)."""
+async def answer(
+    request: Request, ask: Callable[[StoreReader], BaseModel], reads: Reads = untracked
+) -> Response:
+    """``ask``'s answer as JSON, from the cache while nothing ``reads(answer)`` names has changed
+    (``X-Govray-Cache: hit`` says it came from there). A cached answer is sent from the event loop;
+    only a miss goes to a worker thread (each hop costs a GIL handoff, which on a busy 2-core node
+    cut throughput to 0.6x of an async endpoint's)."""
     reader: StoreReader = request.app.state.reader
     cache: ResponseCache = request.app.state.cache
     key = request_key(request)
-    body = cache.peek(key)
+    body, hit = cache.peek(key), True
     if body is None:
-        body = await run_in_threadpool(cache.body, key, lambda: ask(reader))
-    return Response(body, media_type="application/json")
+        body, hit = await run_in_threadpool(cache.body, key, lambda: ask(reader), reads)
+    return Response(body, media_type="application/json", headers={CACHE_HEADER: "hit" if hit else "miss"})
 
 
 def request_key(request: Request) -> bytes:
@@ -147,7 +155,11 @@ async def version(request: Request, name: Name, version: VersionNumber) -> Respo
 async def version_lineage(
     request: Request, name: Name, version: VersionNumber, layer: Layer = None
 ) -> Response:
-    return await answer(request, lambda reader: reader.version_lineage(name, version, layer))
+    return await answer(
+        request,
+        lambda reader: loading_ledgers(request, lambda: reader.version_lineage(name, version, layer)),
+        changes.lineage_reads,
+    )
 
 
 @router.get(
@@ -157,7 +169,37 @@ async def version_lineage(
     summary="Which corpora directly reached each layer of a checkpoint",
 )
 async def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer = None) -> Response:
-    return await answer(request, lambda reader: reader.checkpoint_lineage(checkpoint_id, layer))
+    return await answer(
+        request,
+        lambda reader: loading_ledgers(request, lambda: reader.checkpoint_lineage(checkpoint_id, layer)),
+        changes.lineage_reads,
+    )
+
+
+@router.get(
+    "/trials/{trial_id}/lineage",
+    response_model=Lineage,
+    responses=NOT_FOUND,
+    summary="Which corpora directly reached each layer of a trial so far (as of its latest checkpoint)",
+)
+async def trial_lineage(request: Request, trial_id: Id, layer: Layer = None) -> Response:
+    return await answer(
+        request,
+        lambda reader: loading_ledgers(request, lambda: reader.trial_lineage(trial_id, layer)),
+        changes.lineage_reads,
+    )
+
+
+def loading_ledgers(request: Request, ask: Callable[[], Lineage]) -> Lineage:
+    """``ask()``, after storing the ledger of a checkpoint recorded before checkpoints had their own
+    (from its verified ``state.json``, once: the first request for it)."""
+    try:
+        return ask()
+    except LedgerNotStored as missing:
+        settings: ServeSettings = request.app.state.settings
+        trust = load_trust(settings.trust) if settings.trust is not None else None  # else: the store vouches
+        store_checkpoint_ledger(request.app.state.store, missing.checkpoint_id, trust)
+        return ask()
 
 
 @router.get(
@@ -169,7 +211,11 @@ async def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer =
 async def influence(
     request: Request, corpus_id: Corpus, offset: Offset = 0, limit: Limit = DEFAULT_LIMIT
 ) -> Response:
-    return await answer(request, lambda reader: reader.influence(corpus_id, Window(offset, limit)))
+    return await answer(
+        request,
+        lambda reader: reader.influence(corpus_id, Window(offset, limit)),
+        lambda page: changes.influence_reads(corpus_id, page),
+    )
 
 
 @router.get(
@@ -187,7 +233,7 @@ async def row(request: Request, corpus_id: Corpus, row: Annotated[RowNumber, Pat
         except LineageError as error:  # an unknown corpus, or a row outside it
             raise NotFoundError(str(error)) from None
 
-    return await answer(request, lookup)
+    return await answer(request, lookup, changes.row_reads)
 
 
 @router.get("/audit", response_model=Page[AuditEventView])

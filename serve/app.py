@@ -54,8 +54,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
     )
     engine = read_only_engine(settings.database_url)
     application.state.settings = settings
-    application.state.reader = StoreReader(engine)
-    application.state.cache = ResponseCache(StoreGeneration(engine))
+    application.state.reader = reader = StoreReader(engine)
+    application.state.cache = ResponseCache(StoreGeneration(engine), reader.stamps)
     application.state.store = TrackingStore(settings.database_url)  # row lookups and registry writes
     application.state.trust = settings.trust
     for router in (api.router, verify.router, writes.router):

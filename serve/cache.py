@@ -1,74 +1,134 @@
-"""Answers kept until the tracking store changes.
+"""Answers kept until what they read changes.
 
 A lineage or influence answer aggregates thousands of ledger rows, yet changes only when someone
-writes to the store. The query layer's ``StoreGeneration`` is a value that changes with every
-commit anyone makes, read in microseconds; ``ResponseCache`` keeps JSON bodies keyed by the exact
-request (its raw path and query bytes: two requests share an answer only if they are the same
-bytes) and drops them all when the generation moves. A store whose changes cannot be seen this way
-is not cached.
+writes what it read. The query layer's ``StoreGeneration`` is a value that changes with every
+commit anyone makes, read in microseconds; each cached answer also keeps the ``Topic``s it read
+(``govray.queries.changes``: a trial, a checkpoint, a corpus...) with their stamps. When the
+generation moves, the stamps of every cached topic are read once (a few grouped queries) and only
+the answers whose stamps changed are dropped: a running trial committing metrics and checkpoints
+every second leaves every other trial's lineage cached. An answer that names no topic
+(``UNTRACKED``) is dropped at any commit.
+
+Entries are keyed by the exact request (its raw path and query bytes: two requests share an
+answer only if they are the same bytes). A store whose changes cannot be seen is not cached.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
 from govray.queries import StoreGeneration
+from govray.queries.changes import ANYTHING, UNTRACKED, Topic
 
 MAX_CACHED_BYTES = 64 * 1024 * 1024
 MAX_ENTRY_BYTES = 4 * 1024 * 1024
 
+Reads = Callable[[Any], frozenset[Topic]]  # an answer → the topics it read
+Stamps = Callable[[Iterable[Topic]], dict[Topic, Any]]  # StoreReader.stamps
+
+
+def untracked(_: Any) -> frozenset[Topic]:
+    return UNTRACKED
+
+
+@dataclass(frozen=True)
+class _Entry:
+    body: bytes
+    stamps: dict[Topic, Any]  # the topics the answer read, as they were when it was computed
+
 
 class ResponseCache:
-    """JSON bodies by request key, valid for one store generation, least recently used dropped
-    first beyond ``max_bytes``."""
+    """JSON bodies by request key, each valid while what it read is unchanged, least recently used
+    dropped first beyond ``max_bytes``. ``hits``, ``misses`` and ``dropped`` count what it did."""
 
-    def __init__(self, generation: StoreGeneration, max_bytes: int = MAX_CACHED_BYTES) -> None:
+    def __init__(
+        self, generation: StoreGeneration, stamps: Stamps, max_bytes: int = MAX_CACHED_BYTES
+    ) -> None:
         self.generation = generation
+        self.stamps = stamps
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._catching_up = threading.Lock()  # one thread re-reads the stamps after a commit
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._bytes = 0
-        self._seen: object | None = None
+        self._seen: object | None = None  # the generation every entry is known valid at
         self.hits = 0
         self.misses = 0
+        self.dropped = 0
 
     def peek(self, key: bytes) -> bytes | None:
-        """The cached answer for ``key`` if the store has not changed since it was computed, else
-        None (without computing anything: cheap enough for the event loop)."""
+        """The cached answer for ``key`` if the store has not changed since the entries were last
+        checked, else None (without reading the database: cheap enough for the event loop)."""
         seen = self.generation.current()
         with self._lock:
             if seen is None or seen != self._seen:
                 return None
-            cached = self._entries.get(key)
-            if cached is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-            return cached
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry.body
 
-    def body(self, key: bytes, answer: Callable[[], BaseModel]) -> bytes:
-        """The JSON of ``answer()``, computed at most once per store generation."""
+    def body(
+        self, key: bytes, answer: Callable[[], BaseModel], reads: Reads = untracked
+    ) -> tuple[bytes, bool]:
+        """The JSON of ``answer()`` and whether it came from the cache; computed again only when
+        something ``reads(answer)`` names has changed."""
         seen = self.generation.current()
+        if seen is not None:
+            self._catch_up(seen)
+            with self._lock:
+                entry = self._entries.get(key) if self._seen == seen else None
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    return entry.body, True
         with self._lock:
-            if seen is None or seen != self._seen:
-                self._entries.clear()
-                self._bytes, self._seen = 0, seen
-            elif (cached := self._entries.get(key)) is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return cached
             self.misses += 1
-        body = answer().model_dump_json().encode()
+        model = answer()
+        body = model.model_dump_json().encode()
         if seen is None or len(body) > MAX_ENTRY_BYTES:
-            return body
+            return body, False
+        topics = reads(model)
+        stamped = {} if ANYTHING in topics else self.stamps(topics)
+        if ANYTHING in topics:
+            stamped[ANYTHING] = None
+        if self.generation.current() != seen:
+            return body, False  # a commit landed meanwhile: answer and stamps may disagree
         with self._lock:
-            if self._seen == seen and key not in self._entries:  # the store did not move meanwhile
-                self._entries[key] = body
+            if self._seen == seen and key not in self._entries:
+                self._entries[key] = _Entry(body, stamped)
                 self._bytes += len(body)
                 while self._bytes > self.max_bytes:
                     _, dropped = self._entries.popitem(last=False)
-                    self._bytes -= len(dropped)
-        return body
+                    self._bytes -= len(dropped.body)
+        return body, False
+
+    def _catch_up(self, seen: object) -> None:
+        """After commits (``seen`` is newer than the entries' generation): drop the entries whose
+        stamps changed, keep the rest, valid at ``seen``."""
+        with self._catching_up:
+            with self._lock:
+                if self._seen == seen:
+                    return
+                checked = dict(self._entries)
+            topics = {topic for entry in checked.values() for topic in entry.stamps if topic != ANYTHING}
+            now = self.stamps(topics) if topics else {}
+            with self._lock:
+                for key, entry in list(self._entries.items()):
+                    # An entry stored while this ran was not checked: it goes too.
+                    stale = checked.get(key) is not entry or any(
+                        topic == ANYTHING or now.get(topic) != stamp for topic, stamp in entry.stamps.items()
+                    )
+                    if stale:
+                        del self._entries[key]
+                        self._bytes -= len(entry.body)
+                        self.dropped += 1
+                self._seen = seen

@@ -150,7 +150,8 @@ def _sheet(
     statement = statement_of(envelope.envelope_json) if envelope is not None else {}
     facts = [
         *facts,
-        ("trial", str(lineage.trial_id)),
+        ("trial", f"{lineage.trial_id} ({lineage.trial_state})"),
+        ("lineage", lineage.as_of),  # "as of step N (running)" while the trial still trains
         ("experiment", str(lineage.experiment_id)),
         ("model files", str(directory)),
         ("attestation", f"{envelope.id} (provenance)" if envelope is not None else "none stored"),

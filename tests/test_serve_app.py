@@ -6,6 +6,7 @@ only its adapter — and no request, however odd, gets a 5xx (schemathesis over 
 from __future__ import annotations
 
 import base64
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,8 @@ from govray.core.keys import platform_key
 from govray.platform.registry import remove_adapter
 from govray.queries import MAX_LIMIT
 from govray.tracking.audit import AuditLog
-from govray.tracking.lineage import attestations, checkpoints, ledger_rows
+from govray.tracking.lineage import attestations, checkpoint_ledger_rows, checkpoints, ledger_rows
+from govray.tracking.tables import LedgerRow
 from govray.train.checkpoint import STATE_FILE
 from tests.conftest import GoldenRun
 from tests.lineage_server import Served, serve_golden_copy
@@ -126,13 +128,16 @@ def test_malformed_requests_are_422_naming_the_field(served: Served) -> None:
 # --- lineage and influence ---------------------------------------------------------------------------
 
 
-def expected_lineage(served: Served) -> dict[tuple[str, str], dict[str, int]]:
-    """(layer key, corpus) → counts, straight from the trial's ledger rows: per layer (an adapter's
-    tensors are one layer) the largest examples/tokens/steps over its tensors, and how many."""
+def expected_lineage(
+    served: Served, rows: list[LedgerRow] | None = None
+) -> dict[tuple[str, str], dict[str, int]]:
+    """(layer key, corpus) → counts, straight from ledger rows (the trial's by default): per layer
+    (an adapter's tensors are one layer) the largest examples/tokens/steps over its tensors, and how
+    many."""
     cells: dict[tuple[str, str], dict[str, int]] = defaultdict(
         lambda: {"examples": 0, "tokens": 0, "steps": 0, "tensors": 0}
     )
-    for row in ledger_rows(served.store, served.trial_id):
+    for row in rows if rows is not None else ledger_rows(served.store, served.trial_id):
         adapter = row.parameter.split("/")[1] if row.parameter.startswith("adapter/") else None
         key = f"adapter:{adapter}" if adapter else str(row.layer_index)
         cell = cells[key, row.corpus_id]
@@ -155,7 +160,8 @@ def served_cells(lineage: dict[str, Any]) -> dict[tuple[str, str], dict[str, int
 def test_checkpoint_lineage_per_layer_equals_the_ledger(served: Served) -> None:
     final = served.checkpoint_ids[-1]
     lineage = served.get(f"/api/checkpoints/{final}/lineage")
-    assert (lineage["trial_id"], lineage["step"], lineage["ledger"]) == (served.trial_id, 30, "trial")
+    assert (lineage["trial_id"], lineage["step"], lineage["ledger"]) == (served.trial_id, 30, "checkpoint")
+    assert (lineage["running"], lineage["as_of"]) == (False, "as of step 30 (completed)")
     assert served_cells(lineage) == expected_lineage(served)
     # layers are named as the signed coverage statement names them, in model order
     assert [layer["layer"] for layer in lineage["layers"]] == ["embed", "hidden", "head", "adapter:pii-lora"]
@@ -174,17 +180,39 @@ def test_the_layer_filter_keeps_one_layer_by_name_or_index(served: Served) -> No
     assert response.status_code == 404 and "embed, hidden, head, adapter:pii-lora" in detail(response)
 
 
-def test_an_earlier_checkpoint_has_no_stored_ledger_and_says_which_has(served: Served) -> None:
-    first, final = served.checkpoint_ids[0], served.checkpoint_ids[-1]
-    response = served.call("GET", f"/api/checkpoints/{first}/lineage")
-    assert response.status_code == 404 and f"last checkpoint (id {final}, step 30)" in detail(response)
+def test_lineage_of_checkpoint_1_of_the_finished_3_checkpoint_run_equals_its_state_json_ledger(
+    served: Served,
+) -> None:
+    first = checkpoints(served.store, served.trial_id)[0]
+    assert len(served.checkpoint_ids) == 3 and first.id == served.checkpoint_ids[0]
+    ledger = json.loads((Path(first.path) / STATE_FILE).read_text())["ledger"]
+    rows = checkpoint_ledger_rows(served.store, first.id)
+    stored = [
+        {
+            "corpus": r.corpus_id,
+            "tensor": r.parameter,
+            "examples": r.examples,
+            "tokens": r.tokens,
+            "steps": r.steps,
+        }
+        for r in rows
+    ]
+    assert stored == ledger["entries"] and stored  # row for row, in the same order
+    lineage = served.get(f"/api/checkpoints/{first.id}/lineage")
+    assert (lineage["step"], lineage["ledger"]) == (10, "checkpoint")
+    assert served_cells(lineage) == expected_lineage(served, rows)
+    final = served.get(f"/api/checkpoints/{served.checkpoint_ids[-1]}/lineage")
+    assert all(cell["examples"] > 0 for cell in served_cells(lineage).values())
+    assert served_cells(final) != served_cells(lineage)  # 30 steps taught more than 10
 
 
 def test_the_pii_corpus_influenced_only_adapter_layers(served: Served) -> None:
     influence = served.get(f"/api/corpora/{PII}/influence")
     reached = [item for item in influence["items"] if item["trial_id"] == served.trial_id]
-    assert len(reached) == 1 and reached[0]["checkpoint_id"] == served.checkpoint_ids[-1]
-    assert [layer["layer"] for layer in reached[0]["layers"]] == ["adapter:pii-lora"]
+    assert [(item["checkpoint_id"], item["step"]) for item in reached] == list(
+        zip(served.checkpoint_ids, (10, 20, 30), strict=True)
+    )  # every checkpoint has its ledger
+    assert all([layer["layer"] for layer in item["layers"]] == ["adapter:pii-lora"] for item in reached)
     assert all(
         layer["layer"].startswith("adapter:") for item in influence["items"] for layer in item["layers"]
     )
@@ -198,6 +226,7 @@ def test_row_lookup_answers_from_the_schedule(served: Served) -> None:
     assert reach["corpus_id"] == PII and reach["row"] == 0
     mine = [trial for trial in reach["trials"] if trial["trial_id"] == served.trial_id]
     assert mine and all(t.startswith("adapter/pii-lora/") for trial in mine for t in trial["tensors"])
+    assert [(t["running"], t["as_of"]) for t in mine] == [(False, "as of step 30 (completed)")]
     response = served.call("GET", f"/api/corpora/{PII}/rows/100000000")
     assert response.status_code == 404 and "no row 100000000" in detail(response)
 

@@ -17,7 +17,7 @@ from sqlmodel import SQLModel
 
 from govray.tracking.audit import AuditLog
 from govray.tracking.database import alembic_config, current_revision, tracking_url, upgrade
-from govray.tracking.lineage import checkpoints, ledger_rows, record_ledger
+from govray.tracking.lineage import checkpoint_ledger_rows, checkpoints, ledger_rows, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord
 from tests.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_openers, run_writers
@@ -141,7 +141,8 @@ def test_eight_concurrent_writer_processes_lose_no_row(database_url: str) -> Non
             assert [c.step for c in saved] == list(range(STEPS))
             recorded = sorted(
                 (r.checkpoint_id or 0, r.corpus_id, r.parameter, r.layer_index, r.examples, r.tokens, r.steps)
-                for r in ledger_rows(store, trial_id)
+                for c in saved
+                for r in checkpoint_ledger_rows(store, c.id or 0)
             )
             assert recorded == sorted((c.id or 0, *row) for c in saved for row in ledger_of(writer, c.step))
             assert recorded[0][5] >= BIG_COUNT

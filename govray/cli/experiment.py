@@ -1,4 +1,5 @@
-"""``govray experiment list | describe | set gc-policy | mlflow-sync`` (``govray experiments``: the same)."""
+"""``govray experiment list | describe | backfill-ledgers | mlflow-sync | set gc-policy``
+(``govray experiments``: the same)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from govray.cli.common import Database, console, table
 from govray.cli.describe import ExperimentDescription, TrialDescription, describe_experiment
 from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError, GovrayError
+from govray.core.keys import load_trust
 from govray.platform.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
+from govray.platform.ledgers import backfill_ledgers
 from govray.platform.mlflow_mirror import sync_experiment
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
+from govray.train.checkpoint import CheckpointError
 
 app = typer.Typer(help="Experiments in the tracking store.", no_args_is_help=True)
 settings = typer.Typer(help="Change an experiment's settings.", no_args_is_help=True)
@@ -110,6 +114,29 @@ def mlflow_sync(experiment: str = ExperimentArgument, database: str = Database) 
     if not synced:
         raise GovrayError(f"experiment {found.id} '{found.name}': the MLflow server did not take the mirror")
     console.print(f"experiment {found.id} '{found.name}' mirrored to MLflow", highlight=False)
+
+
+@app.command("backfill-ledgers")
+def backfill_ledgers_command(
+    experiment: str = ExperimentArgument,
+    trust: Path = typer.Option(..., "--trust", help="Trust file listing the platform keys to accept."),
+    database: str = Database,
+) -> None:
+    """Store the ledger of every active checkpoint that has none in the store (recorded before
+    checkpoints had their own), read from its state.json once its signed manifest verifies.
+    Exits 10 when a checkpoint does not verify (it is named and left without a ledger)."""
+    store = TrackingStore.open(database)
+    found = store.get_experiment(experiment)
+    assert found.id is not None
+    done = backfill_ledgers(store, load_trust(trust), found.id)
+    console.print(
+        f"experiment {found.id} '{found.name}': stored the ledgers of {len(done.stored)} checkpoints",
+        highlight=False,
+    )
+    for checkpoint_id, reason in done.refused:
+        console.print(f"checkpoint {checkpoint_id}: not stored: {escape(reason)}", highlight=False)
+    if done.refused:
+        raise CheckpointError(f"{len(done.refused)} checkpoints do not verify; their ledgers were not stored")
 
 
 @settings.command("gc-policy")

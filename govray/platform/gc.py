@@ -38,10 +38,7 @@ from govray.core.storage import Storage, open_storage
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import active_checkpoints, mark_deleted
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointRecord, Experiment, TrialState
-
-# A pending trial may be about to resume from its latest checkpoint, a running one surely will.
-LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value, TrialState.PAUSED.value})
+from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, Experiment
 
 
 class GcPolicy(BaseModel):

@@ -34,8 +34,9 @@ from typing import Any
 
 from govray.core.keys import TrustConfig
 from govray.core.storage import Storage
+from govray.platform.ledgers import Layers, record_checkpoint_ledger
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import checkpoints, record_checkpoint
+from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointStatus
 from govray.train.checkpoint import (
@@ -65,10 +66,12 @@ def reconcile_run(
     record_report: RecordReport,
     storage: Storage,
     below_step: int | None = None,
+    layers: Layers | None = None,
 ) -> Reconciliation:
     """Record every verified, unrecorded checkpoint folder of the trial's run (and its report);
     remove duplicates and folders that do not verify. With ``below_step`` (a live run) only
-    folders of earlier steps are recorded and nothing is removed."""
+    folders of earlier steps are recorded and nothing is removed. Each checkpoint recorded has its
+    ledger stored (``layers``: tensor → layer; None: from the checkpoint's run spec)."""
     live = below_step is not None
     records = checkpoints(store, trial_id)
     by_name = {Path(record.path).name: record for record in records}
@@ -109,7 +112,7 @@ def reconcile_run(
         report = checkpoint_report(directory)
         if report:
             record_report(step, report)
-        record = record_checkpoint(store, trial_id, str(directory), step)
+        record = record_checkpoint_ledger(store, trial_id, str(directory), step, layers, trust)
         steps[step] = by_name[directory.name] = record
         log.append(
             AuditEventType.CHECKPOINT_RECOVERED,

@@ -11,6 +11,7 @@ applies checkpoint GC; and it settles the run's checkpoint folders against the s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,17 @@ from typing import Any
 from govray.core.keys import TrustConfig
 from govray.core.storage import open_storage
 from govray.platform.gc import apply_gc, effective_gc_policy
+from govray.platform.ledgers import ledger_tuples, record_checkpoint_ledger
 from govray.platform.reconcile import Reconciliation, reconcile_run
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import record_checkpoint, record_ledger
+from govray.tracking.lineage import record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tensorboard import TensorBoardLog
+from govray.train.checkpoint import CheckpointError
 from govray.train.ledger import Ledger
 from govray.train.reports import StepReport
 
+logger = logging.getLogger(__name__)
 MEMORIZATION_EVENTS = {
     "gate": AuditEventType.MEMORIZATION_GATE,
     "rollback": AuditEventType.MEMORIZATION_ROLLBACK,
@@ -113,13 +117,8 @@ class RunRecorder:
             self._audit(
                 AuditEventType.MEMORIZATION_FLAGGED, {"step": report.step, **report.flagged.model_dump()}
             )
-        if report.ledger is not None:
-            ledger = Ledger.from_json(report.ledger)
-            rows = [
-                (corpus, tensor, self.layers.get(tensor), entry.examples, entry.tokens, entry.steps)
-                for corpus, tensor, entry in ledger.rows()
-            ]
-            record_ledger(store, trial_id, rows)
+        if report.ledger is not None and report.checkpoint is None:  # else: stored with the checkpoint
+            record_ledger(store, trial_id, ledger_tuples(Ledger.from_json(report.ledger), self.layers))
         scalars = {"training": training, **({"validation": validation} if validation else {})}
         donor = self._donor(report.cloned_from_run)
         store.record_report(trial_id, report.step, scalars, report.stop, donor)
@@ -138,7 +137,14 @@ class RunRecorder:
             self.events.write(step, by_step[step])
 
     def record_checkpoint(self, path: str, step: int) -> None:
-        record_checkpoint(self.store, self.trial_id, path, step)
+        """Record a checkpoint and its ledger (what lineage answers as of its step). A ledger that
+        does not verify is not stored; a lineage request for the checkpoint then says why."""
+        try:
+            record_checkpoint_ledger(self.store, self.trial_id, path, step, self.layers, self.trust)
+        except CheckpointError as error:
+            logger.warning(
+                "checkpoint at step %d of trial %d: ledger not stored: %s", step, self.trial_id, error
+            )
         if self.gc.as_it_goes:
             self.collect_garbage()
 
@@ -154,6 +160,7 @@ class RunRecorder:
             record_report=lambda step, report: self.record_once(StepReport.parse({"step": step, **report})),
             storage=open_storage(self.storage_path),
             below_step=below_step,
+            layers=self.layers,
         )
 
     def settle(self) -> None:

@@ -41,9 +41,9 @@ from govray.data.schedule import ScheduleSpec, row_slots
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, layer_label
 from govray.provenance.attest import AttestationError, routing_of, run_spec_of
-from govray.tracking.lineage import checkpoints
+from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked
-from govray.tracking.tables import CheckpointRecord, CorpusRecord, Experiment, TrialRecord
+from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, CorpusRecord, Experiment, TrialRecord
 from govray.tracking.versions import versions_of_checkpoints
 from govray.train.checkpoint import STATE_FILE, CheckpointState, recorded_state
 from govray.train.runspec import RunSpec
@@ -102,6 +102,9 @@ class TrialReach(BaseModel):
     run_name: str | None
     corpus_fingerprint: str  # of the corpus as this experiment ingested it
     placement: RowPlacement | None  # None: the trial's shards are not readable (see note)
+    trial_state: str
+    running: bool  # the trial still trains: later checkpoints may add steps
+    as_of: str  # "as of step N (running)": the checkpoint the answer is read from
     trained_steps: int  # global steps the trial's last checkpoint covers
     step_count: int  # global steps whose update the row's gradient joined, still in the weights
     steps: list[int]  # the first MAX_LISTED_STEPS of them
@@ -229,8 +232,11 @@ def _trial_reach(
         "trial_id": trial.id,
         "run_name": trial.ray_run_name,
         "corpus_fingerprint": record.fingerprint,
+        "trial_state": trial.state,
+        "running": trial.state in LIVE_TRIAL_STATES,
     }
     nothing: dict[str, Any] = {
+        "as_of": as_of(0, trial.state),
         "trained_steps": 0,
         "step_count": 0,
         "steps": [],
@@ -280,6 +286,7 @@ def _trial_reach(
     return TrialReach(
         **base,
         placement=placement,
+        as_of=as_of(state.step, trial.state),
         trained_steps=state.step,
         step_count=len(reached),
         steps=reached[:MAX_LISTED_STEPS],

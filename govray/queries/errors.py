@@ -19,3 +19,12 @@ class QueryError(GovrayError):
 
 class NotFoundError(QueryError):
     """The question names something the store does not hold (an id, a model, a corpus, a layer)."""
+
+
+class LedgerNotStored(NotFoundError):
+    """A recorded checkpoint's ledger is not in the store yet (recorded before checkpoints had their
+    own): its verified ``state.json`` holds it, and a writer may store it from there."""
+
+    def __init__(self, message: str, checkpoint_id: int) -> None:
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id

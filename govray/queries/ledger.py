@@ -1,11 +1,15 @@
 """Lineage and influence from the ledger rows, aggregated in SQL.
 
 A ledger row is (trial, checkpoint, corpus, tensor, layer index, examples, tokens, steps). The
-runner stores a trial's ledger once, at its end, with no checkpoint id: it is the ledger of the
-trial's last checkpoint. Rows may also be keyed by a checkpoint id, and then they are that
-checkpoint's. Rows are grouped per (corpus, layer) in the database — a base tensor by its layer
-index, an adapter tensor (``adapter/NAME/...``) by its adapter — over the indexes on
-``(trial_id, parameter)`` and ``(corpus_id, parameter)``.
+driver stores each checkpoint's ledger as it records the checkpoint (rows keyed by its id), so a
+running trial answers as of its latest checkpoint. Rows with no checkpoint id are a trial's ledger
+stored once at its end (stores written before checkpoints had their own): the ledger of the
+trial's last checkpoint. A checkpoint recorded before that has no rows until its verified
+``state.json`` is loaded (``LedgerNotStored`` says so).
+
+Rows are grouped per (corpus, layer) in the database — a base tensor by its layer index, an
+adapter tensor (``adapter/NAME/...``) by its adapter — over the indexes on ``(trial_id,
+parameter)`` and ``(corpus_id, parameter)``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.governance.routing import ADAPTER_PREFIX, layer_label
 from govray.provenance.attest import COVERAGE_TYPE
-from govray.queries.errors import NotFoundError
+from govray.queries.errors import LedgerNotStored, NotFoundError
 from govray.queries.views import (
     CorpusCounts,
     InfluenceItem,
@@ -41,7 +45,16 @@ from govray.queries.views import (
     Window,
     page,
 )
-from govray.tracking.tables import AttestationRecord, CheckpointRecord, LedgerRow, ModelVersion, TrialRecord
+from govray.tracking.lineage import as_of
+from govray.tracking.tables import (
+    LIVE_TRIAL_STATES,
+    AttestationRecord,
+    CheckpointRecord,
+    CheckpointStatus,
+    LedgerRow,
+    ModelVersion,
+    TrialRecord,
+)
 
 NAME_CACHE_SIZE = 256
 
@@ -115,7 +128,8 @@ def _aggregates() -> tuple[ColumnElement[Any], ...]:
 
 class LayerNames:
     """Layer names by tensor, read from the signed coverage attestation of a checkpoint (the store
-    keeps only layer indexes). Envelopes never change, so each is parsed once."""
+    keeps only layer indexes), or of another checkpoint of its trial (one model, one naming) when
+    it has none of its own. Envelopes never change, so each is parsed once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the app answers from several threads
@@ -130,12 +144,28 @@ class LayerNames:
                 return known
         names = self._read(session, checkpoint_id)
         if names is None:
-            return {}  # not attested (yet): layers are named by index
+            attested = self._attested_sibling(session, checkpoint_id)
+            # not attested (yet), nor any checkpoint of its trial: layers are named by index
+            return self.of(session, attested) if attested is not None else {}
         with self._lock:
             self._by_checkpoint[checkpoint_id] = names
             if len(self._by_checkpoint) > NAME_CACHE_SIZE:
                 self._by_checkpoint.popitem(last=False)
         return names
+
+    @staticmethod
+    def _attested_sibling(session: Session, checkpoint_id: int) -> int | None:
+        """The newest checkpoint of the same trial with an attestation stored about it."""
+        trial = select(CheckpointRecord.trial_id).where(CheckpointRecord.id == checkpoint_id)
+        siblings = select(CheckpointRecord.id).where(col(CheckpointRecord.trial_id).in_(trial))
+        query = (
+            select(AttestationRecord.checkpoint_id)
+            .where(col(AttestationRecord.checkpoint_id).in_(siblings))
+            .order_by(col(AttestationRecord.id).desc())
+            .limit(1)
+        )
+        found = session.exec(query).first()
+        return found if found != checkpoint_id else None
 
     @staticmethod
     def _read(session: Session, checkpoint_id: int) -> dict[str, str] | None:
@@ -222,22 +252,15 @@ def lineage(
     own = col(LedgerRow.checkpoint_id) == checkpoint.id
     source: Literal["checkpoint", "trial"] = "checkpoint"
     if session.exec(select(LedgerRow.id).where(LedgerRow.trial_id == trial.id, own).limit(1)).first() is None:
-        final = final_checkpoints(session, [trial.id])[trial.id]
-        if final.id != checkpoint.id:
-            raise NotFoundError(
-                f"checkpoint {checkpoint.id} (step {checkpoint.step} of trial {trial.id}) has no ledger in "
-                f"the tracking store: a trial's ledger is stored with its last checkpoint (id {final.id}, "
-                f"step {final.step}); this checkpoint's state.json holds its own"
-            )
         own, source = col(LedgerRow.checkpoint_id).is_(None), "trial"
+        final = final_checkpoints(session, [trial.id])[trial.id]
+        recorded = select(LedgerRow.id).where(LedgerRow.trial_id == trial.id, own).limit(1)
+        if final.id != checkpoint.id or session.exec(recorded).first() is None:
+            raise _not_stored(checkpoint)
     columns = _group_columns()
     query = select(*columns, *_aggregates()).where(LedgerRow.trial_id == trial.id, own).group_by(*columns)
     removed = version.removed_adapters if version is not None else []
     groups = [g for g in _groups(session.exec(query)) if g.adapter is None or g.adapter not in removed]
-    if not groups and source == "trial":
-        recorded = select(LedgerRow.id).where(LedgerRow.trial_id == trial.id, own).limit(1)
-        if session.exec(recorded).first() is None:
-            raise NotFoundError(f"trial {trial.id} has not recorded its ledger yet (it does at its end)")
     names = layer_names.of(session, checkpoint.id)
     layers: dict[str, LayerLineage] = {}
     for group in sorted(groups, key=lambda g: (_layer_order(g), g.corpus_id)):
@@ -265,10 +288,34 @@ def lineage(
         trial_id=trial.id,
         experiment_id=trial.experiment_id,
         step=checkpoint.step,
+        trial_state=trial.state,
+        running=trial.state in LIVE_TRIAL_STATES,
+        as_of=as_of(checkpoint.step, trial.state),
         ledger=source,
         model=VersionRef(model_name=version.model_name, version=version.version) if version else None,
         layers=selected,
     )
+
+
+def _not_stored(checkpoint: CheckpointRecord) -> NotFoundError:
+    where = f"checkpoint {checkpoint.id} (step {checkpoint.step} of trial {checkpoint.trial_id})"
+    if checkpoint.state == CheckpointStatus.DELETED.value:
+        return NotFoundError(
+            f"{where} was deleted by GC, and its ledger with it (no version or attestation cites it)"
+        )
+    return LedgerNotStored(
+        f"{where} has no ledger in the tracking store yet; its state.json holds it "
+        "(`govray experiment backfill-ledgers` stores it)",
+        checkpoint_id=checkpoint.id or 0,
+    )
+
+
+def latest_checkpoint(session: Session, trial_id: int) -> CheckpointRecord:
+    """A trial's latest recorded checkpoint (what its lineage is as of)."""
+    final = final_checkpoints(session, [trial_id]).get(trial_id)
+    if final is None:
+        raise NotFoundError(f"trial {trial_id} has recorded no checkpoint yet: it has no lineage so far")
+    return final
 
 
 def influence(
@@ -298,8 +345,11 @@ def influence(
     for trial_id, checkpoint_id, *group in session.exec(query):
         if (trial_id, checkpoint_id) in by_pair:  # (a NULL checkpoint id cannot be matched in SQL)
             by_pair[trial_id, checkpoint_id].append(_Group(*group))
-    trials = select(TrialRecord.id, TrialRecord.experiment_id).where(col(TrialRecord.id).in_(trial_ids))
-    experiments = dict(session.exec(trials).all())
+    trials = select(TrialRecord.id, TrialRecord.experiment_id, TrialRecord.state)
+    found = {
+        trial_id: (experiment, state)
+        for trial_id, experiment, state in session.exec(trials.where(col(TrialRecord.id).in_(trial_ids)))
+    }
     finals = final_checkpoints(session, trial_ids)
     resolved = {pair: pair[1] if pair[1] is not None else _id(finals.get(pair[0])) for pair in pairs}
     checkpoint_ids = [c for c in resolved.values() if c is not None]
@@ -317,9 +367,11 @@ def influence(
         items.append(
             InfluenceItem(
                 trial_id=pair[0],
-                experiment_id=experiments[pair[0]],
+                experiment_id=found[pair[0]][0],
                 checkpoint_id=checkpoint_id,
                 step=steps.get(checkpoint_id) if checkpoint_id is not None else None,
+                trial_state=found[pair[0]][1],
+                running=found[pair[0]][1] in LIVE_TRIAL_STATES,
                 model_versions=[
                     VersionRef(model_name=v.model_name, version=v.version)
                     for v in versions

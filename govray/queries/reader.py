@@ -5,7 +5,7 @@ endpoints and pages and ``govray experiment describe`` read through it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -16,7 +16,8 @@ from sqlmodel import Session, col, select
 
 from govray.core.errors import TrackingError
 from govray.provenance.attest import PROVENANCE_TYPE
-from govray.queries import ledger
+from govray.queries import changes, ledger
+from govray.queries.changes import Topic
 from govray.queries.errors import NotFoundError, QueryError
 from govray.queries.ledger import statement_of
 from govray.queries.views import (
@@ -217,6 +218,13 @@ class StoreReader:
             checkpoint = _get(session, CheckpointRecord, checkpoint_id)
             return ledger.lineage(session, checkpoint, self.layer_names, layer)
 
+    def trial_lineage(self, trial_id: int, layer: str | None = None) -> Lineage:
+        """The lineage of a trial's latest checkpoint: a running trial's so far, as of its step."""
+        with self.session() as session:
+            _get(session, TrialRecord, trial_id)
+            checkpoint = ledger.latest_checkpoint(session, trial_id)
+            return ledger.lineage(session, checkpoint, self.layer_names, layer)
+
     def version_lineage(self, model_name: str, version: int, layer: str | None = None) -> Lineage:
         """The lineage of a model version's files: its checkpoint's, without the adapters removed
         from it."""
@@ -295,6 +303,13 @@ class StoreReader:
         """Trials' last checkpoints (the ones their ledgers belong to), newest first, at most ``limit``."""
         with self.session() as session:
             return [_checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
+
+    # -- what answers read ------------------------------------------------------------------------
+
+    def stamps(self, topics: Iterable[Topic]) -> dict[Topic, Any]:
+        """Per topic an answer read, a value that changes when it does (``govray.queries.changes``)."""
+        with self.session() as session:
+            return changes.stamps(session, topics)
 
 
 def _get(session: Session, table: type[_Row], row_id: int) -> _Row:

@@ -190,7 +190,10 @@ class Lineage(BaseModel):
     checkpoint_id: int
     trial_id: int
     experiment_id: int
-    step: int
+    step: int = Field(description="The checkpoint's step: what the answer is as of.")
+    trial_state: str
+    running: bool = Field(description="The trial still trains: a later checkpoint may add to this.")
+    as_of: str = Field(description="'as of step N (running)', or the finished trial's state.")
     ledger: Literal["checkpoint", "trial"] = Field(
         description="'checkpoint': rows recorded for this checkpoint; 'trial': the trial's ledger, "
         "recorded with its last checkpoint."
@@ -221,7 +224,9 @@ class InfluenceItem(BaseModel):
     trial_id: int
     experiment_id: int
     checkpoint_id: int | None = Field(description="None when the trial's ledger has no checkpoint.")
-    step: int | None
+    step: int | None = Field(description="The checkpoint's step: what the item is as of.")
+    trial_state: str
+    running: bool = Field(description="The trial still trains: its later checkpoints are further items.")
     model_versions: list[VersionRef]
     layers: list[LayerReach]
 

@@ -1,5 +1,12 @@
 """Lineage in the tracking store: the checkpoints of a trial (recorded, found by path, marked
-deleted by GC) and which corpus reached which tensor."""
+deleted by GC) and which corpus reached which tensor.
+
+Each recorded checkpoint has its own ledger rows (``checkpoint_id`` set): what had reached each
+tensor by its step. Rows without a checkpoint id are a trial's ledger recorded at its end, as
+stores written before checkpoints had their own hold them. GC deleting a checkpoint drops its rows
+unless a registered version or an attestation points at it, or it is its trial's latest (the
+trial's ledger): a trial keeps at most (its checkpoints GC keeps + those it attested or
+registered + 1) x corpora x tensors rows, however long it runs."""
 
 from __future__ import annotations
 
@@ -7,12 +14,17 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import insert
 from sqlmodel import Session, col, delete, select
 
 from govray.core.canonical import file_sha256
+from govray.core.errors import TrackingError
+from govray.core.identifiers import MAX_ID
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import (
+    LIVE_TRIAL_STATES,
     AttestationRecord,
     CheckpointRecord,
     CheckpointStatus,
@@ -24,41 +36,71 @@ from govray.tracking.tables import (
     utcnow,
 )
 
+LedgerTuple = tuple[str, str, int | None, int, int, int]  # (corpus, tensor, layer, examples, tokens, steps)
+
 
 def record_ledger(
     store: TrackingStore,
     trial_id: int,
-    rows: Iterable[tuple[str, str, int | None, int, int, int]],
+    rows: Iterable[LedgerTuple],
     checkpoint_id: int | None = None,
 ) -> int:
     """Replace the trial's ledger (for ``checkpoint_id``) with ``(corpus, tensor, layer, examples,
-    tokens, steps)`` rows; returns how many were written."""
+    tokens, steps)`` rows, inserted in bulk; returns how many were written."""
     records = [
-        LedgerRow(
-            trial_id=trial_id,
-            checkpoint_id=checkpoint_id,
-            corpus_id=corpus,
-            parameter=tensor,
-            layer_index=layer,
-            examples=examples,
-            tokens=tokens,
-            steps=steps,
-        )
+        {
+            "trial_id": trial_id,
+            "checkpoint_id": checkpoint_id,
+            "corpus_id": corpus,
+            "parameter": tensor,
+            "layer_index": layer,
+            "examples": examples,
+            "tokens": tokens,
+            "steps": steps,
+        }
         for corpus, tensor, layer, examples, tokens, steps in rows
     ]
     held_by = col(LedgerRow.checkpoint_id)  # PostgreSQL, unlike SQLite, has no "IS <id>"
     same_checkpoint = held_by.is_(None) if checkpoint_id is None else held_by == checkpoint_id
     with store.session() as session:
         session.exec(delete(LedgerRow).where(col(LedgerRow.trial_id) == trial_id, same_checkpoint))
-        session.add_all(records)
+        if records:
+            session.execute(insert(LedgerRow), records)
     return len(records)
 
 
 def ledger_rows(store: TrackingStore, trial_id: int) -> list[LedgerRow]:
-    """A trial's ledger rows, by corpus then tensor."""
+    """A trial's ledger, by corpus then tensor: the one recorded at its end (no checkpoint id), else
+    the ledger of its latest checkpoint that has one stored (none: no rows)."""
     with store.session() as session:
-        query = select(LedgerRow).where(LedgerRow.trial_id == trial_id)
-        return list(session.exec(query.order_by(col(LedgerRow.corpus_id), col(LedgerRow.parameter))))
+        by_trial = col(LedgerRow.trial_id) == trial_id
+        held_by = col(LedgerRow.checkpoint_id)
+        rows = _ordered(session, select(LedgerRow).where(by_trial, held_by.is_(None)))
+        if rows:
+            return rows
+        with_ledger = select(LedgerRow.checkpoint_id).where(by_trial, held_by.is_not(None)).distinct()
+        latest = session.exec(
+            select(CheckpointRecord.id)
+            .where(col(CheckpointRecord.id).in_(with_ledger))
+            .order_by(col(CheckpointRecord.step).desc(), col(CheckpointRecord.id).desc())
+            .limit(1)
+        ).first()
+        return [] if latest is None else _ordered(session, select(LedgerRow).where(held_by == latest))
+
+
+def checkpoint_ledger_rows(store: TrackingStore, checkpoint_id: int) -> list[LedgerRow]:
+    """The ledger rows stored for one checkpoint, by corpus then tensor (none: not stored)."""
+    with store.session() as session:
+        return _ordered(session, select(LedgerRow).where(col(LedgerRow.checkpoint_id) == checkpoint_id))
+
+
+def _ordered(session: Session, query: Any) -> list[LedgerRow]:
+    return list(session.exec(query.order_by(col(LedgerRow.corpus_id), col(LedgerRow.parameter))))
+
+
+def as_of(step: int, trial_state: str) -> str:
+    """``as of step N (running)``: what an answer about a trial's weights reflects."""
+    return f"as of step {step} ({'running' if trial_state in LIVE_TRIAL_STATES else trial_state})"
 
 
 def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int) -> CheckpointRecord:
@@ -77,6 +119,15 @@ def record_checkpoint(store: TrackingStore, trial_id: int, path: str, step: int)
     with store.session() as session:
         session.add(record)
     return record
+
+
+def checkpoint_record(store: TrackingStore, checkpoint_id: int) -> CheckpointRecord:
+    """The recorded checkpoint with this id."""
+    with store.session() as session:
+        found = session.get(CheckpointRecord, checkpoint_id) if 1 <= checkpoint_id <= MAX_ID else None
+    if found is None:
+        raise TrackingError(f"no checkpoint with id {checkpoint_id} in the tracking store")
+    return found
 
 
 def checkpoints(store: TrackingStore, trial_id: int) -> list[CheckpointRecord]:
@@ -154,14 +205,32 @@ def active_checkpoints(store: TrackingStore, experiment_id: int, metric: str) ->
 
 
 def mark_deleted(store: TrackingStore, checkpoint_id: int) -> CheckpointRecord | None:
-    """Mark a checkpoint deleted by GC (its row stays, as the record); None if there is no such row."""
+    """Mark a checkpoint deleted by GC (its row stays, as the record); None if there is no such row.
+
+    Its ledger rows go too, in the same transaction, unless a registered version or an attestation
+    points at the checkpoint or it is its trial's latest (the trial's ledger)."""
     with store.session() as session:
         record = session.get(CheckpointRecord, checkpoint_id)
         if record is not None:
             record.state = CheckpointStatus.DELETED.value
             record.deleted_at = utcnow()
             session.add(record)
+            if not _ledger_needed(session, record):
+                session.exec(delete(LedgerRow).where(col(LedgerRow.checkpoint_id) == checkpoint_id))
     return record
+
+
+def _ledger_needed(session: Session, record: CheckpointRecord) -> bool:
+    """Whether a checkpoint's ledger rows outlive its files: a version or an attestation cites it,
+    or it is its trial's latest checkpoint."""
+    cited = (
+        select(ModelVersion.id).where(ModelVersion.checkpoint_id == record.id),
+        select(AttestationRecord.id).where(AttestationRecord.checkpoint_id == record.id),
+    )
+    if any(session.exec(query.limit(1)).first() is not None for query in cited):
+        return True
+    latest = checkpoints_of(session, record.trial_id)
+    return bool(latest) and latest[-1].id == record.id
 
 
 def record_attestation(

@@ -73,6 +73,9 @@ class TrialState(StrEnum):
 
 
 TERMINAL_TRIAL_STATES = frozenset({TrialState.COMPLETED, TrialState.ERRORED, TrialState.KILLED})
+# A pending trial may be about to resume from its latest checkpoint, a running or paused one surely
+# will: its ledger and checkpoints may still grow.
+LIVE_TRIAL_STATES = frozenset({TrialState.PENDING.value, TrialState.ACTIVE.value, TrialState.PAUSED.value})
 TERMINAL_EXPERIMENT_STATES = frozenset(
     {ExperimentState.COMPLETED, ExperimentState.ERRORED, ExperimentState.KILLED}
 )
@@ -284,6 +287,8 @@ class LedgerRow(SQLModel, table=True):
         Index("ix_ledger_rows_corpus_parameter", "corpus_id", "parameter"),
         Index("ix_ledger_rows_trial_parameter", "trial_id", "parameter"),
         Index("ix_ledger_rows_corpus_trial", "corpus_id", "trial_id", "checkpoint_id"),  # migration 0005
+        Index("ix_ledger_rows_corpus_id", "corpus_id", "id"),  # migration 0009: newest row of a corpus
+        Index("ix_ledger_rows_trial_id", "trial_id", "id"),  # and of a trial
     )
 
     id: int | None = Field(default=None, primary_key=True)

@@ -364,9 +364,12 @@ def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None
     )
 
 
-def recorded_state(directory: Path, manifest_digest: str) -> CheckpointState:
-    """A checkpoint's state, checked without a key against the manifest digest the tracking store
-    recorded for it: the store vouches for the manifest, the manifest for ``state.json``. Raises
+def recorded_state(
+    directory: Path, manifest_digest: str, trust: TrustConfig | None = None
+) -> CheckpointState:
+    """A checkpoint's state, checked against the manifest digest the tracking store recorded for
+    it: the store vouches for the manifest, the manifest for ``state.json``; with ``trust`` the
+    manifest's signature is checked too (still without reading the weight files). Raises
     ``CheckpointError`` when either changed since the checkpoint was recorded."""
     manifest_path = directory / MANIFEST_FILE
     try:
@@ -374,7 +377,10 @@ def recorded_state(directory: Path, manifest_digest: str) -> CheckpointState:
             raise CheckpointError(
                 f"{directory}: its manifest is not the one the tracking store recorded (changed since)"
             )
-        manifest = Manifest.model_validate_json(manifest_path.read_bytes())
+        if trust is not None:
+            manifest, _ = signed_manifest(directory, trust)
+        else:
+            manifest = Manifest.model_validate_json(manifest_path.read_bytes())
         if file_sha256(directory / STATE_FILE) != manifest.files.get(STATE_FILE):
             raise CheckpointError(f"{directory / STATE_FILE}: sha256 does not match its manifest (tampered)")
         return CheckpointState.model_validate_json((directory / STATE_FILE).read_text())

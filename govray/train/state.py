@@ -283,8 +283,8 @@ class TrialRun:
         fetch_part(directory, self.storage, self.governed.worker.rank)
         try:
             written_by = checkpoint_world_size(directory)
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"{directory}: unreadable state: {error}") from None
+        except (OSError, ValueError):
+            return  # unreadable (tampered, truncated): the verified load refuses it, naming the file
         self._refuse_other_world(directory, written_by)
 
     def _refuse_other_world(self, directory: Path, written_by: int | None) -> None:

@@ -12,6 +12,10 @@ the app then keeps the answer until the store changes). Then ``rounds`` rounds a
 ``duration`` seconds of the mix and of ``GET /api/ping`` with ``clients`` threads, each with its own
 ``requests.Session``. Any answer but 200 fails the run.
 
+With ``--writes-per-second N`` a writer commits, N times a second during each mix phase, a report
+and a checkpoint with its ledger rows of a running trial that no question reads (what a live
+training run does to the store): the app's cache must keep the answers that did not change.
+
 Run: ``python -m jobs.benchmarks.lineage_load`` (``--quick`` for a small store and short phases;
 ``--workdir DIR`` keeps the store and reuses it on the next run). The last two lines are::
 
@@ -37,7 +41,9 @@ from pathlib import Path
 
 import requests
 
+from govray.tracking.lineage import record_checkpoint, record_ledger
 from govray.tracking.store import TrackingStore
+from govray.tracking.tables import TrialState
 from jobs.benchmarks.lineage_store import Workload, add_synthetic, real_run
 
 KINDS = ("lineage", "influence", "rows")
@@ -170,21 +176,38 @@ def load(
     return total
 
 
+WRITER_CORPORA = ("writer-news", "writer-forum")  # the writer's own: no question of the mix names them
+WRITER_TENSORS = 24
+
+
 @contextmanager
 def writing(url: str, per_second: float) -> Iterator[None]:
-    """While the block runs, a training-like writer commits one metric ``per_second`` times a
-    second (0: none), each commit a new store generation for the app's cache."""
+    """While the block runs, a running trial of its own experiment commits ``per_second`` times a
+    second (0: none) one report (metrics and progress) and one checkpoint with its ledger rows, as
+    the driver records a training run: each a new store generation, none of them read by the mix."""
     if per_second <= 0:
         yield
         return
     store, stop = TrackingStore(url), threading.Event()
-    trial_id = store.list_trials(store.list_experiments()[-1].id or 0)[0].id or 0
+    experiment = store.create_experiment("lineage-load-writer", "{}", "0" * 64, "/nonexistent/writer")
+    trial = store.create_trial(experiment.id or 0, "{}", seed=1)
+    trial_id = trial.id or 0
+    store.set_trial_state(trial_id, TrialState.ACTIVE)
 
     def write() -> None:
-        step = 10**6
+        step = 0
         while not stop.wait(1 / per_second):
             step += 1
-            store.log_metrics(trial_id, step, "training", {"training_loss": 0.5})
+            store.record_report(trial_id, step, {"training": {"training_loss": 1 / step}})
+            checkpoint = record_checkpoint(
+                store, trial_id, f"/nonexistent/writer/checkpoint_{step:06d}", step
+            )
+            rows = [
+                (corpus, f"layer{tensor}.weight", tensor, 8 * step, 0, step)
+                for corpus in WRITER_CORPORA
+                for tensor in range(WRITER_TENSORS)
+            ]
+            record_ledger(store, trial_id, rows, checkpoint_id=checkpoint.id)
 
     writer = threading.Thread(target=write)
     writer.start()
@@ -193,6 +216,7 @@ def writing(url: str, per_second: float) -> Iterator[None]:
     finally:
         stop.set()
         writer.join()
+        store.set_trial_state(trial_id, TrialState.COMPLETED)
         store.close()
 
 
@@ -208,7 +232,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mix", default="lineage=0.5,influence=0.3,rows=0.2")
     parser.add_argument(
-        "--writes-per-second", type=float, default=0.0, help="a concurrent writer's commits during the mix"
+        "--writes-per-second",
+        type=float,
+        default=0.0,
+        help="a running trial's reports and checkpoints (with ledgers) committed per second during the mix",
     )
     parser.add_argument("--quick", action="store_true", help="4 experiments, one 5 s round (development)")
     args = parser.parse_args()
