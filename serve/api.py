@@ -77,10 +77,37 @@ async def answer(
     reader: StoreReader = request.app.state.reader
     cache: ResponseCache = request.app.state.cache
     key = request_key(request)
-    body, hit = cache.peek(key), True
-    if body is None:
+    cached = cache.peek(key)
+    if cached is None:
         body, hit = await run_in_threadpool(cache.body, key, lambda: ask(reader), reads)
-    return Response(body, media_type="application/json", headers={CACHE_HEADER: "hit" if hit else "miss"})
+    else:
+        body, hit = cached, True
+    headers = {CACHE_HEADER: "hit" if hit else "miss"}
+    if body.gzipped is None:
+        return Response(body.json, media_type="application/json", headers=headers)
+    headers["Vary"] = "Accept-Encoding"
+    if not accepts_gzip(request.headers.get("accept-encoding", "")):
+        return Response(body.json, media_type="application/json", headers=headers)
+    headers["Content-Encoding"] = "gzip"
+    return Response(body.gzipped, media_type="application/json", headers=headers)
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header admits gzip: named with a q-value above 0, or else
+    ``*`` so (RFC 9110 12.5.3; ``gzip;q=0`` refuses it whatever ``*`` says)."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.split(","):
+        name, *params = (part.strip() for part in item.split(";"))
+        weight = 1.0
+        for param in params:
+            field, _, value = param.partition("=")
+            if field.strip().lower() == "q":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0
+        weights[name.lower()] = weight
+    return weights.get("gzip", weights.get("*", 0.0)) > 0
 
 
 def request_key(request: Request) -> bytes:

@@ -42,7 +42,9 @@ from govray.tracking.tables import LedgerRow, TrialState
 from govray.train.checkpoint import MODEL_FILE, STATE_FILE, CheckpointState, seal_checkpoint
 from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.reports import StepReport
+from serve.api import accepts_gzip
 from serve.app import create_app
+from serve.cache import GZIP_MIN_BYTES
 from serve.settings import ServeSettings
 
 LAYERS: dict[str, int | None] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
@@ -267,3 +269,44 @@ def test_the_lineage_page_of_a_running_trials_checkpoint_says_as_of_which_step(l
     page = live.client.get(f"/lineage/checkpoints/{checkpoint_id}")
     assert page.status_code == 200, page.text
     assert "as of step 10 (running)" in page.text
+
+
+def test_a_large_cached_answer_goes_gzipped_to_a_client_that_accepts_it_and_as_is_otherwise(
+    live: Live,
+) -> None:
+    for index in range(12):
+        live.store.create_experiment(f"search-{index}", "{}", "ab12", str(live.root / "storage"))
+    path = "/api/experiments?limit=50"
+    plain = live.client.get(path, headers={"Accept-Encoding": "identity"})
+    assert plain.headers["X-Govray-Cache"] == "miss" and "content-encoding" not in plain.headers
+    assert len(plain.content) >= GZIP_MIN_BYTES and plain.headers["Vary"] == "Accept-Encoding"
+    for accepted in ("gzip", "br, gzip;q=0.5", "*"):
+        zipped = live.client.get(path, headers={"Accept-Encoding": accepted})
+        assert zipped.headers["X-Govray-Cache"] == "hit" and zipped.headers["content-encoding"] == "gzip"
+        assert zipped.content == plain.content  # decoded by the client: the same bytes
+        assert zipped.num_bytes_downloaded < len(plain.content) / 2
+    refused = live.client.get(path, headers={"Accept-Encoding": "gzip;q=0, *"})
+    assert "content-encoding" not in refused.headers and refused.content == plain.content
+    small = live.client.get("/api/ping", headers={"Accept-Encoding": "gzip"})
+    assert "content-encoding" not in small.headers
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        ("gzip", True),
+        ("GZIP;q=0.5", True),
+        ("*", True),
+        ("deflate, gzip;q=1.0, *;q=0.5", True),
+        ("*;q=0, gzip", True),
+        ("", False),
+        ("identity", False),
+        ("gzip;q=0", False),
+        ("gzip;q=0.000", False),
+        ("gzip;q=0, *", False),
+        ("gzip;q=nonsense", False),
+        ("br, deflate", False),
+    ],
+)
+def test_accept_encoding_admits_gzip_as_rfc_9110_reads_it(header: str, accepted: bool) -> None:
+    assert accepts_gzip(header) is accepted

@@ -12,9 +12,10 @@ the app then keeps the answer until the store changes). Then ``rounds`` rounds a
 ``duration`` seconds of the mix and of ``GET /api/ping`` with ``clients`` threads, each with its own
 ``requests.Session``. Any answer but 200 fails the run.
 
-With ``--writes-per-second N`` a writer commits, N times a second during each mix phase, a report
-and a checkpoint with its ledger rows of a running trial that no question reads (what a live
-training run does to the store): the app's cache must keep the answers that did not change.
+With ``--writes-per-second N`` a writer process commits, N times a second during each mix phase
+(the empty endpoint's phases run without it: the stricter comparison), a report and a checkpoint
+with its ledger rows of a running trial that no question reads (what a live training run's driver
+does to the store): the app's cache must keep the answers that did not change.
 
 Run: ``python -m jobs.benchmarks.lineage_load`` (``--quick`` for a small store and short phases;
 ``--workdir DIR`` keeps the store and reuses it on the next run). The last two lines are::
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -38,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -184,18 +187,36 @@ WRITER_TENSORS = 24
 def writing(url: str, per_second: float) -> Iterator[None]:
     """While the block runs, a running trial of its own experiment commits ``per_second`` times a
     second (0: none) one report (metrics and progress) and one checkpoint with its ledger rows, as
-    the driver records a training run: each a new store generation, none of them read by the mix."""
+    the driver records a training run: each a new store generation, none of them read by the mix.
+    The writer is a process of its own, as a training run's driver is (a thread here would take
+    the GIL from the load's clients)."""
     if per_second <= 0:
         yield
         return
-    store, stop = TrackingStore(url), threading.Event()
+    store = TrackingStore(url)
     experiment = store.create_experiment("lineage-load-writer", "{}", "0" * 64, "/nonexistent/writer")
     trial = store.create_trial(experiment.id or 0, "{}", seed=1)
     trial_id = trial.id or 0
     store.set_trial_state(trial_id, TrialState.ACTIVE)
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    writer = context.Process(target=write, args=(url, trial_id, per_second, stop), daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+        store.set_trial_state(trial_id, TrialState.COMPLETED)
+        store.close()
+    if writer.exitcode != 0:
+        raise SystemExit(f"the writer failed (exit code {writer.exitcode})")
 
-    def write() -> None:
-        step = 0
+
+def write(url: str, trial_id: int, per_second: float, stop: Any) -> None:
+    """The writer process: a report and a checkpoint with its ledger rows every 1/``per_second`` s."""
+    store, step = TrackingStore(url), 0
+    try:
         while not stop.wait(1 / per_second):
             step += 1
             store.record_report(trial_id, step, {"training": {"training_loss": 1 / step}})
@@ -208,15 +229,7 @@ def writing(url: str, per_second: float) -> Iterator[None]:
                 for tensor in range(WRITER_TENSORS)
             ]
             record_ledger(store, trial_id, rows, checkpoint_id=checkpoint.id)
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
-        yield
     finally:
-        stop.set()
-        writer.join()
-        store.set_trial_state(trial_id, TrialState.COMPLETED)
         store.close()
 
 
@@ -273,6 +286,7 @@ def run(workdir: Path, weights: dict[str, float], args: argparse.Namespace) -> N
         for round_ in range(args.rounds):
             phases = [("mix", questions), ("empty", {"ping": ["/api/ping"]})]
             for name, asked in phases if round_ % 2 == 0 else phases[::-1]:
+                # the writer during the mix only: the empty endpoint's load has the machine to itself
                 with writing(url, args.writes_per_second if name == "mix" else 0.0):
                     sample = load(base, asked, {**weights, "ping": 1.0}, args.clients, args.duration)
                 (mix if name == "mix" else empty).add(sample)
