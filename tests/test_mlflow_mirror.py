@@ -95,6 +95,7 @@ def assert_same_metrics(client: MlflowClient, golden: GoldenRun) -> None:
         assert theirs == ours, name
     assert run.info.status == "FINISHED"
     assert run.data.params["lr"] == "0.01" and run.data.params["seed"] == str(golden.config.seed)
+    assert run.data.params["trial_seed"] == str(golden.store.get_trial(golden.outcome.trial_id).seed)
 
 
 def test_with_mlflow_down_the_run_completes_and_warns(run_while_down: Any) -> None:

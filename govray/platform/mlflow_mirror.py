@@ -5,8 +5,9 @@ worker) copies to MLflow what govray's own store holds:
 
 - the experiment, as the MLflow experiment ``PREFIX + NAME`` (tags: govray id, config and policy
   digests);
-- each trial, as a run (tag ``govray.trial_id``) with its hyperparameters and seed as params,
-  every stored metric at its step, and its state as the run's status;
+- each trial, as a run (tag ``govray.trial_id``) with its hyperparameters, the experiment's
+  ``seed`` and its ``trial_seed`` as params, every stored metric at its step, and its state as the
+  run's status;
 - each registered version of the experiment's checkpoints, as a version of the MLflow registered
   model of the same name (tag ``govray.version``), its tags carrying the sha256 of the provenance
   and coverage envelopes and of the base model file; the coverage matrix, the policy and both
@@ -126,10 +127,11 @@ class MlflowMirror:
     def _sync(self, experiment_id: int) -> None:
         experiment = self.store.get_experiment(experiment_id)
         mlflow_experiment = self._experiment(experiment)
+        seed = json.loads(experiment.config_json).get("seed")
         runs = {}
         for trial in self.store.list_trials(experiment_id):
             assert trial.id is not None
-            runs[trial.id] = self._run(mlflow_experiment, trial)
+            runs[trial.id] = self._run(mlflow_experiment, trial, seed)
         for version in self._versions(set(runs)):
             self._version(version, runs[version.checkpoint.trial_id])
 
@@ -143,7 +145,9 @@ class MlflowMirror:
             tags["govray.policy_sha256"] = experiment.policy_digest
         return str(self.client.create_experiment(name, tags=tags))
 
-    def _run(self, experiment_id: str, trial: TrialRecord) -> str:
+    def _run(self, experiment_id: str, trial: TrialRecord, seed: Any) -> str:
+        """The trial's run (created once: hyperparameters, the experiment's ``seed`` and the trial's
+        own ``trial_seed`` as params), its metrics after the cursor, its status."""
         from mlflow.entities import Metric, Param
 
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`{TRIAL_TAG}` = '{trial.id}'")
@@ -159,7 +163,7 @@ class MlflowMirror:
                 tags={TRIAL_TAG: str(trial.id), "govray.kind": trial.kind, CURSOR_TAG: "0"},
             )
             run_id, cursor, mirrored_status = run.info.run_id, 0, run.info.status
-            params = {**_flat(json.loads(trial.hparams_json)), "seed": trial.seed}
+            params = {**_flat(json.loads(trial.hparams_json)), "seed": seed, "trial_seed": trial.seed}
             self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
         assert trial.id is not None
         new = [m for m in self.store.metrics(trial.id) if m.id is not None and m.id > cursor]
