@@ -166,7 +166,8 @@ class MlflowMirror:
             params = {**_flat(json.loads(trial.hparams_json)), "seed": seed, "trial_seed": trial.seed}
             self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
         assert trial.id is not None
-        new = [m for m in self.store.metrics(trial.id) if m.id is not None and m.id > cursor]
+        # In recording order: the cursor is the newest row sent (name order would resend rows).
+        new = sorted(self.store.metrics(trial.id, after_id=cursor), key=lambda m: m.id or 0)
         for start in range(0, len(new), _BATCH):
             chunk = new[start : start + _BATCH]
             metrics = [Metric(m.name, m.value, _millis(m.recorded_at), m.step) for m in chunk]

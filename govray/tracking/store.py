@@ -396,10 +396,12 @@ class TrackingStore:
         with self.session() as session:
             return set(session.exec(select(Metric.step).where(Metric.trial_id == trial_id).distinct()))
 
-    def metrics(self, trial_id: int, name: str | None = None, *, since_step: int = 0) -> list[Metric]:
-        """A trial's metrics (only ``name`` when given; only steps ≥ ``since_step``), ordered by
-        name then step."""
-        query = select(Metric).where(Metric.trial_id == trial_id)
+    def metrics(
+        self, trial_id: int, name: str | None = None, *, since_step: int = 0, after_id: int = 0
+    ) -> list[Metric]:
+        """A trial's metrics (only ``name`` when given; only steps ≥ ``since_step``; only rows
+        recorded after row ``after_id``), ordered by name then step."""
+        query = select(Metric).where(Metric.trial_id == trial_id, col(Metric.id) > after_id)
         if name is not None:
             query = query.where(Metric.name == name)
         if since_step:
