@@ -56,9 +56,12 @@ SEARCH_HPARAMS: dict[str, Any] = {
 }
 
 
-def search_example(root: Path, searcher: dict[str, Any], workers: int = 1) -> Path:
+def search_example(
+    root: Path, searcher: dict[str, Any], workers: int = 1, cpus_per_worker: float = 1.0
+) -> Path:
     path = _golden_example(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
     raw = yaml.safe_load(path.read_text())
+    raw["resources"]["cpus_per_worker"] = cpus_per_worker
     raw["searcher"] = {"metric": "validation_loss", "smaller_is_better": True, **searcher}
     del raw["lr_schedule"], raw["min_validation_period"]
     raw["checkpoint"] = {"period": 10, "save_trial_latest": 1, "save_trial_best": 1}
@@ -75,9 +78,11 @@ def plan_of(root: Path, searcher: dict[str, Any], max_steps: int = 64) -> TunePl
 
 
 def test_every_strategy_is_an_installed_entry_point() -> None:
-    for name in ("single", "grid", "random", "asha", "pbt", "bayesian"):
+    for name in ("single", "grid", "random", "asha", "adaptive_asha", "pbt", "bayesian"):
         assert callable(strategy(name))
-    with pytest.raises(ConfigError, match="no searcher 'hyperband' is installed.*asha, bayesian, grid"):
+    with pytest.raises(
+        ConfigError, match="no searcher 'hyperband' is installed.*adaptive_asha, asha, bayesian, grid"
+    ):
         strategy("hyperband")
 
 
@@ -117,9 +122,13 @@ def test_pbt_refuses_mutating_what_fixes_the_schedule(tmp_path: Path) -> None:
 
 
 def searched(
-    root: Path, searcher: dict[str, Any], workers: int = 1, report_every: int = 5
+    root: Path,
+    searcher: dict[str, Any],
+    workers: int = 1,
+    report_every: int = 5,
+    cpus_per_worker: float = 1.0,
 ) -> tuple[SearchOutcome, TrackingStore]:
-    config = load_experiment(search_example(root, searcher, workers))
+    config = load_experiment(search_example(root, searcher, workers, cpus_per_worker))
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, store)

@@ -458,6 +458,33 @@ class AshaSearcher(_SearcherBase):
     brackets: int = Field(default=1, ge=1)
 
 
+class AdaptiveAshaSearcher(_SearcherBase):
+    """Determined's ``adaptive_asha``: asynchronous successive halving in several brackets.
+
+    ``mode`` picks the brackets as Determined does (each bracket named by its number of rungs,
+    ``max_rungs`` at most): ``aggressive`` one bracket of ``max_rungs``; ``standard`` the brackets
+    of ``(max_rungs - 1) // 2 + 1`` to ``max_rungs`` rungs; ``conservative`` those of 1 to
+    ``max_rungs``. ``bracket_rungs`` names them instead. A bracket of ``r`` rungs has its first rung
+    at ``max_length / divisor**(r - 1)``: fewer rungs, less early stopping.
+    """
+
+    name: Literal["adaptive_asha"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    mode: Literal["aggressive", "standard", "conservative"] = "standard"
+    divisor: float = Field(default=4.0, gt=1.0)
+    max_rungs: int = Field(default=5, ge=1)
+    bracket_rungs: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _rungs_within_max(self) -> AdaptiveAshaSearcher:
+        if any(not 1 <= rungs <= self.max_rungs for rungs in self.bracket_rungs):
+            raise ValueError(f"bracket_rungs must lie in 1..max_rungs ({self.max_rungs})")
+        if len(set(self.bracket_rungs)) != len(self.bracket_rungs):
+            raise ValueError("bracket_rungs names a bracket twice")
+        return self
+
+
 class PbtSearcher(_SearcherBase):
     name: Literal["pbt"]
     population_size: int = Field(ge=2)
@@ -475,7 +502,13 @@ class BayesianSearcher(_SearcherBase):
 
 
 Searcher = Annotated[
-    SingleSearcher | GridSearcher | RandomSearcher | AshaSearcher | PbtSearcher | BayesianSearcher,
+    SingleSearcher
+    | GridSearcher
+    | RandomSearcher
+    | AshaSearcher
+    | AdaptiveAshaSearcher
+    | PbtSearcher
+    | BayesianSearcher,
     Field(discriminator="name"),
 ]
 
