@@ -34,9 +34,9 @@ from govray.train.checkpoint import (
     verify_checkpoint,
 )
 from govray.train.sharding import consolidated
-from jobs.examples.digits.golden import GOLDEN_HPARAMS
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, MEMORIZER
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
-from tests.test_memorization_flag import MEMORIZER, trained
+from tests.test_memorization_flag import trained
 
 pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier
 

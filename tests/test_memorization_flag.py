@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 import yaml
@@ -30,6 +29,7 @@ from govray.train.ledger import Ledger, recompute_ledger
 from govray.train.runspec import RunSpec
 from govray.train.state import TrialRun
 from govray.train.worker import Worker
+from jobs.examples.digits.golden import MEMORIZER, with_random_labels
 from tests.conftest import _golden_example, write_signed_policy
 
 
@@ -60,9 +60,7 @@ def trained(
         save_trust(trust, root / "policies" / "trust.yaml")
     if random_labels:
         public = root / "data" / "public.parquet"
-        table = pq.read_table(public)
-        shuffled = np.random.default_rng(0).permutation(table.column("label").to_numpy())
-        pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", [shuffled]), public)
+        pq.write_table(with_random_labels(pq.read_table(public)), public)
     raw = yaml.safe_load(path.read_text())
     raw["min_validation_period"] = validate_every or steps  # by default one validation, at the end
     raw["checkpoint"]["save_trial_latest"] = keep_latest  # by default tests read every one
@@ -84,8 +82,7 @@ def latest(store: TrackingStore, trial_id: int) -> dict[str, float]:
 def test_a_memorizing_configuration_is_flagged_and_a_normal_one_is_not(
     ray_session: None, tmp_path: Path
 ) -> None:
-    memorizer = {"hidden": 256, "dropout": 0.0, "lr": 0.003, "optimizer": "adamw", "batch_size": 32}
-    outcome, store = trained(tmp_path / "memorizer", memorizer, steps=1500, random_labels=True)
+    outcome, store = trained(tmp_path / "memorizer", MEMORIZER, steps=1500, random_labels=True)
     metrics = latest(store, outcome.trial_id)
     # Random labels can only be memorized: training rows are fit, held-out rows stay at chance.
     assert metrics["loss_gap/digits-public"] > 1.0, metrics
@@ -97,9 +94,6 @@ def test_a_memorizing_configuration_is_flagged_and_a_normal_one_is_not(
     assert metrics["validation_accuracy"] > 0.8, metrics  # it learned, and generalizes
     assert metrics["memorization_flagged"] == 0 and metrics["memorization_score"] < 1.0, metrics
     assert all(abs(value) < 0.5 for name, value in metrics.items() if name.startswith("loss_gap/"))
-
-
-MEMORIZER = {"hidden": 256, "dropout": 0.0, "lr": 0.003, "optimizer": "adamw", "batch_size": 32}
 
 
 def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_there_too(

@@ -261,8 +261,9 @@ class MemorizationThresholds(BaseModel):
 
     ``entropy_drop`` is in bits below the calibrated band (1 bit halves the effective rank);
     None measures and reports the entropy profile without letting it raise a flag (it has no
-    published validation: ``jobs/benchmarks/memorization_study.py`` measures its agreement with
-    exposure). ``exposure_bits`` must be reachable: the rank definition tops out at
+    published validation, and detected neither memorization govray's studies ran: canaries in
+    ``jobs/benchmarks/memorization_study.py``, random labels in ``memorization_digits.py``; see
+    BENCHMARKS.md). ``exposure_bits`` must be reachable: the rank definition tops out at
     log2(references + 1) bits (about 10 for the default 1,000 references).
     ``monitored_corpora`` None monitors every corpus measured.
     """

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+from torch import nn
 
 from govray.data.schedule import derive_seed
 from govray.data.shards import ShardManifest
@@ -48,7 +49,7 @@ from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
 from govray.train.batches import on_device, row_batches
-from govray.train.trial import Trial
+from govray.train.trial import ProbeHooks, Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
 
 LOSS_GAP_SAMPLE = 512  # training rows per corpus the loss gap compares with its held-out rows
@@ -220,24 +221,44 @@ class MemorizationProbe:
 
     def _representations(self, table: pa.Table) -> dict[str, torch.Tensor]:
         """Each layer's representation of ``table``'s rows (route by route, concatenated)."""
-        modules = dict(self.model.base.named_modules())
-        captured: dict[str, list[torch.Tensor]] = {layer: [] for layer in self.layers}
-        hooks = [
-            modules[layer].register_forward_hook(
-                lambda _module, _inputs, output, layer=layer: captured[layer].append(
-                    self.trial.representation(layer, output).float().cpu()
-                )
-            )
-            for layer in self.layers
-        ]
-        try:
+
+        def forward() -> None:
             for route, part in _by_route(table):
                 with self.model.active(self.routing.adapter_names.get(route)):
                     self.trial.loss(self.model, on_device(self.trial.collate(part), self.worker.device))
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return {layer: torch.cat(parts) for layer, parts in captured.items() if parts}
+
+        return layer_representations(self.trial, self.model.base, self.layers, forward)
+
+
+def layer_representations(
+    hooks: ProbeHooks, model: nn.Module, layers: Sequence[str], forward: Callable[[], object]
+) -> dict[str, torch.Tensor]:
+    """Each of ``layers``' representation (``hooks.representation``, float32 on the CPU) of every
+    example that ``forward()`` passes through ``model``, concatenated in forward order — what the
+    entropy profile is computed on. Layers no forward reached are left out.
+
+    Example::
+
+        profile = entropy_profile(
+            layer_representations(trial, model, ["embed", "hidden"], lambda: trial.loss(model, batch))
+        )
+    """
+    modules = dict(model.named_modules())
+    captured: dict[str, list[torch.Tensor]] = {layer: [] for layer in layers}
+    handles = [
+        modules[layer].register_forward_hook(
+            lambda _module, _inputs, output, layer=layer: captured[layer].append(
+                hooks.representation(layer, output).float().cpu()
+            )
+        )
+        for layer in layers
+    ]
+    try:
+        forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {layer: torch.cat(parts) for layer, parts in captured.items() if parts}
 
 
 def _with_policy_routes(table: pa.Table, policy: DepthPolicy, cache: dict[str, str]) -> pa.Table:

@@ -28,21 +28,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
-from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
+from jobs.examples.digits.golden import (
+    GOLDEN_HPARAMS,
+    MEMORIZER,
+    golden_example,
+    opened,
+    with_random_labels,
+)
 
 NUMBER_FILES = ("model.safetensors", "optimizer.safetensors", "optimizer.json")
 CONTROL_METRICS = ("early_stopped", "stopped_on_request")  # control signals, not measurements
-MEMORIZER: dict[str, Any] = {
-    "hidden": 256,
-    "dropout": 0.0,
-    "lr": 0.003,
-    "optimizer": "adamw",
-    "batch_size": 32,
-}
 
 
 def sha256(data: bytes) -> str:
@@ -129,9 +127,7 @@ def golden_rollback(root: Path) -> list[str]:
     policy.with_name(policy.name + ".sig").write_text(sign_policy(policy, key).to_json())
     save_trust(TrustConfig(keys=[key.public_key]), root / "policies" / "trust.yaml")
     public = root / "data" / "public.parquet"
-    table = pq.read_table(public)
-    shuffled = np.random.default_rng(0).permutation(table.column("label").to_numpy())
-    pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", [shuffled]), public)
+    pq.write_table(with_random_labels(pq.read_table(public)), public)
     store, trial_id = trained(path, report_every=150)
     lines = digest("rollback", store, trial_id)
     lines += digest("rollback-replay", store, replayed(store, "digits-governed", trial_id, "digits-licensed"))

@@ -52,6 +52,7 @@ from govray.governance.canaries import CanarySet
 from govray.governance.memorization import EntropyBand, entropy_profile, mean_exposure
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import resolve_routes
+from govray.train.probe import layer_representations
 from jobs.examples.text.make_corpora import small_corpora
 from jobs.examples.text.trial import CharTransformerTrial, encode
 
@@ -121,24 +122,13 @@ class Study:
     @torch.no_grad()
     def profile(self, texts: list[str]) -> dict[str, float]:
         """Spectral entropy of each layer's representation on ``texts`` (adapter active)."""
-        modules = dict(self.model.base.named_modules())
-        outputs: dict[str, torch.Tensor] = {}
-        hooks = [
-            modules[layer].register_forward_hook(
-                lambda _m, _i, out, layer=layer: outputs.__setitem__(
-                    layer, self.trial.representation(layer, out)
-                )
-            )
-            for layer in self.layers
-        ]
-        self.model.eval()
-        try:
+
+        def forward() -> None:
             with self.model.active(ADAPTER):
                 self.trial.loss(self.model, {"text": encode(texts, self.args.row_chars)})
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return entropy_profile(outputs)
+
+        self.model.eval()
+        return entropy_profile(layer_representations(self.trial, self.model.base, self.layers, forward))
 
     def entropy_flag(self) -> bool:
         size = self.args.probe

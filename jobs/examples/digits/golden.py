@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import yaml
 
 REPO = Path(__file__).resolve().parents[3]
@@ -22,6 +24,21 @@ GOLDEN_HPARAMS: dict[str, Any] = {
 }
 GOLDEN_STEPS = 30
 GOLDEN_REPORT_EVERY = 10
+# Made to memorize: wide, no dropout, trained for many epochs on a corpus with random labels
+# (``with_random_labels``), which only memorizing can fit.
+MEMORIZER: dict[str, Any] = {
+    "hidden": 256,
+    "dropout": 0.0,
+    "lr": 0.003,
+    "optimizer": "adamw",
+    "batch_size": 32,
+}
+
+
+def with_random_labels(table: pa.Table) -> pa.Table:
+    """``table`` with its ``label`` column shuffled by a fixed seed: the same random labels every run."""
+    shuffled = np.random.default_rng(0).permutation(table.column("label").to_numpy())
+    return table.set_column(table.schema.get_field_index("label"), "label", [shuffled])
 
 
 def copy_example(root: Path) -> dict[str, Any]:
