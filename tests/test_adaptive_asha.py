@@ -109,6 +109,7 @@ def test_the_plan_validates_at_every_rung_and_shows_its_brackets(tmp_path: Path)
     assert plan.search_alg.max_concurrent == 1
 
 
+@pytest.mark.cluster  # six concurrent trials (~80 s): the second tier
 def test_adaptive_asha_runs_concurrent_fractional_cpu_trials_and_stops_the_weak_at_rungs(
     ray_session: None, tmp_path: Path
 ) -> None:
