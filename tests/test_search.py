@@ -92,7 +92,8 @@ def test_grid_points_follow_determineds_count(tmp_path: Path) -> None:
 def test_asha_grace_period_is_max_t_over_divisor_to_the_rungs_minus_one(tmp_path: Path) -> None:
     assert grace_period(64, 4.0, 3) == 4 and grace_period(64, 2.0, 4) == 8 and grace_period(10, 4.0, 5) == 1
     plan = plan_of(tmp_path, {"name": "asha", "max_trials": 6, "divisor": 2, "max_rungs": 3, "brackets": 1})
-    assert plan.notes == {"max_t": 64, "grace_period": 16} and plan.validation_period == 16
+    assert plan.notes == {"max_t": 64, "grace_period": 16, "rungs": [16, 32, 64]}
+    assert plan.validation_period == 16
     assert plan.num_samples == 6 and plan.scheduler._reduction_factor == 2
 
 
