@@ -4,7 +4,10 @@
     govray submit EXPERIMENT.yaml --search --address http://HEAD:8265   # the same, with pins and checks
 
 The same as ``govray search CONFIG``; resubmitting an interrupted search resumes it (Tune's
-``Tuner.restore``) without rerunning finished trials.
+``Tuner.restore``) without rerunning finished trials. A job's log is no terminal: the search's
+progress comes as plain lines, one per change at most every 5 s, instead of Ray Tune's tables::
+
+    search 2/4 trials · 1 running · 1 completed · 1 stopped early · best validation_loss 2.3054 (trial 1)
 """
 
 from __future__ import annotations

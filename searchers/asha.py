@@ -10,6 +10,8 @@ report; the objective they report is penalized by memorization.
 
 from __future__ import annotations
 
+import math
+
 from ray.tune.schedulers import ASHAScheduler
 
 from govray.config.experiment import AshaSearcher, ExperimentConfig
@@ -19,6 +21,17 @@ from searchers.space import sampled_space, seeded_samples
 
 def grace_period(max_t: int, divisor: float, max_rungs: int) -> int:
     return max(1, int(max_t / divisor ** (max_rungs - 1)))
+
+
+def rung_steps(max_t: int, grace: int, divisor: float) -> list[int]:
+    """The steps of ASHA's rungs (its first bracket's): grace·divisor^k up to ``max_t``, each
+    rounded up, since a trial passes a rung at its first report at or after it."""
+    rungs = []
+    milestone: float = grace
+    while milestone <= max_t:
+        rungs.append(math.ceil(milestone))
+        milestone *= divisor
+    return rungs
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
@@ -38,5 +51,9 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
             brackets=searcher.brackets,
         ),
         validation_period=grace,
-        notes={"max_t": max_steps, "grace_period": grace},
+        notes={
+            "max_t": max_steps,
+            "grace_period": grace,
+            "rungs": rung_steps(max_steps, grace, searcher.divisor),
+        },
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from govray.platform.search import (
     run_search,
     strategy,
 )
+from govray.platform.search_progress import SearchState
 from govray.provenance.attest import COVERAGE_TYPE, verify_attestation
 from govray.provenance.recompute import check_attested_ledger
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
@@ -97,7 +99,8 @@ def test_grid_points_follow_determineds_count(tmp_path: Path) -> None:
 def test_asha_grace_period_is_max_t_over_divisor_to_the_rungs_minus_one(tmp_path: Path) -> None:
     assert grace_period(64, 4.0, 3) == 4 and grace_period(64, 2.0, 4) == 8 and grace_period(10, 4.0, 5) == 1
     plan = plan_of(tmp_path, {"name": "asha", "max_trials": 6, "divisor": 2, "max_rungs": 3, "brackets": 1})
-    assert plan.notes == {"max_t": 64, "grace_period": 16} and plan.validation_period == 16
+    assert plan.notes == {"max_t": 64, "grace_period": 16, "rungs": [16, 32, 64]}
+    assert plan.validation_period == 16
     assert plan.num_samples == 6 and plan.scheduler._reduction_factor == 2
 
 
@@ -127,12 +130,16 @@ def searched(
     workers: int = 1,
     report_every: int = 5,
     cpus_per_worker: float = 1.0,
+    progress: Callable[[SearchState], None] | None = None,
 ) -> tuple[SearchOutcome, TrackingStore]:
     config = load_experiment(search_example(root, searcher, workers, cpus_per_worker))
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, store)
-    return run_search(config, checked, experiment, ingested.root, store, report_every=report_every), store
+    outcome = run_search(
+        config, checked, experiment, ingested.root, store, report_every=report_every, progress=progress
+    )
+    return outcome, store
 
 
 def assert_recorded(outcome: SearchOutcome, store: TrackingStore, trials: int) -> None:
@@ -208,13 +215,22 @@ def test_asha_stops_weak_trials_at_a_rung_and_records_the_early_stop(
         "max_rungs": 2,  # grace period 20 / 2 = 10: rungs at steps 10 and 20
         "max_length": {"batches": 20},
     }
-    outcome, store = searched(tmp_path, searcher)
+    shown: list[SearchState] = []
+    outcome, store = searched(tmp_path, searcher, progress=shown.append)
     assert_recorded(outcome, store, trials=4)
     last = {t: store.metrics(t, "objective")[-1].step for t in outcome.trial_ids}
     assert set(last.values()) == {10, 20}, last  # some stopped at the first rung, some finished
     for trial_id, step in last.items():
         kinds = [d.kind for d in store.decisions(trial_id)]
         assert kinds == (["early_stop"] if step == 10 else []), (trial_id, kinds)
+    # The progress view ended with what the store holds: the same trials stopped, the same best.
+    final = shown[-1]
+    stopped = {t for t, step in last.items() if step == 10}
+    assert (final.planned, final.count("running"), final.count("stopped early")) == (4, 0, len(stopped))
+    assert {t.number for t in final.trials if t.status == "stopped early"} == stopped
+    assert {(t.number, t.rung) for t in final.trials} == {(t, 1 if t in stopped else 2) for t in last}
+    assert final.best == pytest.approx((outcome.best_objective, outcome.best_trial_id))
+    assert max(state.count("running") for state in shown) == 1  # max_concurrent_trials (default 1)
 
 
 def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
@@ -330,10 +346,11 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
 
 
 def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
-    ray_session: None, tmp_path: Path
+    ray_session: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """`jobs/search.py` in its own process, SIGKILLed once two of four grid trials finished;
-    the same call again resumes Tune's state and runs only the other two."""
+    the same call again resumes Tune's state and runs only the other two, and shows it in
+    plain progress lines."""
     import time
 
     from govray.cli import main
@@ -360,9 +377,20 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     store = TrackingStore.open(database)
     before = {t: len(store.metrics(t)) for t in finished}
     time.sleep(3)  # the dead driver's Tune trials die with it
+    capfd.readouterr()
     assert main(parse(["--config", str(path)])) == 0
     trials = store.list_trials(1)
     assert len(trials) == 4 and all(t.state == "completed" for t in trials)
+    # What `govray search` printed (no terminal here): progress lines, none of Tune's tables; the
+    # resumed search counts the trials finished before the kill.
+    printed = capfd.readouterr().out
+    assert "Trial status" not in printed and "Configuration for experiment" not in printed, printed
+    progress = [line for line in printed.splitlines() if line.startswith("search ")]
+    best = min((m.value, t.id) for t in trials for m in store.metrics(t.id, "objective"))
+    assert progress[-1] == (
+        f"search 4/4 trials · 0 running · 4 completed · best validation_loss {best[0]:.4f} (trial {best[1]})"
+    )
+    assert int(progress[0].split()[1].split("/")[0]) >= 2, progress
     assert {t: len(store.metrics(t)) for t in finished} == before  # not run again
     sampled = sorted(
         (json.loads(t.hparams_json)["hidden"], round(json.loads(t.hparams_json)["lr"], 6)) for t in trials

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from rich.console import Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import refusals
 from govray.platform.search import run_search
+from govray.platform.search_progress import LinePrinter, SearchState, progress_best, progress_counts
 
 
 def search(
@@ -26,7 +34,8 @@ def search(
         f"experiment {experiment.id} '{config.name}': {config.searcher.name} search, objective "
         f"{config.searcher.metric} + {config.searcher.memorization_lambda:g} x memorization_score"
     )
-    outcome = run_search(config, checked, experiment, ingested.root, store)
+    with search_view() as show:
+        outcome = run_search(config, checked, experiment, ingested.root, store, progress=show)
     listing = table("trial", "state", "hyperparameters", "steps", "objective", "memorization", "cloned from")
     for trial_id in outcome.trial_ids:
         trial = store.get_trial(trial_id)
@@ -46,3 +55,32 @@ def search(
     console.print(
         f"best: trial {outcome.best_trial_id} {outcome.best_hparams} objective {outcome.best_objective:.4f}"
     )
+
+
+@contextmanager
+def search_view() -> Iterator[Callable[[SearchState], None]]:
+    """The search's progress: one panel redrawn in a terminal, else one line per change at most
+    every 5 seconds (ray job logs, CI)."""
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            yield lambda state: live.update(progress_panel(state))
+        return
+    printer = LinePrinter(lambda line: console.print(line, highlight=False, markup=False))
+    try:
+        yield printer.show
+    finally:
+        printer.flush()
+
+
+def progress_panel(state: SearchState) -> RenderableType:
+    """The terminal view: counts, the best so far, and a row for each running trial."""
+    lines: list[RenderableType] = [Text(progress_counts(state))]
+    if best := progress_best(state):
+        lines.append(Text(best))
+    if state.running:
+        rows = Table("trial", "step", "rung", state.objective, box=None, padding=(0, 2, 0, 0))
+        for trial in sorted(state.running, key=lambda t: t.number):
+            shown = f"{trial.objective:.4f}" if trial.objective is not None else "-"
+            rows.add_row(str(trial.number), str(trial.step), str(trial.rung), shown)
+        lines.append(rows)
+    return Group(*lines)

@@ -43,6 +43,7 @@ from govray.platform.mlflow_mirror import mirrored
 from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.platform.runner import governed_trainer, last_step, new_run_spec
+from govray.platform.search_progress import SearchProgress, SearchState
 from govray.provenance.attest import attest_trial_end
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, Experiment, TrialState
@@ -328,8 +329,10 @@ def run_search(
     store: TrackingStore,
     *,
     report_every: int = 20,
+    progress: Callable[[SearchState], None] | None = None,
 ) -> SearchOutcome:
-    """Run (or, when its Tune state exists, resume) the experiment's search; returns the best trial."""
+    """Run (or, when its Tune state exists, resume) the experiment's search; returns the best trial.
+    ``progress`` is shown the search's state whenever it changes (Tune itself prints nothing)."""
     from ray.tune import TuneConfig, Tuner
 
     assert experiment.id is not None
@@ -379,12 +382,17 @@ def run_search(
         if config.resources.workers == 1
         else {"memory": TUNE_TRIAL_MEMORY},
     )
+    callbacks: list[ray.tune.Callback] = [tracking]
+    if progress is not None:
+        callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))
     path = search_path(config, experiment)
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
     location = storage.ray_path(path)
     # Tune saves its experiment state at most this often: a trial finished before an interruption
     # is known finished to the resumed search (Tune's "auto" waits 10 s or more).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
+    # Tune's new output engine prints its tables even at verbose=0; the old one is silent there.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     store.set_experiment_state(experiment.id, "active")
     try:
         if Tuner.can_restore(location, storage_filesystem=storage.filesystem):
@@ -395,6 +403,10 @@ def run_search(
                 param_space=plan.param_space,
                 storage_filesystem=storage.filesystem,
             )
+            # Tune resumes with the callbacks it pickled when the search began (there is no public
+            # way to pass others): this run's tracking and view take their place.
+            if tuner._local_tuner is not None:
+                tuner._local_tuner.get_run_config().callbacks = callbacks
         else:
             tuner = Tuner(
                 trainable,
@@ -414,7 +426,7 @@ def run_search(
                     name=path.name,
                     storage_path=storage.ray_path(path.parent),
                     storage_filesystem=storage.filesystem,
-                    callbacks=[tracking],
+                    callbacks=callbacks,
                     stop=ends_trial,
                     verbose=0,
                 ),

@@ -49,6 +49,7 @@ STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control fi
 STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
 REPORT_KEY = "govray_reports"  # a Tune result's reports since the last one, as a JSON list
 LAST_KEY = "govray_last"  # 1 in a trial's last Tune result: it ends the trial (``ends_trial``)
+EARLY_STOP_KEY = "govray_early_stop"  # 1 in the last result of a trial its own early stopping ended
 Save = Callable[[Path], None]  # writes and signs a checkpoint into a folder
 
 
@@ -297,6 +298,7 @@ def tune_result(reports: list[StepReport], max_steps: int) -> dict[str, Any]:
         "step": last.step,
         "objective": last.metrics["objective"],
         LAST_KEY: int(last.step >= max_steps or last.stop == "early_stop"),
+        EARLY_STOP_KEY: int(last.stop == "early_stop"),
     }
 
 
