@@ -169,6 +169,7 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         notes={
             "max_t": max_steps,
             "grace_period": grace,
+            "rungs": list(plans[0].milestones),  # the steps of every rung (the first bracket has all)
             "brackets": [
                 {"rungs": p.rungs, "max_trials": p.max_trials, "max_concurrent_trials": p.max_concurrent}
                 for p in plans

@@ -102,6 +102,7 @@ def test_trials_fill_brackets_by_quota_and_free_slots_not_by_chance() -> None:
 def test_the_plan_validates_at_every_rung_and_shows_its_brackets(tmp_path: Path) -> None:
     plan = plan_of(tmp_path, {"name": "adaptive_asha", "max_trials": 16, "divisor": 2, "max_rungs": 3})
     assert plan.validation_period == plan.notes["grace_period"] == 16  # 64 steps / 2^2
+    assert plan.notes["rungs"] == [16, 32, 64]  # what the progress view counts rungs by
     assert plan.notes["brackets"] == [
         {"rungs": 3, "max_trials": 10, "max_concurrent_trials": 1},
         {"rungs": 2, "max_trials": 6, "max_concurrent_trials": 1},
