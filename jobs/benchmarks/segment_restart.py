@@ -1,0 +1,122 @@
+"""What an N-worker search trial pays per rung: its nested Ray Train worker group restarts at
+every validation (one ``TorchTrainer`` per segment, resuming the segment's signed checkpoint).
+
+The same 2-worker trial of the digits example (golden hyperparameters, no LR schedule, one CPU per
+worker) runs four times in one local Ray session, all for the same steps:
+
+- a 1-point grid search validating every ``steps / segments`` steps: ``segments`` segments;
+- the same search validating only at its end: one segment;
+- ``govray run``'s continuous run (one worker group) with the same validations as the first;
+- and with the one validation of the second.
+
+The continuous runs price the extra validations (probe, memorization, signed checkpoint) without
+any restart, so the restart itself costs, per rung::
+
+    ((segmented - one segment) - (continuous, same validations - continuous, one)) / (segments - 1)
+
+A training step is timed from the reports the continuous one-validation run sends the driver
+(least squares of arrival time on step; the driver looks every 0.5 s, so long runs measure it
+better). The final weights must not depend on the segments: the script compares the final
+checkpoints' ``model.safetensors`` bit for bit and prints what it found.
+
+Run: ``python -m jobs.benchmarks.segment_restart [--steps 600 --segments 5]``. Last line::
+
+    segment restart cost per rung: X.XX s (Y.YYx a training step)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from govray.core.runtime import ensure_ray
+from govray.platform.runner import run_trial
+from govray.platform.search import run_search
+from govray.tracking.lineage import checkpoints
+from govray.train.checkpoint import MODEL_FILE, find_checkpoints
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
+
+
+def experiment(root: Path, steps: int, period: int, searcher: str) -> Path:
+    """The 2-worker digits trial validating every ``period`` steps, searched by ``searcher``."""
+    return golden_example(
+        root,
+        2,
+        {"batches": steps},
+        GOLDEN_HPARAMS,  # every hyperparameter fixed: a grid search of one point
+        keep_checkpoints=None,
+        lr_schedule=False,
+        min_validation_period=period,
+        checkpoint={"period": steps, "save_trial_latest": 1, "save_trial_best": 1},
+        searcher={"name": searcher, "metric": "validation_loss", "max_length": {"batches": steps}},
+    )
+
+
+def searched(root: Path, steps: int, period: int) -> tuple[float, bytes]:
+    """(wall seconds of ``run_search``, the final model file) of the 1-point search."""
+    config, store, checked, experiment_row, ingested = opened(experiment(root, steps, period, "grid"))
+    started = time.perf_counter()
+    outcome = run_search(config, checked, experiment_row, ingested.root, store)
+    seconds = time.perf_counter() - started
+    [trial_id] = outcome.trial_ids
+    final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
+    return seconds, (Path(final.path) / MODEL_FILE).read_bytes()
+
+
+def continuous(root: Path, steps: int, period: int) -> tuple[float, bytes, float]:
+    """(wall seconds of ``run_trial``, the final model file, seconds per training step)."""
+    config, store, checked, experiment_row, ingested = opened(experiment(root, steps, period, "single"))
+    arrivals: list[tuple[int, float]] = []
+
+    def arrived(step: int, max_steps: int, latest: dict[str, float]) -> None:
+        arrivals.append((step, time.perf_counter()))
+
+    started = time.perf_counter()
+    outcome = run_trial(
+        config, checked, experiment_row, ingested.root, store, report_every=1, progress=arrived
+    )
+    seconds = time.perf_counter() - started
+    training = [(step, at) for step, at in arrivals if step < steps]  # the last step validates
+    fitted = statistics.linear_regression([step for step, _ in training], [at for _, at in training])
+    final = find_checkpoints(outcome.run_dir)[-1]
+    return seconds, (final / MODEL_FILE).read_bytes(), fitted.slope
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--segments", type=int, default=5)
+    args = parser.parse_args()
+    if args.steps % args.segments:
+        parser.error("--steps must be a multiple of --segments")
+    period = args.steps // args.segments
+    ensure_ray()
+    with tempfile.TemporaryDirectory(prefix="govray-segments-") as scratch:
+        root = Path(scratch)
+        one, one_model = searched(root / "one", args.steps, args.steps)
+        segmented, segmented_model = searched(root / "segmented", args.steps, period)
+        same, same_model, _ = continuous(root / "continuous", args.steps, period)
+        single, _, step = continuous(root / "single", args.steps, args.steps)
+    print(f"{args.steps} steps, 2 workers; validation every {period} steps: {args.segments} segments")
+    print(f"one-segment search: {one:.2f} s")
+    print(f"segmented search ({args.segments} segments): {segmented:.2f} s")
+    print(f"continuous run, {args.segments} validations: {same:.2f} s; 1 validation: {single:.2f} s")
+    print(f"training step: {step:.4f} s (continuous run, 1 validation)")
+    identical = {True: "yes", False: "NO"}
+    print(
+        "final model.safetensors bit-identical: segmented vs one-segment search: "
+        f"{identical[segmented_model == one_model]}; segmented search vs continuous run: "
+        f"{identical[segmented_model == same_model]}"
+    )
+    rungs = args.segments - 1
+    print(f"validations, per extra one (continuous runs): {(same - single) / rungs:.2f} s")
+    print(f"segmented/one-segment wall time: {segmented / one:.3f}")
+    restart = ((segmented - one) - (same - single)) / rungs
+    print(f"segment restart cost per rung: {restart:.2f} s ({restart / step:.2f}x a training step)")
+
+
+if __name__ == "__main__":
+    main()
