@@ -5,9 +5,8 @@
 
 The same as ``govray search CONFIG``; resubmitting an interrupted search resumes it (Tune's
 ``Tuner.restore``) without rerunning finished trials. A job's log is no terminal: the search's
-progress comes as plain lines, one per change at most every 5 s, instead of Ray Tune's tables::
-
-    search 2/4 trials · 1 running · 1 completed · 1 stopped early · best validation_loss 2.3054 (trial 1)
+progress comes as plain lines (``search 3/4 trials · 1 running · ...``; README, "Hyperparameter
+search"), one per change at most every 5 s, instead of Ray Tune's tables.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and errored, the rung of each running trial, and the best objective so far with 
 the state changed it goes to a view: ``govray search`` redraws one panel in a terminal, and
 ``LinePrinter`` prints one line per change at most every few seconds (ray job logs, CI)::
 
-    search 2/4 trials · 1 running · 1 completed · 1 stopped early · best validation_loss 2.3054 (trial 1)
+    search 3/3 trials · 0 running · 1 completed · 2 stopped early · best validation_loss 2.3054 (trial 1)
 
 Trials are named by their id in the tracking store, as ``govray search`` lists them at the end.
 """
