@@ -33,6 +33,8 @@ from jobs.examples.digits.golden import (
     save_experiment,
 )
 from jobs.examples.digits.golden import golden_example as _golden_example
+from tests.tiers import pytest_fixture_setup as pytest_fixture_setup  # the default tier's time budget
+from tests.tiers import pytest_runtest_makereport as pytest_runtest_makereport
 
 if TYPE_CHECKING:
     from tests.cluster.postgres import PostgresServer
