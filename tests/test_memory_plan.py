@@ -12,7 +12,7 @@ import torch
 from govray.cli import main
 from govray.config.experiment import load_experiment
 from govray.config.training import Precision
-from govray.governance.policy import load_policy
+from govray.governance.policy import DepthPolicy, load_policy
 from govray.train.memory_plan import MemoryPlan, PlanSetup, plan_governed
 from govray.train.trial import make_trial
 from jobs.benchmarks.memory_plan import story_policy, story_trial
@@ -47,6 +47,28 @@ def test_the_hf_lm_example_plans_its_parameters_gradients_and_adamw_state_as_cou
     # Two ranks: DDP's buckets hold a copy of the base's gradients, the adapters a flat buffer.
     assert plan.at_peak.communication == 4 * (base + adapter)
     assert plan.at_peak.activations > 0
+
+
+def test_checkpointing_an_adapter_only_run_keeps_its_state_and_saves_activations() -> None:
+    """Every route trains the PII adapter only: the base is frozen, the adapter's blocks recompute
+    in backward with the adapter still active, and only activations shrink."""
+    config = load_experiment(HF_LM)
+    hparams = config.default_hparams()
+    trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
+    adapters = load_policy(config.policy.file).model_dump(mode="json")["adapters"]
+    rules = [{"name": "everything", "route": {"adapter": "records-lora"}}]
+    policy = DepthPolicy.model_validate(
+        {"name": "lora-only", "version": 1, "adapters": adapters, "rules": rules}
+    )
+    plans = [
+        plan_governed(trial, policy, PlanSetup(1, 16, 129, Precision.BF16, activation_checkpointing=on))
+        for on in (False, True)
+    ]
+    base, adapter = 45376, 3584  # the hf_lm model's elements, counted in the test above
+    for plan in plans:
+        assert_hand_count(plan, params=2 * base + 4 * adapter, grads=4 * adapter, optimizer=8 * adapter)
+        assert plan.at_peak.communication == 0  # one rank: nothing to reduce
+    assert plans[1].largest.activations < plans[0].largest.activations
 
 
 def test_govray_plan_prints_the_breakdown_and_refuses_a_run_that_cannot_fit(
