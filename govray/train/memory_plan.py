@@ -2,7 +2,7 @@
 
 One governed training step runs on fake tensors (shapes and dtypes, no storage) with a fake
 process group of the run's world size, under torch's memory tracker, so an 8B model is planned
-on a laptop CPU in under a minute. The step is govray's: the trial's model built on the ``meta``
+on a CPU in about 15 s of CPU time. The step is govray's: the trial's model built on the ``meta``
 device, routes resolved on it (``resolve_routes``), adapters injected by ``GovernedModel``, the
 governor's masks, divisors and per-route-group clipping (``GradientGovernor``), the trial's
 optimizer. What the step assumes of the engine:
@@ -19,9 +19,10 @@ optimizer. What the step assumes of the engine:
 - the step measured is the one of the route whose slot updates the most bytes, with the optimizer
   state of every trainable tensor already there (the state after each route has stepped once).
 
-Two pieces cannot run on fake tensors and are counted by hand, each in one function:
-DDP's reducer (:func:`ddp_buckets_by_hand`: it refuses tensors without storage) and the governor's
-device-side scalars (:func:`governance_buffers_by_hand`, created lazily inside the step).
+Two pieces are counted by hand, each in one function: DDP's buckets (:func:`ddp_buckets_by_hand`:
+DDP cannot be built on fake tensors, it refuses tensors without storage; a stand-in of their size
+is tracked) and the governance scalars the engine keeps on the device
+(:func:`governance_buffers_by_hand`: named apart, a few kB).
 Example::
 
     plan = plan_governed(trial, policy, PlanSetup(world_size=8, micro_batch=1, seq_len=4096))
@@ -251,9 +252,11 @@ def ddp_buckets_by_hand(parameters: Sequence[nn.Parameter]) -> int:
 
 
 def governance_buffers_by_hand(route_groups: int) -> int:
-    """Bytes on the device that govern a step (created lazily inside it, so counted by hand):
-    per route group a non-finite flag (fp32), the step it was first raised (int64) and its
-    divisor's inverse (fp32), each its own allocator block. Masks are ranges: no device bytes."""
+    """Bytes on the device that govern a step, counted by hand so the plan names them: per route
+    group a non-finite flag (fp32), the step it was first raised (int64) and its divisor's
+    inverse (fp32), each its own allocator block. Masks are ranges: no device bytes. (The
+    governor creates its own lazily inside the measured step, where the tracker also counts them
+    among temporaries: a few hundred bytes each.)"""
     return 3 * route_groups * ALLOCATION
 
 
