@@ -6,7 +6,8 @@ routing refused; 7 ingest refused; 8 tracking store problem; 10 checkpoint refus
 refused (it names what broke); 17 model registry request refused; 18 row lookup refused (unknown
 corpus, row out of range); 19 training-content summary refused; 20 Ray job failed, or the Ray Jobs
 API refused a request (address, token, unknown job); 21 Ray job stopped before it finished; 22 a
-submitted job's packages differ from its pins; 1 anything else govray refused on purpose.
+submitted job's packages differ from its pins; 23 the run does not fit the GPU memory given to
+``govray plan``; 1 anything else govray refused on purpose.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.markup import escape
 
 from govray.cli import audit, data, experiment, export, job, keys, lineage, model, policy, trial
 from govray.cli.attest import attest, verify
+from govray.cli.plan import plan
 from govray.cli.replay import replay
 from govray.cli.resume import resume
 from govray.cli.run import run
@@ -52,6 +54,7 @@ app.command(name="replay")(replay)
 app.command(name="resume")(resume)
 app.command(name="attest")(attest)
 app.command(name="verify")(verify)
+app.command(name="plan")(plan)
 
 
 def main(argv: list[str] | None = None) -> int:

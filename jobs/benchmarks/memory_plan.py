@@ -1,0 +1,183 @@
+"""Benchmark: the memory plan of the first real GPU job, governed against plain PEFT + DDP.
+
+A Llama-3-8B-shaped model (hidden 4096, 32 blocks, 32 heads, 8 KV heads, MLP 14336, vocab
+128256), bf16 base, sequence 4096, one row per rank per step, activation checkpointing, 8 ranks
+under DDP. Three corpora, each routed to its own LoRA adapter (rank 16 on q/k/v/o): public text on
+every block, licensed text on blocks 16-31 only, PII on every block; the base is frozen.
+
+Both steps run under the same estimator (``govray.train.memory_plan``: fake tensors, a fake
+process group of 8 ranks, torch's memory tracker): govray's governed step (``plan_governed``)
+and a plain step of the same model with the same three adapters injected by PEFT, ungoverned,
+DDP's buckets over every adapter tensor (``plain_peft_ddp``), with the same checkpointing and
+chunked loss. The tracker's parameters, gradients and optimizer state are checked against a hand
+count first. Run it with ``python -m jobs.benchmarks.memory_plan``; the last two lines are the
+ratio and the governed peak per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from govray.config.training import Precision
+from govray.governance.policy import DepthPolicy
+from govray.train.hf import CausalLMTrial, decoder_layers
+from govray.train.memory_plan import (
+    MemoryPlan,
+    PlanSetup,
+    checkpoint_blocks,
+    chunked_lm_loss,
+    ddp_buckets_by_hand,
+    fake_world,
+    materialize_fake,
+    measure_step,
+)
+
+GIB = 2**30
+LLAMA3_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SETUP = PlanSetup(
+    world_size=8, micro_batch=1, seq_len=4096, precision=Precision.BF16, activation_checkpointing=True
+)
+LICENSED_BLOCKS = range(16, 32)
+
+
+def story_trial(shape: dict[str, Any] = LLAMA3_8B) -> CausalLMTrial:
+    """The model of the story: a Llama-3-8B shape from its config, trained with AdamW."""
+    return CausalLMTrial({"model": shape})
+
+
+def story_policy(rank: int = 16) -> DepthPolicy:
+    """Public text → an adapter on every block, licensed text → one on blocks 16-31, PII → a
+    third on every block; nothing may update the base."""
+    every = [f"model.layers.*.self_attn.{projection}" for projection in PROJECTIONS]
+    upper = [f"model.layers.{block}.self_attn.{p}" for block in LICENSED_BLOCKS for p in PROJECTIONS]
+    adapters = {
+        "public-lora": {"targets": every, "rank": rank, "alpha": 2 * rank},
+        "licensed-lora": {"targets": upper, "rank": rank, "alpha": 2 * rank},
+        "pii-lora": {"targets": every, "rank": rank, "alpha": 2 * rank},
+    }
+    rules = [
+        {"name": "pii", "match": {"sensitivity": "pii"}, "route": {"adapter": "pii-lora"}},
+        {"name": "licensed", "match": {"license_class": "licensed"}, "route": {"adapter": "licensed-lora"}},
+        {"name": "public", "route": {"adapter": "public-lora"}},
+    ]
+    return DepthPolicy.model_validate(
+        {"name": "llama3-8b-story", "version": 1, "adapters": adapters, "rules": rules}
+    )
+
+
+def plain_peft_ddp(trial: CausalLMTrial, policy: DepthPolicy, setup: PlanSetup) -> MemoryPlan:
+    """The plain step under the same estimator: PEFT injects the same adapters (no govray), all
+    trainable in fp32, the public one active (the largest); DDP reduces every adapter tensor (its
+    buckets counted by hand, as the estimator does); AdamW; no masks, divisors or flags."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = trial.build_meta_model()
+    for name, spec in policy.adapters.items():
+        targets = [f"{prefix}.{p}" for prefix in _blocks(spec.targets) for p in PROJECTIONS]
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets)  # type: ignore[arg-type]
+        inject_adapter_in_model(config, model, adapter_name=name)
+    trainable = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    with fake_world(setup.world_size), FakeTensorMode(allow_non_fake_inputs=True):
+        materialize_fake(model, trainable, torch.bfloat16)
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.set_adapter("public-lora")  # PEFT's switch freezes the others: undo it
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name in trainable)
+        if setup.activation_checkpointing:
+            checkpoint_blocks(model, decoder_layers(model))
+        parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        buckets = torch.empty(ddp_buckets_by_hand(parameters), dtype=torch.uint8)
+        optimizer = trial.build_optimizer(parameters)
+        ids = torch.zeros(setup.micro_batch, setup.seq_len, dtype=torch.long)
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = chunked_lm_loss(model, ids)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return measure_step(model, optimizer, step, [buckets], governance=0)
+
+
+def _blocks(targets: tuple[str, ...]) -> list[str]:
+    """The block prefixes an adapter's targets name (``model.layers.N.self_attn``)."""
+    if targets[0].startswith("model.layers.*"):
+        return [f"model.layers.{block}.self_attn" for block in range(LLAMA3_8B["num_hidden_layers"])]
+    return sorted({target.rpartition(".")[0] for target in targets})
+
+
+def hand_count(policy: DepthPolicy, shape: dict[str, Any] = LLAMA3_8B) -> dict[str, int]:
+    """Bytes of parameters (bf16 base, fp32 adapters), of the public adapter's gradients and of
+    AdamW's state (two fp32 moments per adapter element), from the shape alone."""
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    blocks = shape["num_hidden_layers"]
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    base = blocks * block + 2 * vocab * hidden + hidden  # embeddings, head, final norm
+    outs = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
+    adapters = {}
+    for name, spec in policy.adapters.items():
+        covered = len(_blocks(spec.targets))
+        adapters[name] = covered * sum(spec.rank * (hidden + out) for out in outs.values())
+    total = sum(adapters.values())
+    return {
+        "params": 2 * base + 4 * total,
+        "grads": 4 * adapters["public-lora"],
+        "optimizer": 8 * total,
+    }
+
+
+def _show(label: str, plan: MemoryPlan) -> None:
+    print(f"{label}: peak {plan.total / GIB:.3f} GiB per rank")
+    for (kind, at_peak), (_, largest) in zip(plan.at_peak.items(), plan.largest.items(), strict=True):
+        print(f"  {kind:<14} at peak {at_peak / GIB:8.3f} GiB   largest {largest / GIB:8.3f} GiB")
+
+
+def _check(plan: MemoryPlan, hand: dict[str, int]) -> None:
+    for kind, expected in hand.items():
+        measured = getattr(plan.largest, kind)
+        print(f"  tracker vs hand count, {kind}: {measured / GIB:.4f} / {expected / GIB:.4f} GiB")
+        if abs(measured - expected) > 0.02 * expected:
+            raise SystemExit(f"the tracker's {kind} ({measured} B) is not the hand count ({expected} B)")
+
+
+def main() -> None:
+    from govray.train.memory_plan import plan_governed
+
+    trial, policy = story_trial(), story_policy()
+    started = time.perf_counter()
+    governed = plan_governed(trial, policy, SETUP)
+    governed_s = time.perf_counter() - started
+    plain = plain_peft_ddp(trial, policy, SETUP)
+    plain_s = time.perf_counter() - started - governed_s
+    hand = hand_count(policy)
+    _show(f"governed (estimated in {governed_s:.1f} s)", governed)
+    _check(governed, hand)
+    _show(f"plain PEFT + DDP (estimated in {plain_s:.1f} s)", plain)
+    _check(plain, hand)
+    ratio = governed.total / plain.total
+    print(f"governed/plain peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {ratio:.3f}")
+    peak = governed.total / GIB
+    print(f"governed peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {peak:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
