@@ -81,7 +81,7 @@ class TrialRun:
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
         """The trial ``spec`` names, built for ``worker`` (in deterministic mode if its settings say so)."""
-        use_deterministic_mode(spec.settings)  # before the model is built
+        use_deterministic_mode(spec.settings, worker.device)  # before the model is built
         return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
 
     @property
