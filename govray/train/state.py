@@ -274,7 +274,7 @@ class TrialRun:
 
         written = agreed(write, worker, CheckpointError)
         gathered: list[Any] = [None] * worker.world_size
-        dist.all_gather_object(gathered, written)
+        dist.all_gather_object(gathered, written, group=worker.host_group)
         return {name: digest for part in gathered for name, digest in part.items()}
 
     def _fits_world(self, directory: Path) -> None:
