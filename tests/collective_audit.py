@@ -112,7 +112,9 @@ class CollectiveAudit:
 
     def _check(self, name: str, arguments: dict[str, Any]) -> None:
         group = arguments.get("group")
-        host = group is not None and group is not dist.group.WORLD
+        # Any group but the default one (FSDP's 1-D mesh is the default group) is a side group.
+        world = dist.group.WORLD
+        host = group is not None and world is not None and group.group_name != world.group_name
         if host and dist.get_backend(group) != "gloo":
             self.violations.append(f"{name}: a side group that is not gloo ({dist.get_backend(group)})")
         tensors = [tensor for value in arguments.values() for tensor in _tensors(value)]
