@@ -87,6 +87,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "precision": Precision.FP32,
     "accumulation_steps": 1,
     "deterministic": False,
+    "tf32": None,
 }
 
 
@@ -139,6 +140,9 @@ class TrainingSettings(BaseModel):
     accumulation_steps: int = Field(default=1, ge=1)
     # torch deterministic algorithms, a fixed cuBLAS workspace and NCCL algorithm/protocol.
     deterministic: bool = False
+    # TensorFloat-32 for float32 matmuls and convolutions on GPUs (what stays fp32 under bf16:
+    # adapters, heads). None: on for GPU runs, off on CPU; deterministic mode keeps it off.
+    tf32: bool | None = None
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> TrainingSettings:
@@ -146,6 +150,11 @@ class TrainingSettings(BaseModel):
             raise ValueError(
                 f"accumulation_steps {self.accumulation_steps} exceeds batch_size {self.batch_size}: "
                 "every micro-batch needs at least one row"
+            )
+        if self.tf32 and self.deterministic:
+            raise ValueError(
+                "tf32: true with deterministic: true: deterministic mode keeps float32 matmuls in "
+                "float32 (leave tf32 unset, or set it false)"
             )
         return self
 

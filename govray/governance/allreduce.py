@@ -25,8 +25,9 @@ Example (inside a worker, around ``loss.backward()``)::
 """
 
 # No ``from __future__ import annotations``: DDP checks the comm hook's annotations at runtime.
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -46,15 +47,24 @@ class _Region:
     numel: int
 
 
+_Ranges = tuple[tuple[int, int], ...]  # (offset, numel) of each region to zero, adjacent ones merged
+
+
 @dataclass(frozen=True)
 class _Layout:
-    """A flat buffer's parameters (a DDP bucket, or one ``.grad`` without DDP)."""
+    """A flat buffer's parameters (a DDP bucket, or one ``.grad`` without DDP), and the ranges
+    each route (None: an empty slot) zeroes in it, computed on first use."""
 
     regions: tuple[_Region, ...]
     numel: int
+    masks: dict[str | None, _Ranges] = field(default_factory=dict, compare=False, hash=False)
 
 
-_MaskPlan = torch.Tensor | tuple[tuple[int, int], ...]
+# Layouts kept (least recently used dropped first): DDP's buckets before and after its rebuild, of
+# any model DDP can hold whole (an 8B fp32 model is ~1,300 buckets of 25 MB), and FSDP's one
+# layout of whole tensors. Each keeps at most one range list per route, so the masks are bounded
+# by layouts x routes.
+LAYOUTS_KEPT = 4096
 
 
 class GradientGovernor:
@@ -64,8 +74,10 @@ class GradientGovernor:
     ``named_parameters``). Parameters allowed the same routes form a *route group*; per step the
     governor keeps one example count per group (O(groups), whatever the number of tensors).
     Bucket layouts are cached by the bucket's parameters, not its index, because DDP rebuilds its
-    buckets after the first iteration; each (layout, route) gets a precomputed masking plan on the
-    bucket's device (merged ranges, or one flat mask applied in one op on a GPU).
+    buckets after the first iteration (at most ``LAYOUTS_KEPT``); each (layout, route) gets its
+    masked ranges, merged where adjacent and zeroed in one fused op (never a bucket-sized mask).
+    The divisors of a step (1/count per route group, fp32) are one device tensor made in
+    :meth:`begin_step`, which the hook slices: no host-to-device copy inside the reduction.
 
     Nothing here reads a device value on the host during a step: the non-finite flags (one per
     route group) stay on the device until :meth:`check_finite`, which the loop calls at report
@@ -91,9 +103,7 @@ class GradientGovernor:
             self._members[group].append(parameter)
         self._group_sizes = [sum(parameter.numel() for parameter in members) for members in self._members]
         self._total_size = sum(self._group_sizes)
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
-        # (layout, route, device) → masked ranges (offset, numel), or a flat mask on a GPU
-        self._masks: dict[tuple[tuple[int, ...], str | None, torch.device], _MaskPlan] = {}
+        self._layouts: OrderedDict[tuple[int, ...], _Layout] = OrderedDict()  # bounded: LAYOUTS_KEPT
         self.step = -1
         self.local_route: str | None = None
         self.group_counts: list[int] = [0] * len(groups)
@@ -101,7 +111,8 @@ class GradientGovernor:
         self._overflow: dict[torch.device, torch.Tensor] = {}  # fp16: this worker's own overflow
         self._found: dict[torch.device, torch.Tensor] = {}  # device → one flag per route group
         self._first: dict[torch.device, torch.Tensor] = {}  # device → first flagged step per group
-        self._inverse: dict[tuple[int, torch.device], torch.Tensor] = {}  # (count, device) → [1/count]
+        self._inverses = torch.zeros(len(groups))  # this step's 1/count per route group (fp32)
+        self._device_inverses: dict[torch.device, torch.Tensor] = {}  # this step's, on each device
 
     # -- per step --------------------------------------------------------------------------
 
@@ -119,6 +130,16 @@ class GradientGovernor:
         self.local_route = local_route
         self.group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
         self.loss_scale = loss_scale
+        # 1/count as the Python float rounded to fp32 (the value the fused unscale multiplies by),
+        # sent to the gradients' device once per step: from pinned memory without waiting on a GPU.
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self._inverses = torch.tensor(
+            [1.0 / count if count else 0.0 for count in self.group_counts],
+            dtype=torch.float32,
+            pin_memory=device.type == "cuda",
+        )
+        self._device_inverses = {}
+        self._inverse_of(0, device)
 
     def count(self, index: int) -> int:
         """Examples of this step whose gradients may reach parameter ``index`` (its divisor)."""
@@ -137,24 +158,18 @@ class GradientGovernor:
 
     def mask(self, tensor: torch.Tensor, layout: _Layout) -> None:
         """Overwrite with zeros the regions this worker may not update (selection: a NaN or inf
-        there is replaced, never multiplied), from a plan precomputed per (bucket layout, route,
-        device): adjacent masked regions merged into ranges; on a GPU, several ranges become one
-        flat boolean mask applied in one ``masked_fill_`` (one kernel); a single range, or any on
-        the CPU (where a full-bucket mask pass costs ~30x a zero-fill of the range), is zeroed in
-        place."""
-        key = (tuple(region.index for region in layout.regions), self.local_route, tensor.device)
-        plan = self._masks.get(key)
-        if plan is None:
-            plan = self._masks[key] = self._mask_plan(layout, tensor.device)
-        if isinstance(plan, torch.Tensor):
-            tensor.masked_fill_(plan, 0.0)
-        else:
-            for offset, length in plan:
-                tensor.narrow(0, offset, length).zero_()
+        there is replaced, never multiplied): the layout's ranges for this route (adjacent masked
+        regions merged), zeroed in one fused op over narrowed views of ``tensor`` — no mask
+        tensor, whatever the device."""
+        ranges = layout.masks.get(self.local_route)
+        if ranges is None:
+            ranges = layout.masks[self.local_route] = self._masked_ranges(layout)
+        if ranges:
+            torch._foreach_zero_([tensor.narrow(0, offset, length) for offset, length in ranges])
         if self.loss_scale is not None:
             self._unscale_own([tensor])
 
-    def _mask_plan(self, layout: _Layout, device: torch.device) -> torch.Tensor | tuple[tuple[int, int], ...]:
+    def _masked_ranges(self, layout: _Layout) -> _Ranges:
         ranges: list[list[int]] = []
         for region in layout.regions:
             if self.contributes(region.index):
@@ -163,12 +178,7 @@ class GradientGovernor:
                 ranges[-1][1] += region.numel
             else:
                 ranges.append([region.offset, region.numel])
-        if len(ranges) <= 1 or device.type == "cpu":
-            return tuple((offset, length) for offset, length in ranges)
-        flat = torch.zeros(layout.numel, dtype=torch.bool)
-        for offset, length in ranges:
-            flat[offset : offset + length] = True
-        return flat.to(device)
+        return tuple((offset, length) for offset, length in ranges)
 
     def _unscale_own(self, tensors: list[torch.Tensor]) -> None:
         """fp16: divide this worker's own contribution by its route's loss scale; on an overflow
@@ -203,16 +213,15 @@ class GradientGovernor:
     def average(self, tensor: torch.Tensor, layout: _Layout) -> None:
         """Divide each summed region by its example count, raising the region's route-group flag
         on a non-finite value (one fused pass per count; no host sync)."""
-        by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
+        by_group: dict[int, list[torch.Tensor]] = {}
         for region in layout.regions:
             group = self._group_of[region.index]
-            count = self.group_counts[group]
-            if count:  # count 0: every worker zeroed it, and its grad becomes None
-                by_key.setdefault((group, count), []).append(tensor.narrow(0, region.offset, region.numel))
+            if self.group_counts[group]:  # count 0: every worker zeroed it, and its grad becomes None
+                by_group.setdefault(group, []).append(tensor.narrow(0, region.offset, region.numel))
         found = self.flags(tensor.device)
-        for (group, count), views in by_key.items():
+        for group, views in by_group.items():
             torch._amp_foreach_non_finite_check_and_unscale_(
-                views, found[group : group + 1], self._inverse_of(count, tensor.device)
+                views, found[group : group + 1], self._inverse_of(group, tensor.device)
             )
 
     def flags(self, device: torch.device) -> torch.Tensor:
@@ -224,11 +233,13 @@ class GradientGovernor:
             self._first[device] = torch.full((len(self.groups),), -1, dtype=torch.int64, device=device)
         return found
 
-    def _inverse_of(self, count: int, device: torch.device) -> torch.Tensor:
-        inverse = self._inverse.get((count, device))
-        if inverse is None:
-            inverse = self._inverse[count, device] = torch.tensor([1.0 / count], device=device)
-        return inverse
+    def _inverse_of(self, group: int, device: torch.device) -> torch.Tensor:
+        """This step's ``[1/count]`` of route ``group`` on ``device``: a slice of the step's
+        divisors, copied there once per step (in :meth:`begin_step` for the parameters' device)."""
+        inverses = self._device_inverses.get(device)
+        if inverses is None:
+            inverses = self._device_inverses[device] = self._inverses.to(device, non_blocking=True)
+        return inverses[group : group + 1]
 
     def layout(self, parameters: Sequence[torch.Tensor]) -> _Layout:
         key = tuple(id(parameter) for parameter in parameters)
@@ -239,11 +250,15 @@ class GradientGovernor:
                 regions.append(_Region(self._index[id(parameter)], offset, parameter.numel()))
                 offset += parameter.numel()
             cached = self._layouts[key] = _Layout(tuple(regions), offset)
+            if len(self._layouts) > LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
         return cached
 
     def govern_local(self) -> None:
         """The same masks and averaging without DDP (one worker), on each ``.grad``."""
-        by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
+        by_group: dict[int, list[torch.Tensor]] = {}
         own = [
             parameter.grad
             for index, parameter in enumerate(self.parameters)
@@ -257,13 +272,12 @@ class GradientGovernor:
             if not self.contributes(index):
                 parameter.grad.zero_()  # selection: fills, never multiplies
             group = self._group_of[index]
-            count = self.group_counts[group]
-            if count:
-                by_key.setdefault((group, count), []).append(parameter.grad)
-        for (group, count), grads in by_key.items():
+            if self.group_counts[group]:
+                by_group.setdefault(group, []).append(parameter.grad)
+        for group, grads in by_group.items():
             found = self.flags(grads[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found[group : group + 1], self._inverse_of(count, grads[0].device)
+                grads, found[group : group + 1], self._inverse_of(group, grads[0].device)
             )
 
     def finish_step(self, max_grad_norm: float | None = None, skip: frozenset[str] = frozenset()) -> None:

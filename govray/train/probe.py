@@ -25,14 +25,17 @@ holdout split, so "held-out" copies were trained too, and a repeated short text 
 representation by its shape rather than by memorization.
 
 Work is split over ranks (rows for losses, whole batches for profiles, texts for scores) and
-summed in one all-gather, so every rank ends with the same measures.
+summed in one all-gather, so every rank ends with the same measures. Every forward pass runs under
+the training step's autocast (bf16/fp16 runs are measured as they train, at their speed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -73,7 +76,8 @@ class _CorpusPlan:
 
 
 class MemorizationProbe:
-    """One worker's part of the measures, on rows fixed for the whole run."""
+    """One worker's part of the measures, on rows fixed for the whole run; ``autocast()`` gives
+    the context every forward pass runs in (the step's: ``GovernedStep._autocast``)."""
 
     def __init__(
         self,
@@ -87,8 +91,10 @@ class MemorizationProbe:
         seed: int,
         worker: Worker,
         split: bool = True,
+        autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.trial = trial
+        self.autocast = autocast
         self.model = model
         self.routing = routing
         self.worker = worker
@@ -172,7 +178,7 @@ class MemorizationProbe:
             for route, canaries in plan.canary_texts.items():
                 texts = canaries + plan.references
                 positions = range(rank, len(texts), world)
-                with self.model.active(self.routing.adapter_names.get(route)):
+                with self.model.active(self.routing.adapter_names.get(route)), self.autocast():
                     scores = self.trial.sequence_scores(self.model, [texts[i] for i in positions])
                 for position, score in zip(positions, scores.tolist(), strict=True):
                     if counted:
@@ -213,7 +219,7 @@ class MemorizationProbe:
         batch size (summed once, in row order)."""
         losses: list[torch.Tensor] = []
         for route, part in _by_route(table):
-            with self.model.active(self.routing.adapter_names.get(route)):
+            with self.model.active(self.routing.adapter_names.get(route)), self.autocast():
                 for piece in row_batches(part, self.trial.batch_size):
                     batch = on_device(self.trial.collate(piece), self.worker.device)
                     losses.append(self.trial.loss(self.model, batch).double())
@@ -224,7 +230,7 @@ class MemorizationProbe:
 
         def forward() -> None:
             for route, part in _by_route(table):
-                with self.model.active(self.routing.adapter_names.get(route)):
+                with self.model.active(self.routing.adapter_names.get(route)), self.autocast():
                     self.trial.loss(self.model, on_device(self.trial.collate(part), self.worker.device))
 
         return layer_representations(self.trial, self.model.base, self.layers, forward)

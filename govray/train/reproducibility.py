@@ -409,16 +409,36 @@ def deterministic_worker_env(settings: TrainingSettings) -> dict[str, str]:
     return dict(DETERMINISTIC_ENV) if settings.deterministic else {}
 
 
-def use_deterministic_mode(settings: TrainingSettings | None) -> None:
+def use_deterministic_mode(settings: TrainingSettings | None, device: torch.device | None = None) -> None:
     """In a worker, before its model is built: torch's deterministic algorithms on (an operation
     without one raises) with cuBLAS's fixed workspace when ``settings.deterministic``, else off
     (a worker in the driver's process must not inherit a previous run's mode). Such a worker
-    (local mode) gets the variables here; NCCL's only matter to a process group, which it lacks."""
+    (local mode) gets the variables here; NCCL's only matter to a process group, which it lacks.
+
+    Deterministic mode does not fill new tensors with NaN (torch's ``fill_uninitialized_memory``,
+    which it turns on: a memset on every ``torch.empty``, and govray reads no uninitialized
+    memory) and keeps TensorFloat-32 off; otherwise ``settings.tf32`` decides, by default on for
+    a run on a GPU (``device``) and off on the CPU (``use_tf32``)."""
     deterministic = settings is not None and settings.deterministic
     if deterministic:
         for name, value in DETERMINISTIC_ENV.items():
             os.environ.setdefault(name, value)  # a worker's runtime environment set them already
     torch.use_deterministic_algorithms(deterministic)
+    # (torch's settings below are module attributes its stubs do not declare)
+    torch.utils.deterministic.fill_uninitialized_memory = not deterministic  # type: ignore[attr-defined]
+    tf32 = settings.tf32 if settings is not None else None
+    use_tf32(
+        not deterministic and (tf32 if tf32 is not None else (device is not None and device.type == "cuda"))
+    )
+
+
+def use_tf32(on: bool) -> None:
+    """TensorFloat-32 for float32 matmuls (cuBLAS) and convolutions (cuDNN), or IEEE float32.
+    (torch's per-backend precision settings; CPU kernels are not affected.)"""
+    precision = "tf32" if on else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]
+    torch.backends.cudnn.rnn.fp32_precision = precision  # type: ignore[attr-defined]
 
 
 def build_record(

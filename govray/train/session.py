@@ -15,7 +15,9 @@ to write a checkpoint, to deliver a report, and where to resume:
 
 All three read the driver's pause/kill request (``govray experiment pause|kill``) the same way:
 rank 0 looks at the control file every ``control_period`` steps and broadcasts what it found
-while the step computes, so every rank stops at the same step boundary.
+while the step computes, so every rank stops at the same step boundary. The flag is a host
+object: it goes through the worker's gloo host group (``Worker.host_group``), never the run's
+NCCL group, so reading it waits for the broadcast only, not for the step's GPU work.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class _RunDirectory:
         listed: list[Any] = [
             [str(d) for d in ordered_checkpoints(run_dir, self.storage)] if rank == 0 else None
         ]
-        dist.broadcast_object_list(listed, src=0)
+        dist.broadcast_object_list(listed, src=0, group=self.worker.host_group)
         for name in listed[0]:
             directory = Path(name)
             try:
@@ -129,7 +131,7 @@ class _RunDirectory:
             except (CheckpointError, StorageError, OSError) as error:
                 refusal = str(error)
             said: list[Any] = [None] * self.worker.world_size
-            dist.all_gather_object(said, refusal)
+            dist.all_gather_object(said, refusal, group=self.worker.host_group)
             refusals = [reason for reason in said if reason is not None]
             if not refusals:
                 return directory
@@ -146,8 +148,10 @@ class _RunDirectory:
                 code = STOP_CODES.get(Path(self.spec.control_file).read_text().strip(), 0)
             except FileNotFoundError:
                 code = 0
-        flag = torch.tensor([code], dtype=torch.int64)
-        work = dist.broadcast(flag, src=0, async_op=True) if self.worker.distributed else None
+        flag = torch.tensor([code], dtype=torch.int64)  # a host tensor, for the host group
+        work = None
+        if self.worker.distributed:
+            work = dist.broadcast(flag, src=0, group=self.worker.host_group, async_op=True)
         self._stop = (flag, work)  # the broadcast runs while the step computes
 
     def stop_requested(self) -> str | None:
@@ -167,7 +171,7 @@ class _RunDirectory:
             if self.storage is not None and folder.is_relative_to(self.storage.root):
                 self.storage.delete_directory(folder)
         if self.sharded:
-            dist.barrier()  # the folder is fresh before any rank writes its shards there
+            dist.barrier(group=self.worker.host_group)  # the folder is fresh before any rank writes there
         if self.worker.rank == 0 or self.sharded:
             save(folder)
         if self.worker.rank == 0 and self.storage is not None and folder.is_relative_to(self.storage.root):

@@ -186,10 +186,10 @@ class ShardedGovernor(GradientGovernor):
             count = self.group_counts[group]
             if count:
                 by_key.setdefault((group, count), []).append(local(parameter.grad))
-        for (group, count), shards in by_key.items():
+        for (group, _count), shards in by_key.items():
             found = self.flags(shards[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                shards, found[group : group + 1], self._inverse_of(count, shards[0].device)
+                shards, found[group : group + 1], self._inverse_of(group, shards[0].device)
             )
 
     def _reduce_replicated(self) -> None:

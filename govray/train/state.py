@@ -81,7 +81,7 @@ class TrialRun:
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
         """The trial ``spec`` names, built for ``worker`` (in deterministic mode if its settings say so)."""
-        use_deterministic_mode(spec.settings)  # before the model is built
+        use_deterministic_mode(spec.settings, worker.device)  # before the model is built
         return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
 
     @property
@@ -274,7 +274,7 @@ class TrialRun:
 
         written = agreed(write, worker, CheckpointError)
         gathered: list[Any] = [None] * worker.world_size
-        dist.all_gather_object(gathered, written)
+        dist.all_gather_object(gathered, written, group=worker.host_group)
         return {name: digest for part in gathered for name, digest in part.items()}
 
     def _fits_world(self, directory: Path) -> None:

@@ -176,6 +176,7 @@ class GovernedStep:
             derive_seed(spec.seed, spec.trial_seed),
             worker,
             split=not self.sharded,
+            autocast=self._autocast,  # measured as trained: under the step's autocast
         )
         self.ledger = Ledger()
         # Rank 0 sees every slot of every step: it alone exports the dashboard's counters.

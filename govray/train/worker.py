@@ -1,4 +1,13 @@
-"""One worker's view of the run: its rank, the training rows it reads, and the sums it shares."""
+"""One worker's view of the run: its rank, the training rows it reads, and the sums it shares.
+
+Collectives take one of two groups. Tensors of the step (gradient buckets, flags of route groups)
+live on the worker's device and go through the run's process group (NCCL under ``use_gpu``,
+which takes CUDA tensors only). Objects that live on the host — the pause/kill flag, sums of
+Python floats, error messages, lists of files — go through ``Worker.host_group``, a gloo group
+made once per process group: NCCL would carry them through the GPU (a host-to-device copy, then
+a read that waits for every kernel queued before it), gloo carries them between hosts and never
+waits for the device.
+"""
 
 from __future__ import annotations
 
@@ -22,14 +31,33 @@ from govray.train.trial import Trial
 
 T = TypeVar("T")
 
+_host_groups: list[tuple[Any, Any]] = []  # (the default process group, its gloo side group)
+
+
+def host_group() -> Any:
+    """The gloo group over every rank of the default process group that host objects go
+    through, made the first time it is asked for (a collective: every rank asks at the same
+    point, as it does for the collectives that use it) and kept while that group lives."""
+    world = dist.group.WORLD
+    if not _host_groups or _host_groups[0][0] is not world:
+        _host_groups[:] = [(world, dist.new_group(backend="gloo"))]
+    return _host_groups[0][1]
+
 
 @dataclass
 class Worker:
-    """One worker's view: rank, world size, its device, and whether a process group exists."""
+    """One worker's view: rank, world size, its device, and whether a process group exists.
+
+    Collectives on device tensors use the default group; host objects use ``host_group``."""
 
     rank: int
     world_size: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def host_group(self) -> Any:
+        """The gloo group for host objects (``host_group()``); None without a process group."""
+        return host_group() if self.distributed else None
 
     @classmethod
     def detect(cls, use_gpu: bool = False) -> Worker:
@@ -46,7 +74,9 @@ class Worker:
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), device)
+            worker = cls(dist.get_rank(), dist.get_world_size(), device)
+            _ = worker.host_group  # made when the run starts, on every rank
+            return worker
         return cls(0, 1, device)
 
     @property
@@ -171,13 +201,13 @@ def without_rows(rows: pa.Table, numbers: Collection[int]) -> pa.Table:
 
 
 def all_reduce_sums(values: Mapping[str, float], worker: Worker) -> dict[str, float]:
-    """Sum named floats over all workers (in a fixed key order). A name only one rank computed
-    comes back exactly (0.0 + x)."""
+    """Sum named floats over all workers (in a fixed key order), on the host group. A name only
+    one rank computed comes back exactly (0.0 + x)."""
     keys = sorted(values)
     if not worker.distributed:
         return {key: values[key] for key in keys}
     gathered: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(gathered, {key: values[key] for key in keys})
+    dist.all_gather_object(gathered, {key: values[key] for key in keys}, group=worker.host_group)
     names = sorted({key for part in gathered for key in part})
     return {name: sum(part.get(name, 0.0) for part in gathered) for name in names}
 
@@ -194,7 +224,7 @@ def agreed(action: Callable[[], T], worker: Worker | None, error: type[GovrayErr
     except Exception as raised:
         result, refusal = None, raised
     said: list[Any] = [None] * worker.world_size
-    dist.all_gather_object(said, None if refusal is None else str(refusal))
+    dist.all_gather_object(said, None if refusal is None else str(refusal), group=worker.host_group)
     if refusal is not None:
         raise refusal
     others = [f"rank {rank}: {message}" for rank, message in enumerate(said) if message is not None]

@@ -1,0 +1,39 @@
+"""The memorization probe measures the model as it trains: under a bf16 run's autocast every
+probe forward pass (loss gap, entropy profile; canary scores go through the same context) runs
+in autocast, and in an fp32 run none does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from govray.train.step import GovernedStep
+from govray.train.trial import make_trial
+from govray.train.worker import Worker
+from tests.conftest import GoldenRun
+from tests.test_engine import run_spec
+
+
+@pytest.mark.parametrize(("precision", "autocast"), [("bf16", torch.bfloat16), ("fp32", None)])
+def test_the_probe_runs_under_the_runs_autocast(
+    golden_run: GoldenRun, precision: str, autocast: torch.dtype | None
+) -> None:
+    spec = run_spec(golden_run)
+    assert spec.settings is not None
+    settings = spec.settings.model_copy(update={"precision": precision})
+    spec = spec.model_copy(update={"settings": settings})
+    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, settings))
+    seen: list[torch.dtype | None] = []
+    loss = governed.trial.loss
+
+    def recording_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        enabled = torch.is_autocast_enabled("cpu")
+        seen.append(torch.get_autocast_dtype("cpu") if enabled else None)
+        return loss(model, batch)
+
+    governed.trial.loss = recording_loss  # type: ignore[method-assign]
+    measures = governed.probe.measure()
+    assert measures and any(m.loss_gap is not None for m in measures.values()), "the probe measured"
+    assert seen and set(seen) == {autocast}
