@@ -158,6 +158,7 @@ def final(store: TrackingStore, trial_id: int) -> dict[str, float]:
     return {metric.name: metric.value for metric in store.metrics(trial_id) if metric.step == last}
 
 
+@pytest.mark.slow  # a whole Ray Tune search (~80 s): the slow tier
 def test_the_memorization_penalty_turns_the_search_from_the_memorizer_to_the_generalizer(
     ray_session: None, tmp_path: Path, corpora: Path, authority_key: SigningKey, trust: TrustConfig
 ) -> None:

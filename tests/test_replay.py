@@ -143,6 +143,7 @@ def test_replaying_a_replay_needs_its_id_and_says_what_it_replays(
 # -- a replay runs the recorded code ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole replay in a process of its own: the slow tier
 def test_replay_without_trial_from_another_directory_replays_the_original_as_recorded(
     golden_run: GoldenRun, replay_without_licensed: Replay, tmp_path: Path
 ) -> None:

@@ -171,6 +171,7 @@ def assert_attested(store: TrackingStore, trial_id: int) -> None:
             assert check_attested_ledger(verified.statement, Path(final.path), trust) > 0
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_grid_search_runs_every_point_once(ray_session: None, tmp_path: Path) -> None:
     outcome, store = searched(tmp_path, {"name": "grid", "max_length": {"batches": 10}})
     assert_recorded(outcome, store, trials=4)
@@ -187,6 +188,7 @@ def test_grid_search_runs_every_point_once(ray_session: None, tmp_path: Path) ->
         assert store.metrics(trial_id, "memorization_score")
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_random_search_samples_max_trials_points_inside_the_space(ray_session: None, tmp_path: Path) -> None:
     outcome, store = searched(tmp_path, {"name": "random", "max_trials": 3, "max_length": {"batches": 10}})
     assert_recorded(outcome, store, trials=3)
@@ -199,12 +201,14 @@ def test_random_search_samples_max_trials_points_inside_the_space(ray_session: N
         assert earlier.ended_at is not None and later.created_at >= earlier.ended_at, (earlier, later)
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_bayesian_search_runs_through_optuna(ray_session: None, tmp_path: Path) -> None:
     searcher = {"name": "bayesian", "max_trials": 3, "n_startup_trials": 2, "max_length": {"batches": 10}}
     outcome, store = searched(tmp_path, searcher)
     assert_recorded(outcome, store, trials=3)
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_asha_stops_weak_trials_at_a_rung_and_records_the_early_stop(
     ray_session: None, tmp_path: Path
 ) -> None:
@@ -233,6 +237,7 @@ def test_asha_stops_weak_trials_at_a_rung_and_records_the_early_stop(
     assert max(state.count("running") for state in shown) == 1  # max_concurrent_trials (default 1)
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     ray_session: None, tmp_path: Path
 ) -> None:
@@ -324,6 +329,7 @@ def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_na
     assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), spec.trust)
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     golden_run: GoldenRun, tmp_path: Path
 ) -> None:
@@ -345,6 +351,7 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     assert_clone_of(donor, report, Path(result.checkpoint.path), spec.trust)
 
 
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
 def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     ray_session: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["govray", "jobs", "searchers", "serve", "tests"]
 
@@ -19,6 +21,7 @@ def test_ruff_finds_nothing() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow  # ~50 s of mypy over the whole tree: the slow tier
 def test_mypy_finds_nothing() -> None:
     result = run("mypy", "govray", "jobs", "searchers", "serve")
     assert result.returncode == 0, result.stdout + result.stderr
