@@ -24,7 +24,7 @@ from govray.platform.resume import interrupted_trial, resume_trial
 from govray.platform.runner import Progress as ProgressCallback
 from govray.platform.runner import TrialOutcome, run_planned
 from govray.tracking.tables import Experiment
-from govray.train.ledger import format_ledger
+from govray.train.ledger_table import format_ledger
 
 FromCheckpoint = typer.Option(
     None,
