@@ -3,6 +3,7 @@ and carried, the trial built once for the plan; the refusal check and the run sh
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -16,14 +17,13 @@ import govray.platform.plan
 from govray.config.experiment import load_experiment
 from govray.core import keys
 from govray.core import storage as storage_module
-from govray.core.errors import SignatureError
-from govray.core.keys import TrustConfig, platform_key, save_trust
+from govray.core.keys import Revocation, TrustConfig, platform_key, save_trust
 from govray.platform.plan import PlanError, RunPlan, RunPlanner, plan_run, run_spec_path
 from govray.platform.preflight import CheckedPolicy, check_policy, ingest_experiment
 from govray.platform.runner import TrialOutcome, run_planned
 from govray.tracking.store import TrackingStore
 from govray.train import trial as trial_module
-from govray.train.checkpoint import find_checkpoints, verify_checkpoint
+from govray.train.checkpoint import CheckpointError, find_checkpoints, verify_checkpoint
 from govray.train.runspec import RunSpec
 from jobs.examples.digits.golden import golden_example
 
@@ -65,7 +65,9 @@ def planned_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
     config = load_experiment(path)
     assert config.policy.trust is not None
     revoked = keys.load_trust(config.policy.trust)
-    revoked.revoke(platform_key().keyid, reason="changed after planning")
+    # (``TrustConfig.revoke`` takes only keys the file lists; the platform key is trusted implicitly)
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    revoked.revoked.append(Revocation(keyid=platform_key().keyid, revoked_at=now, reason="after planning"))
     calls: Counter[str] = Counter()
     with pytest.MonkeyPatch.context() as patch:
         count_calls(patch, calls, storage_module.open_storage, DRIVER)
@@ -112,7 +114,7 @@ def test_a_plan_refuses_a_start_checkpoint_its_trust_does_not_accept(
     final = find_checkpoints(planned_run.outcome.run_dir)[-1]
     untrusting = CheckedPolicy(planned_run.checked.policy, planned_run.checked.routing, TrustConfig())
     config = planned_run.plan.config
-    with pytest.raises(SignatureError, match="is not trusted for role 'platform'"):
+    with pytest.raises(CheckpointError, match="is not trusted for role 'platform'"):
         plan_run(config, untrusting, planned_run.plan.shard_root, start_checkpoint=final)
     accepted = plan_run(config, planned_run.checked, planned_run.plan.shard_root, start_checkpoint=final)
     assert accepted.start is not None and accepted.start.step == 10
