@@ -38,7 +38,7 @@ PUBLIC_API = {
     "TrackingStore": "govray.tracking.store",
     # running, searching, resuming, replaying
     "run_trial": "govray.platform.runner",
-    "resume_trial": "govray.platform.runner",
+    "resume_trial": "govray.platform.resume",
     "run_search": "govray.platform.search",
     "replay_trial": "govray.platform.replay",
     # attesting and verifying; asking the store
@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from govray.core.errors import ConfigError, GovrayError
     from govray.platform.preflight import check_policy, ingest_experiment
     from govray.platform.replay import replay_trial
-    from govray.platform.runner import resume_trial, run_trial
+    from govray.platform.resume import resume_trial
+    from govray.platform.runner import run_trial
     from govray.platform.search import run_search
     from govray.provenance.attest import attest_checkpoint, verify_attestation
     from govray.queries import StoreReader

@@ -15,6 +15,7 @@ import torch
 
 from govray.config.experiment import load_experiment
 from govray.config.training import Precision
+from govray.core.storage import open_storage
 from govray.platform.runner import governed_trainer, run_trial
 from govray.provenance.attest import attest_checkpoint
 from govray.train.checkpoint import find_checkpoints
@@ -95,7 +96,7 @@ def test_the_variables_go_into_the_workers_runtime_environment_only_in_determini
     outcome, _, path = deterministic_run
     config = load_experiment(path)
     spec = RunSpec.model_validate_json((final_checkpoint(outcome.run_dir) / "run.json").read_text())
-    trainer = governed_trainer(config, spec, "placement-check")
+    trainer = governed_trainer(config, spec, "placement-check", open_storage(config.storage_path))
     assert trainer.run_config.worker_runtime_env == {"env_vars": DETERMINISTIC_ENV}
     assert spec.settings is not None
     assert deterministic_worker_env(spec.settings.model_copy(update={"deterministic": False})) == {}

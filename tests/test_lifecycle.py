@@ -16,11 +16,13 @@ from safetensors.torch import load_file
 from govray.cli import main
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.core.logs import log_dir, read_logs
+from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.platform.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
+from govray.platform.plan import run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import TrialOutcome, run_spec_path, run_trial
+from govray.platform.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
@@ -197,7 +199,9 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
     assert Ledger.from_json(state["ledger"]) == Ledger.from_json(golden_ledger).merge(own)
 
     # Step 0 of the fork is the source's weights exactly.
-    spec = RunSpec.model_validate_json(run_spec_path(golden_run.config, trial.ray_run_name).read_text())
+    spec = RunSpec.model_validate_json(
+        run_spec_path(open_storage(golden_run.config.storage_path), trial.ray_run_name).read_text()
+    )
     training = TrialRun.open(spec, Worker(0, 1))
     training.start_from(golden_final)
     expected = load_file(str(golden_final / MODEL_FILE))

@@ -15,12 +15,14 @@ from safetensors.torch import load_file
 
 from govray.config.experiment import load_experiment
 from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.governance.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
+from govray.platform.plan import run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.replay import replay_trial
-from govray.platform.runner import TrialOutcome, run_spec_path, run_trial
+from govray.platform.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -193,7 +195,9 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     assert list(by_step[between].glob("clean-*-weights.safetensors"))
     run = store.get_trial(outcome.trial_id).ray_run_name
     spec = RunSpec.model_validate_json(
-        run_spec_path(load_experiment(tmp_path / "experiment.yaml"), run).read_text()
+        run_spec_path(
+            open_storage(load_experiment(tmp_path / "experiment.yaml").storage_path), run
+        ).read_text()
     )
     resumed = TrialRun.open(spec, Worker(0, 1))
     assert resumed.restore(by_step[between]) == between

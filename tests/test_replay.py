@@ -172,8 +172,8 @@ def test_replay_without_trial_from_another_directory_replays_the_original_as_rec
     kinds = {row.tensor: row.kind for row in report.tensors}
     assert kinds["hidden.weight"] == "direct" and kinds["embed.weight"] == "indirect"
     assert second.ray_run_name is not None
-    before = final_checkpoint(replay_without_licensed.outcome.run_dir, golden_run.config.policy.trust)
-    after = final_checkpoint(storage / "ray" / second.ray_run_name, golden_run.config.policy.trust)
+    before = final_checkpoint(replay_without_licensed.outcome.run_dir, golden_run.checked.trust)
+    after = final_checkpoint(storage / "ray" / second.ray_run_name, golden_run.checked.trust)
     for name in WEIGHT_FILES:
         assert (before / name).read_bytes() == (after / name).read_bytes(), name
 

@@ -23,7 +23,8 @@ from govray.governance.routing import (
     resolve_routes,
 )
 from govray.provenance.attest import coverage_matrix
-from govray.train.ledger import Ledger, LedgerEntry, format_ledger
+from govray.train.ledger import Ledger, LedgerEntry
+from govray.train.ledger_table import format_ledger
 
 
 class Stack(nn.Module):

@@ -19,17 +19,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError
 from govray.core.keys import platform_key, platform_trust
+from govray.core.storage import open_storage
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.search import (
-    TUNE_TRIAL_MEMORY,
-    SearchOutcome,
-    TunePlan,
-    _segmented_trial,
-    ends_trial,
-    run_search,
-    strategy,
-)
+from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search_progress import SearchState
+from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _segmented_trial, ends_trial
 from govray.provenance.attest import COVERAGE_TYPE, verify_attestation
 from govray.provenance.recompute import check_attested_ledger
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
@@ -339,7 +333,7 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     config = golden_run.config
 
     def trial(params: dict[str, Any]) -> None:
-        _segmented_trial(config, spec)
+        _segmented_trial(config, open_storage(config.storage_path), spec)
 
     tuner = tune.Tuner(
         tune.with_resources(trial, {"memory": TUNE_TRIAL_MEMORY}),

@@ -17,6 +17,7 @@ import pytest
 
 from govray.core.keys import platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
+from govray.core.storage import open_storage
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints, ledger_rows, record_checkpoint
@@ -101,7 +102,7 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
         trial.id,
         golden_run.checked.routing.tensor_layers(),
         GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
-        storage_path=storage_path,
+        storage=open_storage(storage_path),
         run_dir=str(run_copy),
         trust=trust(),
     )
@@ -170,7 +171,7 @@ def test_a_folder_gc_deleted_but_left_on_storage_is_deleted_again(
         trial.id or 0,
         {},
         GcSettings(experiment.id or 0, "validation_loss", smaller_is_better=True),
-        storage_path=storage_path,
+        storage=open_storage(storage_path),
         run_dir=str(run_copy),
         trust=trust(),
     )

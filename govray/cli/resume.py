@@ -8,7 +8,7 @@ from govray.cli.common import console
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
 from govray.platform.preflight import check_policy
-from govray.platform.runner import resume_trial, use_interrupted_trial_code
+from govray.platform.resume import resume_trial, use_interrupted_trial_code
 from govray.tracking.store import TrackingStore
 
 

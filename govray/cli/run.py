@@ -17,12 +17,14 @@ from rich.progress import (
 )
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
+from govray.platform.plan import RunPlanner
 from govray.platform.preflight import CheckedPolicy, check_policy, ingest_experiment
 from govray.platform.registry import resolve, start_reference
+from govray.platform.resume import interrupted_trial, resume_trial
 from govray.platform.runner import Progress as ProgressCallback
-from govray.platform.runner import TrialOutcome, interrupted_trial, refusals, resume_trial, run_trial
+from govray.platform.runner import TrialOutcome, run_planned
 from govray.tracking.tables import Experiment
-from govray.train.ledger import format_ledger
+from govray.train.ledger_table import format_ledger
 
 FromCheckpoint = typer.Option(
     None,
@@ -57,9 +59,10 @@ def run(
         version = resolve(store, from_model)
         from_checkpoint, start_model = version.directory, start_reference(store, version)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    # A run refused on its shards or start checkpoint is refused before its experiment exists.
-    check = refusals(config, checked, from_checkpoint)
-    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=check)
+    # A run refused on its shards or start checkpoint is refused before its experiment exists; the
+    # run then runs the plan that was checked.
+    planner = RunPlanner(config, checked, from_checkpoint, start_model)
+    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=planner)
     assert experiment.id is not None
     workers = config.resources.workers
     policy = checked.policy.policy
@@ -73,16 +76,7 @@ def run(
             outcome = resume_trial(config, checked, experiment, store, progress=update)
     else:
         with progress_bar() as update:
-            outcome = run_trial(
-                config,
-                checked,
-                experiment,
-                ingested.root,
-                store,
-                progress=update,
-                start_checkpoint=from_checkpoint,
-                start_model=start_model,
-            )
+            outcome = run_planned(planner.plan, experiment, store, progress=update)
     report(outcome, checked, experiment)
 
 

@@ -12,9 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
+from govray.platform.plan import RunPlanner
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import refusals
-from govray.platform.search import run_search
+from govray.platform.search import search_planned
 from govray.platform.search_progress import LinePrinter, SearchState, progress_best, progress_counts
 
 
@@ -27,15 +27,15 @@ def search(
     finished trials."""
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    check = refusals(config, checked)  # refused before the experiment exists
-    experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=check)
+    planner = RunPlanner(config, checked)  # refused before the experiment exists
+    experiment, _ = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=planner)
     assert experiment.id is not None
     console.print(
         f"experiment {experiment.id} '{config.name}': {config.searcher.name} search, objective "
         f"{config.searcher.metric} + {config.searcher.memorization_lambda:g} x memorization_score"
     )
     with search_view() as show:
-        outcome = run_search(config, checked, experiment, ingested.root, store, progress=show)
+        outcome = search_planned(planner.plan, experiment, store, progress=show)
     listing = table("trial", "state", "hyperparameters", "steps", "objective", "memorization", "cloned from")
     for trial_id in outcome.trial_ids:
         trial = store.get_trial(trial_id)

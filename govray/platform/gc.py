@@ -128,8 +128,10 @@ def apply_gc(
     smaller_is_better: bool,
     protected: Iterable[int] = (),
     dry_run: bool = False,
+    storage: Storage | None = None,
 ) -> GcPlan:
-    """Plan GC (see ``plan_gc``) and carry it out, unless ``dry_run``; return the plan.
+    """Plan GC (see ``plan_gc``) and carry it out, unless ``dry_run``; return the plan. A driver
+    that holds the experiment's ``storage`` passes it (else it is opened from the experiment row).
 
     Each deletion removes the directory, appends one ``gc.deleted`` audit event, then marks the
     row deleted. A failure part-way leaves that checkpoint active, so running GC again finishes
@@ -141,7 +143,8 @@ def apply_gc(
     if dry_run:
         return plan
     log = AuditLog(store)
-    storage = open_storage(store.get_experiment(experiment_id).storage_path)
+    if storage is None:
+        storage = open_storage(store.get_experiment(experiment_id).storage_path)
     for record in plan.delete:
         checkpoint_id = _checkpoint_id(record)
         try:

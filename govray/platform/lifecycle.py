@@ -21,15 +21,10 @@ from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.core.errors import GovrayError
+from govray.platform.plan import RunPlanner
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import (
-    Progress,
-    TrialOutcome,
-    refusals,
-    resume_trial,
-    run_trial,
-    use_interrupted_trial_code,
-)
+from govray.platform.resume import resume_trial, use_interrupted_trial_code
+from govray.platform.runner import Progress, TrialOutcome, run_planned
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -164,10 +159,8 @@ def fork(
     elif from_checkpoint is not None:
         start = Path(from_checkpoint)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
-    check = refusals(config, checked, start)  # refused before the child exists
-    child, ingested = ingest_experiment(config, checked, store, strict=strict, fork_of=parent_id, check=check)
+    planner = RunPlanner(config, checked, start)  # refused before the child exists
+    child, _ = ingest_experiment(config, checked, store, strict=strict, fork_of=parent_id, check=planner)
     assert child.id is not None
-    outcome = run_trial(
-        config, checked, child, ingested.root, store, progress=progress, start_checkpoint=start
-    )
+    outcome = run_planned(planner.plan, child, store, progress=progress)
     return store.get_experiment(child.id), outcome

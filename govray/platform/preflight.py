@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import GovrayError, IngestError
-from govray.core.keys import load_trust
+from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.core.runtime import ensure_ray
 from govray.data.ingest import IngestResult, ingest
 from govray.governance.policy import VerifiedPolicy, load_verified_policy
@@ -36,8 +36,13 @@ def config_digest(config: ExperimentConfig) -> str:
 
 @dataclass(frozen=True)
 class CheckedPolicy:
+    """A verified policy, resolved against the trial's model, with the trust it was verified
+    against: the experiment's trust file is read once, here, and everything after (the run's
+    checkpoints, a start checkpoint, a replay's comparison) is checked against the same keys."""
+
     policy: VerifiedPolicy
     routing: RoutingTable
+    trust: TrustConfig  # the platform keys whose checkpoints are accepted (and the revocations)
 
 
 def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
@@ -77,7 +82,7 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     hparams = config.default_hparams()
     trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     routing = resolve_trial_routes(verified.policy, trial)  # on the meta device: no weights allocated
-    return CheckedPolicy(policy=verified, routing=routing)
+    return CheckedPolicy(policy=verified, routing=routing, trust=platform_trust(platform_key(), trust))
 
 
 def _existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:

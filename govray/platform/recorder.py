@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from govray.core.keys import TrustConfig
-from govray.core.storage import open_storage
+from govray.core.storage import Storage
 from govray.platform.gc import apply_gc, effective_gc_policy
 from govray.platform.ledgers import ledger_tuples, record_checkpoint_ledger
 from govray.platform.reconcile import Reconciliation, reconcile_run
@@ -59,7 +59,7 @@ class RunRecorder:
         *,
         replaying: bool = False,
         events: TensorBoardLog | None = None,
-        storage_path: str = "",
+        storage: Storage | None = None,
         run_dir: str = "",
         trust: TrustConfig | None = None,
     ) -> None:
@@ -69,7 +69,7 @@ class RunRecorder:
         self.gc = gc
         self.replaying = replaying  # decisions reported are the source trial's, applied
         self.events = events
-        self.storage_path = storage_path  # the experiment's (on object storage: by cache paths)
+        self.storage = storage  # the experiment's (on object storage: by cache paths)
         self.run_dir = run_dir  # with ``trust``: the run's checkpoint folders are reconciled
         self.trust = trust
         self.reported = store.reported_steps(trial_id)  # steps whose report is in the store
@@ -82,11 +82,7 @@ class RunRecorder:
             self.reconcile(below_step=report.step)
         self.record_once(report)
         if report.checkpoint is not None:
-            path = (
-                open_storage(self.storage_path).cached(report.checkpoint)
-                if self.storage_path
-                else report.checkpoint
-            )
+            path = self.storage.cached(report.checkpoint) if self.storage is not None else report.checkpoint
             self.record_checkpoint(str(path), report.step)
 
     def record_once(self, report: StepReport) -> None:
@@ -151,14 +147,14 @@ class RunRecorder:
     def reconcile(self, below_step: int | None = None) -> Reconciliation:
         """Settle the run's checkpoint folders against the store (``govray.platform.reconcile``); live
         (``below_step`` given) it only records folders of earlier steps."""
-        assert self.trust is not None and self.storage_path
+        assert self.trust is not None and self.storage is not None
         return reconcile_run(
             self.store,
             self.trial_id,
             Path(self.run_dir),
             self.trust,
             record_report=lambda step, report: self.record_once(StepReport.parse({"step": step, **report})),
-            storage=open_storage(self.storage_path),
+            storage=self.storage,
             below_step=below_step,
             layers=self.layers,
         )
@@ -173,17 +169,19 @@ class RunRecorder:
             self.collect_garbage()
 
     def collect_garbage(self) -> None:
-        self.collect_all(self.store, self.gc)
+        self.collect_all(self.store, self.gc, self.storage)
 
     @staticmethod
-    def collect_all(store: TrackingStore, gc: GcSettings) -> None:
-        """Apply the experiment's checkpoint GC policy over every trial's recorded checkpoints."""
+    def collect_all(store: TrackingStore, gc: GcSettings, storage: Storage | None = None) -> None:
+        """Apply the experiment's checkpoint GC policy over every trial's recorded checkpoints
+        (in ``storage``, the experiment's, when the caller holds it)."""
         apply_gc(
             store,
             gc.experiment_id,
             effective_gc_policy(store, gc.experiment_id),
             metric=gc.metric,
             smaller_is_better=gc.smaller_is_better,
+            storage=storage,
         )
 
     def _donor(self, run_name: str | None) -> int | None:

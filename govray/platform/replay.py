@@ -25,17 +25,11 @@ from safetensors.torch import load_file
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
-from govray.core.keys import load_trust, platform_key, platform_trust
-from govray.core.storage import open_storage
+from govray.core.keys import TrustConfig
+from govray.core.storage import Storage, open_storage
+from govray.platform.plan import plan_run, recorded_trial_code, run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import (
-    Progress,
-    TrialOutcome,
-    recorded_trial_code,
-    run_spec_path,
-    run_trial,
-    stored_ledger,
-)
+from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_ledger
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
@@ -104,13 +98,13 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
     return trials[-1]
 
 
-def _excluded_by(config: ExperimentConfig, trial: TrialRecord) -> tuple[str, ...]:
+def _excluded_by(storage: Storage, trial: TrialRecord) -> tuple[str, ...]:
     """The corpora a trial left out (a replay's; none for an original), from its run spec."""
     if trial.kind == TrialKind.ORIGINAL:
         return ()
     assert trial.ray_run_name is not None
-    path = run_spec_path(config, trial.ray_run_name)
-    if not open_storage(config.storage_path).fetch(path):
+    path = run_spec_path(storage, trial.ray_run_name)
+    if not storage.fetch(path):
         raise ReplayError(f"trial {trial.id} is a replay whose run spec {path} is missing")
     return RunSpec.model_validate_json(path.read_text()).excluded_corpora
 
@@ -126,13 +120,12 @@ def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDec
     )
 
 
-def final_checkpoint(run_dir: Path, trust_file: Path | None) -> Path:
-    """The run's last checkpoint, verified (platform key and the experiment's trust file)."""
+def final_checkpoint(run_dir: Path, trust: TrustConfig) -> Path:
+    """The run's last checkpoint, verified against ``trust`` (the replay's: ``CheckedPolicy.trust``)."""
     found = find_checkpoints(run_dir)
     if not found:
         raise ReplayError(f"{run_dir}: no checkpoint to compare with")
-    extra = load_trust(trust_file) if trust_file is not None else None
-    verify_checkpoint(found[-1], platform_trust(platform_key(), extra))
+    verify_checkpoint(found[-1], trust)
     return found[-1]
 
 
@@ -186,8 +179,9 @@ def replay_trial(
     unknown = [corpus for corpus in exclude if corpus not in known]
     if unknown:
         raise ReplayError(f"experiment '{recorded.name}' has no corpus {', '.join(unknown)}")
-    code = recorded_trial_code(config, original)  # the code it ran, whatever the working directory
-    already = _excluded_by(config, original)
+    storage = open_storage(config.storage_path)
+    code = recorded_trial_code(storage, original)  # the code it ran, whatever the working directory
+    already = _excluded_by(storage, original)
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     _, ingested = ingest_experiment(config, checked, store)
     for corpus in ingested.manifest.corpora:
@@ -198,30 +192,26 @@ def replay_trial(
                 "a replay needs the same bytes"
             )
     assert original.ray_run_name is not None
-    original_dir = final_checkpoint(
-        Path(config.storage_path) / "ray" / original.ray_run_name, config.policy.trust
-    )
-    outcome = run_trial(
+    original_dir = final_checkpoint(storage.root / "ray" / original.ray_run_name, checked.trust)
+    plan = plan_run(
         config,
         checked,
-        recorded,
         ingested.root,
-        store,
+        storage=storage,
         hparams=json.loads(original.hparams_json),
         trial_seed=original.seed,
         excluded_corpora=already + tuple(c for c in exclude if c not in already),
-        progress=progress,
         recorded_decisions=recorded_decisions(store, original.id),
-        replay_of=original.id,
         code=code,
         schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
     )
+    outcome = run_planned(plan, recorded, store, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
         raise ReplayError(
             f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
             f"finish it with `govray resume {recorded.id}`, then compare"
         )
-    replay_dir = final_checkpoint(outcome.run_dir, config.policy.trust)
+    replay_dir = final_checkpoint(outcome.run_dir, plan.trust)
     report = InfluenceReport(
         experiment=recorded.name,
         original_trial=original.id,
@@ -234,9 +224,7 @@ def replay_trial(
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         tensors=tensor_influence(original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude)),
     )
-    path = (
-        Path(config.storage_path) / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
-    )
+    path = storage.root / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report.model_dump_json(indent=2))
     AuditLog(store).append(

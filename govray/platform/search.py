@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -35,40 +33,27 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config.experiment import ExperimentConfig
-from govray.core.errors import ConfigError, GovrayError
-from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
-from govray.core.storage import open_storage
-from govray.data.schedule import SCHEDULE_VERSION
+from govray.core.errors import ConfigError
+from govray.core.storage import Storage
 from govray.platform.mlflow_mirror import mirrored
-from govray.platform.preflight import CheckedPolicy, config_digest
-from govray.platform.recorder import GcSettings, RunRecorder
-from govray.platform.runner import governed_trainer, last_step, new_run_spec
+from govray.platform.plan import RunPlan, plan_run
+from govray.platform.preflight import CheckedPolicy
+from govray.platform.recorder import GcSettings
 from govray.platform.search_progress import SearchProgress, SearchState
-from govray.provenance.attest import attest_trial_end
-from govray.tracking.store import TrackingStore
-from govray.tracking.tables import DecisionKind, Experiment, TrialState
-from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir
-from govray.train.checkpoint import (
-    checkpoint_report,
-    checkpoint_run,
-    checkpoint_schedule_version,
-    checkpoint_step,
-    newest_verified_checkpoint,
+from govray.platform.search_tracking import SearchTracking
+from govray.platform.search_trial import (
+    TUNE_TRIAL_MEMORY,
+    SearchError,
+    SearchSetup,
+    ends_trial,
+    trial_run_name,
+    tune_trial,
 )
-from govray.train.loop import train_worker
-from govray.train.reports import StepReport
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
-from govray.train.runspec import RunSpec
-from govray.train.session import LAST_KEY, TuneSession, open_sink, taken_reports, tune_reports, tune_result
 
 SEARCHER_GROUP = "govray.searchers"
-TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
-
-
-class SearchError(GovrayError):
-    """The search cannot start or finished without a usable trial."""
-
-    exit_code = 15
 
 
 @dataclass(frozen=True)
@@ -98,216 +83,6 @@ def strategy(name: str) -> Strategy:
 
 
 @dataclass(frozen=True)
-class SearchSetup:
-    """What every Tune trial needs besides its hyperparameters (plain data: it crosses processes)."""
-
-    config_json: str
-    checked: CheckedPolicy
-    shard_root: str
-    trust_json: str
-    reproducibility: dict[str, Any]
-    report_every: int
-    validation_period: int | None
-    database_url: str
-
-
-def trial_run_name(config: ExperimentConfig, tune_trial_id: str) -> str:
-    return f"{config.name}-{tune_trial_id}"
-
-
-def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
-    """The Tune function trainable: one governed trial, reporting at every validation with its
-    signed checkpoint (Tune hands a restored or PBT-cloned trial that checkpoint back)."""
-    config = ExperimentConfig.model_validate_json(setup.config_json)
-    hparams = {name: params[name] for name in config.hyperparameters}
-    run_name = trial_run_name(config, ray.tune.get_context().get_trial_id())
-    restored = ray.tune.get_checkpoint()
-    with restored.as_directory() if restored is not None else tempfile.TemporaryDirectory() as scratch:
-        # A restored trial or a PBT clone continues its checkpoint's schedule (a search begun
-        # before schedule version 2 keeps version 1).
-        version = checkpoint_schedule_version(Path(scratch)) if restored is not None else SCHEDULE_VERSION
-        spec = new_run_spec(
-            config,
-            setup.checked,
-            Path(setup.shard_root),
-            run_name,
-            hparams=hparams,
-            trial_seed=0,
-            reproducibility=setup.reproducibility,
-            trust=TrustConfig.model_validate_json(setup.trust_json),
-            report_every=setup.report_every,
-            validation_period=setup.validation_period,
-            schedule_version=version,
-        ).model_copy(update={"resume_checkpoint": scratch if restored is not None else ""})
-        if config.resources.workers == 1:
-            _local_trial(config, spec)
-        else:
-            _segmented_trial(config, spec)
-
-
-def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
-    """Tune's stopper: a trial's last result ends it before any scheduler
-    sees it. Synchronous PBT would otherwise pause a finished trial at its last step to wait for
-    the others, and could then hand one's final state to another trial with nothing left to train."""
-    return bool(result.get(LAST_KEY))
-
-
-def _local_trial(config: ExperimentConfig, spec: RunSpec) -> None:
-    """One worker, in this Tune trial's process (Ray 2.60 refuses Ray Train's session API inside
-    Tune functions, also in Train V2 local mode): a ``TuneSession``."""
-    train_worker(spec.model_dump(mode="json"), session=TuneSession)
-
-
-def _segment_reports(reported: list[StepReport], last: StepReport) -> list[StepReport]:
-    """The segment's reports in step order, ending with its result (a restarted worker group
-    re-reports the steps after its checkpoint: the later copy counts)."""
-    by_step = {report.step: report for report in reported if report.step <= last.step}
-    by_step[last.step] = last
-    return [by_step[step] for step in sorted(by_step)]
-
-
-def _segmented_trial(config: ExperimentConfig, spec: RunSpec) -> None:
-    """N workers in nested TorchTrainers, one per segment between validations. Each segment ends
-    with a signed checkpoint that becomes the Tune checkpoint, so Tune (PBT) can hand any trial's
-    state to another; the next segment resumes from it under a fresh Ray Train run name. Every
-    report of the segment reaches Tune with its validation."""
-    from ray.train import Checkpoint
-
-    resume = spec.resume_checkpoint
-    start = checkpoint_step(Path(resume)) if resume else 0
-    period = spec.validation_period or spec.max_steps
-    # A PBT clone of a finished donor has nothing left to train: one segment ends it with the
-    # donor's state checkpointed under this trial's name.
-    cloned = bool(resume) and checkpoint_run(Path(resume)) != spec.run_name
-    while start < spec.max_steps or cloned:
-        cloned = False
-        end = min(spec.max_steps, (start // period + 1) * period)
-        segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
-        name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
-        storage = open_storage(config.storage_path)
-        run_dir = storage.root / "ray" / name
-        sink = open_sink(f"govray-reports-{name}")  # rank 0's reports, for Tune
-        try:
-            segment = segment.model_copy(
-                update={"run_dir": str(run_dir), "report_sink": f"govray-reports-{name}"}
-            )
-            governed_trainer(config, segment, name).fit()
-            reported = taken_reports(sink)
-        finally:
-            ray.kill(sink)
-        # The segment's end is its newest verified checkpoint, by the rule its workers resume by
-        # (Ray Train's result lacks it when a worker died before Ray collected the last report);
-        # the report that went with it is in the checkpoint.
-        final = newest_verified_checkpoint(run_dir, spec.trust, storage if storage.is_remote else None)
-        last = checkpoint_report(final) if final is not None else {}
-        if final is None or not last:
-            raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        relayed = tune_result(_segment_reports(reported, StepReport.parse(last)), spec.max_steps)
-        ray.tune.report(relayed, checkpoint=Checkpoint(storage.ray_path(final), storage.filesystem))
-        if StepReport.parse(last).stop == "early_stop":
-            return  # the trial's last report (with its ledger): the rest of its steps never run
-        # The next segment resumes from it: a directory in the nodes' cache of object storage.
-        resume, start = str(final), end
-
-
-class SearchTracking(ray.tune.Callback):
-    """On the driver: the search's trials in the tracking store, each through its ``RunRecorder``
-    (one owner per row)."""
-
-    def __init__(
-        self, database_url: str, config: ExperimentConfig, layers: dict[str, int | None], gc: GcSettings
-    ) -> None:
-        self.database_url = database_url
-        self.experiment_id = gc.experiment_id
-        self.config = config
-        self.layers = layers
-        self.gc = gc
-        self._store: TrackingStore | None = None
-        self.recorders: dict[str, RunRecorder] = {}  # Tune trial id → its trial's recorder
-
-    @property
-    def store(self) -> TrackingStore:
-        if self._store is None:
-            self._store = TrackingStore.open(self.database_url)
-        return self._store
-
-    def recorder(self, trial: Any) -> RunRecorder:
-        """The trial's recorder; its row is created on first sight (a restored search finds its
-        rows by run name)."""
-        if trial.trial_id in self.recorders:
-            return self.recorders[trial.trial_id]
-        run_name = trial_run_name(self.config, trial.trial_id)
-        known = [t for t in self.store.list_trials(self.experiment_id) if t.ray_run_name == run_name]
-        if known:
-            row_id = known[0].id
-        else:
-            hparams = {name: trial.config[name] for name in self.config.hyperparameters}
-            created = self.store.create_trial(self.experiment_id, json.dumps(hparams, sort_keys=True), seed=0)
-            row_id = created.id
-            self.store.set_trial_state(row_id, TrialState.ACTIVE, ray_run_name=run_name)  # type: ignore[arg-type]
-        assert row_id is not None
-        root = open_storage(self.config.storage_path).root
-        self.recorders[trial.trial_id] = RunRecorder(
-            self.store, row_id, self.layers, self.gc, events=TensorBoardLog(tensorboard_dir(root, run_name))
-        )
-        return self.recorders[trial.trial_id]
-
-    def row(self, trial: Any) -> int:
-        return self.recorder(trial).trial_id
-
-    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self.store.set_trial_state(self.row(trial), TrialState.ACTIVE)
-
-    def on_trial_result(
-        self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
-    ) -> None:
-        recorder = self.recorder(trial)
-        for report in tune_reports(result):
-            recorder.record_once(report)  # a restarted trial re-reports the steps after its checkpoint
-
-    def on_checkpoint(
-        self, iteration: int, trials: list[Any], trial: Any, checkpoint: Any, **info: Any
-    ) -> None:
-        # Tune's copy, by its path in this node's cache (recorded with the stored manifest's digest)
-        path = open_storage(self.config.storage_path).cached(checkpoint.path)
-        self.recorder(trial).record_checkpoint(str(path), checkpoint_step(path))
-
-    def collect_garbage(self) -> None:
-        RunRecorder.collect_all(self.store, self.gc)
-
-    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        row_id = self.row(trial)
-        if not trial.last_result.get(LAST_KEY):  # stopped by the scheduler first: a recorded early stop
-            seq = len(self.store.decisions(row_id))
-            step = last_step(self.store, row_id)
-            decision = {
-                "seq": seq,
-                "step": step,
-                "kind": DecisionKind.EARLY_STOP.value,
-                "reason": "scheduler",
-                "metric": self.config.searcher.metric,
-                "observed": None,
-            }
-            self.store.record_decisions(row_id, [decision], replayed=False)
-        attested = attest_trial_end(self.store, row_id)  # its last checkpoint, signed provenance and coverage
-        if attested is not None:  # kept next to the checkpoint, in object storage too
-            open_storage(self.config.storage_path).upload(attested.provenance, attested.coverage)
-        self.store.set_trial_state(row_id, TrialState.COMPLETED)
-        self._close_events(trial)
-
-    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self.store.set_trial_state(self.row(trial), TrialState.ERRORED)
-        self._close_events(trial)
-
-    def _close_events(self, trial: Any) -> None:
-        if (recorder := self.recorders.get(trial.trial_id)) is not None and recorder.events is not None:
-            recorder.events.publish(open_storage(self.config.storage_path))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_store": None, "recorders": {}}
-
-
-@dataclass(frozen=True)
 class SearchOutcome:
     trial_ids: list[int]  # every trial of the search, in the order Tune started them
     best_trial_id: int
@@ -316,9 +91,9 @@ class SearchOutcome:
     plan: TunePlan
 
 
-def search_path(config: ExperimentConfig, experiment: Experiment) -> Path:
+def search_path(storage: Storage, config: ExperimentConfig, experiment: Experiment) -> Path:
     """Where Ray Tune keeps the search's state (in this node's cache, for object storage)."""
-    return open_storage(config.storage_path).root / "tune" / f"{config.name}-search{experiment.id}"
+    return storage.root / "tune" / f"{config.name}-search{experiment.id}"
 
 
 def run_search(
@@ -331,39 +106,42 @@ def run_search(
     report_every: int = 20,
     progress: Callable[[SearchState], None] | None = None,
 ) -> SearchOutcome:
+    """Plan the search's default sample (:func:`govray.platform.plan.plan_run`), then run it
+    (:func:`search_planned`)."""
+    planned = plan_run(config, checked, shard_root, report_every=report_every)
+    return search_planned(planned, experiment, store, progress=progress)
+
+
+def search_planned(
+    planned: RunPlan,
+    experiment: Experiment,
+    store: TrackingStore,
+    *,
+    progress: Callable[[SearchState], None] | None = None,
+) -> SearchOutcome:
     """Run (or, when its Tune state exists, resume) the experiment's search; returns the best trial.
-    ``progress`` is shown the search's state whenever it changes (Tune itself prints nothing)."""
+    ``planned`` (the default sample's plan) gives the trials' length to the strategy, and the
+    storage, checked policy and trust every trial shares. ``progress`` is shown the search's state
+    whenever it changes (Tune itself prints nothing)."""
     from ray.tune import TuneConfig, Tuner
 
     assert experiment.id is not None
-    max_steps = new_run_spec(
-        config,
-        checked,
-        shard_root,
-        "plan",
-        hparams=config.default_hparams(),
-        trial_seed=0,
-        reproducibility={},
-        trust=platform_trust(platform_key()),
-    ).max_steps
-    plan = strategy(config.searcher.name)(config, max_steps)
-    key = platform_key()
-    trust = platform_trust(key, load_trust(config.policy.trust) if config.policy.trust else None)
-    storage = open_storage(config.storage_path)
-    record = build_record(config, storage.root, config_digest=config_digest(config), threads=1)
+    config, storage, checked = planned.config, planned.storage, planned.checked
+    plan = strategy(config.searcher.name)(config, planned.spec.max_steps)
+    record = build_record(config, storage.root, config_digest=planned.spec.config_digest, threads=1)
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
-        shard_root=str(shard_root),
-        trust_json=trust.model_dump_json(),
+        shard_root=str(planned.shard_root),
         reproducibility=record.model_dump(mode="json"),
-        report_every=report_every,
+        report_every=planned.spec.report_every,
         validation_period=plan.validation_period,
         database_url=config.database_url,
     )
     tracking = SearchTracking(
         config.database_url,
         config,
+        storage,
         checked.routing.tensor_layers(),
         GcSettings(
             experiment.id,
@@ -385,7 +163,7 @@ def run_search(
     callbacks: list[ray.tune.Callback] = [tracking]
     if progress is not None:
         callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))
-    path = search_path(config, experiment)
+    path = search_path(storage, config, experiment)
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
     location = storage.ray_path(path)
     # Tune saves its experiment state at most this often: a trial finished before an interruption

@@ -4,7 +4,6 @@ endpoints and pages and ``govray experiment describe`` read through it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -14,12 +13,19 @@ from sqlalchemy import Engine, and_, func
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
-from govray.core.errors import TrackingError
 from govray.provenance.attest import PROVENANCE_TYPE
 from govray.queries import changes, ledger
 from govray.queries.changes import Topic
+from govray.queries.documents import (
+    attestation_view,
+    checkpoint_view,
+    experiment_view,
+    json_object,
+    metric_view,
+    trial_view,
+    version_view,
+)
 from govray.queries.errors import NotFoundError, QueryError
-from govray.queries.ledger import statement_of
 from govray.queries.views import (
     AttestationView,
     AuditEventView,
@@ -41,7 +47,7 @@ from govray.queries.views import (
 )
 from govray.tracking.audit import AuditEventType, utc_timestamp
 from govray.tracking.lineage import checkpoints_of
-from govray.tracking.store import corpora_of, decisions_of
+from govray.tracking.rows import corpora_of, decisions_of
 from govray.tracking.tables import (
     AttestationRecord,
     AuditEvent,
@@ -79,15 +85,15 @@ class StoreReader:
             rows = session.exec(_sliced(select(Experiment).order_by(col(Experiment.id)), window))
             experiments = list(rows)
             counts = _trial_counts(session, [e.id for e in experiments if e.id is not None])
-        items = [_experiment_view(e, counts.get(e.id or 0, 0)) for e in experiments]
+        items = [experiment_view(e, counts.get(e.id or 0, 0)) for e in experiments]
         return page(items, total, window)
 
     def experiment(self, experiment_id: int) -> ExperimentDetail:
         with self.session() as session:
             found = _get(session, Experiment, experiment_id)
             trials = _trial_counts(session, [experiment_id]).get(experiment_id, 0)
-        view = _experiment_view(found, trials)
-        return ExperimentDetail(**view.model_dump(), config=_json_object(found.config_json))
+        view = experiment_view(found, trials)
+        return ExperimentDetail(**view.model_dump(), config=json_object(found.config_json))
 
     def trials(self, experiment_id: int, window: Window) -> Page[TrialView]:
         with self.session() as session:
@@ -95,17 +101,17 @@ class StoreReader:
             query = select(TrialRecord).where(TrialRecord.experiment_id == experiment_id)
             total = _count(session, query)
             rows = list(session.exec(_sliced(query.order_by(col(TrialRecord.id)), window)))
-        return page([_trial_view(t) for t in rows], total, window)
+        return page([trial_view(t) for t in rows], total, window)
 
     def trial(self, trial_id: int) -> TrialDetail:
         with self.session() as session:
             found = _get(session, TrialRecord, trial_id)
             saved = checkpoints_of(session, trial_id)
-        source = _json_object(found.source_checkpoint_json) if found.source_checkpoint_json else None
+        source = json_object(found.source_checkpoint_json) if found.source_checkpoint_json else None
         return TrialDetail(
-            **_trial_view(found).model_dump(),
+            **trial_view(found).model_dump(),
             source_checkpoint=source,
-            checkpoints=[_checkpoint_view(c) for c in saved],
+            checkpoints=[checkpoint_view(c) for c in saved],
         )
 
     def metrics(self, trial_id: int, window: Window, name: str | None = None) -> Page[MetricView]:
@@ -118,7 +124,7 @@ class StoreReader:
             total = _count(session, query)
             order = (col(Metric.name), col(Metric.step), col(Metric.id))
             rows = list(session.exec(_sliced(query.order_by(*order), window)))
-        return page([_metric_view(m) for m in rows], total, window)
+        return page([metric_view(m) for m in rows], total, window)
 
     def latest_metrics(self, trial_ids: Sequence[int]) -> dict[int, list[MetricView]]:
         """Per trial, each metric (kind and name) at the highest step it was reported — the last
@@ -139,7 +145,7 @@ class StoreReader:
             rows = session.exec(select(Metric).join(last_step, at_last_step).order_by(col(Metric.id))).all()
         latest: dict[int, dict[tuple[str, str], MetricView]] = {}
         for row in rows:  # by id: a step reported twice counts its last report
-            latest.setdefault(row.trial_id, {})[(row.kind, row.name)] = _metric_view(row)
+            latest.setdefault(row.trial_id, {})[(row.kind, row.name)] = metric_view(row)
         return {trial_id: list(metrics.values()) for trial_id, metrics in latest.items()}
 
     def decisions(self, trial_id: int) -> list[DecisionView]:
@@ -148,7 +154,7 @@ class StoreReader:
             decided = decisions_of(session, trial_id)
         return [
             DecisionView(
-                seq=d.seq, step=d.step, kind=d.kind, payload=_json_object(d.payload_json), replayed=d.replayed
+                seq=d.seq, step=d.step, kind=d.kind, payload=json_object(d.payload_json), replayed=d.replayed
             )
             for d in decided
         ]
@@ -192,15 +198,15 @@ class StoreReader:
             query = select(ModelVersion).where(ModelVersion.model_name == model_name)
             total = _count(session, query)
             rows = list(session.exec(_sliced(query.order_by(col(ModelVersion.version)), window)))
-        return page([_version_view(v) for v in rows], total, window)
+        return page([version_view(v) for v in rows], total, window)
 
     def version(self, model_name: str, version: int) -> ModelVersionView:
         with self.session() as session:
-            return _version_view(_find_version(session, model_name, version))
+            return version_view(_find_version(session, model_name, version))
 
     def version_by_id(self, version_id: int) -> ModelVersionView:
         with self.session() as session:
-            return _version_view(_get(session, ModelVersion, version_id))
+            return version_view(_get(session, ModelVersion, version_id))
 
     def newest_versions(self, limit: int) -> list[VersionRef]:
         """The model versions registered last, newest first."""
@@ -231,7 +237,7 @@ class StoreReader:
         with self.session() as session:
             found = _find_version(session, model_name, version)
             checkpoint = _get(session, CheckpointRecord, found.checkpoint_id)
-            return ledger.lineage(session, checkpoint, self.layer_names, layer, version=_version_view(found))
+            return ledger.lineage(session, checkpoint, self.layer_names, layer, version=version_view(found))
 
     def influence(self, corpus_id: str, window: Window) -> Page[InfluenceItem]:
         """Every trial ledger (checkpoint), model version and layer that ``corpus_id`` reached."""
@@ -266,7 +272,7 @@ class StoreReader:
             total = _count(session, query)
             rows = list(session.exec(_sliced(query.order_by(col(AuditEvent.seq)), window)))
         items = [
-            AuditEventView(**e.model_dump(exclude={"payload_json"}), payload=_json_object(e.payload_json))
+            AuditEventView(**e.model_dump(exclude={"payload_json"}), payload=json_object(e.payload_json))
             for e in rows
         ]
         return page(items, total, window)
@@ -278,7 +284,7 @@ class StoreReader:
             query = select(AttestationRecord).where(AttestationRecord.checkpoint_id == checkpoint_id)
             total = _count(session, query)
             rows = list(session.exec(_sliced(query.order_by(col(AttestationRecord.id)), window)))
-        return page([_attestation_view(a) for a in rows], total, window)
+        return page([attestation_view(a) for a in rows], total, window)
 
     def attestation(self, attestation_id: int) -> AttestationRecord:
         """The stored attestation (its ``envelope_json`` is the DSSE envelope as signed)."""
@@ -297,12 +303,12 @@ class StoreReader:
 
     def checkpoint(self, checkpoint_id: int) -> CheckpointView:
         with self.session() as session:
-            return _checkpoint_view(_get(session, CheckpointRecord, checkpoint_id))
+            return checkpoint_view(_get(session, CheckpointRecord, checkpoint_id))
 
     def newest_final_checkpoints(self, limit: int) -> list[CheckpointView]:
         """Trials' last checkpoints (the ones their ledgers belong to), newest first, at most ``limit``."""
         with self.session() as session:
-            return [_checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
+            return [checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
 
     # -- what answers read ------------------------------------------------------------------------
 
@@ -352,61 +358,3 @@ def _trial_counts(session: Session, experiment_ids: list[int]) -> dict[int, int]
         .group_by(col(TrialRecord.experiment_id))
     )
     return {experiment_id: count for experiment_id, count in session.exec(query)}
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A stored JSON document, as an object (a scalar or list is wrapped as ``{"value": ...}``)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TrackingError(f"the tracking store holds a malformed JSON document: {error}") from None
-    return value if isinstance(value, dict) else {"value": value}
-
-
-def _experiment_view(experiment: Experiment, trials: int) -> ExperimentView:
-    fields = experiment.model_dump(exclude={"config_json", "gc_policy_json", "requested"})
-    return ExperimentView(**fields, trials=trials)
-
-
-def _trial_view(trial: TrialRecord) -> TrialView:
-    return TrialView(
-        id=trial.id or 0,
-        experiment_id=trial.experiment_id,
-        state=trial.state,
-        seed=trial.seed,
-        hyperparameters=_json_object(trial.hparams_json),
-        ray_run_name=trial.ray_run_name,
-        cloned_from=trial.cloned_from,
-        kind=trial.kind,
-        replay_of=trial.replay_of,
-        created_at=trial.created_at,
-        ended_at=trial.ended_at,
-    )
-
-
-def _metric_view(metric: Metric) -> MetricView:
-    return MetricView(**metric.model_dump(exclude={"id", "trial_id"}))
-
-
-def _checkpoint_view(checkpoint: CheckpointRecord) -> CheckpointView:
-    return CheckpointView(**checkpoint.model_dump(exclude={"metrics_json", "deleted_at"}))
-
-
-def _version_view(version: ModelVersion) -> ModelVersionView:
-    return ModelVersionView(
-        **version.model_dump(exclude={"tags_json", "removed_adapters_json", "excluded_corpora_json"}),
-        tags=_json_object(version.tags_json),
-        removed_adapters=json.loads(version.removed_adapters_json),
-        excluded_corpora=json.loads(version.excluded_corpora_json),
-    )
-
-
-def _attestation_view(record: AttestationRecord) -> AttestationView:
-    return AttestationView(
-        id=record.id or 0,
-        checkpoint_id=record.checkpoint_id,
-        model_version_id=record.model_version_id,
-        subject_digest=record.subject_digest,
-        predicate_type=statement_of(record.envelope_json).get("predicateType"),
-        created_at=record.created_at,
-    )

@@ -11,12 +11,9 @@ here, never the workers: each row has one writer.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import ValidationError
 from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -31,11 +28,20 @@ from govray.tracking.database import (  # the database half, re-exported for thi
     masked,
     upgrade,
 )
+from govray.tracking.rows import (
+    add_decisions,
+    advance,
+    corpora_of,
+    corpus_record,
+    decisions_of,
+    member,
+    metric_rows,
+    require,
+)
 from govray.tracking.tables import (
     TERMINAL_TRIAL_STATES,
     ControlRequest,
     CorpusRecord,
-    DecisionKind,
     DecisionRecord,
     Experiment,
     ExperimentState,
@@ -44,7 +50,6 @@ from govray.tracking.tables import (
     TrialKind,
     TrialRecord,
     TrialState,
-    row_noun,
     utcnow,
 )
 
@@ -57,12 +62,6 @@ __all__ = [
     "masked",
     "upgrade",
 ]
-
-StateEnum = TypeVar("StateEnum", ExperimentState, TrialState, MetricKind, ControlRequest, DecisionKind)
-_Row = TypeVar("_Row", Experiment, TrialRecord)
-
-# What a caller describes about a corpus; the store fills in the rest.
-CORPUS_FIELDS = frozenset(CorpusRecord.model_fields) - {"id", "experiment_id", "created_at"}
 
 
 class TrackingStore:
@@ -156,9 +155,9 @@ class TrackingStore:
 
     def set_experiment_state(self, experiment_id: int, state: ExperimentState | str) -> Experiment:
         """Move an experiment to ``state`` (one of ExperimentState) and stamp ``updated_at``."""
-        new_state = _member(ExperimentState, state)
+        new_state = member(ExperimentState, state)
         with self.session() as session:
-            experiment = _require(session, Experiment, experiment_id)
+            experiment = require(session, Experiment, experiment_id)
             experiment.state = new_state.value
             experiment.updated_at = utcnow()
             session.add(experiment)
@@ -166,9 +165,9 @@ class TrackingStore:
 
     def request(self, experiment_id: int, request: ControlRequest | str | None) -> Experiment:
         """Ask the experiment's driver to pause or kill it at the next step boundary (None clears)."""
-        value = None if request is None else _member(ControlRequest, request).value
+        value = None if request is None else member(ControlRequest, request).value
         with self.session() as session:
-            experiment = _require(session, Experiment, experiment_id)
+            experiment = require(session, Experiment, experiment_id)
             experiment.requested = value
             experiment.updated_at = utcnow()
             session.add(experiment)
@@ -177,7 +176,7 @@ class TrackingStore:
     def set_gc_policy(self, experiment_id: int, policy_json: str | None) -> Experiment:
         """Replace the experiment's checkpoint GC policy (None: back to its config's)."""
         with self.session() as session:
-            experiment = _require(session, Experiment, experiment_id)
+            experiment = require(session, Experiment, experiment_id)
             experiment.gc_policy_json = policy_json
             experiment.updated_at = utcnow()
             session.add(experiment)
@@ -186,8 +185,8 @@ class TrackingStore:
     def set_parent(self, experiment_id: int, parent_id: int) -> Experiment:
         """Record that ``experiment_id`` was forked from ``parent_id``."""
         with self.session() as session:
-            _require(session, Experiment, parent_id)
-            experiment = _require(session, Experiment, experiment_id)
+            require(session, Experiment, parent_id)
+            experiment = require(session, Experiment, experiment_id)
             experiment.parent_id = parent_id
             session.add(experiment)
         return experiment
@@ -201,12 +200,12 @@ class TrackingStore:
         holdout_rows, credential_json, route_counts_json); unknown or missing fields and a
         corpus id given twice are refused, leaving the earlier rows in place.
         """
-        rows = [_corpus_record(experiment_id, record) for record in records]
+        rows = [corpus_record(experiment_id, record) for record in records]
         corpus_ids = [row.corpus_id for row in rows]
         if twice := sorted({cid for cid in corpus_ids if corpus_ids.count(cid) > 1}):
             raise TrackingError(f"corpus ids given more than once: {', '.join(twice)}")
         with self.session() as session:
-            _require(session, Experiment, experiment_id)
+            require(session, Experiment, experiment_id)
             owned = col(CorpusRecord.experiment_id) == experiment_id
             session.execute(delete(CorpusRecord).where(owned))
             session.add_all(rows)
@@ -251,16 +250,16 @@ class TrackingStore:
             replay_of=replay_of,
         )
         with self.session() as session:
-            _require(session, Experiment, experiment_id)
+            require(session, Experiment, experiment_id)
             if replay_of is not None:
-                _require(session, TrialRecord, replay_of)
+                require(session, TrialRecord, replay_of)
             session.add(trial)
         return trial
 
     def get_trial(self, trial_id: int) -> TrialRecord:
         """The trial with this id."""
         with self.session() as session:
-            return _require(session, TrialRecord, trial_id)
+            return require(session, TrialRecord, trial_id)
 
     def list_trials(self, experiment_id: int) -> list[TrialRecord]:
         """The trials of an experiment, oldest first."""
@@ -272,9 +271,9 @@ class TrackingStore:
         self, trial_id: int, state: TrialState | str, ray_run_name: str | None = None
     ) -> TrialRecord:
         """Move a trial to ``state``; a terminal state stamps ``ended_at``."""
-        new_state = _member(TrialState, state)
+        new_state = member(TrialState, state)
         with self.session() as session:
-            trial = _require(session, TrialRecord, trial_id)
+            trial = require(session, TrialRecord, trial_id)
             trial.state = new_state.value
             if ray_run_name is not None:
                 trial.ray_run_name = ray_run_name
@@ -286,7 +285,7 @@ class TrackingStore:
     def set_trial_reproducibility(self, trial_id: int, record_json: str) -> TrialRecord:
         """Keep the trial's reproducibility record (environment, code, corpus snapshots)."""
         with self.session() as session:
-            trial = _require(session, TrialRecord, trial_id)
+            trial = require(session, TrialRecord, trial_id)
             trial.reproducibility_json = record_json
             session.add(trial)
         return trial
@@ -294,8 +293,8 @@ class TrackingStore:
     def set_cloned_from(self, trial_id: int, donor_id: int) -> TrialRecord:
         """Record that a trial continued another's state (a PBT exploit): its lineage parent."""
         with self.session() as session:
-            _require(session, TrialRecord, donor_id)
-            trial = _require(session, TrialRecord, trial_id)
+            require(session, TrialRecord, donor_id)
+            trial = require(session, TrialRecord, trial_id)
             trial.cloned_from = donor_id
             session.add(trial)
         return trial
@@ -311,25 +310,25 @@ class TrackingStore:
         """One report in one transaction: its scalars (by kind) and the trial's progress. A driver
         that dies while recording a report leaves neither, so the report recorded again (from its
         checkpoint's ``report.json``) records both."""
-        rows = [row for kind, values in scalars.items() for row in _metric_rows(trial_id, step, kind, values)]
+        rows = [row for kind, values in scalars.items() for row in metric_rows(trial_id, step, kind, values)]
         try:
             with self.session() as session:
                 session.add_all(rows)
-                return _advance(session, trial_id, step, stop_reason, cloned_from)
+                return advance(session, trial_id, step, stop_reason, cloned_from)
         except IntegrityError as exc:
             raise TrackingError(f"cannot log metrics for trial {trial_id}: {exc.orig}") from exc
 
     def clear_stop(self, trial_id: int) -> None:
         """A trial that runs again (a resume) is no longer stopped."""
         with self.session() as session:
-            trial = _require(session, TrialRecord, trial_id)
+            trial = require(session, TrialRecord, trial_id)
             trial.stop_reason = None
             session.add(trial)
 
     def set_trial_source(self, trial_id: int, source_json: str) -> TrialRecord:
         """Record the checkpoint a trial started from (its lineage parent)."""
         with self.session() as session:
-            trial = _require(session, TrialRecord, trial_id)
+            trial = require(session, TrialRecord, trial_id)
             trial.source_checkpoint_json = source_json
             session.add(trial)
         return trial
@@ -341,35 +340,8 @@ class TrackingStore:
         recorded under the same ``seq`` are kept, and a different decision there is refused.
         Returns how many rows were added.
         """
-        added = 0
         with self.session() as session:
-            _require(session, TrialRecord, trial_id)
-            known = {
-                row.seq: row
-                for row in session.exec(select(DecisionRecord).where(DecisionRecord.trial_id == trial_id))
-            }
-            for decision in decisions:
-                payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}
-                row = DecisionRecord(
-                    trial_id=trial_id,
-                    seq=int(decision["seq"]),
-                    step=int(decision["step"]),
-                    kind=_member(DecisionKind, decision["kind"]).value,
-                    payload_json=json.dumps(payload, sort_keys=True),
-                    replayed=replayed,
-                )
-                if row.seq in known:
-                    old = known[row.seq]
-                    if (old.step, old.kind, old.payload_json) != (row.step, row.kind, row.payload_json):
-                        raise TrackingError(
-                            f"trial {trial_id} decision {row.seq} differs from the recorded one "
-                            f"(step {old.step} {old.kind} vs step {row.step} {row.kind})"
-                        )
-                    continue
-                session.add(row)
-                known[row.seq] = row
-                added += 1
-        return added
+            return add_decisions(session, trial_id, decisions, replayed)
 
     def decisions(self, trial_id: int) -> list[DecisionRecord]:
         """A trial's recorded decisions, in order."""
@@ -384,7 +356,7 @@ class TrackingStore:
         NaN is refused (SQLite would silently store it as NULL); the caller decides what a NaN
         loss means. Infinities are stored as they are.
         """
-        rows = _metric_rows(trial_id, step, kind, values)
+        rows = metric_rows(trial_id, step, kind, values)
         try:
             with self.session() as session:
                 session.add_all(rows)
@@ -409,71 +381,3 @@ class TrackingStore:
         order = (col(Metric.name), col(Metric.step), col(Metric.id))
         with self.session() as session:
             return list(session.exec(query.order_by(*order)))
-
-
-# The store's reads in a session of the caller's: the query layer reads with its own.
-
-
-def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:
-    """``TrackingStore.list_corpora``."""
-    query = select(CorpusRecord).where(CorpusRecord.experiment_id == experiment_id)
-    return list(session.exec(query.order_by(col(CorpusRecord.corpus_id))))
-
-
-def decisions_of(session: Session, trial_id: int) -> list[DecisionRecord]:
-    """``TrackingStore.decisions``."""
-    query = select(DecisionRecord).where(DecisionRecord.trial_id == trial_id)
-    return list(session.exec(query.order_by(col(DecisionRecord.seq))))
-
-
-def _member(enum: type[StateEnum], value: StateEnum | str) -> StateEnum:
-    try:
-        return enum(value)
-    except ValueError:
-        allowed = ", ".join(member.value for member in enum)
-        raise TrackingError(f"unknown {enum.__name__} {value!r}; expected one of: {allowed}") from None
-
-
-def _require(session: Session, table: type[_Row], row_id: int) -> _Row:
-    found = session.get(table, row_id) if 1 <= row_id <= MAX_ID else None  # beyond: no SQL integer
-    if found is None:
-        raise TrackingError(f"no {row_noun(table)} with id {row_id} in the tracking store")
-    return found
-
-
-def _corpus_record(experiment_id: int, record: Mapping[str, Any]) -> CorpusRecord:
-    unknown = set(record) - CORPUS_FIELDS
-    if unknown:
-        raise TrackingError(f"corpus record has unexpected fields: {', '.join(sorted(unknown))}")
-    try:
-        return CorpusRecord.model_validate({**record, "experiment_id": experiment_id})
-    except ValidationError as exc:
-        corpus = record.get("corpus_id", "?")
-        raise TrackingError(f"corpus record {corpus!r} is invalid: {exc}") from exc
-
-
-def _metric_rows(
-    trial_id: int, step: int, kind: MetricKind | str, values: Mapping[str, float]
-) -> list[Metric]:
-    metric_kind = _member(MetricKind, kind).value
-    if nans := sorted(name for name, value in values.items() if math.isnan(value)):
-        raise TrackingError(f"trial {trial_id} reported NaN at step {step} for: {', '.join(nans)}")
-    now = utcnow()
-    return [
-        Metric(trial_id=trial_id, step=step, kind=metric_kind, name=name, value=float(value), recorded_at=now)
-        for name, value in values.items()
-    ]
-
-
-def _advance(
-    session: Session, trial_id: int, step: int, stop_reason: str | None, cloned_from: int | None
-) -> TrialRecord:
-    trial = _require(session, TrialRecord, trial_id)
-    trial.last_step = max(trial.last_step or 0, step)
-    if stop_reason is not None:
-        trial.stop_reason = stop_reason
-    if cloned_from is not None:
-        _require(session, TrialRecord, cloned_from)
-        trial.cloned_from = cloned_from
-    session.add(trial)
-    return trial

@@ -1,7 +1,7 @@
 """What a trial's workers run: the one JSON document that crosses from the driver to every
 worker (and is kept in every checkpoint as ``run.json``).
 
-The driver builds it (``govray.platform.runner.new_run_spec``); attestation, row lookup and search read it
+The driver builds it (``govray.platform.plan.plan_run``); attestation, row lookup and search read it
 without importing the training loop. It carries the run's routing table, resolved by the driver on a
 meta-device model: readers take it from here instead of building the model, and every worker checks
 that its own model resolves to the same table.
@@ -59,7 +59,7 @@ class RunSpec(BaseModel):
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     excluded_corpora: tuple[str, ...] = ()
     # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
-    # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (new_run_spec).
+    # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (plan_run).
     schedule_version: int = 1
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.

@@ -38,8 +38,8 @@ import yaml
 
 from govray.config.experiment import load_experiment
 from govray.core.runtime import ensure_ray
+from govray.platform.plan import plan_run
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import plan_steps
 from govray.platform.search import run_search
 from govray.tracking.store import TrackingStore
 
@@ -131,8 +131,10 @@ def opened(path: Path) -> tuple[Any, TrackingStore, Any, Any, Any]:
 
 def trial_steps(root: Path, args: argparse.Namespace) -> int:
     """Steps of one trial (the schedule's, for the space's fixed batch size)."""
-    config, _, _, _, ingested = opened(experiment_file(root, "bench-steps", 0, {"name": "single"}, args, 1))
-    return plan_steps(config, ingested.root, config.default_hparams(), trial_seed=0)
+    config, _, checked, _, ingested = opened(
+        experiment_file(root, "bench-steps", 0, {"name": "single"}, args, 1)
+    )
+    return plan_run(config, checked, ingested.root).spec.max_steps
 
 
 def search(root: Path, strategy: str, seed: int, args: argparse.Namespace, steps: int) -> Searched:

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from govray.core.keys import load_trust, platform_key, platform_trust
-from govray.platform.runner import new_run_spec
+from govray.platform.plan import plan_run
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
@@ -26,10 +25,7 @@ def train_alone(
 ) -> dict[str, Any]:
     """A run of ``config`` over ``shard_root`` (its spec written to ``root/run.json``) trained for
     ``steps`` steps by a worker alone in a fresh process: what ``main`` prints."""
-    trust = platform_trust(platform_key(), load_trust(config.policy.trust) if config.policy.trust else None)
-    spec = new_run_spec(
-        config, checked, shard_root, root.name, hparams=hparams, trial_seed=0, reproducibility={}, trust=trust
-    )
+    spec = plan_run(config, checked, shard_root, hparams=hparams).named(root.name, {})
     (root / "run.json").write_text(spec.model_dump_json())
     done = subprocess.run(
         [sys.executable, "-m", "jobs.benchmarks.bounded_worker", str(root / "run.json"), str(steps)],

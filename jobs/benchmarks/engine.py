@@ -98,25 +98,13 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
 
 def _hf_example(root: Path) -> tuple[Any, Any]:
     """The hf_lm example ingested under ``root``: a run spec and its trial, as a run builds them."""
-    from govray.core.keys import TrustConfig
-    from govray.platform.runner import new_run_spec
-    from govray.train.trial import make_trial
+    from govray.platform.plan import plan_run
     from jobs.examples.digits.golden import opened
     from jobs.examples.hf_lm.golden import example_under
 
     config, _, checked, _, ingested = opened(example_under(root, steps=1000))
-    hparams = config.default_hparams()
-    spec = new_run_spec(
-        config,
-        checked,
-        ingested.root,
-        "bench",
-        hparams=hparams,
-        trial_seed=0,
-        reproducibility={},
-        trust=TrustConfig(),
-    )
-    return spec, make_trial(spec.trial, spec.hparams, spec.settings)
+    plan = plan_run(config, checked, ingested.root)
+    return plan.named("bench", {}), plan.trial
 
 
 def throughput(steps: int) -> tuple[float, str, str]:

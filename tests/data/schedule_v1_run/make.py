@@ -21,9 +21,8 @@ from pathlib import Path
 ROOT, ARCHIVE = Path(sys.argv[1]), Path(sys.argv[2])
 os.environ["GOVRAY_HOME"] = str(ROOT / "home")  # a platform key made for this run alone
 
-from govray.core.keys import platform_key, platform_trust  # noqa: E402
 from govray.data.schedule import ScheduleSpec, slot  # noqa: E402
-from govray.platform.runner import new_run_spec  # noqa: E402
+from govray.platform.plan import plan_run  # noqa: E402
 from govray.provenance.rows import row_steps  # noqa: E402
 from govray.train.checkpoint import STATE_FILE, find_checkpoints  # noqa: E402
 from govray.train.loop import train_worker  # noqa: E402
@@ -35,16 +34,8 @@ STEPS = 20
 HPARAMS = {**GOLDEN_HPARAMS, "optimizer": "adamw", "lr": 0.01}  # AdamW: optimizer state to compare
 example = golden_example(ROOT, workers=1, max_length={"batches": STEPS}, hparams=HPARAMS)
 config, store, checked, experiment, ingested = opened(example)
-spec = new_run_spec(
-    config,
-    checked,
-    ingested.root,
-    "v1-run",
-    hparams=config.default_hparams(),
-    trial_seed=0,
-    reproducibility={},
-    trust=platform_trust(platform_key()),
-).model_copy(update={"log_dir": "", "control_file": ""})
+spec = plan_run(config, checked, ingested.root).named("v1-run", {})
+spec = spec.model_copy(update={"log_dir": "", "control_file": ""})
 train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=lambda report: None))
 found = find_checkpoints(Path(spec.run_dir))
 assert [path.name for path in found] == ["checkpoint_00000010", "checkpoint_00000020"], found
