@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from govray.config.experiment import AdaptiveAshaSearcher
+from searchers.adaptive_asha import AdaptiveAshaSearcher
 from searchers.adaptive_asha import (
     DeterminedBrackets,
     bracket_max_concurrent,

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from govray.cli import main
-from govray.config.experiment import Length
+from govray.config.searcher import Length
 from govray.core.keys import platform_key, platform_trust
 from govray.platform.registry import (
     RegisteredVersion,

@@ -35,6 +35,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SEARCHER_GROUP
 from govray.core.errors import ConfigError, GovrayError
 from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
 from govray.core.storage import open_storage
@@ -61,7 +62,6 @@ from govray.train.reproducibility import build_record
 from govray.train.runspec import RunSpec
 from govray.train.session import LAST_KEY, TuneSession, open_sink, taken_reports, tune_reports, tune_result
 
-SEARCHER_GROUP = "govray.searchers"
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 
 

@@ -35,7 +35,8 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from govray.config.experiment import CorpusSpec, ExperimentConfig
+from govray.config.data import CorpusSpec
+from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision, TrainingSettings
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import GovrayError, IngestError
