@@ -43,7 +43,7 @@ PUBLIC_API = {
     "replay_trial": "govray.platform.replay",
     # attesting and verifying; asking the store
     "attest_checkpoint": "govray.provenance.attest",
-    "verify_attestation": "govray.provenance.attest",
+    "verify_attestation": "govray.provenance.verify",
     "StoreReader": "govray.queries",
     "GovrayError": "govray.core.errors",
     "ConfigError": "govray.core.errors",
@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from govray.platform.replay import replay_trial
     from govray.platform.runner import resume_trial, run_trial
     from govray.platform.search import run_search
-    from govray.provenance.attest import attest_checkpoint, verify_attestation
+    from govray.provenance.attest import attest_checkpoint
+    from govray.provenance.verify import verify_attestation
     from govray.queries import StoreReader
     from govray.tracking.store import TrackingStore
     from govray.train.trial import Batch, ProbeHooks, Trial, scoring

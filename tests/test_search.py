@@ -30,8 +30,9 @@ from govray.platform.search import (
     strategy,
 )
 from govray.platform.search_progress import SearchState
-from govray.provenance.attest import COVERAGE_TYPE, verify_attestation
+from govray.provenance.attest import COVERAGE_TYPE
 from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import (
