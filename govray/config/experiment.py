@@ -13,6 +13,7 @@ of the experiment file. Errors name the file and the field path::
 from __future__ import annotations
 
 import os
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -283,11 +284,37 @@ class ExperimentConfig(BaseModel):
 
     @property
     def database_url(self) -> str:
+        """The tracking store's URL: ``tracking.database`` with each ``${VAR}`` replaced by the
+        environment variable ``VAR`` (else the SQLite file under a local ``storage_path``).
+
+        The substitution happens here, when the store is opened, not when the file is read: the
+        recorded experiment (tracking store, run.json, a job's working directory) keeps
+        ``${VAR}``, never the password it stands for."""
         if self.tracking.database is not None:
-            return self.tracking.database
+            return expand_environment(self.tracking.database, "tracking.database")
         if "://" in self.storage_path:
             raise ConfigError("tracking.database is required when storage_path is remote")
         return f"sqlite:///{Path(self.storage_path) / 'govray.db'}"
+
+
+ENVIRONMENT_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_environment(text: str, field: str) -> str:
+    """``text`` with each ``${VAR}`` replaced by the environment variable's value, as it is (so a
+    password with ``@``, ``:`` or ``/`` must be percent-encoded in the variable); an unset
+    variable is a ``ConfigError`` naming it and ``field``, never showing ``text``."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ConfigError(
+                f"{field} uses ${{{name}}}, but the environment variable {name} is not set "
+                "(export it where the driver runs; a secret never goes in the experiment file)"
+            )
+        return os.environ[name]
+
+    return ENVIRONMENT_VARIABLE.sub(value, text)
 
 
 def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -318,7 +345,8 @@ def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     if isinstance(tracking, dict) and isinstance(tracking.get("database"), str):
         url: str = tracking["database"]
         prefix = "sqlite:///"
-        if url.startswith(prefix) and not url[len(prefix) :].startswith("/"):
+        # A path that starts with a ${VAR} is the environment's to give, not relative to the file.
+        if url.startswith(prefix) and not url[len(prefix) :].startswith(("/", "${")):
             tracking["database"] = prefix + os.path.normpath(base / url[len(prefix) :])
     return raw
 
