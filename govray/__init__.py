@@ -21,7 +21,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from govray.core.version import GOVRAY_VERSION
+
+__version__ = GOVRAY_VERSION
 
 PUBLIC_API = {
     # writing a trial
