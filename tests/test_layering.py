@@ -5,6 +5,7 @@ and query layers speak SQL (ARCHITECTURE.md, "Layers")."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,3 +260,17 @@ def test_the_public_api_resolves_lazily_to_the_layer_objects() -> None:
     cheap = "import sys, govray; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", cheap], capture_output=True, text=True, check=True)
     assert imported.stdout.strip() == "[]"
+
+
+def test_code_and_tests_cite_only_documents_in_the_repository() -> None:
+    """A document (``*.md``) that code, tests or examples name is a file of this repository."""
+    cited = re.compile(r"\b([A-Za-z][\w-]*\.md)\b")
+    missing = []
+    for root in ("govray", "searchers", "serve", "jobs", "tests", "policies"):
+        for path in sorted((REPO / root).rglob("*")):
+            if path.suffix not in {".py", ".md", ".yaml", ".html"} or not path.is_file():
+                continue
+            for name in set(cited.findall(path.read_text(errors="replace"))):
+                if not (REPO / name).is_file() and not (path.parent / name).is_file():
+                    missing.append(f"{path.relative_to(REPO)} cites {name}")
+    assert missing == []
