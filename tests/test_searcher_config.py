@@ -155,6 +155,17 @@ def test_a_new_strategy_needs_one_file_and_one_entry_point(tmp_path: Path, one_m
         load_experiment(bad)
 
 
+def test_a_strategy_module_that_does_not_import_is_refused_naming_it(
+    tmp_path: Path, one_more_strategy: Path
+) -> None:
+    (one_more_strategy / "halving_strategy.py").write_text("import a_package_nobody_installed\n" + HALVING)
+    path = experiment(tmp_path, {"name": "halving", "rungs": 3})
+    with pytest.raises(
+        ConfigError, match=r"searcher: searcher 'halving': cannot import its module halving_strategy"
+    ):
+        load_experiment(path)
+
+
 def test_a_strategy_module_without_a_config_model_is_refused(tmp_path: Path, one_more_strategy: Path) -> None:
     module = one_more_strategy / "halving_strategy.py"
     module.write_text(HALVING.replace("CONFIG = HalvingSearcher", ""))

@@ -72,7 +72,12 @@ def searcher_model(name: str) -> type[SearcherConfig]:
     found = installed_searchers()
     if name not in found:
         raise ConfigError(_unknown(name, found))
-    module = importlib.import_module(found[name].module)
+    try:
+        module = importlib.import_module(found[name].module)
+    except ImportError as error:
+        raise ConfigError(
+            f"searcher '{name}': cannot import its module {found[name].module}: {error}"
+        ) from None
     model = getattr(module, CONFIG_ATTRIBUTE, None)
     if not (isinstance(model, type) and issubclass(model, SearcherConfig)):
         raise ConfigError(
