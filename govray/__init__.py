@@ -21,7 +21,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from govray.core.version import GOVRAY_VERSION
+
+__version__ = GOVRAY_VERSION
 
 PUBLIC_API = {
     # writing a trial
@@ -43,7 +45,7 @@ PUBLIC_API = {
     "replay_trial": "govray.platform.replay",
     # attesting and verifying; asking the store
     "attest_checkpoint": "govray.provenance.attest",
-    "verify_attestation": "govray.provenance.attest",
+    "verify_attestation": "govray.provenance.verify",
     "StoreReader": "govray.queries",
     "GovrayError": "govray.core.errors",
     "ConfigError": "govray.core.errors",
@@ -59,7 +61,8 @@ if TYPE_CHECKING:
     from govray.platform.resume import resume_trial
     from govray.platform.runner import run_trial
     from govray.platform.search import run_search
-    from govray.provenance.attest import attest_checkpoint, verify_attestation
+    from govray.provenance.attest import attest_checkpoint
+    from govray.provenance.verify import verify_attestation
     from govray.queries import StoreReader
     from govray.tracking.store import TrackingStore
     from govray.train.trial import Batch, ProbeHooks, Trial, scoring

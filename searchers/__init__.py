@@ -1,6 +1,9 @@
 """Search strategies: each turns an experiment's ``searcher:`` section into a Ray Tune plan.
 
 govray finds them through the ``govray.searchers`` entry points (pyproject.toml), never by import:
-``single``, ``grid``, ``random``, ``asha``, ``pbt``, ``bayesian``. A strategy is
-``plan(config, max_steps) -> govray.platform.search.TunePlan``.
+``single``, ``grid``, ``random``, ``asha``, ``adaptive_asha``, ``pbt``, ``bayesian``. A strategy is
+one module holding ``CONFIG``, the model of its section (a ``govray.config.searcher.SearcherConfig``
+subclass whose ``name`` is the strategy's), and ``plan(config, max_steps) ->
+govray.platform.search.TunePlan``; its entry point names the ``plan``, and the experiment's loader
+validates the section with the ``CONFIG`` of the same module.
 """

@@ -26,15 +26,47 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, model_validator
 from ray.tune.schedulers import AsyncHyperBandScheduler
 from ray.tune.schedulers.async_hyperband import _Bracket
 
-from govray.config.experiment import AdaptiveAshaSearcher, ExperimentConfig
+from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
 from searchers.asha import grace_period
 from searchers.space import sampled_space, seeded_samples
+
+
+class AdaptiveAshaSearcher(SearcherConfig):
+    """Determined's ``adaptive_asha``: asynchronous successive halving in several brackets.
+
+    ``mode`` picks the brackets as Determined does (each bracket named by its number of rungs,
+    ``max_rungs`` at most): ``aggressive`` one bracket of ``max_rungs``; ``standard`` the brackets
+    of ``(max_rungs - 1) // 2 + 1`` to ``max_rungs`` rungs; ``conservative`` those of 1 to
+    ``max_rungs``. ``bracket_rungs`` names them instead. A bracket of ``r`` rungs has its first rung
+    at ``max_length / divisor**(r - 1)``: fewer rungs, less early stopping.
+    """
+
+    name: Literal["adaptive_asha"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    mode: Literal["aggressive", "standard", "conservative"] = "standard"
+    divisor: float = Field(default=4.0, gt=1.0)
+    max_rungs: int = Field(default=5, ge=1)
+    bracket_rungs: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _rungs_within_max(self) -> AdaptiveAshaSearcher:
+        if any(not 1 <= rungs <= self.max_rungs for rungs in self.bracket_rungs):
+            raise ValueError(f"bracket_rungs must lie in 1..max_rungs ({self.max_rungs})")
+        if len(set(self.bracket_rungs)) != len(self.bracket_rungs):
+            raise ValueError("bracket_rungs names a bracket twice")
+        return self
+
+
+CONFIG = AdaptiveAshaSearcher
 
 
 def mode_brackets(mode: str, max_rungs: int) -> list[int]:

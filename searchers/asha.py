@@ -11,12 +11,30 @@ report; the objective they report is penalized by memorization.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
+from pydantic import Field
 from ray.tune.schedulers import ASHAScheduler
 
-from govray.config.experiment import AshaSearcher, ExperimentConfig
+from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
 from searchers.space import sampled_space, seeded_samples
+
+
+class AshaSearcher(SearcherConfig):
+    """Determined's adaptive ASHA; ``grace_period = max_length / divisor**(max_rungs-1)``."""
+
+    name: Literal["asha"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    time_metric: str = "batches"
+    divisor: float = Field(default=4.0, gt=1.0)
+    max_rungs: int = Field(default=5, ge=1)
+    brackets: int = Field(default=1, ge=1)
+
+
+CONFIG = AshaSearcher
 
 
 def grace_period(max_t: int, divisor: float, max_rungs: int) -> int:

@@ -5,12 +5,26 @@ TPE proposals from the reported objectives; ``max_trials`` in all, at most
 
 from __future__ import annotations
 
+from typing import Literal
+
 import optuna
+from pydantic import Field
 from ray.tune.search.optuna import OptunaSearch
 
-from govray.config.experiment import BayesianSearcher, ExperimentConfig
+from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
 from searchers.space import sampled_space
+
+
+class BayesianSearcher(SearcherConfig):
+    name: Literal["bayesian"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    n_startup_trials: int = Field(default=4, ge=1)
+
+
+CONFIG = BayesianSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from govray.config.experiment import ExperimentConfig, GridSearcher
+from typing import Literal
+
+from pydantic import Field
+
+from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
 from searchers.space import grid_size, grid_space
+
+
+class GridSearcher(SearcherConfig):
+    name: Literal["grid"]
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+CONFIG = GridSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

@@ -11,12 +11,29 @@ mutated: it fixes the schedule a clone continues.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
 from ray.tune.schedulers import PopulationBasedTraining
 
-from govray.config.experiment import ExperimentConfig, PbtSearcher
+from govray.config.experiment import ExperimentConfig
+from govray.config.hyperparameters import Hyperparameter
+from govray.config.searcher import SearcherConfig
 from govray.core.errors import ConfigError
 from govray.platform.search import TunePlan
 from searchers.space import sampled, sampled_space
+
+
+class PbtSearcher(SearcherConfig):
+    name: Literal["pbt"]
+    population_size: int = Field(ge=2)
+    perturbation_interval: int = Field(ge=1)  # in batches
+    hyperparam_mutations: dict[str, Hyperparameter] = Field(min_length=1)
+    quantile_fraction: float = Field(default=0.25, gt=0.0, le=0.5)
+    resample_probability: float = Field(default=0.25, ge=0.0, le=1.0)
+
+
+CONFIG = PbtSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

@@ -3,9 +3,23 @@ experiment's seed (the same experiment samples the same points)."""
 
 from __future__ import annotations
 
-from govray.config.experiment import ExperimentConfig, RandomSearcher
+from typing import Literal
+
+from pydantic import Field
+
+from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
 from searchers.space import sampled_space, seeded_samples
+
+
+class RandomSearcher(SearcherConfig):
+    name: Literal["random"]
+    max_trials: int = Field(ge=1)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+
+
+CONFIG = RandomSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SearcherConfig
 from govray.platform.search import TunePlan
+
+
+class SingleSearcher(SearcherConfig):
+    """The default when an experiment has no ``searcher:`` section."""
+
+    name: Literal["single"] = "single"
+
+
+CONFIG = SingleSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:

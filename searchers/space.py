@@ -19,15 +19,8 @@ import numpy as np
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from govray.config.experiment import (
-    CategoricalHP,
-    ConstHP,
-    DoubleHP,
-    ExperimentConfig,
-    Hyperparameter,
-    IntHP,
-    LogHP,
-)
+from govray.config.experiment import ExperimentConfig
+from govray.config.hyperparameters import CategoricalHP, ConstHP, DoubleHP, Hyperparameter, IntHP, LogHP
 from govray.core.errors import ConfigError
 
 

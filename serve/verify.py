@@ -20,7 +20,8 @@ from govray.core.errors import SignatureError
 from govray.core.identifiers import ModelRef, RecordId
 from govray.core.keys import TrustConfig, load_trust
 from govray.platform.registry import RegistryError, parse_ref, resolve
-from govray.provenance.attest import AttestationError, verify_attestation
+from govray.provenance.attest import AttestationError
+from govray.provenance.verify import verify_attestation
 from govray.queries import NotFoundError, QueryError, StoreReader
 from govray.tracking.store import TrackingStore
 from serve.settings import ServeSettings, Unavailable

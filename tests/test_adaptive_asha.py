@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from govray.config.experiment import AdaptiveAshaSearcher
 from searchers.adaptive_asha import (
+    AdaptiveAshaSearcher,
     DeterminedBrackets,
     bracket_max_concurrent,
     bracket_max_trials,

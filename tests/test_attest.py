@@ -31,10 +31,10 @@ from govray.provenance.attest import (
     attest_checkpoint,
     routing_of,
     run_spec_of,
-    verify_attestation,
 )
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
+from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoint import CheckpointState
 from govray.train.ledger import Ledger

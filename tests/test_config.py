@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from govray.config.experiment import AshaSearcher, CorpusFormat, LogHP, load_canaries, load_experiment
+from govray.config.data import CorpusFormat
+from govray.config.experiment import load_canaries, load_experiment
+from govray.config.hyperparameters import LogHP
+from govray.config.searcher import searcher_model
 from govray.config.training import OptimizerConfig, OptimizerName, TrainingSettings
 from govray.core.errors import ConfigError
 from govray.governance.credentials import Credential
@@ -103,8 +106,10 @@ def test_unreadable_or_non_mapping_files_are_refused(tmp_path: Path) -> None:
 
 
 def test_asha_fields_follow_determined() -> None:
-    asha = AshaSearcher.model_validate({"name": "asha", "max_trials": 16, "max_length": {"batches": 1024}})
-    assert (asha.divisor, asha.max_rungs, asha.brackets, asha.smaller_is_better) == (4.0, 5, 1, True)
+    asha = searcher_model("asha").model_validate(
+        {"name": "asha", "max_trials": 16, "max_length": {"batches": 1024}}
+    )
+    assert (asha.divisor, asha.max_rungs, asha.brackets, asha.smaller_is_better) == (4.0, 5, 1, True)  # type: ignore[attr-defined]
 
 
 def test_credentials_have_closed_vocabularies() -> None:

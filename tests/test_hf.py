@@ -17,7 +17,8 @@ from govray.core.errors import RoutingError
 from govray.governance.adapters import GovernedModel, load_adapter, save_peft_adapter
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
-from govray.train.hf import CausalLMTrial, decoder_layers
+from govray.train.decoder import decoder_layers
+from govray.train.hf import CausalLMTrial
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -1,9 +1,11 @@
-"""The tree tells the architecture: govray/ is layered one way, imports nothing above it, and only
-its tracking and query layers speak SQL."""
+"""The tree tells the architecture: govray/ is layered one way, imports nothing above it (the
+package root included), has no import cycle (function-local imports count), and only its tracking
+and query layers speak SQL (ARCHITECTURE.md, "Layers")."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,10 +85,104 @@ def test_lower_layers_never_import_higher_ones() -> None:
         for module in imported_modules(path):
             if module.split(".")[0] in {"jobs", "searchers", "serve"}:
                 violations.append(f"{path.name} imports {module} (govray imports none of them)")
+            if module == "govray":  # the package root re-exports every layer: it sits above them all
+                violations.append(f"{path.relative_to(GOVRAY)} ({unit}) imports the package root govray")
             target = top_unit(module)
             if target is not None and target in RANK and RANK[target] > RANK[unit]:
                 violations.append(f"{path.relative_to(GOVRAY)} ({unit}) imports {module} ({target})")
     assert violations == []
+
+
+def module_name(path: Path) -> str:
+    """'govray/data/schedule.py' → 'govray.data.schedule'; a package's __init__.py → the package."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The govray modules ``path`` imports when it runs, at the top or inside a function (a
+    function-local import is still an edge); imports only for type checkers are left out."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from govray.data import schedule`` imports the module govray.data.schedule
+            found.update(
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                for alias in node.names
+            )
+    return found & modules
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while (member := stack.pop()) != module:
+                component.append(member)
+            if component:
+                cycles.append(sorted([module, *component]))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_even_through_function_local_imports() -> None:
+    paths = {module_name(path): path for path in GOVRAY.rglob("*.py") if "migrations" not in path.parts}
+    graph = {module: runtime_imports(path, set(paths)) - {module} for module, path in paths.items()}
+    assert import_cycles(graph) == [], "a module that needs another's code lives below it, not beside it"
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import(tmp_path: Path) -> None:
+    (tmp_path / "govray" / "train").mkdir(parents=True)
+    hf, trial = tmp_path / "govray" / "train" / "hf.py", tmp_path / "govray" / "train" / "trial.py"
+    hf.write_text("from govray.train.trial import Trial\n")
+    trial.write_text("def layers():\n    from govray.train.hf import decoder_layers\n")
+    modules = {"govray.train.hf", "govray.train.trial"}
+    graph = {
+        name: runtime_imports(path, modules) for name, path in zip(sorted(modules), (hf, trial), strict=True)
+    }
+    assert import_cycles(graph) == [["govray.train.hf", "govray.train.trial"]]
+    trial.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from govray.train.hf import x\n"
+    )
+    graph["govray.train.trial"] = runtime_imports(trial, modules)
+    assert import_cycles(graph) == []
+
+
+def test_the_version_is_pyprojects() -> None:
+    import tomllib
+
+    from govray.core.version import GOVRAY_VERSION
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == GOVRAY_VERSION
 
 
 # SQL lives in the tracking layer (the schema, migrations and the writers' verbs) and the query
@@ -164,3 +260,17 @@ def test_the_public_api_resolves_lazily_to_the_layer_objects() -> None:
     cheap = "import sys, govray; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", cheap], capture_output=True, text=True, check=True)
     assert imported.stdout.strip() == "[]"
+
+
+def test_code_and_tests_cite_only_documents_in_the_repository() -> None:
+    """A document (``*.md``) that code, tests or examples name is a file of this repository."""
+    cited = re.compile(r"\b([A-Za-z][\w-]*\.md)\b")
+    missing = []
+    for root in ("govray", "searchers", "serve", "jobs", "tests", "policies"):
+        for path in sorted((REPO / root).rglob("*")):
+            if path.suffix not in {".py", ".md", ".yaml", ".html"} or not path.is_file():
+                continue
+            for name in set(cited.findall(path.read_text(errors="replace"))):
+                if not (REPO / name).is_file() and not (path.parent / name).is_file():
+                    missing.append(f"{path.relative_to(REPO)} cites {name}")
+    assert missing == []

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from govray.cli import main
-from govray.config.experiment import Length
+from govray.config.searcher import Length
 from govray.core.keys import platform_key, platform_trust
 from govray.platform.registry import (
     RegisteredVersion,
@@ -29,9 +29,10 @@ from govray.platform.registry import (
     versions,
 )
 from govray.platform.runner import run_trial
-from govray.provenance.attest import AttestationError, verify_attestation
+from govray.provenance.attest import AttestationError
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
+from govray.provenance.verify import verify_attestation
 from govray.tracking.audit import AuditLog
 from govray.tracking.versions import list_models
 from govray.train.checkpoint import MODEL_FILE, CheckpointState, find_checkpoints

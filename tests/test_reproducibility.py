@@ -11,7 +11,8 @@ import pytest
 import ray
 import torch
 
-from govray.config.experiment import CorpusFormat, CorpusSpec, load_experiment
+from govray.config.data import CorpusFormat, CorpusSpec
+from govray.config.experiment import load_experiment
 from govray.core.canonical import file_sha256
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.tracking.drift import FingerprintChange, changed_corpora

@@ -19,7 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from govray.config.experiment import CorpusSpec
+from govray.config.data import CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.data.rowhash import holdout_mask, in_holdout, row_hash, row_hashes
 from govray.data.units import HOLDOUT, RowRefusal, annotate

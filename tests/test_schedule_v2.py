@@ -25,8 +25,8 @@ from govray.data.schedule import (
     Slot,
     row_slots,
     slot,
-    step_rows,
 )
+from govray.data.step_rows import step_rows
 
 SPECIAL_SIZES = sorted(
     {1, 2, 3, 5, 7, 11, 13, 97, 101, 65_521, 99_991}

@@ -24,8 +24,9 @@ from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search_progress import SearchState
 from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _segmented_trial, ends_trial
-from govray.provenance.attest import COVERAGE_TYPE, verify_attestation
+from govray.provenance.attest import COVERAGE_TYPE
 from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import (

@@ -1,6 +1,6 @@
 """Worker memory does not grow with the corpus: a worker trains, validates and measures
 memorization on a corpus several times larger than a memory cap set for its growth, reading only
-its slots' row groups (DESIGN.md, "Data at scale")."""
+its slots' row groups (ARCHITECTURE.md, "Data at scale")."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ import typer
 
 from govray.cli.common import console
 from govray.core.keys import load_trust
-from govray.provenance.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint, verify_attestation
+from govray.provenance.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint
 from govray.provenance.model_signature import is_model_signature, verify_model_signature
 from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.verify import verify_attestation
 
 
 def attest(

@@ -1,5 +1,8 @@
 """The experiment file (YAML), Determined-style, validated into pydantic models.
 
+The sections have their own modules: ``data:`` in :mod:`govray.config.data`, ``hyperparameters:``
+in :mod:`govray.config.hyperparameters`, ``training:`` in :mod:`govray.config.training`, and
+``searcher:`` in :mod:`govray.config.searcher` (each strategy's own fields live with the strategy).
 Relative paths (corpora, policy, trust, a local ``storage_path``) are relative to the directory
 of the experiment file. Errors name the file and the field path::
 
@@ -9,16 +12,17 @@ of the experiment file. Errors name the file and the field path::
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializeAsAny,
     SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
@@ -27,240 +31,16 @@ from pydantic import (
     model_validator,
 )
 
+from govray.config.data import CorpusRole, DataConfig
+from govray.config.hyperparameters import Hyperparameter, default_value, extremes
+from govray.config.searcher import SearcherConfig, validated_searcher
 from govray.config.training import SETTING_HYPERPARAMETERS, Precision, TrainingSettings
 from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import ConfigError, describe_validation_error
 from govray.core.identifiers import ExperimentName
 from govray.governance.canaries import CanaryProbe, CanarySet
-from govray.governance.credentials import CORPUS_ID_PATTERN, ROW_OVERRIDABLE_FIELDS, Credential
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
-
-
-# --- hyperparameters (Determined's types) -----------------------------------------------------
-
-
-class ConstHP(BaseModel):
-    model_config = _STRICT
-    type: Literal["const"] = "const"
-    val: Any
-
-
-class _RangeHP(BaseModel):
-    model_config = _STRICT
-    minval: float
-    maxval: float
-    count: int | None = Field(default=None, ge=1)  # grid points
-
-    @model_validator(mode="after")
-    def _ordered(self) -> _RangeHP:
-        if self.maxval < self.minval:
-            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
-        return self
-
-
-class IntHP(_RangeHP):
-    type: Literal["int"]
-    minval: int
-    maxval: int
-
-
-class DoubleHP(_RangeHP):
-    type: Literal["double"]
-
-
-class LogHP(_RangeHP):
-    """``base ** x`` for x uniform in [minval, maxval]."""
-
-    type: Literal["log"]
-    base: float = Field(default=10.0, gt=1.0)
-
-
-class CategoricalHP(BaseModel):
-    model_config = _STRICT
-    type: Literal["categorical"]
-    vals: list[Any] = Field(min_length=1)
-
-
-Hyperparameter = Annotated[ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP, Field(discriminator="type")]
-
-
-# --- data -------------------------------------------------------------------------------------
-
-
-class CorpusFormat(StrEnum):
-    PARQUET = "parquet"
-    JSONL = "jsonl"
-    CSV = "csv"
-
-
-_EXTENSIONS = {".parquet": CorpusFormat.PARQUET, ".jsonl": CorpusFormat.JSONL, ".csv": CorpusFormat.CSV}
-# In a directory, the files ingest reads for each format (``.json`` files as JSON lines).
-DIRECTORY_EXTENSIONS = {**_EXTENSIONS, ".json": CorpusFormat.JSONL}
-
-
-class CorpusRole(StrEnum):
-    TRAIN = "train"  # routed by the policy; split into training and holdout by row hash
-    VALIDATION = "validation"  # evaluation only, never routed
-    PROBE = "probe"  # memorization probes and canaries, never routed
-
-
-class CanaryConfig(BaseModel):
-    """A corpus's inserted canaries (a :class:`govray.governance.canaries.CanarySet` JSON file) and how many
-    never-trained candidates each canary is ranked among for its exposure (the rank definition:
-    at most log2(references + 1) bits)."""
-
-    model_config = _STRICT
-
-    file: Path
-    references: int = Field(default=1000, ge=10)
-
-
-class CorpusSpec(BaseModel):
-    """One corpus: where it is, its credential, and which columns override it per row."""
-
-    model_config = _STRICT
-
-    id: str = Field(pattern=CORPUS_ID_PATTERN)
-    path: Path
-    format: CorpusFormat | None = None  # inferred from the file extension when omitted
-    role: CorpusRole = CorpusRole.TRAIN
-    credential: dict[str, Any]  # every credential field but corpus_id (taken from ``id``)
-    credential_columns: dict[str, str] = Field(default_factory=dict)  # field → column name
-    holdout_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
-    canaries: CanaryConfig | None = None
-
-    @field_validator("credential", mode="before")
-    @classmethod
-    def _plain_json(cls, credential: Any) -> Any:
-        # YAML reads 1998-01-01 as a date; keep the credential JSON-plain so it can be hashed.
-        return json.loads(json.dumps(credential, default=str)) if isinstance(credential, dict) else credential
-
-    @field_validator("credential_columns")
-    @classmethod
-    def _overridable(cls, columns: dict[str, str]) -> dict[str, str]:
-        for field in columns:
-            if field not in ROW_OVERRIDABLE_FIELDS:
-                raise ValueError(
-                    f"'{field}' cannot be set per row (allowed: {', '.join(ROW_OVERRIDABLE_FIELDS)})"
-                )
-        return columns
-
-    @model_validator(mode="after")
-    def _credential_complete(self) -> CorpusSpec:
-        if "corpus_id" in self.credential and self.credential["corpus_id"] != self.id:
-            raise ValueError(
-                f"credential.corpus_id '{self.credential['corpus_id']}' differs from id '{self.id}'"
-            )
-        # Fields set per row may be absent at corpus level; everything else must validate now.
-        probe = {**self.credential, "corpus_id": self.id}
-        for field in self.credential_columns:
-            probe.setdefault(field, _placeholder(field))
-        try:
-            Credential.model_validate(probe)
-        except ValidationError as error:
-            raise ValueError(f"credential: {describe_validation_error(error)}") from None
-        return self
-
-    @property
-    def resolved_format(self) -> CorpusFormat:
-        """``format``, else the file's extension, else the one extension every data file of the
-        directory shares (hidden files and ``_SUCCESS``-style markers aside)."""
-        if self.format is not None:
-            return self.format
-        if self.path.is_dir():
-            return self._directory_format()
-        suffix = self.path.suffix.lower()
-        if suffix not in _EXTENSIONS and not self.path.exists():
-            raise ConfigError(f"corpus '{self.id}': path {self.path} does not exist")
-        if suffix not in _EXTENSIONS:
-            raise ConfigError(
-                f"corpus '{self.id}': cannot tell the format of {self.path}; set 'format' "
-                f"({', '.join(f.value for f in CorpusFormat)})"
-            )
-        return _EXTENSIONS[suffix]
-
-    def _directory_format(self) -> CorpusFormat:
-        found: dict[str, int] = {}
-        for file in self.path.rglob("*"):
-            relative = file.relative_to(self.path)
-            if any(part.startswith((".", "_")) for part in relative.parts) or not file.is_file():
-                continue
-            suffix = file.suffix.lower() or "(none)"
-            found[suffix] = found.get(suffix, 0) + 1
-        formats = {DIRECTORY_EXTENSIONS.get(suffix) for suffix in found}
-        if len(formats) == 1 and None not in formats:
-            return formats.pop()  # type: ignore[return-value]
-        if not found:
-            raise ConfigError(f"corpus '{self.id}': directory {self.path} holds no files")
-        listed = ", ".join(f"{count} {suffix}" for suffix, count in sorted(found.items()))
-        raise ConfigError(
-            f"corpus '{self.id}': cannot tell the format of directory {self.path}: its files have "
-            f"different or unknown extensions ({listed}); set 'format' "
-            f"({', '.join(f.value for f in CorpusFormat)}) to read only that format's files"
-        )
-
-    def base_credential(self) -> dict[str, Any]:
-        return {**self.credential, "corpus_id": self.id}
-
-
-def _placeholder(field: str) -> Any:
-    """A valid stand-in for a field that each row supplies (only for the corpus-level check)."""
-    return {
-        "license_class": "unknown",
-        "jurisdiction": "INTL",
-        "sensitivity": "public",
-        "source_type": "other",
-        "modality": "other",
-        "tdm_opt_out": False,
-    }[field]
-
-
-EVAL_ROWS = 50_000  # held-out rows per corpus a validation evaluates, unless data.eval_rows says
-
-
-class PackingConfig(BaseModel):
-    """Text packed into fixed-length windows of ``seq_len`` tokens (the trial's ``tokenize``); a
-    window holds rows of one route and one corpus only (:mod:`govray.data.packing`)."""
-
-    model_config = _STRICT
-
-    seq_len: int = Field(ge=2)  # tokens per window: a model sees at least one next-token target
-
-
-class DataConfig(BaseModel):
-    model_config = _STRICT
-
-    holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    corpora: list[CorpusSpec] = Field(min_length=1)
-    # Held-out rows per corpus a validation evaluates, evenly spaced over the holdout: a validation
-    # costs the same whatever the corpus's size (recorded in every run.json).
-    eval_rows: int = Field(default=EVAL_ROWS, ge=1)
-    packing: PackingConfig | None = None  # None: a batch is rows, not packed windows
-
-    @field_validator("corpora")
-    @classmethod
-    def _unique_ids(cls, corpora: list[CorpusSpec]) -> list[CorpusSpec]:
-        seen: set[str] = set()
-        for corpus in corpora:
-            if corpus.id in seen:
-                raise ValueError(f"corpus id '{corpus.id}' appears more than once")
-            seen.add(corpus.id)
-        return corpora
-
-    @model_serializer(mode="wrap")
-    def _without_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left at their defaults, eval_rows and packing are not serialized: an experiment written
-        # before they existed keeps its bytes and its digest.
-        dumped: dict[str, Any] = handler(self)
-        if self.eval_rows == EVAL_ROWS:
-            dumped.pop("eval_rows", None)
-        if self.packing is None:
-            dumped.pop("packing", None)
-        return dumped
-
-
-# --- the rest ---------------------------------------------------------------------------------
 
 
 class PolicyRef(BaseModel):
@@ -409,110 +189,6 @@ class EarlyStoppingPolicy(BaseModel):
         return self
 
 
-class Length(BaseModel):
-    model_config = _STRICT
-
-    batches: int | None = Field(default=None, ge=1)
-    epochs: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Length:
-        if (self.batches is None) == (self.epochs is None):
-            raise ValueError("give exactly one of 'batches' or 'epochs'")
-        return self
-
-
-class _SearcherBase(BaseModel):
-    model_config = _STRICT
-
-    metric: str = "validation_loss"
-    smaller_is_better: bool = True
-    max_length: Length = Field(default_factory=lambda: Length(epochs=1))
-    memorization_lambda: float = Field(default=0.0, ge=0.0)  # objective = metric + λ·score
-
-
-class SingleSearcher(_SearcherBase):
-    name: Literal["single"] = "single"
-
-
-class GridSearcher(_SearcherBase):
-    name: Literal["grid"]
-    max_concurrent_trials: int = Field(default=1, ge=1)
-
-
-class RandomSearcher(_SearcherBase):
-    name: Literal["random"]
-    max_trials: int = Field(ge=1)
-    max_concurrent_trials: int = Field(default=1, ge=1)
-
-
-class AshaSearcher(_SearcherBase):
-    """Determined's adaptive ASHA; ``grace_period = max_length / divisor**(max_rungs-1)``."""
-
-    name: Literal["asha"]
-    max_trials: int = Field(ge=1)
-    max_concurrent_trials: int = Field(default=1, ge=1)
-    time_metric: str = "batches"
-    divisor: float = Field(default=4.0, gt=1.0)
-    max_rungs: int = Field(default=5, ge=1)
-    brackets: int = Field(default=1, ge=1)
-
-
-class AdaptiveAshaSearcher(_SearcherBase):
-    """Determined's ``adaptive_asha``: asynchronous successive halving in several brackets.
-
-    ``mode`` picks the brackets as Determined does (each bracket named by its number of rungs,
-    ``max_rungs`` at most): ``aggressive`` one bracket of ``max_rungs``; ``standard`` the brackets
-    of ``(max_rungs - 1) // 2 + 1`` to ``max_rungs`` rungs; ``conservative`` those of 1 to
-    ``max_rungs``. ``bracket_rungs`` names them instead. A bracket of ``r`` rungs has its first rung
-    at ``max_length / divisor**(r - 1)``: fewer rungs, less early stopping.
-    """
-
-    name: Literal["adaptive_asha"]
-    max_trials: int = Field(ge=1)
-    max_concurrent_trials: int = Field(default=1, ge=1)
-    mode: Literal["aggressive", "standard", "conservative"] = "standard"
-    divisor: float = Field(default=4.0, gt=1.0)
-    max_rungs: int = Field(default=5, ge=1)
-    bracket_rungs: list[int] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _rungs_within_max(self) -> AdaptiveAshaSearcher:
-        if any(not 1 <= rungs <= self.max_rungs for rungs in self.bracket_rungs):
-            raise ValueError(f"bracket_rungs must lie in 1..max_rungs ({self.max_rungs})")
-        if len(set(self.bracket_rungs)) != len(self.bracket_rungs):
-            raise ValueError("bracket_rungs names a bracket twice")
-        return self
-
-
-class PbtSearcher(_SearcherBase):
-    name: Literal["pbt"]
-    population_size: int = Field(ge=2)
-    perturbation_interval: int = Field(ge=1)  # in batches
-    hyperparam_mutations: dict[str, Hyperparameter] = Field(min_length=1)
-    quantile_fraction: float = Field(default=0.25, gt=0.0, le=0.5)
-    resample_probability: float = Field(default=0.25, ge=0.0, le=1.0)
-
-
-class BayesianSearcher(_SearcherBase):
-    name: Literal["bayesian"]
-    max_trials: int = Field(ge=1)
-    max_concurrent_trials: int = Field(default=1, ge=1)
-    n_startup_trials: int = Field(default=4, ge=1)
-
-
-Searcher = Annotated[
-    SingleSearcher
-    | GridSearcher
-    | RandomSearcher
-    | AshaSearcher
-    | AdaptiveAshaSearcher
-    | PbtSearcher
-    | BayesianSearcher,
-    Field(discriminator="name"),
-]
-
-
 class ExperimentConfig(BaseModel):
     """An experiment: a trial class, its hyperparameter space, credentialed data and a policy."""
 
@@ -532,7 +208,10 @@ class ExperimentConfig(BaseModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     max_restarts: int = Field(default=0, ge=0)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    searcher: Searcher = Field(default_factory=SingleSearcher)
+    # Validated by the model of the strategy it names (its entry point's CONFIG); absent: single.
+    searcher: SerializeAsAny[SearcherConfig] = Field(
+        default_factory=lambda: {"name": "single"}, validate_default=True
+    )
     # Steps between validations (each also saves a checkpoint); None: only at the end.
     min_validation_period: int | None = Field(default=None, ge=1)
     lr_schedule: PlateauSchedule | None = None
@@ -555,6 +234,11 @@ class ExperimentConfig(BaseModel):
             raise ValueError("early_stopping watches validations: set min_validation_period (steps)")
         return self
 
+    @field_validator("searcher", mode="before")
+    @classmethod
+    def _strategy_model(cls, raw: Any) -> SearcherConfig:
+        return validated_searcher(raw)
+
     @field_validator("hyperparameters", mode="before")
     @classmethod
     def _bare_values_are_const(cls, raw: Any) -> Any:
@@ -576,9 +260,9 @@ class ExperimentConfig(BaseModel):
         training = info.data.get("training")
         if training is None:
             return space  # the training section itself is invalid (reported on its own)
-        defaults = {name: _default_value(hp) for name, hp in space.items()}
+        defaults = {name: default_value(hp) for name, hp in space.items()}
         for name in SETTING_HYPERPARAMETERS:
-            for value in _extremes(space[name]) if name in space else ():
+            for value in extremes(space[name]) if name in space else ():
                 try:
                     training.with_hyperparameters({**defaults, name: value})
                 except ConfigError as error:
@@ -596,36 +280,41 @@ class ExperimentConfig(BaseModel):
 
     def default_hparams(self) -> dict[str, Any]:
         """One point of the space without sampling: const values, lower bounds, first choices."""
-        return {name: _default_value(hp) for name, hp in self.hyperparameters.items()}
+        return {name: default_value(hp) for name, hp in self.hyperparameters.items()}
 
     @property
     def database_url(self) -> str:
+        """The tracking store's URL: ``tracking.database`` with each ``${VAR}`` replaced by the
+        environment variable ``VAR`` (else the SQLite file under a local ``storage_path``).
+
+        The substitution happens here, when the store is opened, not when the file is read: the
+        recorded experiment (tracking store, run.json, a job's working directory) keeps
+        ``${VAR}``, never the password it stands for."""
         if self.tracking.database is not None:
-            return self.tracking.database
+            return expand_environment(self.tracking.database, "tracking.database")
         if "://" in self.storage_path:
             raise ConfigError("tracking.database is required when storage_path is remote")
         return f"sqlite:///{Path(self.storage_path) / 'govray.db'}"
 
 
-def _default_value(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> Any:
-    if isinstance(hp, ConstHP):
-        return hp.val
-    if isinstance(hp, CategoricalHP):
-        return hp.vals[0]
-    if isinstance(hp, LogHP):
-        return hp.base**hp.minval
-    return hp.minval
+ENVIRONMENT_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def _extremes(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> list[Any]:
-    """The values of ``hp`` that bound what it can take: every choice, or a range's two ends."""
-    if isinstance(hp, ConstHP):
-        return [hp.val]
-    if isinstance(hp, CategoricalHP):
-        return list(hp.vals)
-    if isinstance(hp, LogHP):
-        return [hp.base**hp.minval, hp.base**hp.maxval]
-    return [hp.minval, hp.maxval]
+def expand_environment(text: str, field: str) -> str:
+    """``text`` with each ``${VAR}`` replaced by the environment variable's value, as it is (so a
+    password with ``@``, ``:`` or ``/`` must be percent-encoded in the variable); an unset
+    variable is a ``ConfigError`` naming it and ``field``, never showing ``text``."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ConfigError(
+                f"{field} uses ${{{name}}}, but the environment variable {name} is not set "
+                "(export it where the driver runs; a secret never goes in the experiment file)"
+            )
+        return os.environ[name]
+
+    return ENVIRONMENT_VARIABLE.sub(value, text)
 
 
 def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -656,7 +345,8 @@ def _absolutize(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     if isinstance(tracking, dict) and isinstance(tracking.get("database"), str):
         url: str = tracking["database"]
         prefix = "sqlite:///"
-        if url.startswith(prefix) and not url[len(prefix) :].startswith("/"):
+        # A path that starts with a ${VAR} is the environment's to give, not relative to the file.
+        if url.startswith(prefix) and not url[len(prefix) :].startswith(("/", "${")):
             tracking["database"] = prefix + os.path.normpath(base / url[len(prefix) :])
     return raw
 

@@ -8,7 +8,7 @@ overrides it for one trial, so a search can sample it::
       optimizer: {name: sgd, lr: 0.05}     # adamw (default) | adam | sgd, and their settings
       batch_size: 16                       # rows per worker per step (one schedule slot)
       max_grad_norm: 0.25                  # clip each route group's gradient norm (default: none)
-      precision: bf16                      # fp32 (default) | bf16 | fp16 (DESIGN.md, "Precision")
+      precision: bf16                      # fp32 (default) | bf16 | fp16 (ARCHITECTURE.md, "Precision")
       accumulation_steps: 4                # micro-batches per slot (the first 3 under no_sync())
       deterministic: true                  # deterministic torch / cuBLAS / NCCL (GPU replay bit-exact)
     hyperparameters:
@@ -68,7 +68,7 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class Precision(StrEnum):
-    """The step's arithmetic (DESIGN.md, "Precision").
+    """The step's arithmetic (ARCHITECTURE.md, "Precision").
 
     ``fp32``: everything in float32. ``bf16``: forward and backward under bfloat16 autocast;
     parameters, optimizer state and the gradient reduction stay float32. ``fp16``: float16

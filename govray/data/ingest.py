@@ -34,7 +34,8 @@ import ray
 import ray.data
 import ray.exceptions
 
-from govray.config.experiment import CorpusSpec, ExperimentConfig
+from govray.config.data import CorpusSpec
+from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
 from govray.core.storage import open_storage

@@ -31,14 +31,15 @@ The versions differ in the bijections of steps 1 and 3 only (``ScheduleSpec.vers
   and the batches of the epoch, are ranked by PCG64's raw 64-bit outputs (``epoch_plan``), which
   holds a whole epoch's order in memory.
 
-Both are stable across numpy versions and platforms; ``hash()`` is never used.
+Both are stable across numpy versions and platforms; ``hash()`` is never used. A whole step's
+slots summed by route, without an object per rank, are :func:`govray.data.step_rows.step_rows`.
 
 Example::
 
     spec = ScheduleSpec.from_manifest(manifest, seed=7, world_size=2, batch_size=32)
     for step in range(spec.steps_per_epoch):
         mine = slot(spec, step, rank)          # mine.route, mine.rows, mine.corpora
-        counts = step_rows(spec, step).route_counts()   # examples per route, no communication
+        counts = route_counts(step_slots(spec, step))    # examples per route, no communication
 """
 
 from __future__ import annotations
@@ -103,10 +104,13 @@ class RouteLayout:
             raise ScheduleError(f"route '{self.route}' has {self.rows} rows; no row {index}")
         return self.corpus_counts[bisect_right(self._ends, index)][0]
 
+    def corpus_positions(self, indexes: np.ndarray) -> np.ndarray:
+        """The position in ``corpus_counts`` of each row's corpus (vectorized, no names)."""
+        return np.searchsorted(np.asarray(self._ends), indexes, side="right")
+
     def corpora_of(self, indexes: np.ndarray) -> tuple[str, ...]:
         """The corpus of each row in ``indexes`` (vectorized ``corpus_of``)."""
-        positions = np.searchsorted(np.asarray(self._ends), indexes, side="right")
-        return tuple(self.corpus_counts[position][0] for position in positions.tolist())
+        return tuple(self.corpus_counts[position][0] for position in self.corpus_positions(indexes).tolist())
 
 
 @dataclass(frozen=True)
@@ -382,61 +386,6 @@ def row_slots(spec: ScheduleSpec, route: str, position: int, epochs: int) -> lis
         if corpus not in spec.withheld_corpora(global_step):
             found.append((global_step, batch % spec.world_size))
     return found
-
-
-@dataclass(frozen=True)
-class StepRows:
-    """Every slot of one step, summed by route without a Python object per row or per rank.
-
-    ``rows[route]``: the route-local rows of every non-empty slot of that route (rank order);
-    ``corpus[route]``: the index into ``spec.route(route).corpus_counts`` of each. What the
-    masked average's divisors and the ledger need, in O(routes) Python work plus vectorized
-    O(world size * batch size) array work (``step_slots`` builds one ``Slot`` per rank).
-    """
-
-    routes: tuple[RouteLayout, ...]
-    rows: dict[str, np.ndarray]
-    corpus: dict[str, np.ndarray]
-
-    def route_counts(self) -> dict[str, int]:
-        """Examples per route (the same as ``route_counts(step_slots(...))``)."""
-        return {route: len(rows) for route, rows in self.rows.items() if len(rows)}
-
-    def corpus_examples(self) -> dict[tuple[str, str], int]:
-        """Examples per (corpus, route)."""
-        counts: dict[tuple[str, str], int] = {}
-        for layout in self.routes:
-            if layout.route not in self.rows:
-                continue
-            tally = np.bincount(self.corpus[layout.route], minlength=len(layout.corpus_counts))
-            for position, count in enumerate(tally.tolist()):
-                if count:
-                    counts[layout.corpus_counts[position][0], layout.route] = count
-        return counts
-
-
-def step_rows(spec: ScheduleSpec, global_step: int) -> StepRows:
-    """Every worker's slot at ``global_step``, summed by route (see :class:`StepRows`)."""
-    epoch, step = spec.locate(global_step)
-    order = epoch_of(spec, epoch)
-    first = step * spec.world_size
-    batch_routes, batch_starts = order.batches(first, min(first + spec.world_size, spec.batches_per_epoch))
-    withheld = spec.withheld_corpora(global_step)
-    offsets = np.arange(spec.batch_size, dtype=np.int64)
-    rows: dict[str, np.ndarray] = {}
-    corpus: dict[str, np.ndarray] = {}
-    for index in np.unique(batch_routes).tolist():
-        layout = spec.routes[index]
-        positions = (batch_starts[batch_routes == index][:, None] + offsets[None, :]).ravel()
-        taken = order.rows(index, positions[positions < layout.rows])
-        corpora = np.searchsorted(np.asarray(layout._ends), taken, side="right")
-        dropped = [position for position, (name, _) in enumerate(layout.corpus_counts) if name in withheld]
-        if dropped:
-            kept = ~np.isin(corpora, dropped)
-            taken, corpora = taken[kept], corpora[kept]
-        if len(taken):
-            rows[layout.route], corpus[layout.route] = taken, corpora
-    return StepRows(spec.routes, rows, corpus)
 
 
 def step_slots(spec: ScheduleSpec, global_step: int) -> tuple[Slot, ...]:

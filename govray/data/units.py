@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from govray.config.experiment import CorpusRole, CorpusSpec
+from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import CredentialError, PolicyError
 from govray.data.rowhash import holdout_mask, row_hashes

@@ -49,8 +49,8 @@ from govray.provenance.attest import (
     coverage_matrix,
     routing_of,
     run_spec_of,
-    statement_type,
 )
+from govray.provenance.verify import statement_type
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.tracking.versions import list_models

@@ -38,8 +38,8 @@ from govray.provenance.attest import (
     attestation_prefix,
     run_spec_of,
     signature_path,
-    statement_type,
 )
+from govray.provenance.verify import statement_type
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
 from govray.tracking.store import TrackingStore

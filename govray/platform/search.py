@@ -33,6 +33,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config.experiment import ExperimentConfig
+from govray.config.searcher import SEARCHER_GROUP
 from govray.core.errors import ConfigError
 from govray.core.storage import Storage
 from govray.platform.mlflow_mirror import mirrored
@@ -53,7 +54,6 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
 
-SEARCHER_GROUP = "govray.searchers"
 
 
 @dataclass(frozen=True)

@@ -22,19 +22,15 @@ Envelopes are written to ``STORAGE/attestations/RUN/CHECKPOINT.{provenance,cover
 
     written = attest_checkpoint(checkpoint_dir)           # -> Attestation(provenance=..., coverage=...)
     verified = verify_attestation(written.provenance, model_dir=checkpoint_dir, trust=trust)
-    verified.statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
 
 On request (every registered version asks) the checkpoint directory also gets an OpenSSF model
 signature, ``CHECKPOINT.model-signing.sig`` beside the envelopes (``govray.provenance.model_signature``).
 
-``verify_attestation`` checks the signature (a trusted, unrevoked platform key), the statement's
-form, and every subject's digest against the files in ``model_dir`` — a missing, changed or
-unlisted model file is refused by name. securesystemslib's DSSE verifies the same envelopes.
+Verifying them (signature, statement, every subject's digest) is :mod:`govray.provenance.verify`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -43,9 +39,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
-from govray.core.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
-from govray.core.errors import GovrayError, SignatureError
-from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, platform_key, platform_trust
+from govray.core.dsse import sign_envelope, signing_time
+from govray.core.errors import GovrayError
+from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label
 from govray.provenance.model_signature import SIGNATURE_SUFFIX, sign_model
@@ -88,12 +84,6 @@ class Attestation:
     coverage: Path
     subjects: dict[str, str]  # model file name → sha256
     model_signature: Path | None = None  # the OpenSSF model signature, when asked for
-
-
-@dataclass(frozen=True)
-class VerifiedAttestation:
-    statement: dict[str, Any]
-    signer: str  # the platform key id that signed it
 
 
 def model_subjects(directory: Path) -> list[dict[str, Any]]:
@@ -325,56 +315,6 @@ def coverage_matrix(ledger: Ledger, routing: RoutingTable) -> dict[str, dict[str
     return matrix
 
 
-def verify_attestation(
-    envelope_path: Path,
-    *,
-    model_dir: Path,
-    trust: TrustConfig,
-    policy: Path | None = None,
-    expected_kind: str | None = None,
-) -> VerifiedAttestation:
-    """Check the envelope's signature (a trusted, unrevoked platform key), the statement, that
-    ``model_dir``'s model files are exactly the subjects, digest for digest, and (given a
-    provenance statement and ``policy``) that the policy file is the one attested."""
-    try:
-        envelope = read_envelope(envelope_path)
-        payload, signer = verify_envelope(
-            envelope, trust, KeyRole.PLATFORM, expected_type=PAYLOAD_TYPE, what=f"attestation {envelope_path}"
-        )
-    except SignatureError as error:
-        raise AttestationError(str(error)) from None
-    try:
-        statement = json.loads(payload)
-    except json.JSONDecodeError as error:
-        raise AttestationError(f"{envelope_path}: the signed payload is not JSON: {error}") from None
-    if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE:
-        raise AttestationError(f"{envelope_path}: not an in-toto Statement v1")
-    kind = {PROVENANCE_TYPE: "provenance", COVERAGE_TYPE: "coverage"}.get(statement.get("predicateType", ""))
-    if kind is None or (expected_kind is not None and kind != expected_kind):
-        raise AttestationError(
-            f"{envelope_path}: predicate type {statement.get('predicateType')!r} is not expected"
-        )
-    subjects = {s.get("name"): s.get("digest", {}).get("sha256") for s in statement.get("subject", [])}
-    present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir)}
-    for name, digest in sorted(subjects.items()):
-        if name not in present:
-            raise AttestationError(f"{model_dir / str(name)}: attested but missing")
-        if present[name] != digest:
-            raise AttestationError(f"{model_dir / name}: sha256 differs from the attested digest (tampered)")
-    if extra := sorted(set(present) - set(subjects)):
-        raise AttestationError(f"{model_dir}: {', '.join(extra)} not among the attested subjects")
-    if policy is not None:
-        if kind != "provenance":
-            raise AttestationError(f"{envelope_path}: only a provenance statement attests the policy")
-        attested = statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
-        if file_sha256(policy) != attested.get("sha256"):
-            raise AttestationError(
-                f"{policy}: sha256 differs from the attested policy '{attested.get('name')}' "
-                f"v{attested.get('version')} (a changed policy)"
-            )
-    return VerifiedAttestation(statement=statement, signer=signer)
-
-
 def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:
     """``STORAGE/attestations/RUN/CHECKPOINT``, for a run's own checkpoints and for the copies Ray
     Tune keeps elsewhere of a search trial's: the prefix of its attestations' file names."""
@@ -382,18 +322,6 @@ def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:
         return Path(spec.run_dir).parent.parent / "attestations" / spec.run_name / checkpoint.name
     run = checkpoint.resolve().parent
     return run.parent.parent / "attestations" / run.name / checkpoint.name
-
-
-def statement_type(envelope_json: str) -> str | None:
-    """The predicate type an envelope claims, read WITHOUT verifying it (to sort envelopes; trust
-    only what ``verify_attestation`` returns)."""
-    try:
-        envelope = Envelope.model_validate_json(envelope_json)
-        statement = json.loads(envelope.payload_bytes())
-    except (ValueError, SignatureError):
-        return None
-    kind = statement.get("predicateType") if isinstance(statement, dict) else None
-    return kind if isinstance(kind, str) else None
 
 
 def _start_dependencies(source: dict[str, Any]) -> list[dict[str, Any]]:

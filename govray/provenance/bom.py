@@ -26,12 +26,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import govray
 from govray.core.canonical import file_sha256
+from govray.core.version import GOVRAY_VERSION
 from govray.provenance.eu_summary import CorpusSource, EuSummary
 
 SPEC_VERSION = "1.6"
-VERSION = govray.__version__
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -103,7 +102,7 @@ def cyclonedx_bom(
         "version": 1,
         "metadata": {
             "timestamp": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
-            "tools": {"components": [{"type": "application", "name": "govray", "version": VERSION}]},
+            "tools": {"components": [{"type": "application", "name": "govray", "version": GOVRAY_VERSION}]},
             "component": model,
         },
         "components": components,

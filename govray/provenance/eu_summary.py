@@ -31,10 +31,10 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-import govray
 from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError
 from govray.core.keys import TrustConfig
+from govray.core.version import GOVRAY_VERSION
 from govray.data.schedule import ScheduleSpec, step_slots
 from govray.data.shards import CorpusSummary, ShardSet
 from govray.governance.credentials import Credential, SourceType
@@ -207,7 +207,7 @@ def eu_summary(
         model=model,
         version=version,
         provider=provider,
-        platform=f"govray {govray.__version__} on Ray",
+        platform=f"govray {GOVRAY_VERSION} on Ray",
         checkpoint=str(checkpoint),
         step=state.step,
         base_model_sha256=file_sha256(checkpoint / MODEL_FILE),

@@ -38,7 +38,7 @@ def masked(url: str | URL) -> str:
     """``url`` with its password hidden, fit for an error message or a log line."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         return "<unparseable database URL>"
 
 
@@ -49,8 +49,9 @@ def tracking_url(url: str | URL) -> URL:
     """
     try:
         parsed = make_url(url)
-    except ArgumentError as exc:
-        raise TrackingError(f"tracking store URL {str(url)!r} is not a database URL: {exc}") from exc
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        # Not shown: an unparseable URL cannot be masked, and it may hold a password.
+        raise TrackingError(f"the tracking store URL is not a database URL: {exc}") from exc
     if parsed.drivername == "postgresql":
         return parsed.set(drivername=f"postgresql+{POSTGRESQL_DRIVER}")
     return parsed

@@ -1,11 +1,12 @@
 """Hugging Face causal language models as govray trials.
 
-``decoder_layers(model)`` gives a decoder stack's ordered layers — input embeddings, each block in
-order, final norm, output head — so a policy's depth range counts blocks (block ``i`` is layer
-``i + 1`` in every architecture; ``-1`` is the head). A tied embedding and head is the one tensor
-held by the first and last layers; routing's rule for tied tensors applies (a route updates it only
-if it may update both). Other embeddings (GPT-2's positions, ``transformer.wpe``) lie outside the
-layers: routes that update every parameter, or name them by glob, reach them.
+``govray.train.decoder.decoder_layers(model)`` gives a decoder stack's ordered layers — input
+embeddings, each block in order, final norm, output head — so a policy's depth range counts blocks
+(block ``i`` is layer ``i + 1`` in every architecture; ``-1`` is the head). A tied embedding and
+head is the one tensor held by the first and last layers; routing's rule for tied tensors applies (a
+route updates it only if it may update both). Other embeddings (GPT-2's positions,
+``transformer.wpe``) lie outside the layers: routes that update every parameter, or name them by
+glob, reach them.
 
 ``CausalLMTrial`` is a trial around ``transformers.AutoModelForCausalLM``: built from the
 ``model`` hyperparameter (a config dict with ``model_type``; random init under govray's seed) or
@@ -22,7 +23,6 @@ transformers is imported when a model is built, never by importing this module.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,48 +38,6 @@ BOS = 256  # after the 256 byte values
 BYTE_VOCAB = 257
 IGNORE = -100  # a padded position's target
 SCORE_CHUNK = 128  # texts per forward pass in sequence_scores
-BLOCK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
-NORM_PATHS = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm")
-
-
-def _name_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
-    for name, candidate in model.named_modules():
-        if candidate is module and name:
-            return name
-    raise ConfigError(f"{type(model).__name__}: cannot find its {what}; declare the trial's layers()")
-
-
-def _first_submodule(model: nn.Module, paths: Sequence[str], what: str) -> tuple[str, nn.Module]:
-    for path in paths:
-        try:
-            return path, model.get_submodule(path)
-        except AttributeError:
-            continue
-    raise ConfigError(
-        f"{type(model).__name__}: no {what} at {', '.join(paths)}; declare the trial's layers()"
-    )
-
-
-def decoder_layers(model: nn.Module) -> list[str]:
-    """The ordered layers of a transformers decoder-only model: input embeddings, each block,
-    final norm, output head (module names), e.g. ``["model.embed_tokens", "model.layers.0", ...,
-    "model.norm", "lm_head"]``. A model without one of them is a ``ConfigError``."""
-    get_input = getattr(model, "get_input_embeddings", None)
-    get_output = getattr(model, "get_output_embeddings", None)
-    embeddings = _name_of(model, get_input() if get_input else None, "input embeddings")
-    head = _name_of(model, get_output() if get_output else None, "output head")
-    blocks_path, blocks = _first_submodule(model, BLOCK_PATHS, "block list")
-    if not isinstance(blocks, nn.ModuleList):
-        raise ConfigError(f"{type(model).__name__}: {blocks_path} is not a ModuleList of blocks")
-    norm, _ = _first_submodule(model, NORM_PATHS, "final norm")
-    return [embeddings, *(f"{blocks_path}.{index}" for index in range(len(blocks))), norm, head]
-
-
-def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers:
-    a model built from it has imported it)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 class CausalLMTrial(Trial):

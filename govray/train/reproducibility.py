@@ -35,7 +35,8 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from govray.config.experiment import CorpusSpec, ExperimentConfig
+from govray.config.data import CorpusSpec
+from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision, TrainingSettings
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import GovrayError, IngestError
@@ -391,7 +392,7 @@ class ReproducibilityRecord(BaseModel):
     def replay_equivalence(self) -> ReplayEquivalence:
         """How closely a replay of this run (same world size, backend, threads, hardware class)
         reproduces its weights: bit for bit on CPU or in deterministic mode, else within the
-        stated tolerance of the run's precision (DESIGN.md, "Scope of bit-exactness")."""
+        stated tolerance of the run's precision (ARCHITECTURE.md, "Scope of bit-exactness")."""
         if self.device == "cpu" or self.deterministic:
             basis = "CPU kernels and gloo" if self.device == "cpu" else "deterministic mode"
             return ReplayEquivalence(exact=True, tolerance=ReplayTolerance(rtol=0.0, atol=0.0), basis=basis)

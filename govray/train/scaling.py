@@ -1,4 +1,4 @@
-"""fp16's dynamic loss scale, one per route (DESIGN.md, "Precision").
+"""fp16's dynamic loss scale, one per route (ARCHITECTURE.md, "Precision").
 
 Each rank multiplies its slot's loss by its route's scale; the governed allreduce unscales the
 rank's own contribution by that scale in its masking pass, before the sum, and checks it. An

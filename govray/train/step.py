@@ -40,12 +40,11 @@ from govray.data.schedule import (
     ScheduleEvent,
     ScheduleSpec,
     Slot,
-    StepRows,
     derive_seed,
     slot,
-    step_rows,
 )
 from govray.data.shards import ShardSet
+from govray.data.step_rows import StepRows, step_rows
 from govray.governance.adapters import GovernedModel, load_adapter
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report

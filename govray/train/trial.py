@@ -54,6 +54,7 @@ from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.decoder import decoder_layers, is_transformers_model
 
 Batch = dict[str, torch.Tensor]
 
@@ -136,10 +137,8 @@ class Trial(ProbeHooks, ABC):
 
     def layers(self, model: nn.Module) -> Sequence[str] | None:
         """The model's ordered layers (module names) for depth ranges. Default: for a transformers
-        decoder, embeddings, each block, final norm, head (:func:`govray.train.hf.decoder_layers`);
+        decoder, embeddings, each block, final norm, head (:func:`govray.train.decoder.decoder_layers`);
         otherwise None, the model's top-level children."""
-        from govray.train.hf import decoder_layers, is_transformers_model
-
         return decoder_layers(model) if is_transformers_model(model) else None
 
     def fsdp_units(self, model: nn.Module) -> Sequence[str] | None:

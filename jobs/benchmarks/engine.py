@@ -40,7 +40,8 @@ RANKS, TENSORS, CORPORA, BATCH = 1024, 1000, 50, 8
 
 def bookkeeping(steps: int, checkpoint_period: int) -> float:
     """Milliseconds of governance bookkeeping per step (median), ledger expansion amortized."""
-    from govray.data.schedule import RouteLayout, ScheduleSpec, slot, step_rows
+    from govray.data.schedule import RouteLayout, ScheduleSpec, slot
+    from govray.data.step_rows import step_rows
     from govray.governance.allreduce import GradientGovernor, parameters_by_name
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes

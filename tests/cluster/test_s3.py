@@ -27,7 +27,7 @@ from moto.server import ThreadedMotoServer
 
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import StorageError, open_storage
-from govray.provenance.attest import verify_attestation
+from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
 from govray.tracking.store import TrackingStore
 from tests.cluster.governed_job import MODEL_FILES, digits_experiment, finished_run
