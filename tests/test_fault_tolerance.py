@@ -72,7 +72,7 @@ def killed_run(golden_run: GoldenRun, golden_example: Path) -> GoldenRun:
     return result["run"]
 
 
-@pytest.mark.slow  # kills and whole resumed Ray runs: the slow tier (the default tier keeps store_completeness's seed 0)
+@pytest.mark.slow  # a kill and a whole resumed Ray run: the slow tier (store_completeness seed 0 stays)
 def test_killed_worker_resumes_bit_identically(golden_run: GoldenRun, killed_run: GoldenRun) -> None:
     original, resumed = (
         final_checkpoint(golden_run.outcome.run_dir),
@@ -237,7 +237,7 @@ def resumed_after_driver_kill(
     return store.get_trial(trial_id)
 
 
-@pytest.mark.slow  # kills and whole resumed Ray runs: the slow tier (the default tier keeps store_completeness's seed 0)
+@pytest.mark.slow  # a kill and a whole resumed Ray run: the slow tier (store_completeness seed 0 stays)
 def test_killed_driver_resumes_bit_identically(golden_run: GoldenRun, resumed_after_driver_kill: Any) -> None:
     trial = resumed_after_driver_kill
     assert trial.state == "completed"

@@ -55,7 +55,6 @@ from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
 
 
-
 @dataclass(frozen=True)
 class TunePlan:
     """What a strategy asks of Ray Tune for one experiment."""
