@@ -123,9 +123,10 @@ class GovernedModel(nn.Module):
             lora_a, lora_b = _factors(self._layers[target], adapter, kind)
             generator = torch.Generator().manual_seed(_adapter_seed(seed, adapter, target))
             initial = _initial_factors(kind, spec.rank, lora_a.shape[1], lora_b.shape[0], generator)
-            with torch.no_grad():
-                lora_a.copy_(initial[0])
-                lora_b.copy_(initial[1])
+            # float32 whatever the base's dtype (PEFT made them the base layer's; its upcast is
+            # PeftModel's, which govray does not use): factors, AdamW state and reduction in fp32.
+            lora_a.data = initial[0].to(lora_a.device)
+            lora_b.data = initial[1].to(lora_b.device)
         self._targets[adapter] = targets
         self._specs[adapter] = spec
 
