@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -428,7 +429,34 @@ def save_peft_adapter(model: GovernedModel, adapter: str, directory: Path) -> Pa
         {target: model.target_kind(target) for target in targets},
         {target: (lora_a, lora_b) for target, lora_a, lora_b in model.adapter_factors(adapter)},
         getattr(model.base, "name_or_path", None) or None,
+        peft_task_type(model.base),
     )
+
+
+# PEFT's task type of a transformers model, by the auto mapping its class is listed in
+_PEFT_TASKS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "CAUSAL_LM"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "SEQ_2_SEQ_LM"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "SEQ_CLS"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "TOKEN_CLS"),
+    ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "QUESTION_ANS"),
+)
+
+
+def peft_task_type(model: nn.Module) -> str | None:
+    """The PEFT task type the model implies (``CAUSAL_LM`` for a transformers causal LM, ...),
+    so that PEFT's Auto classes (``AutoPeftModelForCausalLM``) load the export; None for a model
+    that is no transformers task model (PEFT then loads it with ``PeftModel`` only)."""
+    if "transformers" not in sys.modules:  # a model built from transformers has imported it
+        return None
+    from transformers.models.auto import modeling_auto
+
+    name = type(model).__name__
+    for mapping, task in _PEFT_TASKS:
+        for classes in getattr(modeling_auto, mapping, {}).values():
+            if name in ((classes,) if isinstance(classes, str) else classes):
+                return task
+    return None
 
 
 def write_peft_adapter(
@@ -437,6 +465,7 @@ def write_peft_adapter(
     kinds: Mapping[str, str],
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     base_name_or_path: str | None = None,
+    task_type: str | None = None,
 ) -> Path:
     """Write an adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
     so that ``peft.PeftModel.from_pretrained(base, directory)`` puts it on a plain copy of the
@@ -444,7 +473,8 @@ def write_peft_adapter(
     each target's ``(A, B)`` as PEFT holds them.
 
     The config names the exact target modules (an anchored regular expression, so no other module
-    whose name ends the same way is wrapped) and the base model's ``name_or_path`` if known.
+    whose name ends the same way is wrapped), the base model's ``name_or_path`` if known, and the
+    ``task_type`` (:func:`peft_task_type`).
     """
     from peft import LoraConfig
 
@@ -456,6 +486,7 @@ def write_peft_adapter(
         target_modules="|".join(re.escape(target) for target in targets),  # PEFT fullmatches a str
         fan_in_fan_out=any(kinds[target] == "conv1d" for target in targets),
         base_model_name_or_path=base_name_or_path,
+        task_type=task_type,
         inference_mode=True,
     )
     directory.mkdir(parents=True, exist_ok=True)
