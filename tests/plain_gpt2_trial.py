@@ -12,8 +12,6 @@ from torch import nn
 from govray.train.hf import IGNORE, CausalLMTrial
 from govray.train.trial import Batch
 
-GPT2 = {"vocab_size": 257, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 160}
-
 
 class EmptyBatchError(AssertionError):
     """The trial was handed a batch with no rows."""
@@ -23,7 +21,16 @@ class PlainGPT2Trial(CausalLMTrial):
     def build_model(self) -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(**GPT2, bos_token_id=256, eos_token_id=256))
+        config = GPT2Config(
+            vocab_size=257,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            n_positions=160,
+            bos_token_id=256,
+            eos_token_id=256,
+        )
+        model = GPT2LMHeadModel(config)
         return model.to(getattr(torch, self.hparams.get("dtype", "float32")))
 
     def build_meta_model(self) -> nn.Module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,7 +119,7 @@ def trained(spec: RunSpec, excluded: tuple[str, ...], rank: int) -> dict[str, An
         reduced.append((tensor.numel() * tensor.element_size(), str(tensor.dtype)))
         return plain(tensor, *args, **kwargs)
 
-    dist.all_reduce = counted  # type: ignore[assignment]
+    dist.all_reduce = counted
     try:
         for step in range(STEPS):
             governed.step(step)
@@ -299,3 +300,21 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
     for index, values in saved["state"].items():
         for name, value in values.items():
             assert torch.equal(loaded["state"][index][name], value), (index, name)
+
+
+def test_the_attestation_states_fp32_trainables_and_the_frozen_bases_dtype(tmp_path: Path) -> None:
+    """The provenance's ``precision``: the setting, trainable tensors in float32, and the dtype the
+    frozen base tensors are stored in — bf16 for a LoRA-only job on a base built in bf16."""
+    from govray.governance.adapters import save_base_tensors
+    from govray.provenance.attest import precision_statement
+    from govray.train.trial import make_trial, resolve_trial_routes
+
+    trial = make_trial(TRIAL, {"context": 32, "dtype": "bfloat16"}, None)
+    save_base_tensors(trial.build_model().state_dict(), tmp_path / "model.safetensors")
+    for policy, frozen in ((LORA_ONLY, ["bfloat16"]), (gpt2_policy({"public": "all"}, {}), [])):
+        routing = resolve_trial_routes(policy, trial)
+        assert precision_statement("bf16", routing, tmp_path) == {
+            "setting": "bf16",
+            "trainable": "float32",
+            "frozen_base": frozen,
+        }

@@ -4,8 +4,11 @@ Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot 
 rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
 governed allreduce (DDP's comm hook: each tensor's gradient masked to the slots that may update
 it, scaled by their example count) — after k-1 micro-batches accumulated under ``no_sync()`` when
-``accumulation_steps`` is k — the governor clips per route group, the optimizer steps, and the
-ledger records what reached which tensor — from the schedule, never from the gradients.
+``accumulation_steps`` is k — then the adapters, kept out of DDP, are reduced the same way in one
+flat buffer; the governor clips per route group, the optimizer steps, and the ledger records
+what reached which tensor — from the schedule, never from the gradients. Tensors no route may
+update are out of autograd; a slot without rows runs a stand-in row whose losses are selected
+away (``_selected_away``), so the trial never sees an empty batch.
 
 Nothing in a step waits for the device: the loss sum stays a device tensor and the non-finite
 flags stay on the device until the loop's next boundary (``check_finite``).
