@@ -302,6 +302,41 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
             assert torch.equal(loaded["state"][index][name], value), (index, name)
 
 
+def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_spec: RunSpec) -> None:
+    """A DDP-path snapshot holds weights and optimizer state in host memory (pinned on a GPU),
+    shares no storage with the live tensors, and a rollback copies it back into them: after two
+    more steps, loading it gives exactly the state of the snapshot's step, in the same tensors."""
+    from govray.train.step import GovernedStep
+    from govray.train.trial import make_trial
+    from govray.train.worker import Worker
+
+    spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
+    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    for step in range(2):
+        governed.step(step)
+    snapshot = governed.snapshot(2)
+    clean = {name: tensor.clone() for name, tensor in governed.model.state_dict().items()}
+    clean_optimizer = {
+        index: {name: value.clone() for name, value in values.items()}
+        for index, values in governed.optimizer.state_dict()["state"].items()
+    }
+    live = {tensor.data_ptr() for tensor in governed.model.state_dict().values()}
+    assert all(tensor.device.type == "cpu" for tensor in snapshot.weights.values())
+    assert not live & {tensor.data_ptr() for tensor in snapshot.weights.values()}
+    parameters = {name: id(p) for name, p in governed.model.named_parameters()}
+    for step in range(2, 4):
+        governed.step(step)
+    assert any(not torch.equal(t, clean[n]) for n, t in governed.model.state_dict().items())
+    governed.load_snapshot(snapshot)
+    assert {name: id(p) for name, p in governed.model.named_parameters()} == parameters
+    for name, tensor in governed.model.state_dict().items():
+        assert torch.equal(tensor, clean[name]), name
+    restored = governed.optimizer.state_dict()["state"]
+    for index, values in clean_optimizer.items():
+        for name, value in values.items():
+            assert torch.equal(restored[index][name], value), (index, name)
+
+
 def test_the_attestation_states_fp32_trainables_and_the_frozen_bases_dtype(tmp_path: Path) -> None:
     """The provenance's ``precision``: the setting, trainable tensors in float32, and the dtype the
     frozen base tensors are stored in — bf16 for a LoRA-only job on a base built in bf16."""
