@@ -295,3 +295,27 @@ def test_a_govray_lora_v1_adapter_file_still_loads(tmp_path: Path) -> None:
     )
     with model.active("pii-lora"):
         assert torch.allclose(block(x), block.base_layer(x) + (x @ a.T) @ b.T * 2.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["llama-linear", "gpt2-conv1d"])
+def test_a_causal_lms_peft_export_names_its_task_and_loads_with_auto_peft_model_for_causal_lm(
+    case: str, tmp_path: Path
+) -> None:
+    """The base saved locally and built from there (its ``name_or_path``): the export says
+    ``task_type: CAUSAL_LM``, and ``AutoPeftModelForCausalLM.from_pretrained(directory)`` (base
+    and adapter, nothing downloaded) gives govray's logits with the adapter active."""
+    import json
+
+    config, targets = CASES[case]
+    built(config).save_pretrained(tmp_path / "base")
+    base = CausalLMTrial({"pretrained": str(tmp_path / "base"), "context": 32}).build_model()
+    rules = policy(targets)
+    model = GovernedModel(base, resolve_routes(rules, base, decoder_layers(base)), rules.adapters, seed=7)
+    make_nonzero(model)
+    directory = save_peft_adapter(model, "pii-lora", tmp_path / "pii-lora")
+    assert json.loads((directory / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(directory), local_files_only=True).eval()
+    model.eval()
+    with model.active("pii-lora"):
+        expected = logits(model, config)
+    assert torch.equal(logits(loaded, config), expected)

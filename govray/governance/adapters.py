@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -123,9 +124,10 @@ class GovernedModel(nn.Module):
             lora_a, lora_b = _factors(self._layers[target], adapter, kind)
             generator = torch.Generator().manual_seed(_adapter_seed(seed, adapter, target))
             initial = _initial_factors(kind, spec.rank, lora_a.shape[1], lora_b.shape[0], generator)
-            with torch.no_grad():
-                lora_a.copy_(initial[0])
-                lora_b.copy_(initial[1])
+            # float32 whatever the base's dtype (PEFT made them the base layer's; its upcast is
+            # PeftModel's, which govray does not use): factors, AdamW state and reduction in fp32.
+            lora_a.data = initial[0].to(lora_a.device)
+            lora_b.data = initial[1].to(lora_b.device)
         self._targets[adapter] = targets
         self._specs[adapter] = spec
 
@@ -427,7 +429,34 @@ def save_peft_adapter(model: GovernedModel, adapter: str, directory: Path) -> Pa
         {target: model.target_kind(target) for target in targets},
         {target: (lora_a, lora_b) for target, lora_a, lora_b in model.adapter_factors(adapter)},
         getattr(model.base, "name_or_path", None) or None,
+        peft_task_type(model.base),
     )
+
+
+# PEFT's task type of a transformers model, by the auto mapping its class is listed in
+_PEFT_TASKS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "CAUSAL_LM"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "SEQ_2_SEQ_LM"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "SEQ_CLS"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "TOKEN_CLS"),
+    ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "QUESTION_ANS"),
+)
+
+
+def peft_task_type(model: nn.Module) -> str | None:
+    """The PEFT task type the model implies (``CAUSAL_LM`` for a transformers causal LM, ...),
+    so that PEFT's Auto classes (``AutoPeftModelForCausalLM``) load the export; None for a model
+    that is no transformers task model (PEFT then loads it with ``PeftModel`` only)."""
+    if "transformers" not in sys.modules:  # a model built from transformers has imported it
+        return None
+    from transformers.models.auto import modeling_auto
+
+    name = type(model).__name__
+    for mapping, task in _PEFT_TASKS:
+        for classes in getattr(modeling_auto, mapping, {}).values():
+            if name in ((classes,) if isinstance(classes, str) else classes):
+                return task
+    return None
 
 
 def write_peft_adapter(
@@ -436,6 +465,7 @@ def write_peft_adapter(
     kinds: Mapping[str, str],
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     base_name_or_path: str | None = None,
+    task_type: str | None = None,
 ) -> Path:
     """Write an adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
     so that ``peft.PeftModel.from_pretrained(base, directory)`` puts it on a plain copy of the
@@ -443,7 +473,8 @@ def write_peft_adapter(
     each target's ``(A, B)`` as PEFT holds them.
 
     The config names the exact target modules (an anchored regular expression, so no other module
-    whose name ends the same way is wrapped) and the base model's ``name_or_path`` if known.
+    whose name ends the same way is wrapped), the base model's ``name_or_path`` if known, and the
+    ``task_type`` (:func:`peft_task_type`).
     """
     from peft import LoraConfig
 
@@ -455,6 +486,7 @@ def write_peft_adapter(
         target_modules="|".join(re.escape(target) for target in targets),  # PEFT fullmatches a str
         fan_in_fan_out=any(kinds[target] == "conv1d" for target in targets),
         base_model_name_or_path=base_name_or_path,
+        task_type=task_type,
         inference_mode=True,
     )
     directory.mkdir(parents=True, exist_ok=True)

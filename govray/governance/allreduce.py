@@ -256,6 +256,19 @@ class GradientGovernor:
             self._layouts.move_to_end(key)
         return cached
 
+    def reduce_whole(self, parameters: Sequence[nn.Parameter]) -> None:
+        """After backward, outside DDP's and FSDP's reducers (adapters): these tensors' gradients
+        (zeros where none) in one flat buffer, masked, summed over every rank and divided by the
+        counts as the comm hook does; each ``.grad`` becomes a view of the result."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        layout = self.layout(parameters)
+        self.mask(flat, layout)  # this rank's forbidden regions zero-filled
+        dist.all_reduce(flat)
+        self.average(flat, layout)  # divided by the counts, flags raised
+        for parameter, view in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+            parameter.grad = view.view_as(parameter)
+
     def govern_local(self) -> None:
         """The same masks and averaging without DDP (one worker), on each ``.grad``."""
         by_group: dict[int, list[torch.Tensor]] = {}

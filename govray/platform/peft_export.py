@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from govray.core.keys import TrustConfig
-from govray.governance.adapters import AdapterError, read_adapter_factors, write_peft_adapter
+from govray.governance.adapters import AdapterError, peft_task_type, read_adapter_factors, write_peft_adapter
 from govray.governance.routing import lora_target_kind
 from govray.provenance.attest import routing_of
 from govray.train.checkpoint import RUN_SPEC_FILE, load_checkpoint
@@ -50,4 +50,4 @@ def export_peft_adapter(directory: Path, adapter: str, out: Path, trust: TrustCo
         kinds[target] = kind
     factors = read_adapter_factors(path, adapter, targets)
     name = getattr(model, "name_or_path", None) or None
-    return write_peft_adapter(out, declared, kinds, factors, name)
+    return write_peft_adapter(out, declared, kinds, factors, name, peft_task_type(model))

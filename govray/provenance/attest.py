@@ -9,7 +9,8 @@ DSSE envelope signed with the platform's Ed25519 key (payload type
   trial, hyperparameters, seed, steps, excluded corpora and the config and policy digests;
   ``internalParameters`` the schedule, the reproducibility record and ``replay_equivalence``
   (``{"exact": bool, "tolerance": {"rtol", "atol"}, "basis"}``: exact on CPU and in deterministic
-  mode, else the stated tolerance a replay's weights meet);
+  mode, else the stated tolerance a replay's weights meet) and ``precision`` (the setting;
+  trainable tensors, their optimizer state and reduction in float32; the frozen base's dtypes);
   ``resolvedDependencies`` one descriptor per corpus (its fingerprint as the sha256 digest, its
   credential and row counts as annotations, and the checkpoint a forked run started from);
   ``byproducts`` the coverage matrix (corpus by layer → examples) and the last memorization report;
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from safetensors import safe_open
 
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.dsse import sign_envelope, signing_time
@@ -262,6 +264,9 @@ def provenance(
                 "reproducibility": state.reproducibility,
                 # Removal = replay: bit for bit, or within this stated tolerance (GPUs).
                 "replay_equivalence": _replay_equivalence(state.reproducibility),
+                "precision": precision_statement(
+                    spec.settings.precision if spec.settings is not None else None, routing, checkpoint
+                ),
             },
             "resolvedDependencies": dependencies,
         },
@@ -277,6 +282,38 @@ def provenance(
                 _byproduct("decisions", {"gates": state.gates, "rollbacks": state.rollbacks}),
             ],
         },
+    }
+
+
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def precision_statement(setting: str | None, routing: RoutingTable, checkpoint: Path) -> dict[str, Any]:
+    """What the run computed and kept numbers in: its precision setting (bf16 / fp16: autocast, or
+    FSDP's mixed precision); every trainable tensor (adapters included), its optimizer state and
+    its reduction in float32 (``train/trainable.py``); and the dtypes the frozen base tensors — no
+    route may update them — are stored in (they keep the dtype the base was loaded in), read
+    from the base file's header (a sharded checkpoint: rank 0's shard file)."""
+    frozen = {
+        alias
+        for index, info in enumerate(routing.parameters)
+        if not any(mask[index] for mask in routing.masks.values())
+        for alias in (info.name, *info.aliases)
+    }
+    path = checkpoint / MODEL_FILE
+    if not path.is_file():
+        path = min(checkpoint.glob("model-shard-00000-of-*.safetensors"), default=path)
+    dtypes: set[str] = set()
+    if frozen and path.is_file():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if name in frozen:
+                    stored = handle.get_slice(name).get_dtype()
+                    dtypes.add(_DTYPES.get(stored, stored))
+    return {
+        "setting": None if setting is None else str(setting),
+        "trainable": "float32",
+        "frozen_base": sorted(dtypes),
     }
 
 

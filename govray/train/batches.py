@@ -8,9 +8,14 @@ gate or a rollback that changes the schedule makes it a miss, collated on the sp
 therefore runs in another thread: it must not draw from torch's global random generator (the
 step seeds it per step; augmentation belongs in ``loss``).
 
+A trial never sees an empty batch: where a slot has no rows (an excluded corpus's slot in a
+replay, past the epoch's end) or, under FSDP, a micro-batch has none, the piece is a stand-in —
+one real row (``stand_in``), marked not ``counted``: the step runs it (the rank still joins every
+collective its forward and backward hold) and selects its losses away (see ``GovernedStep.step``).
+
 Example::
 
-    batches = Prefetcher(rows, trial, torch.device("cuda", 0), micro_batches=4)
+    batches = Prefetcher(rows.take, trial.collate, first_row, torch.device("cuda", 0), micro_batches=4)
     for step in steps:
         parts = batches.take(slot_of(step), upcoming=slot_of(step + 1))   # 4 batches on the GPU
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -34,9 +40,18 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """A collated piece of a slot; ``counted`` false for a stand-in (its slot or piece had no rows)."""
+
+    batch: Batch
+    counted: bool = True
+
+
 def micro_batches(rows: pa.Table, parts: int, exactly: bool = False) -> list[pa.Table]:
     """``rows`` split into at most ``parts`` consecutive non-empty pieces, sizes differing by at
-    most one (larger first); one empty piece for no rows (the slot still joins the allreduce).
+    most one (larger first); one empty piece for no rows (the slot still joins the allreduce:
+    ``Prefetcher`` puts a stand-in there).
     ``exactly``: always ``parts`` pieces, empty ones last (under FSDP every forward is a
     collective, so every rank runs as many)."""
     count = min(parts, rows.num_rows)
@@ -71,25 +86,34 @@ class Prefetcher:
         self,
         take: Callable[[Slot], pa.Table],
         collate: Callable[[pa.Table], Batch],
+        stand_in: Callable[[], pa.Table],
         device: torch.device,
         micro_batches: int = 1,
         exactly: bool = False,
     ) -> None:
-        self._take, self._collate = take, collate
+        self._take, self._collate, self._stand_in = take, collate, stand_in
         self.device = device
         self.parts = micro_batches
         self.exactly = exactly  # always ``micro_batches`` of them (FSDP: see ``micro_batches``)
         self._pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="govray-collate")
-        self._ahead: tuple[Slot, Future[list[Batch]]] | None = None
+        self._ahead: tuple[Slot, Future[list[MicroBatch]]] | None = None
 
-    def _prepare(self, slot: Slot) -> list[Batch]:
-        prepared = [self._collate(part) for part in micro_batches(self._take(slot), self.parts, self.exactly)]
+    def _prepare(self, slot: Slot) -> list[MicroBatch]:
+        prepared = []
+        for part in micro_batches(self._take(slot), self.parts, self.exactly):
+            if part.num_rows:
+                prepared.append(MicroBatch(self._collate(part)))
+            else:
+                prepared.append(MicroBatch(self._collate(self._stand_in()), counted=False))
         if self._pin:
-            prepared = [{name: tensor.pin_memory() for name, tensor in batch.items()} for batch in prepared]
+            prepared = [
+                MicroBatch({name: tensor.pin_memory() for name, tensor in part.batch.items()}, part.counted)
+                for part in prepared
+            ]
         return prepared
 
-    def take(self, slot: Slot, upcoming: Slot | None = None) -> list[Batch]:
+    def take(self, slot: Slot, upcoming: Slot | None = None) -> list[MicroBatch]:
         """The micro-batches of ``slot`` on the device; starts collating ``upcoming``."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == slot:
@@ -100,7 +124,7 @@ class Prefetcher:
             prepared = self._prepare(slot)
         if upcoming is not None:
             self._ahead = (upcoming, self._pool.submit(self._prepare, upcoming))
-        return [on_device(batch, self.device) for batch in prepared]
+        return [MicroBatch(on_device(part.batch, self.device), part.counted) for part in prepared]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -177,7 +177,7 @@ class ShardedGovernor(GradientGovernor):
         """After backward (the reduce-scatters done): reduce the whole (adapter) tensors in one
         flat buffer as DDP's hook does, and divide each rank's shards by their counts."""
         if self._replicated:
-            self._reduce_replicated()
+            self.reduce_whole([self.parameters[index] for index in self._replicated])
         by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
         for index, parameter in enumerate(self.parameters):
             if parameter.grad is None or not isinstance(parameter, DTensor):
@@ -191,17 +191,6 @@ class ShardedGovernor(GradientGovernor):
             torch._amp_foreach_non_finite_check_and_unscale_(
                 shards, found[group : group + 1], self._inverse_of(group, shards[0].device)
             )
-
-    def _reduce_replicated(self) -> None:
-        parameters = [self.parameters[index] for index in self._replicated]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        layout = self.layout(parameters)
-        self.mask(flat, layout)  # this rank's forbidden regions zero-filled
-        dist.all_reduce(flat)
-        self.average(flat, layout)  # divided by the counts, flags raised
-        for parameter, view in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
-            parameter.grad = view.view_as(parameter)
 
     def _clip_groups(self, groups: Sequence[int], max_grad_norm: float) -> None:
         """Per route group, from one all-reduce of every group's squared norm: a shard's square

@@ -51,7 +51,6 @@ from govray.train.sharding import (
     consolidated,
     load_shards,
     local_optimizer_state,
-    sharded_optimizer_state,
     write_shards,
 )
 from govray.train.step import GovernedStep, Snapshot
@@ -153,7 +152,7 @@ class TrialRun:
             load_file(str(path(shard_file("optimizer", worker.rank, worker.world_size)))),
             json.loads(path(OPTIMIZER_META).read_text()),
         )
-        governed.optimizer.load_state_dict(sharded_optimizer_state(governed.optimizer, state))
+        governed.load_optimizer_state(state)
         governed.ledger = Ledger.from_json(snapshot.ledger)
         governed.take_hyperparameters()
 
@@ -344,10 +343,7 @@ class TrialRun:
         self._check_schedule(directory, loaded.state)
         governed = self.governed
         governed.load_weights(directory)
-        optimizer_state = loaded.optimizer_state
-        if governed.sharded:
-            optimizer_state = sharded_optimizer_state(governed.optimizer, optimizer_state)
-        governed.optimizer.load_state_dict(optimizer_state)
+        governed.load_optimizer_state(loaded.optimizer_state)
         governed.take_hyperparameters()
         governed.ledger = Ledger.from_json(loaded.state.ledger)
         self.source = loaded.state.source

@@ -4,8 +4,11 @@ Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot 
 rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
 governed allreduce (DDP's comm hook: each tensor's gradient masked to the slots that may update
 it, scaled by their example count) — after k-1 micro-batches accumulated under ``no_sync()`` when
-``accumulation_steps`` is k — the governor clips per route group, the optimizer steps, and the
-ledger records what reached which tensor — from the schedule, never from the gradients.
+``accumulation_steps`` is k — then the adapters, kept out of DDP, are reduced the same way in one
+flat buffer; the governor clips per route group, the optimizer steps, and the ledger records
+what reached which tensor — from the schedule, never from the gradients. Tensors no route may
+update are out of autograd; a slot without rows runs a stand-in row whose losses are selected
+away (``_selected_away``), so the trial never sees an empty batch.
 
 Nothing in a step waits for the device: the loss sum stays a device tensor and the non-finite
 flags stay on the device until the loop's next boundary (``check_finite``).
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -65,9 +69,37 @@ from govray.train.sharding import (
     load_whole,
     optimizer_groups,
     shard_model,
+    sharded_optimizer_state,
 )
+from govray.train.trainable import freeze_unroutable, reindexed, trainable_in_fp32
 from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
+
+
+def _on_host(value: Any, pinned: bool) -> Any:
+    """A copy of ``value`` (a tensor, or a state dict's nesting of them) in host memory, pinned
+    if asked (tensors copied with ``non_blocking``: the caller waits once)."""
+    if isinstance(value, torch.Tensor):
+        host = torch.empty_like(value, device="cpu", pin_memory=pinned and value.device.type == "cuda")
+        return host.copy_(value.detach(), non_blocking=pinned)
+    if isinstance(value, dict):
+        return {key: _on_host(item, pinned) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_host(item, pinned) for item in value)
+    return copy.deepcopy(value)
+
+
+def _selected_away(losses: torch.Tensor) -> torch.Tensor:
+    """A stand-in's losses replaced by zeros by selection (never multiplied: a non-finite value
+    cannot survive), still in the graph so that backward runs every collective it holds.
+
+    Why a stand-in rather than skipping the forward: under DDP and FSDP the forward and backward
+    themselves hold the collectives (bucket all-reduces, all-gathers, reduce-scatters), so every
+    rank must run them. Its gradients are exact zeros, and a rank whose whole slot is empty has
+    no route (``begin_step(route=None)``), so every region it contributes is also zero-filled by
+    the governor's masks: its contribution to every tensor is an exact zero, the counts and the
+    ledger (from the schedule) do not see it, and removal = replay stays bit-identical."""
+    return losses.masked_fill(torch.ones_like(losses, dtype=torch.bool), 0.0)
 
 
 @dataclass(frozen=True)
@@ -136,32 +168,52 @@ class GovernedStep:
         # Reads follow the schedule: only the row groups of this worker's slots, prefetched.
         self.rows = RouteRows(ShardReader(self.shards, spec.storage), self.packed, trial.pad_id)
         self.batches = Prefetcher(
-            self.rows.take, trial.collate, self.device, self.micro_batches, exactly=self.sharded
+            self.rows.take,
+            trial.collate,
+            self._stand_in,
+            self.device,
+            self.micro_batches,
+            exactly=self.sharded,
         )
         self.counts = self.rows.counts(trial)  # examples and tokens of each position (the ledger's)
         self.forward: nn.Module = self.model
+        # Checkpoints written before frozen tensors left autograd index optimizer state over these.
+        listed = [name for name, _ in parameters_by_name(self.model)]
+        units = layer_units(base, trial.fsdp_units(base)) if self.sharded else []
+        frozen = freeze_unroutable(self.model, self.routing)
+        trainable_in_fp32(self.model)
         if self.sharded:  # FSDP2: each rank holds a shard of every base tensor
-            shard_model(
-                self.model, layer_units(base, trial.fsdp_units(base)), settings.precision, self.device
-            )
+            shard_model(self.model, units, settings.precision, self.device)
         named = parameters_by_name(self.model)
         self.governor = (
             ShardedGovernor(self.model, named, allowed_route_sets(self.model, self.routing), self.device)
             if self.sharded
             else GradientGovernor(named, allowed_route_sets(self.model, self.routing))
         )
-        if worker.distributed and not self.sharded:
+        # Adapters never enter DDP's reducer: an inactive one gets no gradient, which DDP could only
+        # allow with find_unused_parameters (a graph walk, an all-reduce and a host wait per step).
+        # They are reduced after backward in one flat buffer, masked and averaged by the governor
+        # (as under FSDP); DDP reduces the trainable base tensors, and without any (LoRA only)
+        # there is no DDP: the flat reduction is the step's only collective.
+        adapters = self.model.adapter_names()
+        self.whole = [parameter for a in adapters for parameter in self.model.adapter_parameters(a)]
+        if worker.distributed and not self.sharded and len(named) > len(self.whole):
+            adapter_ids = {id(parameter) for parameter in self.whole}
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, [name for name, p in self.model.named_parameters() if id(p) in adapter_ids]
+            )
             ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 forward_sync_buffers=False,  # running statistics are refused by routing, never synced
-                find_unused_parameters=bool(self.routing.adapter_names),  # inactive adapters
             )
             ddp.register_comm_hook(self.governor, governed_allreduce_hook)
             self.forward = ddp
         # Under FSDP, sharded and whole (adapter) tensors in their own parameter groups.
         self.trainable = optimizer_groups([parameter for _, parameter in named])
         self.optimizer = trial.build_optimizer(self.trainable)
+        by_name = dict(self.model.named_parameters())
+        self._listed = [by_name[name] for name in listed] if frozen else None
         for group in self.optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])  # decisions scale it
         self.probe = MemorizationProbe(
@@ -201,7 +253,7 @@ class GovernedStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with self.model.active(adapter):  # base weights never see another route's adapter
             parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches
-            for index, batch in enumerate(parts):
+            for index, part in enumerate(parts):
                 # The first k-1 micro-batches accumulate locally (forward and backward under
                 # no_sync); the last one's backward runs the governed reduction: each tensor's
                 # gradient masked to the routes that may update it, summed and divided by those
@@ -209,14 +261,19 @@ class GovernedStep:
                 last = index == len(parts) - 1
                 with contextlib.nullcontext() if last else self._no_sync():
                     with self._autocast():
-                        losses = self.trial.loss(self.forward, batch)  # one loss per example
+                        losses = self.trial.loss(self.forward, part.batch)  # one loss per example
+                        if not part.counted:
+                            losses = _selected_away(losses)
                         total = losses.float().sum()
                     (total if scale is None else total * scale).backward()
-                loss_sum += total.detach().double()
+                if part.counted:
+                    loss_sum += total.detach().double()
         if isinstance(self.governor, ShardedGovernor):
             self.governor.govern_sharded()  # each rank divides its shards; adapters reduced whole
         elif not self.worker.distributed:
             self.governor.govern_local()  # the same masks and divisors, without DDP
+        elif self.whole:
+            self.governor.reduce_whole(self.whole)  # adapters: DDP's hook reduced the base tensors
         skip: frozenset[str] = frozenset()
         if scale is not None:  # fp16: the routes that overflowed skip their tensors (a decision)
             found = self.governor.overflowed_routes(self.route_names, self.worker.distributed)
@@ -238,6 +295,18 @@ class GovernedStep:
             return every.route_counts()
         tokens = {route: int(self.packed.tokens(route, rows).sum()) for route, rows in every.rows.items()}
         return {route: count for route, count in tokens.items() if count}  # a 0-token window adds nothing
+
+    def _stand_in(self) -> pa.Table:
+        """What runs in place of a slot or micro-batch with no rows: the first training row (or
+        packed window) of the first route holding a corpus the run does not exclude — real data
+        the trial's ``loss`` accepts, the same on every rank and step."""
+        for layout in self.schedule.routes:
+            offset = 0
+            for corpus, count in layout.corpus_counts:
+                if count and corpus not in self.spec.excluded_corpora:
+                    return self.rows.take(Slot(layout.route, (offset,), (corpus,)))
+                offset += count
+        raise ConfigError("no training row outside the excluded corpora")  # the schedule refuses it first
 
     def _upcoming(self, step: int) -> Slot | None:
         """This worker's slot at the next step (what the prefetcher collates meanwhile)."""
@@ -274,11 +343,16 @@ class GovernedStep:
             forwards = max(1, -(-len(chosen[::world]) // size)) if self.sharded else None
             values: dict[str, list[torch.Tensor]] = {}
             for positions in row_batches(mine, size, forwards):
-                rows = self.rows.reader.take_from(run, positions)
+                if not len(positions) and not self.sharded:
+                    continue  # no rows here, and an unsharded forward holds no collective
+                # Under FSDP a rank out of rows still runs the forward (all-gathers): on the
+                # stand-in row, its values dropped.
+                rows = self.rows.reader.take_from(run, positions) if len(positions) else self._stand_in()
                 with self._autocast():
                     batch = on_device(self.trial.collate(rows), self.device)
                     for name, per_example in self.trial.evaluate(self.model, batch).items():
-                        values.setdefault(name, []).append(per_example.double())
+                        if len(positions):
+                            values.setdefault(name, []).append(per_example.double())
             for name, parts in values.items():
                 total = float(torch.cat(parts).sum())
                 sums[name] = sums.get(name, 0.0) + total
@@ -337,20 +411,38 @@ class GovernedStep:
     def snapshot(self, steps_done: int) -> Snapshot:
         if self.sharded:  # no second copy in memory: the checkpoint of this step holds it
             return Snapshot(steps_done, {}, {}, self.ledger.to_json(), on_storage=True)
-        return Snapshot(
+        # In host memory, not a second copy on the device: pinned on a GPU, the copies queued
+        # without waiting and waited for once (a snapshot is taken at a boundary).
+        pinned = self.device.type == "cuda"
+        snapshot = Snapshot(
             step=steps_done,
-            weights={name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
-            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            weights={name: _on_host(tensor, pinned) for name, tensor in self.model.state_dict().items()},
+            optimizer=_on_host(self.optimizer.state_dict(), pinned),
             ledger=self.ledger.to_json(),
         )
+        if pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+        return snapshot
 
     def load_snapshot(self, snapshot: Snapshot) -> None:
         """Weights, adapters, optimizer state and ledger of a clean state; the LR settings become
         those in force now (``take_hyperparameters``; the caller reapplies its scale)."""
         self.model.load_state_dict(snapshot.weights, strict=True)
-        self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+        self.load_optimizer_state(copy.deepcopy(snapshot.optimizer))
         self.ledger = Ledger.from_json(snapshot.ledger)
         self.take_hyperparameters()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load an optimizer state (``optimizer.state_dict()``, this rank's shards under FSDP),
+        also one saved before frozen tensors left autograd (``freeze_unroutable``)."""
+        if self._listed is not None:  # some tensors were frozen: maybe an older layout
+            listed = self._listed
+            state = reindexed(
+                state, self.optimizer, lambda: self.trial.build_optimizer(optimizer_groups(listed))
+            )
+        if self.sharded:
+            state = sharded_optimizer_state(self.optimizer, state)
+        self.optimizer.load_state_dict(state)
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
         """Base and adapter weights of a (verified) checkpoint folder (``adapters_present_only``:
