@@ -23,7 +23,8 @@ import torch
 
 from govray.config.training import Precision
 from govray.governance.policy import DepthPolicy
-from govray.train.hf import CausalLMTrial, decoder_layers
+from govray.train.decoder import decoder_layers
+from govray.train.hf import CausalLMTrial
 from govray.train.memory_plan import (
     MemoryPlan,
     PlanSetup,
