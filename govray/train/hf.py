@@ -22,21 +22,24 @@ transformers is imported when a model is built, never by importing this module.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from govray.core.errors import ConfigError
+from govray.train.memory import IGNORE, chunked_token_nll, token_nll
 from govray.train.trial import Batch, Trial, scoring
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BOS = 256  # after the 256 byte values
 BYTE_VOCAB = 257
-IGNORE = -100  # a padded position's target
 SCORE_CHUNK = 128  # texts per forward pass in sequence_scores
 BLOCK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
 NORM_PATHS = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm")
@@ -80,6 +83,24 @@ def is_transformers_model(model: nn.Module) -> bool:
     a model built from it has imported it)."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def transformers_model(model: nn.Module) -> PreTrainedModel:
+    """The outermost transformers model inside ``model`` (a DDP or govray wrapper, or itself)."""
+    for module in model.modules():
+        if is_transformers_model(module):
+            found: PreTrainedModel = module  # type: ignore[assignment]  # checked just above
+            return found
+    raise ConfigError(f"{type(model).__name__} holds no transformers model")
+
+
+def plain_head(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s logits are exactly its output head applied to its last hidden state,
+    and its forward can skip computing them (``logits_to_keep``): what the chunked loss needs."""
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    post_processed = softcap is not None or getattr(model.config, "logit_scale", None) not in (None, 1.0)
+    takes_positions = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    return takes_positions and not post_processed and model.get_output_embeddings() is not None
 
 
 class CausalLMTrial(Trial):
@@ -150,18 +171,29 @@ class CausalLMTrial(Trial):
         """Per-position NLL (nats) of the next token, ``[batch, length]``; 0 at padding.
 
         Rows are right-padded and attention is causal, so no real token attends to padding and no
-        attention mask is needed.
+        attention mask is needed. Under ``training.loss_chunk`` (default 1024 positions) the
+        output head and cross-entropy run a chunk at a time from the final hidden states
+        (:func:`govray.train.memory.chunked_token_nll`): the whole sequence's logits are never
+        held. A model whose logits are more than its head applied to the last hidden state (a
+        soft cap, a logit scale) computes them whole.
         """
-        ids = batch["ids"]
+        ids, targets = batch["ids"], batch["targets"]
         if len(ids) == 0:
             # An empty slot still runs forward and backward (DDP's hook with it): transformers
             # refuses an empty batch, so one BOS row goes through the graph and none of it is kept.
-            logits = model(input_ids=ids.new_full((1, 1), BOS), use_cache=False).logits[:0]
+            ids, targets = ids.new_full((1, 1), BOS), targets.new_full((1, 1), IGNORE)
+        chunk = self.settings.loss_chunk
+        language_model = transformers_model(model)
+        if chunk is None or not plain_head(language_model):
+            nll = token_nll(model(input_ids=ids, use_cache=False).logits, targets)
         else:
-            logits = model(input_ids=ids, use_cache=False).logits
-        return F.cross_entropy(
-            logits.transpose(1, 2).float(), batch["targets"], ignore_index=IGNORE, reduction="none"
-        )
+            # No logits from the model (an empty set of positions to keep): its final hidden states.
+            out = model(
+                input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=ids.new_zeros(0)
+            )
+            head = language_model.get_output_embeddings()
+            nll = chunked_token_nll(head, out.hidden_states[-1], targets, chunk)
+        return nll[: len(batch["ids"])]
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         counts = (batch["targets"] != IGNORE).sum(dim=1).clamp(min=1)
