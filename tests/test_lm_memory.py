@@ -1,9 +1,11 @@
-"""Memory for language models: the chunked causal-LM loss equals the whole-sequence loss (values bit
+"""Memory traded for compute: the chunked causal-LM loss equals the whole-sequence loss (values bit
 for bit, gradients to fp32 rounding) and never allocates a tensor of the whole sequence's logits,
-forward or backward (no Ray)."""
+forward or backward; activation-checkpointed blocks keep less and give bit-identical gradients,
+dropout and an active LoRA adapter included (no Ray)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pyarrow as pa
@@ -12,7 +14,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from govray.config.training import TrainingSettings
-from govray.train.hf import CausalLMTrial
+from govray.governance.adapters import GovernedModel
+from govray.governance.routing import resolve_routes
+from govray.train.hf import CausalLMTrial, decoder_layers
+from govray.train.memory import checkpoint_activations
+from govray.train.trial import Trial
+from jobs.examples.text.trial import CharTransformerTrial
+from tests.test_hf import make_nonzero, policy
 
 pytest.importorskip("transformers")
 
@@ -112,3 +120,76 @@ def test_the_chunked_loss_never_allocates_the_whole_sequences_logits(chunk: int 
     else:
         # The largest tensors are one chunk's logits (and the head's weight and gradient).
         assert seen.largest == max(rows * chunk * vocab, vocab * 32)
+
+
+# -- activation checkpointing ---------------------------------------------------------------------
+
+
+def lora_llama(checkpointed: bool) -> tuple[CausalLMTrial, GovernedModel]:
+    """A tiny Llama with attention dropout and a nonzero LoRA adapter on q/v of every block."""
+    lm = trial({**llama(257), "attention_dropout": 0.3}, None, context=32)
+    torch.manual_seed(0)
+    base = lm.build_model()
+    if checkpointed:
+        checkpoint_activations(base, lm.checkpoint_units(base))
+    rules = policy(["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.v_proj"])
+    model = GovernedModel(base, resolve_routes(rules, base, decoder_layers(base)), rules.adapters, seed=7)
+    make_nonzero(model)
+    return lm, model
+
+
+def char_transformer(checkpointed: bool) -> tuple[Trial, torch.nn.Module]:
+    lm = CharTransformerTrial({"d_model": 32, "n_layers": 2, "dropout": 0.3, "context": 32})
+    torch.manual_seed(0)
+    model = lm.build_model()
+    if checkpointed:
+        checkpoint_activations(model, lm.checkpoint_units(model))
+    return lm, model
+
+
+def saved_bytes_and_gradients(build: Any, checkpointed: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    lm, model = build(checkpointed)
+    model.train()
+    texts = ["Ada Lovelace, 10 Dec 1815".ljust(32, "\n"), "tied weights".ljust(32, "\n")]
+    batch = lm.collate(pa.table({"text": texts}))
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    torch.manual_seed(3)  # the step's seed: dropout masks drawn in the forward
+    active = model.active("pii-lora") if isinstance(model, GovernedModel) else contextlib.nullcontext()
+    with active:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            losses = lm.loss(model, batch)
+        torch.manual_seed(99)  # other draws before the backward: the recompute must not see them
+        torch.rand(5)
+        losses.sum().backward()
+    return saved, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [lora_llama, char_transformer], ids=["hf-llama-lora", "text-example"])
+def test_checkpointed_blocks_keep_less_and_give_bit_identical_gradients_with_dropout(build: Any) -> None:
+    plain_saved, plain = saved_bytes_and_gradients(build, checkpointed=False)
+    saved, checkpointed = saved_bytes_and_gradients(build, checkpointed=True)
+    assert saved < plain_saved / 2  # the blocks' activations are not kept
+    assert checkpointed.keys() == plain.keys()
+    if build is lora_llama:  # the active adapter is in the recomputed blocks
+        assert any("lora_B" in name and bool(grad.any()) for name, grad in plain.items())
+    for name, grad in plain.items():
+        assert torch.equal(checkpointed[name], grad), name
+
+
+def test_checkpoint_units_of_a_transformers_decoder_are_its_blocks() -> None:
+    lm = trial(llama(257), None, context=32)
+    assert lm.checkpoint_units(lm.build_model()) == ["model.layers.0", "model.layers.1"]
+    text = CharTransformerTrial({"n_layers": 2})
+    assert text.checkpoint_units(text.build_model()) == ["embed", "blocks.0", "blocks.1", "head"]
+
+
+def test_a_module_is_checkpointed_once() -> None:
+    _, model = char_transformer(checkpointed=True)
+    with pytest.raises(ValueError, match="already checkpointed"):
+        checkpoint_activations(model, ["blocks.0"])

@@ -124,6 +124,10 @@ class CausalLMTrial(Trial):
             return AutoModelForCausalLM.from_pretrained(str(pretrained), local_files_only=True)
         return AutoModelForCausalLM.from_config(self.model_config())
 
+    def checkpoint_units(self, model: nn.Module) -> list[str]:
+        """The decoder's blocks (activation checkpointing): embeddings, norm and head keep theirs."""
+        return decoder_layers(model)[1:-2]
+
     def build_meta_model(self) -> nn.Module:
         """The architecture on the meta device (``from_pretrained`` refuses it: a pretrained
         model's structure is built from its saved config, without reading its weights)."""
