@@ -11,8 +11,13 @@ layers: routes that update every parameter, or name them by glob, reach them.
 ``model`` hyperparameter (a config dict with ``model_type``; random init under govray's seed) or
 ``pretrained`` (a local directory written by ``save_pretrained``; nothing is downloaded). Text is
 byte-level by default (UTF-8 bytes, ids 0 to 255, ``BOS`` 256: the config's ``vocab_size`` must be at
-least 257); a trial overrides ``encode`` for another tokenizer. Loss per example: the mean
-next-token NLL over the row's tokens. Example::
+least 257), or the ``tokenizer`` hyperparameter's (a local directory that
+``AutoTokenizer.from_pretrained`` reads, e.g. one written by ``save_pretrained``; nothing is
+downloaded): a row is its BOS (or, without one, its EOS) and the text's ids without special tokens.
+Under ``data.packing`` each row is its ids followed by the end-of-text id (the tokenizer's EOS;
+byte-level: 256), so a packed window shows the model where one document ends and the next begins.
+Loss per example: the mean next-token NLL over the row's tokens (a packed window: the sum over its
+tokens; govray divides). Example::
 
     class TinyLlamaTrial(CausalLMTrial):
         pass    # hyperparameters: model: {model_type: llama, vocab_size: 257, ...}, context: 96
@@ -22,6 +27,7 @@ transformers is imported when a model is built, never by importing this module.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Sequence
@@ -36,7 +42,7 @@ from govray.train.memory import IGNORE, chunked_token_nll, token_nll
 from govray.train.trial import Batch, Trial, scoring
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 BOS = 256  # after the 256 byte values
 BYTE_VOCAB = 257
@@ -107,7 +113,8 @@ class CausalLMTrial(Trial):
     """Next-token prediction with a transformers causal LM over a text column.
 
     Hyperparameters: ``model`` (a config dict with ``model_type``) or ``pretrained`` (a local
-    directory), ``context`` (tokens per row after BOS; longer rows are truncated; default 128).
+    directory), ``context`` (tokens per row after BOS; longer rows are truncated; default 128),
+    ``tokenizer`` (a local tokenizer directory; default: byte-level).
     """
 
     text_column = "text"
@@ -116,13 +123,64 @@ class CausalLMTrial(Trial):
     def context(self) -> int:
         return int(self.hparams.get("context", 128))
 
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The ``tokenizer`` hyperparameter's tokenizer, read from its directory; None: byte-level."""
+        directory = self.hparams.get("tokenizer")
+        if directory is None:
+            return None
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ConfigError(
+                f"hyperparameter 'tokenizer': cannot read a tokenizer from {directory}: {error}"
+            ) from None
+
+    @property
+    def bos_id(self) -> int:
+        """The id each row starts with: the tokenizer's BOS, else its EOS (byte-level: 256)."""
+        if self.tokenizer is None:
+            return BOS
+        return self._special("bos_token_id", "eos_token_id")
+
+    @property
+    def eos_id(self) -> int:
+        """The id that ends each document in a packed window: the tokenizer's EOS (byte-level: 256)."""
+        if self.tokenizer is None:
+            return BOS
+        return self._special("eos_token_id")
+
+    @property
+    def pad_id(self) -> int:  # type: ignore[override]  # a property over the base's class attribute
+        """The id that pads a packed window (never a target): the tokenizer's pad token, else EOS."""
+        if self.tokenizer is None or self.tokenizer.pad_token_id is None:
+            return self.eos_id
+        return int(self.tokenizer.pad_token_id)
+
+    def _special(self, *names: str) -> int:
+        for name in names:
+            value = getattr(self.tokenizer, name, None)
+            if value is not None:
+                return int(value)
+        directory = self.hparams.get("tokenizer")
+        raise ConfigError(f"the tokenizer at {directory} has no {' or '.join(names).replace('_id', '')}")
+
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         pretrained = self.hparams.get("pretrained")
         if pretrained is not None:
-            return AutoModelForCausalLM.from_pretrained(str(pretrained), local_files_only=True)
-        return AutoModelForCausalLM.from_config(self.model_config())
+            model = AutoModelForCausalLM.from_pretrained(str(pretrained), local_files_only=True)
+        else:
+            model = AutoModelForCausalLM.from_config(self.model_config())
+        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer at {self.hparams['tokenizer']} has {len(self.tokenizer)} ids; the model's "
+                f"vocab_size is {model.config.vocab_size}"
+            )
+        return model
 
     def checkpoint_units(self, model: nn.Module) -> list[str]:
         """The decoder's blocks (activation checkpointing): embeddings, norm and head keep theirs."""
@@ -152,8 +210,18 @@ class CausalLMTrial(Trial):
         return AutoConfig.for_model(model_type, **settings)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` after BOS (byte-level: its UTF-8 bytes)."""
-        return [BOS, *text.encode("utf-8")]
+        """BOS, then the token ids of ``text`` (byte-level: its UTF-8 bytes)."""
+        return [self.bos_id, *self.text_ids(text)]
+
+    def text_ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` alone, without special tokens."""
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def tokenize(self, rows: pa.Table) -> list[list[int]]:
+        """Under ``data.packing``: each row's ids followed by the end-of-text id (``eos_id``)."""
+        return [[*self.text_ids(text), self.eos_id] for text in rows[self.text_column].to_pylist()]
 
     def _ids(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(text)[: self.context + 1] for text in texts]
@@ -161,7 +229,7 @@ class CausalLMTrial(Trial):
     def _batch(self, texts: Sequence[str]) -> Batch:
         encoded = self._ids(texts)
         length = max((len(ids) for ids in encoded), default=1)
-        ids = torch.full((len(encoded), length), BOS, dtype=torch.long)
+        ids = torch.full((len(encoded), length), self.bos_id, dtype=torch.long)
         targets = torch.full((len(encoded), length), IGNORE, dtype=torch.long)
         for row, tokens in enumerate(encoded):
             ids[row, : len(tokens)] = torch.tensor(tokens)
@@ -169,7 +237,19 @@ class CausalLMTrial(Trial):
         return {"ids": ids, "targets": targets}
 
     def collate(self, rows: pa.Table) -> Batch:
+        if "input_ids" in rows.column_names:  # packed windows (data.packing)
+            return self._windows(rows)
         return self._batch(rows[self.text_column].to_pylist())
+
+    def _windows(self, rows: pa.Table) -> Batch:
+        """Each window's ids; position ``t`` predicts ``t + 1`` among its ``tokens`` real ones."""
+        windows = rows["input_ids"].to_pylist()
+        ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1 if windows else 1)
+        tokens = torch.tensor(rows["tokens"].to_pylist(), dtype=torch.long)
+        predicted = torch.arange(1, ids.shape[1]) < tokens[:, None]  # the next token is real
+        targets = torch.full_like(ids, IGNORE)
+        targets[:, :-1] = torch.where(predicted, ids[:, 1:], IGNORE)
+        return {"ids": ids, "targets": targets, "tokens": tokens}
 
     def token_nll(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Per-position NLL (nats) of the next token, ``[batch, length]``; 0 at padding.
@@ -200,8 +280,11 @@ class CausalLMTrial(Trial):
         return nll[: len(batch["ids"])]
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        nll = self.token_nll(model, batch).sum(dim=1)
+        if "tokens" in batch:  # a packed window: the sum over its tokens (govray divides)
+            return nll
         counts = (batch["targets"] != IGNORE).sum(dim=1).clamp(min=1)
-        return self.token_nll(model, batch).sum(dim=1) / counts
+        return nll / counts
 
     def tokens(self, rows: pa.Table) -> list[int]:
         """Tokens predicted per row (the ledger's token counts)."""
