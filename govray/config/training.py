@@ -11,12 +11,15 @@ overrides it for one trial, so a search can sample it::
       precision: bf16                      # fp32 (default) | bf16 | fp16 (ARCHITECTURE.md, "Precision")
       accumulation_steps: 4                # micro-batches per slot (the first 3 under no_sync())
       deterministic: true                  # deterministic torch / cuBLAS / NCCL (GPU replay bit-exact)
+      activation_checkpointing: true       # each block recomputes its activations in the backward
+      loss_chunk: 1024                     # causal LMs: head + cross-entropy per 1024 positions (null: whole)
     hyperparameters:
       lr: {type: log, minval: -3, maxval: -1}   # overrides training.optimizer.lr
 
 The hyperparameters that override settings are ``optimizer`` (the name), ``lr``,
 ``weight_decay``, ``momentum``, ``betas``, ``eps``, ``batch_size`` and ``max_grad_norm``.
-``precision``, ``accumulation_steps`` and ``deterministic`` are the engine's: the same for every
+``precision``, ``accumulation_steps``, ``deterministic``, ``activation_checkpointing`` and
+``loss_chunk`` are the engine's: the same for every
 trial of an experiment (a search never samples them).
 The driver resolves them into one :class:`TrainingSettings` per trial
 (:meth:`TrainingSettings.with_hyperparameters`), which the workers' trials receive.
@@ -88,6 +91,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "accumulation_steps": 1,
     "deterministic": False,
     "tf32": None,
+    "activation_checkpointing": False,
+    "loss_chunk": 1024,
 }
 
 
@@ -143,6 +148,12 @@ class TrainingSettings(BaseModel):
     # TensorFloat-32 for float32 matmuls and convolutions on GPUs (what stays fp32 under bf16:
     # adapters, heads). None: on for GPU runs, off on CPU; deterministic mode keeps it off.
     tf32: bool | None = None
+    # Each of the trial's checkpoint units (Trial.checkpoint_units: a decoder's blocks) keeps only
+    # its inputs in the forward and recomputes its activations in the backward (non-reentrant).
+    activation_checkpointing: bool = False
+    # CausalLMTrial's loss: output head and cross-entropy this many positions at a time, so the
+    # whole sequence's logits are never held (govray.train.memory); None: the whole sequence.
+    loss_chunk: int | None = Field(default=1024, ge=1)
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> TrainingSettings:

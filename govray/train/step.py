@@ -57,6 +57,7 @@ from govray.train.batches import Prefetcher, on_device, row_batches
 from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
+from govray.train.memory import checkpoint_activations
 from govray.train.probe import MemorizationProbe
 from govray.train.runspec import RunSpec
 from govray.train.scaling import LossScaler
@@ -148,6 +149,8 @@ class GovernedStep:
             self.autocast_dtype = None
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
+        if settings.activation_checkpointing:  # blocks recompute their activations in the backward
+            checkpoint_activations(base, trial.checkpoint_units(base))
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
         spec.check_routing(self.routing)  # the table the driver planned, attests and looks rows up with
         base.to(self.device)

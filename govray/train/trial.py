@@ -147,6 +147,14 @@ class Trial(ProbeHooks, ABC):
         layers (:meth:`layers`); a module whose tensors another unit shares stays in the root."""
         return self.layers(model)
 
+    def checkpoint_units(self, model: nn.Module) -> Sequence[str]:
+        """Under ``training.activation_checkpointing``, the modules that keep only their inputs in
+        the forward and recompute their activations in the backward (non-reentrant, same RNG:
+        :func:`govray.train.memory.checkpoint_activations`). Default: the layers
+        (:meth:`layers`), or the model's top-level children; a transformers decoder: its blocks."""
+        layers = self.layers(model)
+        return list(layers) if layers is not None else [name for name, _ in model.named_children()]
+
     def build_meta_model(self) -> nn.Module:
         """The model's structure without its memory: every parameter on the ``meta`` device.
 

@@ -14,5 +14,5 @@ from govray.train.hf import CausalLMTrial
 
 
 class TinyLlamaTrial(CausalLMTrial):
-    def encode(self, text: str) -> list[int]:
-        return super().encode(text.rstrip("\n"))
+    def text_ids(self, text: str) -> list[int]:
+        return super().text_ids(text.rstrip("\n"))
