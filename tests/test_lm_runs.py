@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from govray.core.keys import platform_key, platform_trust
-from govray.platform.runner import new_run_spec
+from govray.platform.plan import plan_run
 from govray.train.hf import CausalLMTrial
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep
@@ -45,16 +45,8 @@ def hf_run_spec(root: Path, edit: Callable[[dict[str, Any]], None] | None = None
         edit(raw)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     config, _, checked, _, ingested = opened(path)
-    return new_run_spec(
-        config,
-        checked,
-        ingested.root,
-        "lm-run",
-        hparams=config.default_hparams(),
-        trial_seed=0,
-        reproducibility={},
-        trust=platform_trust(platform_key()),
-    )
+    plan = plan_run(config, checked, ingested.root, hparams=config.default_hparams(), trial_seed=0)
+    return plan.named("lm-run", {}).model_copy(update={"trust": platform_trust(platform_key())})
 
 
 def trained(spec: RunSpec, **settings: Any) -> GovernedStep:

@@ -317,7 +317,7 @@ def plan_governed(
     route may update (default: the compute dtype of ``setup.precision``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from govray.train.hf import is_transformers_model
+    from govray.train.decoder import is_transformers_model
 
     base: Any = trial.build_meta_model()  # a transformers model (checked): its own methods
     if not is_transformers_model(base) or base.get_output_embeddings() is None:
