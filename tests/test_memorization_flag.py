@@ -98,6 +98,7 @@ def test_a_memorizing_configuration_is_flagged_and_a_normal_one_is_not(
     assert all(abs(value) < 0.5 for name, value in metrics.items() if name.startswith("loss_gap/"))
 
 
+@pytest.mark.slow  # a whole Ray run of its own (~37 s): the slow tier
 def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_there_too(
     ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
 ) -> None:
@@ -135,6 +136,7 @@ def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_
     assert all(d.replayed and json.loads(d.payload_json)["score"] is None for d in applied)
 
 
+@pytest.mark.slow  # a whole Ray run of its own (~37 s): the slow tier
 def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
     ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
 ) -> None:

@@ -231,9 +231,15 @@ def _run_killing_a_worker(golden_run: GoldenRun, golden_example: Path, seed: int
     return result["run"], f"k={k} delay={delay:.2f}s victim={victim}"
 
 
-# Seed 0 (the kill that loses a report) in the default tier; more seeds with the cluster tier.
+# Seed 0 (the kill that loses a report) in the slow tier (a whole killed Ray run, ~50 s); more
+# seeds with the cluster tier.
 @pytest.mark.parametrize(
-    "seed", [0, pytest.param(1, marks=pytest.mark.cluster), pytest.param(2, marks=pytest.mark.cluster)]
+    "seed",
+    [
+        pytest.param(0, marks=pytest.mark.slow),
+        pytest.param(1, marks=pytest.mark.cluster),
+        pytest.param(2, marks=pytest.mark.cluster),
+    ],
 )
 def test_killed_workers_leave_a_complete_store_and_identical_weights(
     golden_run: GoldenRun, golden_example: Path, seed: int

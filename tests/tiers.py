@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-TEST_BUDGET_S = 20.0
+TEST_BUDGET_S = 40.0
 SHARED_BUDGET_S = 100.0
 TIER_MARKERS = frozenset({"slow", "cluster", "gpu"})
 
