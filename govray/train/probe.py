@@ -77,7 +77,7 @@ class _CorpusPlan:
 
 class MemorizationProbe:
     """One worker's part of the measures, on rows fixed for the whole run; ``autocast()`` gives
-    the context every forward pass runs in (the step's: ``GovernedStep._autocast``)."""
+    the context every forward pass runs in (the step's: ``GovernedStep.autocast``)."""
 
     def __init__(
         self,

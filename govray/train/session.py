@@ -33,7 +33,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from govray.config.experiment import ParallelStrategy
 from govray.core.storage import Storage, StorageError, open_storage
 from govray.train.checkpoint import (
     CHECKPOINT_PREFIX,
@@ -43,6 +42,7 @@ from govray.train.checkpoint import (
     ordered_checkpoints,
     verify_checkpoint,
 )
+from govray.train.parallel import parallelism
 from govray.train.reports import StepReport
 from govray.train.runspec import RunSpec
 from govray.train.worker import Worker
@@ -88,7 +88,7 @@ class _RunDirectory:
         self.storage: Storage | None = open_storage(spec.storage) if spec.storage else None
         self._stop: tuple[torch.Tensor, Any] | None = None
         # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
-        self.sharded = spec.strategy == ParallelStrategy.FSDP and worker.distributed
+        self.every_rank_writes = parallelism(spec.strategy, worker).layout.every_rank_writes
         self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
 
     def resume_point(self) -> Path | None:
@@ -111,7 +111,7 @@ class _RunDirectory:
         candidates (newest first) for all, each rank verifies what it reads of each, and they
         resume from the first that verifies on every rank (one that does not is passed over on
         every rank, the reasons kept)."""
-        if not self.sharded:
+        if not self.every_rank_writes:
             for directory, refusal in checkpoint_candidates(run_dir, self.spec.trust, self.storage):
                 if refusal is None:
                     return directory
@@ -170,9 +170,9 @@ class _RunDirectory:
             shutil.rmtree(folder)  # (none verified: it was not resumed from)
             if self.storage is not None and folder.is_relative_to(self.storage.root):
                 self.storage.delete_directory(folder)
-        if self.sharded:
+        if self.every_rank_writes:
             dist.barrier(group=self.worker.host_group)  # the folder is fresh before any rank writes there
-        if self.worker.rank == 0 or self.sharded:
+        if self.worker.rank == 0 or self.every_rank_writes:
             save(folder)
         if self.worker.rank == 0 and self.storage is not None and folder.is_relative_to(self.storage.root):
             self.storage.upload(folder)  # then reported: a recorded checkpoint is on storage

@@ -9,53 +9,32 @@ and ledger (fork, ``--from-checkpoint``).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from safetensors.torch import load_file
-
-from govray.core.canonical import file_sha256
 from govray.core.keys import SigningKey
 from govray.core.storage import open_storage
-from govray.governance.adapters import load_adapter, save_adapter, save_base, save_base_tensors
+from govray.governance.adapters import save_adapter
 from govray.governance.memorization import MemorizationReport
 from govray.train.checkpoint import (
     MODEL_FILE,
-    OPTIMIZER_META,
     REPORT_FILE,
     RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
-    checkpoint_world_size,
-    clean_name,
-    fetch_part,
     load_checkpoint,
-    load_clean_states,
-    optimizer_state_from_files,
-    save_clean_state,
     seal_checkpoint,
-    shard_file,
-    signed_manifest,
-    verify_checkpoint,
 )
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
+from govray.train.layouts import Snapshot
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
 from govray.train.runspec import RunSpec
-from govray.train.sharding import (
-    consolidated,
-    load_shards,
-    local_optimizer_state,
-    write_shards,
-)
-from govray.train.step import GovernedStep, Snapshot
+from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
-from govray.train.worker import Worker, agreed
+from govray.train.worker import Worker
 
 
 class TrialRun:
@@ -67,7 +46,7 @@ class TrialRun:
         self.control: Controller[Snapshot] = Controller(
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
         )
-        governed.scaler = self.control.scaler  # fp16's skips are the controller's decisions
+        governed.scaling.scaler = self.control.scaler  # fp16's skips are the controller's decisions
         # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
@@ -76,6 +55,7 @@ class TrialRun:
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
         self.run_name = spec.run_name or Path(spec.run_dir).name
+        self.layout = governed.parallel.layout  # who writes checkpoints, where clean states live
 
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
@@ -100,11 +80,7 @@ class TrialRun:
     def roll_back(self, decision: RollbackDecision) -> None:
         """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
         since); the LR settings stay those in force now (a plateau cut is not undone)."""
-        snapshot = self.control.rollback_snapshot(decision)
-        if snapshot.on_storage:
-            self._load_clean(snapshot)
-        else:
-            self.governed.load_snapshot(snapshot)
+        self.layout.roll_back(self, self.control.rollback_snapshot(decision))
         if self.control.plateau is not None:
             self.governed.set_lr_scale(self.control.lr_scale)
         self.rescheduled()
@@ -127,60 +103,6 @@ class TrialRun:
     def keep_clean(self, steps_done: int) -> None:
         self.control.keep_clean(steps_done, self.governed.snapshot)
 
-    def _load_clean(self, snapshot: Snapshot) -> None:
-        """FSDP: back to a clean state from storage (no copy of it was kept in memory): the last
-        checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
-        reads its own shards, and every rank refuses if one does."""
-        if self.latest is None:
-            raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
-        (folder, step), governed = self.latest, self.governed
-        worker = governed.worker
-
-        def verified() -> None:
-            fetch_part(folder, self.storage, worker.rank)
-            verify_checkpoint(folder, self.spec.trust, worker.rank)
-
-        agreed(verified, worker, CheckpointError)
-
-        def path(name: str) -> Path:
-            return folder / (name if step == snapshot.step else clean_name(snapshot.step, name))
-
-        load_shards(governed.model, path(shard_file("model", worker.rank, worker.world_size)))
-        for adapter in governed.model.adapter_names():
-            load_adapter(governed.model, adapter, path(f"adapter-{adapter}.safetensors"))
-        state = optimizer_state_from_files(
-            load_file(str(path(shard_file("optimizer", worker.rank, worker.world_size)))),
-            json.loads(path(OPTIMIZER_META).read_text()),
-        )
-        governed.load_optimizer_state(state)
-        governed.ledger = Ledger.from_json(snapshot.ledger)
-        governed.take_hyperparameters()
-
-    def _carry_clean(self, directory: Path, steps_done: int, names: list[str]) -> dict[str, str]:
-        """FSDP: into a new checkpoint, these files of every earlier clean state, hard-linked (or
-        copied) from the last checkpoint, which holds each (its own, or carried), each checked
-        against that checkpoint's signed manifest (a tampered file is never signed again);
-        returns the copies' sha256 by name."""
-        carried: dict[str, str] = {}
-        earlier = self.control.earlier_snapshots(steps_done)
-        if not earlier:
-            return carried
-        if self.latest is None:
-            raise CheckpointError(f"the clean state of step {earlier[0][0]} is in no checkpoint of this run")
-        source, source_step = self.latest
-        fetch_part(source, self.storage, self.governed.worker.rank)
-        signed = signed_manifest(source, self.spec.trust)[0].files
-        for step, _ in earlier:
-            for name in names:
-                origin = source / (name if step == source_step else clean_name(step, name))
-                target = directory / clean_name(step, name)
-                target.unlink(missing_ok=True)  # (a killed attempt's): never write through a link
-                link_or_copy(origin, target)
-                carried[target.name] = file_sha256(target)
-                if carried[target.name] != signed.get(origin.name):
-                    raise CheckpointError(f"{origin}: sha256 does not match its signed manifest (tampered)")
-        return carried
-
     # -- checkpoints -------------------------------------------------------------------------------
 
     def checkpoint_state(self, steps_done: int) -> CheckpointState:
@@ -197,7 +119,7 @@ class TrialRun:
             ledger=self.governed.ledger.to_json(),
             adapters=list(self.governed.model.adapter_names()),
             reproducibility=self.spec.reproducibility,
-            sharding={"world_size": self.governed.worker.world_size} if self.governed.sharded else {},
+            sharding=self.governed.parallel.sharding(),
             **self.control.state(),
             clean_ledgers={
                 str(step): snap.ledger for step, snap in self.control.earlier_snapshots(steps_done)
@@ -211,17 +133,12 @@ class TrialRun:
         self, directory: Path, steps_done: int, key: SigningKey | None, report: Mapping[str, Any]
     ) -> None:
         """Base and adapter weights, optimizer and governance state, and the ``report`` this
-        checkpoint goes with, signed by the platform key (rank 0's ``key``). Under FSDP every
-        rank calls it: each writes and hashes its own shard files, rank 0 the rest and the
-        manifest over all of them, and every rank raises if any rank failed."""
+        checkpoint goes with, signed by the platform key (rank 0's ``key``), as the run's layout
+        writes them (``train.layouts``: under FSDP every rank calls it and writes its shards)."""
         directory.mkdir(parents=True, exist_ok=True)
-        if not self.governed.sharded:
-            assert key is not None
-            self._seal(directory, steps_done, key, report, None)
-        else:
-            digests = self._save_shards(directory, steps_done)
-            worker = self.governed.worker
-            agreed(lambda: self._seal(directory, steps_done, key, report, digests), worker, CheckpointError)
+        self.layout.save(
+            self, directory, steps_done, lambda shards: self._seal(directory, steps_done, key, report, shards)
+        )
         self.latest = (directory, steps_done)
 
     def _seal(
@@ -236,76 +153,14 @@ class TrialRun:
         if key is None:
             return
         model = self.governed.model
-        if shard_digests is None:
-            save_base(model, directory / MODEL_FILE)
-        elif "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
-            # A validation's or the trial's last checkpoint also holds the whole base model (what
-            # the registry, attestations and exports read), put together from the shard files.
-            self._consolidate(directory, shard_digests)
+        self.layout.write_model(self, directory, report, shard_digests)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
-        if shard_digests is None:  # rollback targets survive a resume
-            for step, snapshot in self.control.earlier_snapshots(steps_done):
-                save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
-        else:  # the clean states' shared files (the shards are carried by their ranks)
-            adapters = [f"adapter-{adapter}.safetensors" for adapter in model.adapter_names()]
-            self._carry_clean(directory, steps_done, [OPTIMIZER_META, *adapters])
+        self.layout.write_clean_states(self, directory, steps_done)
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
-        optimizer = self.governed.optimizer.state_dict()
-        if shard_digests is not None:
-            optimizer = local_optimizer_state(optimizer)
+        optimizer = self.layout.optimizer_state(self.governed.optimizer.state_dict())
         seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
-
-    def _save_shards(self, directory: Path, steps_done: int) -> dict[str, str]:
-        """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
-        gathered (every rank raises if any failed)."""
-        governed, worker = self.governed, self.governed.worker
-
-        def write() -> dict[str, str]:
-            rank, world = worker.rank, worker.world_size
-            written = write_shards(directory, governed.model, governed.optimizer, rank, world)
-            own = [shard_file(kind, rank, world) for kind in ("model", "optimizer")]
-            written |= self._carry_clean(directory, steps_done, own)
-            if self.storage is not None and directory.is_relative_to(self.storage.root):
-                self.storage.upload(*(directory / name for name in written))  # before rank 0 seals
-            return written
-
-        written = agreed(write, worker, CheckpointError)
-        gathered: list[Any] = [None] * worker.world_size
-        dist.all_gather_object(gathered, written, group=worker.host_group)
-        return {name: digest for part in gathered for name, digest in part.items()}
-
-    def _fits_world(self, directory: Path) -> None:
-        """Refuse a checkpoint sharded over another world size (read unverified from its state:
-        a refusal only; what is loaded is verified)."""
-        fetch_part(directory, self.storage, self.governed.worker.rank)
-        try:
-            written_by = checkpoint_world_size(directory)
-        except (OSError, ValueError):
-            return  # unreadable (tampered, truncated): the verified load refuses it, naming the file
-        self._refuse_other_world(directory, written_by)
-
-    def _refuse_other_world(self, directory: Path, written_by: int | None) -> None:
-        world = self.governed.worker.world_size
-        if written_by != world:
-            raise CheckpointError(
-                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
-                f"{world} sharded workers: a governed run resumes on the world size it started with "
-                "(its schedule gives each worker its slots)"
-            )
-
-    def _consolidate(self, directory: Path, shard_digests: Mapping[str, str]) -> None:
-        """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
-        other nodes fetched from the object storage), each checked against its rank's digest."""
-        world = self.governed.worker.world_size
-        for rank in range(world):
-            path = directory / shard_file("model", rank, world)
-            if self.storage is not None and not path.exists():
-                self.storage.fetch(path)
-            if rank != 0 and file_sha256(path) != shard_digests[path.name]:
-                raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
-        save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)
 
     def _check_schedule(self, directory: Path, state: CheckpointState) -> None:
         schedule = self.governed.schedule
@@ -320,24 +175,9 @@ class TrialRun:
             )
 
     def restore(self, directory: Path) -> int:
-        """Resume from a verified checkpoint; returns the number of steps it had completed. Under
-        FSDP each rank verifies and reads what it needs (the shared files, its own shards), and
-        every rank refuses if any rank did, naming the files."""
-        worker, sharded = self.governed.worker, self.governed.sharded
-        if sharded:  # refused before any rank looks for its shards (its file may not exist)
-            agreed(lambda: self._fits_world(directory), worker, CheckpointError)
-        loaded = agreed(
-            lambda: load_checkpoint(directory, self.spec.trust, worker.rank if sharded else None),
-            worker if sharded else None,
-            CheckpointError,
-        )
-        written_by = loaded.state.sharding.get("world_size")
-        if sharded:
-            self._refuse_other_world(directory, written_by)  # (again, now that the state is verified)
-        if written_by is not None and not sharded:
-            raise CheckpointError(
-                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not sharded"
-            )
+        """Resume from a verified checkpoint (as the run's layout reads it: under FSDP each rank
+        its own part, every rank refusing if any did); returns the steps it had completed."""
+        loaded = self.layout.load(self, directory)
         self.control.restore(loaded.state)
         self.rescheduled()
         self._check_schedule(directory, loaded.state)
@@ -353,16 +193,7 @@ class TrialRun:
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
         self.latest = (directory, loaded.state.step)
-        if sharded:  # the clean states stay on storage: this checkpoint carries them
-            self.control.snapshots = {
-                int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)
-                for step, ledger in loaded.state.clean_ledgers.items()
-            }
-        else:
-            self.control.snapshots = {
-                step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
-                for step, (weights, optimizer) in load_clean_states(loaded).items()
-            }
+        self.control.snapshots = self.layout.clean_states(loaded)
         if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
             self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
         return loaded.state.step
@@ -388,11 +219,3 @@ class TrialRun:
             "policy_digest": loaded.state.policy_digest,
             **self.spec.start_model,
         }
-
-
-def link_or_copy(source: Path, target: Path) -> None:
-    """``target`` the same file as ``source``: a hard link (no copy) where the filesystem allows."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)

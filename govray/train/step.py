@@ -2,10 +2,11 @@
 
 Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot (one route and its
 rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
-governed allreduce (DDP's comm hook: each tensor's gradient masked to the slots that may update
-it, scaled by their example count) — after k-1 micro-batches accumulated under ``no_sync()`` when
-``accumulation_steps`` is k — then the adapters, kept out of DDP, are reduced the same way in one
-flat buffer; the governor clips per route group, the optimizer steps, and the ledger records
+governed allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
+the slots that may update it, scaled by their example count) — after k-1 micro-batches
+accumulated under ``no_sync()`` when ``accumulation_steps`` is k — then the parallelism twin
+(``train.parallel``: one worker, DDP or FSDP, chosen once) reduces what backward did not (the
+adapters, in one flat buffer); the governor clips per route group, the optimizer steps, and the ledger records
 what reached which tensor — from the schedule, never from the gradients. Tensors no route may
 update are out of autograd; a slot without rows runs a stand-in row whose losses are selected
 away (``_selected_away``), so the trial never sees an empty batch.
@@ -25,18 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
-from safetensors.torch import load_file
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from govray.config.experiment import ParallelStrategy
-from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader, evaluation_rows
@@ -50,44 +46,21 @@ from govray.data.schedule import (
 from govray.data.shards import ShardSet
 from govray.data.step_rows import StepRows, step_rows
 from govray.governance.adapters import GovernedModel, load_adapter
-from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+from govray.governance.allreduce import parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.batches import Prefetcher, on_device, row_batches
-from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
 from govray.train.memory import checkpoint_activations
+from govray.train.parallel import Autocast, Fp16Scaling, NoScaling, Snapshot, parallelism
 from govray.train.probe import MemorizationProbe
 from govray.train.runspec import RunSpec
 from govray.train.scaling import LossScaler
-from govray.train.sharding import (
-    ShardedGovernor,
-    consolidated,
-    gradient_sync,
-    layer_units,
-    load_shards,
-    load_whole,
-    optimizer_groups,
-    shard_model,
-    sharded_optimizer_state,
-)
+from govray.train.sharding import layer_units
 from govray.train.trainable import freeze_unroutable, reindexed, trainable_in_fp32
 from govray.train.trial import Trial
 from govray.train.worker import RouteRows, Worker, all_reduce_sums
-
-
-def _on_host(value: Any, pinned: bool) -> Any:
-    """A copy of ``value`` (a tensor, or a state dict's nesting of them) in host memory, pinned
-    if asked (tensors copied with ``non_blocking``: the caller waits once)."""
-    if isinstance(value, torch.Tensor):
-        host = torch.empty_like(value, device="cpu", pin_memory=pinned and value.device.type == "cuda")
-        return host.copy_(value.detach(), non_blocking=pinned)
-    if isinstance(value, dict):
-        return {key: _on_host(item, pinned) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_on_host(item, pinned) for item in value)
-    return copy.deepcopy(value)
 
 
 def _selected_away(losses: torch.Tensor) -> torch.Tensor:
@@ -101,19 +74,6 @@ def _selected_away(losses: torch.Tensor) -> torch.Tensor:
     the governor's masks: its contribution to every tensor is an exact zero, the counts and the
     ledger (from the schedule) do not see it, and removal = replay stays bit-identical."""
     return losses.masked_fill(torch.ones_like(losses, dtype=torch.bool), 0.0)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A clean state: what a rollback restores. Under DDP its weights and optimizer state are
-    kept in memory; under FSDP (``on_storage``) they are not: they are the signed checkpoint of
-    its step, carried on by every later checkpoint (``TrialRun``)."""
-
-    step: int
-    weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
-    optimizer: dict[str, Any]
-    ledger: dict[str, Any]
-    on_storage: bool = False
 
 
 def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozenset[str]]:
@@ -136,17 +96,9 @@ class GovernedStep:
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
-        self.sharded = spec.strategy == ParallelStrategy.FSDP
-        if self.sharded and not worker.distributed:
-            raise ConfigError("strategy fsdp shards the model across workers: it needs workers >= 2")
-        if self.sharded and settings.precision == Precision.FP16:
-            raise ConfigError("precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision)")
-        # Under FSDP, bf16 is FSDP2's mixed precision (bf16 compute, fp32 reduction), not autocast.
-        self.autocast_dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(
-            settings.precision
-        )
-        if self.sharded:
-            self.autocast_dtype = None
+        # How the workers hold the model (one, DDP, FSDP): asked, never a flag.
+        self.parallel = parallelism(spec.strategy, worker, settings.precision)
+        self.autocast = Autocast(self.device, self.parallel.autocast_dtype(settings.precision))
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
         if settings.activation_checkpointing:  # blocks recompute their activations in the backward
@@ -166,8 +118,11 @@ class GovernedStep:
         )
         self.schedule = self.scheduled([])
         self.route_names = [layout.route for layout in self.schedule.routes]
-        # fp16's per-route loss scales; the trial's controller shares its own (TrialRun).
-        self.scaler = LossScaler(None, next_seq=lambda: len(self.scaler.skips))
+        # fp16's per-route loss scales (the trial's controller shares its own: TrialRun).
+        scaler = LossScaler(None, next_seq=lambda: len(scaler.skips))
+        self.scaling = (
+            Fp16Scaling(scaler, worker.distributed) if self.autocast.dtype is torch.float16 else NoScaling()
+        )
         # Reads follow the schedule: only the row groups of this worker's slots, prefetched.
         self.rows = RouteRows(ShardReader(self.shards, spec.storage), self.packed, trial.pad_id)
         self.batches = Prefetcher(
@@ -176,44 +131,21 @@ class GovernedStep:
             self._stand_in,
             self.device,
             self.micro_batches,
-            exactly=self.sharded,
+            exactly=self.parallel.collective_forward,
         )
         self.counts = self.rows.counts(trial)  # examples and tokens of each position (the ledger's)
-        self.forward: nn.Module = self.model
         # Checkpoints written before frozen tensors left autograd index optimizer state over these.
         listed = [name for name, _ in parameters_by_name(self.model)]
-        units = layer_units(base, trial.fsdp_units(base)) if self.sharded else []
+        units = layer_units(base, trial.fsdp_units(base)) if self.parallel.collective_forward else []
         frozen = freeze_unroutable(self.model, self.routing)
         trainable_in_fp32(self.model)
-        if self.sharded:  # FSDP2: each rank holds a shard of every base tensor
-            shard_model(self.model, units, settings.precision, self.device)
+        self.parallel.shard(self.model, units, settings.precision)  # FSDP2: a shard of every base tensor
         named = parameters_by_name(self.model)
-        self.governor = (
-            ShardedGovernor(self.model, named, allowed_route_sets(self.model, self.routing), self.device)
-            if self.sharded
-            else GradientGovernor(named, allowed_route_sets(self.model, self.routing))
-        )
-        # Adapters never enter DDP's reducer: an inactive one gets no gradient, which DDP could only
-        # allow with find_unused_parameters (a graph walk, an all-reduce and a host wait per step).
-        # They are reduced after backward in one flat buffer, masked and averaged by the governor
-        # (as under FSDP); DDP reduces the trainable base tensors, and without any (LoRA only)
-        # there is no DDP: the flat reduction is the step's only collective.
-        adapters = self.model.adapter_names()
-        self.whole = [parameter for a in adapters for parameter in self.model.adapter_parameters(a)]
-        if worker.distributed and not self.sharded and len(named) > len(self.whole):
-            adapter_ids = {id(parameter) for parameter in self.whole}
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                self.model, [name for name, p in self.model.named_parameters() if id(p) in adapter_ids]
-            )
-            ddp = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                forward_sync_buffers=False,  # running statistics are refused by routing, never synced
-            )
-            ddp.register_comm_hook(self.governor, governed_allreduce_hook)
-            self.forward = ddp
+        allowed = allowed_route_sets(self.model, self.routing)
+        self.governor = self.parallel.governor(self.model, named, allowed)
+        self.forward: nn.Module = self.parallel.wrap(self.model, self.governor)
         # Under FSDP, sharded and whole (adapter) tensors in their own parameter groups.
-        self.trainable = optimizer_groups([parameter for _, parameter in named])
+        self.trainable = self.parallel.optimizer_groups([parameter for _, parameter in named])
         self.optimizer = trial.build_optimizer(self.trainable)
         by_name = dict(self.model.named_parameters())
         self._listed = [by_name[name] for name in listed] if frozen else None
@@ -229,8 +161,8 @@ class GovernedStep:
             spec.canaries,
             derive_seed(spec.seed, spec.trial_seed),
             worker,
-            split=not self.sharded,
-            autocast=self._autocast,  # measured as trained: under the step's autocast
+            split=not self.parallel.collective_forward,
+            autocast=self.autocast,  # measured as trained: under the step's autocast
         )
         self.ledger = Ledger()
         # Rank 0 sees every slot of every step: it alone exports the dashboard's counters.
@@ -247,7 +179,7 @@ class GovernedStep:
         route = None if mine.empty else mine.route
         counts = self._divisors(every)
         # fp16: this slot's loss is multiplied by its route's scale (and unscaled in the hook).
-        scale = self.scaler.scale(route) if self.autocast_dtype is torch.float16 else None
+        scale = self.scaling.scale(route)
         self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
         adapter = self.routing.adapter_names.get(route) if route is not None else None
         upcoming = self._upcoming(step)
@@ -262,8 +194,8 @@ class GovernedStep:
                 # gradient masked to the routes that may update it, summed and divided by those
                 # routes' example count (not the world size).
                 last = index == len(parts) - 1
-                with contextlib.nullcontext() if last else self._no_sync():
-                    with self._autocast():
+                with contextlib.nullcontext() if last else self.parallel.no_sync(self.forward):
+                    with self.autocast():
                         losses = self.trial.loss(self.forward, part.batch)  # one loss per example
                         if not part.counted:
                             losses = _selected_away(losses)
@@ -271,16 +203,9 @@ class GovernedStep:
                     (total if scale is None else total * scale).backward()
                 if part.counted:
                     loss_sum += total.detach().double()
-        if isinstance(self.governor, ShardedGovernor):
-            self.governor.govern_sharded()  # each rank divides its shards; adapters reduced whole
-        elif not self.worker.distributed:
-            self.governor.govern_local()  # the same masks and divisors, without DDP
-        elif self.whole:
-            self.governor.reduce_whole(self.whole)  # adapters: DDP's hook reduced the base tensors
-        skip: frozenset[str] = frozenset()
-        if scale is not None:  # fp16: the routes that overflowed skip their tensors (a decision)
-            found = self.governor.overflowed_routes(self.route_names, self.worker.distributed)
-            skip = self.scaler.settle(step + 1, counts, found)
+        self.parallel.reduce(self.governor)  # what DDP's hook or FSDP's reduce-scatter did not
+        # fp16: the routes that overflowed skip their tensors (a recorded decision)
+        skip = self.scaling.skipped(step + 1, counts, self.governor, self.route_names)
         # grad None where no slot may update (no momentum, no decay); clip per group; a NaN
         # raises a flag on the device that the next boundary refuses (check_finite).
         self.governor.finish_step(self.trial.max_grad_norm, skip)
@@ -317,18 +242,6 @@ class GovernedStep:
             return None
         return slot(self.schedule, step + 1, self.worker.rank)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _no_sync(self) -> contextlib.AbstractContextManager[object]:
-        if isinstance(self.forward, DistributedDataParallel):
-            return self.forward.no_sync()
-        if self.sharded:
-            return gradient_sync(self.model, enabled=False)
-        return contextlib.nullcontext()
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation metrics of the base model (adapters inactive) over each corpus's held-out
@@ -343,15 +256,15 @@ class GovernedStep:
             chosen = evaluation_rows(run.rows, self.spec.eval_rows)
             mine = chosen[self.worker.rank :: world]
             # Under FSDP every forward is a collective: every rank runs as many batches.
-            forwards = max(1, -(-len(chosen[::world]) // size)) if self.sharded else None
+            forwards = max(1, -(-len(chosen[::world]) // size)) if self.parallel.collective_forward else None
             values: dict[str, list[torch.Tensor]] = {}
             for positions in row_batches(mine, size, forwards):
-                if not len(positions) and not self.sharded:
+                if not len(positions) and not self.parallel.collective_forward:
                     continue  # no rows here, and an unsharded forward holds no collective
                 # Under FSDP a rank out of rows still runs the forward (all-gathers): on the
                 # stand-in row, its values dropped.
                 rows = self.rows.reader.take_from(run, positions) if len(positions) else self._stand_in()
-                with self._autocast():
+                with self.autocast():
                     batch = on_device(self.trial.collate(rows), self.device)
                     for name, per_example in self.trial.evaluate(self.model, batch).items():
                         if len(positions):
@@ -412,20 +325,8 @@ class GovernedStep:
             restored["initial_lr"] = configured["lr"]
 
     def snapshot(self, steps_done: int) -> Snapshot:
-        if self.sharded:  # no second copy in memory: the checkpoint of this step holds it
-            return Snapshot(steps_done, {}, {}, self.ledger.to_json(), on_storage=True)
-        # In host memory, not a second copy on the device: pinned on a GPU, the copies queued
-        # without waiting and waited for once (a snapshot is taken at a boundary).
-        pinned = self.device.type == "cuda"
-        snapshot = Snapshot(
-            step=steps_done,
-            weights={name: _on_host(tensor, pinned) for name, tensor in self.model.state_dict().items()},
-            optimizer=_on_host(self.optimizer.state_dict(), pinned),
-            ledger=self.ledger.to_json(),
-        )
-        if pinned:
-            torch.cuda.current_stream(self.device).synchronize()
-        return snapshot
+        """This step's clean state (a rollback target), as the twin keeps it."""
+        return self.parallel.snapshot(self.model, self.optimizer, self.ledger.to_json(), steps_done)
 
     def load_snapshot(self, snapshot: Snapshot) -> None:
         """Weights, adapters, optimizer state and ledger of a clean state; the LR settings become
@@ -441,25 +342,17 @@ class GovernedStep:
         if self._listed is not None:  # some tensors were frozen: maybe an older layout
             listed = self._listed
             state = reindexed(
-                state, self.optimizer, lambda: self.trial.build_optimizer(optimizer_groups(listed))
+                state,
+                self.optimizer,
+                lambda: self.trial.build_optimizer(self.parallel.optimizer_groups(listed)),
             )
-        if self.sharded:
-            state = sharded_optimizer_state(self.optimizer, state)
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(self.parallel.optimizer_state(self.optimizer, state))
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
         """Base and adapter weights of a (verified) checkpoint folder (``adapters_present_only``:
         those it has). Under FSDP a rank reads its own shard file; a checkpoint sharded otherwise,
         or not at all (a fork's source), is read whole and each rank keeps its part."""
-        world = checkpoint_world_size(directory)
-        if self.sharded and world == self.worker.world_size:
-            load_shards(self.model, directory / shard_file("model", self.worker.rank, world))
-        else:
-            whole = consolidated(directory, world) if world else load_file(str(directory / MODEL_FILE))
-            if self.sharded:
-                load_whole(self.model, whole, directory)
-            else:
-                self.model.load_base_state({name: t.to(self.device) for name, t in whole.items()})
+        self.parallel.load_base(self.model, directory)
         for adapter in self.model.adapter_names():
             path = directory / f"adapter-{adapter}.safetensors"
             if path.is_file() or not adapters_present_only:

@@ -1,0 +1,268 @@
+"""Checkpoint layouts, one per parallelism twin (``train.parallel``): who writes a trial's
+checkpoint, what it holds, how it is read back and where a rollback's clean state comes from.
+
+- ``WholeLayout`` (one worker, DDP): rank 0 writes every file — the whole base model, the
+  adapters, the optimizer state — and the clean states a rollback may return to (kept in host
+  memory too), then signs the manifest.
+- ``ShardedLayout`` (FSDP): every rank writes and hashes its own shard files (model, optimizer),
+  rank 0 the rest and one signed manifest over all of them, and every rank raises if any rank
+  failed. A validation's or the trial's last checkpoint also holds the whole base model, put
+  together from the shards (what the registry, attestations and exports read). Clean states are
+  not kept in memory: each checkpoint carries (hard links to) the earlier clean states' files,
+  checked against the signed manifest they came from; each rank verifies and reads only its own.
+
+``TrialRun`` (``train.state``) asks its layout and never tests the strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from govray.core.canonical import file_sha256
+from govray.governance.adapters import load_adapter, save_base, save_base_tensors
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    OPTIMIZER_META,
+    CheckpointError,
+    LoadedCheckpoint,
+    checkpoint_world_size,
+    clean_name,
+    fetch_part,
+    load_checkpoint,
+    load_clean_states,
+    optimizer_state_from_files,
+    save_clean_state,
+    shard_file,
+    signed_manifest,
+    verify_checkpoint,
+)
+from govray.train.ledger import Ledger
+from govray.train.sharding import consolidated, load_shards, local_optimizer_state, write_shards
+from govray.train.worker import agreed
+
+if TYPE_CHECKING:
+    from govray.train.state import TrialRun
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A clean state: what a rollback restores. ``WholeLayout`` keeps its weights and
+    optimizer state in host memory; ``ShardedLayout`` does not (``on_storage``): they are the signed
+    checkpoint of its step, carried on by every later checkpoint (``TrialRun``)."""
+
+    step: int
+    weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
+    optimizer: dict[str, Any]
+    ledger: dict[str, Any]
+    on_storage: bool = False
+
+
+class WholeLayout:
+    """One worker or DDP: rank 0 writes the whole checkpoint; clean states live in host memory."""
+
+    every_rank_writes = False  # (the session: only rank 0 writes, and verifies alone)
+
+    def save(self, run: TrialRun, directory: Path, steps_done: int, seal: Any) -> None:
+        """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them."""
+        seal(None)
+
+    def write_model(self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any) -> None:
+        """Rank 0, while sealing: the base model file."""
+        save_base(run.governed.model, directory / MODEL_FILE)
+
+    def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
+        """Rank 0, while sealing: the earlier clean states (rollback targets survive a resume)."""
+        for step, snapshot in run.control.earlier_snapshots(steps_done):
+            save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What rank 0 stores of its ``optimizer.state_dict()``."""
+        return state
+
+    def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """Verify and read a checkpoint to resume from (refusing a sharded one)."""
+        loaded = load_checkpoint(directory, run.spec.trust)
+        written_by = loaded.state.sharding.get("world_size")
+        if written_by is not None:
+            raise CheckpointError(
+                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not sharded"
+            )
+        return loaded
+
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+        """The clean states a resumed run may roll back to, as this layout keeps them."""
+        return {
+            step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+            for step, (weights, optimizer) in load_clean_states(loaded).items()
+        }
+
+    def roll_back(self, run: TrialRun, snapshot: Snapshot) -> None:
+        """Back to a clean state: the copy kept in memory."""
+        run.governed.load_snapshot(snapshot)
+
+
+class ShardedLayout(WholeLayout):
+    """FSDP: every rank writes and reads its own shard files; clean states live in checkpoints."""
+
+    every_rank_writes = True
+
+    def save(self, run: TrialRun, directory: Path, steps_done: int, seal: Any) -> None:
+        digests = self._save_shards(run, directory, steps_done)
+        agreed(lambda: seal(digests), run.governed.worker, CheckpointError)
+
+    def write_model(self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any) -> None:
+        if "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
+            # A validation's or the trial's last checkpoint also holds the whole base model (what
+            # the registry, attestations and exports read), put together from the shard files.
+            self._consolidate(run, directory, shards)
+
+    def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
+        """The clean states' shared files (the shards are carried by their ranks)."""
+        adapters = [f"adapter-{adapter}.safetensors" for adapter in run.governed.model.adapter_names()]
+        self._carry_clean(run, directory, steps_done, [OPTIMIZER_META, *adapters])
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return local_optimizer_state(state)  # rank 0's shards (every rank writes its own file)
+
+    def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """Each rank verifies and reads what it needs (the shared files, its own shards); every
+        rank refuses if any rank did, naming the files. A checkpoint sharded over another world
+        size is refused before any rank looks for its shards (its file may not exist)."""
+        worker = run.governed.worker
+        agreed(lambda: self._fits_world(run, directory), worker, CheckpointError)
+        loaded = agreed(
+            lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
+        )
+        self._refuse_other_world(run, directory, loaded.state.sharding.get("world_size"))  # now verified
+        return loaded
+
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+        """The clean states stay on storage: this checkpoint carries them."""
+        return {
+            int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)
+            for step, ledger in loaded.state.clean_ledgers.items()
+        }
+
+    def roll_back(self, run: TrialRun, snapshot: Snapshot) -> None:
+        """Back to a clean state from storage (no copy of it was kept in memory): the last
+        checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
+        reads its own shards, and every rank refuses if one does."""
+        if run.latest is None:
+            raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
+        (folder, step), governed = run.latest, run.governed
+        worker = governed.worker
+
+        def verified() -> None:
+            fetch_part(folder, run.storage, worker.rank)
+            verify_checkpoint(folder, run.spec.trust, worker.rank)
+
+        agreed(verified, worker, CheckpointError)
+
+        def path(name: str) -> Path:
+            return folder / (name if step == snapshot.step else clean_name(snapshot.step, name))
+
+        load_shards(governed.model, path(shard_file("model", worker.rank, worker.world_size)))
+        for adapter in governed.model.adapter_names():
+            load_adapter(governed.model, adapter, path(f"adapter-{adapter}.safetensors"))
+        state = optimizer_state_from_files(
+            load_file(str(path(shard_file("optimizer", worker.rank, worker.world_size)))),
+            json.loads(path(OPTIMIZER_META).read_text()),
+        )
+        governed.load_optimizer_state(state)
+        governed.ledger = Ledger.from_json(snapshot.ledger)
+        governed.take_hyperparameters()
+
+    def _carry_clean(
+        self, run: TrialRun, directory: Path, steps_done: int, names: list[str]
+    ) -> dict[str, str]:
+        """Into a new checkpoint, these files of every earlier clean state, hard-linked (or
+        copied) from the last checkpoint, which holds each (its own, or carried), each checked
+        against that checkpoint's signed manifest (a tampered file is never signed again);
+        returns the copies' sha256 by name."""
+        carried: dict[str, str] = {}
+        earlier = run.control.earlier_snapshots(steps_done)
+        if not earlier:
+            return carried
+        if run.latest is None:
+            raise CheckpointError(f"the clean state of step {earlier[0][0]} is in no checkpoint of this run")
+        source, source_step = run.latest
+        fetch_part(source, run.storage, run.governed.worker.rank)
+        signed = signed_manifest(source, run.spec.trust)[0].files
+        for step, _ in earlier:
+            for name in names:
+                origin = source / (name if step == source_step else clean_name(step, name))
+                target = directory / clean_name(step, name)
+                target.unlink(missing_ok=True)  # (a killed attempt's): never write through a link
+                link_or_copy(origin, target)
+                carried[target.name] = file_sha256(target)
+                if carried[target.name] != signed.get(origin.name):
+                    raise CheckpointError(f"{origin}: sha256 does not match its signed manifest (tampered)")
+        return carried
+
+    def _save_shards(self, run: TrialRun, directory: Path, steps_done: int) -> dict[str, str]:
+        """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
+        gathered (every rank raises if any failed)."""
+        governed, worker = run.governed, run.governed.worker
+
+        def write() -> dict[str, str]:
+            rank, world = worker.rank, worker.world_size
+            written = write_shards(directory, governed.model, governed.optimizer, rank, world)
+            own = [shard_file(kind, rank, world) for kind in ("model", "optimizer")]
+            written |= self._carry_clean(run, directory, steps_done, own)
+            if run.storage is not None and directory.is_relative_to(run.storage.root):
+                run.storage.upload(*(directory / name for name in written))  # before rank 0 seals
+            return written
+
+        written = agreed(write, worker, CheckpointError)
+        gathered: list[Any] = [None] * worker.world_size
+        dist.all_gather_object(gathered, written, group=worker.host_group)
+        return {name: digest for part in gathered for name, digest in part.items()}
+
+    def _fits_world(self, run: TrialRun, directory: Path) -> None:
+        """Refuse a checkpoint sharded over another world size (read unverified from its state:
+        a refusal only; what is loaded is verified)."""
+        fetch_part(directory, run.storage, run.governed.worker.rank)
+        try:
+            written_by = checkpoint_world_size(directory)
+        except (OSError, ValueError):
+            return  # unreadable (tampered, truncated): the verified load refuses it, naming the file
+        self._refuse_other_world(run, directory, written_by)
+
+    def _refuse_other_world(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
+        world = run.governed.worker.world_size
+        if written_by != world:
+            raise CheckpointError(
+                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
+                f"{world} sharded workers: a governed run resumes on the world size it started with "
+                "(its schedule gives each worker its slots)"
+            )
+
+    def _consolidate(self, run: TrialRun, directory: Path, shard_digests: Mapping[str, str]) -> None:
+        """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
+        other nodes fetched from the object storage), each checked against its rank's digest."""
+        world = run.governed.worker.world_size
+        for rank in range(world):
+            path = directory / shard_file("model", rank, world)
+            if run.storage is not None and not path.exists():
+                run.storage.fetch(path)
+            if rank != 0 and file_sha256(path) != shard_digests[path.name]:
+                raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
+        save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` the same file as ``source``: a hard link (no copy) where the filesystem allows."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
