@@ -92,7 +92,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     if resume is None:
         run.keep_clean(0)  # the starting weights are the first rollback target
     key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
-    if resume is None and governed.parallel.layout.every_rank_writes and control.snapshots and spec.platform_key:
+    every_rank_writes = governed.parallel.layout.every_rank_writes
+    if resume is None and every_rank_writes and control.snapshots and spec.platform_key:
         # Under FSDP a clean state is a checkpoint, not a copy in memory: the starting one too.
         _deliver(run, StepReport(step=0, epoch=0, metrics={}), key, session, report_it=False)
     node = ray_node_id()
@@ -176,7 +177,8 @@ def _deliver(
     """Report (unless not ``report_it``), after sealing the checkpoint that goes with it when
     ``save`` and the run signs its checkpoints (rank 0 holds the ``key``; under FSDP every rank
     writes its shards)."""
-    if save and (key is not None or (run.governed.parallel.layout.every_rank_writes and run.spec.platform_key)):
+    every_rank_writes = run.governed.parallel.layout.every_rank_writes
+    if save and (key is not None or (every_rank_writes and run.spec.platform_key)):
 
         def write(folder: Path) -> None:
             sealed = report.model_copy(update={"checkpoint": str(folder)})
