@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -117,6 +118,12 @@ class CausalLMTrial(Trial):
         if self.tokenizer is None or self.tokenizer.pad_token_id is None:
             return self.eos_id
         return int(self.tokenizer.pad_token_id)
+
+    def input_directories(self) -> dict[str, Path]:
+        """The tokenizer's directory, when the ``tokenizer`` hyperparameter names one: its digest
+        is recorded with the run, so a replay or resume refuses a tokenizer that changed."""
+        directory = self.hparams.get("tokenizer")
+        return {} if directory is None else {"tokenizer": Path(str(directory))}
 
     def _special(self, *names: str) -> int:
         for name in names:

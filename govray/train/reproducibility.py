@@ -24,7 +24,7 @@ import platform
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,10 +39,10 @@ from govray.config.data import CorpusSpec
 from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision, TrainingSettings
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
-from govray.core.errors import GovrayError, IngestError
+from govray.core.errors import ConfigError, GovrayError, IngestError
 from govray.core.storage import Storage
-from govray.data.fingerprint import corpus_files, fingerprint_files
-from govray.train.trial import import_code_from, load_trial_class
+from govray.data.fingerprint import corpus_files, directory_digest, fingerprint_files
+from govray.train.trial import Trial, import_code_from, load_trial_class
 
 DEFAULT_MAX_COPY_BYTES = 2 * 1024**3
 # What training.deterministic sets in every worker process. cuBLAS reads its workspace setting
@@ -318,6 +318,39 @@ def verify_corpus_snapshot(snapshot: CorpusSnapshot) -> None:
 
 def _fingerprint_at(path: Path, format_name: str, corpus_id: str) -> str:
     return fingerprint_files(corpus_files(path, format_name, corpus_id=corpus_id))
+
+
+# --- other directories a trial reads -----------------------------------------------------------
+
+
+def input_digests(trial: Trial) -> dict[str, str]:
+    """The digest of each directory ``trial`` reads besides its rows (``Trial.input_directories``,
+    e.g. its tokenizer's), by the hyperparameter naming it: what a run records of them."""
+    digests = {}
+    for name, directory in sorted(trial.input_directories().items()):
+        if not directory.is_dir():
+            raise ConfigError(f"hyperparameter '{name}': {directory} is not a directory")
+        digests[name] = directory_digest(directory)
+    return digests
+
+
+def verify_input_digests(recorded: Mapping[str, str] | None, trial: Trial, *, run: str) -> None:
+    """Raise ReproducibilityError, naming the directory and both digests, unless every directory
+    ``trial`` reads besides its rows still holds the files ``run`` recorded (``recorded``: its
+    ``RunSpec.input_digests``; None, a run recorded before them: nothing to compare)."""
+    if recorded is None:
+        return
+    directories = trial.input_directories()
+    for name in sorted(set(recorded) | set(directories)):
+        directory = directories.get(name)
+        before = recorded.get(name, "none recorded")
+        now = directory_digest(directory) if directory is not None and directory.is_dir() else "gone"
+        if now != before:
+            where = directory if directory is not None else "(the trial names none now)"
+            raise ReproducibilityError(
+                f"{run} read the {name} directory {where} with digest {before}; it now has "
+                f"{now}: refusing to run on other files than the recorded run's"
+            )
 
 
 # --- content-addressed directories ------------------------------------------------------------

@@ -179,6 +179,13 @@ class Trial(ProbeHooks, ABC):
             f"{type(self).__name__} does not define tokenize(rows), which data.packing needs"
         )
 
+    def input_directories(self) -> Mapping[str, Path]:
+        """Local directories the trial reads besides its rows (a tokenizer's files), by the
+        hyperparameter that names each. The driver records a digest of each one's files with the
+        run (``RunSpec.input_digests``), and a replay or a resume refuses to run on files that
+        changed since. Default: none."""
+        return {}
+
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-example evaluation values; govray averages each over the evaluation rows.
 
