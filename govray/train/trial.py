@@ -120,7 +120,8 @@ class Trial(ProbeHooks, ABC):
 
     @abstractmethod
     def collate(self, rows: pa.Table) -> Batch:
-        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
+        """Tensors for a batch of shard rows (at least one: govray never hands a trial an empty
+        batch; a slot without rows runs a stand-in row whose losses it drops)."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
