@@ -28,6 +28,7 @@ from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.memory import IGNORE
 from govray.train.reproducibility import ReproducibilityError, input_digests, verify_input_digests
+from tests.test_lm_memory import llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -62,19 +63,6 @@ def save_small_tokenizer(directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_small_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def llama(vocab: int) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    }
 
 
 def lm(tokenizer_dir: Path | None, vocab: int = TOKENIZER_VOCAB) -> CausalLMTrial:
