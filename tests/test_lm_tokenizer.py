@@ -27,7 +27,7 @@ import torch
 from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.memory import IGNORE
-from govray.train.reproducibility import ReproducibilityError, input_digests, verify_input_digests
+from govray.train.snapshots import ReproducibilityError, input_digests, verify_input_digests
 from tests.test_lm_memory import llama
 
 transformers = pytest.importorskip("transformers")

@@ -39,13 +39,9 @@ from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import load_checkpoint
 from govray.train.decisions import RecordedDecision
-from govray.train.reproducibility import (
-    CodeSnapshot,
-    ReproducibilityRecord,
-    input_digests,
-    use_recorded_code,
-)
+from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import CodeSnapshot, input_digests, use_recorded_code
 from govray.train.trial import (
     Trial,
     defines_sequence_scores,

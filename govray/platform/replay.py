@@ -41,8 +41,8 @@ from govray.train.checkpoint import (
 )
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
-from govray.train.reproducibility import verify_input_digests
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
 
 

@@ -20,8 +20,8 @@ from govray.platform.preflight import CheckedPolicy
 from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, train_run
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
-from govray.train.reproducibility import verify_input_digests
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
 
 RESUMABLE_STATES = (TrialState.ACTIVE.value, TrialState.ERRORED.value, TrialState.PAUSED.value)
