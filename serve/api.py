@@ -16,6 +16,7 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from govray.config.serve import ServeSettings
 from govray.core.dsse import Envelope
 from govray.core.identifiers import (
     EXACT_INTEGER,
@@ -49,7 +50,6 @@ from govray.queries.views import (
 from govray.tracking.audit import AuditEventType
 from govray.tracking.store import TrackingStore
 from serve.cache import Reads, ResponseCache, untracked
-from serve.settings import ServeSettings
 
 router = APIRouter(prefix="/api")
 Id = Annotated[RecordId, PathParam()]

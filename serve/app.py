@@ -5,7 +5,7 @@ Started by ``govray serve`` or by Serve's own CLI with this module's import path
 
     GOVRAY_DATABASE_URL=sqlite:///runs/tracking.db GOVRAY_TRUST=policies/trust.yaml \\
         serve run serve.app:app                      # settings from the environment
-    serve run serve.app:app config=serve.yaml        # ... or a YAML file (see serve.settings)
+    serve run serve.app:app config=serve.yaml        # ... or a YAML file (govray.config.serve)
 
 Endpoints are under ``/api`` (``serve.api`` reads, ``serve.verify`` checks envelopes,
 ``serve.writes`` registers versions and tags with a bearer token); the lineage page's router
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve import Application
 
+from govray.config.serve import ServeSettings
 from govray.core.errors import GovrayError, TrackingError
 from govray.core.runtime import ensure_ray
 from govray.queries import NotFoundError, StoreFailure, StoreGeneration, StoreReader, read_only_engine
@@ -36,7 +37,7 @@ from govray.tracking.store import TrackingStore, masked
 from govray.train.checkpoint import CheckpointError
 from serve import api, verify, writes
 from serve.cache import ResponseCache
-from serve.settings import ServeSettings, Unavailable
+from serve.verify import Unavailable
 
 logger = logging.getLogger(__name__)
 TITLE = "govray lineage"

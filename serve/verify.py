@@ -15,8 +15,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from govray.config.serve import ServeSettings
 from govray.core.dsse import Envelope
-from govray.core.errors import SignatureError
+from govray.core.errors import GovrayError, SignatureError
 from govray.core.identifiers import ModelRef, RecordId
 from govray.core.keys import TrustConfig, load_trust
 from govray.platform.registry import RegistryError, parse_ref, resolve
@@ -24,9 +25,12 @@ from govray.provenance.attest import AttestationError
 from govray.provenance.verify import verify_attestation
 from govray.queries import NotFoundError, QueryError, StoreReader
 from govray.tracking.store import TrackingStore
-from serve.settings import ServeSettings, Unavailable
 
 router = APIRouter(prefix="/api")
+
+
+class Unavailable(GovrayError):
+    """The server cannot answer this request as it is configured (an HTTP 503)."""
 
 
 class VerifyRequest(BaseModel):

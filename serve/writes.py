@@ -16,12 +16,12 @@ from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from govray.config.serve import ServeSettings
 from govray.core.identifiers import Description, ModelName, RecordId, TagKey, TagValue, Version
 from govray.platform import registry
 from govray.queries import StoreReader
 from govray.queries.views import ModelVersionView
 from govray.tracking.store import TrackingStore
-from serve.settings import ServeSettings
 
 bearer = HTTPBearer(auto_error=False, description="The server's write token (GOVRAY_SERVE_TOKEN).")
 

@@ -16,10 +16,10 @@ from typing import Any
 import requests
 from pydantic import SecretStr
 
+from govray.config.serve import ServeSettings
 from govray.core.keys import platform_key, platform_trust, save_trust
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from serve.settings import ServeSettings
 from tests.conftest import GoldenRun
 
 

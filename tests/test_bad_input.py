@@ -25,6 +25,7 @@ from pydantic import SecretStr
 from sqlmodel import func, select
 
 from govray.cli import main
+from govray.config.serve import ServeSettings
 from govray.core.identifiers import CORPUS_ID_BODY, MAX_ID, MODEL_NAME_BODY, IdentifierError, parse_model_ref
 from govray.core.keys import load_trust, platform_key
 from govray.platform.registry import RegistryError, register
@@ -33,7 +34,6 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, AuditEvent, ModelVersion, RegisteredModel
 from serve.api import request_key
 from serve.app import create_app
-from serve.settings import ServeSettings
 from tests.conftest import REPO, GoldenRun
 from tests.lineage_server import copy_store
 

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
-from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, step_slots
+from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec
+from govray.data.slots import step_slots
 from govray.data.step_rows import step_rows
 from govray.governance.allreduce import NonFiniteGradientError
 from govray.platform.replay import Replay, recorded_decisions, replay_trial

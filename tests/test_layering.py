@@ -1,6 +1,7 @@
 """The tree tells the architecture: govray/ is layered one way, imports nothing above it (the
-package root included), has no import cycle (function-local imports count), and only its tracking
-and query layers speak SQL (ARCHITECTURE.md, "Layers")."""
+package root included; an import by name through importlib or ``__import__`` counts), has no import
+cycle (function-local imports count), and only its tracking and query layers speak SQL
+(ARCHITECTURE.md, "Layers")."""
 
 from __future__ import annotations
 
@@ -47,6 +48,38 @@ def imported_modules(path: Path) -> list[str]:
     return found
 
 
+IMPORTERS = {"import_module", "__import__", "import_attr"}  # importlib's, the builtin, Ray Serve's
+
+
+def dynamic_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports by name at run time (``importlib.import_module``, ``__import__``,
+    Ray's ``import_attr``) given as a string or a module-level string constant."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        function = node.func
+        called = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+        argument = node.args[0]
+        if called not in IMPORTERS:
+            continue
+        if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+            found.append(argument.value.partition(":")[0])
+        elif isinstance(argument, ast.Name) and argument.id in constants:
+            found.append(constants[argument.id].partition(":")[0])
+    return found
+
+
 def calls_session(path: Path) -> bool:
     """Whether the module opens a database session (``store.session()``, ``reader.session()``)."""
     return any(
@@ -82,7 +115,7 @@ def test_lower_layers_never_import_higher_ones() -> None:
         unit = path.relative_to(GOVRAY).parts[0].removesuffix(".py")
         if unit == "__init__":
             continue
-        for module in imported_modules(path):
+        for module in imported_modules(path) + dynamic_imports(path):
             if module.split(".")[0] in {"jobs", "searchers", "serve"}:
                 violations.append(f"{path.name} imports {module} (govray imports none of them)")
             if module == "govray":  # the package root re-exports every layer: it sits above them all
@@ -91,6 +124,16 @@ def test_lower_layers_never_import_higher_ones() -> None:
             if target is not None and target in RANK and RANK[target] > RANK[unit]:
                 violations.append(f"{path.relative_to(GOVRAY)} ({unit}) imports {module} ({target})")
     assert violations == []
+
+
+def test_an_import_by_name_of_what_sits_above_govray_is_seen(tmp_path: Path) -> None:
+    module = tmp_path / "cli.py"
+    module.write_text(
+        "import importlib\nAPP = 'serve.app'\n"
+        "def run():\n    importlib.import_module(APP)\n    __import__('jobs.train')\n"
+        "    import_attr('searchers.grid:plan')\n    importlib.import_module(name_from_a_config)\n"
+    )
+    assert dynamic_imports(module) == ["serve.app", "jobs.train", "searchers.grid"]
 
 
 def module_name(path: Path) -> str:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec, step_slots
+from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec
+from govray.data.slots import step_slots
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.ledger import Ledger, LedgerEntry, LedgerError, recompute_ledger

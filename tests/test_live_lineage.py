@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from govray.cli import main
+from govray.config.serve import ServeSettings
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
 from govray.platform.ledgers import backfill_ledgers
 from govray.platform.recorder import GcSettings, RunRecorder
@@ -45,7 +46,6 @@ from govray.train.reports import StepReport
 from serve.api import accepts_gzip
 from serve.app import create_app
 from serve.cache import GZIP_MIN_BYTES
-from serve.settings import ServeSettings
 
 LAYERS: dict[str, int | None] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
 KEY = SigningKey.generate(KeyRole.PLATFORM)

@@ -7,6 +7,7 @@ them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 import yaml
 
 from govray.core.keys import platform_key, platform_trust
+from govray.data.fingerprint import directory_digest
+from govray.data.packed import PackedStore
 from govray.platform.plan import plan_run
 from govray.train.hf import CausalLMTrial
 from govray.train.runspec import RunSpec
@@ -140,6 +143,16 @@ def test_packed_windows_hold_the_tokenizers_ids_with_its_eos_between_documents(
         assert packed == [token for document in documents for token in document][: len(packed)]
         assert packed.count(trial.eos_id) >= 2  # several documents per window, each ended by the EOS
     governed.batches.close()
+
+
+def test_the_run_records_its_tokenizers_digest_and_its_packed_windows_are_keyed_by_it(
+    tokenizer_spec: RunSpec,
+) -> None:
+    digest = directory_digest(Path(tokenizer_spec.hparams["tokenizer"]))
+    assert tokenizer_spec.input_digests == {"tokenizer": digest}
+    packed = PackedStore.open(Path(tokenizer_spec.packed_root))
+    # A changed tokenizer packs its windows anew.
+    assert json.loads(packed.manifest.tokenizer)["inputs"] == {"tokenizer": digest}
 
 
 def test_with_a_tokenizer_and_packing_removing_the_adapter_equals_the_replay_without_its_corpus(

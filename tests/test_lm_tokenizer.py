@@ -1,7 +1,9 @@
 """A causal LM trial with its own tokenizer, read from a local directory (AutoTokenizer; the test
 trains a small byte-level BPE on Python's own docstrings and saves it with save_pretrained, nothing
 is downloaded): rows are its ids after its BOS, packed documents end with its EOS, and a packed
-window predicts each next real token, across the EOS, and nothing in its padding (no Ray)."""
+window predicts each next real token, across the EOS, and nothing in its padding; the run records
+the digest of the tokenizer's files, and a replay or resume refuses a tokenizer that changed (no
+Ray)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import argparse
 import collections
 import csv
 import functools
+import hashlib
 import itertools
 import json
 import pathlib
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,8 @@ import torch
 from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.memory import IGNORE
+from govray.train.snapshots import ReproducibilityError, input_digests, verify_input_digests
+from tests.test_lm_memory import llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -57,19 +63,6 @@ def save_small_tokenizer(directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_small_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def llama(vocab: int) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    }
 
 
 def lm(tokenizer_dir: Path | None, vocab: int = TOKENIZER_VOCAB) -> CausalLMTrial:
@@ -120,8 +113,6 @@ def test_a_packed_window_predicts_every_next_real_token_across_the_eos(tokenizer
     summed = trial.loss(model, batch)
     per_token = trial.token_nll(model, batch)
     assert torch.equal(summed, per_token.sum(dim=1))  # a window's loss is its sum: govray divides
-    empty = trial.collate(table.slice(0, 0))
-    assert trial.loss(model, empty).shape == (0,)
 
 
 def test_a_tokenizer_the_model_cannot_embed_or_cannot_read_is_refused(
@@ -131,3 +122,33 @@ def test_a_tokenizer_the_model_cannot_embed_or_cannot_read_is_refused(
         lm(tokenizer_dir, vocab=257).build_model()
     with pytest.raises(ConfigError, match="cannot read a tokenizer from"):
         lm(tmp_path).encode("x")
+
+
+def test_a_run_records_the_digest_of_its_tokenizers_files_in_sorted_path_order(tokenizer_dir: Path) -> None:
+    by_hand = hashlib.sha256()  # the corpus fingerprint's scheme: path, length, bytes of each file
+    for file in sorted(tokenizer_dir.iterdir()):
+        data = file.read_bytes()
+        by_hand.update(f"{file.name}\0{len(data)}\0".encode() + data)
+    assert input_digests(lm(tokenizer_dir)) == {"tokenizer": by_hand.hexdigest()}
+    assert input_digests(lm(None, vocab=257)) == {}  # byte-level reads no directory
+    with pytest.raises(ConfigError, match="hyperparameter 'tokenizer': .* is not a directory"):
+        input_digests(lm(tokenizer_dir / "missing"))
+
+
+def test_a_replay_or_resume_refuses_a_tokenizer_whose_files_changed(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    copy = Path(shutil.copytree(tokenizer_dir, tmp_path / "tokenizer"))
+    trial = lm(copy)
+    recorded = input_digests(trial)
+    verify_input_digests(recorded, trial, run="trial 7")  # the same files: runs
+    verify_input_digests(None, trial, run="trial 7")  # recorded before digests were: nothing to compare
+    config = copy / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<pad>", "</s>"))
+    now = input_digests(trial)["tokenizer"]
+    expected = f"the tokenizer directory {copy} with digest {recorded['tokenizer']}; it now has {now}"
+    with pytest.raises(ReproducibilityError, match=re.escape(expected)):
+        verify_input_digests(recorded, trial, run="trial 7")
+    shutil.rmtree(copy)
+    with pytest.raises(ReproducibilityError, match="it now has gone"):
+        verify_input_digests(recorded, trial, run="trial 7")

@@ -7,13 +7,16 @@ GPT-2 trial (tests/plain_gpt2_trial.py: no empty-batch special case):
 - every trainable tensor is fp32 when the base is built in bf16 (adapters, AdamW state, the
   reduction), the frozen base stays bf16;
 - a replay without the adapter's corpus leaves the base bit-identical (fp32, and bf16 base with
-  fp32 adapters), and the trial's loss never sees a batch of 0 rows;
+  fp32 adapters), and the trial's loss never sees a batch of 0 rows, nor does a validation's
+  evaluation or memorization probe hand it one where a rank has no rows to measure;
 - an optimizer state saved before frozen tensors left autograd (indexed over every tensor) still
   loads.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,6 +87,8 @@ MIXED = gpt2_policy(
 class Task:
     spec: str  # RunSpec JSON
     excluded: tuple[str, ...] = ()
+    # Validate after the steps with the probe on this many held-out rows per corpus (None: no validation).
+    probe_rows: int | None = None
 
 
 def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
@@ -93,23 +98,33 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     while (task := tasks.get()) is not None:
         try:
-            results.put((rank, "ok", trained(RunSpec.model_validate_json(task.spec), task.excluded, rank)))
+            spec = RunSpec.model_validate_json(task.spec)
+            results.put((rank, "ok", trained(spec, task.excluded, rank, task.probe_rows)))
         except Exception:
             results.put((rank, "crash", traceback.format_exc()))
     dist.destroy_process_group()
 
 
-def trained(spec: RunSpec, excluded: tuple[str, ...], rank: int) -> dict[str, Any]:
-    """``STEPS`` governed steps; what the model, DDP and the collectives held."""
+def trained(
+    spec: RunSpec, excluded: tuple[str, ...], rank: int, probe_rows: int | None = None
+) -> dict[str, Any]:
+    """``STEPS`` governed steps (then a validation, given ``probe_rows``); what the model, DDP, the
+    collectives and the validation held."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from govray.train import probe
     from govray.train.step import GovernedStep
     from govray.train.trial import make_trial
     from govray.train.worker import Worker
 
     spec = spec.model_copy(update={"excluded_corpora": excluded})
-    governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, spec.hparams, spec.settings))
+    probed = probe.PROBE_HOLDOUT_ROWS
+    probe.PROBE_HOLDOUT_ROWS = probe_rows or probed  # (this process runs later tasks: restored below)
+    try:
+        governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, spec.hparams, spec.settings))
+    finally:
+        probe.PROBE_HOLDOUT_ROWS = probed
     model = governed.model
     adapters = [p for a in model.adapter_names() for p in model.adapter_parameters(a)]
     reduced: list[tuple[int, str]] = []  # (bytes, dtype) of every all_reduce of the steps
@@ -126,6 +141,7 @@ def trained(spec: RunSpec, excluded: tuple[str, ...], rank: int) -> dict[str, An
         governed.governor.check_finite()
     finally:
         dist.all_reduce = plain
+    validation = (governed.evaluate(), governed.probe.measure()) if probe_rows is not None else None
     ddp = governed.forward if isinstance(governed.forward, DistributedDataParallel) else None
     buckets = None
     if ddp is not None:
@@ -148,6 +164,8 @@ def trained(spec: RunSpec, excluded: tuple[str, ...], rank: int) -> dict[str, An
             str(state[p][key].dtype) for p in adapters if p in state for key in ("exp_avg", "exp_avg_sq")
         },
         "stepped_adapters": sum(1 for p in adapters if p in state),
+        "validation": validation[0] if validation is not None else None,
+        "measures": {c: m.model_dump(mode="json") for c, m in validation[1].items()} if validation else None,
         "base": {n: t.detach().cpu().clone() for n, t in model.base_state().items()} if rank == 0 else None,
         "adapters": {
             a: {n: t.cpu().clone() for n, t in model.adapter_tensors(a).items()}
@@ -257,6 +275,23 @@ def test_removing_the_adapter_is_the_replay_without_its_corpus_and_no_loss_sees_
         assert {dtype for _, dtype in answer["trainable_base"].values()} == {"torch.float32"}
         assert {dtype for _, dtype in answer["reduced"]} == {"torch.float32"}
         assert answer["frozen_dtypes"] == {f"torch.{dtype}"}
+
+
+def test_a_validation_never_hands_the_trial_zero_rows_where_a_rank_has_none_to_measure(
+    gloo: Any, text_spec: RunSpec
+) -> None:
+    """One held-out row per corpus evaluated and probed on two ranks (the second has none of either)
+    in a replay without the records corpus: the trial raises on 0 rows, so a call with none would
+    fail the validation; both ranks agree on every measure."""
+    one_row = json.loads(governed_by(text_spec, MIXED))
+    one_row["eval_rows"] = 1
+    answers = gloo(Task(json.dumps(one_row), excluded=(RECORDS,), probe_rows=1))
+    first, second = answers[0], answers[1]
+    assert first["validation"] == second["validation"] and first["measures"] == second["measures"]
+    corpora = ("text-public", "text-licensed", RECORDS)
+    assert all(math.isfinite(first["validation"][f"validation_loss/{corpus}"]) for corpus in corpora)
+    gaps = {corpus: measures["loss_gap"] for corpus, measures in first["measures"].items()}
+    assert gaps.keys() == set(corpora) and all(gap is not None for gap in gaps.values()), gaps
 
 
 def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: RunSpec) -> None:

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from govray.data.packed import PackedStore
-from govray.data.schedule import slot
+from govray.data.slots import slot
 from govray.data.step_rows import step_rows
 from govray.platform.runner import run_trial
 from govray.provenance.rows import row_reach

@@ -23,8 +23,9 @@ from govray.core.keys import load_trust
 from govray.data.ingest import ingest
 from govray.data.packed import PackedStore
 from govray.data.packing import pack_shards
-from govray.data.schedule import ScheduleSpec, slot
+from govray.data.schedule import ScheduleSpec
 from govray.data.shards import MANIFEST, ShardFile, ShardSet
+from govray.data.slots import slot
 from govray.governance.policy import load_verified_policy
 from govray.platform.preflight import config_digest
 from govray.train.trial import defines_tokenize

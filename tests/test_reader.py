@@ -18,8 +18,8 @@ import torch
 from govray.core.canonical import file_sha256, sha256_hex
 from govray.core.errors import IngestError
 from govray.data.reader import ShardReader, evaluation_rows
-from govray.data.schedule import Slot, slot
 from govray.data.shards import MANIFEST, ShardSet
+from govray.data.slots import Slot, slot
 from govray.train.checkpoint import find_checkpoints
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep

@@ -15,7 +15,8 @@ from govray.platform.replay import InfluenceReport, Replay, final_checkpoint, re
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
-from govray.train.reproducibility import ReproducibilityError, ReproducibilityRecord
+from govray.train.reproducibility import ReproducibilityRecord
+from govray.train.snapshots import ReproducibilityError
 from tests.conftest import GoldenRun, govray_elsewhere
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")

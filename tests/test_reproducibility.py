@@ -19,10 +19,12 @@ from govray.tracking.drift import FingerprintChange, changed_corpora
 from govray.tracking.store import TrackingStore
 from govray.train.reproducibility import (
     DETERMINISM_VARIABLES,
-    ReproducibilityError,
     ReproducibilityRecord,
     build_record,
     capture_environment,
+)
+from govray.train.snapshots import (
+    ReproducibilityError,
     code_digest,
     snapshot_corpus,
     snapshot_trial_code,

@@ -1,7 +1,7 @@
 """Row-level lineage: row questions are answered from the schedule.
 
 The fast path finds a row's step per epoch from its permuted position; every test here checks it
-against a brute-force scan of ``govray.data.schedule.slot`` over every step and rank.
+against a brute-force scan of ``govray.data.slots.slot`` over every step and rank.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 from conftest import GoldenRun
 
 from govray.cli import main
-from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleEvent, ScheduleSpec, slot
+from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleEvent, ScheduleSpec
 from govray.data.shards import ShardSet
+from govray.data.slots import slot
 from govray.governance.routing import resolve_routes
 from govray.provenance.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
 from govray.tracking.lineage import checkpoints

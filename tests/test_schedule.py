@@ -18,17 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from govray.core.canonical import canonical_json, sha256_hex
-from govray.data.schedule import (
-    RouteLayout,
-    ScheduleError,
-    ScheduleEvent,
-    ScheduleSpec,
-    Slot,
-    route_counts,
-    slot,
-    step_slots,
-)
+from govray.data.schedule import RouteLayout, ScheduleError, ScheduleEvent, ScheduleSpec
 from govray.data.shards import CorpusSummary, RouteSummary, ShardManifest
+from govray.data.slots import Slot, route_counts, slot, step_slots
 
 REPO = Path(__file__).resolve().parents[1]
 

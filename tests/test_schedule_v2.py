@@ -16,16 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from govray.data.permutation import MAX_DOMAIN, KeyedPermutation
-from govray.data.schedule import (
-    SCHEDULE_VERSION,
-    RouteLayout,
-    ScheduleError,
-    ScheduleEvent,
-    ScheduleSpec,
-    Slot,
-    row_slots,
-    slot,
-)
+from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleError, ScheduleEvent, ScheduleSpec
+from govray.data.slots import Slot, row_slots, slot
 from govray.data.step_rows import step_rows
 
 SPECIAL_SIZES = sorted(

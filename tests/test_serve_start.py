@@ -1,17 +1,24 @@
 """How the lineage app is started: its settings (environment, then a YAML file, then options),
-Serve's own ``serve run serve.app:app`` import path, and ``govray serve`` refusing to start
-without a tracking store. None of it needs Ray; tests/test_serve_app.py serves for real."""
+Serve's own ``serve run serve.app:app`` import path, ``govray serve`` starting the app its
+``govray.apps`` entry point names on the given host and port (govray never imports ``serve/``), and
+refusing to start without a tracking store. None of it needs Ray; tests/test_serve_app.py serves
+for real."""
 
 from __future__ import annotations
 
+import sys
+import tomllib
+from importlib.metadata import EntryPoint
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from govray.cli import main
+from govray.cli.serve import APP_GROUP, LINEAGE_APP
+from govray.config.serve import ServeSettings
 from govray.core.errors import ConfigError
-from serve.settings import ServeSettings
 
 
 def test_settings_come_from_the_environment_then_the_config_file_then_options(tmp_path: Path) -> None:
@@ -78,3 +85,53 @@ def test_govray_serve_refuses_to_start_without_a_store(
         monkeypatch.delenv(name, raising=False)
     assert main(["serve", "--port", "8123"]) == 2
     assert "no tracking store given" in capsys.readouterr().err
+
+
+STARTED: list[tuple[ServeSettings, bool]] = []
+
+
+def record_start(settings: ServeSettings, *, blocking: bool = False) -> str:
+    """A stand-in for serve.app:start that records what it was asked to serve."""
+    STARTED.append((settings, blocking))
+    return f"http://{settings.host}:{settings.port}"
+
+
+def test_the_lineage_app_entry_point_names_serve_apps_start() -> None:
+    from serve.app import start
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    value = pyproject["project"]["entry-points"][APP_GROUP][LINEAGE_APP]
+    assert EntryPoint(name=LINEAGE_APP, value=value, group=APP_GROUP).load() is start
+
+
+def test_govray_serve_starts_the_installed_app_on_the_given_host_and_port(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def installed(group: str) -> list[EntryPoint]:
+        value = f"{__name__}:record_start"
+        return [EntryPoint(name=LINEAGE_APP, value=value, group=group)] if group == APP_GROUP else []
+
+    monkeypatch.setattr(sys.modules["govray.cli.serve"], "entry_points", installed)
+    monkeypatch.setenv("GOVRAY_SERVE_TOKEN", "t0ken")
+    STARTED.clear()
+    options: list[Any] = ["--database", "sqlite:///served.db", "--host", "0.0.0.0", "--port", "8124"]
+    assert main(["serve", *options]) == 0
+    [(settings, blocking)] = STARTED
+    assert (settings.database_url, settings.host, settings.port, blocking) == (
+        "sqlite:///served.db",
+        "0.0.0.0",
+        8124,
+        True,
+    )
+    assert settings.token is not None and settings.token.get_secret_value() == "t0ken"
+    assert "lineage app on http://0.0.0.0:8124/api" in capsys.readouterr().out
+
+
+def test_govray_serve_without_the_entry_point_says_how_to_register_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys.modules["govray.cli.serve"], "entry_points", lambda group: [])
+    assert main(["serve", "--database", "sqlite:///served.db"]) == 2
+    assert (
+        "no lineage app is installed (entry point 'lineage' in group govray.apps)" in capsys.readouterr().err
+    )

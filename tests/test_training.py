@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from govray.core.keys import platform_key, platform_trust
 from govray.data.reader import ShardReader
-from govray.data.schedule import ScheduleSpec, derive_seed, step_slots
+from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
+from govray.data.slots import step_slots
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.routing import resolve_routes

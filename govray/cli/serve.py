@@ -1,20 +1,38 @@
 """``govray serve``: the lineage app (``serve/``) on Ray Serve, until Ctrl-C.
 
-govray never imports ``serve/`` (it sits above the library): the app is found by its import path
-when the command runs, as ``serve run serve.app:app`` would find it.
+govray never imports ``serve/`` (it sits above the library): its settings are checked here
+(``govray.config.serve``), and the app is started by what the ``lineage`` entry point of group
+``govray.apps`` names (``serve.app:start`` in pyproject.toml), as searchers are found.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import typer
 
 from govray.cli.common import console
+from govray.config.serve import ServeSettings
 from govray.core.errors import ConfigError
 
-APP_MODULE = "serve.app"
+APP_GROUP = "govray.apps"
+LINEAGE_APP = "lineage"
+
+StartApp = Callable[..., str]  # start(settings, *, blocking) -> the app's base URL
+
+
+def lineage_app() -> StartApp:
+    """The installed lineage app's ``start`` (the entry point ``lineage`` in ``govray.apps``)."""
+    found = {point.name: point for point in entry_points(group=APP_GROUP)}
+    if LINEAGE_APP not in found:
+        raise ConfigError(
+            f"no lineage app is installed (entry point '{LINEAGE_APP}' in group {APP_GROUP}): "
+            "reinstall govray (pip install -e .) to register serve.app:start"
+        )
+    start: StartApp = found[LINEAGE_APP].load()
+    return start
 
 
 def serve(
@@ -33,15 +51,12 @@ def serve(
     """Serve lineage, influence, row lookups, audit events and attestations over HTTP (JSON API
     under /api, OpenAPI at /openapi.json). The write token comes from GOVRAY_SERVE_TOKEN or the
     config, never the command line."""
-    try:
-        lineage_app = importlib.import_module(APP_MODULE)
-    except ImportError as error:
-        raise ConfigError(f"cannot import the lineage app {APP_MODULE!r}: {error}") from None
     overrides = {"database_url": database, "trust": trust, "host": host, "port": port}
-    settings = lineage_app.ServeSettings.load(config, overrides)
+    settings = ServeSettings.load(config, overrides)
+    start = lineage_app()
     console.print(
         f"lineage app on http://{settings.host}:{settings.port}/api (OpenAPI at /openapi.json); "
         "Ctrl-C stops it",
         highlight=False,
     )
-    lineage_app.start(settings, blocking=True)
+    start(settings, blocking=True)

@@ -1,1 +1,2 @@
-"""The experiment file (``experiment.py``) and the trial's typed training settings (``training.py``)."""
+"""The experiment file (``experiment.py``), the trial's typed training settings (``training.py``)
+and the lineage server's settings (``serve.py``)."""

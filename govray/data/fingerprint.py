@@ -7,7 +7,8 @@ order::
 
 A single-file corpus has that file's name as its relative path; a directory corpus takes every
 non-hidden file with the format's extension, recursively. The length prefix keeps the encoding
-unambiguous (a file's bytes cannot pose as the next path).
+unambiguous (a file's bytes cannot pose as the next path). Any other directory a run reads (a
+tokenizer's) has the same digest over every non-hidden file in it (:func:`directory_digest`).
 """
 
 from __future__ import annotations
@@ -27,18 +28,29 @@ def corpus_files(path: Path, format_name: str, *, corpus_id: str) -> list[tuple[
     if path.is_file():
         return [(path.name, path)]
     suffixes = EXTENSIONS[format_name]
-    found = []
-    for file in path.rglob("*"):
-        relative = file.relative_to(path)
-        if any(part.startswith(".") for part in relative.parts):
-            continue
-        if file.is_file() and file.suffix.lower() in suffixes:
-            found.append((relative.as_posix(), file))
+    found = [(relative, file) for relative, file in visible_files(path) if file.suffix.lower() in suffixes]
     if not found:
         raise IngestError(
             f"corpus '{corpus_id}': directory {path} holds no {format_name} files ({', '.join(suffixes)})"
         )
+    return found
+
+
+def visible_files(directory: Path) -> list[tuple[str, Path]]:
+    """(relative POSIX path, file) pairs of every file below ``directory`` outside hidden folders
+    and not hidden itself, recursively, sorted by relative path."""
+    found = []
+    for file in directory.rglob("*"):
+        relative = file.relative_to(directory)
+        if file.is_file() and not any(part.startswith(".") for part in relative.parts):
+            found.append((relative.as_posix(), file))
     return sorted(found)
+
+
+def directory_digest(directory: Path) -> str:
+    """The fingerprint of every visible file below ``directory`` (:func:`visible_files`): what a run
+    records of a directory it reads besides its corpora, e.g. a tokenizer's."""
+    return fingerprint_files(visible_files(directory))
 
 
 def fingerprint_files(files: list[tuple[str, Path]]) -> str:

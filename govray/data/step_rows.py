@@ -1,7 +1,7 @@
 """One step of the schedule summed by route: every worker's rows at once, as arrays.
 
 What the masked average's divisors and the ledger need at every step, computed without a Python
-object per row or per rank (``govray.data.schedule.step_slots`` builds one ``Slot`` per rank and
+object per row or per rank (``govray.data.slots.step_slots`` builds one ``Slot`` per rank and
 gives the same counts)::
 
     rows = step_rows(spec, global_step)
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from govray.data.schedule import RouteLayout, ScheduleSpec, epoch_of
+from govray.data.schedule import RouteLayout, ScheduleSpec
+from govray.data.slots import epoch_of
 
 
 @dataclass(frozen=True)

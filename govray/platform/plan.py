@@ -39,8 +39,9 @@ from govray.platform.preflight import CheckedPolicy, config_digest
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import load_checkpoint
 from govray.train.decisions import RecordedDecision
-from govray.train.reproducibility import CodeSnapshot, ReproducibilityRecord, use_recorded_code
+from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import CodeSnapshot, input_digests, use_recorded_code
 from govray.train.trial import (
     Trial,
     defines_sequence_scores,
@@ -137,7 +138,8 @@ def plan_run(
     check_memorization_inputs(checked, shards.manifest, canaries)
     settings = config.training.with_hyperparameters(values)
     trial = make_trial(config.trial, values, settings)  # the one build of this sample's trial
-    packed = packed_store(config, shards, values, trial)
+    inputs = input_digests(trial)
+    packed = packed_store(config, shards, values, trial, inputs)
     policy = checked.policy.policy
     spec = RunSpec(
         trial=config.trial,
@@ -149,6 +151,7 @@ def plan_run(
         shard_root=str(shard_root),
         shards_sha256=file_sha256(shard_root / MANIFEST),
         eval_rows=config.data.eval_rows,
+        input_digests=inputs,
         seed=config.seed,
         trial_seed=trial_seed,
         packed_root=str(packed.root) if packed is not None else "",
@@ -245,11 +248,16 @@ def plan_steps(
 
 
 def packed_store(
-    config: ExperimentConfig, shards: ShardSet, hparams: dict[str, Any], trial: Trial
+    config: ExperimentConfig,
+    shards: ShardSet,
+    hparams: dict[str, Any],
+    trial: Trial,
+    inputs: Mapping[str, str],
 ) -> PackedStore | None:
     """Under ``data.packing``, the shards' training rows packed into windows by ``trial``'s
     ``tokenize`` (built once per shards, window length and tokenizer — the trial's class, the
-    bytes of its module and the hyperparameters — then reused); None otherwise."""
+    bytes of its module, the hyperparameters and the digests of the directories it reads, its
+    tokenizer's: ``inputs`` — then reused); None otherwise."""
     packing = config.data.packing
     if packing is None:
         return None
@@ -259,9 +267,14 @@ def packed_store(
             f"data.packing packs tokens, but trial {config.trial} defines no tokenize(rows) to make them"
         )
     source = inspect.getsourcefile(trial_class)
-    tokenizer = canonical_json(
-        {"trial": config.trial, "module": file_sha256(Path(source)) if source else "", "hparams": hparams}
-    ).decode()
+    identity: dict[str, Any] = {
+        "trial": config.trial,
+        "module": file_sha256(Path(source)) if source else "",
+        "hparams": hparams,
+    }
+    if inputs:  # (absent without: the windows packed before inputs were recorded stay found)
+        identity["inputs"] = dict(inputs)
+    tokenizer = canonical_json(identity).decode()
     return pack_shards(
         shards,
         seq_len=packing.seq_len,

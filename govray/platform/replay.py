@@ -33,10 +33,17 @@ from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_l
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import checkpoint_schedule_version, find_checkpoints, verify_checkpoint
+from govray.train.checkpoint import (
+    RUN_SPEC_FILE,
+    checkpoint_schedule_version,
+    find_checkpoints,
+    verify_checkpoint,
+)
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import verify_input_digests
+from govray.train.trial import make_trial
 
 
 class ReplayError(GovrayError):
@@ -193,6 +200,9 @@ def replay_trial(
             )
     assert original.ray_run_name is not None
     original_dir = final_checkpoint(storage.root / "ray" / original.ray_run_name, checked.trust)
+    ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
+    trial = make_trial(ran.trial, ran.hparams, ran.settings)
+    verify_input_digests(ran.input_digests, trial, run=f"trial {original.id}")  # before any packing
     plan = plan_run(
         config,
         checked,

@@ -21,6 +21,8 @@ from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, train
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.train.runspec import RunSpec
+from govray.train.snapshots import verify_input_digests
+from govray.train.trial import make_trial
 
 RESUMABLE_STATES = (TrialState.ACTIVE.value, TrialState.ERRORED.value, TrialState.PAUSED.value)
 
@@ -55,7 +57,7 @@ def resume_trial(
 
     The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
     the schedule from there, running the trial's recorded code. Refused if the policy changed
-    since the run started.
+    since the run started, or if a directory the trial reads (its tokenizer's) changed.
     """
     trial = interrupted_trial(store, experiment)
     if trial is None:
@@ -73,8 +75,10 @@ def resume_trial(
             f"trial {trial.id} ran under policy digest {spec.policy_digest[:16]}…, the policy is now "
             f"{checked.policy.digest[:16]}…: resume refused"
         )
-    # The workers import the trial from its verified snapshot.
+    # The workers import the trial from its verified snapshot, reading what it read then.
     code = code_directory(storage, recorded_trial_code(storage, trial))
+    resumed = make_trial(spec.trial, spec.hparams, spec.settings)
+    verify_input_digests(spec.input_digests, resumed, run=f"trial {trial.id}")
     spec = spec.model_copy(update={"code_dir": str(code), "recorded_code": True})
     with mirrored(store, config.tracking.mlflow, trial.experiment_id):
         return train_run(

@@ -43,9 +43,10 @@ from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
-from govray.train.reproducibility import CodeSnapshot, build_record, deterministic_worker_env
+from govray.train.reproducibility import build_record, deterministic_worker_env
 from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
+from govray.train.snapshots import CodeSnapshot
 
 Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
 RAY_CHECKPOINT_INDEX = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in its run directory

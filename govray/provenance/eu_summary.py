@@ -35,8 +35,9 @@ from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError
 from govray.core.keys import TrustConfig
 from govray.core.version import GOVRAY_VERSION
-from govray.data.schedule import ScheduleSpec, step_slots
+from govray.data.schedule import ScheduleSpec
 from govray.data.shards import CorpusSummary, ShardSet
+from govray.data.slots import step_slots
 from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable

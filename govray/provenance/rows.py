@@ -37,8 +37,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from govray.core.errors import GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
 from govray.data.packed import PackedStore
-from govray.data.schedule import ScheduleSpec, row_slots
+from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
+from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
 from govray.provenance.attest import AttestationError, routing_of, run_spec_of
 from govray.tracking.lineage import as_of, checkpoints
@@ -162,7 +163,7 @@ def row_steps(spec: ScheduleSpec, route: str, position: int, steps: int) -> tupl
     """The global steps below ``steps`` whose slot held route-local row ``position`` of ``route``:
     ``(reached, reverted)``, where a reverted step was trained and then discarded by a rollback.
 
-    At most one step per epoch (``schedule.row_slots``). Steps at which its corpus was excluded or
+    At most one step per epoch (``govray.data.slots.row_slots``). Steps at which its corpus was excluded or
     gated are in neither list."""
     routes = [item.route for item in spec.routes]
     if route not in routes:

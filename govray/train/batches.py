@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from govray.data.schedule import Slot
+from govray.data.slots import Slot
 from govray.train.trial import Batch
 
 

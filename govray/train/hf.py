@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -118,6 +119,12 @@ class CausalLMTrial(Trial):
             return self.eos_id
         return int(self.tokenizer.pad_token_id)
 
+    def input_directories(self) -> dict[str, Path]:
+        """The tokenizer's directory, when the ``tokenizer`` hyperparameter names one: its digest
+        is recorded with the run, so a replay or resume refuses a tokenizer that changed."""
+        directory = self.hparams.get("tokenizer")
+        return {} if directory is None else {"tokenizer": Path(str(directory))}
+
     def _special(self, *names: str) -> int:
         for name in names:
             value = getattr(self.tokenizer, name, None)
@@ -187,7 +194,7 @@ class CausalLMTrial(Trial):
 
     def _batch(self, texts: Sequence[str]) -> Batch:
         encoded = self._ids(texts)
-        length = max((len(ids) for ids in encoded), default=1)
+        length = max(len(ids) for ids in encoded)
         ids = torch.full((len(encoded), length), self.bos_id, dtype=torch.long)
         targets = torch.full((len(encoded), length), IGNORE, dtype=torch.long)
         for row, tokens in enumerate(encoded):
@@ -203,7 +210,7 @@ class CausalLMTrial(Trial):
     def _windows(self, rows: pa.Table) -> Batch:
         """Each window's ids; position ``t`` predicts ``t + 1`` among its ``tokens`` real ones."""
         windows = rows["input_ids"].to_pylist()
-        ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1 if windows else 1)
+        ids = torch.tensor(windows, dtype=torch.long)
         tokens = torch.tensor(rows["tokens"].to_pylist(), dtype=torch.long)
         predicted = torch.arange(1, ids.shape[1]) < tokens[:, None]  # the next token is real
         targets = torch.full_like(ids, IGNORE)
@@ -221,10 +228,6 @@ class CausalLMTrial(Trial):
         soft cap, a logit scale) computes them whole.
         """
         ids, targets = batch["ids"], batch["targets"]
-        if len(ids) == 0:
-            # An empty slot still runs forward and backward (DDP's hook with it): transformers
-            # refuses an empty batch, so one BOS row goes through the graph and none of it is kept.
-            ids, targets = ids.new_full((1, 1), BOS), targets.new_full((1, 1), IGNORE)
         chunk = self.settings.loss_chunk
         language_model = transformers_model(model)
         if chunk is None or not plain_head(language_model):
@@ -236,7 +239,7 @@ class CausalLMTrial(Trial):
             )
             head = language_model.get_output_embeddings()
             nll = chunked_token_nll(head, out.hidden_states[-1], targets, chunk)
-        return nll[: len(batch["ids"])]
+        return nll
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         nll = self.token_nll(model, batch).sum(dim=1)

@@ -24,7 +24,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.core.errors import GovrayError, describe_validation_error
-from govray.data.schedule import RouteLayout, ScheduleSpec, Slot
+from govray.data.schedule import RouteLayout, ScheduleSpec
+from govray.data.slots import Slot
 from govray.data.step_rows import StepRows, step_rows
 from govray.governance.routing import ADAPTER_PREFIX, RoutingTable
 

@@ -29,9 +29,9 @@ from govray.core.logs import WorkerLog
 from govray.core.runtime import ray_node_id
 from govray.core.storage import StorageError, open_storage
 from govray.train.reports import StepReport
-from govray.train.reproducibility import CodeSnapshot, use_recorded_code
 from govray.train.runspec import RunSpec
 from govray.train.session import RayTrainSession, Session
+from govray.train.snapshots import CodeSnapshot, use_recorded_code
 from govray.train.state import TrialRun
 from govray.train.trial import importable
 from govray.train.validation import finished_clone_report, run_validation

@@ -178,6 +178,8 @@ class MemorizationProbe:
             for route, canaries in plan.canary_texts.items():
                 texts = canaries + plan.references
                 positions = range(rank, len(texts), world)
+                if not positions:  # fewer texts than ranks (split: no forward holds a collective)
+                    continue
                 with self.model.active(self.routing.adapter_names.get(route)), self.autocast():
                     scores = self.trial.sequence_scores(self.model, [texts[i] for i in positions])
                 for position, score in zip(positions, scores.tolist(), strict=True):

@@ -48,6 +48,10 @@ class RunSpec(BaseModel):
     # Held-out rows per corpus a validation evaluates (evenly spaced); None: all of them (a run.json
     # written before the limit existed).
     eval_rows: int | None = None
+    # The digest of each local directory the trial reads besides its rows (``Trial.input_directories``:
+    # a tokenizer's), by the hyperparameter naming it; None in a run.json written before they were
+    # recorded (nothing to compare a replay or resume with).
+    input_digests: dict[str, str] | None = None
     seed: int
     trial_seed: int
     max_steps: int

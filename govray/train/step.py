@@ -36,14 +36,9 @@ from torch import nn
 from govray.core.errors import ConfigError
 from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader, evaluation_rows
-from govray.data.schedule import (
-    ScheduleEvent,
-    ScheduleSpec,
-    Slot,
-    derive_seed,
-    slot,
-)
+from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
+from govray.data.slots import Slot, slot
 from govray.data.step_rows import StepRows, step_rows
 from govray.governance.adapters import GovernedModel, load_adapter
 from govray.governance.allreduce import parameters_by_name

@@ -120,7 +120,8 @@ class Trial(ProbeHooks, ABC):
 
     @abstractmethod
     def collate(self, rows: pa.Table) -> Batch:
-        """Tensors for a batch of shard rows (zero rows must give a zero-length batch)."""
+        """Tensors for a batch of shard rows (at least one: govray never hands a trial an empty
+        batch; a slot without rows runs a stand-in row whose losses it drops)."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -178,6 +179,13 @@ class Trial(ProbeHooks, ABC):
         raise NotImplementedError(
             f"{type(self).__name__} does not define tokenize(rows), which data.packing needs"
         )
+
+    def input_directories(self) -> Mapping[str, Path]:
+        """Local directories the trial reads besides its rows (a tokenizer's files), by the
+        hyperparameter that names each. The driver records a digest of each one's files with the
+        run (``RunSpec.input_digests``), and a replay or a resume refuses to run on files that
+        changed since. Default: none."""
+        return {}
 
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-example evaluation values; govray averages each over the evaluation rows.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from govray.core.errors import GovrayError
 from govray.data.packed import PackedStore
 from govray.data.reader import FileRun, ShardReader
-from govray.data.schedule import Slot
+from govray.data.slots import Slot
 from govray.train.ledger import RowCounts, TokensPerRow
 from govray.train.trial import Trial
 

@@ -40,7 +40,8 @@ RANKS, TENSORS, CORPORA, BATCH = 1024, 1000, 50, 8
 
 def bookkeeping(steps: int, checkpoint_period: int) -> float:
     """Milliseconds of governance bookkeeping per step (median), ledger expansion amortized."""
-    from govray.data.schedule import RouteLayout, ScheduleSpec, slot
+    from govray.data.schedule import RouteLayout, ScheduleSpec
+    from govray.data.slots import slot
     from govray.data.step_rows import step_rows
     from govray.governance.allreduce import GradientGovernor, parameters_by_name
     from govray.governance.policy import DepthPolicy
@@ -111,7 +112,7 @@ def _hf_example(root: Path) -> tuple[Any, Any]:
 def throughput(steps: int) -> tuple[float, str, str]:
     """govray's governed step vs a plain loop on the HF example: the median per-pair ratio of
     throughputs (examples per second), its precision and its device."""
-    from govray.data.schedule import slot
+    from govray.data.slots import slot
     from govray.train.step import GovernedStep
     from govray.train.worker import Worker
 

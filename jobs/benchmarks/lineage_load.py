@@ -105,8 +105,8 @@ def build_store(workdir: Path, args: argparse.Namespace) -> tuple[str, Workload]
 
 def start_app(url: str) -> str:
     """The lineage app under Ray Serve on a free 127.0.0.1 port; returns its base URL."""
+    from govray.config.serve import ServeSettings
     from serve.app import start
-    from serve.settings import ServeSettings
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -171,8 +171,8 @@ def app_url(governed_model: GovernedModel) -> Iterator[str]:
     """The lineage app under Ray Serve, listening on 127.0.0.1."""
     from ray import serve
 
+    from govray.config.serve import ServeSettings
     from serve.app import start
-    from serve.settings import ServeSettings
 
     settings = ServeSettings(
         database_url=governed_model.store.url, trust=governed_model.trust, port=free_port()

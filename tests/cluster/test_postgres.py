@@ -272,8 +272,8 @@ def test_bad_input_on_postgresql_is_a_4xx_never_a_503(pg_store: TrackingStore, t
     from fastapi.testclient import TestClient
     from pydantic import SecretStr
 
+    from govray.config.serve import ServeSettings
     from serve.app import create_app
-    from serve.settings import ServeSettings
 
     settings = ServeSettings(database_url=pg_store.url, token=SecretStr("pg-token"))
     paths = []

@@ -1,5 +1,5 @@
-"""The lineage server's configuration: which tracking store it reads, which keys it trusts, the
-token its write endpoints require, and where it listens.
+"""The lineage server's configuration (``govray serve``, the app in ``serve/``): which tracking
+store it reads, which keys it trusts, the token its write endpoints require, and where it listens.
 
 Read from the environment, then from a YAML file (``GOVRAY_SERVE_CONFIG`` or
 ``govray serve --config``), the file's keys winning::
@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from govray.core.documents import parse_yaml_mapping, read_text
-from govray.core.errors import ConfigError, GovrayError, describe_validation_error
+from govray.core.errors import ConfigError, describe_validation_error
 
 ENVIRONMENT = {
     "database_url": ("GOVRAY_DATABASE_URL", "GOVRAY_DATABASE"),
@@ -33,10 +33,6 @@ ENVIRONMENT = {
     "port": ("GOVRAY_SERVE_PORT",),
 }
 CONFIG_VARIABLE = "GOVRAY_SERVE_CONFIG"
-
-
-class Unavailable(GovrayError):
-    """The server cannot answer this request as it is configured (an HTTP 503)."""
 
 
 class ServeSettings(BaseModel):
