@@ -181,19 +181,11 @@ class GoldenRun:
     outcome: Any
 
 
-def _golden_run(path: Path, excluded: tuple[str, ...] = ()) -> GoldenRun:
+def _golden_run(path: Path) -> GoldenRun:
     from govray.platform.runner import run_trial
 
     config, store, checked, experiment, ingested = opened(path)
-    outcome = run_trial(
-        config,
-        checked,
-        experiment,
-        ingested.root,
-        store,
-        excluded_corpora=excluded,
-        report_every=GOLDEN_REPORT_EVERY,
-    )
+    outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY)
     return GoldenRun(config, checked, ingested.root, store, outcome)
 
 
@@ -209,9 +201,26 @@ def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
 
 
 @pytest.fixture(scope="session")
-def golden_run_without_writers(ray_session: None, golden_example: Path) -> GoldenRun:
-    """The same run with the PII corpus (routed to the adapter) excluded: its slots left empty."""
-    return _golden_run(golden_example, excluded=("digits-writers",))
+def golden_replay_without_writers(golden_run: GoldenRun) -> Any:  # a govray.platform.replay.Replay
+    """The golden run replayed (``govray replay``'s function) with the PII corpus, routed to the
+    adapter, excluded: its slots left empty, the recorded LR cuts applied; and its influence report."""
+    from govray.platform.replay import replay_trial
+
+    return replay_trial(
+        golden_run.store, golden_run.config.name, ("digits-writers",), trial_id=golden_run.outcome.trial_id
+    )
+
+
+@pytest.fixture(scope="session")
+def golden_run_without_writers(golden_run: GoldenRun, golden_replay_without_writers: Any) -> GoldenRun:
+    """That replay as a run: the counterfactual the removal and row-lookup tests compare with."""
+    return GoldenRun(
+        golden_run.config,
+        golden_run.checked,
+        golden_run.shard_root,
+        golden_run.store,
+        golden_replay_without_writers.outcome,
+    )
 
 
 @pytest.fixture(scope="session")

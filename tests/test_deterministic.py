@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from govray.config.experiment import load_experiment
+from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision
 from govray.core.storage import open_storage
+from govray.platform.plan import plan_run
 from govray.platform.runner import governed_trainer, run_trial
 from govray.provenance.attest import attest_checkpoint
 from govray.train.checkpoint import find_checkpoints
@@ -23,6 +24,7 @@ from govray.train.reproducibility import (
     DETERMINISTIC_ENV,
     GPU_REPLAY_TOLERANCE,
     ReproducibilityRecord,
+    build_record,
     deterministic_worker_env,
 )
 from govray.train.runspec import RunSpec
@@ -37,13 +39,9 @@ def final_checkpoint(run_dir: Path) -> Path:
     return find_checkpoints(run_dir)[-1]
 
 
-@pytest.fixture(scope="module")
-def deterministic_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
-    """Two Ray Train workers, deterministic mode on, with a trial that records how it was built."""
-    root = tmp_path_factory.mktemp("deterministic")
-    probes = root / "builds"
-    probes.mkdir()
-    path = golden_example(
+def deterministic_example(root: Path, probes: Path) -> Path:
+    """The digits example on 2 workers, deterministic mode on, its trial recording how it was built."""
+    return golden_example(
         root,
         workers=2,
         max_length={"batches": STEPS},
@@ -52,9 +50,35 @@ def deterministic_run(ray_session: None, tmp_path_factory: pytest.TempPathFactor
         trial="tests.probe_trial:ProbedDigitsTrial",
         training={"deterministic": True},
     )
-    config, store, checked, experiment, ingested = opened(path)
+
+
+@pytest.fixture(scope="module")
+def deterministic_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """Two Ray Train workers, deterministic mode on, with a trial that records how it was built."""
+    root = tmp_path_factory.mktemp("deterministic")
+    probes = root / "builds"
+    probes.mkdir()
+    config, store, checked, experiment, ingested = opened(deterministic_example(root, probes))
     outcome = run_trial(config, checked, experiment, ingested.root, store)
-    return outcome, probes, path
+    return outcome, probes, root / "experiment.yaml"
+
+
+@pytest.fixture(scope="module")
+def deterministic_plan(
+    ray_session: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ExperimentConfig, RunSpec]:
+    """The same run ingested (Ray Data) and planned as the driver plans it, with the driver's
+    reproducibility record, and not trained: the spec its workers would get, which is all the
+    tests below read."""
+    root = tmp_path_factory.mktemp("deterministic-plan")
+    probes = root / "builds"
+    probes.mkdir()
+    config, _, checked, _, ingested = opened(deterministic_example(root, probes))
+    plan = plan_run(config, checked, ingested.root)
+    record = build_record(
+        config, plan.storage.root, config_digest=plan.spec.config_digest, threads=plan.spec.threads
+    )
+    return config, plan.named("deterministic-plan", record.model_dump(mode="json"))
 
 
 @pytest.mark.cluster  # a 2-worker run of its own (~40 s): the second tier
@@ -91,11 +115,9 @@ def test_the_record_and_the_attestation_say_deterministic_mode_was_on_and_replay
 
 
 def test_the_variables_go_into_the_workers_runtime_environment_only_in_deterministic_mode(
-    deterministic_run: tuple[Any, Path, Path],
+    deterministic_plan: tuple[ExperimentConfig, RunSpec],
 ) -> None:
-    outcome, _, path = deterministic_run
-    config = load_experiment(path)
-    spec = RunSpec.model_validate_json((final_checkpoint(outcome.run_dir) / "run.json").read_text())
+    config, spec = deterministic_plan
     trainer = governed_trainer(config, spec, "placement-check", open_storage(config.storage_path))
     assert trainer.run_config.worker_runtime_env == {"env_vars": DETERMINISTIC_ENV}
     assert spec.settings is not None
@@ -113,14 +135,13 @@ def test_the_variables_go_into_the_workers_runtime_environment_only_in_determini
     ],
 )
 def test_replay_is_promised_exact_on_cpu_or_in_deterministic_mode_else_within_a_stated_tolerance(
-    deterministic_run: tuple[Any, Path, Path],
+    deterministic_plan: tuple[ExperimentConfig, RunSpec],
     device: str,
     precision: Precision,
     deterministic: bool,
     exact: bool,
 ) -> None:
-    outcome, _, _ = deterministic_run
-    spec = RunSpec.model_validate_json((final_checkpoint(outcome.run_dir) / "run.json").read_text())
+    _, spec = deterministic_plan
     record = ReproducibilityRecord.model_validate(spec.reproducibility).model_copy(
         update={"device": device, "precision": precision, "deterministic": deterministic}
     )

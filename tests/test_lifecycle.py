@@ -14,14 +14,13 @@ import yaml
 from safetensors.torch import load_file
 
 from govray.cli import main
-from govray.config.experiment import ExperimentConfig, load_experiment
+from govray.config.experiment import ExperimentConfig
 from govray.core.logs import log_dir, read_logs
 from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.platform.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
 from govray.platform.plan import run_spec_path
-from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
@@ -30,6 +29,7 @@ from govray.train.ledger import Ledger, recompute_ledger
 from govray.train.runspec import RunSpec
 from govray.train.state import TrialRun
 from govray.train.worker import Worker
+from jobs.examples.digits.golden import opened
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_example
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
@@ -43,13 +43,25 @@ def slow_example(root: Path, workers: int) -> Path:
     return path
 
 
-def run_and_request(path: Path, command: str) -> tuple[TrialOutcome, TrackingStore, int]:
-    """Train the example; once the first report (step 10) is in, `govray experiment COMMAND` it."""
-    config = load_experiment(path)
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
+def run_and_request(
+    path: Path, command: str, reference: bool = False
+) -> tuple[TrialOutcome, TrackingStore, int, TrialOutcome | None]:
+    """Train the example; once the first report (step 10) is in, `govray experiment COMMAND` it.
+    With ``reference``, first train it uninterrupted in the same experiment, at full speed."""
+    config, store, checked, experiment, ingested = opened(path)
     assert experiment.id is not None
+    uninterrupted = None
+    if reference:
+        hparams = {**config.default_hparams(), "step_seconds": 0.0}  # the same arithmetic, no sleep
+        uninterrupted = run_trial(
+            config,
+            checked,
+            experiment,
+            ingested.root,
+            store,
+            hparams=hparams,
+            report_every=GOLDEN_REPORT_EVERY,
+        )
     asked: list[int] = []
 
     def progress(step: int, max_steps: int, latest: dict[str, float]) -> None:
@@ -62,20 +74,50 @@ def run_and_request(path: Path, command: str) -> tuple[TrialOutcome, TrackingSto
         config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY, progress=progress
     )
     assert asked == [GOLDEN_REPORT_EVERY]
-    return outcome, store, experiment.id
+    return outcome, store, experiment.id, uninterrupted
+
+
+Paused = tuple[TrialOutcome, TrackingStore, int, TrialOutcome | None]
 
 
 @pytest.fixture(scope="module")
-def paused(
-    ray_session: None, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[TrialOutcome, TrackingStore, int]:
-    return run_and_request(slow_example(tmp_path_factory.mktemp("paused"), workers=2), "pause")
+def paused_in_process(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Paused:
+    """One worker in the driver's process (Train V2 local mode): an uninterrupted reference run, then
+    the same run paused at its first report."""
+    return run_and_request(
+        slow_example(tmp_path_factory.mktemp("paused"), workers=1), "pause", reference=True
+    )
+
+
+@pytest.fixture(scope="module")
+def paused(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Paused:
+    """Two Ray Train workers, paused at the first report (the golden run is the reference)."""
+    return run_and_request(slow_example(tmp_path_factory.mktemp("paused2"), workers=2), "pause")
 
 
 def test_pause_checkpoints_at_a_step_boundary_and_activate_finishes_bit_identically(
-    paused: tuple[TrialOutcome, TrackingStore, int], golden_run: GoldenRun
+    paused_in_process: Paused,
 ) -> None:
-    outcome, store, experiment_id = paused
+    """In-process, where Ray Train adds nothing to the pause: rank 0 reads the request at a step
+    boundary; the 2-worker run (its ranks agreeing on the stop) is the slow tier's test below."""
+    outcome, store, experiment_id, reference = paused_in_process
+    assert reference is not None
+    pause_and_activate(outcome, store, experiment_id, reference.run_dir, ranks=1)
+
+
+@pytest.mark.slow  # two runs on 2 Ray Train workers of their own: the in-process test above stays
+def test_pause_of_two_ray_train_workers_and_activate_finish_as_the_golden_run(
+    paused: Paused, golden_run: GoldenRun
+) -> None:
+    outcome, store, experiment_id, _ = paused
+    pause_and_activate(outcome, store, experiment_id, golden_run.outcome.run_dir, ranks=2)
+
+
+def pause_and_activate(
+    outcome: TrialOutcome, store: TrackingStore, experiment_id: int, uninterrupted: Path, ranks: int
+) -> None:
+    """The paused run checkpointed at a step boundary; `govray experiment activate` finishes it with
+    the ``uninterrupted`` run's exact weights, ledger and decisions."""
     assert outcome.state == "paused" and GOLDEN_REPORT_EVERY <= outcome.steps_done < GOLDEN_STEPS
     assert store.get_trial(outcome.trial_id).state == "paused"
     assert store.get_experiment(experiment_id).state == "paused"
@@ -87,7 +129,7 @@ def test_pause_checkpoints_at_a_step_boundary_and_activate_finishes_bit_identica
     assert store.get_trial(outcome.trial_id).state == "completed"
     assert store.get_experiment(experiment_id).state == "completed"
     final = find_checkpoints(outcome.run_dir)[-1]
-    golden = find_checkpoints(golden_run.outcome.run_dir)[-1]
+    golden = find_checkpoints(uninterrupted)[-1]
     assert checkpoint_step(final) == checkpoint_step(golden) == GOLDEN_STEPS
     for name in WEIGHT_FILES:
         assert (final / name).read_bytes() == (golden / name).read_bytes(), name
@@ -101,7 +143,7 @@ def test_pause_checkpoints_at_a_step_boundary_and_activate_finishes_bit_identica
         for line in lines
     )
     assert any(f"resumed from a verified checkpoint at step {outcome.steps_done}" in line for line in lines)
-    assert sum("completed 30 steps" in line for line in lines) == 2  # both ranks
+    assert sum("completed 30 steps" in line for line in lines) == ranks
     requested = [e for e in AuditLog(store).list() if e.event_type == AuditEventType.EXPERIMENT_REQUESTED]
     assert [json.loads(e.payload_json)["request"] for e in requested] == ["pause"]
 
@@ -111,7 +153,7 @@ def load_experiment_config(store: TrackingStore, experiment_id: int) -> Experime
 
 
 def test_kill_stops_a_local_run_for_good(ray_session: None, tmp_path: Path) -> None:
-    outcome, store, experiment_id = run_and_request(slow_example(tmp_path, workers=1), "kill")
+    outcome, store, experiment_id, _ = run_and_request(slow_example(tmp_path, workers=1), "kill")
     assert outcome.state == "killed" and GOLDEN_REPORT_EVERY <= outcome.steps_done < GOLDEN_STEPS
     assert outcome.ledger is None
     assert store.get_trial(outcome.trial_id).state == "killed"

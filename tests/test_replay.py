@@ -3,7 +3,10 @@ empty under a fresh run name, and its influence report separates direct from ind
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,29 +25,56 @@ from tests.conftest import GoldenRun, govray_elsewhere
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")
 
 
+@dataclass(frozen=True)
+class ReplayOfAReplay:
+    """What `govray replay` printed and reported replaying the golden run's replay without the PII
+    corpus (``golden_replay_without_writers``) again without the licensed corpus."""
+
+    out: str  # the CLI's output, whitespace collapsed
+    first: int  # the replay it replayed
+    report: InfluenceReport
+    report_path: Path
+
+
+def replay_cli(golden_run: GoldenRun, *options: str) -> list[str]:
+    """`govray replay` of the golden run's experiment, by id (later experiments share its name)."""
+    experiment_id = golden_run.store.get_trial(golden_run.outcome.trial_id).experiment_id
+    return ["replay", str(experiment_id), "--database", golden_run.config.database_url, *options]
+
+
 @pytest.fixture(scope="module")
-def replay_without_licensed(golden_run: GoldenRun) -> Replay:
-    """The golden run replayed without the licensed corpus (routed to the upper two layers)."""
-    return replay_trial(
-        golden_run.store, golden_run.config.name, ("digits-licensed",), trial_id=golden_run.outcome.trial_id
-    )
+def replay_of_a_replay(golden_run: GoldenRun, golden_replay_without_writers: Replay) -> ReplayOfAReplay:
+    """One Ray Train run for this module's replays: the shared replay without the PII corpus
+    (an adapter's) is replayed through the CLI without the licensed corpus (the upper two layers)."""
+    first = golden_replay_without_writers.outcome.trial_id
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(replay_cli(golden_run, "--exclude-corpus", "digits-licensed", "--trial", str(first)))
+    out = " ".join(printed.getvalue().split())
+    assert code == 0, out
+    report_path = Path(out.split("influence report: ")[1].split()[0])
+    report = InfluenceReport.model_validate_json(report_path.read_text())
+    return ReplayOfAReplay(out, first, report, report_path)
 
 
 def test_upper_layer_corpus_has_no_direct_but_indirect_influence_below(
-    golden_run: GoldenRun, replay_without_licensed: Replay
+    golden_run: GoldenRun, replay_of_a_replay: ReplayOfAReplay
 ) -> None:
-    report = replay_without_licensed.report
-    assert report.replay_run != golden_run.outcome.run_name  # a fresh Ray Train run
+    report = replay_of_a_replay.report
+    assert report.excluded_corpora == ["digits-licensed"]
+    store = golden_run.store
+    others = store.list_trials(store.get_trial(golden_run.outcome.trial_id).experiment_id)
+    assert report.replay_run not in {t.ray_run_name for t in others if t.id != report.replay_trial}  # fresh
     rows = {row.tensor: row for row in report.tensors}
     for tensor in ("embed.weight", "embed.bias"):  # layer 0: outside the licensed route
         assert rows[tensor].direct_examples == 0
         assert rows[tensor].kind == "indirect" and rows[tensor].distance > 0
     for tensor in ("hidden.weight", "head.weight"):
         assert rows[tensor].kind == "direct" and rows[tensor].direct_examples > 0
-    # Ledger of the replay: the excluded corpus is gone, nothing else is.
-    ledger = replay_without_licensed.outcome.ledger
-    assert ledger is not None and "digits-licensed" not in ledger.corpora()
-    assert replay_without_licensed.report_path.exists()
+    # Ledger of the replay: the excluded corpora are gone, nothing else is.
+    corpora = {row.corpus_id for row in ledger_rows(golden_run.store, report.replay_trial)}
+    assert corpora == {"digits-public"}, corpora
+    assert replay_of_a_replay.report_path.exists()
 
 
 def decision_record(store: TrackingStore, trial_id: int) -> list[tuple[int, int, str, float]]:
@@ -55,16 +85,17 @@ def decision_record(store: TrackingStore, trial_id: int) -> list[tuple[int, int,
 
 
 def test_the_replay_applies_the_recorded_lr_cuts_although_its_own_metrics_differ(
-    golden_run: GoldenRun, replay_without_licensed: Replay
+    golden_run: GoldenRun, replay_of_a_replay: ReplayOfAReplay
 ) -> None:
     """The golden run's plateau rule cut the LR at steps 20 and 30. Without the licensed corpus
     the validation losses differ, yet the replay cuts at exactly those steps, by the record."""
     store = golden_run.store
     original = decision_record(store, golden_run.outcome.trial_id)
     assert original == [(0, 20, "lr_scale", 0.5), (1, 30, "lr_scale", 0.25)]
-    replayed_trial = replay_without_licensed.outcome.trial_id
-    assert decision_record(store, replayed_trial) == original
-    assert all(row.replayed for row in store.decisions(replayed_trial))
+    for replayed_trial in (replay_of_a_replay.first, replay_of_a_replay.report.replay_trial):
+        assert decision_record(store, replayed_trial) == original
+        assert all(row.replayed for row in store.decisions(replayed_trial))
+    replayed_trial = replay_of_a_replay.report.replay_trial
     assert not any(row.replayed for row in store.decisions(golden_run.outcome.trial_id))
 
     def losses(trial_id: int) -> dict[int, float]:
@@ -75,35 +106,24 @@ def test_the_replay_applies_the_recorded_lr_cuts_although_its_own_metrics_differ
 
 
 def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(
-    golden_run: GoldenRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    golden_run: GoldenRun, golden_replay_without_writers: Replay
 ) -> None:
-    """The product's strongest promise, through the CLI: the PII corpus trains only its adapter,
-    so the replay without it has a byte-identical base model (and a fresh run name) — with a
-    metric-driven LR schedule cutting the LR twice (applied from the record) and per-route-group
-    gradient clipping active (GOLDEN_HPARAMS' max_grad_norm)."""
-    code = main(
-        [
-            "replay",
-            golden_run.config.name,
-            "--exclude-corpus",
-            "digits-writers",
-            "--database",
-            golden_run.config.database_url,
-            "--trial",
-            str(golden_run.outcome.trial_id),
-        ]
-    )
-    assert code == 0
-    out = capsys.readouterr().out
-    assert "influence report:" in out
-    report_path = Path(out.strip().splitlines()[-1].split("influence report: ")[1])
-    from govray.platform.replay import InfluenceReport
-
-    report = InfluenceReport.model_validate_json(report_path.read_text())
+    """The product's strongest promise: the PII corpus trains only its adapter, so the replay
+    without it (``govray replay``'s function; the CLI is this module's replay of a replay) has a
+    byte-identical base model under a fresh run name — with a metric-driven LR schedule cutting
+    the LR twice (applied from the record) and per-route-group gradient clipping active
+    (GOLDEN_HPARAMS' max_grad_norm)."""
+    report = golden_replay_without_writers.report
+    assert report.original_trial == golden_run.outcome.trial_id
+    assert report.excluded_corpora == ["digits-writers"]
+    assert report.replay_run != golden_run.outcome.run_name  # a fresh Ray Train run
     base = [row for row in report.tensors if row.file == "model.safetensors"]
     assert base and all(row.distance == 0.0 and row.kind == "none" for row in base)
     adapter = [row for row in report.tensors if row.file.startswith("adapter-")]
     assert adapter and all(row.kind == "direct" for row in adapter)
+    replayed = final_checkpoint(golden_replay_without_writers.outcome.run_dir, golden_run.checked.trust)
+    original = final_checkpoint(golden_run.outcome.run_dir, golden_run.checked.trust)
+    assert (replayed / "model.safetensors").read_bytes() == (original / "model.safetensors").read_bytes()
 
 
 def test_replay_refuses_an_unknown_corpus(golden_run: GoldenRun) -> None:
@@ -114,27 +134,16 @@ def test_replay_refuses_an_unknown_corpus(golden_run: GoldenRun) -> None:
 # -- replays are marked, and a replay is never mistaken for the original ----------------------
 
 
-def replay_cli(golden_run: GoldenRun, *options: str) -> list[str]:
-    """`govray replay` of the golden run's experiment, by id (later experiments share its name)."""
-    experiment_id = golden_run.store.get_trial(golden_run.outcome.trial_id).experiment_id
-    return ["replay", str(experiment_id), "--database", golden_run.config.database_url, *options]
-
-
 def test_replaying_a_replay_needs_its_id_and_says_what_it_replays(
-    golden_run: GoldenRun, replay_without_licensed: Replay, capsys: pytest.CaptureFixture[str]
+    golden_run: GoldenRun, replay_of_a_replay: ReplayOfAReplay
 ) -> None:
-    first = replay_without_licensed.outcome.trial_id
-    options = ("--exclude-corpus", "digits-writers", "--trial", str(first))
-    assert main(replay_cli(golden_run, *options)) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    first, report = replay_of_a_replay.first, replay_of_a_replay.report
     assert (
-        f"trial {first} is itself a replay of trial {golden_run.outcome.trial_id} without digits-licensed"
-        in out
+        f"trial {first} is itself a replay of trial {golden_run.outcome.trial_id} without digits-writers"
+        in replay_of_a_replay.out
     )
-    report_path = Path(out.split("influence report: ")[1].split()[0])
-    report = InfluenceReport.model_validate_json(report_path.read_text())
     assert (report.original_trial, report.original_replay_of) == (first, golden_run.outcome.trial_id)
-    assert (report.excluded_corpora, report.already_excluded) == (["digits-writers"], ["digits-licensed"])
+    assert (report.excluded_corpora, report.already_excluded) == (["digits-licensed"], ["digits-writers"])
     replayed = golden_run.store.get_trial(report.replay_trial)
     assert (replayed.kind, replayed.replay_of) == ("replay", first)
     corpora = {row.corpus_id for row in ledger_rows(golden_run.store, report.replay_trial)}
@@ -144,7 +153,15 @@ def test_replaying_a_replay_needs_its_id_and_says_what_it_replays(
 # -- a replay runs the recorded code ----------------------------------------------------------
 
 
-@pytest.mark.slow  # a whole replay in a process of its own: the slow tier
+@pytest.fixture(scope="module")
+def replay_without_licensed(golden_run: GoldenRun) -> Replay:
+    """The golden run replayed without the licensed corpus, in the project (the slow test's reference)."""
+    return replay_trial(
+        golden_run.store, golden_run.config.name, ("digits-licensed",), trial_id=golden_run.outcome.trial_id
+    )
+
+
+@pytest.mark.slow  # two whole replays, one in a process of its own: the slow tier
 def test_replay_without_trial_from_another_directory_replays_the_original_as_recorded(
     golden_run: GoldenRun, replay_without_licensed: Replay, tmp_path: Path
 ) -> None:
