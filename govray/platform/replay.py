@@ -33,9 +33,10 @@ from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_l
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import checkpoint_schedule_version, find_checkpoints, verify_checkpoint
+from govray.train.checkpoint import MODEL_FILE, find_checkpoints, model_file, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
+from govray.train.run_checkpoints import checkpoint_schedule_version
 from govray.train.runspec import RunSpec
 
 
@@ -134,10 +135,14 @@ def tensor_influence(
 ) -> list[TensorInfluence]:
     """Per tensor of every weight file: direct examples of the excluded corpora and distances."""
     rows = []
-    for path in sorted(original.glob("*.safetensors")):
-        if path.name.startswith("optimizer"):
+    names = sorted({MODEL_FILE, *(path.name for path in original.glob("*.safetensors"))})
+    for name in names:
+        if name.startswith("optimizer"):
             continue
-        before, after = load_file(str(path)), load_file(str(replay / path.name))
+        if name == MODEL_FILE:  # (the run's base file where the checkpoint refers to it)
+            before, after = load_file(str(model_file(original))), load_file(str(model_file(replay)))
+        else:
+            before, after = load_file(str(original / name)), load_file(str(replay / name))
         for ledger_name in sorted(before):  # adapter files already use the ledger's names
             name = ledger_name
             direct = sum(
@@ -151,7 +156,7 @@ def tensor_influence(
             rows.append(
                 TensorInfluence(
                     tensor=ledger_name,
-                    file=path.name,
+                    file=name,
                     direct_examples=direct,
                     distance=difference,
                     relative=difference / scale if scale else 0.0,

@@ -9,8 +9,6 @@ and ledger (fork, ``--from-checkpoint``).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,9 @@ from safetensors.torch import load_file
 from govray.core.canonical import file_sha256
 from govray.core.keys import SigningKey
 from govray.core.storage import open_storage
-from govray.governance.adapters import load_adapter, save_adapter, save_base, save_base_tensors
+from govray.governance.adapter_files import load_adapter, save_adapter, save_base_tensors
 from govray.governance.memorization import MemorizationReport
+from govray.train.base_file import FrozenBase, link_or_copy
 from govray.train.checkpoint import (
     MODEL_FILE,
     OPTIMIZER_META,
@@ -31,21 +30,19 @@ from govray.train.checkpoint import (
     CheckpointError,
     CheckpointState,
     checkpoint_world_size,
-    clean_name,
-    fetch_part,
     load_checkpoint,
-    load_clean_states,
     optimizer_state_from_files,
-    save_clean_state,
     seal_checkpoint,
     shard_file,
     signed_manifest,
     verify_checkpoint,
 )
+from govray.train.clean_states import clean_name, load_clean_states, save_clean_state
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
+from govray.train.run_checkpoints import fetch_part, fetch_referenced
 from govray.train.runspec import RunSpec
 from govray.train.sharding import (
     consolidated,
@@ -72,6 +69,7 @@ class TrialRun:
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
         self.storage = open_storage(spec.storage) if spec.storage else None
+        self.base = FrozenBase(spec.run_dir, self.storage)  # a frozen base is written once per run
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -236,8 +234,9 @@ class TrialRun:
         if key is None:
             return
         model = self.governed.model
+        referenced = None
         if shard_digests is None:
-            save_base(model, directory / MODEL_FILE)
+            referenced = self.base.save(model, directory)  # or a reference to the run's frozen base
         elif "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
             # A validation's or the trial's last checkpoint also holds the whole base model (what
             # the registry, attestations and exports read), put together from the shard files.
@@ -255,7 +254,9 @@ class TrialRun:
         optimizer = self.governed.optimizer.state_dict()
         if shard_digests is not None:
             optimizer = local_optimizer_state(optimizer)
-        seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
+        seal_checkpoint(
+            directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests, referenced
+        )
 
     def _save_shards(self, directory: Path, steps_done: int) -> dict[str, str]:
         """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
@@ -326,6 +327,8 @@ class TrialRun:
         worker, sharded = self.governed.worker, self.governed.sharded
         if sharded:  # refused before any rank looks for its shards (its file may not exist)
             agreed(lambda: self._fits_world(directory), worker, CheckpointError)
+        else:
+            fetch_referenced(directory, self.storage)
         loaded = agreed(
             lambda: load_checkpoint(directory, self.spec.trust, worker.rank if sharded else None),
             worker if sharded else None,
@@ -343,6 +346,7 @@ class TrialRun:
         self._check_schedule(directory, loaded.state)
         governed = self.governed
         governed.load_weights(directory)
+        self.base.resumed(directory, governed.model)
         governed.load_optimizer_state(loaded.optimizer_state)
         governed.take_hyperparameters()
         governed.ledger = Ledger.from_json(loaded.state.ledger)
@@ -371,6 +375,7 @@ class TrialRun:
         """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
         both runs have) and its ledger — what reached the weights stays on the record. The
         optimizer starts fresh; the source is kept in every checkpoint of this run."""
+        fetch_referenced(directory, self.storage)
         loaded = load_checkpoint(directory, self.spec.trust)
         try:
             self.governed.load_weights(directory, adapters_present_only=True)
@@ -388,11 +393,3 @@ class TrialRun:
             "policy_digest": loaded.state.policy_digest,
             **self.spec.start_model,
         }
-
-
-def link_or_copy(source: Path, target: Path) -> None:
-    """``target`` the same file as ``source``: a hard link (no copy) where the filesystem allows."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)

@@ -49,12 +49,13 @@ from govray.data.schedule import (
 )
 from govray.data.shards import ShardSet
 from govray.data.step_rows import StepRows, step_rows
-from govray.governance.adapters import GovernedModel, load_adapter
+from govray.governance.adapter_files import load_adapter
+from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.batches import Prefetcher, on_device, row_batches
-from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
+from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
 from govray.train.memory import checkpoint_activations
@@ -455,7 +456,7 @@ class GovernedStep:
         if self.sharded and world == self.worker.world_size:
             load_shards(self.model, directory / shard_file("model", self.worker.rank, world))
         else:
-            whole = consolidated(directory, world) if world else load_file(str(directory / MODEL_FILE))
+            whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
             if self.sharded:
                 load_whole(self.model, whole, directory)
             else:
