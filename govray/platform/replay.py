@@ -135,28 +135,27 @@ def tensor_influence(
 ) -> list[TensorInfluence]:
     """Per tensor of every weight file: direct examples of the excluded corpora and distances."""
     rows = []
-    names = sorted({MODEL_FILE, *(path.name for path in original.glob("*.safetensors"))})
-    for name in names:
-        if name.startswith("optimizer"):
+    files = sorted({MODEL_FILE, *(path.name for path in original.glob("*.safetensors"))})
+    for file in files:
+        if file.startswith("optimizer"):
             continue
-        if name == MODEL_FILE:  # (the run's base file where the checkpoint refers to it)
+        if file == MODEL_FILE:  # (the run's base file where the checkpoint refers to it)
             before, after = load_file(str(model_file(original))), load_file(str(model_file(replay)))
         else:
-            before, after = load_file(str(original / name)), load_file(str(replay / name))
-        for ledger_name in sorted(before):  # adapter files already use the ledger's names
-            name = ledger_name
+            before, after = load_file(str(original / file)), load_file(str(replay / file))
+        for name in sorted(before):  # adapter files already use the ledger's names
             direct = sum(
                 entry.examples
                 for (corpus, tensor), entry in ledger.entries.items()
-                if corpus in excluded and tensor == ledger_name
+                if corpus in excluded and tensor == name
             )
             difference = (before[name].double() - after[name].double()).norm().item()
             scale = before[name].double().norm().item()
             kind = "direct" if direct else ("indirect" if difference > 0 else "none")
             rows.append(
                 TensorInfluence(
-                    tensor=ledger_name,
-                    file=name,
+                    tensor=name,
+                    file=file,
                     direct_examples=direct,
                     distance=difference,
                     relative=difference / scale if scale else 0.0,

@@ -156,18 +156,15 @@ def release_unreferenced(run_dir: Path, storage: Storage | None = None) -> list[
     """Delete the run's base files that no checkpoint folder of the run refers to any more (from
     the object storage too); returns them. Nothing is deleted while a folder of the run has no
     readable manifest. Checkpoint GC calls it after deleting checkpoints."""
-    kept = referenced_digests(run_dir, storage)
     store = run_dir / BASE_STORE
-    if kept is None:
-        return []
     names = {path.name for path in store.glob("*.safetensors")} if store.is_dir() else set()
     if storage is not None:
         names |= set(storage.list_files(store))
-    released = [
-        store / name
-        for name in sorted(names)
-        if not name.startswith(".") and name.removesuffix(".safetensors") not in kept
-    ]
+    names = {name for name in names if not name.startswith(".")}  # (hidden: one being written)
+    kept = referenced_digests(run_dir, storage) if names else None
+    if kept is None:
+        return []
+    released = [store / name for name in sorted(names) if name.removesuffix(".safetensors") not in kept]
     for path in released:
         if storage is not None:
             storage.delete_file(path)

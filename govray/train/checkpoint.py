@@ -41,7 +41,7 @@ or extra file is refused, naming the file.
 
 Example::
 
-    save_base(model, directory / MODEL_FILE)           # weights first (govray.governance.adapters)
+    save_base(model, directory / MODEL_FILE)           # weights first (governance/adapter_files.py)
     seal_checkpoint(directory, optimizer.state_dict(), state, platform_key)
     loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
 """
