@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from govray.governance.adapters import AdapterError, GovernedModel, load_adapter, save_adapter, save_base
+from govray.governance.adapter_files import load_adapter, save_adapter, save_base
+from govray.governance.adapters import AdapterError, GovernedModel
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
 

@@ -29,9 +29,9 @@ from govray.provenance.attest import (
     Attestation,
     AttestationError,
     attest_checkpoint,
-    routing_of,
     run_spec_of,
 )
+from govray.provenance.predicates import routing_of
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
 from govray.provenance.verify import verify_attestation

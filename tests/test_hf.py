@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from govray.core.errors import RoutingError
-from govray.governance.adapters import GovernedModel, load_adapter, save_peft_adapter
+from govray.governance.adapter_files import load_adapter
+from govray.governance.adapters import GovernedModel
+from govray.governance.peft_format import save_peft_adapter
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.decoder import decoder_layers

@@ -92,7 +92,8 @@ def test_the_trained_adapter_exported_in_peft_layout_loads_with_peft_and_gives_g
 
     from govray.cli import main
     from govray.core.keys import platform_key, platform_trust, save_trust
-    from govray.governance.adapters import GovernedModel, load_adapter
+    from govray.governance.adapter_files import load_adapter
+    from govray.governance.adapters import GovernedModel
 
     store, run, _ = hf_runs
     final = model_files(store, run)[STEPS]

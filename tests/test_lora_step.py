@@ -367,8 +367,8 @@ def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_
 def test_the_attestation_states_fp32_trainables_and_the_frozen_bases_dtype(tmp_path: Path) -> None:
     """The provenance's ``precision``: the setting, trainable tensors in float32, and the dtype the
     frozen base tensors are stored in — bf16 for a LoRA-only job on a base built in bf16."""
-    from govray.governance.adapters import save_base_tensors
-    from govray.provenance.attest import precision_statement
+    from govray.governance.adapter_files import save_base_tensors
+    from govray.provenance.predicates import precision_statement
     from govray.train.trial import make_trial, resolve_trial_routes
 
     trial = make_trial(TRIAL, {"context": 32, "dtype": "bfloat16"}, None)

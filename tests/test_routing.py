@@ -22,7 +22,7 @@ from govray.governance.routing import (
     layer_label,
     resolve_routes,
 )
-from govray.provenance.attest import coverage_matrix
+from govray.provenance.predicates import coverage_matrix
 from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.ledger_table import format_ledger
 

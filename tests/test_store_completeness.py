@@ -27,12 +27,11 @@ from govray.train.checkpoint import (
     REPORT_FILE,
     STATE_FILE,
     CheckpointError,
-    checkpoint_directories,
     checkpoint_step,
-    newest_verified_checkpoint,
     verify_checkpoint,
 )
 from govray.train.reports import StepReport
+from govray.train.run_checkpoints import checkpoint_directories, newest_verified_checkpoint
 from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
 
 REPORTED_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))

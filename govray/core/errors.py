@@ -53,6 +53,12 @@ class TrackingError(GovrayError):
     exit_code = 8
 
 
+class AttestationError(GovrayError):
+    """An attestation cannot be made, or does not verify (the message says what broke)."""
+
+    exit_code = 16
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One clause per problem, ``field.path: message``, joined by '; '."""
     parts = []

@@ -15,44 +15,32 @@ An inactive layer returns its base layer's output tensor itself (bit-exact, not 
 adapter tensors stay out of the autograd graph. Adapters are initialised after the base from their
 own ``torch.Generator``, seeded from (seed, adapter, target); the global RNG is left as it was.
 
-Files are safetensors only (no pickle): one for the base, one per adapter (``save_adapter``,
-format ``govray-lora-v1``, ledger names: what checkpoints and attestations hold), and PEFT's
-directory layout for other tools (``save_peft_adapter``). Example::
+Files are safetensors only (no pickle): one for the base, one per adapter
+(``govray.governance.adapter_files``), and PEFT's directory layout for other tools
+(``govray.governance.peft_format``). Example::
 
     base = DigitsMLP(hidden=32, dropout=0.0)        # build the base first
     model = GovernedModel(base, resolve_routes(policy, base), policy.adapters, seed=7)
     with model.active("pii-lora"):
         loss = loss_fn(model(pixels), labels)       # only this batch sees the adapter
-    save_base(model, directory / "model.safetensors")
-    save_adapter(model, "pii-lora", directory / "adapter-pii-lora.safetensors")
-    save_peft_adapter(model, "pii-lora", directory / "pii-lora")  # PeftModel.from_pretrained(base, ...)
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import re
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from govray.core.canonical import canonical_json, file_sha256
+from govray.core.canonical import canonical_json
 from govray.core.errors import GovrayError
 from govray.governance.policy import AdapterSpec
 from govray.governance.routing import RoutingTable, adapter_tensor_names, lora_target_kind
 
-ADAPTER_FORMAT = "govray-lora-v1"
-PEFT_CONFIG_FILE = "adapter_config.json"
-PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 _WRAPPED = ".base_layer."  # where PEFT puts a wrapped module's own tensors
 
 
@@ -383,211 +371,3 @@ def _peft_names(target: str, adapter: str, kind: str) -> tuple[str, str]:
     if kind == "embedding":
         return f"{target}.lora_embedding_A.{adapter}", f"{target}.lora_embedding_B.{adapter}"
     return f"{target}.lora_A.{adapter}.weight", f"{target}.lora_B.{adapter}.weight"
-
-
-def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
-    """Write a safetensors file with canonical bytes; return its sha256.
-
-    safetensors writes ``__metadata__`` in hash-map order, which changes from process to process;
-    the header is rewritten in place with sorted metadata keys (same length), so equal tensors and
-    metadata always give equal bytes.
-    """
-    save_file(dict(tensors), str(path), metadata=metadata)
-    with open(path, "r+b") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(length))
-        if "__metadata__" in header:
-            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        assert len(text) <= length, "reordering metadata keys never lengthens the header"
-        handle.seek(8)
-        handle.write(text.ljust(length, b" "))
-    return file_sha256(path)
-
-
-def save_adapter(model: GovernedModel, adapter: str, path: Path) -> str:
-    """Write ``adapter``'s tensors (ledger names) to a safetensors file; return its sha256."""
-    spec = model.adapter_spec(adapter)
-    tensors = {name: tensor.cpu().contiguous() for name, tensor in model.adapter_tensors(adapter).items()}
-    metadata = {
-        "adapter": adapter,
-        "format": ADAPTER_FORMAT,
-        "rank": str(spec.rank),
-        "alpha": str(spec.alpha),
-    }
-    if spec.dropout:
-        metadata["dropout"] = str(spec.dropout)  # absent at 0: files from before dropout keep their bytes
-    return _write_safetensors(tensors, path, metadata)
-
-
-def save_peft_adapter(model: GovernedModel, adapter: str, directory: Path) -> Path:
-    """Write ``adapter`` of a live model in PEFT's layout (see :func:`write_peft_adapter`)."""
-    targets = model.adapter_targets(adapter)
-    return write_peft_adapter(
-        directory,
-        model.adapter_spec(adapter),
-        {target: model.target_kind(target) for target in targets},
-        {target: (lora_a, lora_b) for target, lora_a, lora_b in model.adapter_factors(adapter)},
-        getattr(model.base, "name_or_path", None) or None,
-        peft_task_type(model.base),
-    )
-
-
-# PEFT's task type of a transformers model, by the auto mapping its class is listed in
-_PEFT_TASKS = (
-    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "CAUSAL_LM"),
-    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "SEQ_2_SEQ_LM"),
-    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "SEQ_CLS"),
-    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "TOKEN_CLS"),
-    ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "QUESTION_ANS"),
-)
-
-
-def peft_task_type(model: nn.Module) -> str | None:
-    """The PEFT task type the model implies (``CAUSAL_LM`` for a transformers causal LM, ...),
-    so that PEFT's Auto classes (``AutoPeftModelForCausalLM``) load the export; None for a model
-    that is no transformers task model (PEFT then loads it with ``PeftModel`` only)."""
-    if "transformers" not in sys.modules:  # a model built from transformers has imported it
-        return None
-    from transformers.models.auto import modeling_auto
-
-    name = type(model).__name__
-    for mapping, task in _PEFT_TASKS:
-        for classes in getattr(modeling_auto, mapping, {}).values():
-            if name in ((classes,) if isinstance(classes, str) else classes):
-                return task
-    return None
-
-
-def write_peft_adapter(
-    directory: Path,
-    spec: AdapterSpec,
-    kinds: Mapping[str, str],
-    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-    base_name_or_path: str | None = None,
-    task_type: str | None = None,
-) -> Path:
-    """Write an adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
-    so that ``peft.PeftModel.from_pretrained(base, directory)`` puts it on a plain copy of the
-    base model; returns ``directory``. ``kinds``: each target's ``lora_target_kind``; ``factors``:
-    each target's ``(A, B)`` as PEFT holds them.
-
-    The config names the exact target modules (an anchored regular expression, so no other module
-    whose name ends the same way is wrapped), the base model's ``name_or_path`` if known, and the
-    ``task_type`` (:func:`peft_task_type`).
-    """
-    from peft import LoraConfig
-
-    targets = tuple(kinds)
-    config = LoraConfig(
-        r=spec.rank,
-        lora_alpha=spec.alpha,  # type: ignore[arg-type]
-        lora_dropout=spec.dropout,
-        target_modules="|".join(re.escape(target) for target in targets),  # PEFT fullmatches a str
-        fan_in_fan_out=any(kinds[target] == "conv1d" for target in targets),
-        base_model_name_or_path=base_name_or_path,
-        task_type=task_type,
-        inference_mode=True,
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(directory))
-    tensors = {}
-    for target in targets:
-        # PEFT's saved keys: the module path under its wrapper, without the adapter's name.
-        names = (
-            ("lora_embedding_A", "lora_embedding_B")
-            if kinds[target] == "embedding"
-            else ("lora_A.weight", "lora_B.weight")
-        )
-        for name, tensor in zip(names, factors[target], strict=True):
-            tensors[f"base_model.model.{target}.{name}"] = tensor.detach().cpu().contiguous()
-    _write_safetensors(tensors, directory / PEFT_WEIGHTS_FILE, {"format": "pt"})
-    return directory
-
-
-def read_adapter_factors(
-    path: Path, adapter: str, targets: Sequence[str]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each target's ``(A, B)`` from an adapter file govray wrote (``save_adapter``), refusing
-    a file of another adapter or format, or one that lacks a target's tensors."""
-    metadata, tensors = _read_adapter_file(path)
-    if metadata.get("adapter") != adapter or metadata.get("format") != ADAPTER_FORMAT:
-        raise AdapterError(
-            f"adapter file {path}: metadata says format '{metadata.get('format')}', adapter "
-            f"'{metadata.get('adapter')}'; expected format '{ADAPTER_FORMAT}', adapter '{adapter}'"
-        )
-    factors = {}
-    for target in targets:
-        name_a, name_b = adapter_tensor_names(adapter, target)
-        if name_a not in tensors or name_b not in tensors:
-            raise AdapterError(f"adapter file {path}: no tensors for target '{target}'")
-        factors[target] = (tensors[name_a], tensors[name_b])
-    return factors
-
-
-def save_base(model: GovernedModel, path: Path) -> str:
-    """Write the base model's state (its own names) to a safetensors file; return its sha256.
-
-    safetensors refuses tensors that share storage. A tied tensor (embedding and LM head) is
-    stored under every name it has: the first name in ``state_dict`` order keeps the tensor, later
-    names hold a copy, so the file reloads with ``load_state_dict(strict=True)``. Adapters never
-    enter this file, so its digest does not depend on which adapters exist.
-    """
-    return save_base_tensors(model.base_state(), path)
-
-
-def save_base_tensors(state: Mapping[str, torch.Tensor], path: Path) -> str:
-    """``save_base``'s file from a base state (the user's names; what a sharded checkpoint's
-    shards put together give): the same bytes for the same tensors."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in state.items():
-        stored = tensor.detach().cpu()
-        storage = stored.untyped_storage().data_ptr()
-        if storage in seen or not stored.is_contiguous():
-            stored = stored.clone(memory_format=torch.contiguous_format)
-        seen.add(storage)
-        tensors[name] = stored
-    return _write_safetensors(tensors, path, {})
-
-
-def _read_adapter_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    except (OSError, SafetensorError) as error:
-        raise AdapterError(f"adapter file {path}: not a readable safetensors file: {error}") from None
-    return metadata, tensors
-
-
-def load_adapter(model: GovernedModel, adapter: str, path: Path) -> None:
-    """Load ``adapter``'s tensors from a ``save_adapter`` file (format ``govray-lora-v1``: what
-    checkpoints hold, before and after adapters became PEFT layers — same tensors, same math);
-    refuse a file that does not match, naming the tensor."""
-    expected = model.adapter_tensors(adapter)
-    spec = model.adapter_spec(adapter)
-    metadata, tensors = _read_adapter_file(path)
-    if metadata.get("format") != ADAPTER_FORMAT or metadata.get("adapter") != adapter:
-        raise AdapterError(
-            f"adapter file {path}: metadata says format '{metadata.get('format')}', adapter "
-            f"'{metadata.get('adapter')}'; expected format '{ADAPTER_FORMAT}', adapter '{adapter}'"
-        )
-    if metadata.get("alpha") != str(spec.alpha):
-        raise AdapterError(
-            f"adapter file {path}: alpha {metadata.get('alpha')} does not match the policy's {spec.alpha}"
-        )
-    for name, current in expected.items():
-        if name not in tensors:
-            raise AdapterError(f"adapter file {path}: missing tensor '{name}'")
-        if tensors[name].shape != current.shape:
-            raise AdapterError(
-                f"adapter file {path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, "
-                f"expected {tuple(current.shape)}"
-            )
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise AdapterError(f"adapter file {path}: unexpected tensor '{unexpected[0]}'")
-    with torch.no_grad():
-        for name, current in expected.items():
-            current.copy_(tensors[name])

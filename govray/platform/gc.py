@@ -4,9 +4,9 @@ Determined's semantics: a checkpoint is kept when it is among the experiment's N
 trial's N best or its trial's N latest (the union of the three). Whatever the policy says, GC
 never deletes the latest checkpoint of a live trial (it resumes from it; it also carries the
 clean state a memorization rollback returns to), a checkpoint a registered model version points
-at, or one the caller protects. Deleting removes the directory
-and marks the row ``deleted``; the row, its attestations and one ``gc.deleted`` audit event
-remain as the record::
+at, or one the caller protects. Deleting removes the directory (and the run's frozen base file
+once no checkpoint left refers to it) and marks the row ``deleted``; the row, its attestations
+and one ``gc.deleted`` audit event remain as the record::
 
     policy = GcPolicy.from_config(config.checkpoint)
     plan = apply_gc(store, experiment_id, policy, metric="validation_loss",
@@ -39,6 +39,7 @@ from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import active_checkpoints, mark_deleted
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, Experiment
+from govray.train.base_file import release_unreferenced
 
 
 class GcPolicy(BaseModel):
@@ -200,9 +201,12 @@ def set_gc_policy(
 
 def remove_checkpoint_directory(storage: Storage, path: str) -> None:
     """Delete a checkpoint's directory, from object storage too where the experiment keeps its
-    files there (``path`` is then its copy in this node's cache); one already gone is fine.
-    The only place GC touches storage."""
+    files there (``path`` is then its copy in this node's cache); one already gone is fine. Then
+    the run's frozen base files no remaining checkpoint of the run refers to
+    (``govray.train.base_file``): a base file outlives every checkpoint that refers to it, no
+    more. The only place GC touches storage."""
     storage.delete_directory(Path(path))
+    release_unreferenced(Path(path).parent, storage)
 
 
 def _inventory(store: TrackingStore, experiment_id: int, metric: str) -> _Inventory:

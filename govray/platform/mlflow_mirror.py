@@ -43,13 +43,8 @@ from govray.platform.registry import (
     version_attestations,
     versions,
 )
-from govray.provenance.attest import (
-    COVERAGE_TYPE,
-    PROVENANCE_TYPE,
-    coverage_matrix,
-    routing_of,
-    run_spec_of,
-)
+from govray.provenance.attest import COVERAGE_TYPE, PROVENANCE_TYPE, run_spec_of
+from govray.provenance.predicates import coverage_matrix, routing_of
 from govray.provenance.verify import statement_type
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState

@@ -14,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from govray.core.keys import TrustConfig
-from govray.governance.adapters import AdapterError, peft_task_type, read_adapter_factors, write_peft_adapter
+from govray.governance.adapter_files import read_adapter_factors
+from govray.governance.adapters import AdapterError
+from govray.governance.peft_format import peft_task_type, write_peft_adapter
 from govray.governance.routing import lora_target_kind
-from govray.provenance.attest import routing_of
+from govray.provenance.predicates import routing_of
 from govray.train.checkpoint import RUN_SPEC_FILE, load_checkpoint
 from govray.train.runspec import RunSpec
 from govray.train.trial import importable, make_trial

@@ -39,12 +39,8 @@ from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointStatus
-from govray.train.checkpoint import (
-    CheckpointError,
-    checkpoint_directories,
-    checkpoint_report,
-    present_checkpoint,
-)
+from govray.train.checkpoint import CheckpointError
+from govray.train.run_checkpoints import checkpoint_directories, checkpoint_report, present_checkpoint
 
 RecordReport = Callable[[int, dict[str, Any]], None]  # (step, report) → stored in the store
 

@@ -33,12 +33,12 @@ from govray.core.keys import SigningKey, platform_key, platform_trust
 from govray.provenance.attest import (
     PROVENANCE_TYPE,
     Attestation,
-    Derivation,
     attest_checkpoint,
     attestation_prefix,
     run_spec_of,
     signature_path,
 )
+from govray.provenance.predicates import Derivation
 from govray.provenance.verify import statement_type
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
@@ -55,11 +55,13 @@ from govray.tracking.versions import (
     record_version_attestations,
     replace_tags,
 )
+from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
     MODEL_FILE,
     RUN_SPEC_FILE,
     CheckpointError,
     load_checkpoint,
+    model_file,
     seal_checkpoint,
 )
 from govray.train.ledger import Ledger
@@ -204,7 +206,9 @@ def remove_adapter(
     if directory.exists():
         raise RegistryError(f"{directory} exists already; refusing to overwrite another version's files")
     directory.mkdir(parents=True)
-    for path in [source.directory / MODEL_FILE, *sorted(source.directory.glob("adapter-*.safetensors"))]:
+    # The version holds its own base file (the source's, or the run's base file it refers to).
+    link_or_copy(model_file(source.directory), directory / MODEL_FILE)
+    for path in sorted(source.directory.glob("adapter-*.safetensors")):
         if path != adapter_file:
             shutil.copy2(path, directory / path.name)
     (directory / RUN_SPEC_FILE).write_text(spec.model_dump_json(indent=1))

@@ -33,14 +33,10 @@ from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_l
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import (
-    RUN_SPEC_FILE,
-    checkpoint_schedule_version,
-    find_checkpoints,
-    verify_checkpoint,
-)
+from govray.train.checkpoint import MODEL_FILE, RUN_SPEC_FILE, find_checkpoints, model_file, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
+from govray.train.run_checkpoints import checkpoint_schedule_version
 from govray.train.runspec import RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
@@ -141,24 +137,27 @@ def tensor_influence(
 ) -> list[TensorInfluence]:
     """Per tensor of every weight file: direct examples of the excluded corpora and distances."""
     rows = []
-    for path in sorted(original.glob("*.safetensors")):
-        if path.name.startswith("optimizer"):
+    files = sorted({MODEL_FILE, *(path.name for path in original.glob("*.safetensors"))})
+    for file in files:
+        if file.startswith("optimizer"):
             continue
-        before, after = load_file(str(path)), load_file(str(replay / path.name))
-        for ledger_name in sorted(before):  # adapter files already use the ledger's names
-            name = ledger_name
+        if file == MODEL_FILE:  # (the run's base file where the checkpoint refers to it)
+            before, after = load_file(str(model_file(original))), load_file(str(model_file(replay)))
+        else:
+            before, after = load_file(str(original / file)), load_file(str(replay / file))
+        for name in sorted(before):  # adapter files already use the ledger's names
             direct = sum(
                 entry.examples
                 for (corpus, tensor), entry in ledger.entries.items()
-                if corpus in excluded and tensor == ledger_name
+                if corpus in excluded and tensor == name
             )
             difference = (before[name].double() - after[name].double()).norm().item()
             scale = before[name].double().norm().item()
             kind = "direct" if direct else ("indirect" if difference > 0 else "none")
             rows.append(
                 TensorInfluence(
-                    tensor=ledger_name,
-                    file=path.name,
+                    tensor=name,
+                    file=file,
                     direct_examples=direct,
                     distance=difference,
                     relative=difference / scale if scale else 0.0,

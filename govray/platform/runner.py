@@ -44,6 +44,7 @@ from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
 from govray.train.reproducibility import build_record, deterministic_worker_env
+from govray.train.run_checkpoints import fetch_referenced
 from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
 from govray.train.snapshots import CodeSnapshot
@@ -276,8 +277,10 @@ def train_run(
             trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
         )
     ledger = stored_ledger(store, trial_id)
-    # Rank 0 may have written the final checkpoint on another node: fetch it.
-    storage.fetch_latest(Path(spec.run_dir), "checkpoint_")
+    # Rank 0 may have written the final checkpoint on another node: fetch it (with the base file
+    # it refers to).
+    run_dir = Path(spec.run_dir)
+    storage.fetch_latest(run_dir, "checkpoint_", lambda staged: fetch_referenced(staged, storage, run_dir))
     attested = attest_trial_end(store, trial_id, Path(spec.run_dir))  # signed provenance and coverage
     if attested is not None:  # kept next to the checkpoint, in object storage too
         storage.upload(attested.provenance, attested.coverage)

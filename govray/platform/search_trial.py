@@ -24,15 +24,16 @@ from govray.data.schedule import SCHEDULE_VERSION
 from govray.platform.plan import plan_run
 from govray.platform.preflight import CheckedPolicy
 from govray.platform.runner import governed_trainer
-from govray.train.checkpoint import (
+from govray.train.base_file import materialize_base
+from govray.train.checkpoint import checkpoint_step
+from govray.train.loop import train_worker
+from govray.train.reports import StepReport
+from govray.train.run_checkpoints import (
     checkpoint_report,
     checkpoint_run,
     checkpoint_schedule_version,
-    checkpoint_step,
     newest_verified_checkpoint,
 )
-from govray.train.loop import train_worker
-from govray.train.reports import StepReport
 from govray.train.runspec import RunSpec
 from govray.train.session import LAST_KEY, TuneSession, open_sink, taken_reports, tune_result
 
@@ -148,6 +149,7 @@ def _segmented_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec) 
         if final is None or not last:
             raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
         relayed = tune_result(_segment_reports(reported, StepReport.parse(last)), spec.max_steps)
+        materialize_base(final, storage)  # Tune keeps a copy of the folder: it must stand alone
         ray.tune.report(relayed, checkpoint=Checkpoint(storage.ray_path(final), storage.filesystem))
         if StepReport.parse(last).stop == "early_stop":
             return  # the trial's last report (with its ledger): the rest of its steps never run

@@ -41,10 +41,11 @@ from govray.data.slots import step_slots
 from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable
-from govray.provenance.attest import AttestationError, routing_of, run_spec_of
+from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import MODEL_FILE, load_checkpoint
+from govray.train.checkpoint import load_checkpoint, model_file
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",
@@ -211,7 +212,7 @@ def eu_summary(
         platform=f"govray {GOVRAY_VERSION} on Ray",
         checkpoint=str(checkpoint),
         step=state.step,
-        base_model_sha256=file_sha256(checkpoint / MODEL_FILE),
+        base_model_sha256=file_sha256(model_file(checkpoint)),
         adapters=adapters,
         started_from=str(state.source["path"]) if state.source.get("path") else None,
         policy=f"{spec.policy.name} v{spec.policy.version}",

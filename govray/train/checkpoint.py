@@ -19,6 +19,15 @@ A checkpoint is a directory::
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
+The frozen base by reference: while no base tensor of a run trains (a LoRA-only run), the base
+never changes, so it is written once per run, into the run's base store
+(``RUN_DIR/base/SHA256.safetensors``, ``govray.train.base_file``), and each checkpoint's signed
+manifest lists ``model.safetensors`` with that sha256 under ``referenced`` instead of a copy in
+its folder. Verification, loading and every reader (``model_file``) follow the reference: the
+folder's own ``model.safetensors`` if it holds one (a registered version, a checkpoint handed to
+Tune: the base file linked in), else the run's base file by its signed digest; a missing or
+changed base file is refused, naming it.
+
 Under ``resources.strategy: fsdp`` the base model and the optimizer tensors are sharded: instead
 of ``model.safetensors`` and ``optimizer.safetensors`` each rank writes and hashes its own
 ``model-shard-RRRRR-of-WWWWW.safetensors`` and ``optimizer-shard-RRRRR-of-WWWWW.safetensors`` (its
@@ -32,7 +41,7 @@ or extra file is refused, naming the file.
 
 Example::
 
-    save_base(model, directory / MODEL_FILE)           # weights first (govray.governance.adapters)
+    save_base(model, directory / MODEL_FILE)           # weights first (governance/adapter_files.py)
     seal_checkpoint(directory, optimizer.state_dict(), state, platform_key)
     loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
 """
@@ -42,7 +51,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +64,6 @@ from govray.core.canonical import file_sha256
 from govray.core.dsse import read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.core.errors import GovrayError, SignatureError, describe_validation_error
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
-from govray.core.storage import Storage
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
 RUN_SPEC_FILE = "run.json"
@@ -68,6 +76,8 @@ OPTIMIZER_META = "optimizer.json"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "manifest.sig"
+BASE_STORE = "base"  # RUN_DIR/base/SHA256.safetensors: the frozen base a run's checkpoints refer to
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHARD = re.compile(r"^(?:clean-\d{8}-)?(model|optimizer)-shard-(\d{5})-of-(\d{5})\.safetensors$")
 
 
@@ -136,6 +146,15 @@ class Manifest(BaseModel):
     step: int
     files: dict[str, str]  # file name → sha256
     signed_at: dt.datetime | None = None  # absent in checkpoints written before it was recorded
+    # files (of ``files``) kept in the run's base store by their sha256, not in the folder
+    referenced: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _only_the_base_by_digest(self) -> Manifest:
+        for name in self.referenced or ():
+            if name != MODEL_FILE or not _SHA256.match(self.files.get(name, "")):
+                raise ValueError(f"only {MODEL_FILE}, listed by its sha256, may be referenced (not {name!r})")
+        return self
 
     def to_bytes(self) -> bytes:
         document = self.model_dump(mode="json", exclude_none=True)
@@ -172,9 +191,12 @@ def seal_checkpoint(
     state: CheckpointState,
     key: SigningKey,
     shard_digests: Mapping[str, str] | None = None,
+    referenced: Mapping[str, str] | None = None,
 ) -> str:
     """Add optimizer state and ``state.json`` to a directory holding the weight files, then write
-    and sign the manifest over every file. Returns the manifest's sha256.
+    and sign the manifest over every file. Returns the manifest's sha256. ``referenced``: the
+    base file of the run's base store the checkpoint refers to instead of holding it
+    (``{MODEL_FILE: sha256}``, from ``govray.train.base_file.FrozenBase``).
 
     A sharded checkpoint (``shard_digests``: every rank's shard files and the digests their ranks
     computed) keeps its optimizer tensors in the shards: only ``optimizer.json`` is written here,
@@ -188,58 +210,15 @@ def seal_checkpoint(
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
     shards = dict(shard_digests or {})
     names = sorted(path.name for path in directory.iterdir() if path.is_file() and path.name not in shards)
-    files = {**{name: file_sha256(directory / name) for name in names}, **shards}
-    manifest = Manifest(step=state.step, files=files, signed_at=signing_time())
+    files = {**{name: file_sha256(directory / name) for name in names}, **shards, **(referenced or {})}
+    manifest = Manifest(
+        step=state.step, files=files, signed_at=signing_time(), referenced=sorted(referenced or {}) or None
+    )
     payload = manifest.to_bytes()
     (directory / MANIFEST_FILE).write_bytes(payload)
     envelope = sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at)
     (directory / SIGNATURE_FILE).write_text(envelope.to_json())
     return file_sha256(directory / MANIFEST_FILE)
-
-
-def save_clean_state(
-    directory: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
-) -> None:
-    """Write an earlier clean state (weights of the governed model, optimizer state) beside a
-    checkpoint's own files, before ``seal_checkpoint`` signs them all; its ledger goes in
-    ``CheckpointState.clean_ledgers``."""
-    optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
-    save_file(
-        {name: tensor.contiguous() for name, tensor in weights.items()},
-        str(directory / _clean(step, "weights.safetensors")),
-    )
-    save_file(optimizer_tensors, str(directory / _clean(step, "optimizer.safetensors")))
-    (directory / _clean(step, "optimizer.json")).write_text(
-        json.dumps(optimizer_meta, indent=1, sort_keys=True)
-    )
-
-
-def load_clean_states(loaded: LoadedCheckpoint) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-    """The clean states a verified checkpoint carries: step → (weights, optimizer state)."""
-    states = {}
-    for key in loaded.state.clean_ledgers:
-        step = int(key)
-        try:
-            weights = load_file(str(loaded.directory / _clean(step, "weights.safetensors")))
-            optimizer_state = optimizer_state_from_files(
-                load_file(str(loaded.directory / _clean(step, "optimizer.safetensors"))),
-                json.loads((loaded.directory / _clean(step, "optimizer.json")).read_text()),
-            )
-        except (OSError, SafetensorError, json.JSONDecodeError, ValueError) as error:
-            raise CheckpointError(
-                f"{loaded.directory}: its clean state of step {step} is unreadable: {error}"
-            ) from None
-        states[step] = (weights, optimizer_state)
-    return states
-
-
-def clean_name(step: int, name: str) -> str:
-    """The name under which a checkpoint carries ``name`` of its earlier clean state at ``step``."""
-    return _clean(step, name)
-
-
-def _clean(step: int, name: str) -> str:
-    return f"clean-{step:08d}-{name}"
 
 
 class LoadedCheckpoint(BaseModel):
@@ -279,21 +258,53 @@ def signed_manifest(directory: Path, trust: TrustConfig) -> tuple[Manifest, str]
     return manifest, signer
 
 
-def verify_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> tuple[Manifest, str]:
-    """Check signature, manifest and every digest; returns (manifest, signer keyid). With
-    ``rank``, the shard files of other ranks are neither read nor looked for (each rank of a
-    sharded run verifies what it reads: the shared files and its own shards)."""
+def base_store_file(run_dir: Path, digest: str) -> Path:
+    """The base file of sha256 ``digest`` in a run's base store."""
+    return run_dir / BASE_STORE / f"{digest}.safetensors"
+
+
+def listed_file(directory: Path, manifest: Manifest, name: str, run_dir: Path | None = None) -> Path:
+    """Where file ``name`` of a checkpoint's manifest lies: in the folder, or, for a file the
+    manifest refers to by digest that the folder does not hold, in the base store of its run
+    (``run_dir``, by default the folder's parent)."""
+    own = directory / name
+    if name in (manifest.referenced or ()) and not own.is_file():
+        return base_store_file(run_dir or directory.parent, manifest.files[name])
+    return own
+
+
+def model_file(directory: Path) -> Path:
+    """The base model file of a checkpoint folder or model version: its own ``model.safetensors``,
+    or the run's base file its manifest refers to (the manifest read unverified: call it on a
+    verified checkpoint, whose reference its signature covers)."""
+    own = directory / MODEL_FILE
+    try:
+        manifest = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
+    except (OSError, ValidationError):
+        return own  # no readable manifest: nothing refers elsewhere
+    return listed_file(directory, manifest, MODEL_FILE)
+
+
+def verify_checkpoint(
+    directory: Path, trust: TrustConfig, rank: int | None = None, run_dir: Path | None = None
+) -> tuple[Manifest, str]:
+    """Check signature, manifest and every digest (a referenced base file's too); returns
+    (manifest, signer keyid). With ``rank``, the shard files of other ranks are neither read nor
+    looked for (each rank of a sharded run verifies what it reads: the shared files and its own
+    shards). ``run_dir``: where the folder's run keeps its base store (by default the folder's
+    parent; a folder staged for download is verified against the run it is fetched into)."""
     manifest, signer = signed_manifest(directory, trust)
     present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
     for extra in sorted(present - set(manifest.files)):
         raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")
     sharded = any(shard_owner(name) is not None for name in manifest.files)
     for name, digest in sorted(manifest.files.items()):
-        path = directory / name
+        path = listed_file(directory, manifest, name, run_dir)
         if rank is not None and not rank_reads(name, rank, sharded):
             continue  # another rank's shard, or the whole model put together: not what this rank reads
         if not path.is_file():
-            raise CheckpointError(f"{path}: listed in the signed manifest but missing")
+            why = f" (the base model {directory} refers to by sha256)" if path.parent != directory else ""
+            raise CheckpointError(f"{path}: listed in the signed manifest but missing{why}")
         if file_sha256(path) != digest:
             raise CheckpointError(f"{path}: sha256 does not match the signed manifest (tampered)")
     return manifest, signer
@@ -303,38 +314,6 @@ def rank_reads(name: str, rank: int, sharded: bool) -> bool:
     """Whether ``rank`` reads checkpoint file ``name`` (not another rank's shard, nor, of a
     sharded checkpoint, the whole model put together)."""
     return shard_owner(name) in (None, rank) and not (sharded and name == MODEL_FILE)
-
-
-def fetch_part(directory: Path, storage: Storage | None, rank: int) -> None:
-    """Of a checkpoint on object storage, the files ``rank`` reads made present in this node's
-    cache (a node holds the shards its own ranks wrote; the shared files come from the bucket).
-    Unverified: the caller verifies them (``verify_checkpoint(..., rank=R)``)."""
-    if storage is None or not directory.is_relative_to(storage.root):
-        return
-    for name in (MANIFEST_FILE, SIGNATURE_FILE):
-        storage.fetch(directory / name)
-    try:
-        listed = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes()).files
-    except (OSError, ValidationError):
-        return  # no readable manifest: verification says so
-    sharded = any(shard_owner(name) is not None for name in listed)
-    for name in listed:
-        if rank_reads(name, rank, sharded):
-            storage.fetch(directory / name)
-
-
-def ordered_checkpoints(run_dir: Path, storage: Storage | None = None) -> list[Path]:
-    """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
-    unverified (each manifest fetched from the storage if needed)."""
-    found: list[tuple[int, str, Path]] = []
-    for directory in checkpoint_directories(run_dir, storage):
-        try:
-            if storage is not None and directory.is_relative_to(storage.root):
-                storage.fetch(directory / MANIFEST_FILE)
-            found.append((-checkpoint_step(directory), directory.name, directory))
-        except (OSError, ValueError, KeyError, TypeError, GovrayError):
-            continue  # no readable manifest: not a checkpoint (yet)
-    return [directory for _, _, directory in sorted(found)]
 
 
 def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> LoadedCheckpoint:
@@ -400,96 +379,6 @@ def checkpoint_world_size(directory: Path) -> int | None:
     (unverified: loading verifies it)."""
     world = json.loads((directory / STATE_FILE).read_text()).get("sharding", {}).get("world_size")
     return int(world) if world is not None else None
-
-
-def checkpoint_schedule_version(directory: Path) -> int:
-    """The schedule version a checkpoint's run trained on, from its state (unverified: loading
-    verifies it, and a resume refuses a schedule other than its own)."""
-    return int(json.loads((directory / STATE_FILE).read_text())["schedule"]["version"])
-
-
-def checkpoint_run(directory: Path) -> str:
-    """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
-    return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))
-
-
-def checkpoint_directories(run_dir: Path, storage: Storage | None = None) -> list[Path]:
-    """Every checkpoint folder of a run (``checkpoint_*`` right below ``run_dir``, in this node's
-    cache and, for object storage, in the storage), whole or partial, sorted by name."""
-    if storage is not None:
-        return [run_dir / name for name in storage.subdirectories(run_dir, CHECKPOINT_PREFIX)]
-    if not run_dir.is_dir():
-        return []
-    return sorted(
-        path for path in run_dir.iterdir() if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)
-    )
-
-
-def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | None = None) -> Manifest:
-    """Verify one of a run's checkpoint folders where it lies (when only the storage holds it,
-    fetched into this node's cache, verified before it appears there); returns its manifest and
-    raises ``CheckpointError`` naming what does not verify."""
-    _fetch_verified(directory, trust, storage)
-    return verify_checkpoint(directory, trust)[0]
-
-
-def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage | None) -> None:
-    """Fetch a checkpoint folder only the storage holds into this node's cache, verified before it
-    appears there (``CheckpointError`` when it does not verify)."""
-    if storage is not None and not directory.exists():
-        storage.fetch(directory, lambda staged: verify_checkpoint(staged, trust))
-
-
-def newest_verified_checkpoint(
-    run_dir: Path, trust: TrustConfig, storage: Storage | None = None
-) -> Path | None:
-    """The resume rule, the only one: of a run's checkpoint folders, the one with the highest step
-    that verifies (signature and every digest); among equal steps the first by name. Folders that
-    do not verify (a partial upload by a worker killed mid-copy, a tampered one) are passed over.
-    A report lost when a worker died still left its checkpoint here, and resuming from it is
-    exact: the tracking store recovers the report from the checkpoint's ``report.json``. (The
-    ranks of a sharded run apply the same rule together: ``RunDirectory.resume_point``.)"""
-    for directory, refusal in checkpoint_candidates(run_dir, trust, storage):
-        if refusal is None:
-            return directory
-    return None
-
-
-def checkpoint_candidates(
-    run_dir: Path, trust: TrustConfig, storage: Storage | None = None, rank: int | None = None
-) -> Iterator[tuple[Path, str | None]]:
-    """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
-    each with why it does not verify (None: it does; with ``rank``, as far as that rank reads),
-    verified one at a time as the caller asks for the next."""
-    candidates: list[tuple[int, str, Path]] = []
-    for directory in checkpoint_directories(run_dir, storage):
-        try:
-            _fetch_verified(directory, trust, storage)
-            candidates.append((-checkpoint_step(directory), directory.name, directory))
-        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
-            continue  # no readable manifest: not a checkpoint (yet)
-    for _, _, directory in sorted(candidates):
-        try:
-            verify_checkpoint(directory, trust, rank)
-        except CheckpointError as error:
-            yield directory, str(error)
-        else:
-            yield directory, None
-
-
-def checkpoint_report(directory: Path) -> dict[str, Any]:
-    """The report a (verified) checkpoint was reported with; empty for checkpoints written
-    before reports were kept in them."""
-    path = directory / REPORT_FILE
-    if not path.is_file():
-        return {}
-    try:
-        report = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: not JSON: {error}") from None
-    if not isinstance(report, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return report
 
 
 def find_checkpoints(root: Path) -> list[Path]:

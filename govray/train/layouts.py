@@ -17,8 +17,6 @@ checkpoint, what it holds, how it is read back and where a rollback's clean stat
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,24 +27,23 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from govray.core.canonical import file_sha256
-from govray.governance.adapters import load_adapter, save_base, save_base_tensors
+from govray.governance.adapter_files import load_adapter, save_base_tensors
+from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
     MODEL_FILE,
     OPTIMIZER_META,
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_world_size,
-    clean_name,
-    fetch_part,
     load_checkpoint,
-    load_clean_states,
     optimizer_state_from_files,
-    save_clean_state,
     shard_file,
     signed_manifest,
     verify_checkpoint,
 )
+from govray.train.clean_states import clean_name, load_clean_states, save_clean_state
 from govray.train.ledger import Ledger
+from govray.train.run_checkpoints import fetch_part, fetch_referenced
 from govray.train.sharding import consolidated, load_shards, local_optimizer_state, write_shards
 from govray.train.worker import agreed
 
@@ -76,9 +73,12 @@ class WholeLayout:
         """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them."""
         seal(None)
 
-    def write_model(self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any) -> None:
-        """Rank 0, while sealing: the base model file."""
-        save_base(run.governed.model, directory / MODEL_FILE)
+    def write_model(
+        self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any
+    ) -> dict[str, str] | None:
+        """Rank 0, while sealing: the base model file, or (a frozen base) a reference to the
+        run's base file (``train.base_file``); returns what the manifest refers to."""
+        return run.base.save(run.governed.model, directory)
 
     def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
         """Rank 0, while sealing: the earlier clean states (rollback targets survive a resume)."""
@@ -90,7 +90,9 @@ class WholeLayout:
         return state
 
     def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
-        """Verify and read a checkpoint to resume from (refusing a sharded one)."""
+        """Verify and read a checkpoint to resume from (refusing a sharded one); a base file it
+        refers to is fetched from object storage first."""
+        fetch_referenced(directory, run.storage)
         loaded = load_checkpoint(directory, run.spec.trust)
         written_by = loaded.state.sharding.get("world_size")
         if written_by is not None:
@@ -120,11 +122,14 @@ class ShardedLayout(WholeLayout):
         digests = self._save_shards(run, directory, steps_done)
         agreed(lambda: seal(digests), run.governed.worker, CheckpointError)
 
-    def write_model(self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any) -> None:
+    def write_model(
+        self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any
+    ) -> dict[str, str] | None:
         if "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
             # A validation's or the trial's last checkpoint also holds the whole base model (what
             # the registry, attestations and exports read), put together from the shard files.
             self._consolidate(run, directory, shards)
+        return None  # (shard files are never referenced: each checkpoint holds its own)
 
     def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
         """The clean states' shared files (the shards are carried by their ranks)."""
@@ -258,11 +263,3 @@ class ShardedLayout(WholeLayout):
             if rank != 0 and file_sha256(path) != shard_digests[path.name]:
                 raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
         save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)
-
-
-def link_or_copy(source: Path, target: Path) -> None:
-    """``target`` the same file as ``source``: a hard link (no copy) where the filesystem allows."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)

@@ -44,7 +44,7 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, shard_file
+from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
@@ -136,7 +136,7 @@ class Single:
         """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
         checkpoint's shards put together."""
         world = checkpoint_world_size(directory)
-        whole = consolidated(directory, world) if world else load_file(str(directory / MODEL_FILE))
+        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +223,7 @@ class Sharded(Single):
         if world == ranks:
             load_shards(model, directory / shard_file("model", rank, ranks))
             return
-        whole = consolidated(directory, world) if world else load_file(str(directory / MODEL_FILE))
+        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
         load_whole(model, whole, directory)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

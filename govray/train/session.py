@@ -34,16 +34,10 @@ import torch
 import torch.distributed as dist
 
 from govray.core.storage import Storage, StorageError, open_storage
-from govray.train.checkpoint import (
-    CHECKPOINT_PREFIX,
-    CheckpointError,
-    checkpoint_candidates,
-    fetch_part,
-    ordered_checkpoints,
-    verify_checkpoint,
-)
+from govray.train.checkpoint import CHECKPOINT_PREFIX, CheckpointError, verify_checkpoint
 from govray.train.parallel import parallelism
 from govray.train.reports import StepReport
+from govray.train.run_checkpoints import checkpoint_candidates, fetch_part, ordered_checkpoints
 from govray.train.runspec import RunSpec
 from govray.train.worker import Worker
 

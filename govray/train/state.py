@@ -15,8 +15,9 @@ from typing import Any
 
 from govray.core.keys import SigningKey
 from govray.core.storage import open_storage
-from govray.governance.adapters import save_adapter
+from govray.governance.adapter_files import save_adapter
 from govray.governance.memorization import MemorizationReport
+from govray.train.base_file import FrozenBase
 from govray.train.checkpoint import (
     MODEL_FILE,
     REPORT_FILE,
@@ -31,6 +32,7 @@ from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.layouts import Snapshot
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
+from govray.train.run_checkpoints import fetch_referenced
 from govray.train.runspec import RunSpec
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
@@ -51,6 +53,7 @@ class TrialRun:
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
         self.storage = open_storage(spec.storage) if spec.storage else None
+        self.base = FrozenBase(spec.run_dir, self.storage)  # a frozen base is written once per run
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -153,14 +156,16 @@ class TrialRun:
         if key is None:
             return
         model = self.governed.model
-        self.layout.write_model(self, directory, report, shard_digests)
+        referenced = self.layout.write_model(self, directory, report, shard_digests)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
         self.layout.write_clean_states(self, directory, steps_done)
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         optimizer = self.layout.optimizer_state(self.governed.optimizer.state_dict())
-        seal_checkpoint(directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests)
+        seal_checkpoint(
+            directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests, referenced
+        )
 
     def _check_schedule(self, directory: Path, state: CheckpointState) -> None:
         schedule = self.governed.schedule
@@ -183,6 +188,7 @@ class TrialRun:
         self._check_schedule(directory, loaded.state)
         governed = self.governed
         governed.load_weights(directory)
+        self.base.resumed(directory, governed.model)
         governed.load_optimizer_state(loaded.optimizer_state)
         governed.take_hyperparameters()
         governed.ledger = Ledger.from_json(loaded.state.ledger)
@@ -202,6 +208,7 @@ class TrialRun:
         """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
         both runs have) and its ledger — what reached the weights stays on the record. The
         optimizer starts fresh; the source is kept in every checkpoint of this run."""
+        fetch_referenced(directory, self.storage)
         loaded = load_checkpoint(directory, self.spec.trust)
         try:
             self.governed.load_weights(directory, adapters_present_only=True)

@@ -40,7 +40,8 @@ from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.data.slots import Slot, slot
 from govray.data.step_rows import StepRows, step_rows
-from govray.governance.adapters import GovernedModel, load_adapter
+from govray.governance.adapter_files import load_adapter
+from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes

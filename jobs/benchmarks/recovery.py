@@ -31,7 +31,7 @@ from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import TrialOutcome, run_trial
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import MANIFEST_FILE, MODEL_FILE, SIGNATURE_FILE, STATE_FILE, find_checkpoints
+from govray.train.checkpoint import MANIFEST_FILE, SIGNATURE_FILE, STATE_FILE, find_checkpoints, model_file
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "examples" / "digits"
@@ -101,7 +101,7 @@ def main() -> None:
         lost = reported - (reported // args.period) * args.period
         final = find_checkpoints(plain.run_dir)[-1]
         state = sum((final / name).stat().st_size for name in (STATE_FILE, MANIFEST_FILE, SIGNATURE_FILE))
-        model = (final / MODEL_FILE).stat().st_size
+        model = model_file(final).stat().st_size
         print(f"model.safetensors {model} bytes; state.json + manifest + signature {state} bytes")
         print(
             f"uninterrupted {plain_time:.1f} s, killed at step {reported} and recovered {killed_time:.1f} s"

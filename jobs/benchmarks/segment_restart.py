@@ -36,7 +36,7 @@ from govray.core.runtime import ensure_ray
 from govray.platform.runner import run_trial
 from govray.platform.search import run_search
 from govray.tracking.lineage import checkpoints
-from govray.train.checkpoint import MODEL_FILE, find_checkpoints
+from govray.train.checkpoint import find_checkpoints, model_file
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 
 
@@ -63,7 +63,7 @@ def searched(root: Path, steps: int, period: int) -> tuple[float, bytes]:
     seconds = time.perf_counter() - started
     [trial_id] = outcome.trial_ids
     final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
-    return seconds, (Path(final.path) / MODEL_FILE).read_bytes()
+    return seconds, model_file(Path(final.path)).read_bytes()
 
 
 def continuous(root: Path, steps: int, period: int) -> tuple[float, bytes, float]:
@@ -82,7 +82,7 @@ def continuous(root: Path, steps: int, period: int) -> tuple[float, bytes, float
     training = [(step, at) for step, at in arrivals if step < steps]  # the last step validates
     fitted = statistics.linear_regression([step for step, _ in training], [at for _, at in training])
     final = find_checkpoints(outcome.run_dir)[-1]
-    return seconds, (final / MODEL_FILE).read_bytes(), fitted.slope
+    return seconds, model_file(final).read_bytes(), fitted.slope
 
 
 def main() -> None:
