@@ -82,6 +82,10 @@ def latest(store: TrackingStore, trial_id: int) -> dict[str, float]:
     return {metric.name: metric.value for metric in store.metrics(trial_id)}
 
 
+# ~35 s of its own on this 2-core machine (1,500 steps to memorize random labels): the slow tier.
+# The default tier checks the same flag on a random-label memorizer in-process
+# (tests/test_memorization.py, test_a_model_that_memorized_random_labels_is_flagged_...).
+@pytest.mark.slow
 def test_a_memorizing_configuration_is_flagged(ray_session: None, tmp_path: Path) -> None:
     outcome, store = trained(tmp_path / "memorizer", MEMORIZER, steps=1500, random_labels=True)
     metrics = latest(store, outcome.trial_id)
