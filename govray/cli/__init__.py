@@ -15,18 +15,82 @@ from __future__ import annotations
 import sys
 
 import typer
+import typer.main
 from rich.console import Console
 from rich.markup import escape
 
-from govray.cli import audit, data, experiment, export, job, keys, lineage, model, policy, trial
-from govray.cli.attest import attest, verify
-from govray.cli.plan import plan
-from govray.cli.replay import replay
-from govray.cli.resume import resume
-from govray.cli.run import run
-from govray.cli.search import search
-from govray.cli.serve import serve
+from govray.cli.lazy import LazyGroup, Subcommand
 from govray.core.errors import GovrayError
+
+# Every subcommand, in the order `govray --help` lists them, with the first paragraph of its help:
+# the listing imports none of them (tests/test_cli_imports.py checks each summary against its help).
+SUBCOMMANDS = {
+    "run": Subcommand(
+        "govray.cli.run:run", "Verify the policy, ingest, and train the experiment's trial under governance."
+    ),
+    "search": Subcommand(
+        "govray.cli.search:search",
+        "Verify, ingest, and search the hyperparameter space (every trial governed and recorded).",
+    ),
+    "serve": Subcommand(
+        "govray.cli.serve:serve",
+        "Serve lineage, influence, row lookups, audit events and attestations over HTTP (JSON API\n"
+        "under /api, OpenAPI at /openapi.json). The write token comes from GOVRAY_SERVE_TOKEN or the\n"
+        "config, never the command line.",
+    ),
+    "submit": Subcommand(
+        "govray.cli.job:submit",
+        "Run the experiment as a Ray job on the cluster (jobs/train.py, or jobs/search.py).",
+    ),
+    "replay": Subcommand(
+        "govray.cli.replay:replay",
+        "Rerun a recorded trial with the corpus's schedule slots empty; report its influence.",
+    ),
+    "resume": Subcommand(
+        "govray.cli.resume:resume",
+        "Resume the experiment's interrupted (or paused) trial under its own Ray Train run name.",
+    ),
+    "attest": Subcommand(
+        "govray.cli.attest:attest",
+        "Verify the checkpoint, then write its provenance and coverage statements, signed by the\n"
+        "platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model\n"
+        "signature that ``model_signing verify key`` checks).",
+    ),
+    "verify": Subcommand(
+        "govray.cli.attest:verify",
+        "Check the signature (trusted, unrevoked key), every subject digest against the files, and\n"
+        "optionally the policy and the ledger; exits non-zero naming what broke. A model signature is\n"
+        "checked by ``model_signing``'s own verifier: every file of the directory, none more.",
+    ),
+    "plan": Subcommand(
+        "govray.cli.plan:plan",
+        "Print each rank's peak memory (params, grads, optimizer state, activations, governance and\n"
+        "communication buffers) for one step of the experiment's first trial; refuse a run that cannot fit.",
+    ),
+    "policy": Subcommand("govray.cli.policy:app", "Manage signed depth policies."),
+    "data": Subcommand("govray.cli.data:app", "Ingest credentialed corpora into route-partitioned shards."),
+    "experiment": Subcommand("govray.cli.experiment:app", "Experiments in the tracking store."),
+    # its earlier name, kept for scripts
+    "experiments": Subcommand("govray.cli.experiment:app", "Experiments in the tracking store.", hidden=True),
+    "trial": Subcommand("govray.cli.trial:app", "Trials in the tracking store."),
+    "audit": Subcommand("govray.cli.audit:app", "The audit log: verify its hash chain, list its events."),
+    "keys": Subcommand("govray.cli.keys:app", "Signing keys of the two roles, rotation and revocation."),
+    "model": Subcommand(
+        "govray.cli.model:app", "The model registry: versions of checkpoints, tags, adapter removal."
+    ),
+    "lineage": Subcommand(
+        "govray.cli.lineage:app", "Lineage: what a training row reached, from the schedule."
+    ),
+    "export": Subcommand("govray.cli.export:app", "Export documents for reviewers and regulators."),
+    "job": Subcommand("govray.cli.job:app", "Ray jobs on a cluster: logs, status, stop, list."),
+}
+
+
+class Govray(LazyGroup):
+    """The ``govray`` group: its subcommands load when invoked."""
+
+    subcommands = SUBCOMMANDS
+
 
 app = typer.Typer(
     name="govray",
@@ -34,34 +98,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=Govray,
 )
-app.add_typer(policy.app, name="policy")
-app.add_typer(data.app, name="data")
-app.add_typer(experiment.app, name="experiment")
-app.add_typer(experiment.app, name="experiments", hidden=True)  # its earlier name, kept for scripts
-app.add_typer(trial.app, name="trial")
-app.add_typer(audit.app, name="audit")
-app.add_typer(keys.app, name="keys")
-app.add_typer(model.app, name="model")
-app.add_typer(lineage.app, name="lineage")
-app.add_typer(export.app, name="export")
-app.add_typer(job.app, name="job")
-app.command(name="run")(run)
-app.command(name="search")(search)
-app.command(name="serve")(serve)
-app.command(name="submit")(job.submit)
-app.command(name="replay")(replay)
-app.command(name="resume")(resume)
-app.command(name="attest")(attest)
-app.command(name="verify")(verify)
-app.command(name="plan")(plan)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; a ``GovrayError`` or a usage error becomes one red line and its exit code."""
     errors = Console(stderr=True, soft_wrap=True)
     try:
-        app(args=argv, standalone_mode=False)
+        typer.main.get_group(app).main(args=argv, standalone_mode=False)
     except GovrayError as error:
         errors.print(f"[bold red]{type(error).__name__}:[/] {escape(str(error))}", highlight=False)
         return error.exit_code
