@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.core.errors import GovrayError
-from govray.platform.plan import RunPlanner
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.resume import resume_trial, use_interrupted_trial_code
-from govray.platform.runner import Progress, TrialOutcome, run_planned
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -36,6 +33,9 @@ from govray.tracking.tables import (
     ExperimentState,
     TrialState,
 )
+
+if TYPE_CHECKING:
+    from govray.platform.runner import Progress, TrialOutcome
 
 LATEST = "latest"  # --from-checkpoint latest: the parent's newest kept checkpoint
 
@@ -113,6 +113,11 @@ def activate(
     store: TrackingStore, experiment: int | str, *, progress: Progress | None = None
 ) -> TrialOutcome:
     """Continue a paused experiment's trial from its pause checkpoint (this process drives it)."""
+    # Here, not at the top: a pause or kill request (``govray experiment pause``) needs only the
+    # store, not the training stack these bring (torch, Ray).
+    from govray.platform.preflight import check_policy
+    from govray.platform.resume import resume_trial, use_interrupted_trial_code
+
     found, experiment_id = _experiment(store, experiment)
     if found.state != ExperimentState.PAUSED:
         raise LifecycleError(
@@ -148,6 +153,10 @@ def fork(
     """A new experiment from a recorded one (its config, or ``config_path`` edited from it),
     with the parent in its lineage; ``from_checkpoint`` (a directory, or ``"latest"``: the
     parent's newest kept checkpoint) starts it from those weights and that ledger."""
+    from govray.platform.plan import RunPlanner  # (see activate)
+    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.runner import run_planned
+
     parent, parent_id = _experiment(store, experiment)
     if config_path is not None:
         config = load_experiment(config_path)
