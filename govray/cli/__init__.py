@@ -8,6 +8,11 @@ corpus, row out of range); 19 training-content summary refused; 20 Ray job faile
 API refused a request (address, token, unknown job); 21 Ray job stopped before it finished; 22 a
 submitted job's packages differ from its pins; 23 the run does not fit the GPU memory given to
 ``govray plan``; 1 anything else govray refused on purpose.
+
+A subcommand's module is imported only when that subcommand runs (``lazy.py``), and imports what
+reaches torch, Ray or pyarrow inside the commands that use it: ``govray --help``, every command's
+``--help`` and the commands that only read the tracking store start in about a second
+(``tests/test_cli_imports.py``, ``jobs/benchmarks/cli_latency.py``).
 """
 
 from __future__ import annotations

@@ -8,11 +8,6 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import console
-from govray.core.keys import load_trust
-from govray.provenance.attest import COVERAGE_TYPE, AttestationError, attest_checkpoint
-from govray.provenance.model_signature import is_model_signature, verify_model_signature
-from govray.provenance.recompute import check_attested_ledger
-from govray.provenance.verify import verify_attestation
 
 
 def attest(
@@ -26,6 +21,8 @@ def attest(
     """Verify the checkpoint, then write its provenance and coverage statements, signed by the
     platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model
     signature that ``model_signing verify key`` checks)."""
+    from govray.provenance.attest import attest_checkpoint
+
     written = attest_checkpoint(checkpoint, model_signature=model_signing)
     console.print(f"provenance: {written.provenance}\ncoverage:   {written.coverage}", highlight=False)
     if written.model_signature is not None:
@@ -51,6 +48,12 @@ def verify(
     """Check the signature (trusted, unrevoked key), every subject digest against the files, and
     optionally the policy and the ledger; exits non-zero naming what broke. A model signature is
     checked by ``model_signing``'s own verifier: every file of the directory, none more."""
+    from govray.core.keys import load_trust
+    from govray.provenance.attest import COVERAGE_TYPE, AttestationError
+    from govray.provenance.model_signature import is_model_signature, verify_model_signature
+    from govray.provenance.recompute import check_attested_ledger
+    from govray.provenance.verify import verify_attestation
+
     trusted = load_trust(trust)
     if is_model_signature(envelope):
         if policy is not None or recompute:

@@ -1,35 +1,39 @@
-"""Options and helpers shared by the CLI's command groups."""
+"""Options and helpers shared by the CLI's command groups.
+
+Every command module imports this one, so it stays light: what it needs from the experiment file or
+the store is imported where it is used.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.core.identifiers import IdentifierError, parse_id
-from govray.core.keys import KeyType
-from govray.tracking.store import TrackingStore
+
+if TYPE_CHECKING:
+    from govray.config.experiment import ExperimentConfig
+    from govray.tracking.store import TrackingStore
 
 # Piped output (logs, CI) gets wide lines rather than folded ids and digests.
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 ConfigArgument = typer.Argument(..., exists=False, help="Experiment file (YAML).")
 Database = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL.")
-KeyTypeOption = typer.Option(
-    KeyType.ED25519,
-    "--keytype",
-    help="ed25519 (policies, manifests, attestations) or ecdsa (P-256: OpenSSF model signatures).",
-)
 AllowUnsigned = typer.Option(
     False, "--allow-unsigned-policy", help="Run with an unsigned policy (recorded in the audit log)."
 )
 
 
 def open_experiment(path: Path) -> tuple[ExperimentConfig, TrackingStore]:
+    from govray.config.experiment import load_experiment
+    from govray.tracking.store import TrackingStore
+
     config = load_experiment(path)
     return config, TrackingStore.open(config.database_url)
 

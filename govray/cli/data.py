@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
-from govray.platform.preflight import check_policy, ingest_experiment
 
 app = typer.Typer(help="Ingest credentialed corpora into route-partitioned shards.", no_args_is_help=True)
 
@@ -20,6 +19,8 @@ def ingest(
     strict: bool = Strict,
 ) -> None:
     """Validate every row's credential, fingerprint each corpus and write route-partitioned shards."""
+    from govray.platform.preflight import check_policy, ingest_experiment
+
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     experiment, result = ingest_experiment(config, checked, store, force=force, strict=strict, warn=warn)

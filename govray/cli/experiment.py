@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
 
 from govray.cli import lifecycle
 from govray.cli.common import Database, console, table
-from govray.cli.describe import ExperimentDescription, TrialDescription, describe_experiment
-from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError, GovrayError
-from govray.core.keys import load_trust
-from govray.platform.gc import GcPlan, GcPolicy, effective_gc_policy, set_gc_policy
-from govray.platform.ledgers import backfill_ledgers
-from govray.platform.mlflow_mirror import sync_experiment
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from govray.cli.describe import ExperimentDescription, TrialDescription
+    from govray.platform.gc import GcPlan, GcPolicy
 
 app = typer.Typer(help="Experiments in the tracking store.", no_args_is_help=True)
 settings = typer.Typer(help="Change an experiment's settings.", no_args_is_help=True)
@@ -43,10 +41,13 @@ def list_experiments(
     config: Path | None = typer.Option(None, "--config", help="Use this experiment file's tracking store."),
 ) -> None:
     """List experiments, newest last."""
-    if database is None and config is None:
-        raise ConfigError("give --database URL (or GOVRAY_DATABASE) or --config EXPERIMENT.yaml")
-    url = database if database is not None else load_experiment(config).database_url  # type: ignore[arg-type]
-    store = TrackingStore.open(url)
+    if database is None:
+        if config is None:
+            raise ConfigError("give --database URL (or GOVRAY_DATABASE) or --config EXPERIMENT.yaml")
+        from govray.config.experiment import load_experiment
+
+        database = load_experiment(config).database_url
+    store = TrackingStore.open(database)
     listing = table("id", "name", "state", "trials", "parent", "created", "config digest", "policy digest")
     for experiment in store.list_experiments():
         assert experiment.id is not None
@@ -70,6 +71,8 @@ def describe(
     database: str = Database,
 ) -> None:
     """State, lineage, digests, GC policy, corpora, and each trial's metrics, checkpoints and decisions."""
+    from govray.cli.describe import describe_experiment
+
     description = describe_experiment(TrackingStore.open(database), experiment)
     if as_json:
         typer.echo(description.model_dump_json(indent=2))
@@ -105,6 +108,8 @@ def mlflow_sync(experiment: str = ExperimentArgument, database: str = Database) 
     """Copy to the experiment's MLflow server (``tracking.mlflow``) what it lacks: trials, metrics,
     states, registered versions. Runs and registrations do this themselves; this catches up after
     an outage at once."""
+    from govray.platform.mlflow_mirror import sync_experiment
+
     store = TrackingStore.open(database)
     found = store.get_experiment(experiment)
     assert found.id is not None
@@ -125,6 +130,10 @@ def backfill_ledgers_command(
     """Store the ledger of every active checkpoint that has none in the store (recorded before
     checkpoints had their own), read from its state.json once its signed manifest verifies.
     Exits 10 when a checkpoint does not verify (it is named and left without a ledger)."""
+    from govray.core.keys import load_trust
+    from govray.platform.ledgers import backfill_ledgers
+    from govray.train.checkpoint import CheckpointError
+
     store = TrackingStore.open(database)
     found = store.get_experiment(experiment)
     assert found.id is not None
@@ -154,6 +163,8 @@ def gc_policy(
     database: str = Database,
 ) -> None:
     """Override the experiment's checkpoint GC policy and apply it now (audited); counts not given stay."""
+    from govray.platform.gc import GcPolicy, effective_gc_policy, set_gc_policy
+
     given = {
         "save_experiment_best": save_experiment_best,
         "save_trial_best": save_trial_best,

@@ -7,18 +7,17 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from govray.core.errors import GovrayError
-from govray.core.keys import load_trust
-from govray.platform.peft_export import export_peft_adapter
-from govray.platform.registry import RegisteredVersion, envelope_sha256, provenance_record, resolve
-from govray.provenance.bom import cyclonedx_bom
-from govray.provenance.eu_summary import EuSummary, Period, eu_summary
-from govray.queries.ledger import statement_of
 from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
+
+if TYPE_CHECKING:
+    from govray.platform.registry import RegisteredVersion
+    from govray.provenance.eu_summary import EuSummary, Period
 
 app = typer.Typer(help="Export documents for reviewers and regulators.", no_args_is_help=True)
 
@@ -49,6 +48,9 @@ def eu_summary_command(
     """The training-content summary of a model version (template sections: general information,
     data sources by type, data processing), from its credentials, shards and recorded schedule.
     Exits 17 for an unknown model or version."""
+    from govray.platform.registry import resolve
+    from govray.provenance.eu_summary import eu_summary
+
     if (model is None) == (checkpoint is None):
         raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
     store = TrackingStore.open(database) if database else None
@@ -81,6 +83,10 @@ def bom_command(
     """An ML-BOM of a model version: the model (every file's sha256, policy, adapters, removed
     adapters), each corpus as a data component (credential, fingerprint, examples that reached the
     model), dependencies from its provenance attestation. Exits 17 for an unknown model or version."""
+    from govray.platform.registry import envelope_sha256, provenance_record, resolve
+    from govray.provenance.bom import cyclonedx_bom
+    from govray.queries.ledger import statement_of
+
     store = TrackingStore.open(database)
     version = resolve(store, model)
     record = provenance_record(store, version)
@@ -97,6 +103,8 @@ def bom_command(
 
 def version_summary(store: TrackingStore, version: RegisteredVersion, provider: str = "") -> EuSummary:
     """The training-content summary of a registered version."""
+    from govray.provenance.eu_summary import eu_summary
+
     return eu_summary(
         version.directory,
         model=version.model,
@@ -127,6 +135,10 @@ def peft_adapter_command(
     """Write ADAPTER of a verified model version in PEFT's layout, so that
     ``PeftModel.from_pretrained(base, OUT)`` loads what govray trained. Exits 9 for an unknown
     adapter, 17 for an unknown model or version."""
+    from govray.core.keys import load_trust
+    from govray.platform.peft_export import export_peft_adapter
+    from govray.platform.registry import resolve
+
     if (model is None) == (checkpoint is None):
         raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
     if model is not None:

@@ -6,19 +6,16 @@ from __future__ import annotations
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from ray.job_submission import JobDetails
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, console, table
-from govray.platform.submission import (
-    TERMINAL,
-    JobError,
-    RayJobs,
-    check_succeeded,
-    plan_submission,
-    verify_pins,
-)
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails
+
+    from govray.platform.submission import RayJobs
 
 app = typer.Typer(no_args_is_help=True, help="Ray jobs on a cluster: logs, status, stop, list.")
 
@@ -54,6 +51,8 @@ def submit(
     Prints the job's id; with --wait (the default) streams its logs and exits 0 when it
     succeeded, 20 when it failed, 21 when it was stopped. Ctrl-C stops following, not the job.
     """
+    from govray.platform.submission import RayJobs, plan_submission
+
     planned = plan_submission(
         config_path,
         working_dir,
@@ -73,6 +72,8 @@ def submit(
 
 
 def _follow(jobs: RayJobs, job_id: str) -> None:
+    from govray.platform.submission import check_succeeded
+
     try:
         jobs.follow(job_id, _write)
     except KeyboardInterrupt:
@@ -105,6 +106,8 @@ def logs(
     ),
 ) -> None:
     """The job's driver output so far (what ``python jobs/train.py`` printed)."""
+    from govray.platform.submission import RayJobs
+
     jobs = RayJobs.connect(address)
     if follow:
         _follow(jobs, job_id)
@@ -115,6 +118,8 @@ def logs(
 @app.command()
 def status(job_id: str = JobArgument, address: str = Address) -> None:
     """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED, with Ray's message (exit 0 for any)."""
+    from govray.platform.submission import RayJobs
+
     console.print(_status_line(RayJobs.connect(address).info(job_id)), highlight=False)
 
 
@@ -129,6 +134,8 @@ def stop(
     """Stop the job: Ray sends its driver SIGTERM (SIGKILL after a grace period), which ends its
     trial's workers; the trial stays interrupted, and resubmitting the experiment continues it
     from its latest checkpoint. Exit 0 once the job has ended, 20 if it still runs after --wait."""
+    from govray.platform.submission import TERMINAL, JobError, RayJobs
+
     jobs = RayJobs.connect(address)
     if not jobs.stop(job_id):
         console.print(f"{_status_line(jobs.info(job_id))} (nothing to stop)", highlight=False)
@@ -145,6 +152,8 @@ def stop(
 @app.command(name="list")
 def list_jobs(address: str = Address) -> None:
     """The cluster's jobs, newest first: id, status, experiment, start time."""
+    from govray.platform.submission import RayJobs
+
     shown = table("job", "status", "experiment", "entrypoint", "started (UTC)")
     found = sorted(RayJobs.connect(address).jobs(), key=lambda job: job.start_time or 0, reverse=True)
     for job in found:
@@ -163,6 +172,8 @@ def list_jobs(address: str = Address) -> None:
 def verify_pins_command() -> None:
     """Check this machine's packages against the pins a submitted job carries (exit 22 when they
     differ); jobs/train.py and jobs/search.py run it first."""
+    from govray.platform.submission import verify_pins
+
     checked = verify_pins()
     if checked:
         console.print(f"packages match the submission's {checked} pins", highlight=False)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import KeyTypeOption, console, table
-from govray.cli.policy import keygen
+from govray.cli.common import console, table
+from govray.cli.policy import KeyTypeOption, keygen
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, platform_key, save_trust
 

@@ -10,7 +10,6 @@ from govray.cli.common import AllowUnsigned, Database, Strict, console
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
 from govray.platform.lifecycle import LATEST, activate, fork, request_kill, request_pause, wait_while_active
-from govray.platform.preflight import check_policy
 from govray.tracking.store import TrackingStore
 
 ExperimentArgument = typer.Argument(..., help="Experiment id, or name (the newest of that name).")
@@ -59,6 +58,8 @@ def kill(
 
 def activate_command(experiment: str = ExperimentArgument, database: str = Database) -> None:
     """Continue a paused experiment from its pause checkpoint; this process drives the run."""
+    from govray.platform.preflight import check_policy
+
     store = TrackingStore.open(database)
     with progress_bar() as update:
         outcome = activate(store, experiment, progress=update)
@@ -82,6 +83,8 @@ def fork_command(
     database: str = Database,
 ) -> None:
     """A new experiment from this one, the parent recorded in its lineage; trains it now."""
+    from govray.platform.preflight import check_policy
+
     store = TrackingStore.open(database)
     with progress_bar() as update:
         child, outcome = fork(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
 from govray.core.identifiers import parse_id
-from govray.provenance.rows import LineageError, TrialReach, row_reach
 from govray.tracking.store import TrackingStore
+
+if TYPE_CHECKING:
+    from govray.provenance.rows import TrialReach
 
 app = typer.Typer(help="Lineage: what a training row reached, from the schedule.", no_args_is_help=True)
 
@@ -26,6 +30,8 @@ def row(
     update it joined, the checkpoints carrying it, and the parameter tensors its route updates.
     Exits 18 for an unknown or malformed corpus id, or a row that is not one (out of range, not
     ASCII digits)."""
+    from govray.provenance.rows import LineageError, row_reach
+
     number = parse_id(row_text, f"corpus {corpus!r}: row", LineageError, low=0)
     reach = row_reach(TrackingStore.open(database), corpus, number)
     if as_json:

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, table
-from govray.platform.mlflow_mirror import sync_experiment
-from govray.platform.registry import (
-    RegisteredVersion,
-    RegistryError,
-    model_signature_of,
-    register,
-    remove_adapter,
-    resolve,
-    set_tags,
-    version_attestations,
-    versions,
-)
 from govray.tracking.store import TrackingStore
 from govray.tracking.versions import list_models
+
+if TYPE_CHECKING:
+    from govray.platform.registry import RegisteredVersion
 
 app = typer.Typer(
     help="The model registry: versions of checkpoints, tags, adapter removal.", no_args_is_help=True
@@ -41,6 +32,8 @@ def register_command(
     tags: list[str] = Tags,
 ) -> None:
     """Verify and attest CHECKPOINT, then register it as NAME's next version."""
+    from govray.platform.registry import register
+
     store = TrackingStore.open(database)
     version = register(store, name, checkpoint, description=description, tags=_pairs(tags))
     console.print(f"registered {version.ref} ← {version.directory}", highlight=False)
@@ -61,6 +54,8 @@ def list_command(database: str = Database) -> None:
 @app.command("versions")
 def versions_command(name: str = typer.Argument(...), database: str = Database) -> None:
     """The versions of model NAME, oldest first."""
+    from govray.platform.registry import versions
+
     listing = table("version", "checkpoint", "step", "tags", "removed adapters", "excluded corpora")
     for version in versions(TrackingStore.open(database), name):
         listing.add_row(
@@ -79,6 +74,8 @@ def describe_command(
     ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str = Database
 ) -> None:
     """One version as JSON: files, checkpoint, tags, lineage, attestations."""
+    from govray.platform.registry import resolve, version_attestations
+
     store = TrackingStore.open(database)
     version = resolve(store, ref)
     typer.echo(json.dumps(describe(version, [a.id for a in version_attestations(store, version)]), indent=2))
@@ -92,6 +89,8 @@ def tag_command(
     database: str = Database,
 ) -> None:
     """Set or remove tags of a version."""
+    from govray.platform.registry import set_tags
+
     version = set_tags(TrackingStore.open(database), ref, _pairs(pairs or []), remove)
     console.print(f"{version.ref} tags: {json.dumps(version.tags, sort_keys=True)}", highlight=False)
 
@@ -103,6 +102,8 @@ def remove_adapter_command(
     database: str = Database,
 ) -> None:
     """Make a new version without ADAPTER, attested with the corpora that leaves out."""
+    from govray.platform.registry import remove_adapter
+
     store = TrackingStore.open(database)
     version = remove_adapter(store, ref, adapter)
     excluded = ", ".join(version.excluded_corpora) or "none"
@@ -112,6 +113,8 @@ def remove_adapter_command(
 
 def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> dict[str, Any]:
     """A version as a JSON document."""
+    from govray.platform.registry import model_signature_of
+
     return {
         "model": version.model,
         "version": version.version,
@@ -136,10 +139,14 @@ def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> d
 
 def _mirror(store: TrackingStore, version: RegisteredVersion) -> None:
     """Mirror the version's experiment to MLflow when it names a server (a failure only warns)."""
+    from govray.platform.mlflow_mirror import sync_experiment
+
     sync_experiment(store, store.get_trial(version.checkpoint.trial_id).experiment_id)
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
+    from govray.platform.registry import RegistryError
+
     pairs = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -6,13 +6,17 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import AllowUnsigned, ConfigArgument, KeyTypeOption, console, open_experiment, table
+from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
 from govray.core.dsse import read_envelope
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, save_trust
-from govray.governance.policy import load_verified_policy, sign_policy
-from govray.platform.preflight import check_policy
 
 app = typer.Typer(help="Manage signed depth policies.", no_args_is_help=True)
+
+KeyTypeOption = typer.Option(
+    KeyType.ED25519,
+    "--keytype",
+    help="ed25519 (policies, manifests, attestations) or ecdsa (P-256: OpenSSF model signatures).",
+)
 
 
 @app.command()
@@ -42,6 +46,8 @@ def sign(
     out: Path | None = typer.Option(None, "--out", help="Signature file (default: POLICY.sig)."),
 ) -> None:
     """Sign a policy with the policy authority's key (a DSSE envelope over its digest)."""
+    from govray.governance.policy import sign_policy
+
     envelope = sign_policy(policy, SigningKey.load(key))
     target = out or policy.with_name(policy.name + ".sig")
     target.write_text(envelope.to_json())
@@ -55,6 +61,8 @@ def verify(
     signature: Path | None = typer.Option(None, "--signature", help="Signature file (default: POLICY.sig)."),
 ) -> None:
     """Verify a policy's signature; exits 5 when it does not verify."""
+    from govray.governance.policy import load_verified_policy
+
     target = signature or policy.with_name(policy.name + ".sig")
     read_envelope(target)  # a clear error for a missing or malformed envelope
     verified = load_verified_policy(policy, target, load_trust(trust))
@@ -69,6 +77,8 @@ def verify(
 @app.command()
 def check(config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned) -> None:
     """Verify the experiment's policy and resolve it against the trial's model."""
+    from govray.platform.preflight import check_policy
+
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     policy, routing = checked.policy, checked.routing

@@ -5,7 +5,6 @@ from __future__ import annotations
 import typer
 
 from govray.cli.common import console, record_id
-from govray.platform.replay import format_influence, replay_trial
 from govray.tracking.store import TrackingStore
 
 
@@ -23,6 +22,8 @@ def replay(
     ),
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
+    from govray.platform.replay import format_influence, replay_trial
+
     store = TrackingStore.open(database)
     replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)
     report = replayed.report

@@ -7,8 +7,6 @@ import typer
 from govray.cli.common import console
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
-from govray.platform.preflight import check_policy
-from govray.platform.resume import resume_trial, use_interrupted_trial_code
 from govray.tracking.store import TrackingStore
 
 
@@ -17,6 +15,9 @@ def resume(
     database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
 ) -> None:
     """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name."""
+    from govray.platform.preflight import check_policy
+    from govray.platform.resume import resume_trial, use_interrupted_trial_code
+
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
     config = ExperimentConfig.model_validate_json(recorded.config_json)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import (
@@ -17,14 +18,12 @@ from rich.progress import (
 )
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
-from govray.platform.plan import RunPlanner
-from govray.platform.preflight import CheckedPolicy, check_policy, ingest_experiment
-from govray.platform.registry import resolve, start_reference
-from govray.platform.resume import interrupted_trial, resume_trial
-from govray.platform.runner import Progress as ProgressCallback
-from govray.platform.runner import TrialOutcome, run_planned
-from govray.tracking.tables import Experiment
-from govray.train.ledger_table import format_ledger
+
+if TYPE_CHECKING:
+    from govray.platform.preflight import CheckedPolicy
+    from govray.platform.runner import Progress as ProgressCallback
+    from govray.platform.runner import TrialOutcome
+    from govray.tracking.tables import Experiment
 
 FromCheckpoint = typer.Option(
     None,
@@ -51,6 +50,12 @@ def run(
     ),
 ) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
+    from govray.platform.plan import RunPlanner
+    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.registry import resolve, start_reference
+    from govray.platform.resume import interrupted_trial, resume_trial
+    from govray.platform.runner import run_planned
+
     config, store = open_experiment(config_path)
     start_model = None
     if from_model is not None:
@@ -109,6 +114,8 @@ def progress_bar() -> Iterator[ProgressCallback]:
 
 def report(outcome: TrialOutcome, checked: CheckedPolicy, experiment: Experiment) -> None:
     """What a finished, paused or killed run prints."""
+    from govray.train.ledger_table import format_ledger
+
     if outcome.state != "completed":
         console.print(
             f"trial {outcome.trial_id} ({outcome.run_name}) {outcome.state} after {outcome.steps_done} "

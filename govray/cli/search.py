@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.live import Live
@@ -12,10 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
-from govray.platform.plan import RunPlanner
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.search import search_planned
-from govray.platform.search_progress import LinePrinter, SearchState, progress_best, progress_counts
+
+if TYPE_CHECKING:
+    from govray.platform.search_progress import SearchState
 
 
 def search(
@@ -25,6 +25,10 @@ def search(
 
     Run again after an interruption: the search resumes where Tune left off, without rerunning
     finished trials."""
+    from govray.platform.plan import RunPlanner
+    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.search import search_planned
+
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     planner = RunPlanner(config, checked)  # refused before the experiment exists
@@ -61,6 +65,8 @@ def search(
 def search_view() -> Iterator[Callable[[SearchState], None]]:
     """The search's progress: one panel redrawn in a terminal, else one line per change at most
     every 5 seconds (ray job logs, CI)."""
+    from govray.platform.search_progress import LinePrinter
+
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             yield lambda state: live.update(progress_panel(state))
@@ -74,6 +80,8 @@ def search_view() -> Iterator[Callable[[SearchState], None]]:
 
 def progress_panel(state: SearchState) -> RenderableType:
     """The terminal view: counts, the best so far, and a row for each running trial."""
+    from govray.platform.search_progress import progress_best, progress_counts
+
     lines: list[RenderableType] = [Text(progress_counts(state))]
     if best := progress_best(state):
         lines.append(Text(best))

@@ -7,15 +7,18 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from govray.cli.common import Database, record_id
 from govray.core.errors import GovrayError
 from govray.core.logs import follow_logs, log_dir, read_logs
-from govray.core.storage import Storage, open_storage
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
+
+if TYPE_CHECKING:
+    from govray.core.storage import Storage
 
 app = typer.Typer(help="Trials in the tracking store.", no_args_is_help=True)
 
@@ -34,6 +37,8 @@ def logs(
 ) -> None:
     """Print the trial's worker logs, every rank's lines merged by time (with object storage, the
     copies in the bucket: each rank's log as of its last checkpoint, whole once it ended)."""
+    from govray.core.storage import open_storage
+
     store = TrackingStore.open(database)
     trial = store.get_trial(trial_id)
     if trial.ray_run_name is None:
