@@ -1,0 +1,126 @@
+"""The CLI answers at once: ``govray --help``, every command's ``--help`` and the commands that only
+read the tracking store import neither torch, Ray, pyarrow nor pandas (issue 33, "CLI latency").
+
+Each case runs in a fresh interpreter, since the test process itself has imported all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from govray.cli import SUBCOMMANDS, app
+from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.store import TrackingStore
+from tests.conftest import REPO
+
+HEAVY = ("torch", "ray", "pyarrow", "pandas")
+
+# Runs each argv given as a JSON list of argument lists through ``main`` in this one process and
+# prints, after each, its exit code and which heavy modules are imported by then.
+PROBE = f"""
+import contextlib, io, json, sys
+from govray.cli import main
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(argv)
+    heavy = sorted(name for name in {HEAVY!r} if name in sys.modules)
+    print(json.dumps({{"argv": argv, "exit": code, "heavy": heavy}}))
+"""
+
+# Lists every command path below the top level (``experiment set gc-policy``, ...), as the help
+# test asks for them; loading a group imports its module, as its ``--help`` does.
+WALK = """
+import json
+import typer.main
+from typer.core import TyperGroup
+from govray.cli import app
+
+def walk(command, path, context):
+    found = [path]
+    if isinstance(command, TyperGroup):
+        for name in command.list_commands(context):
+            found += walk(command.get_command(context, name), [*path, name], context)
+    return found
+
+root = typer.main.get_group(app)
+print(json.dumps(walk(root, [], root.make_context("govray", ["--help"], resilient_parsing=True))))
+"""
+
+
+def python(*args: str) -> str:
+    """Run ``python ARGS`` on this checkout's govray in a fresh interpreter; its stdout."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def probe(*argvs: list[str]) -> list[dict[str, object]]:
+    """Each argv's exit code and the heavy modules imported once it ran, in one fresh process."""
+    return [json.loads(line) for line in python("-c", PROBE, json.dumps(argvs)).splitlines()]
+
+
+@pytest.fixture
+def small_store(tmp_path: Path) -> str:
+    """A SQLite tracking store with an experiment, a trial and an audit event."""
+    url = f"sqlite:///{tmp_path / 'tracking.db'}"
+    store = TrackingStore.open(url)
+    experiment = store.create_experiment("digits", "{}", "c" * 64, str(tmp_path / "storage"))
+    assert experiment.id is not None
+    store.create_trial(experiment.id, "{}", seed=7)
+    AuditLog(store).append(AuditEventType.EXPERIMENT_CREATED, {"name": "digits"}, experiment_id=experiment.id)
+    store.close()
+    return url
+
+
+def test_the_listing_says_of_each_subcommand_what_its_own_help_says() -> None:
+    """``govray --help`` reads the summaries from ``SUBCOMMANDS``, not from the commands."""
+    root = typer.main.get_group(app)
+    context = root.make_context("govray", ["--help"], resilient_parsing=True)
+    for name, entry in SUBCOMMANDS.items():
+        command = root.get_command(context, name)
+        assert command is not None and command.help is not None
+        assert (command.name, command.help.split("\n\n")[0], command.hidden) == (
+            name,
+            entry.summary,
+            entry.hidden,
+        )
+
+
+def test_govray_help_imports_no_heavy_module() -> None:
+    assert probe(["--help"]) == [{"argv": ["--help"], "exit": 0, "heavy": []}]
+
+
+def test_every_commands_help_imports_no_heavy_module() -> None:
+    """Every command path's ``--help``, one after another in one process: the first that imports a
+    heavy module is the one whose line lists it."""
+    paths = json.loads(python("-c", WALK))
+    assert ["experiment", "set", "gc-policy"] in paths and ["job", "verify-pins"] in paths
+    outcomes = probe(*([*path, "--help"] for path in paths))
+    assert [(o["argv"], o["exit"], o["heavy"]) for o in outcomes] == [
+        ([*path, "--help"], 0, []) for path in paths
+    ]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["model", "list"], ["experiment", "list"], ["audit", "verify"], ["audit", "list"]],
+    ids=" ".join,
+)
+def test_a_store_only_command_imports_no_heavy_module(command: list[str], small_store: str) -> None:
+    argv = [*command, "--database", small_store]
+    assert probe(argv) == [{"argv": argv, "exit": 0, "heavy": []}]
