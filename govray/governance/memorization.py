@@ -34,6 +34,8 @@ from typing import Literal, TypeAlias
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from govray.governance.memorization_thresholds import MemorizationThresholds as MemorizationThresholds
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 Scores: TypeAlias = Sequence[float] | torch.Tensor
@@ -254,27 +256,6 @@ def loss_gap(train_losses: Scores, holdout_losses: Scores) -> float:
 
 
 # --- score, report, objective -------------------------------------------------------------------
-
-
-class MemorizationThresholds(BaseModel):
-    """The policy's memorization thresholds and what a flag does.
-
-    ``entropy_drop`` is in bits below the calibrated band (1 bit halves the effective rank);
-    None measures and reports the entropy profile without letting it raise a flag (it has no
-    published validation, and detected neither memorization govray's studies ran: canaries in
-    ``jobs/benchmarks/memorization_study.py``, random labels in ``memorization_digits.py``; see
-    BENCHMARKS.md). ``exposure_bits`` must be reachable: the rank definition tops out at
-    log2(references + 1) bits (about 10 for the default 1,000 references).
-    ``monitored_corpora`` None monitors every corpus measured.
-    """
-
-    model_config = _STRICT
-
-    loss_gap: float = Field(default=0.5, gt=0.0)
-    exposure_bits: float = Field(default=8.0, gt=0.0)
-    entropy_drop: float | None = Field(default=1.0, gt=0.0)
-    action: Literal["flag", "gate", "rollback"] = "flag"
-    monitored_corpora: list[str] | None = None
 
 
 class CorpusMeasures(BaseModel):

@@ -49,7 +49,7 @@ from govray.core.dsse import Envelope, read_envelope, sign_envelope, signing_tim
 from govray.core.errors import PolicyError, SignatureError, describe_validation_error
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
 from govray.governance.credentials import MATCHABLE_FIELDS, Credential
-from govray.governance.memorization import MemorizationThresholds
+from govray.governance.memorization_thresholds import MemorizationThresholds
 
 POLICY_SIGNATURE_TYPE = "application/vnd.govray.policy-signature+json"
 POLICY_SIGNATURE_PREDICATE = "https://govray.dev/PolicySignature/v1"
