@@ -392,14 +392,25 @@ EXCLUDED = [CHECKS.get_one("allow_header_conformance")]
 NOT_FOR_VERIFY = [CHECKS.get_one("positive_data_acceptance")]
 
 
-@schema.parametrize()
-# 12 examples per operation keep it inside the default tier's per-test budget on a 2-core machine.
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_every_answer_conforms_to_the_openapi_document(case: Any) -> None:
+def conforms(case: Any) -> None:
     """schemathesis's every check: no 5xx, status codes, content types, headers and bodies as the
     document declares them, valid data accepted, invalid data refused, auth enforced."""
     excluded = EXCLUDED + (NOT_FOR_VERIFY if case.operation.label == "POST /api/verify" else [])
     case.call_and_validate(checks=ALL_CHECKS, excluded_checks=excluded, timeout=60)
+
+
+@schema.parametrize()
+# 5 examples per operation keep the default tier quick; the slow tier sends 30 per operation.
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_every_answer_conforms_to_the_openapi_document(case: Any) -> None:
+    conforms(case)
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_every_answer_to_many_requests_conforms_to_the_openapi_document(case: Any) -> None:
+    conforms(case)
 
 
 def test_shutting_serve_down_leaves_the_session_ray_working(served: Served) -> None:

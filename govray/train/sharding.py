@@ -30,23 +30,26 @@ parameters and optimizer state stay fp32.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from govray.config.training import Precision
 from govray.core.canonical import file_sha256
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor
 from govray.train.checkpoint import CheckpointError, shard_file, split_optimizer_state
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _NONE = torch.iinfo(torch.int64).max  # "no flagged step" while all-reducing the first flagged steps
 
@@ -115,11 +118,18 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def is_sharded(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is an FSDP shard (a DTensor). A process that never sharded anything has
+    not imported ``torch.distributed.tensor`` (about a second per worker), so nothing is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def optimizer_groups(parameters: Sequence[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, Any]]:
     """The optimizer's parameters: as they are; under FSDP the sharded tensors and the whole
     (adapter) tensors in their own parameter groups (foreach kernels take one kind at a time)."""
-    sharded: list[nn.Parameter] = [p for p in parameters if isinstance(p, DTensor)]
-    whole: list[nn.Parameter] = [p for p in parameters if not isinstance(p, DTensor)]
+    sharded: list[nn.Parameter] = [p for p in parameters if is_sharded(p)]
+    whole: list[nn.Parameter] = [p for p in parameters if not is_sharded(p)]
     if not sharded or not whole:
         return list(parameters)
     return [{"params": sharded}, {"params": whole}]
@@ -128,7 +138,7 @@ def optimizer_groups(parameters: Sequence[nn.Parameter]) -> list[nn.Parameter] |
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded tensor (a view: writing it writes the shard); a whole
     tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class ShardedGovernor(GradientGovernor):
@@ -144,7 +154,7 @@ class ShardedGovernor(GradientGovernor):
         super().__init__(named_parameters, allowed_routes)
         self.rank = dist.get_rank()
         self._replicated = [
-            index for index, parameter in enumerate(self.parameters) if not isinstance(parameter, DTensor)
+            index for index, parameter in enumerate(self.parameters) if not is_sharded(parameter)
         ]
         self.flags(device)  # every rank joins the boundary's all-reduce, stepped or not
         self._attach(model)
@@ -180,7 +190,7 @@ class ShardedGovernor(GradientGovernor):
             self.reduce_whole([self.parameters[index] for index in self._replicated])
         by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
         for index, parameter in enumerate(self.parameters):
-            if parameter.grad is None or not isinstance(parameter, DTensor):
+            if parameter.grad is None or not is_sharded(parameter):
                 continue
             group = self._group_of[index]
             count = self.group_counts[group]
@@ -199,7 +209,7 @@ class ShardedGovernor(GradientGovernor):
             [
                 local(p.grad)
                 for p in self._members[group]
-                if p.grad is not None and (isinstance(p, DTensor) or self.rank == 0)
+                if p.grad is not None and (is_sharded(p) or self.rank == 0)
             ]
             for group in groups
         ]
@@ -255,7 +265,7 @@ def _file_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     seen: set[int] = set()
     for name, tensor in state.items():
         part = local(tensor).detach()
-        if isinstance(tensor, DTensor):
+        if is_sharded(tensor):
             _, offset = _local_box(tensor)
             placement[name] = [list(tensor.shape), list(offset)]
         stored = part.cpu()
@@ -316,7 +326,7 @@ def load_whole(model: GovernedModel, whole: Mapping[str, torch.Tensor], source: 
 
     def part(name: str, target: torch.Tensor) -> torch.Tensor:
         tensor = whole[name]
-        if not isinstance(target, DTensor) or tuple(tensor.shape) != tuple(target.shape):
+        if not is_sharded(target) or tuple(tensor.shape) != tuple(target.shape):
             return tensor  # (a shape that does not fit is refused by the caller)
         shape, offset = _local_box(target)
         return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
@@ -350,6 +360,8 @@ def _copy_in(
 def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """A rank's optimizer state as read from its shard file, its shards made sharded tensors
     again (laid out as their parameters), ready for ``optimizer.load_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     restored: dict[int, dict[str, Any]] = {}
     for index, values in state["state"].items():
@@ -363,7 +375,7 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, A
                 shape=parameter.shape,
                 stride=parameter.stride(),
             )
-            if isinstance(parameter, DTensor)
+            if is_sharded(parameter)
             and isinstance(value, torch.Tensor)
             and value.shape == local(parameter).shape
             and value.dim() > 0
