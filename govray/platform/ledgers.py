@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from govray.core.keys import TrustConfig
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.attest import AttestationError
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import (
     LedgerTuple,

@@ -41,7 +41,8 @@ from govray.data.slots import step_slots
 from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.attest import AttestationError
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord

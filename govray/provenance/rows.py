@@ -41,7 +41,8 @@ from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.attest import AttestationError
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked
