@@ -17,26 +17,23 @@ the first rung is at least one step and one rung's survivors are at least one tr
 On Tune, a bracket of ``r`` rungs is ASHA's bracket ``s = max_rungs - r`` (grace period
 ``max_length / divisor**(max_rungs-1)``): the same milestones, the same rule (a trial continues
 past a rung only in the top ``1/divisor`` of the results recorded there). Where Tune draws each
-trial's bracket at random, ``DeterminedBrackets`` assigns it by the quotas above, so a search's
-brackets are a function of its config (reproducible), and a trial goes to a bracket with a free
-concurrency slot. Trials validate at every rung; a stop is recorded as a scheduler early stop.
+trial's bracket at random, ``DeterminedBrackets`` (``searchers.brackets``) assigns it by the
+quotas above, so a search's brackets are a function of its config (reproducible), and a trial goes
+to a bracket with a free concurrency slot. Trials validate at every rung; a stop is recorded as a
+scheduler early stop.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
-from ray.tune.schedulers import AsyncHyperBandScheduler
-from ray.tune.schedulers.async_hyperband import _Bracket
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
+from govray.config.searcher import SearcherConfig, TunePlan
 from searchers.asha import grace_period
-from searchers.space import sampled_space, seeded_samples
 
 
 class AdaptiveAshaSearcher(SearcherConfig):
@@ -138,56 +135,10 @@ def bracket_plans(searcher: AdaptiveAshaSearcher, max_steps: int) -> tuple[int, 
     return grace, plans
 
 
-class DeterminedBrackets(AsyncHyperBandScheduler):
-    """Tune's asynchronous HyperBand with Determined's brackets and its trial quotas per bracket."""
-
-    def __init__(self, grace: int, max_t: int, divisor: float, plans: list[BracketPlan]) -> None:
-        super().__init__(time_attr="step", max_t=max_t, grace_period=grace, reduction_factor=divisor)
-        self.plans = plans
-        self._brackets = [_Bracket(plan.milestones[0], max_t, divisor, 0) for plan in plans]
-        for bracket, plan in zip(self._brackets, plans, strict=True):
-            # Tune derives the rungs from floating-point logs; the plan's milestones are exact.
-            bracket._rungs = [(milestone, {}) for milestone in reversed(plan.milestones)]
-        self.assigned = [0] * len(plans)  # trials given to each bracket so far
-        self.running: dict[str, int] = {}  # Tune trial id → its bracket's index
-
-    def bracket_of(self, trial_id: str) -> int | None:
-        return self.running.get(trial_id)
-
-    def _next_bracket(self) -> int:
-        """The bracket with a free concurrency slot that has had the smallest share of its quota
-        (ties: the one that stops most); past every quota, the least loaded."""
-        active = [list(self.running.values()).count(index) for index in range(len(self.plans))]
-
-        def load(index: int) -> tuple[bool, bool, float, int]:
-            plan = self.plans[index]
-            return (
-                self.assigned[index] >= plan.max_trials,
-                active[index] >= plan.max_concurrent,
-                self.assigned[index] / plan.max_trials,
-                index,
-            )
-
-        return min(range(len(self.plans)), key=load)
-
-    def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
-        super().on_trial_add(tune_controller, trial)  # checks metric and mode (draws a bracket)
-        if trial.trial_id not in self.running:
-            index = self._next_bracket()
-            self.assigned[index] += 1
-            self.running[trial.trial_id] = index
-        self._trial_info[trial.trial_id] = self._brackets[self.running[trial.trial_id]]
-
-    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> None:
-        super().on_trial_complete(tune_controller, trial, result)
-        self.running.pop(trial.trial_id, None)
-
-    def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
-        super().on_trial_remove(tune_controller, trial)
-        self.running.pop(trial.trial_id, None)
-
-
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from searchers.brackets import DeterminedBrackets
+    from searchers.space import sampled_space, seeded_samples
+
     searcher = config.searcher
     assert isinstance(searcher, AdaptiveAshaSearcher)
     grace, plans = bracket_plans(searcher, max_steps)

@@ -14,12 +14,9 @@ import math
 from typing import Literal
 
 from pydantic import Field
-from ray.tune.schedulers import ASHAScheduler
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
-from searchers.space import sampled_space, seeded_samples
+from govray.config.searcher import SearcherConfig, TunePlan
 
 
 class AshaSearcher(SearcherConfig):
@@ -53,6 +50,10 @@ def rung_steps(max_t: int, grace: int, divisor: float) -> list[int]:
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from ray.tune.schedulers import ASHAScheduler
+
+    from searchers.space import sampled_space, seeded_samples
+
     searcher = config.searcher
     assert isinstance(searcher, AshaSearcher)
     grace = grace_period(max_steps, searcher.divisor, searcher.max_rungs)

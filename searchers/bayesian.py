@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import optuna
 from pydantic import Field
-from ray.tune.search.optuna import OptunaSearch
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
-from searchers.space import sampled_space
+from govray.config.searcher import SearcherConfig, TunePlan
 
 
 class BayesianSearcher(SearcherConfig):
@@ -28,6 +24,11 @@ CONFIG = BayesianSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    from searchers.space import sampled_space
+
     searcher = config.searcher
     assert isinstance(searcher, BayesianSearcher)
     sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=searcher.n_startup_trials)

@@ -7,9 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
-from searchers.space import grid_size, grid_space
+from govray.config.searcher import SearcherConfig, TunePlan
 
 
 class GridSearcher(SearcherConfig):
@@ -21,6 +19,8 @@ CONFIG = GridSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from searchers.space import grid_size, grid_space
+
     searcher = config.searcher
     assert isinstance(searcher, GridSearcher)
     return TunePlan(

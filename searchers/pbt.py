@@ -14,14 +14,11 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field
-from ray.tune.schedulers import PopulationBasedTraining
 
 from govray.config.experiment import ExperimentConfig
 from govray.config.hyperparameters import Hyperparameter
-from govray.config.searcher import SearcherConfig
+from govray.config.searcher import SearcherConfig, TunePlan
 from govray.core.errors import ConfigError
-from govray.platform.search import TunePlan
-from searchers.space import sampled, sampled_space
 
 
 class PbtSearcher(SearcherConfig):
@@ -37,6 +34,10 @@ CONFIG = PbtSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    from searchers.space import sampled, sampled_space
+
     searcher = config.searcher
     assert isinstance(searcher, PbtSearcher)
     unknown = sorted(set(searcher.hyperparam_mutations) - set(config.hyperparameters))

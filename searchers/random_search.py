@@ -8,9 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
-from searchers.space import sampled_space, seeded_samples
+from govray.config.searcher import SearcherConfig, TunePlan
 
 
 class RandomSearcher(SearcherConfig):
@@ -23,6 +21,8 @@ CONFIG = RandomSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from searchers.space import sampled_space, seeded_samples
+
     searcher = config.searcher
     assert isinstance(searcher, RandomSearcher)
     return TunePlan(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SearcherConfig
-from govray.platform.search import TunePlan
+from govray.config.searcher import SearcherConfig, TunePlan
 
 
 class SingleSearcher(SearcherConfig):

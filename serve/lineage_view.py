@@ -21,7 +21,7 @@ from typing import Any
 
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.keys import load_trust
-from govray.provenance.attest import run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.queries import NotFoundError, StoreReader, Window
 from govray.queries.ledger import statement_of
 from govray.queries.views import Lineage

@@ -17,11 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from govray.config.serve import ServeSettings
 from govray.core.dsse import Envelope
-from govray.core.errors import GovrayError, SignatureError
+from govray.core.errors import AttestationError, GovrayError, SignatureError
 from govray.core.identifiers import ModelRef, RecordId
 from govray.core.keys import TrustConfig, load_trust
-from govray.platform.registry import RegistryError, parse_ref, resolve
-from govray.provenance.attest import AttestationError
+from govray.platform.registered import RegistryError, parse_ref, resolve
 from govray.provenance.verify import verify_attestation
 from govray.queries import NotFoundError, QueryError, StoreReader
 from govray.tracking.store import TrackingStore

@@ -13,13 +13,13 @@ from pydantic import ValidationError
 
 from searchers.adaptive_asha import (
     AdaptiveAshaSearcher,
-    DeterminedBrackets,
     bracket_max_concurrent,
     bracket_max_trials,
     bracket_plans,
     clamped_max_rungs,
     mode_brackets,
 )
+from searchers.brackets import DeterminedBrackets
 from tests.test_search import assert_recorded, plan_of, searched
 
 

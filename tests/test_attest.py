@@ -22,18 +22,12 @@ from govray.core.canonical import canonical_json
 from govray.core.dsse import sign_envelope
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
 from govray.data.shards import ShardSet
-from govray.provenance.attest import (
-    COVERAGE_TYPE,
-    PAYLOAD_TYPE,
-    PROVENANCE_TYPE,
-    Attestation,
-    AttestationError,
-    attest_checkpoint,
-    run_spec_of,
-)
+from govray.provenance.attest import Attestation, AttestationError, attest_checkpoint
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
+from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoint import CheckpointState

@@ -16,8 +16,13 @@ import pytest
 import typer.main
 
 from govray.cli import SUBCOMMANDS, app
+from govray.config.experiment import load_experiment
+from govray.core.logs import WorkerLog, log_path
 from govray.tracking.audit import AuditEventType, AuditLog
+from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
+from govray.tracking.tables import ModelVersion
+from govray.tracking.versions import insert_version
 from tests.conftest import REPO
 
 HEAVY = ("torch", "ray", "pyarrow", "pandas")
@@ -76,12 +81,23 @@ def probe(*argvs: list[str]) -> list[dict[str, object]]:
 
 @pytest.fixture
 def small_store(tmp_path: Path) -> str:
-    """A SQLite tracking store with an experiment, a trial and an audit event."""
+    """A SQLite tracking store with the digits experiment (its real config), a trial with a log
+    line, a checkpoint registered as ``digits:1`` and an audit event."""
     url = f"sqlite:///{tmp_path / 'tracking.db'}"
     store = TrackingStore.open(url)
-    experiment = store.create_experiment("digits", "{}", "c" * 64, str(tmp_path / "storage"))
+    config = load_experiment(REPO / "jobs" / "examples" / "digits" / "experiment.yaml")
+    storage = tmp_path / "storage"
+    experiment = store.create_experiment("digits", config.model_dump_json(), "c" * 64, str(storage))
     assert experiment.id is not None
-    store.create_trial(experiment.id, "{}", seed=7)
+    trial = store.create_trial(experiment.id, "{}", seed=7, ray_run_name="digits-run")
+    assert trial.id is not None
+    with WorkerLog(log_path(storage, "digits-run", 0), 0) as log:
+        log.write("epoch 1 done")
+    checkpoint = record_checkpoint(
+        store, trial.id, str(storage / "ray" / "digits-run" / "checkpoint_000001"), 10
+    )
+    assert checkpoint.id is not None
+    insert_version(store, ModelVersion(model_name="digits", version=1, checkpoint_id=checkpoint.id), "")
     AuditLog(store).append(AuditEventType.EXPERIMENT_CREATED, {"name": "digits"}, experiment_id=experiment.id)
     store.close()
     return url
@@ -116,7 +132,15 @@ def test_every_commands_help_imports_no_heavy_module() -> None:
     ]
 
 
-STORE_ONLY = (["model", "list"], ["experiment", "list"], ["audit", "verify"], ["audit", "list"])
+STORE_ONLY = (
+    ["model", "list"],
+    ["model", "versions", "digits"],
+    ["experiment", "list"],
+    ["experiment", "describe", "digits"],  # validates the recorded config: loads the searcher's CONFIG
+    ["trial", "logs", "1"],
+    ["audit", "verify"],
+    ["audit", "list"],
+)
 
 
 def test_store_only_commands_import_no_heavy_module(small_store: str) -> None:

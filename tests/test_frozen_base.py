@@ -32,7 +32,8 @@ from govray.governance.policy import DepthPolicy
 from govray.platform.gc import remove_checkpoint_directory
 from govray.platform.peft_export import export_peft_adapter
 from govray.platform.registry import register, remove_adapter
-from govray.provenance.attest import attest_checkpoint, run_spec_of
+from govray.provenance.attest import attest_checkpoint
+from govray.provenance.locations import run_spec_of
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
@@ -42,7 +43,6 @@ from govray.train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     OPTIMIZER_TENSORS,
-    RUN_SPEC_FILE,
     CheckpointError,
     Manifest,
     checkpoint_step,
@@ -53,7 +53,7 @@ from govray.train.checkpoint import (
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
 from govray.train.reproducibility import build_record
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.session import LocalSession
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import golden_example

@@ -26,7 +26,8 @@ from torch import nn
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
 from govray.platform.replay import replay_trial
 from govray.platform.runner import TrialOutcome, run_trial
-from govray.provenance.attest import attest_checkpoint, run_spec_of
+from govray.provenance.attest import attest_checkpoint
+from govray.provenance.locations import run_spec_of
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
 from tests.gloo_group import persistent_group

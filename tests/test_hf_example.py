@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from govray.data.schedule import derive_seed
 from govray.platform.replay import replay_trial
 from govray.tracking.lineage import checkpoints, ledger_rows
-from govray.train.checkpoint import MODEL_FILE, RUN_SPEC_FILE
-from govray.train.runspec import RunSpec
+from govray.train.checkpoint import MODEL_FILE
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
 from jobs.examples.hf_lm.trial import TinyLlamaTrial

@@ -14,9 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from govray.cli import main
-from govray.platform.registry import envelope_sha256, resolve, version_attestations
-from govray.provenance.attest import COVERAGE_TYPE, PROVENANCE_TYPE
-from govray.provenance.verify import statement_type
+from govray.platform.registered import envelope_sha256, resolve, version_attestations
+from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.train.checkpoint import find_checkpoints
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from jobs.examples.digits.golden import golden_example as _golden_example

@@ -14,22 +14,19 @@ from safetensors.torch import load_file
 
 from govray.cli import main
 from govray.config.searcher import Length
+from govray.core.errors import AttestationError
 from govray.core.keys import platform_key, platform_trust
-from govray.platform.registry import (
+from govray.platform.registered import (
     RegisteredVersion,
     RegistryError,
     envelope_sha256,
     provenance_record,
-    register,
-    remove_adapter,
     resolve,
-    set_tags,
-    start_reference,
     version_attestations,
     versions,
 )
+from govray.platform.registry import register, remove_adapter, set_tags, start_reference
 from govray.platform.runner import run_trial
-from govray.provenance.attest import AttestationError
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
 from govray.provenance.verify import verify_attestation

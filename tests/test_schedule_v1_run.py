@@ -20,7 +20,7 @@ from govray.core.keys import platform_key, platform_key_path
 from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
-from govray.provenance.attest import run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import row_steps
 from govray.train.checkpoint import (

@@ -24,21 +24,20 @@ from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search_progress import SearchState
 from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _segmented_trial, ends_trial
-from govray.provenance.attest import COVERAGE_TYPE
 from govray.provenance.recompute import check_attested_ledger
+from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import (
     MODEL_FILE,
-    RUN_SPEC_FILE,
     checkpoint_step,
     find_checkpoints,
     load_checkpoint,
 )
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.session import LocalSession, tune_reports, tune_result
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space

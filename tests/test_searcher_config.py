@@ -3,6 +3,9 @@ through the same entry point, so a new strategy is one file and one entry point.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +18,7 @@ from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.config.searcher import SEARCHER_GROUP, SearcherConfig, installed_searchers, searcher_model
 from govray.core.errors import ConfigError
 from govray.platform.preflight import config_digest
-from tests.conftest import EXAMPLE_CONFIG
+from tests.conftest import EXAMPLE_CONFIG, REPO
 
 SHIPPED = ["adaptive_asha", "asha", "bayesian", "grid", "pbt", "random", "single"]
 
@@ -174,3 +177,44 @@ def test_a_strategy_module_without_a_config_model_is_refused(tmp_path: Path, one
         ConfigError, match=r"searcher: searcher 'halving': its module halving_strategy defines no CONFIG"
     ):
         load_experiment(path)
+
+
+# Validates each named strategy's smallest section in this one fresh process and prints which heavy
+# modules are loaded after each.
+PROBE = """
+import json, sys
+from govray.config.searcher import searcher_model
+for name in json.loads(sys.argv[1]):
+    model = searcher_model(name)
+    model.model_validate({"name": name, **json.loads(sys.argv[2]).get(name, {})})
+    print(json.dumps([name, sorted(m for m in ("torch", "ray", "pyarrow") if m in sys.modules)]))
+"""
+
+TRIALS = {"max_trials": 4}
+REQUIRED = {  # the fields a strategy has no default for
+    "random": TRIALS,
+    "asha": TRIALS,
+    "adaptive_asha": TRIALS,
+    "bayesian": TRIALS,
+    "pbt": {
+        "population_size": 2,
+        "perturbation_interval": 4,
+        "hyperparam_mutations": {"lr": {"type": "log", "minval": -3, "maxval": -1, "base": 10}},
+    },
+}
+
+
+def test_every_installed_searcher_validates_without_ray_or_torch() -> None:
+    names = sorted(installed_searchers())
+    assert {"single", "grid", "random", "asha", "adaptive_asha", "pbt", "bayesian"} <= set(names)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(names), json.dumps(REQUIRED)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line) for line in done.stdout.splitlines()] == [[name, []] for name in names]

@@ -20,7 +20,7 @@ from govray.data.slots import step_slots
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.routing import resolve_routes
-from govray.provenance.attest import run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.tracking.lineage import ledger_rows
 from govray.train.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
 from govray.train.ledger import recompute_ledger

@@ -49,9 +49,10 @@ def verify(
     optionally the policy and the ledger; exits non-zero naming what broke. A model signature is
     checked by ``model_signing``'s own verifier: every file of the directory, none more."""
     from govray.core.keys import load_trust
-    from govray.provenance.attest import COVERAGE_TYPE, AttestationError
+    from govray.provenance.attest import AttestationError
     from govray.provenance.model_signature import is_model_signature, verify_model_signature
     from govray.provenance.recompute import check_attested_ledger
+    from govray.provenance.statement_types import COVERAGE_TYPE
     from govray.provenance.verify import verify_attestation
 
     trusted = load_trust(trust)

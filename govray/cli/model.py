@@ -14,7 +14,7 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.versions import list_models
 
 if TYPE_CHECKING:
-    from govray.platform.registry import RegisteredVersion
+    from govray.platform.registered import RegisteredVersion
 
 app = typer.Typer(
     help="The model registry: versions of checkpoints, tags, adapter removal.", no_args_is_help=True
@@ -54,7 +54,7 @@ def list_command(database: str = Database) -> None:
 @app.command("versions")
 def versions_command(name: str = typer.Argument(...), database: str = Database) -> None:
     """The versions of model NAME, oldest first."""
-    from govray.platform.registry import versions
+    from govray.platform.registered import versions
 
     listing = table("version", "checkpoint", "step", "tags", "removed adapters", "excluded corpora")
     for version in versions(TrackingStore.open(database), name):
@@ -74,7 +74,7 @@ def describe_command(
     ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str = Database
 ) -> None:
     """One version as JSON: files, checkpoint, tags, lineage, attestations."""
-    from govray.platform.registry import resolve, version_attestations
+    from govray.platform.registered import resolve, version_attestations
 
     store = TrackingStore.open(database)
     version = resolve(store, ref)
@@ -113,7 +113,7 @@ def remove_adapter_command(
 
 def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> dict[str, Any]:
     """A version as a JSON document."""
-    from govray.platform.registry import model_signature_of
+    from govray.platform.registered import model_signature_of
 
     return {
         "model": version.model,
@@ -145,7 +145,7 @@ def _mirror(store: TrackingStore, version: RegisteredVersion) -> None:
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
-    from govray.platform.registry import RegistryError
+    from govray.platform.registered import RegistryError
 
     pairs = {}
     for item in items:

@@ -52,7 +52,8 @@ def run(
     """Verify the policy, ingest, and train the experiment's trial under governance."""
     from govray.platform.plan import RunPlanner
     from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.registry import resolve, start_reference
+    from govray.platform.registered import resolve
+    from govray.platform.registry import start_reference
     from govray.platform.resume import interrupted_trial, resume_trial
     from govray.platform.runner import run_planned
 

@@ -15,12 +15,18 @@ Example::
 
     model = searcher_model("asha")
     model.model_validate({"name": "asha", "max_trials": 16})
+
+A strategy's ``plan(config, max_steps)`` returns a :class:`TunePlan`. Validating a section loads
+only the strategy's module and its ``CONFIG``: a strategy imports Ray Tune (and what else its
+search needs) inside ``plan``, so reading an experiment's recorded config loads neither Ray nor
+torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -60,6 +66,19 @@ class SearcherConfig(BaseModel):
     memorization_lambda: float = Field(default=0.0, ge=0.0)  # objective = metric + λ·score
     # Declared after the shared fields, so a section serializes in the order it always has.
     name: str
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """What a strategy asks of Ray Tune for one experiment."""
+
+    param_space: dict[str, Any]
+    num_samples: int
+    max_concurrent_trials: int
+    search_alg: Any = None  # a ray.tune.search.Searcher, or None: Tune's variant generator
+    scheduler: Any = None  # a ray.tune.schedulers.TrialScheduler, or None: FIFO
+    validation_period: int | None = None  # steps between reports, when the config sets none
+    notes: dict[str, Any] = field(default_factory=dict)  # derived settings, shown to the user
 
 
 def installed_searchers() -> dict[str, EntryPoint]:

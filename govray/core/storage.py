@@ -30,11 +30,12 @@ import tempfile
 from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
-from typing import TypeVar
-
-import pyarrow.fs as pafs
+from typing import TYPE_CHECKING, TypeVar
 
 from govray.core.errors import GovrayError
+
+if TYPE_CHECKING:  # pyarrow loads only where object storage is used: a local store's readers skip it
+    import pyarrow.fs as pafs
 
 SEALS = ("manifest.json", "manifest.sig")  # uploaded last: they make a directory complete
 T = TypeVar("T")
@@ -116,6 +117,8 @@ class Storage:
         path = Path(path)
         if path.exists() or self.filesystem is None:
             return path.exists()
+        import pyarrow.fs as pafs
+
         key = self.remote_path(path)
         info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
         if info.type == pafs.FileType.NotFound:
@@ -144,6 +147,8 @@ class Storage:
         """The names of the files right below ``directory`` in the storage (none when local)."""
         if self.filesystem is None:
             return []
+        import pyarrow.fs as pafs
+
         key = self.remote_path(directory)
         selector = pafs.FileSelector(key, allow_not_found=True)
         found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
@@ -154,6 +159,8 @@ class Storage:
         ``path`` in the cache) when it is longer there than here; returns whether it copied."""
         if self.filesystem is None:
             return False
+        import pyarrow.fs as pafs
+
         target = Path(destination or path)
         key = self.remote_path(Path(path))
         info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
@@ -179,6 +186,8 @@ class Storage:
         Path(path).unlink(missing_ok=True)
         if self.filesystem is None:
             return
+        import pyarrow.fs as pafs
+
         key = self.remote_path(Path(path))
         info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
         if info.type == pafs.FileType.File:
@@ -192,6 +201,8 @@ class Storage:
             shutil.rmtree(path)
         if self.filesystem is None:
             return
+        import pyarrow.fs as pafs
+
         key = self.remote_path(path)
         info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
         if info.type != pafs.FileType.NotFound:
@@ -207,6 +218,8 @@ class Storage:
             else set()
         )
         if self.filesystem is not None:
+            import pyarrow.fs as pafs
+
             key = self.remote_path(directory)
             selector = pafs.FileSelector(key, allow_not_found=True)
             found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
@@ -246,6 +259,8 @@ def _write(filesystem: pafs.FileSystem, key: str, data: bytes) -> None:
 
 
 def _put(file: Path, key: str, filesystem: pafs.FileSystem) -> None:
+    import pyarrow.fs as pafs
+
     local = pafs.LocalFileSystem()
     pafs.copy_files(str(file), key, source_filesystem=local, destination_filesystem=filesystem)
 
@@ -278,6 +293,8 @@ def _s3_filesystem() -> pafs.S3FileSystem:
 
 @cache
 def _s3_filesystem_for(endpoint: str, region: str, key: str, secret: str, token: str) -> pafs.S3FileSystem:
+    import pyarrow.fs as pafs
+
     options: dict[str, object] = {
         "allow_bucket_creation": False,
         "allow_bucket_deletion": False,

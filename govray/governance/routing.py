@@ -18,11 +18,13 @@ import fnmatch
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from govray.core.errors import RoutingError
 from govray.governance.policy import AdapterRoute, DepthPolicy, DepthRange, LayerRoute, Route
+
+if TYPE_CHECKING:  # what reads a routing table back (attestations, lineage) needs no torch
+    from torch import nn
 
 ADAPTER_PREFIX = "adapter/"  # adapter tensors: adapter/NAME/TARGET.lora_A|B
 OUTSIDE_LAYERS = "(outside layers)"  # what a parameter in no declared layer is listed under
@@ -205,6 +207,8 @@ def _layer_route_mask(
 def lora_target_kind(module: nn.Module) -> str | None:
     """What a LoRA adapter may wrap: ``linear`` (``nn.Linear``), ``conv1d`` (transformers'
     ``Conv1D``, GPT-2's projections, weight ``[in, out]``), ``embedding``; None: nothing."""
+    from torch import nn
+
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, nn.Embedding):
@@ -233,6 +237,8 @@ def _adapter_targets(model: nn.Module, route: AdapterRoute, key: str, policy: De
 
 def _running_stat_modules(model: nn.Module) -> list[str]:
     # BatchNorm/InstanceNorm with running statistics update buffers outside any gradient.
+    from torch import nn
+
     return [
         name
         for name, module in model.named_modules()

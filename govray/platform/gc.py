@@ -39,7 +39,6 @@ from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import active_checkpoints, mark_deleted
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, Experiment
-from govray.train.base_file import release_unreferenced
 
 
 class GcPolicy(BaseModel):
@@ -205,6 +204,8 @@ def remove_checkpoint_directory(storage: Storage, path: str) -> None:
     the run's frozen base files no remaining checkpoint of the run refers to
     (``govray.train.base_file``): a base file outlives every checkpoint that refers to it, no
     more. The only place GC touches storage."""
+    from govray.train.base_file import release_unreferenced  # loads torch: only when GC deletes
+
     storage.delete_directory(Path(path))
     release_unreferenced(Path(path).parent, storage)
 

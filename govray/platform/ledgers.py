@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from govray.core.errors import AttestationError
 from govray.core.keys import TrustConfig
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import (
     LedgerTuple,

@@ -36,16 +36,16 @@ import yaml
 
 from govray.config.experiment import ExperimentConfig, MlflowConfig
 from govray.core.errors import ConfigError
-from govray.platform.registry import (
+from govray.platform.registered import (
     RegisteredVersion,
     envelope_sha256,
     model_signature_of,
     version_attestations,
     versions,
 )
-from govray.provenance.attest import COVERAGE_TYPE, PROVENANCE_TYPE, run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import coverage_matrix, routing_of
-from govray.provenance.verify import statement_type
+from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.tracking.versions import list_models

@@ -19,8 +19,8 @@ from govray.governance.adapters import AdapterError
 from govray.governance.peft_format import peft_task_type, write_peft_adapter
 from govray.governance.routing import lora_target_kind
 from govray.provenance.predicates import routing_of
-from govray.train.checkpoint import RUN_SPEC_FILE, load_checkpoint
-from govray.train.runspec import RunSpec
+from govray.train.checkpoint import load_checkpoint
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.trial import importable, make_trial
 
 

@@ -23,34 +23,31 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
-from govray.core.canonical import sha256_hex
-from govray.core.errors import GovrayError
-from govray.core.identifiers import Description, Label, ModelName, TagKey, TagValue, check, parse_model_ref
+from govray.core.identifiers import Description, Label, TagKey, TagValue, check
 from govray.core.keys import SigningKey, platform_key, platform_trust
-from govray.provenance.attest import (
-    PROVENANCE_TYPE,
-    Attestation,
-    attest_checkpoint,
-    attestation_prefix,
-    run_spec_of,
-    signature_path,
+from govray.platform.registered import (
+    RegisteredVersion,
+    RegistryError,
+    checked_name,
+    derived_prefix,
+    envelope_sha256,
+    provenance_record,
+    registered_version,
+    resolve,
+    storage_of,
 )
+from govray.provenance.attest import Attestation, attest_checkpoint
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import Derivation
-from govray.provenance.verify import statement_type
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import AttestationRecord, CheckpointRecord, CheckpointStatus, ModelVersion
+from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion
 from govray.tracking.versions import (
     VersionTaken,
-    attestations_of_version,
-    find_version,
     insert_version,
-    is_registered,
-    model_versions,
     next_version,
     record_version_attestations,
     replace_tags,
@@ -58,77 +55,13 @@ from govray.tracking.versions import (
 from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
     MODEL_FILE,
-    RUN_SPEC_FILE,
     CheckpointError,
     load_checkpoint,
     model_file,
     seal_checkpoint,
 )
 from govray.train.ledger import Ledger
-
-
-class RegistryError(GovrayError):
-    """A registry request that cannot be met: an unknown model or version, a bad name or tag, a
-    checkpoint the store does not know, an adapter the version does not carry."""
-
-    exit_code = 17
-
-
-@dataclass(frozen=True)
-class RegisteredVersion:
-    """One version of a registered model, with the checkpoint it descends from and where its
-    model files are."""
-
-    model: str
-    version: int
-    record: ModelVersion
-    checkpoint: CheckpointRecord
-    directory: Path
-    removed_adapters: tuple[str, ...]
-    excluded_corpora: tuple[str, ...]
-    tags: dict[str, str]
-
-    @property
-    def ref(self) -> str:
-        return f"{self.model}:{self.version}"
-
-    @property
-    def uri(self) -> str:
-        return model_uri(self.model, self.version)
-
-
-def model_uri(name: str, version: int) -> str:
-    return f"govray:model/{name}/{version}"
-
-
-def parse_ref(ref: str) -> tuple[str, int | None]:
-    """``NAME`` (the latest version) or ``NAME:VERSION``; ``RegistryError`` for anything else (a
-    name the pattern does not allow, a version that is not ASCII digits within 1..2^63-1)."""
-    return parse_model_ref(ref, RegistryError)
-
-
-def resolve(store: TrackingStore, ref: str) -> RegisteredVersion:
-    """The version ``ref`` names; ``RegistryError`` naming what is unknown."""
-    name, number = parse_ref(ref)
-    if not is_registered(store, name):
-        raise RegistryError(f"no registered model '{name}'")
-    found = find_version(store, name, number)
-    if found is None:
-        raise RegistryError(
-            f"model '{name}' has no version {number}" if number else f"model '{name}' has no versions"
-        )
-    return _version(*found)
-
-
-def versions(store: TrackingStore, name: str) -> list[RegisteredVersion]:
-    """The versions of model ``name``, oldest first."""
-    resolve(store, _checked_name(name))  # an unknown model is an error, not an empty list
-    return [_version(row, checkpoint) for row, checkpoint in model_versions(store, name)]
-
-
-def version_attestations(store: TrackingStore, version: RegisteredVersion) -> list[AttestationRecord]:
-    """The attestation envelopes kept for a version (provenance first, then coverage)."""
-    return attestations_of_version(store, version.record.id)
+from govray.train.runspec import RUN_SPEC_FILE
 
 
 def register(
@@ -143,12 +76,12 @@ def register(
     """Register ``checkpoint`` (a checkpoint the store recorded, verified) as the next version of
     model ``name``; its attestation (made now if the trial end did not) is kept for the version.
     Everything asked is checked before anything is written: a refused request writes nothing."""
-    name = _checked_name(name)
+    name = checked_name(name)
     description = check(Description, description, "description", RegistryError)
     checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
     written = attest_checkpoint(checkpoint, key, model_signature=True)  # verifies it; refuses a tampered one
-    version = _add_version(store, name, record, description, checked_tags)
+    version = _addregistered_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
     _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
     return resolve(store, version.ref)
@@ -201,7 +134,7 @@ def remove_adapter(
     excluded = tuple(sorted({*source.excluded_corpora, *(reached - set(kept.corpora()))}))
     source_attestation = provenance_record(store, source)
     number = next_version(store, source.model)
-    storage = _storage_of(source)
+    storage = storage_of(source)
     directory = storage / "models" / source.model / str(number)
     if directory.exists():
         raise RegistryError(f"{directory} exists already; refusing to overwrite another version's files")
@@ -227,10 +160,10 @@ def remove_adapter(
         directory,
         key,
         derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
-        destination=_derived_prefix(storage, source.model, number),
+        destination=derived_prefix(storage, source.model, number),
         model_signature=True,
     )
-    version = _add_version(
+    version = _addregistered_version(
         store,
         source.model,
         source.checkpoint,
@@ -261,44 +194,6 @@ def start_reference(store: TrackingStore, version: RegisteredVersion) -> dict[st
     }
 
 
-def provenance_record(store: TrackingStore, version: RegisteredVersion) -> AttestationRecord:
-    """The version's provenance attestation as the store keeps it."""
-    for record in version_attestations(store, version):
-        if statement_type(record.envelope_json) == PROVENANCE_TYPE:
-            return record
-    raise RegistryError(f"{version.ref} has no provenance attestation in the tracking store")
-
-
-def model_signature_of(version: RegisteredVersion) -> Path:
-    """The OpenSSF model signature of the version's directory (``model_signing verify key
-    --signature THIS --public_key platform-ecdsa.pub.pem DIRECTORY``)."""
-    if version.record.path is not None:  # a derived version's own sealed directory
-        return signature_path(_derived_prefix(_storage_of(version), version.model, version.version))
-    return signature_path(attestation_prefix(version.directory, run_spec_of(version.directory)))
-
-
-def _derived_prefix(storage: Path, model: str, number: int) -> Path:
-    return storage / "attestations" / "models" / model / str(number)
-
-
-def envelope_sha256(record: AttestationRecord) -> str:
-    """The sha256 of the envelope's bytes (the file written beside the model holds the same)."""
-    return sha256_hex(record.envelope_json.encode())
-
-
-def _version(row: ModelVersion, checkpoint: CheckpointRecord) -> RegisteredVersion:
-    return RegisteredVersion(
-        model=row.model_name,
-        version=row.version,
-        record=row,
-        checkpoint=checkpoint,
-        directory=Path(row.path if row.path is not None else checkpoint.path),
-        removed_adapters=tuple(json.loads(row.removed_adapters_json)),
-        excluded_corpora=tuple(json.loads(row.excluded_corpora_json)),
-        tags=json.loads(row.tags_json),
-    )
-
-
 def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointRecord:
     record = checkpoint_at(store, checkpoint)
     if record is None:
@@ -308,7 +203,7 @@ def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointReco
     return record
 
 
-def _add_version(
+def _addregistered_version(
     store: TrackingStore,
     name: str,
     checkpoint: CheckpointRecord,
@@ -340,7 +235,7 @@ def _add_version(
         raise RegistryError(
             f"another writer registered {name}:{number} at the same time; try again"
         ) from None
-    return _version(row, checkpoint)
+    return registered_version(row, checkpoint)
 
 
 def _record_attestations(
@@ -350,16 +245,6 @@ def _record_attestations(
     record_version_attestations(
         store, version.record.id, checkpoint_id, written.subjects[MODEL_FILE], envelopes
     )
-
-
-def _storage_of(version: RegisteredVersion) -> Path:
-    # STORAGE/ray/RUN/checkpoint_N and STORAGE/models/NAME/VERSION both sit three levels down.
-    return version.directory.resolve().parents[2]
-
-
-def _checked_name(name: str) -> str:
-    checked: str = check(ModelName, name, "model name", RegistryError)
-    return checked
 
 
 def _checked_tags(tags: Mapping[str, str]) -> dict[str, str]:

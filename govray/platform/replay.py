@@ -33,11 +33,11 @@ from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_l
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import MODEL_FILE, RUN_SPEC_FILE, find_checkpoints, model_file, verify_checkpoint
+from govray.train.checkpoint import MODEL_FILE, find_checkpoints, model_file, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
 from govray.train.run_checkpoints import checkpoint_schedule_version
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
 

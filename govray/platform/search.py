@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SEARCHER_GROUP
+from govray.config.searcher import SEARCHER_GROUP, TunePlan
 from govray.core.errors import ConfigError
 from govray.core.storage import Storage
 from govray.platform.mlflow_mirror import mirrored
@@ -53,20 +53,6 @@ from govray.platform.search_trial import (
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
-
-
-@dataclass(frozen=True)
-class TunePlan:
-    """What a strategy asks of Ray Tune for one experiment."""
-
-    param_space: dict[str, Any]
-    num_samples: int
-    max_concurrent_trials: int
-    search_alg: Any = None  # a ray.tune.search.Searcher, or None: Tune's variant generator
-    scheduler: Any = None  # a ray.tune.schedulers.TrialScheduler, or None: FIFO
-    validation_period: int | None = None  # steps between reports, when the config sets none
-    notes: dict[str, Any] = field(default_factory=dict)  # derived settings, shown to the user
-
 
 Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
 

@@ -40,26 +40,22 @@ from govray.core.canonical import canonical_json, file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.errors import AttestationError
 from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, platform_trust
-from govray.provenance.model_signature import SIGNATURE_SUFFIX, sign_model
+from govray.provenance.locations import attestation_prefix, run_spec_of, signature_path
+from govray.provenance.model_signature import sign_model
 from govray.provenance.predicates import Derivation, coverage, provenance, routing_of
+from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
 from govray.tracking.lineage import checkpoints, record_attestation
 from govray.tracking.store import TrackingStore
 from govray.train.base_file import materialize_base
 from govray.train.checkpoint import (
     MODEL_FILE,
-    RUN_SPEC_FILE,
     CheckpointError,
     find_checkpoints,
     load_checkpoint,
     model_file,
     shard_owner,
 )
-from govray.train.runspec import RunSpec
 
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-PROVENANCE_TYPE = "https://slsa.dev/provenance/v1"
-COVERAGE_TYPE = "https://govray.dev/attestation/coverage/v1"
-PAYLOAD_TYPE = "application/vnd.in-toto+json"
 KINDS = ("provenance", "coverage")
 
 
@@ -92,18 +88,6 @@ def model_subjects(directory: Path) -> list[dict[str, Any]]:
         *((path.name, path) for path in sorted(directory.glob("adapter-*.safetensors"))),
     ]
     return [{"name": name, "digest": {"sha256": file_sha256(path)}} for name, path in files]
-
-
-def run_spec_of(checkpoint: Path) -> RunSpec:
-    """The spec of the run that wrote ``checkpoint``: its own signed copy (``run.json``), else, for
-    a checkpoint written before it held one, ``STORAGE/ray/RUN/checkpoint_*`` →
-    ``STORAGE/runs/RUN.json``."""
-    run = checkpoint.resolve().parent
-    own = checkpoint / RUN_SPEC_FILE
-    path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
-    if not path.is_file():
-        raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
-    return RunSpec.model_validate_json(path.read_text())
 
 
 def attest_checkpoint(
@@ -154,11 +138,6 @@ def attest_checkpoint(
     )
 
 
-def signature_path(destination: Path) -> Path:
-    """Where the OpenSSF model signature of the attestations at ``destination`` goes."""
-    return destination.with_name(f"{destination.name}.{SIGNATURE_SUFFIX}")
-
-
 def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None = None) -> Attestation | None:
     """Attest a finished trial's final checkpoint — the last under ``run_dir``, or (a search trial,
     whose checkpoints Ray Tune keeps) the last active one the store recorded — and keep both
@@ -179,15 +158,6 @@ def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None =
     for path in (written.provenance, written.coverage):
         record_attestation(store, row.id if row is not None else None, subject, path.read_text())
     return written
-
-
-def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:
-    """``STORAGE/attestations/RUN/CHECKPOINT``, for a run's own checkpoints and for the copies Ray
-    Tune keeps elsewhere of a search trial's: the prefix of its attestations' file names."""
-    if spec.run_dir and spec.run_name:
-        return Path(spec.run_dir).parent.parent / "attestations" / spec.run_name / checkpoint.name
-    run = checkpoint.resolve().parent
-    return run.parent.parent / "attestations" / run.name / checkpoint.name
 
 
 def _statement(

@@ -32,7 +32,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from govray.core.canonical import file_sha256
-from govray.core.errors import GovrayError
+from govray.core.errors import AttestationError, GovrayError
 from govray.core.keys import TrustConfig
 from govray.core.version import GOVRAY_VERSION
 from govray.data.schedule import ScheduleSpec
@@ -41,7 +41,7 @@ from govray.data.slots import step_slots
 from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord

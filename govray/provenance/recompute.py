@@ -18,13 +18,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from govray.core.errors import AttestationError
 from govray.core.keys import TrustConfig
 from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleError, ScheduleSpec
 from govray.data.shards import ShardSet
-from govray.provenance.attest import COVERAGE_TYPE, AttestationError, run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
+from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.train.checkpoint import CheckpointError, load_checkpoint
 from govray.train.ledger import Ledger, LedgerEntry, recompute_ledger
 from govray.train.trial import make_trial

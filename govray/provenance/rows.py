@@ -34,14 +34,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from govray.core.errors import GovrayError, IngestError
+from govray.core.errors import AttestationError, GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
 from govray.data.packed import PackedStore
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
-from govray.provenance.attest import AttestationError, run_spec_of
+from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked

@@ -19,17 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from govray.core.canonical import file_sha256
-from govray.core.dsse import Envelope, read_envelope, verify_envelope
+from govray.core.dsse import read_envelope, verify_envelope
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, TrustConfig
-from govray.provenance.attest import (
-    COVERAGE_TYPE,
-    PAYLOAD_TYPE,
-    PROVENANCE_TYPE,
-    STATEMENT_TYPE,
-    AttestationError,
-    model_subjects,
-)
+from govray.provenance.attest import AttestationError, model_subjects
+from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
 
 
 @dataclass(frozen=True)
@@ -86,15 +80,3 @@ def verify_attestation(
                 f"v{attested.get('version')} (a changed policy)"
             )
     return VerifiedAttestation(statement=statement, signer=signer)
-
-
-def statement_type(envelope_json: str) -> str | None:
-    """The predicate type an envelope claims, read WITHOUT verifying it (to sort envelopes; trust
-    only what ``verify_attestation`` returns)."""
-    try:
-        envelope = Envelope.model_validate_json(envelope_json)
-        statement = json.loads(envelope.payload_bytes())
-    except (ValueError, SignatureError):
-        return None
-    kind = statement.get("predicateType") if isinstance(statement, dict) else None
-    return kind if isinstance(kind, str) else None

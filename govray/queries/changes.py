@@ -26,12 +26,11 @@ answers stay cached while other trials train::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import case, func
 from sqlmodel import Session, col, select
 
-from govray.provenance.rows import RowReach
 from govray.queries.views import InfluenceItem, Lineage, Page
 from govray.tracking.tables import (
     AttestationRecord,
@@ -42,6 +41,9 @@ from govray.tracking.tables import (
     ModelVersion,
     TrialRecord,
 )
+
+if TYPE_CHECKING:  # a row's reach is computed elsewhere (it reads the schedule: pyarrow, torch)
+    from govray.provenance.rows import RowReach
 
 
 class Topic(NamedTuple):

@@ -27,7 +27,7 @@ from sqlmodel import Session, col, select
 from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.governance.routing import layer_label
-from govray.provenance.attest import COVERAGE_TYPE
+from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.queries.errors import LedgerNotStored, NotFoundError
 from govray.queries.sql_tensors import adapter_of, base_layer_of
 from govray.queries.views import (

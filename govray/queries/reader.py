@@ -13,7 +13,7 @@ from sqlalchemy import Engine, and_, func
 from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
-from govray.provenance.attest import PROVENANCE_TYPE
+from govray.provenance.statement_types import PROVENANCE_TYPE
 from govray.queries import changes, ledger
 from govray.queries.changes import Topic
 from govray.queries.documents import (

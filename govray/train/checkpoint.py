@@ -66,7 +66,6 @@ from govray.core.errors import GovrayError, SignatureError, describe_validation_
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
-RUN_SPEC_FILE = "run.json"
 REPORT_FILE = "report.json"
 CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train's checkpoint folders, and local mode's
 MANIFEST_TYPE = "application/vnd.govray.checkpoint-manifest+json"

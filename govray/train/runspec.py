@@ -22,6 +22,8 @@ from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
 from govray.train.decisions import RecordedDecision
 
+RUN_SPEC_FILE = "run.json"  # the spec's file name in every checkpoint
+
 
 class RunSpec(BaseModel):
     """Everything a worker needs, as JSON (it crosses process and node boundaries)."""

@@ -128,11 +128,12 @@ def is_sharded(tensor: object) -> TypeGuard[DTensor]:
 def optimizer_groups(parameters: Sequence[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, Any]]:
     """The optimizer's parameters: as they are; under FSDP the sharded tensors and the whole
     (adapter) tensors in their own parameter groups (foreach kernels take one kind at a time)."""
-    sharded: list[nn.Parameter] = [p for p in parameters if is_sharded(p)]
+    sharded = [p for p in parameters if is_sharded(p)]
     whole: list[nn.Parameter] = [p for p in parameters if not is_sharded(p)]
     if not sharded or not whole:
         return list(parameters)
-    return [{"params": sharded}, {"params": whole}]
+    groups: list[dict[str, Any]] = [{"params": sharded}, {"params": whole}]
+    return groups
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

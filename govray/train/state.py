@@ -21,7 +21,6 @@ from govray.train.base_file import FrozenBase
 from govray.train.checkpoint import (
     MODEL_FILE,
     REPORT_FILE,
-    RUN_SPEC_FILE,
     CheckpointError,
     CheckpointState,
     load_checkpoint,
@@ -33,7 +32,7 @@ from govray.train.layouts import Snapshot
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
 from govray.train.run_checkpoints import fetch_referenced
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.step import GovernedStep
 from govray.train.trial import make_trial
 from govray.train.worker import Worker

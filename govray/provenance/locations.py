@@ -1,0 +1,37 @@
+"""Where a checkpoint's run spec and attestations live, read without loading the training stack:
+the registry's read side and the CLI's store-only commands use these, as does the code that writes
+the files (:mod:`govray.provenance.attest`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from govray.core.errors import AttestationError
+from govray.provenance.model_signature import SIGNATURE_SUFFIX
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+
+
+def run_spec_of(checkpoint: Path) -> RunSpec:
+    """The spec of the run that wrote ``checkpoint``: its own signed copy (``run.json``), else, for
+    a checkpoint written before it held one, ``STORAGE/ray/RUN/checkpoint_*`` →
+    ``STORAGE/runs/RUN.json``."""
+    run = checkpoint.resolve().parent
+    own = checkpoint / RUN_SPEC_FILE
+    path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
+    if not path.is_file():
+        raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
+    return RunSpec.model_validate_json(path.read_text())
+
+
+def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:
+    """``STORAGE/attestations/RUN/CHECKPOINT``, for a run's own checkpoints and for the copies Ray
+    Tune keeps elsewhere of a search trial's: the prefix of its attestations' file names."""
+    if spec.run_dir and spec.run_name:
+        return Path(spec.run_dir).parent.parent / "attestations" / spec.run_name / checkpoint.name
+    run = checkpoint.resolve().parent
+    return run.parent.parent / "attestations" / run.name / checkpoint.name
+
+
+def signature_path(destination: Path) -> Path:
+    """Where the OpenSSF model signature of the attestations at ``destination`` goes."""
+    return destination.with_name(f"{destination.name}.{SIGNATURE_SUFFIX}")
