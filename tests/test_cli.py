@@ -94,7 +94,7 @@ def test_bad_experiment_file_exits_2_naming_the_field(
     path = tmp_path / "e.yaml"
     path.write_text("name: x\ntrial: a.b:C\ndata: {corpora: []}\npolicy: {file: p.yaml}\n")
     assert main(["policy", "check", str(path)]) == 2
-    assert "data.corpora: List should have at least 1 item" in capsys.readouterr().err
+    assert "data.corpora should have at least 1 item" in capsys.readouterr().err
 
 
 def test_python_dash_m_and_the_console_script_are_the_same() -> None:

@@ -234,7 +234,7 @@ def test_bad_row_credential_names_corpus_row_and_field(
     message = assert_refused(
         path,
         CredentialError,  # exit 3, as README's exit codes say for a bad credential
-        r"corpus 'people' row 7: invalid credential: jurisdiction: String should match pattern",
+        r"corpus 'people' row 7: invalid credential: jurisdiction should match pattern",
     )
     # row 7 counts from 0; the header is line 1, so row 7 is line 9
     assert message.endswith(f"(at {tmp_path / 'c.csv'} row 7 (line 9))")

@@ -11,7 +11,7 @@ import pytest
 
 from govray.cli import main
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, load_trust
+from govray.core.keys import KeyRole, TrustConfig, load_trust
 from tests.conftest import REPO
 
 
@@ -121,3 +121,17 @@ def test_rotation_revokes_only_keys_of_its_role(tmp_path: Path, capsys: pytest.C
         main(["keys", "revoke", "0" * 64, "--trust", str(trust), "--reason", "x"]) == SignatureError.exit_code
     )
     assert "is not in the trust file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("role", "remedy"),
+    [
+        (KeyRole.PLATFORM, "run `govray keys trust-platform --trust TRUST_FILE` there"),
+        (KeyRole.POLICY_AUTHORITY, "`govray keys list --trust TRUST_FILE` lists them"),
+    ],
+)
+def test_a_refusal_by_an_untrusted_key_says_how_to_trust_one(role: KeyRole, remedy: str) -> None:
+    with pytest.raises(SignatureError) as refused:
+        TrustConfig().trusted_key("ab" * 32, role)
+    assert str(refused.value).startswith(f"key {'ab' * 32} is not trusted for role '{role.value}' (")
+    assert str(refused.value).endswith(f"{remedy})")

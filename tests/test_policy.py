@@ -127,7 +127,7 @@ def test_rotation_keeps_old_and_new_keys_trusted(tmp_path: Path, trust: TrustCon
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
-        ({"name": "p", "version": 1, "rules": []}, r"rules: List should have at least 1 item"),
+        ({"name": "p", "version": 1, "rules": []}, r"rules should have at least 1 item"),
         (
             {"name": "p", "version": 1, "rules": [{"name": "r1", "match": {}}]},
             r"rule 'r1' \(rules.0\) has no route",
@@ -164,7 +164,7 @@ def test_rotation_keeps_old_and_new_keys_trusted(tmp_path: Path, trust: TrustCon
             },
             r"rule names must be unique: a",
         ),
-        ({"name": "p", "rules": [{"name": "a", "route": "all"}]}, r"version: Field required"),
+        ({"name": "p", "rules": [{"name": "a", "route": "all"}]}, r"version is required"),
     ],
 )
 def test_malformed_policies_are_refused_with_the_culprit_named(policy: dict[str, Any], message: str) -> None:

@@ -68,20 +68,20 @@ def test_an_experiment_without_a_searcher_runs_single(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"name": "asha", "metric": "loss"}, r"searcher.asha.max_trials: Field required"),
+        ({"name": "asha", "metric": "loss"}, r"searcher 'asha': max_trials is required"),
         (
             {"name": "grid", "max_concurrent_trials": 0},
-            r"searcher.grid.max_concurrent_trials: Input should be",
+            r"searcher 'grid': max_concurrent_trials should be",
         ),
         (
             {"name": "random", "max_trials": 2, "rungs": 3},
-            r"searcher.random.rungs: Extra inputs are not permitted",
+            r"searcher 'random': unknown field 'rungs'",
         ),
         (
             {"name": "adaptive_asha", "max_trials": 4, "bracket_rungs": [9]},
-            r"searcher.adaptive_asha: Value error, bracket_rungs must lie in 1..max_rungs \(5\)",
+            r"searcher 'adaptive_asha': bracket_rungs must lie in 1..max_rungs \(5\)",
         ),
-        ({"name": "single", "max_length": {}}, r"searcher.single.max_length: Value error, give exactly one"),
+        ({"name": "single", "max_length": {}}, r"searcher 'single': max_length: give exactly one"),
     ],
 )
 def test_a_bad_section_names_the_strategy_and_the_field(tmp_path: Path, section: Any, message: str) -> None:
@@ -153,7 +153,7 @@ def test_a_new_strategy_needs_one_file_and_one_entry_point(tmp_path: Path, one_m
     assert type(config.searcher).__name__ == "HalvingSearcher" and config.searcher.rungs == 3  # type: ignore[attr-defined]
     bad = experiment(tmp_path, {"name": "halving", "rungs": 1})
     with pytest.raises(
-        ConfigError, match=r"searcher.halving.rungs: Input should be greater than or equal to 2"
+        ConfigError, match=r"searcher 'halving': rungs should be greater than or equal to 2"
     ):
         load_experiment(bad)
 

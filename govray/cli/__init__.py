@@ -7,7 +7,12 @@ refused (it names what broke); 17 model registry request refused; 18 row lookup 
 corpus, row out of range); 19 training-content summary refused; 20 Ray job failed, or the Ray Jobs
 API refused a request (address, token, unknown job); 21 Ray job stopped before it finished; 22 a
 submitted job's packages differ from its pins; 23 the run does not fit the GPU memory given to
-``govray plan``; 1 anything else govray refused on purpose.
+``govray plan``; 24 ``govray up`` could not start the Ray head; 1 anything else govray refused on
+purpose.
+
+A command that needs Ray joins the one running on this machine (``govray up``, ``ray start
+--head``, ``RAY_ADDRESS``) and says so in one line, else starts its own; Ray's loggers write to a
+file that a refusal names, never to the terminal (``govray.core.rayhead``, ``govray.core.raylogs``).
 
 A subcommand's module is imported only when that subcommand runs (``lazy.py``), and imports what
 reaches torch, Ray or pyarrow inside the commands that use it: ``govray --help``, every command's
@@ -26,6 +31,7 @@ from rich.markup import escape
 
 from govray.cli.lazy import LazyGroup, Subcommand
 from govray.core.errors import GovrayError
+from govray.core.raylogs import ray_log_file
 
 # Every subcommand, in the order `govray --help` lists them, with the first paragraph of its help:
 # the listing imports none of them (tests/test_cli_imports.py checks each summary against its help).
@@ -72,6 +78,16 @@ SUBCOMMANDS = {
         "Print each rank's peak memory (params, grads, optimizer state, activations, governance and\n"
         "communication buffers) for one step of the experiment's first trial; refuse a run that cannot fit.",
     ),
+    "up": Subcommand(
+        "govray.cli.head:up",
+        "Start a local Ray head that every later command joins (until ``govray down``), so each\n"
+        "command pays Ray's start once; a no-op when one is running.",
+    ),
+    "down": Subcommand(
+        "govray.cli.head:down",
+        "Stop the Ray head ``govray up`` started (and nothing else: other Ray instances on this\n"
+        "machine keep running); a no-op when none is running.",
+    ),
     "policy": Subcommand("govray.cli.policy:app", "Manage signed depth policies."),
     "data": Subcommand("govray.cli.data:app", "Ingest credentialed corpora into route-partitioned shards."),
     "experiment": Subcommand("govray.cli.experiment:app", "Experiments in the tracking store."),
@@ -114,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         typer.main.get_group(app).main(args=argv, standalone_mode=False)
     except GovrayError as error:
         errors.print(f"[bold red]{type(error).__name__}:[/] {escape(str(error))}", highlight=False)
+        if (ray_logs := ray_log_file()) is not None:  # what Ray said meanwhile, off the terminal
+            errors.print(f"[dim](Ray's logs of this command: {escape(str(ray_logs))})[/]", highlight=False)
         return error.exit_code
     except typer.TyperException as error:  # a missing or invalid argument or option: exit 2
         errors.print(f"[bold red]usage:[/] {escape(error.format_message())}", highlight=False)

@@ -357,7 +357,7 @@ def parse_experiment(text: str, *, source: Path) -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(f"{source}: {describe_validation_error(error)}") from None
+        raise ConfigError(f"{source}: {describe_validation_error(error, raw)}") from None
 
 
 def load_experiment(path: Path) -> ExperimentConfig:

@@ -28,7 +28,7 @@ class _RangeHP(BaseModel):
     @model_validator(mode="after")
     def _ordered(self) -> _RangeHP:
         if self.maxval < self.minval:
-            raise ValueError(f"maxval {self.maxval} < minval {self.minval}")
+            raise ValueError(f"maxval {self.maxval} is below minval {self.minval}")
         return self
 
 

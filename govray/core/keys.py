@@ -223,6 +223,15 @@ class Revocation(BaseModel):
     reason: str = ""
 
 
+# What a refusal by an untrusted key tells the user to do about it.
+_HOW_TO_TRUST = {
+    KeyRole.PLATFORM: "to trust the platform keys of the machine that signed it, run "
+    "`govray keys trust-platform --trust TRUST_FILE` there",
+    KeyRole.POLICY_AUTHORITY: "sign the policy with a policy-authority key of the trust file; "
+    "`govray keys list --trust TRUST_FILE` lists them",
+}
+
+
 class TrustConfig(BaseModel):
     """Which public keys are trusted for which role, and which are revoked."""
 
@@ -242,7 +251,7 @@ class TrustConfig(BaseModel):
         for key in self.keys:
             if key.keyid == keyid and key.role == role:
                 return key
-        raise SignatureError(f"key {keyid} is not trusted for role '{role.value}'")
+        raise SignatureError(f"key {keyid} is not trusted for role '{role.value}' ({_HOW_TO_TRUST[role]})")
 
     def add(self, key: PublicKey) -> None:
         if any(existing.keyid == key.keyid for existing in self.keys):

@@ -1,25 +1,40 @@
-"""Connecting to Ray: the cluster named by RAY_ADDRESS, else a local instance sized to this machine."""
+"""Connecting to Ray: the instance already running on this machine or named by RAY_ADDRESS
+(``govray.core.rayhead``), else a local instance sized to this machine, started quietly."""
 
 from __future__ import annotations
 
-import logging
-import os
+import importlib
+import sys
 from pathlib import Path
 
 import ray
 
+from govray.core.rayhead import RunningRay, running_ray, settle_token_auth
+from govray.core.raylogs import route_ray_logs
+
 
 def ensure_ray(address: str | None = None) -> None:
-    """Initialise Ray once per process; a no-op when already connected."""
-    logging.getLogger("ray.data").setLevel(logging.ERROR)  # per-dataset progress lines and notices
+    """Initialise Ray once per process; a no-op when already connected.
+
+    Joins ``address``, else the running instance (``running_ray``), saying which in one line on
+    stderr; otherwise starts a local instance that ends with the process. Either way Ray's
+    loggers write to a file, not the terminal (``govray.core.raylogs``).
+    """
     if ray.is_initialized():
         return
-    target = address or os.environ.get("RAY_ADDRESS")
-    if target:
-        ray.init(address=target, log_to_driver=False)
+    target = RunningRay(address, "the address given") if address else running_ray()
+    notice = settle_token_auth(starting=target is None)
+    route_ray_logs()
+    if notice is not None:
+        print(f"govray: {notice}", file=sys.stderr)
+    if target is not None:
+        ray.init(address=target.address, log_to_driver=False, configure_logging=False)
+        print(f"govray: joined Ray at {target.address} ({target.origin})", file=sys.stderr)
     else:
         # Small machines: no dashboard, and quiet workers; everything else as Ray defaults.
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    importlib.import_module("ray.data")  # it configures its loggers at import (Ray Train imports it too)
+    route_ray_logs()
 
 
 def ray_node_id() -> str | None:
