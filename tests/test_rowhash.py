@@ -1,6 +1,7 @@
-"""Row hashes a table at a time are the row hash of each row: ``row_hashes`` (Arrow kernels, one
-sha256 call per row) equals ``row_hash`` (the definition: sha256 of the row's canonical JSON) on
-tables of every column type, with nulls, extreme floats, escapes and nested values; the holdout
+"""Row hashes a table at a time are the row hash of each row, in every readable version:
+``row_hashes`` (Arrow kernels and numpy, one sha256 state copy per row) equals ``row_hash`` (the
+definition: sha256 of the row's canonical JSON in version 1, of its canonical binary encoding in
+version 2) on tables of every column type, with nulls, extreme floats, escapes and nested values; the holdout
 split from the hashes' first 64 bits equals ``in_holdout``; and ``annotate``'s credentials,
 resolved once per distinct combination, are each row's own."""
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from govray.config.data import CorpusSpec
 from govray.core.canonical import canonical_json
-from govray.data.rowhash import holdout_mask, in_holdout, row_hash, row_hashes
+from govray.data.rowhash import READABLE_ROW_HASH_VERSIONS, holdout_mask, in_holdout, row_hash, row_hashes
 from govray.data.units import HOLDOUT, RowRefusal, annotate
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -67,16 +68,17 @@ def tables(draw: Any) -> pa.Table:
     return pa.table(columns)
 
 
+@pytest.mark.parametrize("version", READABLE_ROW_HASH_VERSIONS)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tables())
-def test_row_hashes_are_the_row_hash_of_every_row(table: pa.Table) -> None:
-    hashes, prefixes = row_hashes(table)
-    expected = [row_hash(row) for row in table.to_pylist()]
+@given(table=tables())
+def test_row_hashes_are_the_row_hash_of_every_row(version: int, table: pa.Table) -> None:
+    hashes, prefixes = row_hashes(table, version)
+    expected = [row_hash(row, version) for row in table.to_pylist()]
     assert hashes.to_pylist() == expected
     assert prefixes.tolist() == [int(digest[:16], 16) for digest in expected]
 
 
-def test_row_hashes_of_chunked_and_sliced_tables() -> None:
+def test_version_1_row_hashes_of_chunked_and_sliced_tables() -> None:
     rng = np.random.default_rng(5)
     values = rng.standard_normal(300) * 10.0 ** rng.integers(-9, 20, 300)
     table = pa.concat_tables(
@@ -85,9 +87,9 @@ def test_row_hashes_of_chunked_and_sliced_tables() -> None:
             pa.table({"x": values[100:], "s": [f'"{i}"' for i in range(100, 300)]}),
         ]
     )
-    expected = [row_hash(row) for row in table.to_pylist()]
-    assert row_hashes(table)[0].to_pylist() == expected
-    assert row_hashes(table.slice(90, 40))[0].to_pylist() == expected[90:130]
+    expected = [row_hash(row, 1) for row in table.to_pylist()]
+    assert row_hashes(table, 1)[0].to_pylist() == expected
+    assert row_hashes(table.slice(90, 40), 1)[0].to_pylist() == expected[90:130]
     # the definition, spelled out once: sha256 of the sorted-key compact JSON of the source columns
     first = table.slice(0, 1).to_pylist()[0]
     text = json.dumps(first, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

@@ -26,7 +26,10 @@ def ingest(
     experiment, result = ingest_experiment(config, checked, store, force=force, strict=strict, warn=warn)
     manifest = result.manifest
     verb = "reused" if result.reused else "wrote"
-    console.print(f"experiment {experiment.id} '{experiment.name}': {verb} shards {result.root}")
+    console.print(
+        f"experiment {experiment.id} '{experiment.name}': {verb} shards {result.root} "
+        f"(row hash v{manifest.row_hash_version})"
+    )
     corpora = table("corpus", "role", "rows", "train", "holdout", "training rows per route")
     for corpus in manifest.corpora:
         routes = ", ".join(f"{route}={count}" for route, count in sorted(corpus.route_counts.items()))

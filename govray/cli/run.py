@@ -74,7 +74,8 @@ def run(
     policy = checked.policy.policy
     console.print(
         f"experiment {experiment.id} '{config.name}': {workers} worker{'s' if workers > 1 else ''}, "
-        f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]}"
+        f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]} "
+        f"(row hash v{ingested.manifest.row_hash_version})"
     )
     if resume_interrupted and (trial := interrupted_trial(store, experiment)) is not None:
         console.print(f"continuing interrupted trial {trial.id} ({trial.ray_run_name})")

@@ -7,7 +7,8 @@ name nothing; one Ray task fingerprints the corpus (a single sha256 stream over 
 corpora hash in parallel, each while its rows are processed); Ray Data reads the files (order
 preserved) into Arrow blocks; then one Ray task per unit of ``ROWS_PER_UNIT`` consecutive rows
 (``govray.data.units``; blocks that straddle units are cut by one task per block) numbers its
-rows, validates each row's credential, resolves its route with the policy, hashes it, assigns
+rows, validates each row's credential, resolves its route with the policy, hashes it
+(``govray.data.rowhash``: new ingests use version 2, recorded in the manifest), assigns
 the holdout split and writes the unit's files into a staging directory. No task holds more than
 one block or one unit, and the files do not depend on how Ray Data cut the blocks. Only when
 every row of every corpus is valid does the staging directory become ``STORAGE/shards/KEY``;
@@ -40,6 +41,7 @@ from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
 from govray.core.storage import open_storage
 from govray.data.fingerprint import corpus_files, fingerprint_files
+from govray.data.rowhash import ROW_HASH_VERSION, check_version
 from govray.data.shards import (
     MANIFEST,
     SHARD_FORMAT_VERSION,
@@ -127,11 +129,19 @@ class _Corpus:
     block_sizes: list[int]
 
 
-def ingest_key(config: ExperimentConfig, policy: VerifiedPolicy, fingerprints: dict[str, str]) -> str:
-    """Digest of everything the shards depend on."""
+def ingest_key(
+    config: ExperimentConfig,
+    policy: VerifiedPolicy,
+    fingerprints: dict[str, str],
+    row_hash_version: int = ROW_HASH_VERSION,
+) -> str:
+    """Digest of everything the shards depend on (a version-1 row hash adds nothing: such
+    ingests keep the keys they had before version 2)."""
+    hashing = {} if row_hash_version == 1 else {"row_hash_version": row_hash_version}
     return sha256_hex(
         canonical_json(
             {
+                **hashing,
                 "format_version": SHARD_FORMAT_VERSION,
                 "policy_digest": policy.digest,
                 "holdout_fraction": config.data.holdout_fraction,
@@ -148,7 +158,12 @@ def ingest_key(config: ExperimentConfig, policy: VerifiedPolicy, fingerprints: d
 
 
 def _launch(
-    spec: CorpusSpec, policy_json: str, default_holdout: float, staging: Path, launched: list[ray.ObjectRef]
+    spec: CorpusSpec,
+    policy_json: str,
+    default_holdout: float,
+    staging: Path,
+    launched: list[ray.ObjectRef],
+    row_hash_version: int,
 ) -> _Corpus:
     """Check a corpus's files, read it, and start its fingerprint and unit tasks (added to
     ``launched`` as they start: ingest stops them when anything fails)."""
@@ -172,7 +187,8 @@ def _launch(
     spec_json = spec.model_dump_json()
     units = []
     for unit, pieces in enumerate(_unit_inputs(blocks, sizes)):
-        job = UnitJob(spec_json, policy_json, holdout, unit, unit * ROWS_PER_UNIT, str(staging))
+        first = unit * ROWS_PER_UNIT
+        job = UnitJob(spec_json, policy_json, holdout, unit, first, str(staging), row_hash_version)
         units.append(write_unit.remote(job, *pieces))
         launched.append(units[-1])
     return _Corpus(spec, files, fingerprint, units, sum(sizes), sizes)
@@ -272,14 +288,22 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(found).__name__}: {text[-1] if text else ''}"
 
 
-def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = False) -> IngestResult:
-    """Validate and shard every corpus of ``config`` under ``STORAGE/shards/KEY``.
+def ingest(
+    config: ExperimentConfig,
+    policy: VerifiedPolicy,
+    *,
+    force: bool = False,
+    row_hash_version: int = ROW_HASH_VERSION,
+) -> IngestResult:
+    """Validate and shard every corpus of ``config`` under ``STORAGE/shards/KEY``, rows hashed
+    with ``row_hash_version`` (``govray.data.rowhash``; an older one reproduces an older ingest).
 
     Raises ``IngestError`` naming the corpus, and the file, row and column at fault
     (``CredentialError`` for a row's bad credential, ``PolicyError`` for a row that matches no
     rule); leaves nothing under ``STORAGE/shards`` then. Rows count from 0, lines from 1
     (``govray.data.validate``).
     """
+    check_version(row_hash_version)
     storage = open_storage(config.storage_path)
     storage.check()  # unreachable object storage is refused before any corpus is read
     policy_json = policy.policy.model_dump_json()
@@ -290,13 +314,13 @@ def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = Fa
     launched: list[ray.ObjectRef] = []
     try:
         corpora = [
-            _launch(spec, policy_json, config.data.holdout_fraction, staging, launched)
+            _launch(spec, policy_json, config.data.holdout_fraction, staging, launched, row_hash_version)
             for spec in config.data.corpora
         ]
         reports = _collect(corpora)
         ids = [corpus.spec.id for corpus in corpora]
         fingerprints = dict(zip(ids, ray.get([corpus.fingerprint for corpus in corpora]), strict=True))
-        key = ingest_key(config, policy, fingerprints)
+        key = ingest_key(config, policy, fingerprints, row_hash_version)
         root = shards / key
         load = _load(corpora, reports)
         fetched = storage.fetch(root, verify=lambda staged: ShardSet.open(staged, verify=True))
@@ -304,7 +328,7 @@ def ingest(config: ExperimentConfig, policy: VerifiedPolicy, *, force: bool = Fa
             shutil.rmtree(staging)
             existing = ShardSet.open(root, verify=True)
             return IngestResult(root=root, manifest=existing.manifest, reused=True, load=load)
-        manifest = _manifest(config, policy, corpora, reports, fingerprints, key)
+        manifest = _manifest(config, policy, corpora, reports, fingerprints, key, row_hash_version)
         (staging / MANIFEST).write_text(manifest.to_json())
         if root.exists():
             shutil.rmtree(root)
@@ -333,6 +357,7 @@ def _manifest(
     reports: list[list[UnitReport]],
     fingerprints: dict[str, str],
     key: str,
+    row_hash_version: int,
 ) -> ShardManifest:
     """Files in shard order (policy route, then corpus order, then row), and exact counts."""
     counts: list[dict[str, int]] = []
@@ -377,6 +402,7 @@ def _manifest(
         policy_version=policy.policy.version,
         policy_digest=policy.digest,
         holdout_fraction=config.data.holdout_fraction,
+        row_hash_version=row_hash_version,
         corpora=summaries,
         routes=routes,
         holdout={

@@ -1,14 +1,18 @@
-"""Row hashes: the sha256 of each row's canonical JSON, a unit of rows at a time.
+"""Row hashes: each row's identity, computed a unit of rows at a time, and the holdout split.
 
-A row's hash is ``sha256(canonical_json(row))`` over its source columns (:func:`row_hash`, the
-definition anyone can recompute from the row). Ingest hashes every row of a corpus, so
-:func:`row_hashes` builds the same canonical JSON for a whole table with Arrow kernels — keys in
-sorted order, integers and booleans as Arrow prints them, floats in Python's ``repr`` form, strings
-JSON-escaped — and leaves only the sha256 call per row to Python. Values whose text Arrow does not
-print as Python does (floats outside [1e-4, 1e10), NaN and infinities, strings with rare control
-characters, and every non-scalar type: lists, structs, binary, dates) are encoded by Python, value
-by value, exactly as :func:`row_hash` encodes them. ``tests/test_rowhash.py`` holds the two equal
-over generated tables of every type.
+A row's hash decides its holdout split, the probe's samples, and what lineage answers cite;
+anyone can recompute it from the row. Two versions exist; an ingest records the one it used
+(``ShardManifest.row_hash_version``) and every version here stays readable:
+
+- **2** (``ROW_HASH_VERSION``, new ingests): ``sha256`` of the row's canonical binary encoding
+  (``govray.data.rowcode``: sorted column names, a type tag and a fixed-width or length-prefixed
+  payload per value). A table's rows are encoded by Arrow and numpy, then hashed with one
+  ``sha256`` state copy per row; the same logical rows hash equally whatever the file format and
+  however the rows are cut into batches.
+- **1** (ingests recorded before version 2): ``sha256`` of the row's canonical JSON
+  (``govray.data.rowhash_v1``).
+
+Both are 64 hex digits, so a version is named where a hash is shown.
 
 Example::
 
@@ -19,43 +23,42 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from govray.core.canonical import canonical_json, canonical_text, sha256_hex
+from govray.core.errors import IngestError
+from govray.data import rowhash_v1
+from govray.data.rowcode import encode_row, encode_values, header, hex_digests, sha256_each
 
-# Floats Arrow prints in fixed notation with Python's digits (both print the shortest digits that
-# round-trip; Python switches to exponents below 1e-4, Arrow at 1e10 and above).
-_FIXED_LOW, _FIXED_HIGH = 1e-4, 1e10
-# Control characters json.dumps writes as short escapes; the others become \u00XX (by Python).
-_SHORT_ESCAPES = (("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"), ("\b", "\\b"), ("\f", "\\f"))
-_OTHER_CONTROLS = "[\x00-\x07\x0b\x0e-\x1f]"
+ROW_HASH_VERSION = 2  # what new ingests use
+READABLE_ROW_HASH_VERSIONS = (1, 2)
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)  # dates, decimals: their canonical string form
+def check_version(version: object) -> int:
+    """``version`` if this govray can compute it, else an ``IngestError`` naming those it can."""
+    if version not in READABLE_ROW_HASH_VERSIONS or not isinstance(version, int):
+        known = ", ".join(map(str, READABLE_ROW_HASH_VERSIONS))
+        raise IngestError(f"row hash version {version!r} is not one this govray can compute ({known})")
+    return version
 
 
-_SCALARS = frozenset({str, int, float, bool, type(None)})  # JSON values as they are
+def row_hash(row: dict[str, Any], version: int = ROW_HASH_VERSION) -> str:
+    """The hash of one row (source columns only): the definition, value by value."""
+    if check_version(version) == 1:
+        return rowhash_v1.row_hash(row)
+    return hashlib.sha256(encode_row(row)).hexdigest()
 
 
-def row_hash(row: dict[str, Any]) -> str:
-    """sha256 of the row's canonical JSON (source columns only)."""
-    values = {str(k): v if type(v) in _SCALARS else _json_value(v) for k, v in row.items()}
-    return sha256_hex(canonical_json(values))
+def row_hashes(table: pa.Table, version: int = ROW_HASH_VERSION) -> tuple[pa.Array, np.ndarray]:
+    """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
+    64 bits (uint64, for :func:`holdout_mask`)."""
+    if check_version(version) == 1:
+        return rowhash_v1.row_hashes(table)
+    offsets, data = encode_values(table)
+    return hex_digests(sha256_each(offsets, data, header(table.column_names)))
 
 
 def in_holdout(digest: str, fraction: float) -> bool:
@@ -72,105 +75,3 @@ def holdout_mask(prefixes: np.ndarray, fraction: float) -> np.ndarray:
     if bound >= 2**64:
         return np.ones(len(prefixes), dtype=bool)
     return prefixes < np.uint64(bound)
-
-
-def row_hashes(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
-    """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
-    64 bits (uint64, for :func:`holdout_mask`)."""
-    count = table.num_rows
-    names = sorted(table.column_names)
-    pieces: list[Any] = []
-    for index, name in enumerate(names):
-        pieces.append(_literal(("{" if index == 0 else ",") + canonical_text(name) + ":"))
-        pieces.append(_json_texts(table[name]))
-    pieces.append(_literal("}"))
-    if count == 0:
-        return pa.array([], type=pa.string()), np.zeros(0, dtype=np.uint64)
-    if names:
-        texts = pc.binary_join_element_wise(*pieces, _literal(""))
-    else:
-        texts = pa.array(["{}"] * count, type=pa.large_string())
-    digests = _sha256_each(texts)
-    hexes = digests.hex().encode("ascii")
-    offsets = np.arange(0, 64 * (count + 1), 64, dtype=np.int32)
-    strings = pa.StringArray.from_buffers(count, pa.py_buffer(offsets), pa.py_buffer(hexes))
-    prefixes = np.frombuffer(digests, dtype=">u8")[::4].astype(np.uint64)
-    return strings, prefixes
-
-
-def _sha256_each(texts: pa.Array | pa.ChunkedArray) -> bytes:
-    """The raw sha256 digests (32 bytes each, concatenated) of each string's UTF-8 bytes."""
-    if isinstance(texts, pa.ChunkedArray):
-        texts = texts.combine_chunks()
-    texts = texts.cast(pa.large_string())
-    _, offsets_buffer, data_buffer = texts.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=np.int64)[texts.offset : texts.offset + len(texts) + 1]
-    data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")
-    empty = hashlib.sha256()  # copying a fresh hash is cheaper than constructing one per row
-    digests = []
-    for start, stop in itertools.pairwise(offsets.tolist()):
-        digest = empty.copy()
-        digest.update(data[start:stop])
-        digests.append(digest.digest())
-    return b"".join(digests)
-
-
-def _json_texts(column: pa.ChunkedArray) -> pa.Array:
-    """Each value's canonical JSON text (a large_string array; nulls as ``null``)."""
-    values = column.combine_chunks()
-    kind = values.type
-    if pa.types.is_integer(kind):
-        texts = values.cast(pa.large_string())
-    elif pa.types.is_boolean(kind):
-        texts = pc.if_else(values, "true", "false").cast(pa.large_string())
-    elif pa.types.is_float32(kind) or pa.types.is_float64(kind):
-        texts = _float_texts(values.cast(pa.float64()))
-    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        texts = _string_texts(values.cast(pa.large_string()))
-    elif pa.types.is_null(kind):
-        texts = pa.nulls(len(values), type=pa.large_string())
-    else:  # lists, structs, binary, dates, decimals, dictionaries, halves: as row_hash encodes them
-        return _python_texts(values.to_pylist())
-    return pc.fill_null(texts, "null")
-
-
-def _literal(text: str) -> pa.Scalar:
-    return pa.scalar(text, type=pa.large_string())
-
-
-def _python_texts(values: list[Any]) -> pa.Array:
-    return pa.array(
-        [canonical_text(v if type(v) in _SCALARS else _json_value(v)) for v in values], type=pa.large_string()
-    )
-
-
-def _float_texts(values: pa.Array) -> pa.Array:
-    texts = values.cast(pa.large_string())
-    magnitude = pc.abs(values)
-    fixed = pc.or_(
-        pc.and_(pc.greater_equal(magnitude, _FIXED_LOW), pc.less(magnitude, _FIXED_HIGH)),
-        pc.equal(values, 0.0),
-    )
-    fixed = pc.fill_null(fixed, True)  # nulls: "null" later
-    # Arrow prints integral floats without a fraction ("1", "-0"); Python adds ".0".
-    integral = pc.fill_null(pc.invert(pc.match_substring(texts, ".")), False)
-    texts = pc.if_else(integral, pc.binary_join_element_wise(texts, _literal(".0"), _literal("")), texts)
-    return _patch(texts, fixed, values)
-
-
-def _string_texts(values: pa.Array) -> pa.Array:
-    texts = pc.replace_substring(values, "\\", "\\\\")
-    texts = pc.replace_substring(texts, '"', '\\"')
-    for character, escape in _SHORT_ESCAPES:
-        texts = pc.replace_substring(texts, character, escape)
-    texts = pc.binary_join_element_wise(_literal('"'), texts, _literal('"'), _literal(""))
-    plain = pc.fill_null(pc.invert(pc.match_substring_regex(values, _OTHER_CONTROLS)), True)
-    return _patch(texts, plain, values)
-
-
-def _patch(texts: pa.Array, good: pa.Array, values: pa.Array) -> pa.Array:
-    """``texts`` with the values where ``good`` is false encoded by Python instead."""
-    bad = pc.invert(good)
-    if not pc.any(bad).as_py():
-        return texts
-    return pc.replace_with_mask(texts, bad, _python_texts(values.filter(bad).to_pylist()))

@@ -15,8 +15,9 @@ corpus and first and last corpus row, so a row is found without reading files
 (:meth:`ShardSet.fetch_file`).
 
 Each shard row keeps its source columns plus ``_corpus``, ``_row`` (0-based row number within
-the corpus, files in sorted order), ``_row_hash`` (sha256 of the row's canonical JSON),
-``_route`` and ``_credential`` (the row's full credential, canonical JSON).
+the corpus, files in sorted order), ``_row_hash`` (the row's hash of the manifest's
+``row_hash_version``: ``govray.data.rowhash``), ``_route`` and ``_credential`` (the row's full
+credential, canonical JSON).
 
 Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
 per file) stays readable; :meth:`ShardSet.locate` scans its route files.
@@ -96,6 +97,9 @@ class ShardManifest(BaseModel):
     policy_version: int
     policy_digest: str
     holdout_fraction: float
+    # How ``_row_hash`` and the holdout split were computed (govray.data.rowhash). Manifests
+    # written before version 2 lack the field: they are version 1.
+    row_hash_version: int = 1
     corpora: list[CorpusSummary]
     routes: list[RouteSummary]  # in policy order; routes with no rows are listed with rows=0
     holdout: dict[str, list[ShardFile]] = Field(default_factory=dict)  # corpus → files
@@ -113,7 +117,10 @@ class ShardManifest(BaseModel):
         raise IngestError(f"shards {self.key} have no corpus '{corpus_id}'")
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        document = self.model_dump(mode="json")
+        if self.row_hash_version == 1:  # a version-1 manifest reads as it was written
+            del document["row_hash_version"]
+        return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
 _Split = Literal["train", "holdout"]

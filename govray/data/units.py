@@ -28,7 +28,7 @@ import ray
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import CredentialError, PolicyError
-from govray.data.rowhash import holdout_mask, row_hashes
+from govray.data.rowhash import ROW_HASH_VERSION, holdout_mask, row_hashes
 from govray.data.shards import ShardFile
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -90,6 +90,7 @@ class UnitJob:
     unit: int
     first_row: int  # the corpus row number of the unit's first row
     directory: str  # the staging directory of the shards
+    row_hash_version: int = ROW_HASH_VERSION  # govray.data.rowhash
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     table = pa.concat_tables(pieces, promote_options="permissive").combine_chunks()
     spec = CorpusSpec.model_validate_json(job.spec_json)
     policy = DepthPolicy.model_validate_json(job.policy_json)
-    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction)
+    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version)
     if isinstance(annotated, RowRefusal):
         return UnitReport(received_rows=table.num_rows, refusal=annotated)
     counts: dict[str, int] = {}
@@ -178,10 +179,16 @@ def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: 
 
 
 def annotate(
-    table: pa.Table, first_row: int, spec: CorpusSpec, policy: DepthPolicy, holdout_fraction: float
+    table: pa.Table,
+    first_row: int,
+    spec: CorpusSpec,
+    policy: DepthPolicy,
+    holdout_fraction: float,
+    row_hash_version: int = ROW_HASH_VERSION,
 ) -> pa.Table | RowRefusal:
-    """Number, validate, route, hash and split the rows of ``table`` (corpus rows from
-    ``first_row``): the table with the shard columns added, or the refusal of its first bad row.
+    """Number, validate, route, hash (of ``row_hash_version``) and split the rows of ``table``
+    (corpus rows from ``first_row``): the table with the shard columns added, or the refusal of
+    its first bad row.
 
     A credential is built and routed once per distinct combination of the corpus's credential
     columns, in the order the combinations first occur, so the first refusal is that of the
@@ -203,7 +210,7 @@ def annotate(
             return resolved
         routes.append(resolved[0])
         credentials.append(resolved[1])
-    hashes, prefixes = row_hashes(table)
+    hashes, prefixes = row_hashes(table, row_hash_version)
     route = pc.take(pa.array(routes, type=pa.string()), pa.array(of_row))
     if spec.role == CorpusRole.TRAIN:
         held_out = pa.array(holdout_mask(prefixes, holdout_fraction))
