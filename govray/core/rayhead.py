@@ -108,10 +108,11 @@ def settle_token_auth(*, starting: bool) -> str | None:
     token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")).expanduser()
     mode = "token" if starting or os.environ.get("RAY_AUTH_TOKEN") or token.exists() else "disabled"
     os.environ[AUTH_MODE] = mode  # inherited by the Ray processes a command starts, as Ray does
-    if "ray._raylet" in sys.modules:  # Ray caches its config: refresh it, as Ray itself does
-        from ray._raylet import Config  # type: ignore[attr-defined]
-
-        Config.initialize("")
+    raylet = sys.modules.get("ray._raylet")
+    # Ray caches its config: refresh it, as Ray itself does; never under a connected process, whose
+    # mode is the one it connected with (changing it cuts the process off its own cluster).
+    if raylet is not None and not sys.modules["ray"].is_initialized():
+        raylet.Config.initialize("")
     shown = govray_home() / "ray" / "token-notice-shown"
     if mode != "token" or shown.exists():
         return None
