@@ -8,7 +8,9 @@ its own, as a relocated run's spec would be.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import platform
 import tarfile
 from functools import partial
 from pathlib import Path
@@ -43,6 +45,19 @@ ARCHIVE = Path(__file__).parent / "data" / "schedule_v1_run" / "run.tar.xz"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """This machine's CPU model name, as /proc/cpuinfo gives it ("" where it does not)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor()
+
+
+def cpu_vendor(model: str) -> str:
+    return next((vendor for vendor in ("Intel", "AMD") if vendor in model), model)
+
+
 class StoredRun:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -54,9 +69,12 @@ class StoredRun:
 
     def skip_unless_made_on_this_hardware_class(self) -> None:
         """Bit-exactness holds on the hardware class a run was made on (ARCHITECTURE.md, "Scope
-        of bit-exactness"): torch's CPU kernels differ with the instruction set it dispatches to."""
-        made_on = json.loads((self.root / "hardware.json").read_text())["cpu_capability"]
-        here = torch.backends.cpu.get_cpu_capability()
+        of bit-exactness"): torch's CPU kernels differ with the instruction set it dispatches to and
+        with the CPU's vendor (the run made on an AVX512 Intel Xeon does not resume bit for bit on
+        an AVX512 AMD EPYC, with the code that made it as with today's)."""
+        hardware = json.loads((self.root / "hardware.json").read_text())
+        made_on = (hardware["cpu_capability"], cpu_vendor(hardware["cpu_model"]))
+        here = (torch.backends.cpu.get_cpu_capability(), cpu_vendor(cpu_model()))
         if made_on != here:
             pytest.skip(f"the stored run was made on {made_on} CPU kernels, this machine runs {here}")
 

@@ -79,7 +79,7 @@ def describe_validation_error(error: ValidationError, source: object = None) -> 
     return "; ".join(_sentence(item, source) for item in error.errors())
 
 
-def locate(location: tuple[str | int, ...], source: object = None) -> str:
+def spelled_location(location: tuple[str | int, ...], source: object = None) -> str:
     """``location`` as the user's file spells it: dotted keys, ``corpus 'ID'`` for a named item,
     without the tags pydantic adds for tagged unions ('' for the whole document)."""
     parts: list[str] = []
@@ -107,14 +107,14 @@ def locate(location: tuple[str | int, ...], source: object = None) -> str:
 
 
 def _sentence(item: ErrorDetails, source: object) -> str:
-    where = locate(item["loc"], source)
+    where = spelled_location(item["loc"], source)
     kind, message, ctx = item["type"], item["msg"], item.get("ctx", {})
     if kind in ("value_error", "assertion_error"):  # the validator's own words, without the prefix
         message = str(ctx.get("error", message))
     elif kind == "missing":
         return f"{where} is required" if where else "a required field is missing"
     elif kind == "extra_forbidden":
-        within = locate(item["loc"][:-1], source)
+        within = spelled_location(item["loc"][:-1], source)
         unknown = f"unknown field '{item['loc'][-1]}'"
         return f"{within}: {unknown}" if within else unknown
     elif kind == "union_tag_invalid":

@@ -48,7 +48,7 @@ def check_version(version: object) -> int:
 def row_hash(row: dict[str, Any], version: int = ROW_HASH_VERSION) -> str:
     """The hash of one row (source columns only): the definition, value by value."""
     if check_version(version) == 1:
-        return rowhash_v1.row_hash(row)
+        return rowhash_v1.row_hash_v1(row)
     return hashlib.sha256(encode_row(row)).hexdigest()
 
 
@@ -56,7 +56,7 @@ def row_hashes(table: pa.Table, version: int = ROW_HASH_VERSION) -> tuple[pa.Arr
     """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
     64 bits (uint64, for :func:`holdout_mask`)."""
     if check_version(version) == 1:
-        return rowhash_v1.row_hashes(table)
+        return rowhash_v1.row_hashes_v1(table)
     offsets, data = encode_values(table)
     return hex_digests(sha256_each(offsets, data, header(table.column_names)))
 

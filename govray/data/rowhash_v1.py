@@ -2,14 +2,14 @@
 
 Ingests recorded before version 2 (``govray.data.rowhash``) hold these hashes; this module stays
 to read and verify them, and to reproduce such an ingest. A row's hash is
-``sha256(canonical_json(row))`` over its source columns (:func:`row_hash`, the definition anyone
+``sha256(canonical_json(row))`` over its source columns (:func:`row_hash_v1`, the definition anyone
 can recompute from the row). Ingest hashes every row of a corpus, so
-:func:`row_hashes` builds the same canonical JSON for a whole table with Arrow kernels — keys in
+:func:`row_hashes_v1` builds the same canonical JSON for a whole table with Arrow kernels — keys in
 sorted order, integers and booleans as Arrow prints them, floats in Python's ``repr`` form, strings
 JSON-escaped — and leaves only the sha256 call per row to Python. Values whose text Arrow does not
 print as Python does (floats outside [1e-4, 1e10), NaN and infinities, strings with rare control
 characters, and every non-scalar type: lists, structs, binary, dates) are encoded by Python, value
-by value, exactly as :func:`row_hash` encodes them. ``tests/test_rowhash.py`` holds the two equal
+by value, exactly as :func:`row_hash_v1` encodes them. ``tests/test_rowhash.py`` holds the two equal
 over generated tables of every type.
 
 Per row and core it costs ~2.2 µs, most of it formatting floats as text: version 2 hashes a
@@ -17,7 +17,7 @@ binary encoding instead (``govray.data.rowcode``).
 
 Example::
 
-    hashes, prefixes = row_hashes(table)        # hex strings; first 64 bits as uint64
+    hashes, prefixes = row_hashes_v1(table)        # hex strings; first 64 bits as uint64
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ def _json_value(value: Any) -> Any:
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # JSON values as they are
 
 
-def row_hash(row: dict[str, Any]) -> str:
+def row_hash_v1(row: dict[str, Any]) -> str:
     """sha256 of the row's canonical JSON (source columns only)."""
     values = {str(k): v if type(v) in _SCALARS else _json_value(v) for k, v in row.items()}
     return sha256_hex(canonical_json(values))
 
 
-def row_hashes(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
-    """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
+def row_hashes_v1(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
+    """:func:`row_hash_v1` of every row of ``table``: the hex digests (a string array) and their first
     64 bits (uint64, for ``govray.data.rowhash.holdout_mask``)."""
     count = table.num_rows
     names = sorted(table.column_names)
@@ -98,7 +98,7 @@ def _json_texts(column: pa.ChunkedArray) -> pa.Array:
         texts = _string_texts(values.cast(pa.large_string()))
     elif pa.types.is_null(kind):
         texts = pa.nulls(len(values), type=pa.large_string())
-    else:  # lists, structs, binary, dates, decimals, dictionaries, halves: as row_hash encodes them
+    else:  # lists, structs, binary, dates, decimals, dictionaries, halves: as row_hash_v1 encodes them
         return _python_texts(values.to_pylist())
     return pc.fill_null(texts, "null")
 
