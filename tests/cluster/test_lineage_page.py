@@ -312,7 +312,12 @@ def test_version_without_the_adapter_verifies_then_a_flipped_byte_fails(
     weights = governed_model.without_adapter.directory / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit of one weight
-    weights.write_bytes(bytes(data))
+    # The version's base is a hard link to version 1's (registry.remove_adapter: no second copy of
+    # the base), so an edit in place would change both; a tampered file put in its place changes
+    # only this version.
+    tampered = weights.with_name("tampered.tmp")
+    tampered.write_bytes(bytes(data))
+    tampered.replace(weights)
     page = browse(chromium, f"{app_url}/lineage/models/digits/2", screenshot="lineage-page-tampered.png")
     assert page.status_class == "failed"
     assert page.status.startswith("FAILED: ")
