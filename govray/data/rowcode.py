@@ -73,7 +73,7 @@ def encode_value(value: Any) -> bytes:
         return _sized(b"s", value.encode())
     if isinstance(value, bytes):
         return _sized(b"y", value)
-    return _sized(b"j", canonical_json(_json_value(value)))
+    return _sized(b"j", canonical_json(json_value(value)))
 
 
 def encode_row(row: dict[str, Any]) -> bytes:
@@ -177,13 +177,15 @@ def _sized(tag: bytes, payload: bytes) -> bytes:
     return tag + struct.pack("<Q", len(payload)) + payload
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A value as JSON can hold it: bytes as hex, mappings and sequences element-wise, anything
+    else not a JSON scalar as its string form (both row hash versions encode values so)."""
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
+        return {str(k): json_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
+        return [json_value(v) for v in value]
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     return str(value)  # dates, decimals, timestamps: their canonical string form

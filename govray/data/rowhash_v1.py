@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from govray.core.canonical import canonical_json, canonical_text, sha256_hex
-from govray.data.rowcode import hex_digests, sha256_each
+from govray.data.rowcode import hex_digests, json_value, sha256_each
 
 # Floats Arrow prints in fixed notation with Python's digits (both print the shortest digits that
 # round-trip; Python switches to exponents below 1e-4, Arrow at 1e10 and above).
@@ -39,24 +39,12 @@ _SHORT_ESCAPES = (("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"), ("\b", "\\b"), ("
 _OTHER_CONTROLS = "[\x00-\x07\x0b\x0e-\x1f]"
 
 
-def _json_value(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)  # dates, decimals: their canonical string form
-
-
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # JSON values as they are
 
 
 def row_hash_v1(row: dict[str, Any]) -> str:
     """sha256 of the row's canonical JSON (source columns only)."""
-    values = {str(k): v if type(v) in _SCALARS else _json_value(v) for k, v in row.items()}
+    values = {str(k): v if type(v) in _SCALARS else json_value(v) for k, v in row.items()}
     return sha256_hex(canonical_json(values))
 
 
@@ -109,7 +97,7 @@ def _literal(text: str) -> pa.Scalar:
 
 def _python_texts(values: list[Any]) -> pa.Array:
     return pa.array(
-        [canonical_text(v if type(v) in _SCALARS else _json_value(v)) for v in values], type=pa.large_string()
+        [canonical_text(v if type(v) in _SCALARS else json_value(v)) for v in values], type=pa.large_string()
     )
 
 
