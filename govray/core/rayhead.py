@@ -181,16 +181,25 @@ def stop_head(timeout: float = 60.0) -> HeadRecord | None:
 def leftover_processes(temp_dir: Path) -> list[int]:
     """Live processes (not this one) that name ``temp_dir`` on their command line: what a head
     left behind (Ray's agents and workers retitle themselves, but keep their arguments' paths)."""
-    mark = str(temp_dir).encode()
+    return [pid for pid, _ in processes_naming((str(temp_dir),))]
+
+
+def processes_naming(marks: tuple[str, ...], open_files: bool = False) -> list[tuple[int, str]]:
+    """Live processes (not this one, no zombie) with one of ``marks`` on their command line or,
+    with ``open_files``, holding a file below one open: (pid, command line) of each."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if mark in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
-                found.append(int(entry.name))
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ours = any(mark in command for mark in marks) or (
+                open_files and any(os.readlink(fd).startswith(marks) for fd in (entry / "fd").iterdir())
+            )
         except OSError:
             continue
+        if ours and _alive(int(entry.name)):
+            found.append((int(entry.name), command.strip()))
     return found
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from govray.core.rayhead import processes_naming
 from tests.conftest import REPO
 
 AUTH = {"RAY_AUTH_MODE": "token"}
@@ -208,23 +209,7 @@ class LocalRayCluster:
     def leftover_processes(self) -> list[tuple[int, str]]:
         """Live processes (not this one) that name one of our temp dirs on their command line or
         hold a file below one open (Ray's agents and workers retitle themselves ``ray::...``)."""
-        marks = tuple(str(node.temp_dir) for node in self.nodes)
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if (entry / "stat").read_text().split(") ", 1)[1].startswith("Z"):
-                    continue
-                ours = any(mark in command for mark in marks) or any(
-                    os.readlink(fd).startswith(marks) for fd in (entry / "fd").iterdir()
-                )
-            except (OSError, IndexError):
-                continue
-            if ours:
-                found.append((int(entry.name), command.strip()))
-        return found
+        return processes_naming(tuple(str(node.temp_dir) for node in self.nodes), open_files=True)
 
 
 def _gcs_client(address: str) -> Any:
