@@ -1,0 +1,184 @@
+"""The whole model of a sharded checkpoint is put together streaming (``train.whole_file``): the
+file is byte for byte what ``save_base_tensors`` writes for the same weights, only shards the
+signed manifest vouches for are read, and no process holds more than one tensor plus a bounded
+buffer while it writes or hashes it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from govray.core.canonical import file_sha256
+from govray.core.dsse import sign_envelope, signing_time
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
+from govray.governance.adapter_files import save_base_tensors
+from govray.train.checkpoint import (
+    MANIFEST_FILE,
+    MANIFEST_TYPE,
+    SIGNATURE_FILE,
+    CheckpointError,
+    Manifest,
+    shard_file,
+)
+from govray.train.sharding import SHARDS_KEY
+from govray.train.whole_file import (
+    CHUNK,
+    shard_layout,
+    whole_model_sha256,
+    whole_tensors,
+    write_whole_model,
+)
+
+
+def sharded_checkpoint(
+    directory: Path, state: dict[str, torch.Tensor], shards: int, replicas: int = 1
+) -> TrustConfig:
+    """A signed checkpoint holding ``state`` as FSDP2 shards it (``Shard(0)``: ``torch.chunk``'s
+    rows, empty shards for the last ranks of a short tensor, 0-d tensors whole in every file) over
+    ``shards`` ranks, each shard group ``replicas`` times (HSDP); returns the trust that verifies it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    world = shards * replicas
+    for rank in range(world):
+        index = rank % shards
+        tensors: dict[str, torch.Tensor] = {}
+        placement: dict[str, list[list[int]]] = {}
+        for name, tensor in state.items():
+            if tensor.dim() == 0:
+                tensors[name] = tensor.clone()
+                continue
+            size = -(-tensor.shape[0] // shards)
+            start = min(index * size, tensor.shape[0])
+            tensors[name] = tensor[start : start + size].clone()
+            placement[name] = [list(tensor.shape), [start] + [0] * (tensor.dim() - 1)]
+        metadata = {SHARDS_KEY: json.dumps(placement, sort_keys=True)}
+        save_file(tensors, str(directory / shard_file("model", rank, world)), metadata=metadata)
+    (directory / "state.json").write_text("{}")
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    files = {path.name: file_sha256(path) for path in sorted(directory.iterdir())}
+    manifest = Manifest(step=0, files=files, signed_at=signing_time())
+    (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
+    envelope = sign_envelope(manifest.to_bytes(), MANIFEST_TYPE, key, manifest.signed_at)
+    (directory / SIGNATURE_FILE).write_text(envelope.to_json())
+    return platform_trust(key)
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    """Tensors of every kind a base model has: several dtypes, a tied pair, a buffer, a scalar,
+    a tensor with fewer rows than ranks, rows that do not divide evenly."""
+    generator = torch.Generator().manual_seed(0)
+    embedding = torch.randn(7, 3, generator=generator)
+    return {
+        "embed.weight": embedding,
+        "head.weight": embedding,  # tied: save_base_tensors stores a copy under each name
+        "norm.weight": torch.randn(5, generator=generator).to(torch.bfloat16),
+        "block.0.proj": torch.randn(2, 4, generator=generator).to(torch.float16),
+        "block.0.bias": torch.randn(1, 4, generator=generator),
+        "positions": torch.arange(3, dtype=torch.int64),
+        "scale": torch.tensor(0.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+@pytest.mark.parametrize(("shards", "replicas"), [(3, 1), (2, 2)], ids=["fsdp-3", "hsdp-2x2"])
+def test_the_streamed_whole_model_is_save_base_tensors_file_byte_for_byte(
+    tmp_path: Path, shards: int, replicas: int
+) -> None:
+    state = mixed_state()
+    trust = sharded_checkpoint(tmp_path / "checkpoint", state, shards, replicas)
+    expected = save_base_tensors(state, tmp_path / "today.safetensors")
+
+    written = write_whole_model(tmp_path / "checkpoint", trust, tmp_path / "streamed.safetensors")
+
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "today.safetensors").read_bytes()
+    assert written == expected == whole_model_sha256(tmp_path / "checkpoint", trust)
+    tensors = dict(whole_tensors(tmp_path / "checkpoint", trust))
+    assert list(tensors) == sorted(state)
+    for name, tensor in state.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+
+
+def test_a_changed_shard_is_refused_naming_it_before_anything_is_written(tmp_path: Path) -> None:
+    trust = sharded_checkpoint(tmp_path / "checkpoint", mixed_state(), 2)
+    shard = tmp_path / "checkpoint" / shard_file("model", 1, 2)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match=f"{shard}: sha256 does not match the signed manifest"):
+        write_whole_model(tmp_path / "checkpoint", trust, tmp_path / "streamed.safetensors")
+    with pytest.raises(CheckpointError, match=f"{shard}: sha256 does not match the signed manifest"):
+        whole_model_sha256(tmp_path / "checkpoint", trust)
+    assert not (tmp_path / "streamed.safetensors").exists()
+
+
+def test_shards_that_do_not_cover_a_tensor_are_refused_naming_it(tmp_path: Path) -> None:
+    sharded_checkpoint(tmp_path, {"weight": torch.ones(4, 2)}, 2)
+    with pytest.raises(CheckpointError, match="the shards of weight do not cover it: 2 of 4 rows"):
+        shard_layout([tmp_path / shard_file("model", 0, 2)])
+    with pytest.raises(CheckpointError, match="the shards of weight do not cover it: rows 0..2 are missing"):
+        shard_layout([tmp_path / shard_file("model", 1, 2)])
+
+
+_PEAK = """
+import sys
+from pathlib import Path
+from govray.core.keys import TrustConfig
+from govray.governance.adapter_files import save_base_tensors
+from govray.train.sharding import consolidated
+from govray.train.whole_file import whole_model_sha256, write_whole_model
+
+def status(field):  # kB
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+    return int(line.split()[1])
+
+directory, trust, how = Path(sys.argv[1]), TrustConfig.model_validate_json(sys.argv[2]), sys.argv[3]
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS:")
+if how == "stream":
+    write_whole_model(directory, trust, directory.parent / "streamed.safetensors")
+    whole_model_sha256(directory, trust)
+else:  # what a checkpoint's consolidation did before
+    save_base_tensors(consolidated(directory, 2), directory.parent / "whole.safetensors")
+print((status("VmHWM:") - before) * 1024)
+"""
+
+
+def peak_bytes(directory: Path, trust: TrustConfig, how: str) -> int:
+    """The growth of a fresh process's peak resident memory while it puts the model together."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(directory), trust.model_dump_json(), how],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.slow
+def test_a_whole_model_of_shards_is_written_and_hashed_holding_one_chunk_not_the_model(
+    tmp_path: Path,
+) -> None:
+    """Three 64 MiB tensors over two shards: streaming grows the peak by at most one chunk plus
+    slack (far below one tensor), while consolidating in memory (the old way) holds the model."""
+    tensor_bytes = 64 << 20
+    state = {
+        f"layer.{index}.weight": torch.full((tensor_bytes // 4096, 1024), float(index)) for index in range(3)
+    }
+    trust = sharded_checkpoint(tmp_path / "checkpoint", state, 2)
+    del state
+
+    streamed = peak_bytes(tmp_path / "checkpoint", trust, "stream")
+    whole = peak_bytes(tmp_path / "checkpoint", trust, "consolidate")
+
+    slack = 16 << 20  # the interpreter's own growth (imports are done before the measure starts)
+    assert streamed <= CHUNK + slack < tensor_bytes, (streamed, whole)
+    assert whole >= 3 * tensor_bytes, (streamed, whole)  # the measure sees a whole model when one is held
+    digest = hashlib.sha256((tmp_path / "whole.safetensors").read_bytes()).hexdigest()
+    assert file_sha256(tmp_path / "streamed.safetensors") == digest
