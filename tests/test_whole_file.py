@@ -19,14 +19,17 @@ from govray.core.canonical import file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
 from govray.governance.adapter_files import save_base_tensors
+from govray.platform.replay import tensor_influence
 from govray.train.checkpoint import (
     MANIFEST_FILE,
     MANIFEST_TYPE,
+    MODEL_FILE,
     SIGNATURE_FILE,
     CheckpointError,
     Manifest,
     shard_file,
 )
+from govray.train.ledger import Ledger, LedgerEntry
 from govray.train.sharding import SHARDS_KEY
 from govray.train.whole_file import (
     CHUNK,
@@ -38,11 +41,16 @@ from govray.train.whole_file import (
 
 
 def sharded_checkpoint(
-    directory: Path, state: dict[str, torch.Tensor], shards: int, replicas: int = 1
+    directory: Path,
+    state: dict[str, torch.Tensor],
+    shards: int,
+    replicas: int = 1,
+    key: SigningKey | None = None,
 ) -> TrustConfig:
     """A signed checkpoint holding ``state`` as FSDP2 shards it (``Shard(0)``: ``torch.chunk``'s
     rows, empty shards for the last ranks of a short tensor, 0-d tensors whole in every file) over
-    ``shards`` ranks, each shard group ``replicas`` times (HSDP); returns the trust that verifies it."""
+    ``shards`` ranks, each shard group ``replicas`` times (HSDP), with the files already in
+    ``directory`` (adapters); returns the trust that verifies it."""
     directory.mkdir(parents=True, exist_ok=True)
     world = shards * replicas
     for rank in range(world):
@@ -60,7 +68,7 @@ def sharded_checkpoint(
         metadata = {SHARDS_KEY: json.dumps(placement, sort_keys=True)}
         save_file(tensors, str(directory / shard_file("model", rank, world)), metadata=metadata)
     (directory / "state.json").write_text("{}")
-    key = SigningKey.generate(KeyRole.PLATFORM)
+    key = key or SigningKey.generate(KeyRole.PLATFORM)
     files = {path.name: file_sha256(path) for path in sorted(directory.iterdir())}
     manifest = Manifest(step=0, files=files, signed_at=signing_time())
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
@@ -182,3 +190,28 @@ def test_a_whole_model_of_shards_is_written_and_hashed_holding_one_chunk_not_the
     assert whole >= 3 * tensor_bytes, (streamed, whole)  # the measure sees a whole model when one is held
     digest = hashlib.sha256((tmp_path / "whole.safetensors").read_bytes()).hexdigest()
     assert file_sha256(tmp_path / "streamed.safetensors") == digest
+
+
+def test_an_fsdp_replay_lists_each_tensor_once_under_the_file_it_belongs_to(tmp_path: Path) -> None:
+    """The influence table reads a sharded checkpoint's base from its shards put together: each
+    base tensor once, under ``model.safetensors`` (not once more per shard file), each adapter
+    tensor once under its adapter file."""
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    original, replayed = mixed_state(), mixed_state()
+    replayed["block.0.bias"] = replayed["block.0.bias"] + 1.0  # the only base tensor the replay changed
+    adapter = {"lora.A": torch.ones(2, 3), "lora.B": torch.zeros(3, 2)}
+    for name, state in (("original", original), ("replay", replayed)):
+        (tmp_path / name).mkdir()
+        save_file(adapter, str(tmp_path / name / "adapter-pii.safetensors"))
+        trust = sharded_checkpoint(tmp_path / name, state, 2, key=key)
+
+    ledger = Ledger({("pii", "lora.A"): LedgerEntry(examples=5)})
+    rows = tensor_influence(tmp_path / "original", tmp_path / "replay", ledger, ("pii",), trust)
+
+    assert [(row.file, row.tensor) for row in rows] == [
+        *(("adapter-pii.safetensors", name) for name in sorted(adapter)),
+        *((MODEL_FILE, name) for name in sorted(original)),
+    ]
+    changed = {row.tensor: row.distance for row in rows if row.distance}
+    assert changed == {"block.0.bias": pytest.approx(2.0)}  # four entries, each one more
+    assert {row.tensor: row.direct_examples for row in rows if row.direct_examples} == {"lora.A": 5}

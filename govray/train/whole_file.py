@@ -15,6 +15,7 @@ Example::
     digest = whole_model_sha256(checkpoint, trust)                 # nothing written
     write_whole_model(checkpoint, trust, version / MODEL_FILE)     # the same sha256
     for name, tensor in whole_tensors(checkpoint, trust): ...      # one tensor at a time
+    for name, tensor in base_tensors(checkpoint, trust): ...       # any checkpoint's base
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save
 
 from govray.core.canonical import file_sha256
@@ -124,6 +126,22 @@ def whole_tensors(directory: Path, trust: TrustConfig) -> Iterator[tuple[str, to
         dtype = _torch_dtype(tensor)
         flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         yield tensor.name, flat.reshape(tensor.shape)
+
+
+def base_tensors(directory: Path, trust: TrustConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each base tensor of a checkpoint, one at a time in name order: from its base file (its own
+    or the one it refers to; verified by the caller), or from its verified shards."""
+    if shards_only(directory):
+        yield from whole_tensors(directory, trust)
+        return
+    yield from file_tensors(model_file(directory))
+
+
+def file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file, one at a time in name order."""
+    with safe_open(str(path), framework="pt") as handle:
+        for name in sorted(handle.keys()):
+            yield name, handle.get_tensor(name)
 
 
 def verified_layout(directory: Path, trust: TrustConfig) -> list[WholeTensor]:
