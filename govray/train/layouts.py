@@ -8,9 +8,9 @@ checkpoint, what it holds, how it is read back and where a rollback's clean stat
   rank 0 the rest and one signed manifest over all of them, and every rank raises if any rank
   failed. No checkpoint holds the whole base model and no rank reads another's shards: a consumer
   that needs the whole model puts it together from the verified shards, streaming, when it needs
-  it (``train.whole_file``). Clean states are
-  not kept in memory: each checkpoint carries (hard links to) the earlier clean states' files,
-  checked against the signed manifest they came from; each rank verifies and reads only its own.
+  it (``train.whole_file``). Clean states are not kept in memory: each checkpoint carries (hard
+  links to) the earlier clean states' files, checked against the signed manifest they came from;
+  each rank verifies and reads only its own.
 
 ``TrialRun`` (``train.state``) asks its layout and never tests the strategy.
 """
