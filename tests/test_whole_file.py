@@ -18,6 +18,7 @@ from govray.core.dsse import sign_envelope, signing_time
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
 from govray.governance.adapter_files import save_base_tensors
 from govray.platform.replay import tensor_influence
+from govray.provenance.attest import AttestationError, model_subjects
 from govray.train.checkpoint import (
     MANIFEST_FILE,
     MANIFEST_TYPE,
@@ -193,3 +194,24 @@ def test_an_fsdp_replay_lists_each_tensor_once_under_the_file_it_belongs_to(tmp_
     changed = {row.tensor: row.distance for row in rows if row.distance}
     assert changed == {"block.0.bias": pytest.approx(2.0)}  # four entries, each one more
     assert {row.tensor: row.direct_examples for row in rows if row.direct_examples} == {"lora.A": 5}
+
+
+def test_an_attestation_names_the_whole_model_a_sharded_checkpoint_puts_together(tmp_path: Path) -> None:
+    """What ``govray attest`` and ``govray verify`` compute for a sharded checkpoint: the digest
+    of the whole file an unsharded checkpoint of the same weights holds; a changed shard refused."""
+    state = mixed_state()
+    (tmp_path / "checkpoint").mkdir()
+    save_file({"lora.A": torch.ones(2, 3)}, str(tmp_path / "checkpoint" / "adapter-pii.safetensors"))
+    trust = sharded_checkpoint(tmp_path / "checkpoint", state, 2)
+    adapter = file_sha256(tmp_path / "checkpoint" / "adapter-pii.safetensors")
+
+    assert model_subjects(tmp_path / "checkpoint", trust) == [
+        {"name": MODEL_FILE, "digest": {"sha256": save_base_tensors(state, tmp_path / MODEL_FILE)}},
+        {"name": "adapter-pii.safetensors", "digest": {"sha256": adapter}},
+    ]
+    shard = tmp_path / "checkpoint" / shard_file("model", 0, 2)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AttestationError, match=f"{shard}: sha256 does not match the signed manifest"):
+        model_subjects(tmp_path / "checkpoint", trust)
