@@ -20,7 +20,10 @@ import yaml
 
 from govray.config.experiment import ExperimentConfig, ParallelStrategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
+from govray.governance.adapter_files import save_base_tensors
 from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
+from govray.train.sharding import consolidated
+from govray.train.whole_file import write_whole_model
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests.conftest import GoldenRun
 from tests.gloo_group import persistent_group
@@ -287,7 +290,9 @@ def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory
     )
 
 
-def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(gloo_pair: Any, signing_spec: Any) -> None:
+def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(
+    gloo_pair: Any, signing_spec: Any, tmp_path: Path
+) -> None:
     answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=4))
     assert answers[1][0] == "ok", answers[1]
     status, (uninterrupted, again) = answers[0]
@@ -295,6 +300,9 @@ def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(gloo_pair: Any, s
     folder = Path(signing_spec.run_dir) / "checkpoint_00000004"
     assert {shard_owner(path.name) for path in folder.iterdir()} == {None, 0, 1}, "each rank wrote its shards"
     assert not (folder / MODEL_FILE).exists()
+    # The whole model streamed from these shards is the file the shards put together in memory give.
+    in_memory = save_base_tensors(consolidated(folder, WORLD), tmp_path / MODEL_FILE)
+    assert write_whole_model(folder, signing_spec.trust, tmp_path / "streamed.safetensors") == in_memory
     for name in uninterrupted:
         assert torch.equal(uninterrupted[name], again[name]), name
 

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from govray.core.canonical import file_sha256
 from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
+from govray.governance.adapter_files import save_base_tensors
 from govray.platform.registry import register, remove_adapter
 from govray.platform.replay import Replay, replay_trial
-from govray.provenance.attest import AttestationError, attest_checkpoint
+from govray.provenance.attest import attest_checkpoint
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoint import (
     MODEL_FILE,
@@ -34,6 +34,7 @@ from govray.train.checkpoint import (
     verify_checkpoint,
 )
 from govray.train.sharding import consolidated
+from govray.train.whole_file import whole_model_sha256
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, MEMORIZER
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
 from tests.test_memorization_flag import trained
@@ -79,28 +80,43 @@ def shard_files(folder: Path) -> dict[str, Path]:
     return {path.name: path for path in folder.iterdir() if shard_owner(path.name) is not None}
 
 
-def test_the_run_is_sharded_and_its_last_checkpoint_holds_the_whole_model(fsdp_runs: FsdpRuns) -> None:
-    """Each rank wrote its shards into every checkpoint; only the last (and a validation's) also
-    holds ``model.safetensors``, the shards put together — what the attestation names."""
+def test_the_run_is_sharded_and_no_checkpoint_holds_the_whole_model(
+    fsdp_runs: FsdpRuns, tmp_path: Path
+) -> None:
+    """Each rank wrote its shards into every checkpoint and none holds ``model.safetensors``: an
+    attestation (the trial end's, or of any checkpoint) names the file its verified shards put
+    together would be, byte for byte the file the shards put together in memory give."""
     found = find_checkpoints(fsdp_runs.original.outcome.run_dir)
     assert [checkpoint_step(folder) for folder in found] == [10, 20, 30]
     for folder in found:
         assert {shard_owner(name) for name in shard_files(folder)} == {0, 1}
-        assert (folder / MODEL_FILE).exists() == (folder == found[-1])
-    whole = load_file(str(found[-1] / MODEL_FILE))
-    assert whole.keys() == consolidated(found[-1], 2).keys()
-    for name, tensor in consolidated(found[-1], 2).items():
-        assert torch.equal(whole[name], tensor), name
-    verify_checkpoint(found[-1], platform_trust(platform_key()))  # every file, every rank's shards
-    with pytest.raises(
-        AttestationError, match="a sharded .strategy fsdp. checkpoint without model.safetensors"
-    ):
-        attest_checkpoint(found[0])
+        assert not (folder / MODEL_FILE).exists()
+    trust = platform_trust(platform_key())
+    verify_checkpoint(found[-1], trust)  # every file, every rank's shards
+    in_memory = save_base_tensors(consolidated(found[-1], 2), tmp_path / MODEL_FILE)
+    assert whole_model_sha256(found[-1], trust) == in_memory
+    first = attest_checkpoint(found[0], destination=tmp_path / "first")
+    assert first.subjects[MODEL_FILE] == save_base_tensors(consolidated(found[0], 2), tmp_path / "first.st")
     store = fsdp_runs.original.store
     last = checkpoints(store, fsdp_runs.original.outcome.trial_id)[-1]
     recorded = attestations(store, last.id)  # type: ignore[arg-type]
     assert recorded, "the trial's end attested its last checkpoint"
-    assert {record.subject_digest for record in recorded} == {file_sha256(found[-1] / MODEL_FILE)}
+    assert {record.subject_digest for record in recorded} == {in_memory}
+
+
+def test_the_fsdp_replay_lists_each_tensor_once(fsdp_runs: FsdpRuns) -> None:
+    """The influence table has one row per base tensor (under ``model.safetensors``, not once
+    more per shard file) and per adapter tensor."""
+    rows = fsdp_runs.replay.report.tensors
+    original = final(fsdp_runs.original.outcome.run_dir)
+    base = consolidated(original, 2)
+    adapter = load_file(str(original / "adapter-pii-lora.safetensors"))
+    assert sorted((row.file, row.tensor) for row in rows) == sorted(
+        [
+            *((MODEL_FILE, name) for name in base),
+            *(("adapter-pii-lora.safetensors", name) for name in adapter),
+        ]
+    )
 
 
 def test_removing_the_adapter_is_the_replay_without_its_corpus_in_every_shard(fsdp_runs: FsdpRuns) -> None:
@@ -152,13 +168,14 @@ def test_the_registry_removes_the_adapter_of_a_sharded_run_as_the_replay_without
     fsdp_runs: FsdpRuns,
 ) -> None:
     """Register the FSDP run's last checkpoint, derive the version without the PII adapter: its
-    ``model.safetensors`` (the shards put together) is the replay's, byte for byte."""
+    ``model.safetensors`` (the shards put together, streaming) is the replay's, byte for byte."""
     store = fsdp_runs.original.store
     registered = register(store, "digits-fsdp", final(fsdp_runs.original.outcome.run_dir))
     without = remove_adapter(store, registered.ref, "pii-lora")
     assert not list(without.directory.glob("adapter-*.safetensors"))
-    replay = final(fsdp_runs.replay.outcome.run_dir)
-    assert (without.directory / MODEL_FILE).read_bytes() == (replay / MODEL_FILE).read_bytes()
+    replay = final(fsdp_runs.replay.outcome.run_dir)  # (shards only: compared as put together)
+    replayed = whole_model_sha256(replay, platform_trust(platform_key()))
+    assert file_sha256(without.directory / MODEL_FILE) == replayed
     assert ADAPTER_CORPUS in without.excluded_corpora
 
 

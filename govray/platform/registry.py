@@ -62,6 +62,7 @@ from govray.train.checkpoint import (
 )
 from govray.train.ledger import Ledger
 from govray.train.runspec import RUN_SPEC_FILE
+from govray.train.whole_file import shards_only, write_whole_model
 
 
 def register(
@@ -124,8 +125,9 @@ def remove_adapter(
         )
     key = key if key is not None else platform_key()
     spec = run_spec_of(source.directory)
+    trust = platform_trust(key, spec.trust)
     try:
-        loaded = load_checkpoint(source.directory, platform_trust(key, spec.trust))
+        loaded = load_checkpoint(source.directory, trust)
     except CheckpointError as error:
         raise RegistryError(f"refusing to derive from {source.ref}: {error}") from None
     ledger = Ledger.from_json(loaded.state.ledger)
@@ -139,8 +141,12 @@ def remove_adapter(
     if directory.exists():
         raise RegistryError(f"{directory} exists already; refusing to overwrite another version's files")
     directory.mkdir(parents=True)
-    # The version holds its own base file (the source's, or the run's base file it refers to).
-    link_or_copy(model_file(source.directory), directory / MODEL_FILE)
+    # The version holds its own base file: the source's, the run's base file it refers to, or
+    # (a sharded source) its verified shards put together, streaming.
+    if shards_only(source.directory):
+        write_whole_model(source.directory, trust, directory / MODEL_FILE)
+    else:
+        link_or_copy(model_file(source.directory), directory / MODEL_FILE)
     for path in sorted(source.directory.glob("adapter-*.safetensors")):
         if path != adapter_file:
             shutil.copy2(path, directory / path.name)

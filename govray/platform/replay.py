@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
+import torch
 from pydantic import BaseModel, ConfigDict, TypeAdapter
-from safetensors.torch import load_file
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
@@ -33,13 +35,14 @@ from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_l
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
-from govray.train.checkpoint import MODEL_FILE, find_checkpoints, model_file, verify_checkpoint
+from govray.train.checkpoint import MODEL_FILE, find_checkpoints, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
 from govray.train.run_checkpoints import checkpoint_schedule_version
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
+from govray.train.whole_file import base_tensors, file_tensors
 
 
 class ReplayError(GovrayError):
@@ -133,26 +136,21 @@ def final_checkpoint(run_dir: Path, trust: TrustConfig) -> Path:
 
 
 def tensor_influence(
-    original: Path, replay: Path, ledger: Ledger, excluded: tuple[str, ...]
+    original: Path, replay: Path, ledger: Ledger, excluded: tuple[str, ...], trust: TrustConfig
 ) -> list[TensorInfluence]:
-    """Per tensor of every weight file: direct examples of the excluded corpora and distances."""
+    """Per tensor of the base model and of each adapter, each once: direct examples of the
+    excluded corpora and distances. Tensors are read one at a time (a sharded checkpoint's base
+    from its shards, verified against ``trust``, put together: ``train.whole_file``)."""
     rows = []
-    files = sorted({MODEL_FILE, *(path.name for path in original.glob("*.safetensors"))})
-    for file in files:
-        if file.startswith("optimizer"):
-            continue
-        if file == MODEL_FILE:  # (the run's base file where the checkpoint refers to it)
-            before, after = load_file(str(model_file(original))), load_file(str(model_file(replay)))
-        else:
-            before, after = load_file(str(original / file)), load_file(str(replay / file))
-        for name in sorted(before):  # adapter files already use the ledger's names
-            direct = sum(
+    for file in sorted({MODEL_FILE, *(path.name for path in original.glob("adapter-*.safetensors"))}):
+        for name, before, after in _paired_tensors(original, replay, file, trust):
+            direct = sum(  # (adapter files already use the ledger's names)
                 entry.examples
                 for (corpus, tensor), entry in ledger.entries.items()
                 if corpus in excluded and tensor == name
             )
-            difference = (before[name].double() - after[name].double()).norm().item()
-            scale = before[name].double().norm().item()
+            difference = (before.double() - after.double()).norm().item()
+            scale = before.double().norm().item()
             kind = "direct" if direct else ("indirect" if difference > 0 else "none")
             rows.append(
                 TensorInfluence(
@@ -165,6 +163,21 @@ def tensor_influence(
                 )
             )
     return rows
+
+
+def _paired_tensors(
+    original: Path, replay: Path, file: str, trust: TrustConfig
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, original's tensor, replay's tensor) for each tensor of ``file``, in name order."""
+    if file == MODEL_FILE:
+        pairs = zip_longest(base_tensors(original, trust), base_tensors(replay, trust))
+    else:
+        pairs = zip_longest(file_tensors(original / file), file_tensors(replay / file))
+    for before, after in pairs:
+        if before is None or after is None or before[0] != after[0]:
+            found = (before or ("nothing",))[0], (after or ("nothing",))[0]
+            raise ReplayError(f"{file}: the original holds {found[0]} where the replay holds {found[1]}")
+        yield before[0], before[1], after[1]
 
 
 def replay_trial(
@@ -231,7 +244,9 @@ def replay_trial(
         already_excluded=list(already),
         step=outcome.steps_done,
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        tensors=tensor_influence(original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude)),
+        tensors=tensor_influence(
+            original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude), checked.trust
+        ),
     )
     path = storage.root / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

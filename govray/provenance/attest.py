@@ -53,8 +53,8 @@ from govray.train.checkpoint import (
     find_checkpoints,
     load_checkpoint,
     model_file,
-    shard_owner,
 )
+from govray.train.whole_file import shards_only, whole_model_sha256
 
 KINDS = ("provenance", "coverage")
 
@@ -69,25 +69,29 @@ class Attestation:
     model_signature: Path | None = None  # the OpenSSF model signature, when asked for
 
 
-def model_subjects(directory: Path) -> list[dict[str, Any]]:
+def model_subjects(directory: Path, trust: TrustConfig) -> list[dict[str, Any]]:
     """The model files of a checkpoint or model directory, by name and sha256: the base (the run's
-    base file when the checkpoint refers to it: ``govray.train.base_file``), then each adapter in
-    name order."""
+    base file when the checkpoint refers to it: ``govray.train.base_file``; of a sharded
+    checkpoint, the ``model.safetensors`` its shards, verified against ``trust``, put together,
+    hashed streaming and never written: ``govray.train.whole_file``), then each adapter in name
+    order."""
     base = model_file(directory)
-    if not base.is_file():
-        if any(shard_owner(path.name) is not None for path in directory.iterdir()):
-            raise AttestationError(
-                f"{directory}: a sharded (strategy fsdp) checkpoint without {MODEL_FILE}: the whole model "
-                "is put together only in a validation's checkpoint and the trial's last; attest one of those"
-            )
-        if base != directory / MODEL_FILE:
-            raise AttestationError(f"{base}: missing (the base model {directory} refers to by sha256)")
+    if shards_only(directory):
+        try:
+            digest = whole_model_sha256(directory, trust)
+        except CheckpointError as error:
+            raise AttestationError(str(error)) from None
+    elif base.is_file():
+        digest = file_sha256(base)
+    elif base != directory / MODEL_FILE:
+        raise AttestationError(f"{base}: missing (the base model {directory} refers to by sha256)")
+    else:
         raise AttestationError(f"{directory}: no {MODEL_FILE} (not a checkpoint or model directory)")
-    files = [
-        (MODEL_FILE, base),
-        *((path.name, path) for path in sorted(directory.glob("adapter-*.safetensors"))),
+    adapters = sorted(directory.glob("adapter-*.safetensors"))
+    return [
+        {"name": MODEL_FILE, "digest": {"sha256": digest}},
+        *({"name": path.name, "digest": {"sha256": file_sha256(path)}} for path in adapters),
     ]
-    return [{"name": name, "digest": {"sha256": file_sha256(path)}} for name, path in files]
 
 
 def attest_checkpoint(
@@ -109,12 +113,13 @@ def attest_checkpoint(
     spec = run_spec_of(checkpoint)
     if model_signature:  # the OpenSSF signature covers the folder's files: the base file among them
         materialize_base(checkpoint)
+    trust = trust if trust is not None else platform_trust(key, spec.trust)
     try:
-        loaded = load_checkpoint(checkpoint, trust if trust is not None else platform_trust(key, spec.trust))
+        loaded = load_checkpoint(checkpoint, trust)
     except CheckpointError as error:
         raise AttestationError(f"refusing to attest: {error}") from None
     routing = routing_of(spec)
-    subjects = model_subjects(checkpoint)
+    subjects = model_subjects(checkpoint, trust)
     moment = signing_time()
     predicate = provenance(spec, loaded.state, routing, checkpoint, derivation, finished_on=moment)
     statements = {

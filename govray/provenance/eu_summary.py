@@ -31,7 +31,6 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from govray.core.canonical import file_sha256
 from govray.core.errors import AttestationError, GovrayError
 from govray.core.keys import TrustConfig
 from govray.core.version import GOVRAY_VERSION
@@ -45,7 +44,8 @@ from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import load_checkpoint, model_file
+from govray.train.checkpoint import load_checkpoint
+from govray.train.whole_file import base_sha256
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",
@@ -185,7 +185,8 @@ def eu_summary(
         spec = run_spec_of(checkpoint)
     except AttestationError as error:
         raise SummaryError(str(error)) from None
-    state = load_checkpoint(checkpoint, trust if trust is not None else spec.trust).state
+    trust = trust if trust is not None else spec.trust
+    state = load_checkpoint(checkpoint, trust).state
     adapters = sorted(
         path.name.removeprefix("adapter-").removesuffix(".safetensors")
         for path in checkpoint.glob("adapter-*.safetensors")
@@ -212,7 +213,7 @@ def eu_summary(
         platform=f"govray {GOVRAY_VERSION} on Ray",
         checkpoint=str(checkpoint),
         step=state.step,
-        base_model_sha256=file_sha256(model_file(checkpoint)),
+        base_model_sha256=base_sha256(checkpoint, trust),  # (a sharded one's: put together, streaming)
         adapters=adapters,
         started_from=str(state.source["path"]) if state.source.get("path") else None,
         policy=f"{spec.policy.name} v{spec.policy.version}",

@@ -62,7 +62,7 @@ def verify_attestation(
             f"{envelope_path}: predicate type {statement.get('predicateType')!r} is not expected"
         )
     subjects = {s.get("name"): s.get("digest", {}).get("sha256") for s in statement.get("subject", [])}
-    present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir)}
+    present = {s["name"]: s["digest"]["sha256"] for s in model_subjects(model_dir, trust)}
     for name, digest in sorted(subjects.items()):
         if name not in present:
             raise AttestationError(f"{model_dir / str(name)}: attested but missing")

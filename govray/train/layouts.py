@@ -6,10 +6,11 @@ checkpoint, what it holds, how it is read back and where a rollback's clean stat
   memory too), then signs the manifest.
 - ``ShardedLayout`` (FSDP): every rank writes and hashes its own shard files (model, optimizer),
   rank 0 the rest and one signed manifest over all of them, and every rank raises if any rank
-  failed. A validation's or the trial's last checkpoint also holds the whole base model, put
-  together from the shards (what the registry, attestations and exports read). Clean states are
-  not kept in memory: each checkpoint carries (hard links to) the earlier clean states' files,
-  checked against the signed manifest they came from; each rank verifies and reads only its own.
+  failed. No checkpoint holds the whole base model and no rank reads another's shards: a consumer
+  that needs the whole model puts it together from the verified shards, streaming, when it needs
+  it (``train.whole_file``). Clean states are not kept in memory: each checkpoint carries (hard
+  links to) the earlier clean states' files, checked against the signed manifest they came from;
+  each rank verifies and reads only its own.
 
 ``TrialRun`` (``train.state``) asks its layout and never tests the strategy.
 """
@@ -17,7 +18,6 @@ checkpoint, what it holds, how it is read back and where a rollback's clean stat
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,10 +27,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from govray.core.canonical import file_sha256
-from govray.governance.adapter_files import load_adapter, save_base_tensors
+from govray.governance.adapter_files import load_adapter
 from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
-    MODEL_FILE,
     OPTIMIZER_META,
     CheckpointError,
     LoadedCheckpoint,
@@ -44,7 +43,7 @@ from govray.train.checkpoint import (
 from govray.train.clean_states import clean_name, load_clean_states, save_clean_state
 from govray.train.ledger import Ledger
 from govray.train.run_checkpoints import fetch_part, fetch_referenced
-from govray.train.sharding import consolidated, load_shards, local_optimizer_state, write_shards
+from govray.train.sharding import load_shards, local_optimizer_state, write_shards
 from govray.train.worker import agreed
 
 if TYPE_CHECKING:
@@ -73,9 +72,7 @@ class WholeLayout:
         """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them."""
         seal(None)
 
-    def write_model(
-        self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any
-    ) -> dict[str, str] | None:
+    def write_model(self, run: TrialRun, directory: Path) -> dict[str, str] | None:
         """Rank 0, while sealing: the base model file, or (a frozen base) a reference to the
         run's base file (``train.base_file``); returns what the manifest refers to."""
         return run.base.save(run.governed.model, directory)
@@ -122,14 +119,11 @@ class ShardedLayout(WholeLayout):
         digests = self._save_shards(run, directory, steps_done)
         agreed(lambda: seal(digests), run.governed.worker, CheckpointError)
 
-    def write_model(
-        self, run: TrialRun, directory: Path, report: Mapping[str, Any], shards: Any
-    ) -> dict[str, str] | None:
-        if "objective" in report.get("metrics", {}) or report.get("ledger") is not None:
-            # A validation's or the trial's last checkpoint also holds the whole base model (what
-            # the registry, attestations and exports read), put together from the shard files.
-            self._consolidate(run, directory, shards)
-        return None  # (shard files are never referenced: each checkpoint holds its own)
+    def write_model(self, run: TrialRun, directory: Path) -> dict[str, str] | None:
+        """Nothing: every rank wrote its model shard (``save``), the whole model is put together
+        only by a consumer that needs it (``train.whole_file``), and shard files are never
+        referenced (each checkpoint holds its own)."""
+        return None
 
     def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
         """The clean states' shared files (the shards are carried by their ranks)."""
@@ -251,15 +245,3 @@ class ShardedLayout(WholeLayout):
                 f"{world} sharded workers: a governed run resumes on the world size it started with "
                 "(its schedule gives each worker its slots)"
             )
-
-    def _consolidate(self, run: TrialRun, directory: Path, shard_digests: Mapping[str, str]) -> None:
-        """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
-        other nodes fetched from the object storage), each checked against its rank's digest."""
-        world = run.governed.worker.world_size
-        for rank in range(world):
-            path = directory / shard_file("model", rank, world)
-            if run.storage is not None and not path.exists():
-                run.storage.fetch(path)
-            if rank != 0 and file_sha256(path) != shard_digests[path.name]:
-                raise CheckpointError(f"{path}: changed after its rank wrote it (sha256 differs)")
-        save_base_tensors(consolidated(directory, world), directory / MODEL_FILE)

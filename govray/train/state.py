@@ -155,7 +155,7 @@ class TrialRun:
         if key is None:
             return
         model = self.governed.model
-        referenced = self.layout.write_model(self, directory, report, shard_digests)
+        referenced = self.layout.write_model(self, directory)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
         self.layout.write_clean_states(self, directory, steps_done)
