@@ -108,6 +108,24 @@ def test_a_resume_from_the_hsdp_checkpoint_is_bit_identical(gloo_four: Any, sign
         assert torch.equal(uninterrupted[name], again[name]), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("written", "resumed", "refusal"),
+    [
+        ("hsdp", "fsdp", "sharded in groups of 2 worker(s), resumed in groups of every worker(s)"),
+        ("fsdp", "hsdp", "sharded in groups of every worker(s), resumed in groups of 2 worker(s)"),
+    ],
+)
+def test_a_checkpoint_sharded_in_other_groups_is_refused_on_every_rank(
+    gloo_four: Any, signing_spec: Any, written: str, resumed: str, refusal: str
+) -> None:
+    """The same world size, other parts of each tensor in each rank's file: refused, not read."""
+    answers = gloo_four(Task(hsdp(signing_spec), written, resume_at=2, resumed_as=(resumed, WORLD)))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status, message)
+        assert refusal in message, message
+
+
 @pytest.mark.parametrize(
     ("resources", "refusal"),
     [

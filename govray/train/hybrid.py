@@ -15,10 +15,13 @@ What differs is the clipping norm: each shard lives on one rank per replica grou
 first replica group's shards enter it (``ShardedGovernor.counts_its_shards``).
 
 Checkpoints: every rank writes (and verifies, and reads back) its own shard files, replicas
-included (``HybridLayout``). One replica group alone writing would store one copy, but then every
-other rank would read and verify another rank's files at each resume and rollback, over the
-network from another node; the layout and its checks stay FSDP's. The state records the shard
-group, and a resume under another one is refused.
+included: FSDP's ``ShardedLayout`` unchanged, each rank's shards in the files next to it. The
+price is a copy of the shards per replica group on storage. One replica group alone writing
+would store one copy, but every other rank would then read and verify another rank's files at
+each resume and rollback (from another node, through the object storage), and the layout's
+one-rank-one-file checks would change; with byte-range reads of any layout (a resharding
+resume) that becomes the better trade. The state records the shard group: a resume under
+another one, or under FSDP, is refused.
 """
 
 from __future__ import annotations
@@ -30,16 +33,10 @@ import torch.distributed as dist
 
 from govray.config.experiment import shard_group_refusal
 from govray.core.errors import ConfigError
-from govray.train.checkpoint import CheckpointError, LoadedCheckpoint
-from govray.train.layouts import ShardedLayout
 from govray.train.worker import Worker
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from torch.distributed.device_mesh import DeviceMesh
-
-    from govray.train.state import TrialRun
 
 
 def workers_per_node() -> int | None:
@@ -89,19 +86,3 @@ def hybrid_mesh(worker: Worker, shard_group: int) -> DeviceMesh:
 def first_replica(mesh: DeviceMesh) -> bool:
     """Whether this rank is in the first replica group (whose shards the clipping norm counts)."""
     return mesh.get_local_rank("replicate") == 0
-
-
-class HybridLayout(ShardedLayout):
-    """FSDP's checkpoints, written by every rank of every replica group; a checkpoint written
-    with another shard group is refused before any rank reads its shards."""
-
-    def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
-        loaded = super().load(run, directory)  # verified; the same world size
-        written = loaded.state.sharding.get("shard_group")
-        mine = run.governed.parallel.sharding().get("shard_group")
-        if written != mine:
-            raise CheckpointError(
-                f"{directory}: sharded in groups of {written or 'all'} worker(s), resumed in groups of "
-                f"{mine}: a governed run resumes on the layout it started with"
-            )
-        return loaded

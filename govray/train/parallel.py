@@ -47,7 +47,7 @@ from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
 from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
-from govray.train.hybrid import HybridLayout, first_replica, hybrid_mesh, shard_group_size
+from govray.train.hybrid import first_replica, hybrid_mesh, shard_group_size
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
@@ -239,8 +239,6 @@ class Sharded(Single):
 class Hybrid(Sharded):
     """HSDP (``train.hybrid``): FSDP2 within each shard group, the groups replicas of one another;
     FSDP's governor, its clipping norm counting one replica of each shard."""
-
-    layout: ClassVar[WholeLayout] = HybridLayout()
 
     def __init__(self, worker: Worker, shard_group: int | None) -> None:
         super().__init__(worker)
