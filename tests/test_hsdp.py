@@ -130,12 +130,13 @@ def test_a_checkpoint_sharded_in_other_groups_is_refused_on_every_rank(
     ("resources", "refusal"),
     [
         ({"workers": 4}, "strategy hsdp on CPUs needs resources.shard_group"),
+        ({"workers": 2, "use_gpu": True}, "it needs workers >= 4 .this run has 2.; use strategy fsdp"),
         ({"workers": 6, "shard_group": 4}, "6 workers do not split into shard groups of 4"),
         ({"workers": 4, "shard_group": 4}, "make one group, nothing to replicate across: use strategy fsdp"),
         ({"workers": 4, "shard_group": 1}, "shard_group"),
         ({"workers": 4, "shard_group": 2, "strategy": "fsdp"}, "resources.shard_group is for strategy hsdp"),
     ],
-    ids=["cpu-without-group", "not-a-multiple", "one-group", "group-of-one", "not-hsdp"],
+    ids=["cpu-without-group", "two-workers", "not-a-multiple", "one-group", "group-of-one", "not-hsdp"],
 )
 def test_hsdp_refuses_a_world_it_cannot_split(resources: dict[str, Any], refusal: str) -> None:
     raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())

@@ -97,6 +97,11 @@ class Resources(BaseModel):
             if self.shard_group is not None:
                 raise ValueError(f"resources.shard_group is for strategy hsdp (this one is {self.strategy})")
             return self
+        if self.workers < 4:
+            raise ValueError(
+                "strategy hsdp shards within groups of 2 or more workers and replicates across 2 or "
+                f"more groups: it needs workers >= 4 (this run has {self.workers}); use strategy fsdp"
+            )
         if self.shard_group is None:
             if not self.use_gpu:
                 raise ValueError(
@@ -262,8 +267,7 @@ class ExperimentConfig(BaseModel):
         if self.resources.strategy in sharded and self.training.precision == Precision.FP16:
             raise ValueError(
                 f"precision fp16 with strategy {self.resources.strategy}: use bf16 (FSDP2's mixed "
-                "precision, fp32 reduction); "
-                "fp16's per-route loss scales run under strategy ddp"
+                "precision, fp32 reduction); fp16's per-route loss scales run under strategy ddp"
             )
         return self
 

@@ -34,7 +34,7 @@ import contextlib
 import copy
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors.torch import load_file
@@ -61,6 +61,9 @@ from govray.train.sharding import (
     sharded_optimizer_state,
 )
 from govray.train.worker import Worker
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _on_host(value: Any, pinned: bool) -> Any:
@@ -243,7 +246,7 @@ class Hybrid(Sharded):
     def __init__(self, worker: Worker, shard_group: int | None) -> None:
         super().__init__(worker)
         self.configured = shard_group  # None: the workers per node, settled when sharding
-        self.mesh: Any = None
+        self.mesh: DeviceMesh | None = None  # (replicas, shard_group), made by ``shard``
 
     def shard(self, model: GovernedModel, units: Sequence[nn.Module], precision: Precision) -> None:
         self.mesh = hybrid_mesh(self.worker, shard_group_size(self.configured, self.worker))
@@ -255,11 +258,13 @@ class Hybrid(Sharded):
         named: Sequence[tuple[str, nn.Parameter]],
         allowed: Sequence[frozenset[str]],
     ) -> GradientGovernor:
+        assert self.mesh is not None, "sharded first"
         governor = ShardedGovernor(model, named, allowed, self.device)
         governor.counts_its_shards = first_replica(self.mesh)
         return governor
 
     def sharding(self) -> dict[str, Any]:
+        assert self.mesh is not None, "sharded first"
         return {"world_size": self.worker.world_size, "shard_group": self.mesh.size(1)}
 
 

@@ -92,7 +92,7 @@ class GovernedStep:
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
-        # How the workers hold the model (one, DDP, FSDP): asked, never a flag.
+        # How the workers hold the model (one, DDP, FSDP, HSDP): asked, never a flag.
         self.parallel = parallelism(spec.strategy, worker, settings.precision, spec.shard_group)
         self.autocast = Autocast(self.device, self.parallel.autocast_dtype(settings.precision))
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
