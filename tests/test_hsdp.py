@@ -4,7 +4,8 @@ running the golden run's governed step: its update equals the 4-rank FSDP update
 rounding: the sums run in another order; the per-route-group clipping norm counts each shard
 once), a tensor no slot may update stays bit-identical, removing the adapter's corpus leaves
 every base tensor bit-identical to the run with it (the replay without it), and a resume from
-its checkpoint is bit-identical. The configuration refuses what HSDP cannot split."""
+its checkpoint is bit-identical (each replica's shard files the same bytes as its twin's). The
+configuration refuses what HSDP cannot split."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 from govray.config.experiment import ExperimentConfig
-from govray.train.checkpoint import MODEL_FILE, shard_owner
+from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests import test_fsdp
 from tests.conftest import GoldenRun
@@ -97,13 +98,18 @@ def test_removing_the_adapter_is_the_replay_without_its_corpus_under_hsdp(
 
 @pytest.mark.slow
 def test_a_resume_from_the_hsdp_checkpoint_is_bit_identical(gloo_four: Any, signing_spec: Any) -> None:
-    """Every rank, replicas included, writes its own shards (and reads them back)."""
+    """Every rank, replicas included, writes its own shards (and reads them back); a replica's
+    files are its first group's twin's byte for byte (the replicas never drift apart)."""
     answers = gloo_four(Task(hsdp(signing_spec), "hsdp", resume_at=4))
     assert all(status == "ok" for status, _ in answers.values()), answers
     _, (uninterrupted, again) = answers[0]
     folder = Path(signing_spec.run_dir) / "checkpoint_00000004"
     assert {shard_owner(path.name) for path in folder.iterdir()} == {None, 0, 1, 2, 3}
     assert not (folder / MODEL_FILE).exists()
+    for kind in ("model", "optimizer"):
+        for rank in range(SHARD_GROUP, WORLD):
+            twin = folder / shard_file(kind, rank % SHARD_GROUP, WORLD)
+            assert (folder / shard_file(kind, rank, WORLD)).read_bytes() == twin.read_bytes(), (kind, rank)
     for name in uninterrupted:
         assert torch.equal(uninterrupted[name], again[name]), name
 
