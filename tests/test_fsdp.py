@@ -48,7 +48,7 @@ class Task:
     rollback: bool = False  # keep clean states, checkpoint, train on, roll back (``rolled_back``)
 
 
-def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
+def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int = WORLD) -> None:
     import torch.distributed as dist
 
     from govray.governance.allreduce import NonFiniteGradientError
@@ -58,7 +58,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     from govray.train.worker import Worker
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     while (task := tasks.get()) is not None:
         try:
             spec = RunSpec.model_validate_json(task.spec)

@@ -37,7 +37,9 @@ def plan(
 
     config = load_experiment(experiment)
     if config.resources.strategy != ParallelStrategy.DDP:
-        raise ConfigError(f"{experiment}: govray plan measures strategy ddp runs (this one is fsdp)")
+        raise ConfigError(
+            f"{experiment}: govray plan measures strategy ddp runs (this one is {config.resources.strategy})"
+        )
     hparams = config.default_hparams()
     settings = config.training.with_hyperparameters(hparams)
     trial = make_trial(config.trial, hparams, settings)

@@ -70,6 +70,9 @@ class ParallelStrategy(StrEnum):
 
     DDP = "ddp"  # a full copy of model, gradients and optimizer state per worker; governed allreduce
     FSDP = "fsdp"  # each worker holds a shard; governed reduce-scatter (govray.train.sharding)
+    # FSDP within groups of ``resources.shard_group`` workers, replicated across the groups
+    # (govray.train.hybrid): the all-gathers stay inside a group (a node), one all-reduce across.
+    HSDP = "hsdp"
 
 
 class Resources(BaseModel):
@@ -81,11 +84,34 @@ class Resources(BaseModel):
     # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     strategy: ParallelStrategy = ParallelStrategy.DDP
+    # strategy hsdp: the workers each shard group spans (the model is sharded within a group and
+    # replicated across groups). Unset: the workers on a node (its GPUs), which needs use_gpu; a
+    # CPU run names it, there being no GPUs per node to count.
+    shard_group: int | None = Field(default=None, ge=2)
 
     @model_validator(mode="after")
     def _sharding_needs_workers(self) -> Resources:
         if self.strategy == ParallelStrategy.FSDP and self.workers < 2:
             raise ValueError("strategy fsdp shards the model across workers: it needs workers >= 2")
+        if self.strategy != ParallelStrategy.HSDP:
+            if self.shard_group is not None:
+                raise ValueError(f"resources.shard_group is for strategy hsdp (this one is {self.strategy})")
+            return self
+        if self.workers < 4:
+            raise ValueError(
+                "strategy hsdp shards within groups of 2 or more workers and replicates across 2 or "
+                f"more groups: it needs workers >= 4 (this run has {self.workers}); use strategy fsdp"
+            )
+        if self.shard_group is None:
+            if not self.use_gpu:
+                raise ValueError(
+                    "strategy hsdp on CPUs needs resources.shard_group (the workers each shard group "
+                    "spans): it defaults to the GPUs per node only under use_gpu"
+                )
+            return self  # the workers per node, checked by the workers (train.hybrid.shard_group_size)
+        refusal = shard_group_refusal(self.workers, self.shard_group)
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
 
     @model_serializer(mode="wrap")
@@ -95,7 +121,25 @@ class Resources(BaseModel):
         dumped: dict[str, Any] = handler(self)
         if self.strategy == ParallelStrategy.DDP:
             dumped.pop("strategy", None)
+        if self.shard_group is None:
+            dumped.pop("shard_group", None)
         return dumped
+
+
+def shard_group_refusal(workers: int, shard_group: int) -> str | None:
+    """Why ``workers`` do not split into two or more whole shard groups of ``shard_group``
+    (strategy hsdp), or None when they do."""
+    if workers % shard_group:
+        return (
+            f"strategy hsdp: {workers} workers do not split into shard groups of {shard_group} "
+            "(workers must be a multiple of resources.shard_group)"
+        )
+    if workers // shard_group < 2:
+        return (
+            f"strategy hsdp: {workers} workers in shard groups of {shard_group} make one group, "
+            "nothing to replicate across: use strategy fsdp (or more workers)"
+        )
+    return None
 
 
 class MlflowConfig(BaseModel):
@@ -219,10 +263,11 @@ class ExperimentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _fsdp_precision(self) -> ExperimentConfig:
-        if self.resources.strategy == ParallelStrategy.FSDP and self.training.precision == Precision.FP16:
+        sharded = (ParallelStrategy.FSDP, ParallelStrategy.HSDP)
+        if self.resources.strategy in sharded and self.training.precision == Precision.FP16:
             raise ValueError(
-                "precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision, fp32 reduction); "
-                "fp16's per-route loss scales run under strategy ddp"
+                f"precision fp16 with strategy {self.resources.strategy}: use bf16 (FSDP2's mixed "
+                "precision, fp32 reduction); fp16's per-route loss scales run under strategy ddp"
             )
         return self
 

@@ -163,6 +163,7 @@ def plan_run(
         threads=default_threads(config.resources.cpus_per_worker),
         use_gpu=config.resources.use_gpu,
         strategy=config.resources.strategy,
+        shard_group=config.resources.shard_group,
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
         checkpoint_period=config.checkpoint.period,

@@ -143,6 +143,7 @@ class ShardedLayout(WholeLayout):
             lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
         )
         self._refuse_other_world(run, directory, loaded.state.sharding.get("world_size"))  # now verified
+        self._refuse_other_groups(run, directory, loaded.state.sharding.get("shard_group"))
         return loaded
 
     def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
@@ -244,4 +245,14 @@ class ShardedLayout(WholeLayout):
                 f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
                 f"{world} sharded workers: a governed run resumes on the world size it started with "
                 "(its schedule gives each worker its slots)"
+            )
+
+    def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
+        """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one
+        group of every rank): its files hold other parts of each tensor."""
+        groups = run.governed.parallel.sharding().get("shard_group")
+        if written_by != groups:
+            raise CheckpointError(
+                f"{directory}: sharded in groups of {written_by or 'every'} worker(s), resumed in groups "
+                f"of {groups or 'every'} worker(s): a governed run resumes on the layout it started with"
             )

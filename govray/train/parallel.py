@@ -11,6 +11,8 @@ never test a flag (torchtitan's ``ParallelDims`` + ``parallelize`` idea):
 - ``Sharded`` (FSDP2): each rank holds a shard of every base tensor (``train.sharding``); its
   checkpoints are shard files written and verified by every rank, and its clean states live in
   checkpoints, not in memory.
+- ``Hybrid`` (HSDP, ``train.hybrid``): ``Sharded`` within each shard group, the groups replicas
+  of one another (a 2-D device mesh).
 
 Each twin owns what differs: wrapping, ``no_sync``, the reduction after backward, optimizer
 groups, rollback snapshots, weight and optimizer-state loading, and the checkpoint layout.
@@ -32,7 +34,7 @@ import contextlib
 import copy
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors.torch import load_file
@@ -45,6 +47,7 @@ from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
 from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
+from govray.train.hybrid import first_replica, hybrid_mesh, shard_group_size
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
@@ -58,6 +61,9 @@ from govray.train.sharding import (
     sharded_optimizer_state,
 )
 from govray.train.worker import Worker
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _on_host(value: Any, pinned: bool) -> Any:
@@ -233,14 +239,49 @@ class Sharded(Single):
         return {"world_size": self.worker.world_size}
 
 
-def parallelism(strategy: ParallelStrategy, worker: Worker, precision: Precision | None = None) -> Single:
-    """The twin for ``resources.strategy`` on ``worker``'s world (refusing what cannot run)."""
-    if strategy == ParallelStrategy.FSDP:
+class Hybrid(Sharded):
+    """HSDP (``train.hybrid``): FSDP2 within each shard group, the groups replicas of one another;
+    FSDP's governor, its clipping norm counting one replica of each shard."""
+
+    def __init__(self, worker: Worker, shard_group: int | None) -> None:
+        super().__init__(worker)
+        self.configured = shard_group  # None: the workers per node, settled when sharding
+        self.mesh: DeviceMesh | None = None  # (replicas, shard_group), made by ``shard``
+
+    def shard(self, model: GovernedModel, units: Sequence[nn.Module], precision: Precision) -> None:
+        self.mesh = hybrid_mesh(self.worker, shard_group_size(self.configured, self.worker))
+        shard_model(model, units, precision, self.device, self.mesh)
+
+    def governor(
+        self,
+        model: GovernedModel,
+        named: Sequence[tuple[str, nn.Parameter]],
+        allowed: Sequence[frozenset[str]],
+    ) -> GradientGovernor:
+        assert self.mesh is not None, "sharded first"
+        governor = ShardedGovernor(model, named, allowed, self.device)
+        governor.counts_its_shards = first_replica(self.mesh)
+        return governor
+
+    def sharding(self) -> dict[str, Any]:
+        assert self.mesh is not None, "sharded first"
+        return {"world_size": self.worker.world_size, "shard_group": self.mesh.size(1)}
+
+
+def parallelism(
+    strategy: ParallelStrategy,
+    worker: Worker,
+    precision: Precision | None = None,
+    shard_group: int | None = None,
+) -> Single:
+    """The twin for ``resources.strategy`` on ``worker``'s world (refusing what cannot run);
+    ``shard_group``: ``resources.shard_group`` (strategy hsdp)."""
+    if strategy in (ParallelStrategy.FSDP, ParallelStrategy.HSDP):
         if not worker.distributed:
-            raise ConfigError("strategy fsdp shards the model across workers: it needs workers >= 2")
+            raise ConfigError(f"strategy {strategy} shards the model across workers: it needs workers >= 2")
         if precision == Precision.FP16:
-            raise ConfigError("precision fp16 with strategy fsdp: use bf16 (FSDP2's mixed precision)")
-        return Sharded(worker)
+            raise ConfigError(f"precision fp16 with strategy {strategy}: use bf16 (FSDP2's mixed precision)")
+        return Sharded(worker) if strategy == ParallelStrategy.FSDP else Hybrid(worker, shard_group)
     return Replicated(worker) if worker.distributed else Single(worker)
 
 

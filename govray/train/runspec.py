@@ -63,6 +63,7 @@ class RunSpec(BaseModel):
     strategy: ParallelStrategy = (
         ParallelStrategy.DDP
     )  # resources.strategy: a full model per worker, or FSDP2 shards
+    shard_group: int | None = None  # resources.shard_group (strategy hsdp; None: workers per node)
     excluded_corpora: tuple[str, ...] = ()
     # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
     # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (plan_run).

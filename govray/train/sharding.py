@@ -49,6 +49,7 @@ from govray.governance.allreduce import GradientGovernor
 from govray.train.checkpoint import CheckpointError, shard_file, split_optimizer_state
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
 _NONE = torch.iinfo(torch.int64).max  # "no flagged step" while all-reducing the first flagged steps
@@ -77,14 +78,20 @@ def layer_units(base: nn.Module, names: Sequence[str] | None) -> list[nn.Module]
 
 
 def shard_model(
-    model: GovernedModel, units: Sequence[nn.Module], precision: Precision, device: torch.device
+    model: GovernedModel,
+    units: Sequence[nn.Module],
+    precision: Precision,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
 ) -> None:
     """``fully_shard`` each unit, then the root, with adapter tensors left whole; gradients are
-    summed by the reduce-scatter (the governor divides by the counts)."""
+    summed by the reduce-scatter (the governor divides by the counts). ``mesh``: every rank in
+    one shard group (default), or HSDP's 2-D mesh (``train.hybrid``), whose all-reduce across
+    the groups sums too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == Precision.BF16
@@ -154,6 +161,9 @@ class ShardedGovernor(GradientGovernor):
     ) -> None:
         super().__init__(named_parameters, allowed_routes)
         self.rank = dist.get_rank()
+        # Whether this rank's shards enter the clipping norm: under HSDP only the first replica
+        # group's do (the other groups hold the same shards).
+        self.counts_its_shards = True
         self._replicated = [
             index for index, parameter in enumerate(self.parameters) if not is_sharded(parameter)
         ]
@@ -205,12 +215,12 @@ class ShardedGovernor(GradientGovernor):
 
     def _clip_groups(self, groups: Sequence[int], max_grad_norm: float) -> None:
         """Per route group, from one all-reduce of every group's squared norm: a shard's square
-        counted on its rank, a whole tensor's on rank 0 only."""
+        counted on its rank (one replica of it under HSDP), a whole tensor's on rank 0 only."""
         members = [
             [
                 local(p.grad)
                 for p in self._members[group]
-                if p.grad is not None and (is_sharded(p) or self.rank == 0)
+                if p.grad is not None and (self.counts_its_shards if is_sharded(p) else self.rank == 0)
             ]
             for group in groups
         ]

@@ -92,8 +92,8 @@ class GovernedStep:
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
-        # How the workers hold the model (one, DDP, FSDP): asked, never a flag.
-        self.parallel = parallelism(spec.strategy, worker, settings.precision)
+        # How the workers hold the model (one, DDP, FSDP, HSDP): asked, never a flag.
+        self.parallel = parallelism(spec.strategy, worker, settings.precision, spec.shard_group)
         self.autocast = Autocast(self.device, self.parallel.autocast_dtype(settings.precision))
         torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
         base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init

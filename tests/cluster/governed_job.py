@@ -22,9 +22,17 @@ MODEL_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.s
 _RANK_NODE = re.compile(r"rank (\d+) of \d+ on Ray node ([0-9a-f]+):")
 
 
-def digits_experiment(root: Path, *, steps: int, placement: str = "PACK", workers: int = 2) -> Path:
+def digits_experiment(
+    root: Path,
+    *,
+    steps: int,
+    placement: str = "PACK",
+    workers: int = 2,
+    sharding: dict[str, Any] | None = None,
+) -> Path:
     """The digits example (three credentialed corpora, the signed policy with its PII adapter) in
-    ``root``: ``workers`` CPU workers placed by ``placement``, ``steps`` steps, a validation (and a
+    ``root``: ``workers`` CPU workers placed by ``placement`` (and holding the model as
+    ``sharding`` says: ``strategy``, ``shard_group``), ``steps`` steps, a validation (and a
     metric-driven LR decision) and a checkpoint every 5 steps."""
     shutil.copytree(REPO / "jobs" / "examples" / "digits" / "data", root / "data")
     shutil.copytree(REPO / "policies", root / "policies")
@@ -32,7 +40,12 @@ def digits_experiment(root: Path, *, steps: int, placement: str = "PACK", worker
     raw["policy"] = {"file": "policies/digits.policy.yaml", "trust": "policies/trust.yaml"}
     raw["storage_path"] = "storage"
     raw["hyperparameters"] = GOLDEN_HPARAMS  # dropout and per-route clipping in play
-    raw["resources"] = {"workers": workers, "cpus_per_worker": 1, "placement_strategy": placement}
+    raw["resources"] = {
+        "workers": workers,
+        "cpus_per_worker": 1,
+        "placement_strategy": placement,
+        **(sharding or {}),
+    }
     raw["searcher"] = {"name": "single", "max_length": {"batches": steps}}
     raw["checkpoint"] = {"period": 5}
     raw["min_validation_period"] = 5

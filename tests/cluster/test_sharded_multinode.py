@@ -1,0 +1,72 @@
+"""Governed FSDP and HSDP runs whose workers span two Ray nodes on this machine (CPU gloo): FSDP
+with one worker per node, HSDP with a shard group per node (2 x 2). Each run completes, every rank
+wrote its own shards into each signed checkpoint, and the last one verifies and holds the whole
+model put together from them: `python -m pytest -m cluster tests/cluster/test_sharded_multinode.py`.
+(That HSDP's update equals FSDP's and keeps every exactness promise is ``tests/test_hsdp.py``.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from govray.core.keys import platform_key, platform_trust
+from govray.train.checkpoint import MODEL_FILE, STATE_FILE, shard_owner, verify_checkpoint
+from tests.cluster.governed_job import digits_experiment, finished_run
+from tests.cluster.local_ray import LocalRayCluster
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[LocalRayCluster]:
+    """A head and a second node of 2 CPUs each: 2 workers fit on each."""
+    cluster = LocalRayCluster()
+    try:
+        cluster.start_head(num_cpus=2)
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes(2)
+        yield cluster
+    finally:
+        cluster.stop()
+        assert cluster.leftover_processes() == []
+
+
+@pytest.mark.parametrize(
+    ("workers", "placement", "sharding", "groups"),
+    [
+        (2, "STRICT_SPREAD", {"strategy": "fsdp"}, [[0], [1]]),
+        (4, "SPREAD", {"strategy": "hsdp", "shard_group": 2}, [[0, 1], [2, 3]]),
+    ],
+    ids=["fsdp", "hsdp"],
+)
+def test_a_sharded_run_across_two_nodes_completes_with_every_ranks_shards_signed(
+    two_nodes: LocalRayCluster,
+    tmp_path: Path,
+    workers: int,
+    placement: str,
+    sharding: dict[str, Any],
+    groups: list[list[int]],
+) -> None:
+    experiment = digits_experiment(
+        tmp_path, steps=STEPS, placement=placement, workers=workers, sharding=sharding
+    )
+    job = two_nodes.govray("run", str(experiment))
+    assert job.returncode == 0, job.stdout + job.stderr
+    run = finished_run(experiment)
+    assert run.trial.state == "completed"
+    assert set(run.worker_nodes) == set(range(workers))
+    on_node = [{run.worker_nodes[rank] for rank in ranks} for ranks in groups]
+    assert all(len(nodes) == 1 for nodes in on_node), run.worker_nodes  # a group within a node
+    assert len(set().union(*on_node)) == 2, "the workers span both nodes"
+    folder = run.final_checkpoint
+    assert {shard_owner(path.name) for path in folder.iterdir()} == {None, *range(workers)}
+    assert (folder / MODEL_FILE).exists()
+    sharded = json.loads((folder / STATE_FILE).read_text())["sharding"]
+    assert sharded == {"world_size": workers, **({"shard_group": 2} if "shard_group" in sharding else {})}
+    verify_checkpoint(folder, platform_trust(platform_key()))  # every file, every rank's shards
