@@ -44,12 +44,12 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
+from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, model_file, shard_file
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
+from govray.train.reshard import listed_files, load_model_part
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
     ShardedGovernor,
-    consolidated,
     gradient_sync,
     load_shards,
     load_whole,
@@ -136,7 +136,10 @@ class Single:
         """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
         checkpoint's shards put together."""
         world = checkpoint_world_size(directory)
-        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
+        if world is not None:  # FSDP -> DDP: every tensor whole, read by verified ranges
+            load_model_part(model, directory, listed_files(directory), world)
+            return
+        whole = load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -217,14 +220,16 @@ class Sharded(Single):
         return Snapshot(steps_done, {}, {}, ledger, on_storage=True)
 
     def load_base(self, model: GovernedModel, directory: Path) -> None:
-        """A rank reads its own shard file; a checkpoint sharded otherwise, or not at all (a
-        fork's source), is read whole and each rank keeps its part."""
+        """A rank reads its own shard file; of a checkpoint sharded otherwise, or not at all
+        (DDP, a fork's source), each rank reads only its rows, by verified ranges. (A base file
+        referred to by digest, a frozen base, is read whole and each rank keeps its part.)"""
         world, rank, ranks = checkpoint_world_size(directory), self.worker.rank, self.worker.world_size
         if world == ranks:
             load_shards(model, directory / shard_file("model", rank, ranks))
-            return
-        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
-        load_whole(model, whole, directory)
+        elif world is not None or model_file(directory) == directory / MODEL_FILE:
+            load_model_part(model, directory, listed_files(directory), world)
+        else:
+            load_whole(model, load_file(str(model_file(directory))), directory)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return sharded_optimizer_state(optimizer, state)
