@@ -139,7 +139,7 @@ def test_a_flipped_byte_in_a_block_a_rank_reads_is_refused_naming_the_file(
     flip(tampered, tampered.stat().st_size - 10)
     shape = tuple(model_tensors()["embed.weight"].shape)
     reader = CheckpointTensors(directory, files, "model", SOURCE_WORLD)
-    with pytest.raises(CheckpointError, match=rf"{tampered}: block \d+ does not match its signed block digest"):
+    with pytest.raises(CheckpointError, match=rf"{tampered}: block \d+ does not match"):
         for name, tensor in model_tensors().items():  # the tail of the file holds norm.weight
             reader.part(name, tuple(tensor.shape), *fsdp_rows(0, 2, tensor.shape[0]))
     other = CheckpointTensors(directory, files, "model", SOURCE_WORLD)
