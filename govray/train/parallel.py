@@ -44,7 +44,7 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import MODEL_FILE, checkpoint_world_size, model_file, shard_file
+from govray.train.checkpoint import MODEL_FILE, CheckpointError, checkpoint_world_size, model_file, shard_file
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.reshard import listed_files, load_model_part
 from govray.train.scaling import LossScaler
@@ -57,7 +57,7 @@ from govray.train.sharding import (
     shard_model,
     sharded_optimizer_state,
 )
-from govray.train.worker import Worker
+from govray.train.worker import Worker, agreed
 
 
 def _on_host(value: Any, pinned: bool) -> Any:
@@ -137,10 +137,16 @@ class Single:
         checkpoint's shards put together."""
         world = checkpoint_world_size(directory)
         if world is not None:  # FSDP -> DDP: every tensor whole, read by verified ranges
-            load_model_part(model, directory, listed_files(directory), world)
+            self._load_part(model, directory, world)
             return
         whole = load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
+
+    def _load_part(self, model: GovernedModel, directory: Path, world: int | None) -> None:
+        """This rank's part of the base tensors by verified ranges, every rank refusing if one
+        read a tampered block (naming the file)."""
+        files = listed_files(directory)
+        agreed(lambda: load_model_part(model, directory, files, world), self.worker, CheckpointError)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state as read from a checkpoint, ready for ``load_state_dict``."""
@@ -227,7 +233,7 @@ class Sharded(Single):
         if world == ranks:
             load_shards(model, directory / shard_file("model", rank, ranks))
         elif world is not None or model_file(directory) == directory / MODEL_FILE:
-            load_model_part(model, directory, listed_files(directory), world)
+            self._load_part(model, directory, world)
         else:
             load_whole(model, load_file(str(model_file(directory))), directory)
 
