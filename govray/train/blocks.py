@@ -39,8 +39,10 @@ def blocks_name(name: str) -> str:
     return name + BLOCKS_SUFFIX
 
 
-def file_digests(path: Path, block_size: int = BLOCK_SIZE) -> tuple[str, BlockDigests]:
-    """A file's sha256 and its block digests, in one pass over it."""
+def file_digests(path: Path, block_size: int | None = None) -> tuple[str, BlockDigests]:
+    """A file's sha256 and its block digests (``block_size``, by default ``BLOCK_SIZE``), in one
+    pass over it."""
+    block_size = block_size or BLOCK_SIZE
     whole = hashlib.sha256()
     blocks: list[str] = []
     size = 0
@@ -52,7 +54,7 @@ def file_digests(path: Path, block_size: int = BLOCK_SIZE) -> tuple[str, BlockDi
     return whole.hexdigest(), BlockDigests(block_size=block_size, size=size, blocks=blocks)
 
 
-def write_blocks(path: Path, block_size: int = BLOCK_SIZE) -> dict[str, str]:
+def write_blocks(path: Path, block_size: int | None = None) -> dict[str, str]:
     """Hash ``path`` and write its block digests beside it; returns the sha256 of both files by
     name (what the signed manifest lists)."""
     digest, blocks = file_digests(path, block_size)
