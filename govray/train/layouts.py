@@ -124,7 +124,7 @@ class WholeLayout:
         """A run continues its schedule exactly only on the world size it ran on: its schedule
         gives step s, rank r the batch s * W + r (``data.slots``). A checkpoint of another world
         size loads (``train.reshard``), but resuming a run on it is refused until the schedule's
-        slots no longer depend on W (DESIGN.md, elastic semantics)."""
+        slots no longer depend on W (a step's global slots split among however many ranks there are)."""
         world = run.governed.worker.world_size
         if written_by != world:
             kind = " sharded" if run.layout.every_rank_writes else ""
