@@ -170,8 +170,8 @@ def test_a_four_rank_checkpoint_loads_on_another_world_size_exactly_and_by_range
         assert status == "ok", (rank, payload)
         mismatches, read, share = payload
         assert not mismatches, (rank, mismatches)
-        # Its share, plus per file (4 model, 4 optimizer) a header block and a block at each end
-        # of each of its 5 tensors' ranges: never the whole checkpoint.
+        # Its share, plus per file (4 model, 4 optimizer) its header (< a block) and a block at
+        # each end of each of its 5 tensors' ranges: never the whole checkpoint.
         assert share <= read <= share + 2 * SOURCE_WORLD * BLOCK * (1 + 2 * 5), (rank, read, share)
         assert read < total / world + total / 4, (rank, read, total)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BLOCK_SIZE = 4 << 20  # 4 MiB: the overhead of a ranged read is at most one block at each end
+BLOCK_SIZE = 1 << 20  # 1 MiB: a ranged read costs at most one more block at each end
 BLOCKS_SUFFIX = ".blocks.json"
 
 
@@ -32,6 +32,9 @@ class BlockDigests(BaseModel):
     block_size: int = Field(gt=0)
     size: int = Field(ge=0)
     blocks: list[str]
+    # sha256 of the safetensors header (its 8-byte length and the JSON): a rank that needs only
+    # the header (which tensors a file holds, where) reads it, not a whole block
+    header: str | None = None
 
 
 def blocks_name(name: str) -> str:
@@ -51,7 +54,19 @@ def file_digests(path: Path, block_size: int | None = None) -> tuple[str, BlockD
             whole.update(block)
             blocks.append(hashlib.sha256(block).hexdigest())
             size += len(block)
-    return whole.hexdigest(), BlockDigests(block_size=block_size, size=size, blocks=blocks)
+    return whole.hexdigest(), BlockDigests(
+        block_size=block_size, size=size, blocks=blocks, header=_header_digest(path, size)
+    )
+
+
+def _header_digest(path: Path, size: int) -> str | None:
+    """sha256 of a safetensors file's header (None: not one)."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
+        if 8 + length > size:
+            return None
+        return hashlib.sha256(prefix + handle.read(length)).hexdigest()
 
 
 def write_blocks(path: Path, block_size: int | None = None) -> dict[str, str]:

@@ -100,15 +100,30 @@ class VerifiedFile:
     def header(self) -> tuple[int, dict[str, Any]]:
         """(where the tensor data begins, the safetensors header), verified."""
         if self._header is None:
-            (length,) = struct.unpack("<Q", self.read(0, 8))
+            signed = self.blocks.header if self.blocks is not None else None
+            read = self._read_signed_header if signed is not None else self.read
+            (length,) = struct.unpack("<Q", read(0, 8))
             if length > _HEADER_LIMIT:
                 raise CheckpointError(f"{self.path}: a header of {length} bytes (not a safetensors file)")
             try:
-                header = json.loads(self.read(8, 8 + length))
+                header = json.loads(read(8, 8 + length))
             except ValueError:
                 raise CheckpointError(f"{self.path}: unreadable safetensors header") from None
             self._header = (8 + length, header)
         return self._header
+
+    def _read_signed_header(self, start: int, stop: int) -> bytes:
+        """Bytes of the header (``[0, 8)``: its length, then ``[8, 8 + length)``), checked
+        against its own signed digest as a whole: a rank reads no block only for a header."""
+        with open(self.path, "rb") as handle:
+            prefix = handle.read(8)
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+            data = prefix + handle.read(min(length, _HEADER_LIMIT))
+        self.bytes_read += len(data)
+        assert self.blocks is not None
+        if hashlib.sha256(data).hexdigest() != self.blocks.header:
+            raise CheckpointError(f"{self.path}: its header does not match its signed digest (tampered)")
+        return data[start:stop]
 
     def metadata(self) -> dict[str, str]:
         """The file's ``__metadata__`` (its writer's notes: a shard's placement)."""
