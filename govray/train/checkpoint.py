@@ -16,6 +16,9 @@ A checkpoint is a directory::
     clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
                                  under a memorization rollback policy, the last clean state when
                                  it is an earlier step (what a rollback after a resume restores)
+    NAME.blocks.json             beside each model and optimizer tensor file (whole or shard):
+                                 sha256 of each 1 MiB block of it and of its header
+                                 (``train.blocks``), what a rank reading byte ranges verifies
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
