@@ -118,6 +118,12 @@ class WholeLayout:
             CheckpointError,
         )
         self._refuse_other_world(run, directory, loaded.state.schedule.get("world_size"))
+        earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
+        if earlier:
+            raise CheckpointError(
+                f"{directory}: carries the clean states of steps {earlier} in its own layout's files: "
+                "a run under another strategy cannot roll back to them (resume it as it was written)"
+            )
         return loaded
 
     def _refuse_other_world(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
