@@ -97,7 +97,22 @@ class WholeLayout:
         fetch_referenced(directory, run.storage)
         if checkpoint_world_size(directory) is None:  # (unverified: what is loaded is verified)
             return load_checkpoint(directory, run.spec.trust)
+        agreed(lambda: self._fits_world(run, directory), run.governed.worker, CheckpointError)
         return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads it all
+
+    def _fits_world(self, run: TrialRun, directory: Path) -> int | None:
+        """The world size a checkpoint is sharded over (None: unsharded), a run of another world
+        size refused before any rank reads its tensors (read unverified from its state: a refusal
+        only; what is loaded is verified)."""
+        worker = run.governed.worker
+        fetch_part(directory, run.storage, worker.rank)
+        try:
+            state = json.loads((directory / STATE_FILE).read_text())
+            sharded = checkpoint_world_size(directory)
+        except (OSError, ValueError):
+            return worker.world_size  # unreadable: the verified load refuses it, naming the file
+        self._refuse_other_world(run, directory, state.get("schedule", {}).get("world_size", sharded))
+        return sharded
 
     def _load_other_layout(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
@@ -274,20 +289,6 @@ class ShardedLayout(WholeLayout):
         gathered: list[Any] = [None] * worker.world_size
         dist.all_gather_object(gathered, written, group=worker.host_group)
         return {name: digest for part in gathered for name, digest in part.items()}
-
-    def _fits_world(self, run: TrialRun, directory: Path) -> int | None:
-        """The world size a checkpoint is sharded over (None: unsharded), a run of another world
-        size refused before any rank reads its tensors (read unverified from its state: a refusal
-        only; what is loaded is verified)."""
-        worker = run.governed.worker
-        fetch_part(directory, run.storage, worker.rank)
-        try:
-            state = json.loads((directory / STATE_FILE).read_text())
-            sharded = checkpoint_world_size(directory)
-        except (OSError, ValueError):
-            return worker.world_size  # unreadable: the verified load refuses it, naming the file
-        self._refuse_other_world(run, directory, state.get("schedule", {}).get("world_size", sharded))
-        return sharded
 
     def _consolidate(self, run: TrialRun, directory: Path, shard_digests: Mapping[str, str]) -> None:
         """Rank 0: ``model.safetensors`` from every rank's model shard file (those written on
