@@ -114,6 +114,7 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
     for step in range(task.resume_at):
         first.governed.step(step)
     first.save(folder, task.resume_at, key, {"step": task.resume_at})
+    saved = whole(first.governed.model), whole_optimizer(first.governed)
     for step in range(task.resume_at, STEPS):
         first.governed.step(step)
     uninterrupted = whole(first.governed.model)
@@ -133,10 +134,12 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         start = second.restore(folder)
     except CheckpointError as error:
         return "refused", str(error)
+    loaded = whole(second.governed.model), whole_optimizer(second.governed)
     for step in range(start, STEPS):
         second.governed.step(step)
     again = whole(second.governed.model)
-    return "ok", (uninterrupted, again) if rank == 0 else None
+    ledgers = first.governed.ledger.to_json(), second.governed.ledger.to_json()
+    return "ok", (uninterrupted, again, saved, loaded, ledgers) if rank == 0 else None
 
 
 def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, Any]:
@@ -227,6 +230,22 @@ def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def whole_optimizer(governed: Any) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor whole, by its parameter's name (every rank calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): name for name, p in governed.model.named_parameters()}
+    return {
+        f"{names[id(p)]}.{key}": (value.full_tensor() if isinstance(value, DTensor) else value)
+        .detach()
+        .clone()
+        for group in governed.optimizer.param_groups
+        for p in group["params"]
+        for key, value in governed.optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 @pytest.fixture(scope="module")
 def gloo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with persistent_group(rank_main, tmp_path_factory.mktemp("fsdp"), WORLD, timeout=240) as run:
@@ -295,7 +314,7 @@ def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(
 ) -> None:
     answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=4))
     assert answers[1][0] == "ok", answers[1]
-    status, (uninterrupted, again) = answers[0]
+    status, (uninterrupted, again, *_) = answers[0]
     assert status == "ok"
     folder = Path(signing_spec.run_dir) / "checkpoint_00000004"
     assert {shard_owner(path.name) for path in folder.iterdir()} == {None, 0, 1}, "each rank wrote its shards"
@@ -310,7 +329,12 @@ def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(
 @pytest.mark.parametrize(
     "name",
     [shard_file(kind, rank, WORLD) for kind in ("model", "optimizer") for rank in range(WORLD)]
-    + ["adapter-pii-lora.safetensors", "optimizer.json", "state.json"],
+    + [
+        "adapter-pii-lora.safetensors",
+        "optimizer.json",
+        "state.json",
+        shard_file("model", 1, WORLD) + ".blocks.json",
+    ],
 )
 def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_on_every_rank_naming_it(
     gloo_pair: Any, signing_spec: Any, name: str
@@ -330,17 +354,67 @@ def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_on_every_
             ("fsdp", 3),
             "written by 2 worker(s), resumed by 3 sharded workers: a governed run resumes on the world",
         ),
-        (("ddp", 2), "sharded over 2 ranks (strategy fsdp); this run is not sharded"),
+        (("ddp", 3), "written by 2 worker(s), resumed by 3 workers: a governed run resumes on the world"),
     ],
-    ids=["another-world-size", "unsharded"],
+    ids=["another-world-size", "unsharded-another-world-size"],
 )
-def test_a_sharded_checkpoint_resumes_only_on_its_own_world_size_and_strategy(
+def test_a_sharded_checkpoint_resumes_only_on_its_own_world_size(
     gloo_pair: Any, signing_spec: Any, resumed_as: tuple[str, int], refusal: str
 ) -> None:
     answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=2, resumed_as=resumed_as))
     for rank, (status, message) in answers.items():
         assert status == "refused", (rank, status, message)
         assert refusal in message, message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "resumed_as"), [("ddp", "fsdp"), ("fsdp", "ddp")], ids=["ddp-to-fsdp", "fsdp-to-ddp"]
+)
+def test_a_checkpoint_of_the_other_strategy_resumes_with_its_exact_state(
+    gloo_pair: Any, signing_spec: Any, strategy: str, resumed_as: str
+) -> None:
+    """DDP -> FSDP and FSDP -> DDP on the same world size (the schedule unchanged): each rank
+    reads its rows by verified ranges; the resumed weights and optimizer state (exp_avg,
+    exp_avg_sq, step) are the checkpointed ones bit for bit, the ledger continues exactly, and
+    the weights trained on equal the uninterrupted run's within the DDP/FSDP rounding (the
+    allreduce and the reduce-scatter sum in another order)."""
+    task = Task(signing_spec.model_dump_json(), strategy, resume_at=4, resumed_as=(resumed_as, WORLD))
+    answers = gloo_pair(task)
+    assert answers[1][0] == "ok", answers[1]
+    status, (uninterrupted, again, saved, loaded, (ledger, resumed_ledger)) = answers[0]
+    assert status == "ok", answers[0]
+    for at_save, at_load in zip(saved, loaded, strict=True):
+        assert at_save.keys() == at_load.keys() and at_save
+        for name in at_save:
+            assert torch.equal(at_save[name], at_load[name]), name
+    assert any(name.endswith(".exp_avg_sq") for name in saved[1])
+    assert resumed_ledger == ledger
+    for name in uninterrupted:
+        torch.testing.assert_close(again[name], uninterrupted[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "resumed_as", "name"),
+    [
+        ("ddp", "fsdp", MODEL_FILE),
+        ("ddp", "fsdp", "optimizer.safetensors"),
+        ("fsdp", "ddp", shard_file("model", 1, WORLD)),
+        ("fsdp", "ddp", shard_file("optimizer", 0, WORLD)),
+    ],
+)
+def test_a_flipped_byte_in_a_range_a_rank_reads_is_refused_on_every_rank_naming_the_file(
+    gloo_pair: Any, signing_spec: Any, strategy: str, resumed_as: str, name: str
+) -> None:
+    """Read by ranges (another strategy): the block holding the byte fails its signed digest on
+    the rank that reads it, and every rank refuses with that rank's message."""
+    task = Task(
+        signing_spec.model_dump_json(), strategy, resume_at=2, tamper=name, resumed_as=(resumed_as, WORLD)
+    )
+    for rank, (status, message) in gloo_pair(task).items():
+        assert status == "refused", (rank, status, message)
+        assert re.search(
+            rf"{name}: block \d+ does not match its signed block digest \(tampered\)", message
+        ), message
 
 
 def test_an_fsdp_rollback_restores_the_clean_state_from_storage(gloo_pair: Any, signing_spec: Any) -> None:

@@ -16,6 +16,9 @@ A checkpoint is a directory::
     clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
                                  under a memorization rollback policy, the last clean state when
                                  it is an earlier step (what a rollback after a resume restores)
+    NAME.blocks.json             beside each model and optimizer tensor file (whole or shard):
+                                 sha256 of each 1 MiB block of it and of its header
+                                 (``train.blocks``), what a rank reading byte ranges verifies
     manifest.json                sha256 of every file above
     manifest.sig                 DSSE envelope over manifest.json, by the platform key
 
@@ -64,6 +67,7 @@ from govray.core.canonical import file_sha256
 from govray.core.dsse import read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.core.errors import GovrayError, SignatureError, describe_validation_error
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
+from govray.train.blocks import blocks_name, write_blocks
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
 REPORT_FILE = "report.json"
@@ -208,8 +212,16 @@ def seal_checkpoint(
     (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
     shards = dict(shard_digests or {})
+    blocked: dict[str, str] = {}  # the tensor files a resharding resume reads by ranges, and their blocks
+    for name in (MODEL_FILE, OPTIMIZER_TENSORS):
+        if name not in shards and (directory / name).is_file():
+            blocked |= write_blocks(directory / name)
     names = sorted(path.name for path in directory.iterdir() if path.is_file() and path.name not in shards)
-    files = {**{name: file_sha256(directory / name) for name in names}, **shards, **(referenced or {})}
+    files = {
+        **{name: blocked.get(name) or file_sha256(directory / name) for name in names},
+        **shards,
+        **(referenced or {}),
+    }
     manifest = Manifest(
         step=state.step, files=files, signed_at=signing_time(), referenced=sorted(referenced or {}) or None
     )
@@ -285,13 +297,19 @@ def model_file(directory: Path) -> Path:
 
 
 def verify_checkpoint(
-    directory: Path, trust: TrustConfig, rank: int | None = None, run_dir: Path | None = None
+    directory: Path,
+    trust: TrustConfig,
+    rank: int | None = None,
+    run_dir: Path | None = None,
+    ranged: bool = False,
 ) -> tuple[Manifest, str]:
     """Check signature, manifest and every digest (a referenced base file's too); returns
     (manifest, signer keyid). With ``rank``, the shard files of other ranks are neither read nor
     looked for (each rank of a sharded run verifies what it reads: the shared files and its own
     shards). ``run_dir``: where the folder's run keeps its base store (by default the folder's
-    parent; a folder staged for download is verified against the run it is fetched into)."""
+    parent; a folder staged for download is verified against the run it is fetched into).
+    ``ranged``: the tensor files with block digests are not hashed here: their reader verifies
+    each block it reads (``train.ranged``; a resume on another layout)."""
     manifest, signer = signed_manifest(directory, trust)
     present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
     for extra in sorted(present - set(manifest.files)):
@@ -301,6 +319,8 @@ def verify_checkpoint(
         path = listed_file(directory, manifest, name, run_dir)
         if rank is not None and not rank_reads(name, rank, sharded):
             continue  # another rank's shard, or the whole model put together: not what this rank reads
+        if ranged and blocks_name(name) in manifest.files:
+            continue  # read by verified ranges
         if not path.is_file():
             why = f" (the base model {directory} refers to by sha256)" if path.parent != directory else ""
             raise CheckpointError(f"{path}: listed in the signed manifest but missing{why}")

@@ -31,6 +31,7 @@ from govray.governance.adapter_files import load_adapter
 from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
     OPTIMIZER_META,
+    STATE_FILE,
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_world_size,
@@ -42,6 +43,7 @@ from govray.train.checkpoint import (
 )
 from govray.train.clean_states import clean_name, load_clean_states, save_clean_state
 from govray.train.ledger import Ledger
+from govray.train.reshard import load_resharded
 from govray.train.run_checkpoints import fetch_part, fetch_referenced
 from govray.train.sharding import load_shards, local_optimizer_state, write_shards
 from govray.train.worker import agreed
@@ -90,13 +92,65 @@ class WholeLayout:
         """Verify and read a checkpoint to resume from (refusing a sharded one); a base file it
         refers to is fetched from object storage first."""
         fetch_referenced(directory, run.storage)
-        loaded = load_checkpoint(directory, run.spec.trust)
-        written_by = loaded.state.sharding.get("world_size")
-        if written_by is not None:
+        if checkpoint_world_size(directory) is None:  # (unverified: what is loaded is verified)
+            return load_checkpoint(directory, run.spec.trust)
+        agreed(lambda: self._fits_world(run, directory), run.governed.worker, CheckpointError)
+        return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads it all
+
+    def _fits_world(self, run: TrialRun, directory: Path) -> int | None:
+        """The world size a checkpoint is sharded over (None: unsharded), a run of another world
+        size refused before any rank reads its tensors (read unverified from its state: a refusal
+        only; what is loaded is verified)."""
+        worker = run.governed.worker
+        fetch_part(directory, run.storage, worker.rank)
+        try:
+            state = json.loads((directory / STATE_FILE).read_text())
+            sharded = checkpoint_world_size(directory)
+        except (OSError, ValueError):
+            return worker.world_size  # unreadable: the verified load refuses it, naming the file
+        self._refuse_other_world(run, directory, state.get("schedule", {}).get("world_size", sharded))
+        return sharded
+
+    def _load_other_layout(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
+        the shared files and reads its part of the optimizer state by verified ranges (its
+        weights follow in ``load_weights``); every rank refuses if any did. Refused unless the
+        run resumes on the world size it ran on (``_refuse_other_world``)."""
+        governed = run.governed
+        loaded = agreed(
+            lambda: load_resharded(
+                directory,
+                run.spec.trust,
+                governed.worker.rank,
+                governed.model,
+                governed.optimizer,
+                governed.governor.parameters,
+            ),
+            governed.worker,
+            CheckpointError,
+        )
+        self._refuse_other_world(run, directory, loaded.state.schedule.get("world_size"))
+        earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
+        if earlier:
             raise CheckpointError(
-                f"{directory}: sharded over {written_by} ranks (strategy fsdp); this run is not sharded"
+                f"{directory}: carries the clean states of steps {earlier} in its own layout's files: "
+                "a run under another strategy cannot roll back to them (resume it as it was written)"
             )
         return loaded
+
+    def _refuse_other_world(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
+        """A run continues its schedule exactly only on the world size it ran on: its schedule
+        gives step s, rank r the batch s * W + r (``data.slots``). A checkpoint of another world
+        size loads (``train.reshard``), but resuming a run on it is refused until the schedule's
+        slots no longer depend on W (a step's global slots split among however many ranks there are)."""
+        world = run.governed.worker.world_size
+        if written_by != world:
+            kind = " sharded" if run.layout.every_rank_writes else ""
+            raise CheckpointError(
+                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
+                f"{world}{kind} workers: a governed run resumes on the world size it started with "
+                "(its schedule gives each worker its slots by the world size)"
+            )
 
     def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
         """The clean states a resumed run may roll back to, as this layout keeps them."""
@@ -135,10 +189,13 @@ class ShardedLayout(WholeLayout):
 
     def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """Each rank verifies and reads what it needs (the shared files, its own shards); every
-        rank refuses if any rank did, naming the files. A checkpoint sharded over another world
-        size is refused before any rank looks for its shards (its file may not exist)."""
+        rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP, or
+        sharded over another world size) is read by verified ranges (``_load_other_layout``);
+        one of another world size is refused before any rank reads its tensors."""
         worker = run.governed.worker
-        agreed(lambda: self._fits_world(run, directory), worker, CheckpointError)
+        written_by = agreed(lambda: self._fits_world(run, directory), worker, CheckpointError)
+        if written_by != worker.world_size:
+            return self._load_other_layout(run, directory)
         loaded = agreed(
             lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
         )
@@ -227,25 +284,6 @@ class ShardedLayout(WholeLayout):
         gathered: list[Any] = [None] * worker.world_size
         dist.all_gather_object(gathered, written, group=worker.host_group)
         return {name: digest for part in gathered for name, digest in part.items()}
-
-    def _fits_world(self, run: TrialRun, directory: Path) -> None:
-        """Refuse a checkpoint sharded over another world size (read unverified from its state:
-        a refusal only; what is loaded is verified)."""
-        fetch_part(directory, run.storage, run.governed.worker.rank)
-        try:
-            written_by = checkpoint_world_size(directory)
-        except (OSError, ValueError):
-            return  # unreadable (tampered, truncated): the verified load refuses it, naming the file
-        self._refuse_other_world(run, directory, written_by)
-
-    def _refuse_other_world(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
-        world = run.governed.worker.world_size
-        if written_by != world:
-            raise CheckpointError(
-                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
-                f"{world} sharded workers: a governed run resumes on the world size it started with "
-                "(its schedule gives each worker its slots)"
-            )
 
     def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
         """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one

@@ -46,13 +46,13 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import checkpoint_world_size, model_file, shard_file
+from govray.train.checkpoint import MODEL_FILE, CheckpointError, checkpoint_world_size, model_file, shard_file
 from govray.train.hybrid import first_replica, hybrid_mesh, shard_group_size
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
+from govray.train.reshard import listed_files, load_model_part
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
     ShardedGovernor,
-    consolidated,
     gradient_sync,
     load_shards,
     load_whole,
@@ -60,7 +60,7 @@ from govray.train.sharding import (
     shard_model,
     sharded_optimizer_state,
 )
-from govray.train.worker import Worker
+from govray.train.worker import Worker, agreed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -142,8 +142,17 @@ class Single:
         """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
         checkpoint's shards put together."""
         world = checkpoint_world_size(directory)
-        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
+        if world is not None:  # FSDP -> DDP: every tensor whole, read by verified ranges
+            self._load_part(model, directory, world)
+            return
+        whole = load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
+
+    def _load_part(self, model: GovernedModel, directory: Path, world: int | None) -> None:
+        """This rank's part of the base tensors by verified ranges, every rank refusing if one
+        read a tampered block (naming the file)."""
+        files = listed_files(directory)
+        agreed(lambda: load_model_part(model, directory, files, world), self.worker, CheckpointError)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state as read from a checkpoint, ready for ``load_state_dict``."""
@@ -223,14 +232,16 @@ class Sharded(Single):
         return Snapshot(steps_done, {}, {}, ledger, on_storage=True)
 
     def load_base(self, model: GovernedModel, directory: Path) -> None:
-        """A rank reads its own shard file; a checkpoint sharded otherwise, or not at all (a
-        fork's source), is read whole and each rank keeps its part."""
+        """A rank reads its own shard file; of a checkpoint sharded otherwise, or not at all
+        (DDP, a fork's source), each rank reads only its rows, by verified ranges. (A base file
+        referred to by digest, a frozen base, is read whole and each rank keeps its part.)"""
         world, rank, ranks = checkpoint_world_size(directory), self.worker.rank, self.worker.world_size
         if world == ranks:
             load_shards(model, directory / shard_file("model", rank, ranks))
-            return
-        whole = consolidated(directory, world) if world else load_file(str(model_file(directory)))
-        load_whole(model, whole, directory)
+        elif world is not None or model_file(directory) == directory / MODEL_FILE:
+            self._load_part(model, directory, world)
+        else:
+            load_whole(model, load_file(str(model_file(directory))), directory)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return sharded_optimizer_state(optimizer, state)

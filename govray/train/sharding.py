@@ -43,9 +43,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from govray.config.training import Precision
-from govray.core.canonical import file_sha256
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor
+from govray.train.blocks import write_blocks
 from govray.train.checkpoint import CheckpointError, shard_file, split_optimizer_state
 
 if TYPE_CHECKING:
@@ -311,7 +311,8 @@ def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
 def write_shards(
     directory: Path, model: GovernedModel, optimizer: torch.optim.Optimizer, rank: int, world_size: int
 ) -> dict[str, str]:
-    """Write this rank's shard files (base model, optimizer tensors); returns their sha256 by name."""
+    """Write this rank's shard files (base model, optimizer tensors) and their block digests
+    (``train.blocks``); returns every file's sha256 by name."""
     tensors, placement = _file_tensors(model.base_state())
     optimizer_tensors, _ = split_optimizer_state(local_optimizer_state(optimizer.state_dict()))
     optimizer_tensors = {name: tensor.cpu().contiguous() for name, tensor in optimizer_tensors.items()}
@@ -320,7 +321,7 @@ def write_shards(
         name = shard_file(kind, rank, world_size)
         (directory / name).unlink(missing_ok=True)  # (a killed attempt's): never write through a link
         save_file(contents, str(directory / name), metadata={SHARDS_KEY: json.dumps(layout, sort_keys=True)})
-        written[name] = file_sha256(directory / name)
+        written |= write_blocks(directory / name)  # and its block digests (ranged reads)
     return written
 
 
@@ -328,7 +329,7 @@ def load_shards(model: GovernedModel, path: Path) -> None:
     """Load this rank's model shard file into the sharded model (every base tensor, by the user's
     names), refusing a file that does not fit, naming the tensor."""
     shards = load_file(str(path))
-    _copy_in(model, shards.keys(), path, lambda name, _target: shards[name])
+    copy_in(model, shards.keys(), path, lambda name, _target: shards[name])
 
 
 def load_whole(model: GovernedModel, whole: Mapping[str, torch.Tensor], source: Path) -> None:
@@ -342,10 +343,10 @@ def load_whole(model: GovernedModel, whole: Mapping[str, torch.Tensor], source: 
         shape, offset = _local_box(target)
         return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
-    _copy_in(model, whole.keys(), source, part)
+    copy_in(model, whole.keys(), source, part)
 
 
-def _copy_in(
+def copy_in(
     model: GovernedModel,
     names: Iterable[str],
     source: Path,
