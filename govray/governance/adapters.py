@@ -89,6 +89,7 @@ class GovernedModel(nn.Module):
         self._specs: dict[str, AdapterSpec] = {}
         self._layers: dict[str, Any] = {}  # target → the PEFT LoraLayer wrapping it
         self._kinds: dict[str, str] = {}  # target → lora_target_kind of the wrapped module
+        self._seed = seed  # of every adapter's initial factors
         for route, adapter in table.adapter_names.items():
             if adapter in self._targets:
                 continue  # several routes may name one adapter
@@ -108,16 +109,28 @@ class GovernedModel(nn.Module):
             raise AdapterError(f"adapter '{adapter}': targets collide on module keys ({', '.join(targets)})")
         for target in targets:
             self._wrap(adapter, target, spec)
+        self._targets[adapter] = targets
+        self._specs[adapter] = spec
+        self._initialise(adapter, seed)
+
+    def _initialise(self, adapter: str, seed: int) -> None:
+        for target in self._targets[adapter]:
             kind = self._kinds[target]
             lora_a, lora_b = _factors(self._layers[target], adapter, kind)
             generator = torch.Generator().manual_seed(_adapter_seed(seed, adapter, target))
-            initial = _initial_factors(kind, spec.rank, lora_a.shape[1], lora_b.shape[0], generator)
+            initial = _initial_factors(
+                kind, self._specs[adapter].rank, lora_a.shape[1], lora_b.shape[0], generator
+            )
             # float32 whatever the base's dtype (PEFT made them the base layer's; its upcast is
             # PeftModel's, which govray does not use): factors, AdamW state and reduction in fp32.
             lora_a.data = initial[0].to(lora_a.device)
             lora_b.data = initial[1].to(lora_b.device)
-        self._targets[adapter] = targets
-        self._specs[adapter] = spec
+
+    def initialise_adapters(self) -> None:
+        """Every adapter's factors set to their initial values again: after the model's memory
+        was allocated anew (a model built on the meta device, then ``to_empty``)."""
+        for adapter in self._targets:
+            self._initialise(adapter, self._seed)
 
     def _wrap(self, adapter: str, target: str, spec: AdapterSpec) -> None:
         """Add ``adapter``'s LoRA to ``target``, wrapping it in a PEFT layer on first use."""

@@ -53,6 +53,7 @@ from govray.train.parallel import Autocast, Fp16Scaling, NoScaling, Snapshot, pa
 from govray.train.probe import MemorizationProbe
 from govray.train.runspec import RunSpec
 from govray.train.scaling import LossScaler
+from govray.train.seed_checkpoint import SeedCheckpoint, initial_model
 from govray.train.sharding import layer_units
 from govray.train.trainable import freeze_unroutable, reindexed, trainable_in_fp32
 from govray.train.trial import Trial
@@ -95,13 +96,16 @@ class GovernedStep:
         # How the workers hold the model (one, DDP, FSDP, HSDP): asked, never a flag.
         self.parallel = parallelism(spec.strategy, worker, settings.precision, spec.shard_group)
         self.autocast = Autocast(self.device, self.parallel.autocast_dtype(settings.precision))
-        torch.manual_seed(derive_seed(spec.seed, spec.trial_seed, "init"))
-        base = trial.build_model()  # built on the CPU from the seeded generator: device-independent init
+        # Under FSDP the model is built on meta and each rank fills its shards from the seed file
+        # rank 0 wrote once; otherwise built on the CPU from the seeded generator (the same init).
+        self.seed = SeedCheckpoint.agree(spec, worker, trial) if self.parallel.collective_forward else None
+        base = self.seed.skeleton() if self.seed is not None else initial_model(spec, trial)
         if settings.activation_checkpointing:  # blocks recompute their activations in the backward
             checkpoint_activations(base, trial.checkpoint_units(base))
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
         spec.check_routing(self.routing)  # the table the driver planned, attests and looks rows up with
-        base.to(self.device)
+        if not any(parameter.is_meta for parameter in base.parameters()):
+            base.to(self.device)
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
@@ -136,6 +140,8 @@ class GovernedStep:
         frozen = freeze_unroutable(self.model, self.routing)
         trainable_in_fp32(self.model)
         self.parallel.shard(self.model, units, settings.precision)  # FSDP2: a shard of every base tensor
+        if self.seed is not None:
+            self.seed.fill(self.model, self.device)  # to_empty: only this rank's shards, from the seed
         named = parameters_by_name(self.model)
         allowed = allowed_route_sets(self.model, self.routing)
         self.governor = self.parallel.governor(self.model, named, allowed)

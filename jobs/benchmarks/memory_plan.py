@@ -10,8 +10,9 @@ process group of 8 ranks, torch's memory tracker): govray's governed step (``pla
 and a plain step of the same model with the same three adapters injected by PEFT, ungoverned,
 DDP's buckets over every adapter tensor (``plain_peft_ddp``), with the same checkpointing and
 chunked loss. The tracker's parameters, gradients and optimizer state are checked against a hand
-count first. Run it with ``python -m jobs.benchmarks.memory_plan``; the last two lines are the
-ratio and the governed peak per rank.
+count first. Run it with ``python -m jobs.benchmarks.memory_plan``; the last lines are the
+ratio, the governed peak per rank, and (measured, not estimated: ``jobs.benchmarks.init_memory``)
+the host memory one FSDP rank needs to build its shard, as a ratio to that shard.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from govray.train.memory_plan import (
     materialize_fake,
     measure_step,
 )
+from jobs.benchmarks.init_memory import init_ratio
 
 GIB = 2**30
 LLAMA3_8B: dict[str, Any] = {
@@ -178,6 +180,7 @@ def main() -> None:
     print(f"governed/plain peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {ratio:.3f}")
     peak = governed.total / GIB
     print(f"governed peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {peak:.1f} GiB")
+    print(f"init host memory per rank / its shard of the model: {init_ratio():.2f}")  # measured, last
 
 
 if __name__ == "__main__":
