@@ -29,11 +29,13 @@ from govray.core.canonical import file_sha256
 from govray.train.blocks import BlockDigests, blocks_name
 from govray.train.checkpoint import CheckpointError
 
-_DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {  # a safetensors header's dtype names
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -56,15 +58,24 @@ class VerifiedFile:
 
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of the file, every one verified."""
+        out = bytearray(stop - start)
+        self.read_into(start, memoryview(out))
+        return bytes(out)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``start``, every one verified, a block at a
+        time: nothing but ``out`` and one block is held."""
+        stop = start + len(out)
         if self.blocks is None:
-            return self._read_whole_checked(start, stop)
+            self._read_whole_checked(start, out)
+            return
         size = self.blocks.block_size
         if not 0 <= start <= stop <= self.blocks.size:
             raise CheckpointError(f"{self.path}: bytes {start}..{stop} lie outside the file (tampered)")
-        parts = [self._block(index) for index in range(start // size, (stop + size - 1) // size)]
-        joined = b"".join(parts)
-        first = (start // size) * size
-        return joined[start - first : stop - first]
+        for index in range(start // size, (stop + size - 1) // size):
+            block, first = self._block(index), index * size
+            begin, end = max(start, first), min(stop, first + len(block))
+            out[begin - start : end - start] = block[begin - first : end - first]
 
     def _block(self, index: int) -> bytes:
         cached = self._verified.get(index)
@@ -85,7 +96,7 @@ class VerifiedFile:
         self._verified[index] = data
         return data
 
-    def _read_whole_checked(self, start: int, stop: int) -> bytes:
+    def _read_whole_checked(self, start: int, out: memoryview) -> None:
         if not self._whole_checked:
             self.bytes_read += self.path.stat().st_size
             if file_sha256(self.path) != self.sha256:
@@ -93,9 +104,9 @@ class VerifiedFile:
             self._whole_checked = True
         with open(self.path, "rb") as handle:
             handle.seek(start)
-            data = handle.read(stop - start)
-        self.bytes_read += len(data)
-        return data
+            if handle.readinto(out) != len(out):
+                raise CheckpointError(f"{self.path}: ends before byte {start + len(out)} (truncated)")
+        self.bytes_read += len(out)
 
     def header(self) -> tuple[int, dict[str, Any]]:
         """(where the tensor data begins, the safetensors header), verified."""
@@ -140,22 +151,21 @@ class VerifiedFile:
         entry = header.get(name)
         if entry is None:
             raise CheckpointError(f"{self.path}: holds no tensor {name!r}")
-        dtype, shape = _DTYPES.get(entry["dtype"]), tuple(entry["shape"])
+        dtype, shape = SAFETENSORS_DTYPES.get(entry["dtype"]), tuple(entry["shape"])
         if dtype is None:
             raise CheckpointError(f"{self.path}: {name} has dtype {entry['dtype']}, not one govray writes")
         begin, end = (data_start + offset for offset in entry["data_offsets"])
-        if not shape:
-            return _tensor(self.read(begin, end), dtype, shape)
-        row = (end - begin) // max(shape[0], 1)
-        if not 0 <= start <= stop <= shape[0]:
-            raise CheckpointError(f"{self.path}: {name} has {shape[0]} rows, not {start}..{stop}")
-        return _tensor(self.read(begin + start * row, begin + stop * row), dtype, (stop - start, *shape[1:]))
-
-
-def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        if shape:
+            if not 0 <= start <= stop <= shape[0]:
+                raise CheckpointError(f"{self.path}: {name} has {shape[0]} rows, not {start}..{stop}")
+            row = (end - begin) // max(shape[0], 1)
+            begin, end, shape = begin + start * row, begin + stop * row, (stop - start, *shape[1:])
+        value = torch.empty(shape, dtype=dtype)
+        if value.nbytes != end - begin:
+            raise CheckpointError(f"{self.path}: {name}'s bytes do not fit its shape and dtype")
+        if value.nbytes:  # read straight into the tensor's memory
+            self.read_into(begin, value.view(-1).view(torch.uint8).numpy().data)
+        return value
 
 
 def verified_file(directory: Path, name: str, files: Mapping[str, str]) -> VerifiedFile:

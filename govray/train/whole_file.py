@@ -35,24 +35,11 @@ from safetensors.torch import save
 from govray.core.canonical import file_sha256
 from govray.core.keys import TrustConfig
 from govray.train.checkpoint import CheckpointError, model_file, signed_manifest
+from govray.train.ranged import SAFETENSORS_DTYPES
 from govray.train.sharding import SHARDS_KEY
 
 CHUNK = 8 << 20  # bytes copied at a time: the buffer a consumer holds besides (at most) one tensor
 _MODEL_SHARD = re.compile(r"^model-shard-(\d{5})-of-(\d{5})\.safetensors$")  # a checkpoint's own, not clean-*
-_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 @dataclass(frozen=True)
@@ -271,6 +258,6 @@ def _read_exactly(handle: BinaryIO, into: memoryview, path: Path) -> None:
 
 
 def _torch_dtype(tensor: WholeTensor) -> torch.dtype:
-    if tensor.dtype not in _DTYPES:
+    if tensor.dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{tensor.name}: dtype {tensor.dtype} is not one govray reads")
-    return _DTYPES[tensor.dtype]
+    return SAFETENSORS_DTYPES[tensor.dtype]
