@@ -9,7 +9,7 @@ overrides it for one trial, so a search can sample it::
       batch_size: 16                       # rows per worker per step (one schedule slot)
       max_grad_norm: 0.25                  # clip each route group's gradient norm (default: none)
       precision: bf16                      # fp32 (default) | bf16 | fp16 (ARCHITECTURE.md, "Precision")
-      accumulation_steps: 4                # micro-batches per slot (the first 3 under no_sync())
+      accumulation_steps: 4                # micro-batches per slot (DDP: the first 3 under no_sync())
       deterministic: true                  # deterministic torch / cuBLAS / NCCL (GPU replay bit-exact)
       activation_checkpointing: true       # each block recomputes its activations in the backward
       loss_chunk: 1024                     # causal LMs: head + cross-entropy per 1024 positions (null: whole)

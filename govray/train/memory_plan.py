@@ -143,6 +143,15 @@ class _PeakTracker(MemTracker):
             buffers += sum(info.mem_consumed for info in infos)
         return params, buffers
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # torch refuses a module called again from the top level (it takes it for a second
+        # iteration); a chunked loss's head and each micro-batch are such calls. Only the global
+        # peak is kept: the module's call is tracked afresh.
+        name = self._mod_tracker.get_known_fqn(module)
+        if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():
             for kind, size in snapshot.items():

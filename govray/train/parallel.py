@@ -8,9 +8,10 @@ never test a flag (torchtitan's ``ParallelDims`` + ``parallelize`` idea):
 - ``Replicated`` (DDP): the whole model on every rank. DDP reduces the trainable base tensors
   through the governed comm hook; adapters, kept out of DDP's reducer, are reduced after backward
   in one flat buffer; a LoRA-only run has no DDP at all (the flat reduction is its only collective).
-- ``Sharded`` (FSDP2): each rank holds a shard of every base tensor (``train.sharding``); its
-  checkpoints are shard files written and verified by every rank, and its clean states live in
-  checkpoints, not in memory.
+- ``Sharded`` (FSDP2): each rank holds a shard of every base tensor (``train.sharding``) and
+  reduce-scatters after every micro-batch (no ``no_sync``: an unsharded gradient of the model
+  is never kept); its checkpoints are shard files written and verified by every rank, and its
+  clean states live in checkpoints, not in memory.
 - ``Hybrid`` (HSDP, ``train.hybrid``): ``Sharded`` within each shard group, the groups replicas
   of one another (a 2-D device mesh).
 
@@ -24,7 +25,7 @@ Example::
     parallel.shard(model, units, precision)          # FSDP only: before the governor is made
     governor = parallel.governor(model, named, allowed)
     forward = parallel.wrap(model, governor)          # DDP where there is something to reduce
-    with parallel.no_sync(forward): ...               # the first k-1 micro-batches
+    with parallel.no_sync(forward): ...               # the first k-1 micro-batches (DDP)
     parallel.reduce(governor)                         # after the last backward
 """
 
@@ -53,7 +54,6 @@ from govray.train.reshard import listed_files, load_model_part
 from govray.train.scaling import LossScaler
 from govray.train.sharding import (
     ShardedGovernor,
-    gradient_sync,
     load_shards,
     load_whole,
     optimizer_groups,
@@ -112,7 +112,8 @@ class Single:
         return model
 
     def no_sync(self, forward: nn.Module) -> contextlib.AbstractContextManager[object]:
-        """Around the first k-1 micro-batches of a slot: gradients accumulate locally."""
+        """Around the first k-1 micro-batches of a slot: gradients accumulate locally (DDP only;
+        FSDP reduce-scatters every micro-batch into its sharded gradients)."""
         return contextlib.nullcontext()
 
     def reduce(self, governor: GradientGovernor) -> None:
@@ -214,9 +215,6 @@ class Sharded(Single):
         allowed: Sequence[frozenset[str]],
     ) -> GradientGovernor:
         return ShardedGovernor(model, named, allowed, self.device)
-
-    def no_sync(self, forward: nn.Module) -> contextlib.AbstractContextManager[object]:
-        return gradient_sync(forward, enabled=False)
 
     def reduce(self, governor: GradientGovernor) -> None:
         assert isinstance(governor, ShardedGovernor)

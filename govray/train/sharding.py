@@ -5,13 +5,16 @@ Each rank holds 1/N of every base tensor, of its gradient and of its optimizer s
 ``fully_shard`` per layer unit, then the root). One step, as :class:`ShardedGovernor` runs it:
 
 - forward and backward as FSDP2 runs them (an all-gather per unit before its forward, a
-  reduce-scatter per unit after its backward);
+  reduce-scatter per unit after its backward) — after **every** micro-batch under gradient
+  accumulation, never ``set_requires_gradient_sync(False)``: FSDP2 adds each reduce-scattered
+  sum into the sharded ``.grad`` (in fp32, the parameters' dtype, under bf16 mixed precision
+  too), so no rank keeps an unsharded gradient of the model between micro-batches;
 - **before** a unit's reduce-scatter, each rank zero-fills (selection, never a product) the
   gradient of every tensor its slot's route may not update: a hook on FSDP's unsharded
   parameter, run when autograd has accumulated its gradient;
-- the reduce-scatter sums (divide factor 1, sum reduction); each rank divides its shard of a
-  tensor by that tensor's example count from the schedule, raising the route group's flag on a
-  non-finite value (no host sync);
+- the reduce-scatter sums (divide factor 1, sum reduction); after the slot's last micro-batch
+  each rank divides its shard of a tensor by that tensor's example count from the schedule,
+  raising the route group's flag on a non-finite value (no host sync);
 - clipping is per route group, from one all-reduce of the groups' squared norms;
 - tensors no slot may update get ``grad = None`` (no step, no momentum, no decay);
 - at a boundary the non-finite flags are all-reduced, so every rank stops at the same step
@@ -31,8 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -57,9 +59,10 @@ _NONE = torch.iinfo(torch.int64).max  # "no flagged step" while all-reducing the
 
 def layer_units(base: nn.Module, names: Sequence[str] | None) -> list[nn.Module]:
     """The modules FSDP shards as units, in order: the named ones (default: the model's top-level
-    children), leaving to the root unit a module whose tensors another unit shares (tied
-    embedding and head: FSDP2 needs a shared tensor in one unit) and any name that is not a
-    module."""
+    children), frozen ones too (a LoRA run's base blocks: one block gathered at a time, never the
+    whole base in the root unit), leaving to the root unit a module whose tensors another unit
+    shares (tied embedding and head: FSDP2 needs a shared tensor in one unit) and any name that
+    is not a module."""
     chosen = list(names) if names is not None else [name for name, _ in base.named_children()]
     modules: list[nn.Module] = []
     for name in chosen:
@@ -67,7 +70,7 @@ def layer_units(base: nn.Module, names: Sequence[str] | None) -> list[nn.Module]
             module = base.get_submodule(name)
         except AttributeError:
             continue  # a tensor, not a module: it stays in the root unit
-        if module is not base and any(parameter.requires_grad for parameter in module.parameters()):
+        if module is not base and next(module.parameters(), None) is not None:
             modules.append(module)
     owners: dict[int, list[int]] = {}
     for position, module in enumerate(modules):
@@ -102,6 +105,7 @@ def shard_model(
     }
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+        unit.register_forward_pre_hook(_backward_through, prepend=True, with_kwargs=True)  # before FSDP's
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -109,20 +113,20 @@ def shard_model(
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-@contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """FSDP's ``no_sync``: with ``enabled`` false the unsharded gradients accumulate locally
-    (the first k-1 micro-batches of a slot) and no reduce-scatter runs."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if enabled or not isinstance(model, FSDPModule):
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+def _backward_through(
+    _unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Make a unit's input (its first argument, or ``hidden_states``) require a gradient, so that
+    every rank's backward runs through every unit (and all-gathers it) whichever adapter its
+    route has active: under LoRA a frozen block's backward runs only on the ranks whose adapter
+    is at or below it, and a unit all-gathered in backward on some ranks only hangs the others.
+    (The cost: the activations' gradients of the frozen blocks below a rank's adapter.)"""
+    first = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(first, torch.Tensor) or not torch.is_grad_enabled():
+        return None
+    if first.is_floating_point() and not first.requires_grad:
+        first.requires_grad_(True)
+    return None
 
 
 def is_sharded(tensor: object) -> TypeGuard[DTensor]:

@@ -4,7 +4,8 @@ Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot 
 rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
 governed allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
 the slots that may update it, scaled by their example count) — after k-1 micro-batches
-accumulated under ``no_sync()`` when ``accumulation_steps`` is k — then the parallelism twin
+accumulated under ``no_sync()`` when ``accumulation_steps`` is k (DDP; FSDP reduce-scatters each
+micro-batch into its sharded gradients and divides once) — then the parallelism twin
 (``train.parallel``: one worker, DDP or FSDP, chosen once) reduces what backward did not (the
 adapters, in one flat buffer); the governor clips per route group, the optimizer steps, and the ledger records
 what reached which tensor — from the schedule, never from the gradients. Tensors no route may
@@ -192,9 +193,9 @@ class GovernedStep:
             parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches
             for index, part in enumerate(parts):
                 # The first k-1 micro-batches accumulate locally (forward and backward under
-                # no_sync); the last one's backward runs the governed reduction: each tensor's
-                # gradient masked to the routes that may update it, summed and divided by those
-                # routes' example count (not the world size).
+                # no_sync; FSDP reduce-scatters each into its shards); after the last one's
+                # backward each tensor's gradient is masked to the routes that may update it,
+                # summed and divided by those routes' example count (not the world size).
                 last = index == len(parts) - 1
                 with contextlib.nullcontext() if last else self.parallel.no_sync(self.forward):
                     with self.autocast():

@@ -10,17 +10,34 @@ process group of 8 ranks, torch's memory tracker): govray's governed step (``pla
 and a plain step of the same model with the same three adapters injected by PEFT, ungoverned,
 DDP's buckets over every adapter tensor (``plain_peft_ddp``), with the same checkpointing and
 chunked loss. The tracker's parameters, gradients and optimizer state are checked against a hand
-count first. Run it with ``python -m jobs.benchmarks.memory_plan``; the last lines are the
-ratio, the governed peak per rank, and (measured, not estimated: ``jobs.benchmarks.init_memory``)
-the host memory one FSDP rank needs to build its shard, as a ratio to that shard.
+count first.
+
+Then a Llama-70B-shaped model (hidden 8192, 80 blocks, 64 heads, 8 KV heads, MLP 28672, vocab
+128256) fully fine-tuned on 64 ranks under FSDP2: sequence 4096, one row per micro-batch, bf16
+(FSDP2's mixed precision: bf16 compute, fp32 parameters, gradients, AdamW state and reduction),
+activation checkpointing, the loss head chunked. Public text may update every tensor, licensed
+text the upper 40 blocks, norm and head. govray's governed FSDP step
+(``govray.train.memory_plan_sharded.plan_sharded``: the engine's units and ``shard_model``, the
+``ShardedGovernor``'s zero-fill hooks, per-shard division and per-group clipping) against a plain
+FSDP2 step of the same model (torch's ``fully_shard`` on the same units, averaging reduction,
+AdamW, no governance), under the same estimator. ``--accumulation K`` also measures a slot of K
+micro-batches reduce-scattered after each (govray) against today's ``no_sync`` way (FSDP's
+gradient sync off for the first K-1: unsharded fp32 gradients kept between micro-batches).
+
+Run it with ``python -m jobs.benchmarks.memory_plan [--accumulation K]``; the last lines are the
+8B and the 70B ratios and governed peaks per rank, then (measured, not estimated:
+``jobs.benchmarks.init_memory``) the host memory one FSDP rank needs to build its shard, as a
+ratio to that shard.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from govray.config.training import Precision
 from govray.governance.policy import DepthPolicy
@@ -36,6 +53,7 @@ from govray.train.memory_plan import (
     materialize_fake,
     measure_step,
 )
+from govray.train.memory_plan_sharded import plan_sharded
 from jobs.benchmarks.init_memory import init_ratio
 
 GIB = 2**30
@@ -55,6 +73,28 @@ SETUP = PlanSetup(
     world_size=8, micro_batch=1, seq_len=4096, precision=Precision.BF16, activation_checkpointing=True
 )
 LICENSED_BLOCKS = range(16, 32)
+LLAMA_70B: dict[str, Any] = {
+    **LLAMA3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+SETUP_70B = PlanSetup(
+    world_size=64, micro_batch=1, seq_len=4096, precision=Precision.BF16, activation_checkpointing=True
+)
+# Public text may update every tensor; licensed text the upper 40 blocks, the final norm and head.
+FULL_POLICY = DepthPolicy.model_validate(
+    {
+        "name": "llama-70b-full",
+        "version": 1,
+        "rules": [
+            {"name": "licensed", "match": {"license_class": "licensed"}, "route": {"depth": {"min": -42}}},
+            {"name": "public", "route": "all"},
+        ],
+    }
+)
 
 
 def story_trial(shape: dict[str, Any] = LLAMA3_8B) -> CausalLMTrial:
@@ -162,9 +202,95 @@ def _check(plan: MemoryPlan, hand: dict[str, int]) -> None:
             raise SystemExit(f"the tracker's {kind} ({measured} B) is not the hand count ({expected} B)")
 
 
+class TodaysAccumulation(CausalLMTrial):
+    """The trial as govray accumulated before issue 32: FSDP's gradient sync off for the first
+    K-1 micro-batches of a slot (their unsharded gradients kept), on for the K-th."""
+
+    def __init__(self, hparams: dict[str, Any], micro_batches: int) -> None:
+        super().__init__(hparams)
+        self.micro_batches, self.calls = micro_batches, 0
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(model, FSDPModule)
+        self.calls += 1
+        model.set_requires_gradient_sync(self.calls % self.micro_batches == 0)
+        return super().loss(model, batch)
+
+
+def plain_fsdp(trial: CausalLMTrial, setup: PlanSetup) -> MemoryPlan:
+    """The plain step under the same estimator: every tensor trainable (fp32), torch's
+    ``fully_shard`` on the same units then the root (bf16 compute, fp32 reduction, averaging),
+    the same checkpointing and chunked loss, AdamW; no masks, divisors, hooks or flags."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from govray.train.memory import checkpoint_activations
+    from govray.train.sharding import layer_units
+
+    model = trial.build_meta_model()
+    units = layer_units(model, trial.fsdp_units(model))
+    with fake_world(setup.world_size):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            materialize_fake(model, {name for name, _ in model.named_parameters()}, torch.bfloat16)
+            checkpoint_activations(model, trial.checkpoint_units(model))
+        mesh = init_device_mesh("cpu", (setup.world_size,))  # outside the fake mode
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        with fake:
+            optimizer = trial.build_optimizer(list(model.parameters()))
+            ids = torch.zeros(setup.micro_batch, setup.seq_len, dtype=torch.long)
+
+            def step() -> None:
+                trial.loss(model, {"ids": ids, "targets": ids}).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return measure_step(model, optimizer, step, [], governance=0)
+
+
+def sharded_hand_count(shape: dict[str, Any], world_size: int) -> dict[str, int]:
+    """Bytes of one rank's shards of a fully trainable model: fp32 parameters, and AdamW's two
+    fp32 moments (the gradients' shards are the parameters' size; the tracker's largest adds one
+    unit's unsharded gradient, so they are not checked here)."""
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    total = shape["num_hidden_layers"] * block + 2 * vocab * hidden + hidden
+    return {"optimizer": 8 * total // world_size}
+
+
+def accumulation_trade(micro_batches: int) -> None:
+    """A slot of ``micro_batches`` micro-batches on the 70B shape: reduce-scattered after each
+    (govray) against FSDP's sync off for the first K-1 (before issue 32)."""
+    started = time.perf_counter()
+    each = plan_sharded(story_trial(LLAMA_70B), FULL_POLICY, SETUP_70B, micro_batches)
+    each_s = time.perf_counter() - started
+    today = plan_sharded(
+        TodaysAccumulation({"model": LLAMA_70B}, micro_batches), FULL_POLICY, SETUP_70B, micro_batches
+    )
+    today_s = time.perf_counter() - started - each_s
+    _show(f"governed, reduce-scatter every micro-batch, {micro_batches} micro-batches ({each_s:.1f} s)", each)
+    _show(f"governed, no_sync for the first {micro_batches - 1} ({today_s:.1f} s)", today)
+    print(
+        f"accumulation {micro_batches}, peak per rank: reduce-scatter every micro-batch "
+        f"{each.total / GIB:.1f} GiB, no_sync {today.total / GIB:.1f} GiB"
+    )
+
+
 def main() -> None:
     from govray.train.memory_plan import plan_governed
 
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--accumulation", type=int, default=0, help="also measure K micro-batches")
+    args = parser.parse_args()
+    if args.accumulation > 1:
+        accumulation_trade(args.accumulation)
     trial, policy = story_trial(), story_policy()
     started = time.perf_counter()
     governed = plan_governed(trial, policy, SETUP)
@@ -176,10 +302,27 @@ def main() -> None:
     _check(governed, hand)
     _show(f"plain PEFT + DDP (estimated in {plain_s:.1f} s)", plain)
     _check(plain, hand)
+
+    large = story_trial(LLAMA_70B)
+    started = time.perf_counter()
+    sharded = plan_sharded(large, FULL_POLICY, SETUP_70B)
+    sharded_s = time.perf_counter() - started
+    plain_sharded = plain_fsdp(large, SETUP_70B)
+    plain_sharded_s = time.perf_counter() - started - sharded_s
+    hand_70b = sharded_hand_count(LLAMA_70B, SETUP_70B.world_size)
+    _show(f"llama-70b governed fsdp (estimated in {sharded_s:.1f} s)", sharded)
+    _check(sharded, hand_70b)
+    _show(f"llama-70b plain fsdp (estimated in {plain_sharded_s:.1f} s)", plain_sharded)
+    _check(plain_sharded, hand_70b)
+
     ratio = governed.total / plain.total
     print(f"governed/plain peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {ratio:.3f}")
     peak = governed.total / GIB
     print(f"governed peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {peak:.1f} GiB")
+    ratio = sharded.total / plain_sharded.total
+    print(f"governed/plain peak memory per rank (llama-70b full, fsdp, 64 ranks, bf16): {ratio:.3f}")
+    peak = sharded.total / GIB
+    print(f"governed peak memory per rank (llama-70b full, fsdp, 64 ranks, bf16): {peak:.1f} GiB")
     print(f"init host memory per rank / its shard of the model: {init_ratio():.2f}")  # measured, last
 
 
