@@ -229,4 +229,4 @@ def test_a_flipped_byte_in_the_seed_is_refused_on_every_rank_naming_the_file(
     answers = gloo_pair(case)
     for rank, (status, message) in answers.items():
         assert status == "refused", f"rank {rank}: {message}"
-        assert "seed/" in message and "sha256" in message, message
+        assert "seed/" in message and "tampered" in message, message

@@ -60,7 +60,7 @@ from govray.train.reshard import my_rows
 from govray.train.runspec import RunSpec
 from govray.train.sharding import local
 from govray.train.trial import Trial
-from govray.train.worker import Worker
+from govray.train.worker import Worker, agreed
 
 SEED_STORE = "seed"  # RUN_DIR/seed/SHA256.safetensors
 
@@ -142,8 +142,16 @@ class SeedCheckpoint:
     """A run's seed file and the digest every rank checks it against (``path`` None: the run
     builds the whole model on every rank, as before)."""
 
-    def __init__(self, spec: RunSpec, trial: Trial, path: Path | None, files: dict[str, str]) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        trial: Trial,
+        path: Path | None,
+        files: dict[str, str],
+        worker: Worker | None = None,
+    ) -> None:
         self.spec, self.trial, self.path, self.files = spec, trial, path, files  # files: name → sha256
+        self.worker = worker  # whose ranks all refuse if one reads a tampered block
 
     def _verified(self) -> VerifiedFile:
         assert self.path is not None
@@ -183,7 +191,7 @@ class SeedCheckpoint:
         if missing:
             raise CheckpointError(f"{missing[0]}: the seed checkpoint rank 0 wrote is not on this node")
         seed = next(path for path in paths if path.suffix == ".safetensors")
-        return cls(spec, trial, seed, files)
+        return cls(spec, trial, seed, files, worker)
 
     def skeleton(self) -> nn.Module:
         """The model to shard: its structure on meta (the seed's dtypes) where the trial allows
@@ -205,7 +213,12 @@ class SeedCheckpoint:
         targets = model.base_state()
         for name, buffer in model.base.named_buffers():
             targets.setdefault(model.user_name(name), buffer)
-        seed = self._verified()  # every byte read checked against rank 0's block digests
+        agreed(lambda: self._fill(targets), self.worker, CheckpointError)
+
+    def _fill(self, targets: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's rows of each tensor in from the seed, every byte read checked against
+        rank 0's block digests."""
+        seed = self._verified()
         with torch.no_grad():
             for name, target in targets.items():
                 start, stop = my_rows(target)
