@@ -15,6 +15,7 @@ import pytest
 
 from govray.core.keys import platform_key, platform_trust
 from govray.train.checkpoint import MODEL_FILE, STATE_FILE, shard_owner, verify_checkpoint
+from govray.train.whole_file import whole_tensors
 from tests.cluster.governed_job import digits_experiment, finished_run
 from tests.cluster.local_ray import LocalRayCluster
 
@@ -66,7 +67,11 @@ def test_a_sharded_run_across_two_nodes_completes_with_every_ranks_shards_signed
     assert len(set().union(*on_node)) == 2, "the workers span both nodes"
     folder = run.final_checkpoint
     assert {shard_owner(path.name) for path in folder.iterdir()} == {None, *range(workers)}
-    assert (folder / MODEL_FILE).exists()
+    assert not (folder / MODEL_FILE).exists(), "no whole model through one process"
     sharded = json.loads((folder / STATE_FILE).read_text())["sharding"]
     assert sharded == {"world_size": workers, **({"shard_group": 2} if "shard_group" in sharding else {})}
-    verify_checkpoint(folder, platform_trust(platform_key()))  # every file, every rank's shards
+    trust = platform_trust(platform_key())
+    verify_checkpoint(folder, trust)  # every file, every rank's shards
+    # The whole model, streamed from the verified shards, holds every tensor of the trial's model.
+    whole = dict(whole_tensors(folder, trust))
+    assert whole and all(tensor.numel() for tensor in whole.values())
