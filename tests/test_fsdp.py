@@ -22,11 +22,11 @@ from govray.config.experiment import ExperimentConfig, ParallelStrategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.governance.adapter_files import save_base_tensors
 from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
-from govray.train.sharding import consolidated
 from govray.train.whole_file import write_whole_model
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests.conftest import GoldenRun
 from tests.gloo_group import persistent_group
+from tests.sharded_reference import consolidated
 from tests.test_engine import run_spec
 
 WORLD = 2

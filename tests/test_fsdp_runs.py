@@ -33,10 +33,10 @@ from govray.train.checkpoint import (
     shard_owner,
     verify_checkpoint,
 )
-from govray.train.sharding import consolidated
 from govray.train.whole_file import whole_model_sha256
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, MEMORIZER
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
+from tests.sharded_reference import consolidated
 from tests.test_memorization_flag import trained
 
 pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier

@@ -152,9 +152,7 @@ def test_a_new_strategy_needs_one_file_and_one_entry_point(tmp_path: Path, one_m
     config = load_experiment(experiment(tmp_path, {"name": "halving", "rungs": 3}))
     assert type(config.searcher).__name__ == "HalvingSearcher" and config.searcher.rungs == 3  # type: ignore[attr-defined]
     bad = experiment(tmp_path, {"name": "halving", "rungs": 1})
-    with pytest.raises(
-        ConfigError, match=r"searcher 'halving': rungs should be greater than or equal to 2"
-    ):
+    with pytest.raises(ConfigError, match=r"searcher 'halving': rungs should be greater than or equal to 2"):
         load_experiment(bad)
 
 

@@ -29,7 +29,7 @@ from govray.train.checkpoint import (
     shard_file,
 )
 from govray.train.ledger import Ledger, LedgerEntry
-from govray.train.sharding import SHARDS_KEY, consolidated
+from govray.train.sharding import SHARDS_KEY
 from govray.train.whole_file import (
     CHUNK,
     shard_layout,
@@ -37,6 +37,7 @@ from govray.train.whole_file import (
     whole_tensors,
     write_whole_model,
 )
+from tests.sharded_reference import consolidated
 
 
 def sharded_checkpoint(

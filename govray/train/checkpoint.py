@@ -338,7 +338,7 @@ def rank_reads(name: str, rank: int, sharded: bool) -> bool:
 def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> LoadedCheckpoint:
     """Verify, then read a checkpoint (safetensors and JSON only). Of a sharded checkpoint, a
     ``rank`` verifies the shared files and its own shards, and its optimizer state is its shards';
-    without a rank every file is verified (what reads all shards: consolidation, a fork)."""
+    without a rank every file is verified (what reads all shards: a fork)."""
     manifest, signer = verify_checkpoint(directory, trust, rank)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())

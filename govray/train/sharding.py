@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -399,25 +398,3 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, A
             for name, value in values.items()
         }
     return {"state": restored, "param_groups": state["param_groups"]}
-
-
-def consolidated(directory: Path, world_size: int) -> dict[str, torch.Tensor]:
-    """The whole base model of a sharded checkpoint (every rank's shard file, read on one
-    machine): each tensor put together from its shards at their offsets."""
-    whole: dict[str, torch.Tensor] = {}
-    for rank in range(world_size):
-        path = directory / shard_file("model", rank, world_size)
-        with safe_open(str(path), framework="pt") as handle:
-            placement = json.loads((handle.metadata() or {}).get(SHARDS_KEY, "{}"))
-            for name in handle.keys():  # noqa: SIM118
-                part = handle.get_tensor(name)
-                if name not in placement:
-                    whole.setdefault(name, part)  # a whole tensor, the same in every rank's file
-                    continue
-                shape, offset = placement[name]
-                target = whole.setdefault(name, torch.empty(shape, dtype=part.dtype))
-                index = tuple(
-                    slice(start, start + size) for start, size in zip(offset, part.shape, strict=True)
-                )
-                target[index] = part
-    return whole
