@@ -315,6 +315,7 @@ def main() -> None:
     _show(f"llama-70b plain fsdp (estimated in {plain_sharded_s:.1f} s)", plain_sharded)
     _check(plain_sharded, hand_70b)
 
+    init = init_ratio()  # measured (its per-rank lines printed here), its figure printed last
     ratio = governed.total / plain.total
     print(f"governed/plain peak memory per rank (llama-3-8b lora, ddp, 8 ranks, bf16): {ratio:.3f}")
     peak = governed.total / GIB
@@ -323,7 +324,7 @@ def main() -> None:
     print(f"governed/plain peak memory per rank (llama-70b full, fsdp, 64 ranks, bf16): {ratio:.3f}")
     peak = sharded.total / GIB
     print(f"governed peak memory per rank (llama-70b full, fsdp, 64 ranks, bf16): {peak:.1f} GiB")
-    print(f"init host memory per rank / its shard of the model: {init_ratio():.2f}")  # measured, last
+    print(f"init host memory per rank / its shard of the model: {init:.2f}")  # measured, last
 
 
 if __name__ == "__main__":
