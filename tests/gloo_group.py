@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import REPO
 
 Run = Callable[[Any], dict[int, tuple[str, Any]]]
 
@@ -29,8 +32,16 @@ def persistent_group(
         context.Process(target=target, args=(rank, init_file, tasks[rank], results), daemon=True)
         for rank in range(world)
     ]
-    for process in processes:
-        process.start()
+    # A spawned rank starts with this process's sys.path. An in-process replay earlier in the
+    # session put its run's code snapshot first there (govray.train.trial: the snapshot wins), and
+    # a snapshot holds only its trial's package: the ranks import from the repository instead.
+    kept = list(sys.path)
+    sys.path[:] = [str(REPO), *(entry for entry in kept if not _snapshot(entry))]
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        sys.path[:] = kept
 
     def run(task: Any) -> dict[int, tuple[str, Any]]:
         for inbox in tasks:
@@ -51,3 +62,10 @@ def persistent_group(
             inbox.put(None)
         for process in processes:
             process.join(timeout=10)
+
+
+def _snapshot(entry: str) -> bool:
+    """Whether a ``sys.path`` entry is a run's code snapshot (a folder holding a ``jobs`` package
+    that is not the repository's)."""
+    path = Path(entry)
+    return path != REPO and (path / "jobs").is_dir() and not path.is_relative_to(REPO)
