@@ -318,14 +318,12 @@ def heaviest_route(routes: dict[str, frozenset[str]], sizes: dict[str, int]) -> 
     return max(sorted(weight), key=lambda route: weight[route])
 
 
-def plan_governed(
-    trial: Trial, policy: DepthPolicy, setup: PlanSetup, frozen_dtype: torch.dtype | None = None
-) -> MemoryPlan:
-    """One rank's peak memory for a governed step of ``trial`` under ``policy`` (a transformers
-    causal LM: its rows are ``setup.seq_len`` tokens). ``frozen_dtype``: the dtype of tensors no
-    route may update (default: the compute dtype of ``setup.precision``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def governed_meta_model(
+    trial: Trial, policy: DepthPolicy
+) -> tuple[Any, list[str], RoutingTable, GovernedModel, dict[str, frozenset[str]], str]:
+    """The trial's transformers causal LM built on meta and governed by ``policy``: (base, its
+    layers, the routing table, the governed model, each trainable tensor's routes, the route
+    that trains the most bytes: the one a plan measures)."""
     from govray.train.decoder import is_transformers_model
 
     base: Any = trial.build_meta_model()  # a transformers model (checked): its own methods
@@ -339,7 +337,18 @@ def plan_governed(
     model = GovernedModel(base, table, policy.adapters, seed=0)
     routes = trainable_names(model, table)
     sizes = {name: p.numel() * 4 for name, p in model.named_parameters() if name in routes}
-    route = heaviest_route(routes, sizes)
+    return base, layers, table, model, routes, heaviest_route(routes, sizes)
+
+
+def plan_governed(
+    trial: Trial, policy: DepthPolicy, setup: PlanSetup, frozen_dtype: torch.dtype | None = None
+) -> MemoryPlan:
+    """One rank's peak memory for a governed step of ``trial`` under ``policy`` (a transformers
+    causal LM: its rows are ``setup.seq_len`` tokens). ``frozen_dtype``: the dtype of tensors no
+    route may update (default: the compute dtype of ``setup.precision``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    base, layers, table, model, routes, route = governed_meta_model(trial, policy)
     adapter = table.adapter_names.get(route)
     frozen = frozen_dtype or HALF.get(setup.precision, torch.float32)
     with fake_world(setup.world_size), FakeTensorMode(allow_non_fake_inputs=True):

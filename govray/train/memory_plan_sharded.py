@@ -21,15 +21,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from govray.core.errors import ConfigError
-from govray.governance.adapters import GovernedModel
 from govray.governance.policy import DepthPolicy
-from govray.governance.routing import resolve_routes
-from govray.train.decoder import is_transformers_model
 from govray.train.memory import checkpoint_activations
 from govray.train.memory_plan import (
     HALF,
@@ -37,10 +31,9 @@ from govray.train.memory_plan import (
     PlanSetup,
     fake_world,
     governance_buffers_by_hand,
-    heaviest_route,
+    governed_meta_model,
     materialize_fake,
     measure_step,
-    trainable_names,
 )
 from govray.train.sharding import ShardedGovernor, layer_units, optimizer_groups, shard_model
 from govray.train.trial import Trial
@@ -51,18 +44,7 @@ def plan_sharded(trial: Trial, policy: DepthPolicy, setup: PlanSetup, micro_batc
     under ``policy`` on ``setup.world_size`` ranks, ``micro_batches`` micro-batches per slot."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    base: Any = trial.build_meta_model()
-    if not is_transformers_model(base) or base.get_output_embeddings() is None:
-        raise ConfigError(
-            f"govray plan measures transformers causal LMs; trial {type(trial).__name__} builds "
-            f"{type(base).__name__}"
-        )
-    layers = list(trial.layers(base) or [name for name, _ in base.named_children()])
-    table = resolve_routes(policy, base, layers)
-    model = GovernedModel(base, table, policy.adapters, seed=0)
-    routes = trainable_names(model, table)
-    sizes = {name: p.numel() * 4 for name, p in model.named_parameters() if name in routes}
-    route = heaviest_route(routes, sizes)
+    base, _, table, model, routes, route = governed_meta_model(trial, policy)
     adapter = table.adapter_names.get(route)
     units = layer_units(base, trial.fsdp_units(base))
     with fake_world(setup.world_size):
