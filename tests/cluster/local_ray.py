@@ -36,6 +36,11 @@ from govray.core.rayhead import processes_naming
 from tests.conftest import REPO
 
 AUTH = {"RAY_AUTH_MODE": "token"}
+# `ray start --block` on SIGTERM marks its node draining and waits up to 30 s (Ray 2.60's default)
+# for it to go idle before stopping its processes: a Serve proxy's grace, nothing a test's
+# teardown needs (a head that ran a job waited the whole 30 s). Tests that drain a node on
+# purpose use `ray drain-node`, which this does not change.
+NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def free_port() -> int:
@@ -130,7 +135,7 @@ class LocalRayCluster:
         with open(temp_dir / "ray-start.log", "wb") as log:
             process = subprocess.Popen(
                 command,
-                env=self.environment(**env),
+                env=self.environment(**{**NO_DRAIN_ON_SIGTERM, **env}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
