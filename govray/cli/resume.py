@@ -36,7 +36,8 @@ def resume(
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     now, before = config.resources.workers, configured.resources.workers
     elsewhere = (
-        f" on {now} workers (configured: {before}; each step keeps its run's slots, split among them)"
+        f" on {now} worker{'s' if now > 1 else ''} (configured: {before}; each step keeps its run's "
+        "slots, split among them)"
         if now != before
         else ""
     )
