@@ -260,3 +260,46 @@ def test_a_resume_on_another_world_size_is_asked_with_workers_and_validated_as_a
         ValueError, match="strategy fsdp shards the model across workers: it needs workers >= 2"
     ):
         on_workers(config, 1)
+
+
+def test_a_workers_rounds_sum_each_slots_masked_average_with_exact_zeros() -> None:
+    """One worker running a step's two slots (routes a and b) in rounds: each tensor's gradient is
+    the sum over the slots allowed to update it, each divided by the step's count for it (the
+    multiplications the governor does, bit for bit); a slot's forbidden gradient — a NaN here —
+    contributes an exact zero, not a NaN."""
+    from torch import nn
+
+    from govray.governance.allreduce import GradientGovernor
+    from govray.train.rounds import RoundSums
+
+    generator = torch.Generator().manual_seed(0)
+    names = ("shared", "only_a", "only_b")
+    parameters = [nn.Parameter(torch.randn(size, generator=generator)) for size in (3, 2, 4)]
+    allowed = [frozenset({"a", "b"}), frozenset({"a"}), frozenset({"b"})]
+    governor = GradientGovernor(list(zip(names, parameters, strict=True)), allowed)
+    counts = {"a": 2, "b": 3}
+    grads = {route: [torch.randn(p.shape, generator=generator) for p in parameters] for route in counts}
+    grads["b"][1] = torch.full_like(grads["b"][1], float("nan"))  # b may not update only_a
+    sums = RoundSums()
+    for number, route in enumerate(counts):
+        if number == 0:
+            governor.begin_step(0, route, counts)
+        else:
+            governor.begin_round(route)
+        for parameter, grad in zip(parameters, grads[route], strict=True):
+            parameter.grad = grad.clone()
+        governor.govern_local()
+        sums.set_aside(parameters)
+        assert all(parameter.grad is None for parameter in parameters)
+    sums.put_back()
+    governor.finish_step()
+
+    def inverse(count: int) -> torch.Tensor:
+        return torch.tensor([1.0 / count], dtype=torch.float32)
+
+    shared, only_a, only_b = (parameter.grad for parameter in parameters)
+    assert shared is not None and only_a is not None and only_b is not None
+    assert torch.equal(shared, grads["a"][0] * inverse(5) + grads["b"][0] * inverse(5))
+    assert torch.equal(only_a, grads["a"][1] * inverse(2))
+    assert torch.equal(only_b, grads["b"][2] * inverse(3))
+    assert governor.flags(torch.device("cpu")).sum() == 0, "the forbidden NaN raised no flag"
