@@ -144,6 +144,26 @@ def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) 
     return "ok", payload if rank == 0 else None
 
 
+def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
+    """Under a memorization rollback policy, a checkpoint at RESUME_AT that is itself the clean
+    state a rollback would return to."""
+    from govray.governance.memorization import MemorizationThresholds
+
+    spec = trained_spec(spec_json, strategy)
+    thresholds = MemorizationThresholds(loss_gap=0.5, action="rollback")
+    spec = spec.model_copy(
+        update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
+    )
+    fresh(folder, rank, world)
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    run = opened(spec, rank, world)
+    for step in range(RESUME_AT):
+        run.governed.step(step)
+    run.keep_clean(RESUME_AT)  # a validation found it clean
+    run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
+    return "ok", spec.model_dump_json()
+
+
 @pytest.fixture(scope="module")
 def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("world-resize")
@@ -303,3 +323,21 @@ def test_a_workers_rounds_sum_each_slots_masked_average_with_exact_zeros() -> No
     assert torch.equal(only_a, grads["a"][1] * inverse(2))
     assert torch.equal(only_b, grads["b"][2] * inverse(3))
     assert governor.flags(torch.device("cpu")).sum() == 0, "the forbidden NaN raised no flag"
+
+
+@pytest.mark.slow
+def test_a_rollback_target_in_another_layout_is_refused_by_a_sharded_run_on_every_rank(
+    signing_spec: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A 1-worker checkpoint that is the run's clean state, resumed by 2 FSDP ranks: they could
+    neither carry its shard files into their next checkpoint nor roll back to them, so both
+    refuse it, saying why."""
+    folder = Path(signing_spec.run_dir) / "clean-1"
+    with group(1, tmp_path_factory.mktemp("gloo1")) as one:
+        ((status, spec),) = one((clean_checkpoint, signing_spec.model_dump_json(), "ddp", folder)).values()
+    assert status == "ok", spec
+    with group(2, tmp_path_factory.mktemp("gloo2")) as two:
+        answers = two((resumed, spec, "fsdp", folder))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status, message)
+        assert "a rollback target (a clean state) written by an unsharded run" in message, message
