@@ -110,8 +110,7 @@ class WholeLayout:
         """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
         the shared files and reads its part of the optimizer state by verified ranges (its
         weights follow in ``load_weights``); every rank refuses if any did. The run continues
-        its schedule on this world (``train.rounds``); HSDP's shard groups are refused
-        (``_refuse_other_groups``)."""
+        its schedule on this world (``train.rounds``), HSDP only on its own (``_refuse_hsdp_elsewhere``)."""
         governed = run.governed
         loaded = agreed(
             lambda: load_resharded(
@@ -125,7 +124,7 @@ class WholeLayout:
             governed.worker,
             CheckpointError,
         )
-        self._refuse_other_groups(run, directory, loaded.state.sharding.get("shard_group"))
+        self._refuse_hsdp_elsewhere(run, directory, loaded)
         earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
         if earlier:
             raise CheckpointError(
@@ -133,6 +132,20 @@ class WholeLayout:
                 "a run under another strategy cannot roll back to them (resume it as it was written)"
             )
         return loaded
+
+    def _refuse_hsdp_elsewhere(self, run: TrialRun, directory: Path, loaded: LoadedCheckpoint) -> None:
+        """An HSDP checkpoint, or an HSDP run, on another world size is refused: reading
+        replicated shard groups by ranges onto another world is not proven exact (DDP <-> HSDP
+        on the same world size is read as before)."""
+        state, world = loaded.state, run.governed.worker.world_size
+        history = state.world_history or [(0, int(state.schedule["world_size"]))]
+        written = state.sharding.get("world_size", history[-1][1])
+        hsdp = state.sharding.get("shard_group") or run.governed.parallel.sharding().get("shard_group")
+        if hsdp and written != world:
+            raise CheckpointError(
+                f"{directory}: written by {written} worker(s), resumed by {world}: strategy hsdp "
+                "resumes on the world size it ran on"
+            )
 
     def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
         """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one

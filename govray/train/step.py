@@ -1,8 +1,9 @@
 """The governed step: what every worker does for one step of the schedule.
 
 Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot (one route and its
-rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
-governed allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
+rows; on a world smaller than the run's slots per step several, in rounds: ``train.rounds``);
+the trial gives per-example losses (under bf16 autocast when asked), backward runs the governed
+allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
 the slots that may update it, scaled by their example count) — after k-1 micro-batches
 accumulated under ``no_sync()`` when ``accumulation_steps`` is k (DDP; FSDP reduce-scatters each
 micro-batch into its sharded gradients and divides once) — then the parallelism twin
