@@ -86,7 +86,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     if resume is not None:
         start = run.restore(resume)
         worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
-        note(f"resumed from a verified checkpoint at step {start} (workers: {worlds})")
+        note(f"workers so far: {worlds}")
+        note(f"resumed from a verified checkpoint at step {start}")
     elif spec.start_checkpoint:
         run.start_from(Path(spec.start_checkpoint))
         note(f"starting from checkpoint {spec.start_checkpoint} (its step {run.source['step']})")
