@@ -291,9 +291,9 @@ def edited_trial_elsewhere(directory: Path) -> dict[str, str]:
     return environment
 
 
-def govray_elsewhere(directory: Path, *args: str) -> None:
+def govray_elsewhere(directory: Path, *args: str) -> str:
     """``python -m govray ARGS`` run from ``directory`` set up by ``edited_trial_elsewhere``;
-    fails unless it exits 0."""
+    fails unless it exits 0; returns what it printed."""
     done = subprocess.run(
         [sys.executable, "-m", "govray", *args],
         cwd=directory,
@@ -303,6 +303,7 @@ def govray_elsewhere(directory: Path, *args: str) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settle: float = 0.0) -> None:

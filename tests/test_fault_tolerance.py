@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
@@ -195,6 +195,25 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
         verify_checkpoint(checkpoint_copy, trust())
 
 
+def driver_killed_after_first_checkpoint(golden_run: GoldenRun, golden_example: Path) -> int:
+    """The golden configuration's ``jobs/train.py`` SIGKILLed after its first checkpoint: the
+    interrupted trial's id."""
+    store = golden_run.store
+    known = {trial.id for trial in store.list_trials(1)}
+    found: list[int] = []
+
+    def first_checkpoint_written() -> bool:
+        new = [t for t in store.list_trials(1) if t.id not in known]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+            found.append(new[0].id)  # type: ignore[arg-type]
+        return bool(found)
+
+    kill_driver_when("train.py", golden_example, first_checkpoint_written)
+    assert store.get_trial(found[0]).state == "active"  # nobody marked it done: the driver died
+    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    return found[0]
+
+
 @pytest.fixture(scope="module", params=["govray resume elsewhere", "jobs/train.py"])
 def resumed_after_driver_kill(
     request: pytest.FixtureRequest,
@@ -212,18 +231,7 @@ def resumed_after_driver_kill(
 
     store = golden_run.store
     known = {trial.id for trial in store.list_trials(1)}
-    found: list[int] = []
-
-    def first_checkpoint_written() -> bool:
-        new = [t for t in store.list_trials(1) if t.id not in known]
-        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
-            found.append(new[0].id)  # type: ignore[arg-type]
-        return bool(found)
-
-    kill_driver_when("train.py", golden_example, first_checkpoint_written)
-    trial_id = found[0]
-    assert store.get_trial(trial_id).state == "active"  # nobody marked it done: the driver died
-    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    trial_id = driver_killed_after_first_checkpoint(golden_run, golden_example)
     if request.param == "govray resume elsewhere":
         elsewhere = tmp_path_factory.mktemp("resume") / "elsewhere"
         govray_elsewhere(
@@ -253,3 +261,38 @@ def test_killed_driver_resumes_bit_identically(golden_run: GoldenRun, resumed_af
         json.loads((original / STATE_FILE).read_text())["ledger"]
         == json.loads((resumed / STATE_FILE).read_text())["ledger"]
     )
+
+
+@pytest.mark.slow  # a kill and a whole resumed Ray run: the slow tier
+def test_a_killed_driver_resumes_on_another_world_size_continuing_its_schedule(
+    golden_run: GoldenRun, golden_example: Path, tmp_path: Path
+) -> None:
+    """``govray resume EXPERIMENT --workers 1`` after the 2-worker golden run's driver died at
+    step 10: the run completes on one worker running both slots of each step, its ledger is the
+    2-worker run's exactly (it counts the schedule's slots), its weights are within the fp32
+    summation order of it, and its final checkpoint records the world sizes it trained on."""
+    store = golden_run.store
+    trial_id = driver_killed_after_first_checkpoint(golden_run, golden_example)
+    printed = govray_elsewhere(
+        tmp_path / "elsewhere",
+        "resume",
+        golden_run.config.name,
+        "--database",
+        golden_run.config.database_url,
+        "--workers",
+        "1",
+    )
+    assert "on 1 worker (configured: 2; each step keeps its run's slots" in printed, printed
+    trial = store.get_trial(trial_id)
+    assert trial.state == "completed"
+    resumed = final_checkpoint(Path(golden_run.config.storage_path) / "ray" / str(trial.ray_run_name))
+    original = final_checkpoint(golden_run.outcome.run_dir)
+    states = [json.loads((folder / STATE_FILE).read_text()) for folder in (original, resumed)]
+    assert states[0]["ledger"] == states[1]["ledger"]
+    assert states[1]["world_history"] == [[0, 2], [GOLDEN_REPORT_EVERY, 1]]
+    assert states[1]["schedule_digest"] == states[0]["schedule_digest"]
+    for name in ("model.safetensors", "adapter-pii-lora.safetensors"):
+        expected, found = load_file(str(original / name)), load_file(str(resumed / name))
+        assert expected.keys() == found.keys()
+        for tensor in expected:
+            torch.testing.assert_close(found[tensor], expected[tensor], rtol=1e-4, atol=1e-5, msg=tensor)

@@ -348,26 +348,6 @@ def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_on_every_
 
 
 @pytest.mark.parametrize(
-    ("resumed_as", "refusal"),
-    [
-        (
-            ("fsdp", 3),
-            "written by 2 worker(s), resumed by 3 sharded workers: a governed run resumes on the world",
-        ),
-        (("ddp", 3), "written by 2 worker(s), resumed by 3 workers: a governed run resumes on the world"),
-    ],
-    ids=["another-world-size", "unsharded-another-world-size"],
-)
-def test_a_sharded_checkpoint_resumes_only_on_its_own_world_size(
-    gloo_pair: Any, signing_spec: Any, resumed_as: tuple[str, int], refusal: str
-) -> None:
-    answers = gloo_pair(Task(signing_spec.model_dump_json(), "fsdp", resume_at=2, resumed_as=resumed_as))
-    for rank, (status, message) in answers.items():
-        assert status == "refused", (rank, status, message)
-        assert refusal in message, message
-
-
-@pytest.mark.parametrize(
     ("strategy", "resumed_as"), [("ddp", "fsdp"), ("fsdp", "ddp")], ids=["ddp-to-fsdp", "fsdp-to-ddp"]
 )
 def test_a_checkpoint_of_the_other_strategy_resumes_with_its_exact_state(

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.data.schedule import RouteLayout, ScheduleError, ScheduleEvent, ScheduleSpec
 from govray.data.shards import CorpusSummary, RouteSummary, ShardManifest
-from govray.data.slots import Slot, route_counts, slot, step_slots
+from govray.data.slots import EMPTY, Slot, rank_slots, route_counts, slot, step_slots
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -329,12 +329,31 @@ def test_inconsistent_inputs_are_refused_naming_the_problem(changes: dict[str, A
 
 def test_a_rank_or_step_outside_the_schedule_is_refused() -> None:
     spec = spec_of()
-    with pytest.raises(ScheduleError, match="rank 3 is outside the world of 3 workers"):
+    with pytest.raises(ScheduleError, match="slot 3 is outside the 3 slots of a step"):
         slot(spec, 0, 3)
+    with pytest.raises(ScheduleError, match="rank 2 is outside the world of 2 workers"):
+        rank_slots(spec, 0, 2, 2)
     with pytest.raises(ScheduleError, match="global step must be non-negative, not -1"):
         slot(spec, -1, 0)
     with pytest.raises(ScheduleError, match="route 'r' lists a corpus twice"):
         RouteLayout("r", (("x", 1), ("x", 2)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_any_world_size_runs_every_slot_of_a_step_exactly_once(world: int) -> None:
+    """S = 3 slots per step on W workers: every rank runs ceil(S / W) rounds, together every slot
+    exactly once (the rest empty stand-ins); with W = S slot r is rank r's, as before."""
+    spec = spec_of()
+    for step in range(spec.steps_per_epoch + 1):
+        runs = [rank_slots(spec, step, rank, world) for rank in range(world)]
+        assert {len(rounds) for rounds in runs} == {-(-spec.world_size // world)}
+        indices = sorted(index for rounds in runs for index, _ in rounds if index < spec.world_size)
+        assert indices == list(range(spec.world_size))
+        for rounds in runs:
+            for index, held in rounds:
+                assert held == (slot(spec, step, index) if index < spec.world_size else EMPTY)
+        if world == spec.world_size:
+            assert runs == [[(rank, slot(spec, step, rank))] for rank in range(world)]
 
 
 def test_rollback_events_round_trip_change_no_slot_and_leave_gate_documents_as_they_were() -> None:

@@ -13,17 +13,35 @@ from govray.tracking.store import TrackingStore
 def resume(
     experiment: str = typer.Argument(..., help="Experiment id or name in the tracking store."),
     database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        help="Resume on this many workers (default: the experiment's resources.workers); the "
+        "schedule keeps its slots per step, split among them.",
+    ),
 ) -> None:
     """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name."""
     from govray.platform.preflight import check_policy
-    from govray.platform.resume import resume_trial, use_interrupted_trial_code
+    from govray.platform.resume import on_workers, resume_trial, use_interrupted_trial_code
 
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
-    config = ExperimentConfig.model_validate_json(recorded.config_json)
+    configured = ExperimentConfig.model_validate_json(recorded.config_json)
+    try:
+        config = on_workers(configured, workers)
+    except ValueError as error:  # (pydantic's): e.g. an HSDP shard group that does not divide it
+        raise typer.BadParameter(str(error), param_hint="--workers") from None
     use_interrupted_trial_code(config, store, recorded)  # the recorded trial, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    console.print(f"resuming experiment {recorded.id} '{recorded.name}'")
+    now, before = config.resources.workers, configured.resources.workers
+    elsewhere = (
+        f" on {now} worker{'s' if now > 1 else ''} (configured: {before}; each step keeps its run's "
+        "slots, split among them)"
+        if now != before
+        else ""
+    )
+    console.print(f"resuming experiment {recorded.id} '{recorded.name}'{elsewhere}")
     with progress_bar() as update:
         outcome = resume_trial(config, checked, recorded, store, progress=update)
     report(outcome, checked, recorded)

@@ -13,9 +13,13 @@ Semantics of epoch ``e``:
    no row is dropped. A batch holds rows of one route only.
 3. All batches of all routes (policy order, then batch order) — ``B`` of them — are put in one
    order by a bijection on ``[0, B)`` keyed by ``derive_seed(seed, e)``.
-4. ``steps_per_epoch = ceil(B / world_size)``. At step ``s`` rank ``r`` reads batch
-   ``s * world_size + r`` of that order, or has an empty slot (route ``None``) past the end.
-   ``global_step = e * steps_per_epoch + s``.
+4. ``steps_per_epoch = ceil(B / world_size)``. At step ``s`` slot ``i`` holds batch
+   ``s * world_size + i`` of that order, or is empty (route ``None``) past the end.
+   ``global_step = e * steps_per_epoch + s``. ``world_size`` is the number of slots per step:
+   the run's world size when it started, fixed for the run (the JSON key keeps its name, so
+   every recorded spec and digest stays as it was). A world of W workers splits each step's
+   slots among its ranks (``govray.data.slots.rank_slots``); with W = world_size slot ``i`` is
+   rank ``i``'s.
 5. Exclusions and gates are a post-filter: the slot is computed as without them, then rows of an
    excluded corpus, or of a corpus gated by an event with ``event.step <= global_step``, are
    dropped (the route stays set). Excluding corpus X therefore leaves every other slot of every
@@ -135,8 +139,8 @@ class ScheduleSpec:
     """Every input of the schedule. Frozen and hashable; ``digest()`` is recorded in checkpoints."""
 
     seed: int
-    world_size: int
-    batch_size: int  # rows per worker per step (one slot)
+    world_size: int  # slots per step: the run's world size when it started (module docstring, 4.)
+    batch_size: int  # rows per slot
     routes: tuple[RouteLayout, ...]  # in policy order; routes with 0 rows allowed
     excluded_corpora: frozenset[str] = frozenset()
     events: tuple[ScheduleEvent, ...] = ()

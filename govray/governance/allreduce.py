@@ -127,9 +127,8 @@ class GradientGovernor:
         under fp16, the loss scale this worker's slot was multiplied by (its contribution is
         unscaled and checked for overflow before the sum)."""
         self.step = step
-        self.local_route = local_route
+        self.begin_round(local_route, loss_scale)
         self.group_counts = [sum(route_counts.get(route, 0) for route in group) for group in self.groups]
-        self.loss_scale = loss_scale
         # 1/count as the Python float rounded to fp32 (the value the fused unscale multiplies by),
         # sent to the gradients' device once per step: from pinned memory without waiting on a GPU.
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
@@ -140,6 +139,12 @@ class GradientGovernor:
         )
         self._device_inverses = {}
         self._inverse_of(0, device)
+
+    def begin_round(self, local_route: str | None, loss_scale: float | None = None) -> None:
+        """This worker's next slot of the step (a world smaller than the step's slots runs
+        several: ``data.slots.rank_slots``): its route and loss scale; the divisors stay the step's."""
+        self.local_route = local_route
+        self.loss_scale = loss_scale
 
     def count(self, index: int) -> int:
         """Examples of this step whose gradients may reach parameter ``index`` (its divisor)."""

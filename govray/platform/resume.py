@@ -45,6 +45,16 @@ def use_interrupted_trial_code(
         recorded_trial_code(open_storage(config.storage_path), trial)
 
 
+def on_workers(config: ExperimentConfig, workers: int | None) -> ExperimentConfig:
+    """``config`` with ``resources.workers`` set to ``workers`` (None: as it is), validated as a
+    config (an HSDP shard group must still divide it): a resume on another world size."""
+    if workers is None or workers == config.resources.workers:
+        return config
+    raw = config.model_dump(mode="json")
+    raw["resources"] = {**raw.get("resources", {}), "workers": workers}
+    return ExperimentConfig.model_validate(raw)
+
+
 def resume_trial(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -53,7 +63,9 @@ def resume_trial(
     *,
     progress: Progress | None = None,
 ) -> TrialOutcome:
-    """Continue the experiment's interrupted or paused trial from its latest checkpoint.
+    """Continue the experiment's interrupted or paused trial from its latest checkpoint, on
+    ``config.resources.workers`` workers (``on_workers``: another world size continues the
+    schedule exactly, each step's slots split among the workers: ``train.rounds``).
 
     The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
     the schedule from there, running the trial's recorded code. Refused if the policy changed

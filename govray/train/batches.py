@@ -2,9 +2,10 @@
 thread, into pinned memory on a GPU, split into the slot's micro-batches, and moved to the
 worker's device with ``non_blocking``.
 
-The step asks for its own slot and names the next one; while it computes, the next slot's rows
-are read and collated. A prefetched batch is used only for exactly the slot it was made for (a
-gate or a rollback that changes the schedule makes it a miss, collated on the spot). ``collate``
+The step asks for its own slots (one per round: ``data.slots.rank_slots``) and names the next
+step's; while it computes, those rows are read and collated. A prefetched batch is used only for
+exactly the slots it was made for (a gate or a rollback that changes the schedule makes it a
+miss, collated on the spot). ``collate``
 therefore runs in another thread: it must not draw from torch's global random generator (the
 step seeds it per step; augmentation belongs in ``loss``).
 
@@ -17,12 +18,12 @@ Example::
 
     batches = Prefetcher(rows.take, trial.collate, first_row, torch.device("cuda", 0), micro_batches=4)
     for step in steps:
-        parts = batches.take(slot_of(step), upcoming=slot_of(step + 1))   # 4 batches on the GPU
+        rounds = batches.take(slots_of(step), upcoming=slots_of(step + 1))  # per slot, 4 batches on the GPU
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -97,9 +98,12 @@ class Prefetcher:
         self.exactly = exactly  # always ``micro_batches`` of them (FSDP: see ``micro_batches``)
         self._pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="govray-collate")
-        self._ahead: tuple[Slot, Future[list[MicroBatch]]] | None = None
+        self._ahead: tuple[tuple[Slot, ...], Future[list[list[MicroBatch]]]] | None = None
 
-    def _prepare(self, slot: Slot) -> list[MicroBatch]:
+    def _prepare(self, slots: tuple[Slot, ...]) -> list[list[MicroBatch]]:
+        return [self._prepare_one(slot) for slot in slots]
+
+    def _prepare_one(self, slot: Slot) -> list[MicroBatch]:
         prepared = []
         for part in micro_batches(self._take(slot), self.parts, self.exactly):
             if part.num_rows:
@@ -113,18 +117,23 @@ class Prefetcher:
             ]
         return prepared
 
-    def take(self, slot: Slot, upcoming: Slot | None = None) -> list[MicroBatch]:
-        """The micro-batches of ``slot`` on the device; starts collating ``upcoming``."""
+    def take(self, slots: Sequence[Slot], upcoming: Sequence[Slot] | None = None) -> list[list[MicroBatch]]:
+        """The micro-batches of each of ``slots`` on the device; starts collating ``upcoming``."""
+        wanted = tuple(slots)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == slot:
+        if ahead is not None and ahead[0] == wanted:
             prepared = ahead[1].result()
         else:
             if ahead is not None:
                 ahead[1].cancel()
-            prepared = self._prepare(slot)
+            prepared = self._prepare(wanted)
         if upcoming is not None:
-            self._ahead = (upcoming, self._pool.submit(self._prepare, upcoming))
-        return [MicroBatch(on_device(part.batch, self.device), part.counted) for part in prepared]
+            following = tuple(upcoming)
+            self._ahead = (following, self._pool.submit(self._prepare, following))
+        return [
+            [MicroBatch(on_device(part.batch, self.device), part.counted) for part in parts]
+            for parts in prepared
+        ]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

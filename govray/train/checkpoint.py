@@ -131,6 +131,9 @@ class CheckpointState(BaseModel):
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
+    # [from_step, workers] each time the world size changed (resumed on another); empty in a
+    # checkpoint written before it was recorded: the schedule's slots per step from step 0.
+    world_history: list[tuple[int, int]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,6 @@ from govray.governance.adapter_files import load_adapter
 from govray.train.base_file import link_or_copy
 from govray.train.checkpoint import (
     OPTIMIZER_META,
-    STATE_FILE,
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_world_size,
@@ -94,28 +93,24 @@ class WholeLayout:
         fetch_referenced(directory, run.storage)
         if checkpoint_world_size(directory) is None:  # (unverified: what is loaded is verified)
             return load_checkpoint(directory, run.spec.trust)
-        agreed(lambda: self._fits_world(run, directory), run.governed.worker, CheckpointError)
-        return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads it all
+        agreed(lambda: self._written_by(run, directory), run.governed.worker, CheckpointError)
+        return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads its part
 
-    def _fits_world(self, run: TrialRun, directory: Path) -> int | None:
-        """The world size a checkpoint is sharded over (None: unsharded), a run of another world
-        size refused before any rank reads its tensors (read unverified from its state: a refusal
-        only; what is loaded is verified)."""
+    def _written_by(self, run: TrialRun, directory: Path) -> int | None:
+        """The world size a checkpoint is sharded over (None: unsharded), read unverified from
+        its state: it only chooses how the checkpoint is read, and what is loaded is verified."""
         worker = run.governed.worker
         fetch_part(directory, run.storage, worker.rank)
         try:
-            state = json.loads((directory / STATE_FILE).read_text())
-            sharded = checkpoint_world_size(directory)
+            return checkpoint_world_size(directory)
         except (OSError, ValueError):
             return worker.world_size  # unreadable: the verified load refuses it, naming the file
-        self._refuse_other_world(run, directory, state.get("schedule", {}).get("world_size", sharded))
-        return sharded
 
     def _load_other_layout(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
         the shared files and reads its part of the optimizer state by verified ranges (its
-        weights follow in ``load_weights``); every rank refuses if any did. Refused unless the
-        run resumes on the world size it ran on (``_refuse_other_world``)."""
+        weights follow in ``load_weights``); every rank refuses if any did. The run continues
+        its schedule on this world (``train.rounds``), HSDP only on its own (``_refuse_hsdp_elsewhere``)."""
         governed = run.governed
         loaded = agreed(
             lambda: load_resharded(
@@ -129,7 +124,7 @@ class WholeLayout:
             governed.worker,
             CheckpointError,
         )
-        self._refuse_other_world(run, directory, loaded.state.schedule.get("world_size"))
+        self._refuse_hsdp_elsewhere(run, directory, loaded)
         earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
         if earlier:
             raise CheckpointError(
@@ -138,18 +133,29 @@ class WholeLayout:
             )
         return loaded
 
-    def _refuse_other_world(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
-        """A run continues its schedule exactly only on the world size it ran on: its schedule
-        gives step s, rank r the batch s * W + r (``data.slots``). A checkpoint of another world
-        size loads (``train.reshard``), but resuming a run on it is refused until the schedule's
-        slots no longer depend on W (a step's global slots split among however many ranks there are)."""
-        world = run.governed.worker.world_size
-        if written_by != world:
-            kind = " sharded" if run.layout.every_rank_writes else ""
+    def _refuse_hsdp_elsewhere(self, run: TrialRun, directory: Path, loaded: LoadedCheckpoint) -> None:
+        """An HSDP checkpoint, or an HSDP run, on another world size is refused: reading
+        replicated shard groups by ranges onto another world is not proven exact (DDP <-> HSDP
+        on the same world size is read as before)."""
+        state, world = loaded.state, run.governed.worker.world_size
+        history = state.world_history or [(0, int(state.schedule["world_size"]))]
+        written = state.sharding.get("world_size", history[-1][1])
+        hsdp = state.sharding.get("shard_group") or run.governed.parallel.sharding().get("shard_group")
+        if hsdp and written != world:
             raise CheckpointError(
-                f"{directory}: written by {written_by or 'an unsharded run of'} worker(s), resumed by "
-                f"{world}{kind} workers: a governed run resumes on the world size it started with "
-                "(its schedule gives each worker its slots by the world size)"
+                f"{directory}: written by {written} worker(s), resumed by {world}: strategy hsdp "
+                "resumes on the world size it ran on"
+            )
+
+    def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
+        """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one
+        group of every rank, or not sharded): its files hold other parts of each tensor (an HSDP
+        checkpoint is read back only on its own layout)."""
+        groups = run.governed.parallel.sharding().get("shard_group")
+        if written_by != groups:
+            raise CheckpointError(
+                f"{directory}: sharded in groups of {written_by or 'every'} worker(s), resumed in groups "
+                f"of {groups or 'every'} worker(s): a governed run resumes on the layout it started with"
             )
 
     def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
@@ -190,16 +196,19 @@ class ShardedLayout(WholeLayout):
     def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """Each rank verifies and reads what it needs (the shared files, its own shards); every
         rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP, or
-        sharded over another world size) is read by verified ranges (``_load_other_layout``);
-        one of another world size is refused before any rank reads its tensors."""
+        sharded over another world size) is read by verified ranges (``_load_other_layout``)."""
         worker = run.governed.worker
-        written_by = agreed(lambda: self._fits_world(run, directory), worker, CheckpointError)
+        written_by = agreed(lambda: self._written_by(run, directory), worker, CheckpointError)
         if written_by != worker.world_size:
             return self._load_other_layout(run, directory)
         loaded = agreed(
             lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
         )
-        self._refuse_other_world(run, directory, loaded.state.sharding.get("world_size"))  # now verified
+        verified = loaded.state.sharding.get("world_size")
+        if verified != written_by:  # (the unverified read chose the layout: it must be the signed one)
+            raise CheckpointError(
+                f"{directory}: its signed state is sharded over {verified} workers, not {written_by}"
+            )
         self._refuse_other_groups(run, directory, loaded.state.sharding.get("shard_group"))
         return loaded
 
@@ -284,13 +293,3 @@ class ShardedLayout(WholeLayout):
         gathered: list[Any] = [None] * worker.world_size
         dist.all_gather_object(gathered, written, group=worker.host_group)
         return {name: digest for part in gathered for name, digest in part.items()}
-
-    def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
-        """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one
-        group of every rank): its files hold other parts of each tensor."""
-        groups = run.governed.parallel.sharding().get("shard_group")
-        if written_by != groups:
-            raise CheckpointError(
-                f"{directory}: sharded in groups of {written_by or 'every'} worker(s), resumed in groups "
-                f"of {groups or 'every'} worker(s): a governed run resumes on the layout it started with"
-            )

@@ -85,6 +85,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         note(f"passed over a newer checkpoint that does not verify: {reason}")
     if resume is not None:
         start = run.restore(resume)
+        worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
+        note(f"workers so far: {worlds}")
         note(f"resumed from a verified checkpoint at step {start}")
     elif spec.start_checkpoint:
         run.start_from(Path(spec.start_checkpoint))

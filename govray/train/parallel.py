@@ -120,6 +120,16 @@ class Single:
         """After the slot's last backward: every gradient masked, reduced and divided."""
         governor.govern_local()
 
+    def reduce_round(self, governor: GradientGovernor) -> list[nn.Parameter]:
+        """A step where this rank runs several slots (``train.rounds``), after a slot's last
+        backward: reduce what its route settles and return those tensors (their reduced
+        gradients are set aside and summed over the rounds)."""
+        self.reduce(governor)
+        return governor.parameters
+
+    def end_rounds(self, governor: GradientGovernor) -> None:
+        """After the last round, the rounds' sums back in place: what is reduced once per step."""
+
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
         return list(parameters)
 
@@ -219,6 +229,17 @@ class Sharded(Single):
     def reduce(self, governor: GradientGovernor) -> None:
         assert isinstance(governor, ShardedGovernor)
         governor.govern_sharded()  # each rank divides its shards; adapters reduced whole
+
+    def reduce_round(self, governor: GradientGovernor) -> list[nn.Parameter]:
+        """The adapters, reduced under this slot's route; the shards keep summing every round's
+        reduce-scatters (each masked by its own round's route) until ``end_rounds``."""
+        assert isinstance(governor, ShardedGovernor)
+        governor.reduce_replicated()
+        return governor.replicated
+
+    def end_rounds(self, governor: GradientGovernor) -> None:
+        assert isinstance(governor, ShardedGovernor)
+        governor.divide_shards()  # once per step: by the step's counts
 
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
         return optimizer_groups(parameters)

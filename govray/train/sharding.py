@@ -200,8 +200,22 @@ class ShardedGovernor(GradientGovernor):
     def govern_sharded(self) -> None:
         """After backward (the reduce-scatters done): reduce the whole (adapter) tensors in one
         flat buffer as DDP's hook does, and divide each rank's shards by their counts."""
+        self.reduce_replicated()
+        self.divide_shards()
+
+    @property
+    def replicated(self) -> list[nn.Parameter]:
+        """The tensors every rank holds whole (adapters)."""
+        return [self.parameters[index] for index in self._replicated]
+
+    def reduce_replicated(self) -> None:
+        """The whole (adapter) tensors masked by this slot's route, summed and averaged."""
         if self._replicated:
-            self.reduce_whole([self.parameters[index] for index in self._replicated])
+            self.reduce_whole(self.replicated)
+
+    def divide_shards(self) -> None:
+        """Each rank's shards (the reduce-scatters' sums of every slot of the step) divided by
+        their counts, flagging a non-finite value."""
         by_key: dict[tuple[int, int], list[torch.Tensor]] = {}
         for index, parameter in enumerate(self.parameters):
             if parameter.grad is None or not is_sharded(parameter):

@@ -58,6 +58,8 @@ class TrialRun:
         self.last_report: MemorizationReport | None = None
         self.run_name = spec.run_name or Path(spec.run_dir).name
         self.layout = governed.parallel.layout  # who writes checkpoints, where clean states live
+        # [from_step, workers]: the world sizes the run trained on (summation order follows them).
+        self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
 
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
@@ -129,6 +131,7 @@ class TrialRun:
             memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
             source=self.source,
             run=self.run_name,
+            world_history=self.world_history,
         )
 
     def save(
@@ -183,6 +186,7 @@ class TrialRun:
         its own part, every rank refusing if any did); returns the steps it had completed."""
         loaded = self.layout.load(self, directory)
         self.control.restore(loaded.state)
+        self._continue_world(loaded.state)
         self.rescheduled()
         self._check_schedule(directory, loaded.state)
         governed = self.governed
@@ -201,7 +205,34 @@ class TrialRun:
         self.control.snapshots = self.layout.clean_states(loaded)
         if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
             self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
+            if loaded.state.step in self.control.snapshots:
+                self._refuse_clean_elsewhere(directory, loaded.state)
         return loaded.state.step
+
+    def _continue_world(self, state: CheckpointState) -> None:
+        """The checkpoint's schedule continues (its slots per step, whatever this world's size:
+        ``train.rounds``), and this world size joins its history if it changed."""
+        slots = int(state.schedule["world_size"])
+        self.governed.resume_slots(slots)
+        history = list(state.world_history) or [(0, slots)]
+        world = self.governed.worker.world_size
+        if history[-1][1] != world:
+            history.append((state.step, world))
+        self.world_history = [(int(step), int(workers)) for step, workers in history]
+
+    def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
+        """Under FSDP a clean state is the checkpoint's shard files, carried into every later
+        checkpoint and read back by a rollback, each rank its own: those of another layout (a
+        resume on another world size, or from DDP) are not there to carry."""
+        world = self.governed.worker.world_size
+        if self.layout.every_rank_writes and state.sharding.get("world_size") != world:
+            written = state.sharding.get("world_size")
+            writer = f"{written} sharded workers" if written else "an unsharded run"
+            raise CheckpointError(
+                f"{directory}: a rollback target (a clean state) written by {writer}; a sharded "
+                f"run of {world} workers keeps its clean states in its own "
+                "shard files: resume it on the world size and strategy that wrote it"
+            )
 
     def start_from(self, directory: Path) -> None:
         """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters

@@ -1,8 +1,9 @@
 """The governed step: what every worker does for one step of the schedule.
 
 Read ``GovernedStep.step`` top to bottom: the schedule picks this worker's slot (one route and its
-rows), the trial gives per-example losses (under bf16 autocast when asked), backward runs the
-governed allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
+rows; on a world smaller than the run's slots per step several, in rounds: ``train.rounds``);
+the trial gives per-example losses (under bf16 autocast when asked), backward runs the governed
+allreduce (DDP's comm hook, or FSDP's reduce-scatter: each tensor's gradient masked to
 the slots that may update it, scaled by their example count) — after k-1 micro-batches
 accumulated under ``no_sync()`` when ``accumulation_steps`` is k (DDP; FSDP reduce-scatters each
 micro-batch into its sharded gradients and divides once) — then the parallelism twin
@@ -39,19 +40,20 @@ from govray.data.packed import PackedStore
 from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
-from govray.data.slots import Slot, slot
+from govray.data.slots import Slot, rank_slots
 from govray.data.step_rows import StepRows, step_rows
 from govray.governance.adapter_files import load_adapter
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
-from govray.train.batches import Prefetcher, on_device, row_batches
+from govray.train.batches import MicroBatch, Prefetcher, on_device, row_batches
 from govray.train.dashboard import GovernanceMetrics
 from govray.train.ledger import Ledger
 from govray.train.memory import checkpoint_activations
 from govray.train.parallel import Autocast, Fp16Scaling, NoScaling, Snapshot, parallelism
 from govray.train.probe import MemorizationProbe
+from govray.train.rounds import RoundSums, refuse_rounds
 from govray.train.runspec import RunSpec
 from govray.train.scaling import LossScaler
 from govray.train.seed_checkpoint import SeedCheckpoint, initial_model
@@ -117,6 +119,8 @@ class GovernedStep:
             if spec.packed_root
             else None
         )
+        # The schedule's slots per step: this world's size, or a resumed run's (``resume_slots``).
+        self.slots_per_step = worker.world_size
         self.schedule = self.scheduled([])
         self.route_names = [layout.route for layout in self.schedule.routes]
         # fp16's per-route loss scales (the trial's controller shares its own: TrialRun).
@@ -175,38 +179,35 @@ class GovernedStep:
     def step(self, step: int) -> tuple[torch.Tensor, int]:
         """One governed step; returns this worker's loss sum (a float64 device tensor: reading it
         is the caller's choice, at a boundary) and its example count."""
-        mine = slot(self.schedule, step, self.worker.rank)  # this worker's route and rows
-        every = step_rows(self.schedule, step)  # every worker's slot, summed by route: O(workers)
-        # Per-step seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
-        torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, self.worker.rank))
-        route = None if mine.empty else mine.route
+        # This worker's slots, one per round: its own slot when the world is the step's slots.
+        rounds = rank_slots(self.schedule, step, self.worker.rank, self.worker.world_size)
+        every = step_rows(self.schedule, step)  # every slot of the step, summed by route: O(slots)
         counts = self._divisors(every)
-        # fp16: this slot's loss is multiplied by its route's scale (and unscaled in the hook).
-        scale = self.scaling.scale(route)
-        self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
-        adapter = self.routing.adapter_names.get(route) if route is not None else None
-        upcoming = self._upcoming(step)
+        parts = self.batches.take([mine for _, mine in rounds], self._upcoming(step))  # collated ahead
         if not self.model.training:  # after a validation (train() walks every module)
             self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        with self.model.active(adapter):  # base weights never see another route's adapter
-            parts = self.batches.take(mine, upcoming)  # collated one step ahead, micro-batches
-            for index, part in enumerate(parts):
-                # The first k-1 micro-batches accumulate locally (forward and backward under
-                # no_sync; FSDP reduce-scatters each into its shards); after the last one's
-                # backward each tensor's gradient is masked to the routes that may update it,
-                # summed and divided by those routes' example count (not the world size).
-                last = index == len(parts) - 1
-                with contextlib.nullcontext() if last else self.parallel.no_sync(self.forward):
-                    with self.autocast():
-                        losses = self.trial.loss(self.forward, part.batch)  # one loss per example
-                        if not part.counted:
-                            losses = _selected_away(losses)
-                        total = losses.float().sum()
-                    (total if scale is None else total * scale).backward()
-                if part.counted:
-                    loss_sum += total.detach().double()
-        self.parallel.reduce(self.governor)  # what DDP's hook or FSDP's reduce-scatter did not
+        sums = RoundSums() if len(rounds) > 1 else None  # see train.rounds
+        for number, ((index, mine), pieces) in enumerate(zip(rounds, parts, strict=True)):
+            # Per-slot seeding: no RNG stream crosses a step, so a resume or a replay needs no RNG state.
+            torch.manual_seed(derive_seed(self.spec.seed, self.spec.trial_seed, step, index))
+            route = None if mine.empty else mine.route
+            # fp16: this slot's loss is multiplied by its route's scale (and unscaled in the hook).
+            scale = self.scaling.scale(route)
+            if number == 0:
+                self.governor.begin_step(step, route, counts, scale)  # the masks and divisors of this step
+            else:
+                self.governor.begin_round(route, scale)  # this slot's masks, the step's divisors
+            adapter = self.routing.adapter_names.get(route) if route is not None else None
+            with self.model.active(adapter):  # base weights never see another route's adapter
+                loss_sum += self._slot(pieces, scale)
+            if sums is not None:  # what this round reduced, set aside (train.rounds)
+                sums.set_aside(self.parallel.reduce_round(self.governor))
+        if sums is None:
+            self.parallel.reduce(self.governor)  # what DDP's hook or FSDP's reduce-scatter did not
+        else:
+            sums.put_back()
+            self.parallel.end_rounds(self.governor)
         # fp16: the routes that overflowed skip their tensors (a recorded decision)
         skip = self.scaling.skipped(step + 1, counts, self.governor, self.route_names)
         # grad None where no slot may update (no momentum, no decay); clip per group; a NaN
@@ -217,7 +218,28 @@ class GovernedStep:
         self.ledger.record_rows(every, self.routing, self.counts)  # from the schedule, not the gradients
         if self.exported is not None:
             self.exported.record_step(every.corpus_examples(), self.governor.masked_fraction())
-        return loss_sum, len(mine.rows)
+        return loss_sum, sum(len(mine.rows) for _, mine in rounds)
+
+    def _slot(self, parts: list[MicroBatch], scale: float | None) -> torch.Tensor:
+        """Forward and backward of one slot's micro-batches; returns their counted loss sum.
+
+        The first k-1 micro-batches accumulate locally (forward and backward under no_sync;
+        FSDP reduce-scatters each into its shards); after the last one's backward each tensor's
+        gradient is masked to the routes that may update it, summed and divided by those
+        routes' example count (not the world size)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            with contextlib.nullcontext() if last else self.parallel.no_sync(self.forward):
+                with self.autocast():
+                    losses = self.trial.loss(self.forward, part.batch)  # one loss per example
+                    if not part.counted:
+                        losses = _selected_away(losses)
+                    total = losses.float().sum()
+                (total if scale is None else total * scale).backward()
+            if part.counted:
+                loss_sum += total.detach().double()
+        return loss_sum
 
     def _divisors(self, every: StepRows) -> dict[str, int]:
         """What each route's summed gradient is divided by: its examples at this step, or under
@@ -239,11 +261,13 @@ class GovernedStep:
                 offset += count
         raise ConfigError("no training row outside the excluded corpora")  # the schedule refuses it first
 
-    def _upcoming(self, step: int) -> Slot | None:
-        """This worker's slot at the next step (what the prefetcher collates meanwhile)."""
+    def _upcoming(self, step: int) -> list[Slot] | None:
+        """This worker's slots at the next step (what the prefetcher collates meanwhile)."""
         if step + 1 >= self.spec.max_steps:
             return None
-        return slot(self.schedule, step + 1, self.worker.rank)
+        return [
+            mine for _, mine in rank_slots(self.schedule, step + 1, self.worker.rank, self.worker.world_size)
+        ]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -304,13 +328,20 @@ class GovernedStep:
         return ScheduleSpec.from_manifest(
             self.shards.manifest,
             seed=derive_seed(self.spec.seed, self.spec.trial_seed, "schedule"),
-            world_size=self.worker.world_size,
+            world_size=self.slots_per_step,
             batch_size=self.trial.batch_size,
             excluded_corpora=self.spec.excluded_corpora,
             events=events,
             version=self.spec.schedule_version,
             windows=self.packed.layouts() if self.packed is not None else None,
         )
+
+    def resume_slots(self, slots_per_step: int) -> None:
+        """Continue a run whose schedule has ``slots_per_step`` slots per step (its world size
+        when it started), whatever this world's size: each rank runs its share of them
+        (``train.rounds``); the caller reschedules."""
+        refuse_rounds(slots_per_step, self.worker.world_size, self.autocast.dtype is torch.float16)
+        self.slots_per_step = slots_per_step
 
     def set_lr_scale(self, scale: float) -> None:
         for group in self.optimizer.param_groups:

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +22,7 @@ from govray.core.logs import log_dir
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import find_checkpoints
+from tests.cluster.local_ray import LocalRayCluster
 from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
 
 # The governed step's outputs: what "bit-identical results" compares.
@@ -78,3 +86,50 @@ def finished_run(experiment: Path, storage: Path | None = None) -> FinishedRun:
         for rank, node in _RANK_NODE.findall(log.read_text()):
             nodes[int(rank)] = node
     return FinishedRun(store, trial, checkpoints[-1], nodes)
+
+
+def query_one(database: Path, sql: str) -> int | None:
+    """The first column of the query's first row, read with sqlite3 (opening a TrackingStore
+    would race the driver's migrations); None before the store or the row exists."""
+    try:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
+            found = connection.execute(sql).fetchone()
+    except sqlite3.OperationalError:  # not created yet
+        return None
+    return int(found[0]) if found and found[0] is not None else None
+
+
+def kill_driver_when(
+    cluster: LocalRayCluster,
+    script: str,
+    experiment: Path,
+    ready: Callable[[], int | None],
+    settle: float = 0,
+) -> int:
+    """``jobs/SCRIPT --config EXPERIMENT`` as a driver of the cluster, SIGKILLed ``settle`` s
+    after ``ready()`` first returns a value; returns that value."""
+    log = experiment.with_name(f"{script}.log")
+    with open(log, "w") as output:
+        driver = subprocess.Popen(
+            [sys.executable, f"jobs/{script}", "--config", str(experiment)],
+            cwd=REPO,
+            env=cluster.environment(RAY_ADDRESS=cluster.address),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 400
+    try:
+        while driver.poll() is None and time.monotonic() < deadline:
+            if (value := ready()) is not None:
+                time.sleep(settle)
+                driver.send_signal(signal.SIGKILL)
+                driver.wait(timeout=60)
+                return value
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    raise AssertionError(
+        f"jobs/{script} ended (rc {driver.returncode}) or timed out before it was ready: {log.read_text()}"
+    )

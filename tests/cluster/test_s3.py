@@ -10,13 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import sqlite3
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import closing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +25,14 @@ from govray.core.storage import StorageError, open_storage
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
 from govray.tracking.store import TrackingStore
-from tests.cluster.governed_job import MODEL_FILES, digits_experiment, finished_run
+from tests.cluster.governed_job import (
+    MODEL_FILES,
+    digits_experiment,
+    finished_run,
+    kill_driver_when,
+    query_one,
+)
 from tests.cluster.local_ray import LocalRayCluster, free_port
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.cluster
 
@@ -114,53 +114,6 @@ def on_s3(experiment: Path, database: Path) -> Path:
     raw["tracking"] = {"database": f"sqlite:///{database}"}  # required with remote storage
     experiment.write_text(yaml.safe_dump(raw, sort_keys=False))
     return experiment
-
-
-def query_one(database: Path, sql: str) -> int | None:
-    """The first column of the query's first row, read with sqlite3 (opening a TrackingStore
-    would race the driver's migrations); None before the store or the row exists."""
-    try:
-        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
-            found = connection.execute(sql).fetchone()
-    except sqlite3.OperationalError:  # not created yet
-        return None
-    return int(found[0]) if found and found[0] is not None else None
-
-
-def kill_driver_when(
-    cluster: LocalRayCluster,
-    script: str,
-    experiment: Path,
-    ready: Callable[[], int | None],
-    settle: float = 0,
-) -> int:
-    """``jobs/SCRIPT --config EXPERIMENT`` as a driver of the cluster, SIGKILLed ``settle`` s
-    after ``ready()`` first returns a value; returns that value."""
-    log = experiment.with_name(f"{script}.log")
-    with open(log, "w") as output:
-        driver = subprocess.Popen(
-            [sys.executable, f"jobs/{script}", "--config", str(experiment)],
-            cwd=REPO,
-            env=cluster.environment(RAY_ADDRESS=cluster.address),
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 400
-    try:
-        while driver.poll() is None and time.monotonic() < deadline:
-            if (value := ready()) is not None:
-                time.sleep(settle)
-                driver.send_signal(signal.SIGKILL)
-                driver.wait(timeout=60)
-                return value
-            time.sleep(0.1)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    raise AssertionError(
-        f"jobs/{script} ended (rc {driver.returncode}) or timed out before it was ready: {log.read_text()}"
-    )
 
 
 def test_an_s3_run_checkpoints_resumes_from_the_bucket_and_attests(

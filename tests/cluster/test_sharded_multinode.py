@@ -1,22 +1,26 @@
 """Governed FSDP and HSDP runs whose workers span two Ray nodes on this machine (CPU gloo): FSDP
 with one worker per node, HSDP with a shard group per node (2 x 2). Each run completes, every rank
 wrote its own shards into each signed checkpoint, and the last one verifies and holds the whole
-model put together from them: `python -m pytest -m cluster tests/cluster/test_sharded_multinode.py`.
+model put together from them; an FSDP run killed on 4 workers resumes on 2 (`govray resume
+--workers 2`) and continues its schedule:
+`python -m pytest -m cluster tests/cluster/test_sharded_multinode.py`.
 (That HSDP's update equals FSDP's and keeps every exactness promise is ``tests/test_hsdp.py``.)"""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from govray.core.keys import platform_key, platform_trust
 from govray.train.checkpoint import MODEL_FILE, STATE_FILE, shard_owner, verify_checkpoint
 from govray.train.whole_file import whole_tensors
-from tests.cluster.governed_job import digits_experiment, finished_run
+from tests.cluster.governed_job import digits_experiment, finished_run, kill_driver_when, query_one
 from tests.cluster.local_ray import LocalRayCluster
 
 pytestmark = pytest.mark.cluster
@@ -75,3 +79,43 @@ def test_a_sharded_run_across_two_nodes_completes_with_every_ranks_shards_signed
     # The whole model, streamed from the verified shards, holds every tensor of the trial's model.
     whole = dict(whole_tensors(folder, trust))
     assert whole and all(tensor.numel() for tensor in whole.values())
+
+
+def test_a_sharded_run_killed_on_four_workers_resumes_on_two_continuing_its_schedule(
+    two_nodes: LocalRayCluster, tmp_path: Path
+) -> None:
+    """FSDP on 4 workers across the two nodes, its driver killed after the step-5 checkpoint, then
+    ``govray resume --workers 2``: each of the 2 ranks runs 2 of each step's 4 slots. The run
+    completes with the uninterrupted 4-worker run's ledger exactly, weights within the fp32
+    summation order of it, its shards over 2 ranks and its world-size history signed."""
+    steps = 15
+    setup = {"steps": steps, "placement": "SPREAD", "workers": 4, "sharding": {"strategy": "fsdp"}}
+    reference = digits_experiment(tmp_path / "reference", **setup)  # type: ignore[arg-type]
+    job = two_nodes.govray("run", str(reference))
+    assert job.returncode == 0, job.stdout + job.stderr
+    uninterrupted = finished_run(reference)
+    experiment = digits_experiment(tmp_path / "killed", **setup)  # type: ignore[arg-type]
+    database = experiment.parent / "storage" / "govray.db"
+    first = "SELECT trial_id FROM checkpoints WHERE step = 5"
+    trial_id = kill_driver_when(two_nodes, "train.py", experiment, lambda: query_one(database, first))
+    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    job = two_nodes.govray(
+        "resume", "digits-governed", "--database", f"sqlite:///{database}", "--workers", "2"
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "on 2 workers (configured: 4;" in job.stdout, job.stdout
+    run = finished_run(experiment)
+    assert run.trial.id == trial_id and run.trial.state == "completed"
+    states = [json.loads((r.final_checkpoint / STATE_FILE).read_text()) for r in (uninterrupted, run)]
+    assert states[1]["sharding"] == {"world_size": 2}
+    (_, four), (resumed_at, two) = states[1]["world_history"]  # (the orphaned workers may add step 10)
+    assert (four, two) == (4, 2) and resumed_at in (5, 10), states[1]["world_history"]
+    assert states[1]["ledger"] == states[0]["ledger"]
+    trust = platform_trust(platform_key())
+    expected, found = (
+        dict(whole_tensors(uninterrupted.final_checkpoint, trust)),
+        dict(whole_tensors(run.final_checkpoint, trust)),
+    )
+    assert expected.keys() == found.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(found[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,343 @@
+"""A run resumed on another world size continues its schedule exactly (issue 32, item 6; the
+ground of elastic training): a step keeps the S slots it had when the run started, and a world
+of W ranks runs them in ceil(S / W) rounds (``train.rounds``).
+
+For the golden trial (three routes, the PII adapter, per-group clipping, AdamW with decay), the
+public corpus excluded so that no slot may update the embedding:
+
+- a 4-rank FSDP checkpoint resumed on 2 and on 3 ranks, a 2-rank DDP one on 1 rank and a
+  1-rank one on 2: the resumed run, checkpointed again on its new world and resumed from there,
+  ends bit for bit where the uninterrupted run on the new world ends; that run's weights equal
+  the original world's within the fp32 summation order; the embedding is the initial one bit
+  for bit; the ledger (from the schedule) is the original world's exactly; the world-size
+  history is signed into the checkpoint;
+- a flipped byte in a shard one rank reads is refused on every rank, naming the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from govray.config.experiment import ExperimentConfig, ParallelStrategy
+from govray.core.keys import KeyRole, SigningKey, platform_trust
+from govray.platform.resume import on_workers
+from govray.train.checkpoint import shard_file
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
+from tests.conftest import GoldenRun
+from tests.gloo_group import persistent_group
+from tests.test_engine import run_spec
+from tests.test_fsdp import ADAMW, PUBLIC, whole
+
+# The resumes are slow: gloo groups of 4, 2, 3 and 1 spawned ranks, each training the golden trial.
+STEPS = 8
+RESUME_AT = 3  # the original world's checkpoint
+AGAIN_AT = 5  # the new world's own checkpoint
+
+
+def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    while (task := tasks.get()) is not None:
+        try:
+            results.put((rank, *task[0](rank, world, *task[1:])))
+        except Exception:
+            results.put((rank, "crash", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def trained_spec(spec_json: str, strategy: str) -> Any:
+    """The golden run's spec under ``strategy``, AdamW with decay, the public corpus excluded."""
+    from govray.train.runspec import RunSpec
+
+    spec = RunSpec.model_validate_json(spec_json)
+    assert spec.settings is not None
+    hparams = {**spec.hparams, **ADAMW}
+    return spec.model_copy(
+        update={
+            "strategy": ParallelStrategy(strategy),
+            "excluded_corpora": (PUBLIC,),
+            "hparams": hparams,
+            "settings": spec.settings.with_hyperparameters(hparams),
+        }
+    )
+
+
+def opened(spec: Any, rank: int, world: int) -> Any:
+    from govray.train.state import TrialRun
+    from govray.train.worker import Worker
+
+    worker = Worker.detect()
+    assert (worker.rank, worker.world_size) == (rank, world)
+    return TrialRun.open(spec, worker)
+
+
+def fresh(folder: Path, rank: int, world: int) -> None:
+    """``folder`` gone (an earlier task's), every rank waiting for it."""
+    import torch.distributed as dist
+
+    if rank == 0 and folder.exists():
+        shutil.rmtree(folder)
+    dist.barrier()
+
+
+def original(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
+    """The original world: a checkpoint at RESUME_AT, then on to STEPS uninterrupted:
+    ``("ok", (initial, final, ledger))`` on rank 0."""
+    spec = trained_spec(spec_json, strategy)
+    fresh(folder, rank, world)
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    run = opened(spec, rank, world)
+    initial = whole(run.governed.model)
+    for step in range(RESUME_AT):
+        run.governed.step(step)
+    run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
+    for step in range(RESUME_AT, STEPS):
+        run.governed.step(step)
+    final = whole(run.governed.model)
+    return "ok", (initial, final, run.governed.ledger.to_json()) if rank == 0 else None
+
+
+def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
+    """On this world: resumed from ``folder`` and trained to STEPS uninterrupted; then resumed
+    again, checkpointed at AGAIN_AT, resumed from that and trained to STEPS:
+    ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on rank 0, or
+    ``("refused", message)``."""
+    from govray.train.checkpoint import CheckpointError, load_checkpoint
+
+    spec = trained_spec(spec_json, strategy)
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    again = folder.parent / f"{folder.name}-again-{world}"
+    fresh(again, rank, world)
+    reference = opened(spec, rank, world)
+    try:
+        start = reference.restore(folder)
+    except CheckpointError as error:
+        return "refused", str(error)
+    assert start == RESUME_AT
+    for step in range(start, STEPS):
+        reference.governed.step(step)
+    uninterrupted = whole(reference.governed.model)
+    first = opened(spec, rank, world)
+    first.restore(folder)
+    for step in range(RESUME_AT, AGAIN_AT):
+        first.governed.step(step)
+    first.save(again, AGAIN_AT, key, {"step": AGAIN_AT})
+    second = opened(spec, rank, world)
+    assert second.restore(again) == AGAIN_AT
+    for step in range(AGAIN_AT, STEPS):
+        second.governed.step(step)
+    interrupted = whole(second.governed.model)
+    history = load_checkpoint(again, spec.trust, rank).state.world_history
+    slots = second.governed.schedule.world_size
+    payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
+    return "ok", payload if rank == 0 else None
+
+
+def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
+    """Under a memorization rollback policy, a checkpoint at RESUME_AT that is itself the clean
+    state a rollback would return to."""
+    from govray.governance.memorization import MemorizationThresholds
+
+    spec = trained_spec(spec_json, strategy)
+    thresholds = MemorizationThresholds(loss_gap=0.5, action="rollback")
+    spec = spec.model_copy(
+        update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
+    )
+    fresh(folder, rank, world)
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    run = opened(spec, rank, world)
+    for step in range(RESUME_AT):
+        run.governed.step(step)
+    run.keep_clean(RESUME_AT)  # a validation found it clean
+    run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
+    return "ok", spec.model_dump_json()
+
+
+@pytest.fixture(scope="module")
+def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("world-resize")
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    private, _ = key.save(root / "platform")
+    return run_spec(golden_run).model_copy(
+        update={"platform_key": str(private), "trust": platform_trust(key), "run_dir": str(root / "run")}
+    )
+
+
+def group(world: int, directory: Path) -> Any:
+    return persistent_group(functools.partial(rank_main, world=world), directory, world, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_rank_fsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    folder = Path(signing_spec.run_dir) / "fsdp-4"
+    with group(4, tmp_path_factory.mktemp("gloo4")) as run:
+        answers = run((original, signing_spec.model_dump_json(), "fsdp", folder))
+    assert all(status == "ok" for status, _ in answers.values()), answers
+    return folder, answers[0][1]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def smaller(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with group(request.param, tmp_path_factory.mktemp("gloo")) as run:
+        yield request.param, run
+
+
+def assert_continues_exactly(
+    original_world: tuple[Any, Any, Any], payload: Any, slots: int, world: int, resumed_at: int
+) -> None:
+    initial, final, ledger = original_world
+    uninterrupted, interrupted, resumed_ledger, kept_slots, history = payload
+    assert kept_slots == slots, "the schedule keeps the slots per step it started with"
+    assert [list(entry) for entry in history] == [[0, slots], [resumed_at, world]]
+    embedding = [name for name in initial if name.startswith("base.embed.")]
+    assert embedding and any(".lora_" in name for name in initial), (
+        "forbidden tensors and the adapter in play"
+    )
+    for name in initial:
+        assert torch.equal(interrupted[name], uninterrupted[name]), f"{name}: bit-identical continuation"
+        if name in embedding:
+            assert torch.equal(uninterrupted[name], initial[name]), f"{name}: no slot may update it"
+        else:
+            # Trained exactly where the original world trained it (a route with no slot yet: untouched).
+            untouched = torch.equal(final[name], initial[name])
+            assert torch.equal(uninterrupted[name], initial[name]) == untouched, name
+            torch.testing.assert_close(uninterrupted[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+    trained = [name for name in initial if not torch.equal(uninterrupted[name], initial[name])]
+    assert len(trained) >= len(initial) - len(embedding) - 2, f"the comparison is not vacuous: {trained}"
+    assert resumed_ledger == ledger, "the ledger counts every slot of every step, whatever the world"
+
+
+@pytest.mark.slow
+def test_a_four_rank_fsdp_checkpoint_continues_exactly_on_two_and_three_ranks(
+    signing_spec: Any, four_rank_fsdp: tuple[Path, Any], smaller: tuple[int, Any]
+) -> None:
+    folder, original_world = four_rank_fsdp
+    world, run = smaller
+    answers = run((resumed, signing_spec.model_dump_json(), "fsdp", folder))
+    for rank, (status, payload) in answers.items():
+        assert status == "ok", (rank, payload)
+    assert_continues_exactly(original_world, answers[0][1], slots=4, world=world, resumed_at=RESUME_AT)
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_shard_one_rank_reads_is_refused_on_every_rank_naming_it(
+    signing_spec: Any, four_rank_fsdp: tuple[Path, Any], smaller: tuple[int, Any], tmp_path: Path
+) -> None:
+    """A copy of the 4-rank checkpoint with a byte flipped in source rank 3's model shard (rows
+    only the last new rank reads)."""
+    source, _ = four_rank_fsdp
+    _, run = smaller
+    folder = tmp_path / "tampered"
+    shutil.copytree(source, folder)
+    tampered = folder / shard_file("model", 3, 4)
+    data = bytearray(tampered.read_bytes())
+    data[-5] ^= 0x01
+    tampered.write_bytes(bytes(data))
+    for rank, (status, message) in run((resumed, signing_spec.model_dump_json(), "fsdp", folder)).items():
+        assert status == "refused", (rank, status, message)
+        assert str(tampered) in message and "does not match" in message, message
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_continues_exactly_on_one_rank_fewer_and_one_more(
+    signing_spec: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """2 ranks -> 1 (two rounds a step) and 1 rank -> 2 (the second rank's slot always empty)."""
+    spec = signing_spec.model_dump_json()
+    pair, single = Path(signing_spec.run_dir) / "ddp-2", Path(signing_spec.run_dir) / "ddp-1"
+    with group(2, tmp_path_factory.mktemp("gloo2")) as two, group(1, tmp_path_factory.mktemp("gloo1")) as one:
+        written = {2: two((original, spec, "ddp", pair)), 1: one((original, spec, "ddp", single))}
+        for answers in written.values():
+            assert all(status == "ok" for status, _ in answers.values()), answers
+        on_one, on_two = one((resumed, spec, "ddp", pair)), two((resumed, spec, "ddp", single))
+    for answers in (on_one, on_two):
+        assert all(status == "ok" for status, _ in answers.values()), answers
+    assert_continues_exactly(written[2][0][1], on_one[0][1], slots=2, world=1, resumed_at=RESUME_AT)
+    assert_continues_exactly(written[1][0][1], on_two[0][1], slots=1, world=2, resumed_at=RESUME_AT)
+
+
+def test_a_resume_on_another_world_size_is_asked_with_workers_and_validated_as_a_config() -> None:
+    """``govray resume --workers N``: the recorded config with ``resources.workers`` N, everything
+    else as it was; a world the strategy cannot run is refused as a config is."""
+    raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    config = ExperimentConfig.model_validate({**raw, "resources": {"strategy": "fsdp", "workers": 4}})
+    assert on_workers(config, None) is config and on_workers(config, 4) is config
+    three = on_workers(config, 3)
+    assert three.resources.workers == 3
+    assert three.model_copy(update={"resources": config.resources}) == config
+    with pytest.raises(
+        ValueError, match="strategy fsdp shards the model across workers: it needs workers >= 2"
+    ):
+        on_workers(config, 1)
+
+
+def test_a_workers_rounds_sum_each_slots_masked_average_with_exact_zeros() -> None:
+    """One worker running a step's two slots (routes a and b) in rounds: each tensor's gradient is
+    the sum over the slots allowed to update it, each divided by the step's count for it (the
+    multiplications the governor does, bit for bit); a slot's forbidden gradient — a NaN here —
+    contributes an exact zero, not a NaN."""
+    from torch import nn
+
+    from govray.governance.allreduce import GradientGovernor
+    from govray.train.rounds import RoundSums
+
+    generator = torch.Generator().manual_seed(0)
+    names = ("shared", "only_a", "only_b")
+    parameters = [nn.Parameter(torch.randn(size, generator=generator)) for size in (3, 2, 4)]
+    allowed = [frozenset({"a", "b"}), frozenset({"a"}), frozenset({"b"})]
+    governor = GradientGovernor(list(zip(names, parameters, strict=True)), allowed)
+    counts = {"a": 2, "b": 3}
+    grads = {route: [torch.randn(p.shape, generator=generator) for p in parameters] for route in counts}
+    grads["b"][1] = torch.full_like(grads["b"][1], float("nan"))  # b may not update only_a
+    sums = RoundSums()
+    for number, route in enumerate(counts):
+        if number == 0:
+            governor.begin_step(0, route, counts)
+        else:
+            governor.begin_round(route)
+        for parameter, grad in zip(parameters, grads[route], strict=True):
+            parameter.grad = grad.clone()
+        governor.govern_local()
+        sums.set_aside(parameters)
+        assert all(parameter.grad is None for parameter in parameters)
+    sums.put_back()
+    governor.finish_step()
+
+    def inverse(count: int) -> torch.Tensor:
+        return torch.tensor([1.0 / count], dtype=torch.float32)
+
+    shared, only_a, only_b = (parameter.grad for parameter in parameters)
+    assert shared is not None and only_a is not None and only_b is not None
+    assert torch.equal(shared, grads["a"][0] * inverse(5) + grads["b"][0] * inverse(5))
+    assert torch.equal(only_a, grads["a"][1] * inverse(2))
+    assert torch.equal(only_b, grads["b"][2] * inverse(3))
+    assert governor.flags(torch.device("cpu")).sum() == 0, "the forbidden NaN raised no flag"
+
+
+@pytest.mark.slow
+def test_a_rollback_target_in_another_layout_is_refused_by_a_sharded_run_on_every_rank(
+    signing_spec: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A 1-worker checkpoint that is the run's clean state, resumed by 2 FSDP ranks: they could
+    neither carry its shard files into their next checkpoint nor roll back to them, so both
+    refuse it, saying why."""
+    folder = Path(signing_spec.run_dir) / "clean-1"
+    with group(1, tmp_path_factory.mktemp("gloo1")) as one:
+        ((status, spec),) = one((clean_checkpoint, signing_spec.model_dump_json(), "ddp", folder)).values()
+    assert status == "ok", spec
+    with group(2, tmp_path_factory.mktemp("gloo2")) as two:
+        answers = two((resumed, spec, "fsdp", folder))
+    for rank, (status, message) in answers.items():
+        assert status == "refused", (rank, status, message)
+        assert "a rollback target (a clean state) written by an unsharded run" in message, message
