@@ -23,7 +23,7 @@ from govray.core.storage import open_storage
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search_progress import SearchState
-from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _segmented_trial, ends_trial
+from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.provenance.verify import verify_attestation
@@ -327,13 +327,13 @@ def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_na
 def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     golden_run: GoldenRun, tmp_path: Path
 ) -> None:
-    """The same for N workers: one more segment (Ray Train inside the Tune trial) checkpoints the
+    """The same for N workers: one Ray Train run inside the Tune trial checkpoints the
     donor's state under the clone's name, and Tune keeps it as the trial's checkpoint."""
     donor, spec = _clone_of_final_checkpoint(golden_run.outcome.run_dir, tmp_path / "clone")
     config = golden_run.config
 
     def trial(params: dict[str, Any]) -> None:
-        _segmented_trial(config, open_storage(config.storage_path), spec)
+        _continuous_trial(config, open_storage(config.storage_path), spec)
 
     tuner = tune.Tuner(
         tune.with_resources(trial, {"memory": TUNE_TRIAL_MEMORY}),

@@ -3,11 +3,11 @@
 A strategy (``searchers/`` — grid, random, asha, pbt, bayesian) turns the experiment's
 ``searcher:`` section into a ``TunePlan``: the parameter space, a search algorithm and a trial
 scheduler. govray finds strategies through the ``govray.searchers`` entry points, so it never
-imports ``searchers/``. Each Tune trial runs the governed training loop: one worker in Train V2
-local mode inside the Tune trial, N workers in a nested ``TorchTrainer``. At every validation it
-reports ``objective = metric ± λ·memorization_score`` (all-reduced over ranks), with a signed
-govray checkpoint as the Tune checkpoint, so ASHA stops memorizers and PBT clones a donor's full
-state (weights, optimizer, ledger).
+imports ``searchers/``. Each Tune trial runs the governed training loop: one worker inside the
+Tune trial, N workers in one nested ``TorchTrainer`` run that keeps its workers across rungs. At
+every validation it reports ``objective = metric ± λ·memorization_score`` (all-reduced over
+ranks), with a signed govray checkpoint as the Tune checkpoint, so ASHA stops memorizers and PBT
+clones a donor's full state (weights, optimizer, ledger).
 
 The driver's ``SearchTracking`` (a Tune ``Callback``) is the only writer of the search's rows:
 trials, states, metrics, checkpoints, decisions, ledgers.
@@ -184,6 +184,10 @@ def search_planned(
                     else plan.max_concurrent_trials,
                     search_alg=plan.search_alg,
                     scheduler=plan.scheduler,
+                    # A 1-worker trial trains in the Tune actor: a reused one saves its start and
+                    # imports (per-step seeding: nothing of an earlier trial reaches the next).
+                    # An N-worker trial's run is owned by its actor, which must end with it.
+                    reuse_actors=config.resources.workers == 1,
                 ),
                 run_config=ray.tune.RunConfig(
                     name=path.name,

@@ -2,7 +2,8 @@
 
 Each Tune trial gets a ``RunRecorder`` (one owner per row): its trial row (found by run name when
 a restored search meets it again), states, reports, checkpoints, decisions, ledgers and
-attestations; checkpoint GC runs over every trial's recorded checkpoints.
+attestations; checkpoint GC runs over every trial's recorded checkpoints. Its ``PlacementGuard``
+frees the placement group of each N-worker trial that stops running (Ray would keep it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ray.tune
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.storage import Storage
+from govray.platform.placement_guard import PlacementGuard
 from govray.platform.recorder import GcSettings, RunRecorder
 from govray.platform.runner import last_step
 from govray.platform.search_trial import trial_run_name
@@ -45,6 +47,7 @@ class SearchTracking(ray.tune.Callback):
         self.gc = gc
         self._store: TrackingStore | None = None
         self.recorders: dict[str, RunRecorder] = {}  # Tune trial id → its trial's recorder
+        self.guard = PlacementGuard()
 
     @property
     def store(self) -> TrackingStore:
@@ -87,6 +90,7 @@ class SearchTracking(ray.tune.Callback):
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
+        self.guard.note(trial.trial_id, result)
         recorder = self.recorder(trial)
         for report in tune_reports(result):
             recorder.record_once(report)  # a restarted trial re-reports the steps after its checkpoint
@@ -101,7 +105,15 @@ class SearchTracking(ray.tune.Callback):
     def collect_garbage(self) -> None:
         RunRecorder.collect_all(self.store, self.gc, self.storage)
 
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        # A paused trial (PBT) or one that errored: its run's group goes too.
+        self.guard.sweep(t.trial_id for t in trials if t.status == "RUNNING")
+
+    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+        self.guard.release_all()
+
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.guard.release(trial.trial_id)  # ASHA's stop: Tune dropped the trial's actor mid-run
         row_id = self.row(trial)
         if not trial.last_result.get(LAST_KEY):  # stopped by the scheduler first: a recorded early stop
             seq = len(self.store.decisions(row_id))
@@ -122,6 +134,7 @@ class SearchTracking(ray.tune.Callback):
         self._close_events(trial)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.guard.release(trial.trial_id)
         self.store.set_trial_state(self.row(trial), TrialState.ERRORED)
         self._close_events(trial)
 

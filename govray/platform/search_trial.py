@@ -1,14 +1,17 @@
 """What runs inside a Tune trial of a search: one governed trial, planned there for its sample.
 
-One worker trains in the Tune trial's own process (``TuneSession``); N workers train in nested
-``TorchTrainer`` segments between validations, each ending with a signed checkpoint that becomes
-the Tune checkpoint (so PBT can hand any trial's state to another). Every report reaches Tune with
-its validation.
+One worker trains in the Tune trial's own process (``TuneSession``); N workers train in one nested
+``TorchTrainer`` run that keeps its worker group across rungs, while the Tune trial relays its
+reports: each validation reaches Tune with its signed checkpoint as the Tune checkpoint (so PBT can
+hand any trial's state to another). A trial Tune stops has its run's placement group removed here
+and by the driver (``govray.platform.placement_guard``).
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,23 +24,32 @@ from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
 from govray.data.schedule import SCHEDULE_VERSION
-from govray.platform.plan import plan_run
+from govray.platform.placement_guard import PLACES_KEY
+from govray.platform.plan import control_path, plan_run
 from govray.platform.preflight import CheckedPolicy
 from govray.platform.runner import governed_trainer
 from govray.train.base_file import materialize_base
-from govray.train.checkpoint import checkpoint_step
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
 from govray.train.run_checkpoints import (
     checkpoint_report,
-    checkpoint_run,
     checkpoint_schedule_version,
     newest_verified_checkpoint,
+    present_checkpoint,
 )
 from govray.train.runspec import RunSpec
-from govray.train.session import LAST_KEY, TuneSession, open_sink, taken_reports, tune_result
+from govray.train.session import (
+    LAST_KEY,
+    TuneSession,
+    WorkerPlace,
+    open_sink,
+    taken_reports,
+    tune_result,
+    worker_places,
+)
 
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
+RELAY_PERIOD = 0.2  # seconds between the Tune trial's looks at its run's reports
 
 
 class SearchError(GovrayError):
@@ -89,7 +101,7 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
         if config.resources.workers == 1:
             _local_trial(spec)
         else:
-            _segmented_trial(config, plan.storage, spec)
+            _continuous_trial(config, plan.storage, spec)
 
 
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
@@ -105,53 +117,105 @@ def _local_trial(spec: RunSpec) -> None:
     train_worker(spec.model_dump(mode="json"), session=TuneSession)
 
 
-def _segment_reports(reported: list[StepReport], last: StepReport) -> list[StepReport]:
-    """The segment's reports in step order, ending with its result (a restarted worker group
-    re-reports the steps after its checkpoint: the later copy counts)."""
-    by_step = {report.step: report for report in reported if report.step <= last.step}
-    by_step[last.step] = last
-    return [by_step[step] for step in sorted(by_step)]
+class _Relay:
+    """The Tune side of a trial's Ray Train run: the reports its sink queued, relayed to Tune at
+    each validation with that validation's verified checkpoint (what PBT clones). A restarted
+    worker group re-reports the steps after its checkpoint: the later copy counts."""
 
+    def __init__(self, spec: RunSpec, storage: Storage, sink: Any) -> None:
+        self.spec, self.storage, self.sink = spec, storage, sink
+        self.pending: dict[int, StepReport] = {}  # by step, since the last relayed validation
+        self.relayed = 0  # the step of the last validation relayed
+        self.places: dict[int, WorkerPlace] = {}
 
-def _segmented_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec) -> None:
-    """N workers in nested TorchTrainers, one per segment between validations. Each segment ends
-    with a signed checkpoint that becomes the Tune checkpoint, so Tune (PBT) can hand any trial's
-    state to another; the next segment resumes from it under a fresh Ray Train run name. Every
-    report of the segment reaches Tune with its validation."""
-    from ray.train import Checkpoint
+    def take(self) -> None:
+        """Relay every validation the run reported since the last look, but not its last report
+        (that one waits for the run's end: ``finish``)."""
+        for report in taken_reports(self.sink):
+            if report.step > self.relayed:
+                self.pending[report.step] = report
+        if self.pending and not self.places:
+            self.places = worker_places(self.sink)
+        for step in sorted(self.pending):
+            report = self.pending[step]
+            if report.validated and report.checkpoint is not None and not report.ends_trial:
+                self._relay(step, Path(report.checkpoint))
 
-    resume = spec.resume_checkpoint
-    start = checkpoint_step(Path(resume)) if resume else 0
-    period = spec.validation_period or spec.max_steps
-    # A PBT clone of a finished donor has nothing left to train: one segment ends it with the
-    # donor's state checkpointed under this trial's name.
-    cloned = bool(resume) and checkpoint_run(Path(resume)) != spec.run_name
-    while start < spec.max_steps or cloned:
-        cloned = False
-        end = min(spec.max_steps, (start // period + 1) * period)
-        segment = spec.model_copy(update={"max_steps": end, "resume_checkpoint": resume})
-        name = f"{Path(spec.run_dir).name}-{end:06d}-{uuid.uuid4().hex[:6]}"
-        run_dir = storage.root / "ray" / name
-        sink = open_sink(f"govray-reports-{name}")  # rank 0's reports, for Tune
-        try:
-            segment = segment.model_copy(
-                update={"run_dir": str(run_dir), "report_sink": f"govray-reports-{name}"}
-            )
-            governed_trainer(config, segment, name, storage).fit()
-            reported = taken_reports(sink)
-        finally:
-            ray.kill(sink)
-        # The segment's end is its newest verified checkpoint, by the rule its workers resume by
-        # (Ray Train's result lacks it when a worker died before Ray collected the last report);
-        # the report that went with it is in the checkpoint.
-        final = newest_verified_checkpoint(run_dir, spec.trust, storage if storage.is_remote else None)
+    def finish(self) -> None:
+        """After the run: its end is its newest verified checkpoint, by the rule its workers resume
+        by (the report that went with it is in the checkpoint: the sink may have lost it when a
+        worker died)."""
+        self.take()
+        storage = self.storage if self.storage.is_remote else None
+        final = newest_verified_checkpoint(Path(self.spec.run_dir), self.spec.trust, storage)
         last = checkpoint_report(final) if final is not None else {}
-        if final is None or not last:
-            raise SearchError(f"segment {start}..{end} of {spec.run_dir} ended without a checkpoint")
-        relayed = tune_result(_segment_reports(reported, StepReport.parse(last)), spec.max_steps)
-        materialize_base(final, storage)  # Tune keeps a copy of the folder: it must stand alone
-        ray.tune.report(relayed, checkpoint=Checkpoint(storage.ray_path(final), storage.filesystem))
-        if StepReport.parse(last).stop == "early_stop":
-            return  # the trial's last report (with its ledger): the rest of its steps never run
-        # The next segment resumes from it: a directory in the nodes' cache of object storage.
-        resume, start = str(final), end
+        if final is None or not last or StepReport.parse(last).step <= self.relayed:
+            raise SearchError(f"the trial's run {self.spec.run_dir} ended without its last checkpoint")
+        report = StepReport.parse(last)
+        self.pending[report.step] = report
+        self._relay(report.step, final)
+
+    def _relay(self, step: int, folder: Path) -> None:
+        from ray.train import Checkpoint
+
+        storage = self.storage
+        present_checkpoint(folder, self.spec.trust, storage if storage.is_remote else None)
+        reports = [self.pending[s] for s in sorted(self.pending) if s <= step]
+        self.pending = {s: r for s, r in self.pending.items() if s > step}
+        self.relayed = step
+        result = {**tune_result(reports, self.spec.max_steps), PLACES_KEY: json.dumps(self.places)}
+        materialize_base(folder, storage)  # Tune keeps a copy of the folder: it must stand alone
+        ray.tune.report(result, checkpoint=Checkpoint(storage.ray_path(folder), storage.filesystem))
+
+
+def _continuous_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec) -> None:
+    """N workers in one Ray Train run for the trial's life in this Tune actor (a restored trial or
+    a PBT clone starts another from its checkpoint, in a fresh run directory). The run reports to
+    a sink this thread relays to Tune at every validation; its last result reaches Tune only once
+    the run has ended. When Tune stops the trial, ``ray.tune.report`` raises ``SystemExit`` here:
+    rank 0 is asked to end at the next step boundary (its last sealed checkpoint is the one Tune
+    holds) and the run's placement group is removed (the driver's ``PlacementGuard`` again)."""
+    name = f"{Path(spec.run_dir).name}-{uuid.uuid4().hex[:6]}"
+    run = spec.model_copy(
+        update={
+            "run_dir": str(storage.root / "ray" / name),
+            "control_file": str(control_path(storage, name)),
+            "report_sink": f"govray-reports-{name}",
+        }
+    )
+    sink = open_sink(run.report_sink)  # rank 0's reports, for Tune
+    relay = _Relay(run, storage, sink)
+    outcome: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            governed_trainer(config, run, name, storage).fit()
+        except BaseException as error:  # re-raised in the Tune thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=fit, name="govray-trial-run", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(timeout=RELAY_PERIOD)
+            relay.take()
+        if "error" in outcome:
+            raise outcome["error"]
+        relay.finish()
+    finally:
+        if thread.is_alive():
+            _end_run(Path(run.control_file), relay.places or worker_places(sink))
+        ray.kill(sink)
+
+
+def _end_run(control: Path, places: dict[int, WorkerPlace]) -> None:
+    """Tune stopped the trial mid-run: ask rank 0 to stop at the next step boundary, and free the
+    workers' placement group (Ray would keep it until the driver exits)."""
+    from ray.util.placement_group import PlacementGroup
+
+    control.parent.mkdir(parents=True, exist_ok=True)
+    scratch = control.with_suffix(".tmp")
+    scratch.write_text("kill")
+    scratch.replace(control)  # rank 0 never reads half a word
+    for group in {place["placement_group"] for place in places.values()} - {""}:
+        ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))

@@ -23,6 +23,7 @@ NCCL group, so reading it waits for the broadcast only, not for the step's GPU w
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -187,11 +188,16 @@ class LocalSession(_RunDirectory):
         self.deliver(report)
 
 
+WorkerPlace = dict[str, Any]  # a worker's {"pid": int, "placement_group": hex id, "" outside one}
+
+
 class ReportSink:
-    """A Ray actor on the driver's side: rank 0's reports, queued until the driver takes them."""
+    """A Ray actor on the driver's side: rank 0's reports, queued until the driver takes them, and
+    where each worker runs (what a search trial needs to free its placement group itself)."""
 
     def __init__(self) -> None:
         self.reports: list[str] = []
+        self.workers: dict[int, WorkerPlace] = {}
 
     def put(self, reports: list[str]) -> None:
         self.reports.extend(reports)
@@ -199,6 +205,20 @@ class ReportSink:
     def take(self) -> list[str]:
         taken, self.reports = self.reports, []
         return taken
+
+    def announce(self, rank: int, place: WorkerPlace) -> None:
+        self.workers[rank] = place
+
+    def places(self) -> dict[int, WorkerPlace]:
+        return dict(self.workers)
+
+
+def worker_places(sink: Any) -> dict[int, WorkerPlace]:
+    """Where the sink's run has its workers, by rank (the latest worker group's)."""
+    import ray
+
+    places: dict[int, WorkerPlace] = ray.get(sink.places.remote())
+    return places
 
 
 def open_sink(name: str) -> Any:
@@ -231,6 +251,13 @@ class RayTrainSession(_RunDirectory):
         self._pending: list[str] = []
         self._sent: list[Any] = []
         self._last_send = time.monotonic()
+        if spec.report_sink:  # every rank says where it runs (its Ray Train placement group)
+            import ray
+
+            group = ray.util.get_current_placement_group()
+            self._sink = ray.get_actor(spec.report_sink)
+            place = {"pid": os.getpid(), "placement_group": group.id.hex() if group is not None else ""}
+            self._sent.append(self._sink.announce.remote(worker.rank, place))
 
     def report(self, report: StepReport) -> None:
         if self.worker.rank != 0:

@@ -1,22 +1,25 @@
-"""What an N-worker search trial pays per rung: its nested Ray Train worker group restarts at
-every validation (one ``TorchTrainer`` per segment, resuming the segment's signed checkpoint).
+"""What a surviving N-worker search trial pays to continue past a rung: the Tune trial relays the
+rung's report and checkpoint to Tune while its one Ray Train run keeps training (issue 33; until
+then every rung restarted the worker group: one ``TorchTrainer`` per segment, 23-27 s a rung here).
 
 The same 2-worker trial of the digits example (golden hyperparameters, no LR schedule, one CPU per
 worker) runs four times in one local Ray session, all for the same steps:
 
-- a 1-point grid search validating every ``steps / segments`` steps: ``segments`` segments;
-- the same search validating only at its end: one segment;
+- a 1-point grid search validating every ``steps / segments`` steps: ``segments - 1`` rungs it
+  continues past;
+- the same search validating only at its end;
 - ``govray run``'s continuous run (one worker group) with the same validations as the first;
 - and with the one validation of the second.
 
-The continuous runs price the extra validations (probe, memorization, signed checkpoint) without
-any restart, so the restart itself costs, per rung::
+The ``govray run`` runs price the extra validations (probe, memorization, signed checkpoint), so
+what the search adds to continue past a rung (relaying to Tune, Tune's copy of the checkpoint, and
+any restart) costs, per rung::
 
-    ((segmented - one segment) - (continuous, same validations - continuous, one)) / (segments - 1)
+    ((search, rungs - search, one validation) - (run, same validations - run, one)) / (segments - 1)
 
 A training step is timed from the reports the continuous one-validation run sends the driver
 (least squares of arrival time on step; the driver looks every 0.5 s, so long runs measure it
-better). The final weights must not depend on the segments: the script compares the final
+better). The final weights must not depend on the rungs: the script compares the final
 checkpoints' ``model.safetensors`` bit for bit and prints what it found.
 
 Run: ``python -m jobs.benchmarks.segment_restart [--steps 600 --segments 5]``. Last line::
@@ -97,25 +100,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="govray-segments-") as scratch:
         root = Path(scratch)
         one, one_model = searched(root / "one", args.steps, args.steps)
-        segmented, segmented_model = searched(root / "segmented", args.steps, period)
+        with_rungs, rungs_model = searched(root / "rungs", args.steps, period)
         same, same_model, _ = continuous(root / "continuous", args.steps, period)
         single, _, step = continuous(root / "single", args.steps, args.steps)
-    print(f"{args.steps} steps, 2 workers; validation every {period} steps: {args.segments} segments")
-    print(f"one-segment search: {one:.2f} s")
-    print(f"segmented search ({args.segments} segments): {segmented:.2f} s")
+    print(f"{args.steps} steps, 2 workers; validation every {period} steps")
+    print(f"search, one validation: {one:.2f} s")
+    print(f"search, {args.segments} validations ({args.segments - 1} rungs): {with_rungs:.2f} s")
     print(f"continuous run, {args.segments} validations: {same:.2f} s; 1 validation: {single:.2f} s")
     print(f"training step: {step:.4f} s (continuous run, 1 validation)")
     identical = {True: "yes", False: "NO"}
     print(
-        "final model.safetensors bit-identical: segmented vs one-segment search: "
-        f"{identical[segmented_model == one_model]}; segmented search vs continuous run: "
-        f"{identical[segmented_model == same_model]}"
+        "final model.safetensors bit-identical: search with rungs vs one validation: "
+        f"{identical[rungs_model == one_model]}; search with rungs vs continuous run: "
+        f"{identical[rungs_model == same_model]}"
     )
     rungs = args.segments - 1
     print(f"validations, per extra one (continuous runs): {(same - single) / rungs:.2f} s")
-    print(f"segmented/one-segment wall time: {segmented / one:.3f}")
-    restart = ((segmented - one) - (same - single)) / rungs
-    print(f"segment restart cost per rung: {restart:.2f} s ({restart / step:.2f}x a training step)")
+    print(f"search with rungs / one validation wall time: {with_rungs / one:.3f}")
+    cost = ((with_rungs - one) - (same - single)) / rungs
+    print(f"segment restart cost per rung: {cost:.2f} s ({cost / step:.2f}x a training step)")
 
 
 if __name__ == "__main__":

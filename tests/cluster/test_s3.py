@@ -208,9 +208,9 @@ def test_unreachable_or_unknown_storage_is_refused_naming_it(s3_env: dict[str, s
 def test_a_search_on_s3_keeps_tunes_state_checkpoints_and_attestations_in_the_bucket(
     cluster: LocalRayCluster, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Two 2-worker grid trials, each in two Ray Train segments whose checkpoints go through the
-    bucket (the second segment resumes from the first's); the search's driver is killed after the
-    first trial and the search resumed from the bucket alone."""
+    """Two 2-worker grid trials, each one Ray Train run whose checkpoints (a validation's and the
+    last) go through the bucket to Tune; the search's driver is killed after the first trial and
+    the search resumed from the bucket alone."""
     database = tmp_path / "govray.db"
     experiment = on_s3(digits_experiment(tmp_path / "search", steps=STEPS), database)
     raw = yaml.safe_load(experiment.read_text())

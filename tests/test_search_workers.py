@@ -1,0 +1,150 @@
+"""An N-worker search trial keeps its Ray Train workers across rungs (one run per Tune trial), a
+trial Tune stops leaves no placement group behind, and a 1-worker search reuses Tune's actors
+without changing what any trial trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from govray.config.experiment import load_experiment
+from govray.core.storage import open_storage
+from govray.platform.placement_guard import REMOVED, PlacementGuard, result_places
+from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.runner import run_trial
+from govray.platform.search import SearchOutcome, run_search, search_path
+from govray.tracking.lineage import checkpoints
+from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import find_checkpoints, model_file
+from tests.test_search import search_example
+
+
+def _searched(path: Path) -> tuple[SearchOutcome, TrackingStore, Path]:
+    """The search, its store, and where Tune kept its state."""
+    config = load_experiment(path)
+    store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, store, allow_unsigned=False)
+    experiment, ingested = ingest_experiment(config, checked, store)
+    outcome = run_search(config, checked, experiment, ingested.root, store, report_every=5)
+    return outcome, store, search_path(open_storage(config.storage_path), config, experiment)
+
+
+def _tune_results(search_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every Tune result of every trial, by Tune trial id (from Tune's own ``result.json``)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for path in search_dir.glob("*/result.json"):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for result in lines:
+            results.setdefault(result["trial_id"], []).append(result)
+    return results
+
+
+def _final_model(store: TrackingStore, trial_id: int) -> bytes:
+    final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
+    return model_file(Path(final.path)).read_bytes()
+
+
+@pytest.mark.slow  # a whole Ray Tune search of 2-worker trials: the slow tier
+def test_asha_trials_keep_their_workers_and_a_stopped_trial_frees_its_placement_group(
+    ray_session: None, tmp_path: Path
+) -> None:
+    """Three 2-worker ASHA trials with rungs at steps 10 and 20: a trial that survives the first
+    rung reports the same worker PIDs and placement group at both (one Ray Train run); every
+    placement group a trial's workers ran in is REMOVED once the search is over (a stopped
+    trial's too: Ray alone would keep it until the driver exits); and the survivor's final weights
+    are bit-identical to ``govray run``'s continuous run of its hyperparameters."""
+    import ray
+
+    searcher = {"name": "asha", "max_trials": 3, "divisor": 2, "max_rungs": 2, "max_length": {"batches": 20}}
+    path = search_example(tmp_path / "search", searcher, workers=2)
+    outcome, store, search_dir = _searched(path)
+    results = _tune_results(search_dir)
+    last = {t: store.metrics(t, "objective")[-1].step for t in outcome.trial_ids}
+    assert sorted(last.values())[0] == 10 and sorted(last.values())[-1] == 20, last  # stopped and survived
+    survivors = [r for r in results.values() if r[-1]["step"] == 20]
+    stopped = [r for r in results.values() if r[-1]["step"] == 10]
+    assert survivors and stopped, {t: [r["step"] for r in rs] for t, rs in results.items()}
+    for trial in survivors:
+        rung, end = (result_places(result) for result in trial)
+        assert set(rung) == {0, 1} and rung == end, (rung, end)  # the same processes, the same group
+    groups = {
+        place["placement_group"]
+        for trial in results.values()
+        for r in trial
+        for place in result_places(r).values()
+    }
+    assert len(groups) == len(results) and "" not in groups  # one group per trial
+    table = ray.util.placement_group_table()
+    assert {group: table[group]["state"] for group in groups} == dict.fromkeys(groups, REMOVED)
+    # The survivor's weights: those of the same trial trained by `govray run` (one worker group).
+    [survivor] = [t for t, step in last.items() if step == 20][:1]
+    hparams = json.loads(store.get_trial(survivor).hparams_json)
+    alone = search_example(tmp_path / "alone", searcher, workers=2)
+    raw = yaml.safe_load(alone.read_text())
+    raw["min_validation_period"] = 10  # the search's rungs
+    alone.write_text(yaml.safe_dump(raw, sort_keys=False))
+    config = load_experiment(alone)
+    alone_store = TrackingStore.open(config.database_url)
+    checked = check_policy(config, alone_store, allow_unsigned=False)
+    experiment, ingested = ingest_experiment(config, checked, alone_store)
+    run = run_trial(config, checked, experiment, ingested.root, alone_store, hparams=hparams, report_every=5)
+    assert model_file(find_checkpoints(run.run_dir)[-1]).read_bytes() == _final_model(store, survivor)
+
+
+def test_the_placement_guard_removes_only_groups_ray_has_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's guard: a trial's earlier runs' groups go when a later run reports, every group
+    of a trial that stopped running goes, and a group Ray removed already is left alone."""
+    import ray
+
+    def group(name: str) -> str:  # a placement group id: 18 bytes, in hex
+        return name.ljust(36, "0")
+
+    table = {group("a1"): "CREATED", group("a2"): "CREATED", group("b1"): REMOVED, group("c1"): "CREATED"}
+    removed: list[str] = []
+    monkeypatch.setattr(
+        ray.util, "placement_group_table", lambda: {g: {"state": s} for g, s in table.items()}
+    )
+    monkeypatch.setattr(ray.util, "remove_placement_group", lambda pg: removed.append(pg.id.hex()[:2]))
+
+    def result(name: str) -> dict[str, str]:
+        return {"govray_workers": json.dumps({"0": {"pid": 1, "placement_group": group(name)}})}
+
+    guard = PlacementGuard()
+    guard.note("a", result("a1"))
+    guard.note("b", result("b1"))
+    guard.note("c", result("c1"))
+    guard.sweep(["a", "b", "c"])
+    assert removed == []  # every trial runs in its group
+    guard.note("a", result("a2"))  # a restored actor's run
+    guard.sweep(["a", "b", "c"])
+    assert removed == ["a1"] and guard.removed == [group("a1")]
+    guard.sweep(["a", "c"])  # b paused: Ray had removed its group
+    guard.release("c")
+    guard.release_all()
+    assert removed == ["a1", "c1", "a2"]
+
+
+@pytest.mark.slow  # two whole Ray Tune searches: the slow tier
+def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(ray_session: None, tmp_path: Path) -> None:
+    """A 1-worker grid search of two points runs both trials in one Tune actor (``reuse_actors``);
+    the second trial's final weights are those of a search of its point alone, in a fresh actor."""
+
+    def grid(root: Path, lrs: list[float]) -> Path:
+        path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
+        raw = yaml.safe_load(path.read_text())
+        raw["hyperparameters"]["hidden"] = 8
+        raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return path
+
+    both, store, search_dir = _searched(grid(tmp_path / "both", [0.1, 0.01]))
+    pids = {result["pid"] for trial in _tune_results(search_dir).values() for result in trial}
+    assert len(both.trial_ids) == 2 and len(pids) == 1, pids  # one actor ran both trials
+    second = max(both.trial_ids)
+    assert json.loads(store.get_trial(second).hparams_json)["lr"] == 0.01
+    alone, alone_store, _ = _searched(grid(tmp_path / "alone", [0.01]))
+    assert _final_model(store, second) == _final_model(alone_store, alone.trial_ids[0])
