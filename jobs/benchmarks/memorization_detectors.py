@@ -68,12 +68,21 @@ def tpr_at_fpr(members: np.ndarray, nonmembers: np.ndarray, fpr: float = 0.01) -
     return float((members > threshold).mean())
 
 
+# Seen and unseen rows compared at the end: (scores of the seen rows, of the unseen rows) and
+# whether the workload memorized them (only those comparisons choose the defaults).
+COMPARISONS = {
+    "records rows": ("seen", "unseen", False),  # plain records: BENCHMARKS.md, issue 35
+    "canaries vs never-trained candidates": ("canaries", "candidates", True),
+    "rows": ("seen", "unseen", True),
+}
+
+
 @dataclass
 class Measured:
-    """One run's scores: every row seen and unseen at the end, the gaps at each measurement."""
+    """One run's scores at the end (seen and unseen, by comparison), the gaps at each measurement."""
 
-    seen: Scores
-    unseen: Scores
+    pairs: dict[str, tuple[Scores, Scores]]
+    memorized: dict[str, bool]
     gaps: dict[int, dict[Detector, float]]
 
 
@@ -82,17 +91,30 @@ def gaps_of(sample: Scores, unseen: Scores) -> dict[Detector, float]:
 
 
 class TextWorkload:
-    """A ``memorization_study`` run, scored on its records corpus with the adapter active."""
+    """A ``memorization_study`` run, scored on its records corpus with the adapter active: the
+    plain records (trained and held out), and the canaries against the never-trained candidates
+    of their template that exposure ranks them among."""
+
+    comparisons = ("records rows", "canaries vs never-trained candidates")
 
     def __init__(self, study: Study) -> None:
         self.study = study
         self.seen = study.records_probe
         self.unseen = study.records_holdout
         self.sample = self.seen[: len(self.unseen)]  # the probe's: as many training rows as held out
+        width = study.args.row_chars
+        self.canaries = [canary.text.ljust(width, "\n") for canary in study.canaries.canaries]
+        self.candidates = [text.ljust(width, "\n") for text in study.references]
         self.reference = {name: self.losses(texts) for name, texts in self.rows().items()}
 
     def rows(self) -> dict[str, list[str]]:
-        return {"seen": self.seen, "unseen": self.unseen, "sample": self.sample}
+        return {
+            "seen": self.seen,
+            "unseen": self.unseen,
+            "sample": self.sample,
+            "canaries": self.canaries,
+            "candidates": self.candidates,
+        }
 
     @torch.no_grad()
     def losses(self, texts: Sequence[str]) -> torch.Tensor:
@@ -115,6 +137,8 @@ class TextWorkload:
 
 class DigitsWorkload:
     """A ``memorization_digits`` run, scored on its corpus."""
+
+    comparisons = ("rows",)
 
     def __init__(self, run: DigitsRun) -> None:
         self.run = run
@@ -145,7 +169,12 @@ def trained(
             scores = workload.measure()
             gaps[index + 1] = gaps_of(scores["sample"], scores["unseen"])
     scores = workload.measure()
-    return Measured(seen=scores["seen"], unseen=scores["unseen"], gaps=gaps)
+    pairs = {}
+    for label in workload.comparisons:
+        seen, unseen, _ = COMPARISONS[label]
+        pairs[label] = (scores[seen], scores[unseen])
+    memorized = {label: COMPARISONS[label][2] for label in workload.comparisons}
+    return Measured(pairs=pairs, memorized=memorized, gaps=gaps)
 
 
 def default_detectors(thresholds: MemorizationThresholds) -> dict[Detector, float]:
@@ -186,7 +215,7 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=1500)
     parser.add_argument("--every", type=int, default=250)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # small models: a second thread mostly waits for the first on 2 shared cores
     started = time.perf_counter()
     runs: dict[tuple[str, bool], Measured] = {}  # (workload, memorizing) → measured
     for memorizing in (True, False):
@@ -197,22 +226,25 @@ def main() -> None:
 
     defaults = default_detectors(MemorizationThresholds())
     lowest = 1.0
-    print("detector AUROC and TPR at 1% FPR, seen vs unseen rows at the last step (memorizing runs):")
+    print("detector AUROC and TPR at 1% FPR, seen vs unseen at the last step (memorizing runs):")
     for (workload, memorizing), measured in runs.items():
         if not memorizing:
             continue
-        for name, seen in measured.seen.items():
-            sign = MEMBER_DIRECTION[name]
-            members, nonmembers = sign * seen.numpy(), sign * measured.unseen[name].numpy()
-            area = auroc(members, nonmembers)
-            if name in defaults:
-                lowest = min(lowest, area)
-            mark = " (default)" if name in defaults else ""
-            tpr = tpr_at_fpr(members, nonmembers)
-            print(
-                f"  {workload} {name}{mark}: AUROC {area:.3f}, TPR at 1% FPR {tpr:.3f} "
-                f"({members.size} seen, {nonmembers.size} unseen)"
-            )
+        for label, (seen, unseen) in measured.pairs.items():
+            counted = measured.memorized[label]
+            note = "" if counted else "; not memorized, not counted"
+            for name in seen:
+                sign = MEMBER_DIRECTION[name]
+                members, nonmembers = sign * seen[name].numpy(), sign * unseen[name].numpy()
+                area = auroc(members, nonmembers)
+                if name in defaults and counted:
+                    lowest = min(lowest, area)
+                mark = " (default)" if name in defaults else ""
+                tpr = tpr_at_fpr(members, nonmembers)
+                print(
+                    f"  {workload} {label}, {name}{mark}: AUROC {area:.3f}, TPR at 1% FPR {tpr:.3f} "
+                    f"({members.size} seen, {nonmembers.size} unseen{note})"
+                )
     flags = 0
     print(f"corpus gaps (training sample vs held-out rows) and default thresholds {defaults}:")
     for (workload, memorizing), measured in runs.items():
