@@ -216,7 +216,7 @@ def test_a_policy_that_names_the_entropy_threshold_still_validates_and_flags_on_
 
 
 @pytest.mark.slow  # two in-process training runs of 1,500 steps (minutes on 2 shared cores)
-def test_the_clean_controls_raise_no_flag_with_the_default_detectors() -> None:
+def test_the_clean_controls_raise_no_flag_with_the_default_detectors(one_thread: None) -> None:
     """The text workload without its records (nothing repeated reaches the adapter) and the digits
     memorizer's model on true labels: no default detector's gap reaches its threshold at any
     measurement (``jobs/benchmarks/memorization_detectors.py`` trains and measures them)."""
