@@ -29,6 +29,7 @@ PUBLIC_API = {
     # writing a trial
     "Trial": "govray.train.trial",
     "Batch": "govray.train.trial",
+    "Predictions": "govray.train.trial",
     "ProbeHooks": "govray.train.trial",
     "scoring": "govray.train.trial",
     "TrainingSettings": "govray.config.training",
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from govray.provenance.verify import verify_attestation
     from govray.queries import StoreReader
     from govray.tracking.store import TrackingStore
-    from govray.train.trial import Batch, ProbeHooks, Trial, scoring
+    from govray.train.trial import Batch, Predictions, ProbeHooks, Trial, scoring
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ from conftest import GoldenRun
 from govray.cli import main
 from govray.cli.export import to_markdown
 from govray.data.shards import ShardSet
+from govray.governance.memorization_thresholds import MemorizationThresholds
 from govray.platform.registry import register, remove_adapter
 from govray.provenance.eu_summary import EuSummary, eu_summary
 from govray.tracking.lineage import ledger_rows
@@ -110,6 +111,17 @@ def test_the_eu_summary_of_the_demo_model_lists_every_corpus_with_its_credential
         (WRITERS, "pii", "only the removable adapter pii-lora", records[WRITERS].train_rows, True)
     ]
     assert summary.processing.excluded_corpora == {}
+    # The last validation's memorization checks: every detector that ran, with its value and the
+    # policy's threshold (the defaults here), as the checkpoint's report holds them.
+    state = CheckpointState.model_validate_json((final_checkpoint(golden_run) / STATE_FILE).read_text())
+    report = state.memorization
+    checks = {check.corpus_id: check for check in summary.processing.memorization}
+    assert sorted(checks) == sorted(report["corpora"])
+    for corpus_id, check in checks.items():
+        ran = {k: v for k, v in report["corpora"][corpus_id]["measures"].items() if v is not None}
+        assert check.measures == ran and {"loss_gap", "min_k_prob", "confidence_gap"} <= set(ran)
+        assert check.thresholds["confidence_gap"] == MemorizationThresholds().confidence_gap
+        assert check.flagged == report["corpora"][corpus_id]["flagged"]
 
     markdown = to_markdown(summary)
     for heading in ("## 1. General information", "## 2. List of data sources", "## 3. Data processing"):

@@ -237,7 +237,7 @@ TWO_CORPORA = {
 
 
 def test_memorization_score_is_the_largest_normalized_measure_over_corpora() -> None:
-    report = memorization_report(TWO_CORPORA, MemorizationThresholds(action="gate"))
+    report = memorization_report(TWO_CORPORA, MemorizationThresholds(entropy_drop=1.0, action="gate"))
     assert report.corpora["news"].normalized == {"loss_gap": 0.5, "exposure_bits": 1.25}
     assert report.corpora["code"].normalized == {"loss_gap": 0.0, "exposure_bits": 0.5, "entropy_drop": 0.75}
     assert (report.corpora["news"].score, report.corpora["code"].score) == (1.25, 0.75)
@@ -251,7 +251,7 @@ def test_memorization_score_is_the_largest_normalized_measure_over_corpora() -> 
     [
         (CorpusMeasures(loss_gap=0.5), True),  # exactly at the threshold
         (CorpusMeasures(loss_gap=0.4999, exposure_bits=7.99, entropy_drop=0.999), False),
-        (CorpusMeasures(entropy_drop=1.0), True),
+        (CorpusMeasures(entropy_drop=5.0), False),  # the entropy profile is off by default
         (CorpusMeasures(), False),  # nothing computed
     ],
 )
@@ -264,7 +264,9 @@ def test_a_corpus_is_flagged_only_when_some_normalized_measure_reaches_one(
 
 
 def test_only_monitored_corpora_count() -> None:
-    report = memorization_report(TWO_CORPORA, MemorizationThresholds(monitored_corpora=["code"]))
+    report = memorization_report(
+        TWO_CORPORA, MemorizationThresholds(entropy_drop=1.0, monitored_corpora=["code"])
+    )
     assert list(report.corpora) == ["code"]
     assert report.score == 0.75 and report.flagged == []
     assert memorization_report({}, MemorizationThresholds()).score == 0.0

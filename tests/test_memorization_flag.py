@@ -20,6 +20,7 @@ from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.governance.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
+from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
 from govray.platform.plan import run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.replay import replay_trial
@@ -141,19 +142,32 @@ def test_the_gate_action_stops_a_flagged_corpus_from_then_on_and_a_replay_gates_
     assert all(d.replayed and json.loads(d.payload_json)["score"] is None for d in applied)
 
 
+# The loss gap, and a default detector of issue 35 alone (the loss gap off): either rolls back.
+ROLLBACK_MEASURES = [("loss_gap", 0.5), ("confidence_gap", MemorizationThresholds().confidence_gap)]
+
+
 @pytest.mark.slow  # a whole Ray run of its own (~37 s): the slow tier
+@pytest.mark.parametrize(("measure", "threshold"), ROLLBACK_MEASURES)
 def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
-    ray_session: None, tmp_path: Path, authority_key: SigningKey, trust: TrustConfig
+    ray_session: None,
+    tmp_path: Path,
+    authority_key: SigningKey,
+    trust: TrustConfig,
+    measure: str,
+    threshold: float,
 ) -> None:
-    policy = (authority_key, trust, {"loss_gap": 0.5, "action": "rollback"})
+    alone = {name: None for name in DETECTOR_THRESHOLDS.values()}  # no other detector flags
+    memorization: dict[str, Any] = {**alone, measure: threshold, "action": "rollback"}
+    policy = (authority_key, trust, memorization)
     outcome, store = trained(
         tmp_path, MEMORIZER, steps=1500, random_labels=True, validate_every=300, policy=policy
     )
     assert outcome.steps_done == 1500  # it went on after the rollback, to the end
-    gaps = {m.step: m.value for m in store.metrics(outcome.trial_id, "loss_gap/digits-public")}
+    metric = f"{measure}/digits-public"
+    gaps = {m.step: m.value for m in store.metrics(outcome.trial_id, metric)}
     # At a rollback step the flagged model's measures are kept as pre_rollback/...
-    gaps |= {m.step: m.value for m in store.metrics(outcome.trial_id, "pre_rollback/loss_gap/digits-public")}
-    first = min(step for step, gap in gaps.items() if gap >= 0.5)
+    gaps |= {m.step: m.value for m in store.metrics(outcome.trial_id, f"pre_rollback/{metric}")}
+    first = min(step for step, gap in gaps.items() if gap >= threshold)
     decisions = store.decisions(outcome.trial_id)
     rollbacks = [json.loads(d.payload_json) | {"step": d.step} for d in decisions if d.kind == "rollback"]
     # No loop: each corpus is rolled back at most once, the memorizing one at its first flag, to

@@ -1,6 +1,6 @@
 """The memorization probe measures the model as it trains: under a bf16 run's autocast every
-probe forward pass (loss gap, entropy profile; canary scores go through the same context) runs
-in autocast, and in an fp32 run none does."""
+probe forward pass (loss gap, the detectors' logits, entropy profile; canary scores go through
+the same context) runs in autocast, and in an fp32 run none does."""
 
 from __future__ import annotations
 
@@ -33,7 +33,19 @@ def test_the_probe_runs_under_the_runs_autocast(
         seen.append(torch.get_autocast_dtype("cpu") if enabled else None)
         return loss(model, batch)
 
+    predictions = governed.trial.predictions
+
+    def recording_predictions(model: torch.nn.Module, batch: Any) -> Any:
+        recording_loss(model, batch)  # what autocast the logit detectors' forward ran under
+        return predictions(model, batch)
+
     governed.trial.loss = recording_loss  # type: ignore[method-assign]
+    governed.trial.predictions = recording_predictions  # type: ignore[method-assign]
     measures = governed.probe.measure()
     assert measures and any(m.loss_gap is not None for m in measures.values()), "the probe measured"
+    # Every detector the digits trial's logits allow (a classifier: no text, so no zlib ratio).
+    for m in measures.values():
+        if m.loss_gap is not None:
+            assert None not in (m.min_k_prob, m.min_k_plus_plus, m.reference_loss, m.confidence_gap)
+            assert m.zlib_ratio is None
     assert seen and set(seen) == {autocast}

@@ -204,8 +204,20 @@ def to_markdown(summary: EuSummary) -> str:
     ]
     lines += ["", "### Excluded corpora", ""]
     lines += [f"- {corpus}: {why}" for corpus, why in p.excluded_corpora.items()] or ["- None."]
+    lines += ["", "### Memorization checks (last validation)", ""]
+    lines += [
+        f"- {m.corpus_id}: {'flagged' if m.flagged else 'not flagged'}; "
+        + "; ".join(
+            f"{name} {value:.4g} ({_threshold(m.thresholds[name])})" for name, value in m.measures.items()
+        )
+        for m in p.memorization
+    ] or ["- None measured."]
     lines += ["", f"Contribution counted: {p.contribution}.", ""]
     return "\n".join(lines)
+
+
+def _threshold(limit: float | None) -> str:
+    return "reported, flags nothing" if limit is None else f"threshold {limit:g}"
 
 
 def _when(period: Period | None) -> str:

@@ -9,6 +9,8 @@ module turns them into these measures and one number per evaluation:
 - **canary exposure** — Carlini et al., "The Secret Sharer" (2019) (``exposure``,
   ``extrapolated_exposure``, ``mean_exposure``);
 - **loss gap** — Yeom et al. (2018): mean held-out loss - mean training loss (``loss_gap``);
+- **detector gaps** — the per-example detectors of ``govray.governance.detectors`` (Min-K%,
+  Min-K%++, zlib ratio, reference-calibrated loss, confidence), training rows against held-out rows;
 - **memorization score** — the largest threshold-normalized measure over monitored corpora
   (``memorization_report``), and the search ``objective`` that penalizes it.
 
@@ -34,6 +36,7 @@ from typing import Literal, TypeAlias
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
 from govray.governance.memorization_thresholds import MemorizationThresholds as MemorizationThresholds
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -264,6 +267,12 @@ class CorpusMeasures(BaseModel):
     model_config = _STRICT
 
     loss_gap: float | None = None
+    # detector gaps (``detectors.detector_gap``: training sample vs held-out rows, > 0 memorizing)
+    min_k_prob: float | None = None
+    min_k_plus_plus: float | None = None
+    zlib_ratio: float | None = None
+    reference_loss: float | None = None
+    confidence_gap: float | None = None
     exposure_bits: float | None = Field(default=None, ge=0.0)
     entropy_drop: float | None = Field(default=None, ge=0.0)  # EntropyCheck.drop_bits
 
@@ -306,9 +315,10 @@ def memorization_report(
 ) -> MemorizationReport:
     """Normalize each monitored corpus's measures by their thresholds and take the largest.
 
-    For corpus c, ``m_c = max(gap / loss_gap, exposure / exposure_bits, drop / entropy_drop)``
-    over the measures computed for c (whose thresholds are set), each clipped below at 0 (a
-    negative loss gap is no evidence and must not reward a trial in the objective). c is flagged
+    For corpus c, ``m_c = max(gap / loss_gap, ..., exposure / exposure_bits, drop / entropy_drop)``
+    over the measures computed for c whose thresholds are set (the loss gap, each detector's gap,
+    canary exposure, the entropy drop), each clipped below at 0 (a negative gap is no evidence and
+    must not reward a trial in the objective). c is flagged
     when ``m_c ≥ 1``. The ``memorization_score`` is ``max_c m_c`` over monitored corpora, 0.0
     when none is monitored. A monitored corpus absent from ``per_corpus`` is refused rather than
     silently unmonitored.
@@ -318,7 +328,7 @@ def memorization_report(
     if missing:
         raise ValueError(f"monitored corpora {missing} have no measures in this evaluation")
     limits = {
-        "loss_gap": thresholds.loss_gap,
+        **{name: getattr(thresholds, name) for name in DETECTOR_THRESHOLDS.values()},
         "exposure_bits": thresholds.exposure_bits,
         "entropy_drop": thresholds.entropy_drop,
     }

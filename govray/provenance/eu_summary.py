@@ -151,10 +151,21 @@ class SensitiveRoute(_Document):
     in_model: bool
 
 
+class MemorizationCheck(_Document):
+    """One corpus at the checkpoint's last validation: each memorization measure that ran, its
+    value and its threshold (None: reported, raises no flag), and whether it was flagged."""
+
+    corpus_id: str
+    measures: dict[str, float]
+    thresholds: dict[str, float | None]
+    flagged: bool
+
+
 class DataProcessing(_Document):
     tdm_opt_outs: list[OptOut]
     sensitive_data: list[SensitiveRoute]
     excluded_corpora: dict[str, str]  # corpus → why
+    memorization: list[MemorizationCheck] = []
     contribution: str = CONTRIBUTION
 
 
@@ -249,11 +260,30 @@ def eu_summary(
             for (sensitivity, corpus_id, route), count in sorted(_sensitive_rows(rows).items())
         ],
         excluded_corpora=excluded,
+        memorization=_memorization_checks(state.memorization),
     )
     return EuSummary(general=general, sources=_groups(corpora), processing=processing)
 
 
 _Rows = Counter[tuple[str, str | None]]  # (credential JSON, route; None: held out) → rows
+
+
+def _memorization_checks(report: dict[str, Any]) -> list[MemorizationCheck]:
+    """The last ``MemorizationReport`` of the checkpoint (empty before a first validation), per
+    corpus: the measures that ran."""
+    thresholds = report.get("thresholds", {})
+    checks = []
+    for corpus_id, verdict in sorted(report.get("corpora", {}).items()):
+        measures = {name: value for name, value in verdict["measures"].items() if value is not None}
+        checks.append(
+            MemorizationCheck(
+                corpus_id=corpus_id,
+                measures=measures,
+                thresholds={name: thresholds.get(name) for name in measures},
+                flagged=verdict["flagged"],
+            )
+        )
+    return checks
 
 
 def _trained_examples(schedule: ScheduleSpec, steps: int) -> Counter[tuple[str, str]]:

@@ -9,6 +9,12 @@ hashes (found in one pass over the hash column, a row group at a time), and as m
 
 - **loss gap** (Yeom et al. 2018): mean held-out loss - mean training loss, over a fixed sample of
   training rows (lowest row hashes, as many as the held-out rows, at most ``LOSS_GAP_SAMPLE``);
+- **detector gaps** (``governance.detectors``), on the same rows: each per-example detector's mean
+  over the training sample against its mean over the held-out rows, signed so that > 0 is
+  memorization: the reference-calibrated loss (the reference = the run's initial weights: each
+  row's loss is taken once, when the probe is built, before any step or restore), and, for a trial
+  that gives its logits (``Trial.predictions``), Min-K% Prob, Min-K%++, the confidence and, for
+  rows with a ``text`` column, the zlib ratio;
 - **entropy profile**: the spectral entropy (``memorization.spectral_entropy``: Shannon entropy of
   the normalized singular-value spectrum) of every layer's representation
   (``Trial.representation``) on probe batches of up to ``PROBE_ROWS`` rows — a band calibrated on
@@ -48,7 +54,9 @@ from govray.data.shards import ShardManifest
 from govray.governance.adapters import GovernedModel
 from govray.governance.canaries import CanaryProbe
 from govray.governance.credentials import Credential
+from govray.governance.detectors import Detector, example_scores, gap_of_means
 from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
+from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
 from govray.train.batches import on_device, row_batches
@@ -73,6 +81,8 @@ class _CorpusPlan:
     entropy_batches: dict[str, pa.Table] = field(default_factory=dict)  # calibration-i, check, training
     canary_texts: dict[str, list[str]] = field(default_factory=dict)  # route → trained canaries' texts
     references: list[str] = field(default_factory=list)
+    # train/holdout → this worker's rows' losses under the initial weights (reference_loss)
+    initial_losses: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 class MemorizationProbe:
@@ -133,6 +143,11 @@ class MemorizationProbe:
             if probe is not None:
                 self._plan_canaries(plan, probe, rows, seed)
             self.plans.append(plan)
+        with torch.no_grad():  # the model holds its initial weights: the reference of reference_loss
+            self.model.eval()
+            for plan in self.plans:
+                for kind, table in self._samples(plan):
+                    plan.initial_losses[kind] = self._scores(table, None, logits=False).get("loss")
 
     @staticmethod
     def _plan_canaries(plan: _CorpusPlan, probe: CanaryProbe, rows: RouteRows, seed: int) -> None:
@@ -154,11 +169,11 @@ class MemorizationProbe:
         counted = self.split or self.worker.rank == 0  # whether this rank's values enter the sums
         sums: dict[str, float] = {}
         for plan in self.plans:
-            for kind, table in (("train", plan.train_sample), ("holdout", plan.holdout)):
-                mine = self.worker.mine(table) if self.split else table
-                loss = self._loss_sum(mine)
-                if counted:
-                    sums[f"loss/{plan.corpus_id}/{kind}"] = loss
+            for kind, mine in self._samples(plan):
+                detected = self._scores(mine, plan.initial_losses[kind])
+                if counted:  # a name no rank sent is absent; one some ranks sent, summed
+                    for detector, values in detected.items():
+                        sums[f"{detector}/{plan.corpus_id}/{kind}"] = float(values.sum())
                     sums[f"count/{plan.corpus_id}/{kind}"] = float(mine.num_rows)
         batches = [
             (plan.corpus_id, name, table)
@@ -190,12 +205,13 @@ class MemorizationProbe:
 
     def _measures(self, plan: _CorpusPlan, totals: Mapping[str, float]) -> CorpusMeasures:
         corpus = plan.corpus_id
-        gap = None
-        if totals[f"count/{corpus}/train"] and totals[f"count/{corpus}/holdout"]:
-            gap = (
-                totals[f"loss/{corpus}/holdout"] / totals[f"count/{corpus}/holdout"]
-                - totals[f"loss/{corpus}/train"] / totals[f"count/{corpus}/train"]
-            )
+        gaps: dict[str, float] = {}
+        counts = {kind: totals[f"count/{corpus}/{kind}"] for kind in ("train", "holdout")}
+        for detector, name in DETECTOR_THRESHOLDS.items():
+            keys = {kind: f"{detector}/{corpus}/{kind}" for kind in counts}
+            if all(counts.values()) and all(key in totals for key in keys.values()):
+                means = {kind: totals[keys[kind]] / counts[kind] for kind in counts}
+                gaps[name] = gap_of_means(detector, means["train"], means["holdout"])
         drop = None
         profiles = {
             name: {layer: totals.get(f"entropy/{corpus}/{name}/{layer}", math.nan) for layer in self.layers}
@@ -214,18 +230,35 @@ class MemorizationProbe:
                 references = scores[len(canaries) :]
                 exposures.extend(exposure(score, references) for score in scores[: len(canaries)])
             bits = sum(exposures) / len(exposures)
-        return CorpusMeasures(loss_gap=gap, exposure_bits=bits, entropy_drop=drop)
+        return CorpusMeasures(**gaps, exposure_bits=bits, entropy_drop=drop)
 
-    def _loss_sum(self, table: pa.Table) -> float:
-        """The sum of ``table``'s per-example losses, route by route, in batches of the trial's
-        batch size (summed once, in row order)."""
-        losses: list[torch.Tensor] = []
+    def _samples(self, plan: _CorpusPlan) -> list[tuple[str, pa.Table]]:
+        """This worker's part of the training sample and of the held-out rows."""
+        tables = (("train", plan.train_sample), ("holdout", plan.holdout))
+        return [(kind, self.worker.mine(table) if self.split else table) for kind, table in tables]
+
+    def _scores(
+        self, table: pa.Table, initial_losses: torch.Tensor | None, logits: bool = True
+    ) -> dict[Detector, torch.Tensor]:
+        """Every detector's per-example scores of ``table``'s rows (``detectors.example_scores``;
+        ``logits`` False: the loss alone), route by route, in batches of the trial's batch size,
+        in the order of ``_by_route``; none for an empty table."""
+        parts: list[dict[Detector, torch.Tensor]] = []
         for route, part in _by_route(table):
             with self.model.active(self.routing.adapter_names.get(route)), self.autocast():
                 for piece in row_batches(part, self.trial.batch_size):
                     batch = on_device(self.trial.collate(piece), self.worker.device)
-                    losses.append(self.trial.loss(self.model, batch).double())
-        return float(torch.cat(losses).sum()) if losses else 0.0
+                    losses = self.trial.loss(self.model, batch)
+                    given = self.trial.predictions(self.model, batch) if logits else None
+                    predicted, targets, mask = given or (None, None, None)
+                    texts = piece.column("text").to_pylist() if "text" in piece.column_names else None
+                    parts.append(example_scores(losses, predicted, targets, mask, texts=texts))
+        if not parts:
+            return {}
+        scores = {detector: torch.cat([part[detector] for part in parts]) for detector in parts[0]}
+        if initial_losses is not None:
+            scores["reference_loss"] = scores["loss"] - initial_losses
+        return scores
 
     def _representations(self, table: pa.Table) -> dict[str, torch.Tensor]:
         """Each layer's representation of ``table``'s rows (route by route, concatenated)."""

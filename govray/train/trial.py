@@ -57,6 +57,7 @@ from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.decoder import decoder_layers, is_transformers_model
 
 Batch = dict[str, torch.Tensor]
+Predictions = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # logits, targets, mask
 
 
 class ProbeHooks:
@@ -71,6 +72,8 @@ class ProbeHooks:
       otherwise, see :func:`defines_sequence_scores`).
     - ``representation(layer, output)``: at every validation, from a forward hook on each
       layer, for the entropy profile of the memorization probe.
+    - ``predictions(model, batch)``: at every validation, for the logit detectors of the
+      memorization probe (Min-K%, Min-K%++, zlib ratio, confidence: ``governance.detectors``).
     """
 
     def tokens(self, rows: pa.Table) -> list[int] | None:
@@ -86,6 +89,16 @@ class ProbeHooks:
             f"{type(self).__name__} does not define sequence_scores(model, texts), which canary "
             "exposure needs"
         )
+
+    def predictions(self, model: nn.Module, batch: Batch) -> Predictions | None:
+        """The logits of ``batch``'s examples, their targets and which targets count: a sequence
+        model's ``[batch, length, vocabulary]``, ``[batch, length]`` and a bool mask of the same
+        shape (False at padding); a classifier's ``[batch, classes]``, ``[batch]`` and None.
+
+        Called without gradients, in eval mode, under the run's autocast. Default None: the
+        trial gives no logits, and the probe measures the loss detectors only.
+        """
+        return None
 
     def representation(self, layer: str, output: Any) -> torch.Tensor:
         """One row per example of ``layer``'s output, for the entropy profile.

@@ -74,7 +74,8 @@ def _memorization_actions(
 
 def measured(validation: dict[str, float], report: MemorizationReport) -> dict[str, float]:
     """A validation's metrics: the trial's own, the memorization score and flags, and each
-    corpus's measures (``loss_gap/C``, ``exposure_bits/C``, ``entropy_drop/C``)."""
+    corpus's measures (``loss_gap/C``, each detector's gap such as ``min_k_prob/C``,
+    ``exposure_bits/C``, ``entropy_drop/C``)."""
     measured = {**validation, "memorization_score": report.score, "memorization_flagged": len(report.flagged)}
     for corpus_id, verdict in report.corpora.items():
         for name, value in verdict.measures.model_dump().items():

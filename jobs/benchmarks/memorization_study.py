@@ -139,7 +139,8 @@ class Study:
         return band.check(self.profile(self.records_probe[:size]), self.profile(check)).flagged
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The study's options (``memorization_detectors`` trains the same runs with their defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--every", type=int, default=250)
@@ -152,9 +153,11 @@ def main() -> None:
     parser.add_argument("--records-fraction", type=float, default=0.5)
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--adapter-lr", type=float, default=0.01)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    started = time.perf_counter()
+    return parser
+
+
+def study_corpora(args: argparse.Namespace) -> Path:
+    """The small text corpora with the study's canaries, written to a fresh temporary directory."""
     data = Path(tempfile.mkdtemp(prefix="govray-memorization-study-"))
     small_corpora(
         data,
@@ -164,6 +167,14 @@ def main() -> None:
         canary_count=args.canaries,
         repeats=args.repeats,
     )
+    return data
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    data = study_corpora(args)
     agreements: list[bool] = []
     final: Study | None = None
     for with_records in (True, False):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from govray import Batch, Trial
+from govray import Batch, Predictions, Trial
 
 PIXELS = [f"p{index:02d}" for index in range(64)]
 
@@ -50,6 +50,9 @@ class DigitsTrial(Trial):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(model(batch["pixels"]), batch["label"], reduction="none")
+
+    def predictions(self, model: nn.Module, batch: Batch) -> Predictions:
+        return model(batch["pixels"]), batch["label"], None
 
     def evaluate(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         logits = model(batch["pixels"])

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from govray import Batch, ConfigError, Trial, scoring
+from govray import Batch, ConfigError, Predictions, Trial, scoring
 
 VOCAB = 128
 BOS = 0  # NUL: never in a row
@@ -188,6 +188,11 @@ class CharTransformerTrial(Trial):
         correct = (logits.argmax(dim=2) == targets) & (targets != PAD)
         characters = _characters(targets)
         return {"loss": nll.sum(dim=1) / characters, "accuracy": correct.sum(dim=1) / characters}
+
+    def predictions(self, model: nn.Module, batch: Batch) -> Predictions:
+        """Each row's logits for its characters, the characters, and which are not padding."""
+        targets = batch["text"]
+        return next_character_nll(model, targets)[1], targets, targets != PAD
 
     def tokens(self, rows: pa.Table) -> list[int]:
         """Characters predicted per row: those before the padding."""
