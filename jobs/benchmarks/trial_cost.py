@@ -33,10 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray.tune.execution.tune_controller import TuneController
 
 from govray.core.logs import log_path
-from govray.core.runtime import ensure_ray
 from govray.platform import search_tracking
 from govray.platform.search import run_search
 from govray.platform.search_tracking import SearchTracking
@@ -159,7 +159,9 @@ def main() -> None:
     args.cpus_per_trial = 1.0
     clock: DriverClock = defaultdict(lambda: defaultdict(list))
     instrument(clock)
-    ensure_ray()
+    # A Ray of its own, never a running one (``govray up``'s, another checkout's): its workers would
+    # import that instance's govray, not this checkout's.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory(prefix="govray-trialcost-") as scratch:
         root = Path(scratch)
         steps = trial_steps(root, args)
