@@ -2,9 +2,8 @@
 
 Every Tune trial starts a fresh process that imports the trial's module and sets torch's kernel
 modes before it builds its model. Neither should load what the trial never runs: Sigstore's stack
-(``model_signing``: the driver signs exported models), Alembic (the driver migrates the store) or
-torch's Inductor and Dynamo (which ``torch.use_deterministic_algorithms`` imports to set one flag;
-govray compiles nothing). The test runs in a fresh interpreter: this one has imported them all.
+(``model_signing``: the driver signs exported models) or torch's Inductor and Dynamo (which
+``torch.use_deterministic_algorithms`` imports to set one flag; govray compiles nothing). The test runs in a fresh interpreter: this one has imported them all.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 
 from tests.test_cli_imports import python
 
-UNUSED = ("model_signing", "alembic", "torch._inductor", "torch._dynamo")
+UNUSED = ("model_signing", "torch._inductor", "torch._dynamo")
 
 TRIAL_PROCESS = f"""
 import json, sys
@@ -37,7 +36,7 @@ print(json.dumps(seen))
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch, Ray Tune and Ray Train: 5 s or more
-def test_a_trial_process_imports_no_signing_migrations_or_compiler() -> None:
+def test_a_trial_process_imports_no_signing_stack_or_compiler() -> None:
     seen = json.loads(python("-c", TRIAL_PROCESS).splitlines()[-1])
     assert seen == {"unused": [], "on": True, "inductor_on": True, "off": [False, False]}, (
         f"{sys.executable}: {seen}"

@@ -15,20 +15,19 @@ Two backends, one schema and one set of Alembic migrations:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from govray.core.errors import TrackingError
-
-if TYPE_CHECKING:
-    from alembic.config import Config
-
-# Alembic is imported where a store is migrated or its revision read, not with this module: a
-# trial's process imports the tracking tables but never opens a store (0.5 s or more at import).
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -102,8 +101,6 @@ def create_tracking_engine(url: str) -> Engine:
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """An Alembic config for the packaged migrations, independent of the working directory."""
-    from alembic.config import Config
-
     config = Config()
     # ConfigParser interpolates '%', so a path containing one must be escaped.
     config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
@@ -114,8 +111,6 @@ def alembic_config(connection: Connection | None = None) -> Config:
 
 def current_revision(engine: Engine) -> str | None:
     """The migration revision the database is at (``None`` for an empty database)."""
-    from alembic.runtime.migration import MigrationContext
-
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
 
@@ -126,11 +121,6 @@ def upgrade(target: str | Engine) -> str:
     Raises TrackingError if the database is at a revision this govray does not know (written
     by a newer govray, say) or a migration fails.
     """
-    from alembic import command
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-    from alembic.util import CommandError
-
     engine = create_tracking_engine(target) if isinstance(target, str) else target
     where = masked(engine.url)
     scripts = ScriptDirectory.from_config(alembic_config())
