@@ -3,7 +3,8 @@
 Every Tune trial starts a fresh process that imports the trial's module and sets torch's kernel
 modes before it builds its model. Neither should load what the trial never runs: Sigstore's stack
 (``model_signing``: the driver signs exported models) or torch's Inductor and Dynamo (which
-``torch.use_deterministic_algorithms`` imports to set one flag; govray compiles nothing). The test runs in a fresh interpreter: this one has imported them all.
+``torch.use_deterministic_algorithms`` imports to set one flag; govray compiles nothing).
+The test runs in a fresh interpreter: this one has imported them all.
 """
 
 from __future__ import annotations
