@@ -1,5 +1,6 @@
 """The CLI answers at once: ``govray --help``, every command's ``--help`` and the commands that only
-read the tracking store import neither torch, Ray, pyarrow nor pandas (issue 33, "CLI latency").
+read the tracking store import neither torch, Ray, pyarrow nor pandas (issue 33, "CLI latency");
+``govray lineage row`` reads the ingest's shards (pyarrow, pandas) but loads neither torch nor Ray.
 
 Each case runs in a fresh interpreter, since the test process itself has imported all of them.
 """
@@ -23,7 +24,8 @@ from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import ModelVersion
 from govray.tracking.versions import insert_version
-from tests.conftest import REPO
+from tests.conftest import REPO, GoldenRun
+from tests.test_row_lookup import WRITERS, corpus_rows
 
 HEAVY = ("torch", "ray", "pyarrow", "pandas")
 
@@ -148,3 +150,12 @@ def test_store_only_commands_import_no_heavy_module(small_store: str) -> None:
     line lists it."""
     argvs = [[*command, "--database", small_store] for command in STORE_ONLY]
     assert probe(*argvs) == [{"argv": argv, "exit": 0, "heavy": []} for argv in argvs]
+
+
+def test_lineage_row_answers_without_torch_or_ray(golden_run: GoldenRun) -> None:
+    """A row the golden run trained on: its steps and checkpoints come from the shards (pyarrow,
+    whose row-group read loads pandas) and the checkpoints' ``state.json``
+    (``train.checkpoint_manifest``), its tensors from run.json: no torch, no Ray."""
+    row = min(corpus_rows(golden_run, "pii"))
+    argv = ["lineage", "row", WRITERS, str(row), "--database", golden_run.config.database_url]
+    assert probe(argv) == [{"argv": argv, "exit": 0, "heavy": ["pandas", "pyarrow"]}]

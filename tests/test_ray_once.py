@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,8 +158,13 @@ def test_two_commands_in_a_row_join_the_one_ray_govray_up_started(
             done = govray("data", "ingest", str(experiment), env=env)
             assert_refused_with_one_message(done, f"{address} (started by govray up)", csv)
         assert len(list(temp.glob("session_2*"))) == 1, "both commands joined the one Ray session"
+        head = HeadRecord.model_validate_json(rayhead.record_path().read_text())
+        environ = Path(f"/proc/{head.pid}/environ").read_bytes().split(b"\0")
+        assert f"{rayhead.DRAIN_TIMEOUT}=0".encode() in environ, "down waits for no drain"
+        began = time.monotonic()
         stopped = govray("down", env=env)
         assert (stopped.returncode, stopped.stdout.strip()) == (0, f"stopped Ray at {address}")
+        assert time.monotonic() - began < 20, "Ray's 30 s drain on SIGTERM is skipped"
         assert leftover_processes(temp) == []
         idle = govray("down", env=env)
         assert (idle.returncode, idle.stdout.strip()) == (0, "no Ray started by govray up is running")

@@ -6,6 +6,10 @@ of theirs that writes to the terminal onto one file per command, under ``$GOVRAY
 created only when Ray logs something; the CLI names the file after a refusal
 (``ray_log_file``). Ray's own files (the session's ``logs/``, ``ray-data.log``) stay as they are.
 
+Ray also prints, not logs, the error messages its cluster pushes to a driver (``(raylet) Task
+ServeController.graceful_shutdown failed...`` when ``govray serve`` stops Serve): once Ray is
+imported they go to the same file, through the ``ray`` logger.
+
 This module imports no Ray: the CLI reads ``ray_log_file`` without loading it.
 """
 
@@ -16,6 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 _FORMAT = "%(asctime)s\t%(levelname)s %(name)s %(filename)s:%(lineno)s -- %(message)s"
 _handler: logging.FileHandler | None = None
@@ -46,7 +51,24 @@ def route_ray_logs() -> Path:
         if terminal or name == "ray":
             logger.addHandler(_handler)
             logger.propagate = False
+    _route_error_messages()
     return Path(_handler.baseFilename)
+
+
+def _route_error_messages() -> None:
+    """The driver's listener of the cluster's error messages prints each with
+    ``ray._private.worker.print_to_stdstream`` (looked up at each message; Ray's log-to-driver
+    printer is bound at ``ray.init`` and stays off: govray's ``log_to_driver=False``)."""
+    worker = sys.modules.get("ray._private.worker")
+    if worker is None or getattr(worker.print_to_stdstream, "_govray", False):
+        return
+
+    def to_log(data: dict[str, Any], ignore_prefix: bool) -> None:
+        for line in data.get("lines", []):
+            logging.getLogger("ray").warning("(%s) %s", data.get("pid", "ray"), line)
+
+    to_log._govray = True  # type: ignore[attr-defined]
+    worker.__dict__["print_to_stdstream"] = to_log
 
 
 def ray_log_file() -> Path | None:

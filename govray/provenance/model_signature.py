@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import model_signing
 from cryptography.hazmat.primitives import serialization
 
 from govray.core.errors import GovrayError, SignatureError
@@ -58,6 +57,8 @@ def sign_model(directory: Path, signature: Path, key: SigningKey) -> Path:
     with tempfile.TemporaryDirectory() as scratch:  # mode 0700: the PEM never lies readable
         private = Path(scratch) / "platform-ecdsa.key"
         key.save(private.with_suffix(""))
+        import model_signing  # Sigstore's stack, ~1 s at import: only where a model is signed
+
         model_signing.signing.Config().use_elliptic_key_signer(private_key=private).sign(directory, signature)
     return signature
 
@@ -70,6 +71,8 @@ def verify_model_signature(signature: Path, model_dir: Path, trust: TrustConfig)
     with tempfile.TemporaryDirectory() as scratch:
         public = Path(scratch) / "platform.pub.pem"
         public.write_text(key.public)
+        import model_signing  # (see sign_model)
+
         try:
             model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).verify(
                 model_dir, signature

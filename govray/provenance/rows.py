@@ -42,12 +42,11 @@ from govray.data.shards import ShardSet
 from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, CorpusRecord, Experiment, TrialRecord
 from govray.tracking.versions import versions_of_checkpoints
-from govray.train.checkpoint import STATE_FILE, CheckpointState, recorded_state
+from govray.train.checkpoint_manifest import STATE_FILE, CheckpointState, recorded_state
 from govray.train.runspec import RunSpec
 
 MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all
@@ -282,7 +281,7 @@ def _trial_reach(
         for c in recorded
         if any(in_weights(schedule, step, c.step) for step in touched)
     ]
-    routing = routing_of(spec)
+    routing = _routing(spec)
     tensors, layers = route_tensors(routing, route) if touched else ((), ())
     adapter = routing.adapter_names.get(route)
     return TrialReach(
@@ -299,6 +298,16 @@ def _trial_reach(
         layers=list(layers),
         note="" if touched else _why_not(schedule, places.corpus_id, state.step),
     )
+
+
+def _routing(spec: RunSpec) -> RoutingTable:
+    """The run's routing table, from its run.json; a run recorded before run.json held one needs its
+    trial's model resolved (``routing_of``: torch is imported then, and only then)."""
+    if spec.routing is not None:
+        return spec.routing
+    from govray.provenance.predicates import routing_of
+
+    return routing_of(spec)
 
 
 def _windows(spec: RunSpec, places: _Places) -> list[int]:

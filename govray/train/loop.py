@@ -33,6 +33,7 @@ from govray.train.runspec import RunSpec
 from govray.train.session import RayTrainSession, Session
 from govray.train.snapshots import CodeSnapshot, use_recorded_code
 from govray.train.state import TrialRun
+from govray.train.timings import WorkerTimings
 from govray.train.trial import importable
 from govray.train.validation import finished_clone_report, run_validation
 from govray.train.worker import Worker, all_reduce_sums
@@ -44,6 +45,7 @@ def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession)
     """``train_loop_per_worker`` for Ray Train (and, with another ``session``, for one worker
     in-process or in a Tune trial). Each rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray
     trial logs``); a Ray Train worker also tees its stdout and stderr there."""
+    timings = WorkerTimings()
     spec = RunSpec.model_validate(config)
     if spec.recorded_code:
         snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
@@ -52,7 +54,8 @@ def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession)
         importable(spec.code_dir)  # Ray Train moves workers into the run directory
     torch.set_num_threads(spec.threads)
     worker = Worker.detect(spec.use_gpu)
-    opened = session(spec, worker)
+    with timings.part("open"):
+        opened = session(spec, worker)
     log = None
     if spec.log_dir:
         path = Path(spec.log_dir) / f"rank-{worker.rank}.log"
@@ -63,28 +66,35 @@ def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession)
     tee = log is not None and isinstance(opened, RayTrainSession)
     with log or contextlib.nullcontext(), log.capture() if tee and log else contextlib.nullcontext():
         try:
-            _train(spec, worker, opened, log)
+            _train(spec, worker, opened, log, timings)
         except BaseException:
             if log is not None:
                 log.write(traceback.format_exc())
             raise
         finally:
-            opened.close()
+            with timings.part("close"):
+                opened.close()
+            if log is not None:
+                log.write(timings.line())
             _publish_log(log, spec.storage)
 
 
-def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | None) -> None:
+def _train(
+    spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | None, timings: WorkerTimings
+) -> None:
     def note(message: str) -> None:
         if log is not None:
             log.write(message)
 
-    run = TrialRun.open(spec, worker)
+    with timings.part("build"):
+        run = TrialRun.open(spec, worker)
     governed, control = run.governed, run.control
     start, resume = 0, session.resume_point()
     for reason in session.passed_over:
         note(f"passed over a newer checkpoint that does not verify: {reason}")
     if resume is not None:
-        start = run.restore(resume)
+        with timings.part("restore"):
+            start = run.restore(resume)
         worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
         note(f"workers so far: {worlds}")
         note(f"resumed from a verified checkpoint at step {start}")
@@ -118,7 +128,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
     loss_sum, examples = torch.zeros((), dtype=torch.float64, device=worker.device), 0
     for step in range(start, spec.max_steps):
         session.look_for_stop(step)
-        step_loss, step_examples = governed.step(step)  # nothing read from the device
+        with timings.part("first_step" if step == start else "steps"):
+            step_loss, step_examples = governed.step(step)  # nothing read from the device
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
         done = step + 1
         last = done == spec.max_steps
@@ -140,7 +151,8 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         loss_sum, examples = torch.zeros_like(loss_sum), 0
         flagged = None
         if validate:
-            flagged = run_validation(run, done, metrics, note)
+            with timings.part("validation"):
+                flagged = run_validation(run, done, metrics, note)
             last = last or control.stopped_early  # an early stop ends the trial here, with its ledger
         if last:
             control.check_applied(done)
@@ -157,7 +169,7 @@ def _train(spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | Non
         note(_line(report) + (" (checkpoint)" if save and key is not None else ""))
         if save:  # the log in object storage before the checkpoint is reported: never behind it
             _publish_log(log, spec.storage)
-        _deliver(run, report, key, session, save)
+        _deliver(run, report, key, session, save, timings=timings)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
             return
@@ -175,6 +187,7 @@ def _deliver(
     save: bool = True,
     *,
     report_it: bool = True,
+    timings: WorkerTimings | None = None,
 ) -> None:
     """Report (unless not ``report_it``), after sealing the checkpoint that goes with it when
     ``save`` and the run signs its checkpoints (rank 0 holds the ``key``; under FSDP every rank
@@ -186,9 +199,11 @@ def _deliver(
             sealed = report.model_copy(update={"checkpoint": str(folder)})
             run.save(folder, report.step, key, sealed.model_dump(mode="json"))
 
-        report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, write)})
+        with timings.part("checkpoint") if timings else contextlib.nullcontext():
+            report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, write)})
     if report_it:
-        session.report(report)
+        with timings.part("report") if timings else contextlib.nullcontext():
+            session.report(report)
 
 
 def _line(report: StepReport) -> str:

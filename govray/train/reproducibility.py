@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,7 @@ def use_deterministic_mode(settings: TrainingSettings | None, device: torch.devi
     if deterministic:
         for name, value in DETERMINISTIC_ENV.items():
             os.environ.setdefault(name, value)  # a worker's runtime environment set them already
-    torch.use_deterministic_algorithms(deterministic)
+    _set_deterministic_algorithms(deterministic)
     # (torch's settings below are module attributes its stubs do not declare)
     torch.utils.deterministic.fill_uninitialized_memory = not deterministic  # type: ignore[attr-defined]
     tf32 = settings.tf32 if settings is not None else None
@@ -217,3 +218,15 @@ def build_record(
         precision=config.training.precision,
         deterministic=config.training.deterministic,
     )
+
+
+def _set_deterministic_algorithms(deterministic: bool) -> None:
+    """``torch.use_deterministic_algorithms(deterministic)`` without importing Inductor when
+    nothing has: torch's function imports ``torch._inductor.config`` (and with it Dynamo, seconds
+    of a fresh trial process) to set its ``deterministic`` flag. govray compiles nothing; a later
+    Inductor import reads the flag from ``TORCHINDUCTOR_DETERMINISTIC``, set here to match."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(deterministic)
+        return
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if deterministic else "0"
+    torch._C._set_deterministic_algorithms(deterministic, warn_only=False)
