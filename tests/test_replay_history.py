@@ -63,6 +63,7 @@ class ResizedRun:
 
     trial: TrialRecord
     final: Path  # its final checkpoint
+    resumed_at: int  # the checkpoint it resumed from (the newest when the driver died: 10, or 20)
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -88,24 +89,23 @@ def resized_run(golden_run: GoldenRun, golden_example: Path) -> ResizedRun:
     trial = golden_run.store.get_trial(trial_id)
     assert trial.state == "completed"
     final = final_checkpoint(Path(golden_run.config.storage_path) / "ray" / str(trial.ray_run_name))
-    history = json.loads((final / STATE_FILE).read_text())["world_history"]
-    assert history == [[0, 2], [GOLDEN_REPORT_EVERY, 1]]
-    return ResizedRun(trial, final)
+    (first, world), (resumed_at, workers) = json.loads((final / STATE_FILE).read_text())["world_history"]
+    assert (first, world, workers) == (0, 2, 1)
+    assert resumed_at in (GOLDEN_REPORT_EVERY, 2 * GOLDEN_REPORT_EVERY)
+    return ResizedRun(trial, final, resumed_at)
 
 
 @pytest.mark.slow
 def test_a_replay_of_a_resized_run_follows_its_world_sizes_bit_for_bit(
     golden_run: GoldenRun, resized_run: ResizedRun
 ) -> None:
-    """Replayed with nothing excluded: 2 workers to step 10, then 1 worker to step 30, and the
+    """Replayed with nothing excluded: 2 workers to step 10 (or 20), then 1 worker, and the
     final weights, optimizer state, ledger and world history are the resized run's, byte for byte
     (the uninterrupted 2-worker run's are not: a replay on one world size could not match)."""
     replay: Replay = replay_trial(golden_run.store, golden_run.config.name, (), trial_id=resized_run.trial.id)
     assert replay.outcome.state == "completed"
-    assert replay.segments == (
-        WorldSegment(0, GOLDEN_REPORT_EVERY, 2),
-        WorldSegment(GOLDEN_REPORT_EVERY, GOLDEN_STEPS, 1),
-    )
+    resumed_at = resized_run.resumed_at
+    assert replay.segments == (WorldSegment(0, resumed_at, 2), WorldSegment(resumed_at, GOLDEN_STEPS, 1))
     replayed = final_checkpoint(replay.outcome.run_dir)
     uninterrupted = final_checkpoint(golden_run.outcome.run_dir)
     for name in WEIGHT_FILES:
@@ -116,7 +116,7 @@ def test_a_replay_of_a_resized_run_follows_its_world_sizes_bit_for_bit(
     assert states[1]["ledger"] == states[0]["ledger"]
     assert states[1]["world_history"] == states[0]["world_history"]
     assert {row.kind for row in replay.report.tensors} == {"none"}
-    # The segment boundary is the pause of a sealed checkpoint, recorded as the trial's progress.
+    # Two segments, one record: each checkpoint's report once, none trained twice into it.
     steps = [m.step for m in golden_run.store.metrics(replay.outcome.trial_id, "training_loss")]
     assert steps == [10, 20, 30]
 
@@ -128,6 +128,7 @@ def test_removing_the_adapter_of_a_resized_run_is_its_replay_without_the_pii_cor
     """`govray replay --exclude-corpus digits-writers` of the resized run says its segments; the
     PII corpus trains only its adapter, so the replay's base is the resized run's byte for byte
     (removal = replay) while its adapter differs."""
+    resumed_at = resized_run.resumed_at
     experiment_id = resized_run.trial.experiment_id
     out = cli(
         "replay",
@@ -139,10 +140,8 @@ def test_removing_the_adapter_of_a_resized_run_is_its_replay_without_the_pii_cor
         "--trial",
         str(resized_run.trial.id),
     )
-    assert (
-        "replay segments (the replayed trial's world sizes): 2 workers for steps 1-10, "
-        "1 worker for steps 11-30" in out
-    ), out
+    said = f"2 workers for steps 1-{resumed_at}, 1 worker for steps {resumed_at + 1}-{GOLDEN_STEPS}"
+    assert f"replay segments (the replayed trial's world sizes): {said}" in out, out
     report = json.loads(Path(out.split("influence report: ")[1].split()[0]).read_text())
     replay_trial_row = golden_run.store.get_trial(report["replay_trial"])
     replayed = final_checkpoint(
@@ -152,4 +151,4 @@ def test_removing_the_adapter_of_a_resized_run_is_its_replay_without_the_pii_cor
     assert (replayed / base).read_bytes() == (resized_run.final / base).read_bytes()
     adapter = "adapter-pii-lora.safetensors"
     assert (replayed / adapter).read_bytes() != (resized_run.final / adapter).read_bytes()
-    assert json.loads((replayed / STATE_FILE).read_text())["world_history"] == [[0, 2], [10, 1]]
+    assert json.loads((replayed / STATE_FILE).read_text())["world_history"] == [[0, 2], [resumed_at, 1]]
