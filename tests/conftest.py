@@ -331,24 +331,3 @@ def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settl
         time.sleep(0.05)
     driver.wait(timeout=60)
     assert killed, f"jobs/{script} ended or timed out before it was ready to be killed"
-
-
-def driver_killed_after_first_checkpoint(golden_run: GoldenRun, golden_example: Path) -> int:
-    """The golden configuration's ``jobs/train.py`` SIGKILLed after its first checkpoint: the
-    interrupted trial's id."""
-    from govray.tracking.lineage import checkpoints
-
-    store = golden_run.store
-    known = {trial.id for trial in store.list_trials(1)}
-    found: list[int] = []
-
-    def first_checkpoint_written() -> bool:
-        new = [t for t in store.list_trials(1) if t.id not in known]
-        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
-            found.append(new[0].id)  # type: ignore[arg-type]
-        return bool(found)
-
-    kill_driver_when("train.py", golden_example, first_checkpoint_written)
-    assert store.get_trial(found[0]).state == "active"  # nobody marked it done: the driver died
-    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
-    return found[0]

@@ -37,8 +37,8 @@ from tests.conftest import (
     GOLDEN_STEPS,
     GoldenRun,
     _golden_run,
-    driver_killed_after_first_checkpoint,
     govray_elsewhere,
+    kill_driver_when,
 )
 
 
@@ -193,6 +193,25 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
     (checkpoint_copy / SIGNATURE_FILE).unlink()
     with pytest.raises(CheckpointError, match="unsigned checkpoint is refused"):
         verify_checkpoint(checkpoint_copy, trust())
+
+
+def driver_killed_after_first_checkpoint(golden_run: GoldenRun, golden_example: Path) -> int:
+    """The golden configuration's ``jobs/train.py`` SIGKILLed after its first checkpoint: the
+    interrupted trial's id."""
+    store = golden_run.store
+    known = {trial.id for trial in store.list_trials(1)}
+    found: list[int] = []
+
+    def first_checkpoint_written() -> bool:
+        new = [t for t in store.list_trials(1) if t.id not in known]
+        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+            found.append(new[0].id)  # type: ignore[arg-type]
+        return bool(found)
+
+    kill_driver_when("train.py", golden_example, first_checkpoint_written)
+    assert store.get_trial(found[0]).state == "active"  # nobody marked it done: the driver died
+    time.sleep(3)  # the job's Ray Train controller and workers die with their driver
+    return found[0]
 
 
 @pytest.fixture(scope="module", params=["govray resume elsewhere", "jobs/train.py"])

@@ -239,9 +239,13 @@ def replay_trial(
     segments = replay_segments(history, plan.spec.max_steps, config.resources.workers)
     outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
-        raise ReplayError(
-            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
+        finish = (
             f"finish it with `govray resume {recorded.id}`, then compare"
+            if len(segments) == 1
+            else "replay again: a resume would not follow its world sizes"
+        )
+        raise ReplayError(
+            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; {finish}"
         )
     replay_dir = final_checkpoint(outcome.run_dir, plan.trust)
     report = InfluenceReport(
