@@ -6,7 +6,9 @@ step 5) and resumed with `govray resume --workers 2`, paused again the same way 
 resumed with `--workers 3` to the end. Its final checkpoint records the world sizes (3 from step
 0, 2 from the first pause, 3 from the second). The trial is then replayed with nothing
 excluded: the replay follows those world sizes segment by segment, and its final weights,
-optimizer state and ledger are compared byte for byte.
+optimizer state and ledger are compared byte for byte. A fixed 3-worker run of the same trial
+(what a replay on one world size reproduces) is compared too: whether the resize changed the
+bytes at all (the summation order of 3 slots on 2 workers is not that of 3 workers).
 
 Run: ``python -m jobs.benchmarks.elastic_replay``. A local Ray with 4 CPUs (3 one-CPU workers)
 is started unless one is connected. Its last line is::
@@ -19,6 +21,7 @@ is started unless one is connected. Its last line is::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import tempfile
@@ -38,10 +41,16 @@ def local_ray(cpus: int) -> Iterator[None]:
     """A local Ray with ``cpus`` CPUs for the scenario, unless this process is connected already."""
     import ray
 
+    from govray.core.raylogs import route_ray_logs
+
     if ray.is_initialized():
         yield
         return
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+    )
+    importlib.import_module("ray.data")  # it configures its loggers at import
+    route_ray_logs()  # Ray's loggers write to govray's log file, as in `govray` commands
     try:
         yield
     finally:
@@ -93,8 +102,9 @@ def final_checkpoint(run_dir: Path) -> Path:
     return find_checkpoints(run_dir)[-1]
 
 
-def resized_then_replayed(workdir: Path) -> tuple[Path, Path, list[list[int]]]:
-    """The resized run's and its replay's final checkpoints, and the recorded world history."""
+def resized_then_replayed(workdir: Path) -> tuple[Path, Path, Path, list[list[int]]]:
+    """The resized run's, its replay's and a fixed 3-worker run's final checkpoints, and the
+    recorded world history."""
     from govray.platform.replay import replay_trial
     from govray.platform.runner import run_trial
     from govray.platform.world_history import describe_segments
@@ -115,14 +125,17 @@ def resized_then_replayed(workdir: Path) -> tuple[Path, Path, list[list[int]]]:
     started = time.perf_counter()
     replay = replay_trial(store, config.name, (), trial_id=trial.id)
     print(f"{describe_segments(replay.segments)}: {time.perf_counter() - started:.1f} s")
-    return resized, final_checkpoint(replay.outcome.run_dir), history
+    fixed = run_trial(config, checked, experiment, ingested.root, store)  # what a one-world replay gives
+    return resized, final_checkpoint(replay.outcome.run_dir), final_checkpoint(fixed.run_dir), history
 
 
 def measure(workdir: Path) -> str:
     """Run the scenario under ``workdir``; returns its line."""
     with local_ray(cpus=4):
-        resized, replayed, history = resized_then_replayed(workdir)
+        resized, replayed, fixed, history = resized_then_replayed(workdir)
     print(f"world history of the resized run (from step, workers): {history}")
+    differs = (fixed / COMPARED[0]).read_bytes() != (resized / COMPARED[0]).read_bytes()
+    print(f"a fixed 3-worker run's base differs from the resized run's: {'yes' if differs else 'no'}")
     worlds = [workers for _, workers in history]
     same = all((resized / name).read_bytes() == (replayed / name).read_bytes() for name in COMPARED)
     ledgers = [json.loads((folder / "state.json").read_text())["ledger"] for folder in (resized, replayed)]
