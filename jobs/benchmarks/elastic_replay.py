@@ -125,7 +125,9 @@ def resized_then_replayed(workdir: Path) -> tuple[Path, Path, Path, list[list[in
     started = time.perf_counter()
     replay = replay_trial(store, config.name, (), trial_id=trial.id)
     print(f"{describe_segments(replay.segments)}: {time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
     fixed = run_trial(config, checked, experiment, ingested.root, store)  # what a one-world replay gives
+    print(f"a fixed 3-worker run of the same trial (one segment): {time.perf_counter() - started:.1f} s")
     return resized, final_checkpoint(replay.outcome.run_dir), final_checkpoint(fixed.run_dir), history
 
 
