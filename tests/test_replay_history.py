@@ -15,7 +15,12 @@ import pytest
 from govray.cli import main
 from govray.platform.replay import Replay, replay_trial
 from govray.platform.runner import run_trial
-from govray.platform.world_history import WorldHistoryError, WorldSegment, replay_segments
+from govray.platform.world_history import (
+    WorldHistoryError,
+    WorldSegment,
+    describe_segments,
+    replay_segments,
+)
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import STATE_FILE, find_checkpoints
 from jobs.benchmarks.elastic_replay import paused
@@ -27,6 +32,8 @@ WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.
 def test_a_history_of_one_world_is_one_run_and_no_history_runs_on_the_configured_workers() -> None:
     assert replay_segments([(0, 2)], 30, configured=3) == (WorldSegment(0, 30, 2),)
     assert replay_segments([], 30, configured=3) == (WorldSegment(0, 30, 3),)
+    said = "replay segments (the replayed trial's world sizes): 2 workers for steps 1-30"
+    assert describe_segments((WorldSegment(0, 30, 2),)) == said
 
 
 def test_a_resized_history_is_split_at_each_step_a_world_began() -> None:
