@@ -12,7 +12,8 @@ Its own checkpoints then carry the same history. A history of one entry is one r
 Example::
 
     segments = replay_segments(recorded_world_history(final), max_steps=30, configured=2)
-    print(describe_segments(segments))   # replay segments: 2 workers for steps 1-10, 1 worker for steps 11-30
+    print(describe_segments(segments))
+    # replay segments (the replayed trial's world sizes): 2 workers for steps 1-10, 1 worker for steps 11-30
 """
 
 from __future__ import annotations
