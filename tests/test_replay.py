@@ -15,6 +15,7 @@ from govray.cli import main
 from govray.core.errors import GovrayError
 from govray.core.storage import open_storage
 from govray.platform.replay import InfluenceReport, Replay, final_checkpoint, replay_trial
+from govray.platform.world_history import WorldSegment
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
@@ -115,6 +116,8 @@ def test_replay_without_the_adapter_corpus_matches_the_base_bit_for_bit(
     (GOLDEN_HPARAMS' max_grad_norm)."""
     report = golden_replay_without_writers.report
     assert report.original_trial == golden_run.outcome.trial_id
+    # A run of one world size is replayed as one run on it (``platform.world_history``).
+    assert golden_replay_without_writers.segments == (WorldSegment(0, 30, 2),)
     assert report.excluded_corpora == ["digits-writers"]
     assert report.replay_run != golden_run.outcome.run_name  # a fresh Ray Train run
     base = [row for row in report.tensors if row.file == "model.safetensors"]
@@ -142,6 +145,8 @@ def test_replaying_a_replay_needs_its_id_and_says_what_it_replays(
         f"trial {first} is itself a replay of trial {golden_run.outcome.trial_id} without digits-writers"
         in replay_of_a_replay.out
     )
+    segments = "replay segments (the replayed trial's world sizes): 2 workers for steps 1-30"
+    assert segments in replay_of_a_replay.out
     assert (report.original_trial, report.original_replay_of) == (first, golden_run.outcome.trial_id)
     assert (report.excluded_corpora, report.already_excluded) == (["digits-licensed"], ["digits-writers"])
     replayed = golden_run.store.get_trial(report.replay_trial)

@@ -23,6 +23,7 @@ def replay(
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
     from govray.platform.replay import format_influence, replay_trial
+    from govray.platform.world_history import describe_segments
 
     store = TrackingStore.open(database)
     replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)
@@ -38,5 +39,6 @@ def replay(
         f"replay trial {report.replay_trial} ({report.replay_run}) of trial {report.original_trial} without "
         f"{', '.join(report.excluded_corpora)}: {report.step} steps"
     )
+    console.print(describe_segments(replayed.segments), highlight=False)
     console.print(format_influence(report), highlight=False)
     console.print(f"influence report: {replayed.report_path}")

@@ -31,7 +31,13 @@ from govray.core.keys import TrustConfig
 from govray.core.storage import Storage, open_storage
 from govray.platform.plan import plan_run, recorded_trial_code, run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import Progress, TrialOutcome, run_planned, stored_ledger
+from govray.platform.runner import Progress, TrialOutcome, stored_ledger
+from govray.platform.world_history import (
+    WorldSegment,
+    recorded_world_history,
+    replay_segments,
+    run_segments,
+)
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
@@ -88,6 +94,7 @@ class Replay:
     outcome: TrialOutcome
     report: InfluenceReport
     report_path: Path
+    segments: tuple[WorldSegment, ...]  # the world sizes it ran on: the replayed trial's
 
 
 def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | None) -> TrialRecord:
@@ -188,7 +195,8 @@ def replay_trial(
     trial_id: int | None = None,
     progress: Progress | None = None,
 ) -> Replay:
-    """Rerun a recorded trial without ``exclude``'s rows and write the influence report."""
+    """Rerun a recorded trial without ``exclude``'s rows, on the world sizes it trained on from
+    the steps it trained on them (``platform.world_history``), and write the influence report."""
     recorded = store.get_experiment(experiment)
     assert recorded.id is not None
     config = ExperimentConfig.model_validate_json(recorded.config_json)
@@ -227,11 +235,17 @@ def replay_trial(
         code=code,
         schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
     )
-    outcome = run_planned(plan, recorded, store, progress=progress, replay_of=original.id)
+    history = recorded_world_history(original_dir)  # verified with the checkpoint
+    segments = replay_segments(history, plan.spec.max_steps, config.resources.workers)
+    outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
-        raise ReplayError(
-            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; "
+        finish = (
             f"finish it with `govray resume {recorded.id}`, then compare"
+            if len(segments) == 1
+            else "replay again: a resume would not follow its world sizes"
+        )
+        raise ReplayError(
+            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; {finish}"
         )
     replay_dir = final_checkpoint(outcome.run_dir, plan.trust)
     report = InfluenceReport(
@@ -261,7 +275,7 @@ def replay_trial(
         },
         experiment_id=recorded.id,
     )
-    return Replay(outcome=outcome, report=report, report_path=path)
+    return Replay(outcome=outcome, report=report, report_path=path, segments=segments)
 
 
 def format_influence(report: InfluenceReport) -> str:

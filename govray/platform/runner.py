@@ -167,6 +167,20 @@ def run_planned(
     """Train the planned trial data-parallel on Ray Train and record it under a fresh run name;
     raises ``TrainingFailed``. A replay names the trial it reruns (``replay_of``)."""
     assert experiment.id is not None
+    started = start_planned(plan, experiment, store, replay_of=replay_of)
+    with mirrored(store, plan.config.tracking.mlflow, experiment.id):
+        return train_run(
+            plan.config, plan.checked, plan.storage, experiment, store, *started, progress=progress
+        )
+
+
+def start_planned(
+    plan: RunPlan, experiment: Experiment, store: TrackingStore, *, replay_of: int | None = None
+) -> tuple[int, str, RunSpec]:
+    """Record the planned trial before it trains: its row, its fresh run name, its reproducibility
+    record and code snapshot, and its run spec on storage (what `govray resume` rebuilds it from);
+    returns (trial id, run name, run spec) for ``train_run``."""
+    assert experiment.id is not None
     config, storage, planned = plan.config, plan.storage, plan.spec
     # The trial row keeps the trial seed: with the experiment's seed it fixes init, schedule and
     # per-step randomness, which is what a replay needs.
@@ -196,8 +210,7 @@ def run_planned(
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.model_dump_json(indent=1))  # what `govray resume` rebuilds the run from
     storage.upload(spec_path)
-    with mirrored(store, config.tracking.mlflow, experiment.id):
-        return train_run(config, plan.checked, storage, experiment, store, trial_id, run_name, spec, progress)
+    return trial_id, run_name, spec
 
 
 def train_run(

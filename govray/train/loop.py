@@ -9,9 +9,10 @@ Tune trial), resumes or starts, then for each step of the schedule::
         stop, gate, rollback); at a checkpoint: seal it
     session.report(StepReport(...))               # typed: metrics, and what the driver acts on
 
-A pause request checkpoints at the next step boundary and returns; a kill request returns without
-one. After a failure Ray Train restarts every worker, and each resumes from the newest verified
-checkpoint (per-step seeding: the schedule and the randomness need no RNG state).
+A pause request checkpoints at the next step boundary and returns (so does reaching the spec's
+``pause_at``: the end of a replay's segment); a kill request returns without one. After a failure
+Ray Train restarts every worker, and each resumes from the newest verified checkpoint (per-step
+seeding: the schedule and the randomness need no RNG state).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def _train(
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
         done = step + 1
         last = done == spec.max_steps
-        stop = session.stop_requested()
+        stop = session.stop_requested() or ("pause" if done == spec.pause_at else None)
         if last:
             stop = None  # the run is over anyway
         validate = last or bool(spec.validation_period and done % spec.validation_period == 0)

@@ -72,6 +72,9 @@ class RunSpec(BaseModel):
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
     recorded_code: bool = False
     checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
+    # The run pauses after this step with a checkpoint, as on a pause request: a replay's segment
+    # ends there, and the next resumes on the world size the replayed run had from that step.
+    pause_at: int | None = None
     platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
     trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
     config_digest: str = ""

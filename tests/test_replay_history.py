@@ -1,0 +1,163 @@
+"""A replay follows the world sizes its trial trained on (issue 34, item 5): a run resized during
+its life is replayed segment by segment on the same world sizes from the same steps, so the replay,
+and removal = replay, stay bit-identical."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from govray.cli import main
+from govray.platform.replay import Replay, replay_trial
+from govray.platform.runner import run_trial
+from govray.platform.world_history import (
+    WorldHistoryError,
+    WorldSegment,
+    describe_segments,
+    replay_segments,
+)
+from govray.tracking.tables import TrialRecord
+from govray.train.checkpoint import STATE_FILE, find_checkpoints
+from jobs.benchmarks.elastic_replay import paused
+from tests.conftest import GOLDEN_STEPS, GoldenRun
+
+WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
+
+
+def test_a_history_of_one_world_is_one_run_and_no_history_runs_on_the_configured_workers() -> None:
+    assert replay_segments([(0, 2)], 30, configured=3) == (WorldSegment(0, 30, 2),)
+    assert replay_segments([], 30, configured=3) == (WorldSegment(0, 30, 3),)
+    said = "replay segments (the replayed trial's world sizes): 2 workers for steps 1-30"
+    assert describe_segments((WorldSegment(0, 30, 2),)) == said
+
+
+def test_a_resized_history_is_split_at_each_step_a_world_began() -> None:
+    assert replay_segments([(0, 3), (10, 2), (25, 3)], 40, configured=3) == (
+        WorldSegment(0, 10, 3),
+        WorldSegment(10, 25, 2),
+        WorldSegment(25, 40, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        [(0, 4), (0, 2)],  # resumed from its step-0 checkpoint on another world size
+        [(0, 2), (20, 1), (10, 2)],  # out of order
+        [(5, 2)],  # not from the start
+        [(0, 2), (30, 1)],  # a world beginning after the last step
+    ],
+)
+def test_a_history_no_segments_reproduce_is_refused(history: list[tuple[int, int]]) -> None:
+    with pytest.raises(WorldHistoryError, match=r"does not split steps 1-30 into segments"):
+        replay_segments(history, 30, configured=2)
+
+
+# --- a resized run, replayed (slow tier: a killed driver, a resume, two replays of two segments) --
+
+
+@dataclass(frozen=True)
+class ResizedRun:
+    """The golden configuration paused as it starts (at its first control boundary, step 5) and
+    resumed with `govray resume --workers 1` to step 30."""
+
+    trial: TrialRecord
+    final: Path  # its final checkpoint
+    resumed_at: int  # the step it paused at and resumed from on 1 worker
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    found = find_checkpoints(run_dir)
+    assert found and json.loads((found[-1] / STATE_FILE).read_text())["step"] == GOLDEN_STEPS
+    return found[-1]
+
+
+def cli(*args: str) -> str:
+    """``govray ARGS`` in this process (exit 0 required); what it printed, whitespace collapsed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(list(args))
+    out = " ".join(printed.getvalue().split())
+    assert code == 0, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def resized_run(golden_run: GoldenRun) -> ResizedRun:
+    config, store = golden_run.config, golden_run.store
+    experiment = store.get_experiment(store.get_trial(golden_run.outcome.trial_id).experiment_id)
+    paused(
+        store,
+        experiment.id,
+        lambda: run_trial(config, golden_run.checked, experiment, golden_run.shard_root, store),
+    )
+    cli("resume", str(experiment.id), "--database", config.database_url, "--workers", "1")
+    trial = store.list_trials(experiment.id)[-1]
+    assert trial.state == "completed"
+    final = final_checkpoint(Path(golden_run.config.storage_path) / "ray" / str(trial.ray_run_name))
+    (first, world), (resumed_at, workers) = json.loads((final / STATE_FILE).read_text())["world_history"]
+    assert (first, world, workers) == (0, 2, 1)
+    assert 0 < resumed_at < GOLDEN_STEPS
+    return ResizedRun(trial, final, resumed_at)
+
+
+@pytest.mark.slow
+def test_a_replay_of_a_resized_run_follows_its_world_sizes_bit_for_bit(
+    golden_run: GoldenRun, resized_run: ResizedRun
+) -> None:
+    """Replayed with nothing excluded: 2 workers to the pause, then 1 worker, and the final
+    weights, optimizer state, ledger and world history are the resized run's, byte for byte. (With
+    two slots a step, a sum of two, the order cannot show: the replay's world history says it
+    followed the run's; ``jobs/benchmarks/elastic_replay.py`` shows the bytes on 3 -> 2 -> 3.)"""
+    replay: Replay = replay_trial(golden_run.store, golden_run.config.name, (), trial_id=resized_run.trial.id)
+    assert replay.outcome.state == "completed"
+    resumed_at = resized_run.resumed_at
+    assert replay.segments == (WorldSegment(0, resumed_at, 2), WorldSegment(resumed_at, GOLDEN_STEPS, 1))
+    replayed = final_checkpoint(replay.outcome.run_dir)
+    for name in WEIGHT_FILES:
+        assert (replayed / name).read_bytes() == (resized_run.final / name).read_bytes(), name
+    states = [json.loads((folder / STATE_FILE).read_text()) for folder in (resized_run.final, replayed)]
+    assert states[1]["ledger"] == states[0]["ledger"]
+    assert states[1]["world_history"] == states[0]["world_history"]
+    assert {row.kind for row in replay.report.tensors} == {"none"}
+    # Two segments, one record: each report once (the pause's too), nothing trained twice into it.
+    steps = [m.step for m in golden_run.store.metrics(replay.outcome.trial_id, "training_loss")]
+    assert steps == sorted({resumed_at, 10, 20, 30})
+
+
+@pytest.mark.slow
+def test_removing_the_adapter_of_a_resized_run_is_its_replay_without_the_pii_corpus(
+    golden_run: GoldenRun, resized_run: ResizedRun
+) -> None:
+    """`govray replay --exclude-corpus digits-writers` of the resized run says its segments; the
+    PII corpus trains only its adapter, so the replay's base is the resized run's byte for byte
+    (removal = replay) while its adapter differs."""
+    resumed_at = resized_run.resumed_at
+    experiment_id = resized_run.trial.experiment_id
+    out = cli(
+        "replay",
+        str(experiment_id),
+        "--database",
+        golden_run.config.database_url,
+        "--exclude-corpus",
+        "digits-writers",
+        "--trial",
+        str(resized_run.trial.id),
+    )
+    said = f"2 workers for steps 1-{resumed_at}, 1 worker for steps {resumed_at + 1}-{GOLDEN_STEPS}"
+    assert f"replay segments (the replayed trial's world sizes): {said}" in out, out
+    report = json.loads(Path(out.split("influence report: ")[1].split()[0]).read_text())
+    replay_trial_row = golden_run.store.get_trial(report["replay_trial"])
+    replayed = final_checkpoint(
+        Path(golden_run.config.storage_path) / "ray" / str(replay_trial_row.ray_run_name)
+    )
+    base = "model.safetensors"
+    assert (replayed / base).read_bytes() == (resized_run.final / base).read_bytes()
+    adapter = "adapter-pii-lora.safetensors"
+    assert (replayed / adapter).read_bytes() != (resized_run.final / adapter).read_bytes()
+    assert json.loads((replayed / STATE_FILE).read_text())["world_history"] == [[0, 2], [resumed_at, 1]]
