@@ -108,7 +108,9 @@ class SynchronousPbt(PopulationBasedTraining):
         """Whether every unfinished trial can hold its resources at once."""
         trials = sum(not t.is_finished() for t in tune_controller.get_live_trials())
         cluster = ray.cluster_resources()
-        return all(trials * amount <= cluster.get(name, 0.0) for name, amount in self._trial_resources.items())
+        return all(
+            trials * amount <= cluster.get(name, 0.0) for name, amount in self._trial_resources.items()
+        )
 
 
 def _resume(tune_controller: Any, trial: Trial) -> None:

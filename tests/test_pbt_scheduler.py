@@ -86,7 +86,9 @@ def population(root: Path, size: int) -> list[Trial]:
     ]
 
 
-def perturbed(scheduler: PopulationBasedTraining, root: Path, losses: list[float]) -> tuple[Controller, list[str]]:
+def perturbed(
+    scheduler: PopulationBasedTraining, root: Path, losses: list[float]
+) -> tuple[Controller, list[str]]:
     """A population reporting ``losses`` at the perturbation time, in order, on seeded draws."""
     random.seed(7)
     np.random.seed(7)
@@ -113,7 +115,9 @@ def test_only_the_exploited_trial_stops_and_every_decision_is_tunes(tmp_path: Pa
     # The same exploit: trial 1 continues trial 2's checkpoint with the same mutated learning rate.
     assert [t.config for t in kept.trials] == [t.config for t in stock.trials]
     assert kept.trials[1].config != {"lr": 0.02}
-    restored = [t.run_metadata.checkpoint_manager._latest_checkpoint_result.checkpoint.path for t in kept.trials]
+    restored = [
+        t.run_metadata.checkpoint_manager._latest_checkpoint_result.checkpoint.path for t in kept.trials
+    ]
     assert restored[1] == restored[2] and Path(restored[2]).name == f"{ids[2]}-5"
 
 
