@@ -102,7 +102,8 @@ class SynchronousPbt(PopulationBasedTraining):
         for trial in tune_controller.get_trials():
             state = self._trial_state.get(trial)
             if trial.status == Trial.ERROR and state is not None:
-                state.last_train_time = max(state.last_train_time, self._next_perturbation_sync)
+                # Tune types it int; it holds the time attribute's values (govray's steps).
+                state.last_train_time = max(state.last_train_time, int(self._next_perturbation_sync))
 
     def _population_fits(self, tune_controller: Any) -> bool:
         """Whether every unfinished trial can hold its resources at once."""
