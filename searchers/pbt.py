@@ -7,6 +7,10 @@ ledger, decisions — with mutated hyperparameters (resampled from ``hyperparam_
 ``resample_probability``, else perturbed). A clone records the donor as ``cloned_from``, and its
 ledger includes the donor's, so lineage stays true across exploits. ``batch_size`` cannot be
 mutated: it fixes the schedule a clone continues.
+
+Synchronous, as Tune's ``synch=True`` (its decisions do not depend on timing), but a perturbation
+restarts only the trials it exploits: the others keep their actors and workers
+(``searchers.pbt_scheduler``).
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ CONFIG = PbtSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
-    from ray.tune.schedulers import PopulationBasedTraining
-
+    from searchers.pbt_scheduler import SynchronousPbt
     from searchers.space import sampled, sampled_space
 
     searcher = config.searcher
@@ -53,14 +56,21 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         param_space=sampled_space(config),
         num_samples=searcher.population_size,
         max_concurrent_trials=searcher.population_size,
-        scheduler=PopulationBasedTraining(
+        scheduler=SynchronousPbt(
+            trial_resources=trial_resources(config),
             time_attr="step",
             perturbation_interval=searcher.perturbation_interval,
             hyperparam_mutations={name: sampled(hp) for name, hp in searcher.hyperparam_mutations.items()},
             quantile_fraction=searcher.quantile_fraction,
             resample_probability=searcher.resample_probability,
-            synch=True,
         ),
         validation_period=searcher.perturbation_interval,
         notes={"perturbation_interval": searcher.perturbation_interval},
     )
+
+
+def trial_resources(config: ExperimentConfig) -> dict[str, float]:
+    """What one trial's workers hold (a waiting trial keeps them)."""
+    workers = config.resources.workers
+    held = {"CPU": workers * config.resources.cpus_per_worker}
+    return held | ({"GPU": float(workers)} if config.resources.use_gpu else {})

@@ -20,6 +20,7 @@ from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
+from govray.platform.placement_guard import result_places
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search_progress import SearchState
@@ -236,7 +237,9 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     ray_session: None, tmp_path: Path
 ) -> None:
     """Two 2-worker trials in segments of 5 steps; at each perturbation the worse one continues
-    the better one's signed state (weights, optimizer, ledger) with a mutated learning rate."""
+    the better one's signed state (weights, optimizer, ledger) with a mutated learning rate. Both
+    fit the 2 CPUs at once (half a CPU a worker), so the donor keeps its workers across the
+    perturbation (the same PIDs); only the clone's are new."""
     searcher = {
         "name": "pbt",
         "population_size": 2,
@@ -246,8 +249,19 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
         "hyperparam_mutations": {"lr": SEARCH_HPARAMS["lr"]},
         "max_length": {"batches": 10},
     }
-    outcome, store = searched(tmp_path, searcher, workers=2, report_every=2)
+    outcome, store = searched(tmp_path, searcher, workers=2, report_every=2, cpus_per_worker=0.5)
     assert_recorded(outcome, store, trials=2)
+    places: dict[str, dict[int, Any]] = {}  # Tune trial id: step: worker places
+    for path in tmp_path.rglob("result.json"):  # Tune's results (a clone's may begin at its restart)
+        for result in map(json.loads, path.read_text().splitlines()):
+            places.setdefault(result["trial_id"], {})[result["step"]] = result_places(result)
+    trials = [store.get_trial(t) for t in outcome.trial_ids]
+    cloned = {str(t.ray_run_name).rsplit("-", 1)[-1]: t.cloned_from for t in trials}
+    [kept] = [places[t] for t, donor in cloned.items() if donor is None]
+    [clone] = [places[t] for t, donor in cloned.items() if donor is not None]
+    assert kept[5] and kept[5] == kept[10], places  # the donor's workers went on
+    before = [*kept[5].values(), *clone.get(5, {}).values()]
+    assert not {p["pid"] for p in before} & {p["pid"] for p in clone[10].values()}, places  # new ones
     for trial_id in outcome.trial_ids:  # the reports between validations reach the store too
         assert [m.step for m in store.metrics(trial_id, "training_loss")] == [2, 4, 5, 6, 8, 10]
         assert [m.step for m in store.metrics(trial_id, "validation_loss")] == [5, 10]

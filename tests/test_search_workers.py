@@ -148,3 +148,74 @@ def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(ray_session: 
     assert json.loads(store.get_trial(second).hparams_json)["lr"] == 0.01
     alone, alone_store, _ = _searched(grid(tmp_path / "alone", [0.01]))
     assert _final_model(store, second) == _final_model(alone_store, alone.trial_ids[0])
+
+
+def _pbt_search(
+    root: Path, monkeypatch: pytest.MonkeyPatch, stock: bool
+) -> tuple[list[Any], list[tuple[bool, int, bool]]]:
+    """A seeded PBT search of two 1-worker trials perturbing at step 5 of 10 (``stock``: Tune's
+    synchronous PBT): what each trial recorded, and per trial from its Tune results (whether it
+    is a clone, its results since its last restore at step 10, whether steps 5 and 10 came from
+    one process), both sorted."""
+    import random
+
+    import numpy as np
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    import searchers.pbt_scheduler
+
+    if stock:
+        monkeypatch.setattr(
+            searchers.pbt_scheduler,
+            "SynchronousPbt",
+            lambda trial_resources, **pbt: PopulationBasedTraining(synch=True, **pbt),
+        )
+    searcher = {
+        "name": "pbt",
+        "population_size": 2,
+        "perturbation_interval": 5,
+        "quantile_fraction": 0.5,
+        "resample_probability": 1.0,
+        "hyperparam_mutations": {"lr": {"type": "log", "minval": -2.0, "maxval": -1.0, "base": 10}},
+        "max_length": {"batches": 10},
+    }
+    random.seed(3)  # PBT draws from the driver's random and numpy (initial samples, mutations)
+    np.random.seed(3)
+    outcome, store, search_dir = _searched(search_example(root, searcher))
+    monkeypatch.undo()
+    trials = [store.get_trial(t) for t in outcome.trial_ids]
+    recorded = sorted(
+        (
+            trial.hparams_json,
+            trial.cloned_from is not None,
+            [(m.step, m.value) for m in store.metrics(trial.id, "validation_loss")],  # type: ignore[arg-type]
+            _final_model(store, trial.id),  # type: ignore[arg-type]
+        )
+        for trial in trials
+    )
+    cloned = {str(t.ray_run_name).rsplit("-", 1)[-1]: t.cloned_from is not None for t in trials}
+    restarts = []
+    for tune_id, results in _tune_results(search_dir).items():
+        # An exploited trial's result file may begin at its restart: Tune rewrites it then.
+        at = {r["step"]: r for r in results}
+        restarts.append((cloned[tune_id], at[10]["iterations_since_restore"], at[10]["pid"] == at[5]["pid"]))
+    return recorded, sorted(restarts)
+
+
+@pytest.mark.slow  # two whole Ray Tune searches: the slow tier
+def test_pbt_restarts_only_the_trial_it_exploits_and_decides_as_tunes_pbt(
+    ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two 1-worker PBT trials (reused Tune actors) perturbed at step 5: the donor PBT keeps
+    reports its step-10 result from its step-5 process without a restore (Tune's
+    ``iterations_since_restore`` goes on), the clone restarted from the donor's checkpoint; Tune's
+    synchronous PBT on the same seeds restarted both, and every trial recorded the same
+    hyperparameters, clone, validation losses and final weights (bit for bit) under both."""
+    kept, kept_restarts = _pbt_search(tmp_path / "kept", monkeypatch, stock=False)
+    stock, stock_restarts = _pbt_search(tmp_path / "stock", monkeypatch, stock=True)
+    assert kept == stock
+    assert sorted(clone for _, clone, _, _ in kept) == [False, True]  # one exploit
+    (donor, clone), (stock_donor, stock_clone) = kept_restarts, stock_restarts
+    assert donor == (False, 2, True), kept_restarts  # went on in its process: no restore
+    assert clone[:2] == (True, 1), kept_restarts  # restored from the donor's checkpoint
+    assert (stock_donor[:2], stock_clone[:2]) == ((False, 1), (True, 1)), stock_restarts  # both
