@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -66,8 +67,6 @@ def _tokens(
             "[batch, length, vocabulary] and [batch, length], or [batch, classes] and [batch]"
         )
     mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(torch.bool)
-    if not bool(mask.any(dim=1).all()):
-        raise ValueError("an example has no token to score (its mask is all False)")
     log_probs = torch.log_softmax(logits.detach().to(torch.float64), dim=-1)
     return log_probs, targets.masked_fill(~mask, 0), mask
 
@@ -82,17 +81,71 @@ def _mean_of_lowest(values: torch.Tensor, mask: torch.Tensor, k: float) -> torch
     return ordered.masked_fill(~taken, 0.0).sum(dim=1) / counts
 
 
-def token_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``log p(x_t)`` of each target token, float64 ``[batch, length]`` (0 where masked out)."""
+@dataclass(frozen=True)
+class TokenStats:
+    """What every logit detector needs of a sequence's tokens, float64 ``[batch, length]`` each:
+    ``log_p`` = ``log p(x_t)`` of the target, ``mu``/``sigma`` = mean and standard deviation of
+    ``log p(z)``, ``z ~ p`` (Min-K%++), and ``mask`` (bool: the token counts). Small where the
+    logits ``[batch, length, vocabulary]`` are not: a trial with a large vocabulary computes it a
+    chunk of positions at a time (``token_stats`` per chunk, then ``TokenStats.cat``) and never
+    holds a sequence's logits."""
+
+    log_p: torch.Tensor
+    mu: torch.Tensor
+    sigma: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def cat(parts: Sequence[TokenStats]) -> TokenStats:
+        """The chunks ``parts`` (consecutive positions of the same rows) as one."""
+        return TokenStats(
+            *(
+                torch.cat([getattr(part, name) for part in parts], dim=1)
+                for name in ("log_p", "mu", "sigma", "mask")
+            )
+        )
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> TokenStats:
+    """The per-token statistics of ``logits`` for ``targets`` (masked-out tokens: 0)."""
     log_probs, targets, mask = _tokens(logits, targets, mask)
     chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return chosen.masked_fill(~mask, 0.0)
+    probs = log_probs.exp()
+    mu = (probs * log_probs).sum(dim=-1)
+    sigma = (probs * (log_probs - mu.unsqueeze(-1)).square()).sum(dim=-1).sqrt()
+    zero = torch.zeros_like(chosen)
+    return TokenStats(
+        torch.where(mask, chosen, zero), torch.where(mask, mu, zero), torch.where(mask, sigma, zero), mask
+    )
+
+
+def _stats(
+    logits: torch.Tensor | TokenStats, targets: torch.Tensor | None, mask: torch.Tensor | None
+) -> TokenStats:
+    """``logits``' token statistics (given, or computed), each example with a token to score."""
+    if isinstance(logits, TokenStats):
+        stats = logits
+    elif targets is None:
+        raise ValueError("logits need their targets")
+    else:
+        stats = token_stats(logits, targets, mask)
+    if not bool(stats.mask.any(dim=1).all()):
+        raise ValueError("an example has no token to score (its mask is all False)")
+    return stats
+
+
+def token_log_probs(
+    logits: torch.Tensor | TokenStats, targets: torch.Tensor | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log p(x_t)`` of each target token, float64 ``[batch, length]`` (0 where masked out)."""
+    return _stats(logits, targets, mask).log_p
 
 
 def min_k_prob(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None, k: float = DEFAULT_K
+    logits: torch.Tensor | TokenStats,
+    targets: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    k: float = DEFAULT_K,
 ) -> torch.Tensor:
     """Min-K% Prob of each example: the mean ``log p(x_t)`` of its lowest ``k`` fraction of tokens
     (at least one). Higher: trained.
@@ -101,13 +154,15 @@ def min_k_prob(
     >>> round(float(min_k_prob(logits, torch.tensor([[0, 0]]), k=0.5)), 4)  # log 0.5
     -0.6931
     """
-    log_probs, targets, mask = _tokens(logits, targets, mask)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return _mean_of_lowest(chosen, mask, k)
+    stats = _stats(logits, targets, mask)
+    return _mean_of_lowest(stats.log_p, stats.mask, k)
 
 
 def min_k_plus_plus(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None, k: float = DEFAULT_K
+    logits: torch.Tensor | TokenStats,
+    targets: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    k: float = DEFAULT_K,
 ) -> torch.Tensor:
     """Min-K%++ of each example: the mean of the lowest ``k`` fraction of its tokens' standardized
     log-probabilities ``(log p(x_t) - mu_t) / sigma_t`` under the model's next-token
@@ -115,23 +170,21 @@ def min_k_plus_plus(
     ``z ~ p``). Higher: trained. A uniform distribution (``sigma_t`` 0, or at float64 rounding
     level: below ``_FLAT``) scores its tokens 0.
     """
-    log_probs, targets, mask = _tokens(logits, targets, mask)
-    probs = log_probs.exp()
-    mu = (probs * log_probs).sum(dim=-1)
-    variance = (probs * (log_probs - mu.unsqueeze(-1)).square()).sum(dim=-1)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    sigma = variance.sqrt()
-    flat = sigma <= _FLAT  # rounding of the log-softmax, not spread: the token is as likely as any
-    standardized = torch.where(flat, torch.zeros_like(mu), (chosen - mu) / sigma.clamp(min=_FLAT))
-    return _mean_of_lowest(standardized, mask, k)
+    stats = _stats(logits, targets, mask)
+    flat = stats.sigma <= _FLAT  # rounding of the log-softmax, not spread: the token is as likely as any
+    standardized = torch.where(
+        flat, torch.zeros_like(stats.mu), (stats.log_p - stats.mu) / stats.sigma.clamp(min=_FLAT)
+    )
+    return _mean_of_lowest(standardized, stats.mask, k)
 
 
-def confidence(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def confidence(
+    logits: torch.Tensor | TokenStats, targets: torch.Tensor | None = None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The probability the model gives each example's target (a sequence: the mean over its
     tokens). Higher: trained."""
-    log_probs, targets, mask = _tokens(logits, targets, mask)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).exp().masked_fill(~mask, 0.0)
-    return chosen.sum(dim=1) / mask.sum(dim=1)
+    stats = _stats(logits, targets, mask)
+    return stats.log_p.exp().masked_fill(~stats.mask, 0.0).sum(dim=1) / stats.mask.sum(dim=1)
 
 
 def zlib_ratio(nll_nats: torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
@@ -171,7 +224,7 @@ def gap_of_means(detector: Detector, training_mean: float, holdout_mean: float) 
 
 def example_scores(
     losses: torch.Tensor,
-    logits: torch.Tensor | None = None,
+    logits: torch.Tensor | TokenStats | None = None,
     targets: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     reference_losses: torch.Tensor | None = None,
@@ -179,16 +232,16 @@ def example_scores(
 ) -> dict[Detector, torch.Tensor]:
     """Every detector that the given inputs allow, float64 ``[batch]`` each: ``loss`` always; the
     logit detectors with ``logits`` and ``targets``; ``reference_loss`` with ``reference_losses``;
-    ``zlib_ratio`` with logits and ``texts`` (the NLL it divides is the tokens' summed NLL)."""
+    ``zlib_ratio`` with logits and ``texts`` (the NLL it divides is the tokens' summed NLL).
+    ``logits`` may be their ``TokenStats`` instead (then without ``targets`` and ``mask``)."""
     scores: dict[Detector, torch.Tensor] = {"loss": losses.detach().to(torch.float64).cpu()}
     if reference_losses is not None:
         scores["reference_loss"] = reference_calibrated(scores["loss"], reference_losses.cpu())
-    if logits is not None and targets is not None:
-        scores["min_k_prob"] = min_k_prob(logits, targets, mask).cpu()
-        scores["min_k_plus_plus"] = min_k_plus_plus(logits, targets, mask).cpu()
-        scores["confidence"] = confidence(logits, targets, mask).cpu()
+    if isinstance(logits, TokenStats) or (logits is not None and targets is not None):
+        stats = _stats(logits, targets, mask)
+        scores["min_k_prob"] = min_k_prob(stats).cpu()
+        scores["min_k_plus_plus"] = min_k_plus_plus(stats).cpu()
+        scores["confidence"] = confidence(stats).cpu()
         if texts is not None:
-            scores["zlib_ratio"] = zlib_ratio(
-                -token_log_probs(logits, targets, mask).sum(dim=-1).cpu(), texts
-            )
+            scores["zlib_ratio"] = zlib_ratio(-stats.log_p.sum(dim=-1).cpu(), texts)
     return scores

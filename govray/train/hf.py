@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from govray.core.errors import ConfigError
+from govray.governance.detectors import TokenStats, token_stats
 from govray.train.decoder import decoder_layers, is_transformers_model
 from govray.train.memory import IGNORE, chunked_token_nll, token_nll
 from govray.train.trial import Batch, Trial, scoring
@@ -247,6 +248,32 @@ class CausalLMTrial(Trial):
             return nll
         counts = (batch["targets"] != IGNORE).sum(dim=1).clamp(min=1)
         return nll / counts
+
+    def predictions(self, model: nn.Module, batch: Batch) -> TokenStats:
+        """The per-token statistics of the logit detectors (``governance.detectors``: Min-K%,
+        Min-K%++, confidence, zlib ratio) for each row's predicted tokens. Under
+        ``training.loss_chunk`` the output head runs a chunk of positions at a time on the final
+        hidden states, as in ``token_nll``: a sequence's logits are never held whole."""
+        ids, targets = batch["ids"], batch["targets"]
+        mask = targets != IGNORE
+        chunk = self.settings.loss_chunk
+        language_model = transformers_model(model)
+        if chunk is None or not plain_head(language_model):
+            return token_stats(model(input_ids=ids, use_cache=False).logits, targets, mask)
+        out = model(
+            input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=ids.new_zeros(0)
+        )
+        head, hidden = language_model.get_output_embeddings(), out.hidden_states[-1]
+        return TokenStats.cat(
+            [
+                token_stats(
+                    head(hidden[:, start : start + chunk]),
+                    targets[:, start : start + chunk],
+                    mask[:, start : start + chunk],
+                )
+                for start in range(0, ids.shape[1], chunk)
+            ]
+        )
 
     def tokens(self, rows: pa.Table) -> list[int]:
         """Tokens predicted per row (the ledger's token counts)."""

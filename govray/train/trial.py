@@ -52,12 +52,14 @@ from torch.optim.optimizer import ParamsT
 from govray.config.training import OptimizerName, TrainingSettings
 from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError
+from govray.governance.detectors import TokenStats
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.decoder import decoder_layers, is_transformers_model
 
 Batch = dict[str, torch.Tensor]
-Predictions = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # logits, targets, mask
+# (logits, targets, mask), or the tokens' statistics computed without holding the logits whole.
+Predictions = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | TokenStats
 
 
 class ProbeHooks:
@@ -93,7 +95,9 @@ class ProbeHooks:
     def predictions(self, model: nn.Module, batch: Batch) -> Predictions | None:
         """The logits of ``batch``'s examples, their targets and which targets count: a sequence
         model's ``[batch, length, vocabulary]``, ``[batch, length]`` and a bool mask of the same
-        shape (False at padding); a classifier's ``[batch, classes]``, ``[batch]`` and None.
+        shape (False at padding); a classifier's ``[batch, classes]``, ``[batch]`` and None. A
+        model whose logits are too large to hold for a whole batch (a large vocabulary) returns
+        their ``governance.detectors.TokenStats`` instead, computed a chunk of positions at a time.
 
         Called without gradients, in eval mode, under the run's autocast. Default None: the
         trial gives no logits, and the probe measures the loss detectors only.
