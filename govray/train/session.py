@@ -95,7 +95,7 @@ class _RunDirectory:
         # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
         self.every_rank_writes = parallelism(spec.strategy, worker).layout.every_rank_writes
         self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
-        self.preemption = PreemptionWatch(spec.control_period, ask=None)  # Ray Train's asks Ray
+        self.preemption = PreemptionWatch(spec.control_period, ask=None)  # a Ray Train worker asks
         self._notice_seen_at = 0.0
 
     def resume_point(self) -> Path | None:
