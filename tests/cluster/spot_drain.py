@@ -5,7 +5,7 @@ deadline passes (a drain itself kills nothing). Ray Train restarts the worker gr
 left. Shared by ``tests/cluster/test_preemption.py`` and ``jobs/benchmarks/elastic_notice.py``.
 
     cluster = LocalRayCluster()
-    reclaimed = run_reclaimed(cluster, tmp_path, steps=80, period=50, deadline_s=20)
+    reclaimed = run_reclaimed(cluster, tmp_path, steps=80, period=50, deadline_s=15)
     reclaimed.steps_lost  # steps the first worker group trained after its last checkpoint
 """
 
