@@ -97,13 +97,15 @@ class ControlRequest(StrEnum):
 
 
 class DecisionKind(StrEnum):
-    """Decisions driven by metrics, recorded so a replay applies them instead of recomputing."""
+    """Decisions a trial recorded, so a replay applies them instead of recomputing (all but a
+    preemption, which has no training effect)."""
 
     LR_SCALE = "lr_scale"
     EARLY_STOP = "early_stop"
     GATE = "gate"
     ROLLBACK = "rollback"
     LOSS_SCALE_SKIP = "loss_scale_skip"  # fp16: a route's overflow skipped its tensors' update
+    PREEMPTED = "preempted"  # a node's reclaim notice: a checkpoint sealed, nothing trained after it
 
 
 class MetricKind(StrEnum):

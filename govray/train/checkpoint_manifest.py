@@ -63,6 +63,7 @@ class CheckpointState(BaseModel):
     gates: list[dict[str, Any]] = Field(default_factory=list)  # GateDecisions: schedule events
     rollbacks: list[dict[str, Any]] = Field(default_factory=list)  # RollbackDecisions: schedule events
     clean_step: int | None = None  # the step of the last clean state (a rollback's target)
+    preemptions: list[dict[str, Any]] = Field(default_factory=list)  # PreemptedDecisions: no effect
     # FSDP: {"world_size": N}; the model and optimizer are in per-rank shard files. Empty: whole.
     sharding: dict[str, Any] = Field(default_factory=dict)
     loss_scaling: dict[str, Any] = Field(default_factory=dict)  # fp16: LossScalingState

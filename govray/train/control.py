@@ -32,12 +32,15 @@ from govray.train.decisions import (
     LrDecision,
     Plateau,
     PlateauState,
+    PreemptedDecision,
     RecordedDecision,
     RollbackDecision,
 )
 from govray.train.scaling import LossScaler
 
-Decision = LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip
+Decision = (
+    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip | PreemptedDecision
+)
 REPLAY_ONLY = EarlyStoppingPolicy(patience=1)  # settings of a rule that only replays a record
 Kept = TypeVar("Kept")  # what the caller keeps of a clean state (weights, optimizer, ledger)
 
@@ -60,6 +63,7 @@ class Controller(Generic[Kept]):
         self.memorization = memorization
         self.gates: list[GateDecision] = []
         self.rollbacks: list[RollbackDecision] = []
+        self.preemptions: list[PreemptedDecision] = []  # this run's own: a replay applies none
         # Rollback targets: the last clean state (a replay keeps those its record goes back to).
         self.clean_step: int | None = None
         self.snapshots: dict[int, Kept] = {}
@@ -74,7 +78,7 @@ class Controller(Generic[Kept]):
     @property
     def decisions(self) -> list[Decision]:
         """Every decision taken (or applied) so far, in order."""
-        taken: list[Decision] = [*self.gates, *self.rollbacks, *self.scaler.skips]
+        taken: list[Decision] = [*self.gates, *self.rollbacks, *self.scaler.skips, *self.preemptions]
         if self.plateau is not None:
             taken.extend(self.plateau.decisions)
         if self.early is not None and self.early.decision is not None:
@@ -269,6 +273,21 @@ class Controller(Generic[Kept]):
     def earlier_snapshots(self, steps_done: int) -> list[tuple[int, Kept]]:
         return [(step, snap) for step, snap in sorted(self.snapshots.items()) if step != steps_done]
 
+    # -- on a reclaim notice --------------------------------------------------------------------------
+
+    def preempted(
+        self, steps_done: int, deadline_ms: int | None, nodes: Mapping[str, list[int]]
+    ) -> PreemptedDecision:
+        """Record that a checkpoint was sealed after ``steps_done`` steps on a reclaim notice. It
+        takes the next free ``seq``: in a replay, after every recorded one too (the source's own
+        preemptions are not re-applied, and the replay's must not take their numbers)."""
+        taken = [d.seq for d in self.decisions] + [d.seq for d in self.record or ()]
+        decision = PreemptedDecision(
+            seq=max(taken, default=-1) + 1, step=steps_done, deadline_ms=deadline_ms, nodes=dict(nodes)
+        )
+        self.preemptions.append(decision)
+        return decision
+
     # -- in every checkpoint -------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -279,6 +298,7 @@ class Controller(Generic[Kept]):
             "gates": [gate.model_dump(mode="json") for gate in self.gates],
             "rollbacks": [rollback.model_dump(mode="json") for rollback in self.rollbacks],
             "clean_step": self.clean_step,
+            "preemptions": [preempted.model_dump(mode="json") for preempted in self.preemptions],
             "loss_scaling": self.scaler.to_json() if self.scaler.state.scales or self.scaler.skips else {},
         }
 
@@ -290,5 +310,6 @@ class Controller(Generic[Kept]):
             self.plateau.state = PlateauState.model_validate(state.plateau)
         if self.early is not None and state.early_stopping:
             self.early.state = EarlyStopState.model_validate(state.early_stopping)
+        self.preemptions = [PreemptedDecision.model_validate(p) for p in state.preemptions]
         self.clean_step = state.clean_step
         self.scaler.restore(state.loss_scaling)

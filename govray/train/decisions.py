@@ -253,7 +253,23 @@ class LossScaleSkip(BaseModel):
     scales: list[float] | None  # None in a replay: the source's scales, not observed here
 
 
+class PreemptedDecision(BaseModel):
+    """A node of the run was being reclaimed (a spot preemption notice, read at the control
+    period): after ``step`` steps every rank sealed a checkpoint and trained no further step until
+    the restart, which resumes from it (no step is lost). ``nodes`` maps each reclaimed Ray node
+    to the ranks it held; ``deadline_ms`` is when it goes (UNIX ms; None: the notice gave none).
+    It changes no tensor: a replay does not re-apply it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["preempted"] = "preempted"
+    deadline_ms: int | None
+    nodes: dict[str, list[int]] = Field(min_length=1)
+
+
 RecordedDecision = Annotated[
-    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip,
+    LrDecision | EarlyStopDecision | GateDecision | RollbackDecision | LossScaleSkip | PreemptedDecision,
     Field(discriminator="kind"),
 ]

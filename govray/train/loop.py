@@ -10,9 +10,12 @@ Tune trial), resumes or starts, then for each step of the schedule::
     session.report(StepReport(...))               # typed: metrics, and what the driver acts on
 
 A pause request checkpoints at the next step boundary and returns (so does reaching the spec's
-``pause_at``: the end of a replay's segment); a kill request returns without one. After a failure
-Ray Train restarts every worker, and each resumes from the newest verified checkpoint (per-step
-seeding: the schedule and the randomness need no RNG state).
+``pause_at``: the end of a replay's segment); a kill request returns without one. A node's reclaim
+notice (a spot preemption, ``govray.train.preemption``) seals a checkpoint at the next step
+boundary, records a ``preempted`` decision and trains no further step until Ray Train restarts the
+worker group, which resumes from that checkpoint: no step is lost. After a failure Ray Train
+restarts every worker, and each resumes from the newest verified checkpoint (per-step seeding: the
+schedule and the randomness need no RNG state).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def _train(
     loss_sum, examples = torch.zeros((), dtype=torch.float64, device=worker.device), 0
     for step in range(start, spec.max_steps):
         session.look_for_stop(step)
+        notice = session.look_for_preemption(step)
         with timings.part("first_step" if step == start else "steps"):
             step_loss, step_examples = governed.step(step)  # nothing read from the device
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
@@ -136,9 +140,9 @@ def _train(
         last = done == spec.max_steps
         stop = session.stop_requested() or ("pause" if done == spec.pause_at else None)
         if last:
-            stop = None  # the run is over anyway
+            stop, notice = None, None  # the run is over anyway
         validate = last or bool(spec.validation_period and done % spec.validation_period == 0)
-        save = validate or done % spec.checkpoint_period == 0 or stop == "pause"
+        save = validate or done % spec.checkpoint_period == 0 or stop == "pause" or notice is not None
         if done % spec.report_every and not save and stop is None:
             continue
         # The boundary: the device is read here, and a non-finite gradient since the last one
@@ -157,12 +161,14 @@ def _train(
             last = last or control.stopped_early  # an early stop ends the trial here, with its ledger
         if last:
             control.check_applied(done)
+        if notice is not None:
+            control.preempted(done, notice.deadline_ms, notice.nodes)
         report = StepReport(
             step=done,
             epoch=governed.schedule.locate(step)[0],
             metrics=metrics,
             ledger=governed.ledger.to_json() if last else None,
-            decisions=tuple(control.decisions) if validate else (),
+            decisions=tuple(control.decisions) if validate or notice is not None else (),
             flagged=flagged,
             stop="early_stop" if control.stopped_early else stop,  # type: ignore[arg-type]
             cloned_from_run=run.cloned_from_run,
@@ -177,6 +183,14 @@ def _train(
         if control.stopped_early:
             note(f"stopped early after step {done} of {spec.max_steps}")
             return
+        if notice is not None:
+            note(
+                f"preemption notice for Ray nodes {notice.nodes} (node: ranks), deadline_ms "
+                f"{notice.deadline_ms}: checkpoint sealed after step {done}; training no further step"
+            )
+            _publish_log(log, spec.storage)  # the node may go before the log is copied again
+            waited = session.await_restart(notice)
+            note(f"no restart after {waited:.0f} s, past the notice's deadline: training on from step {done}")
     note(f"completed {spec.max_steps} steps")
 
 

@@ -84,7 +84,8 @@ class LossScaler:
         if skipped:
             routes = sorted(skipped)
             skip = LossScaleSkip(
-                seq=self.next_seq(),
+                # a replay keeps the record's number (its source's preemptions are not re-made)
+                seq=self.next_seq() if self.recorded is None else self.recorded[steps_done].seq,
                 step=steps_done,
                 routes=routes,
                 scales=None if self.recorded is not None else [self.scale(route) for route in routes],

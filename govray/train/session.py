@@ -17,7 +17,9 @@ All three read the driver's pause/kill request (``govray experiment pause|kill``
 rank 0 looks at the control file every ``control_period`` steps and broadcasts what it found
 while the step computes, so every rank stops at the same step boundary. The flag is a host
 object: it goes through the worker's gloo host group (``Worker.host_group``), never the run's
-NCCL group, so reading it waits for the broadcast only, not for the step's GPU work.
+NCCL group, so reading it waits for the broadcast only, not for the step's GPU work. At the same
+period a Ray Train worker asks Ray whether a node of the run is being reclaimed
+(``govray.train.preemption``); the other two never get such a notice.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from govray.core.storage import Storage, StorageError, open_storage
 from govray.train.checkpoint import CHECKPOINT_PREFIX, CheckpointError, verify_checkpoint
 from govray.train.parallel import parallelism
+from govray.train.preemption import PreemptionNotice, PreemptionWatch, wait_for_restart
 from govray.train.reports import StepReport
 from govray.train.run_checkpoints import checkpoint_candidates, fetch_part, ordered_checkpoints
 from govray.train.runspec import RunSpec
@@ -64,6 +67,13 @@ class Session(Protocol):
     def stop_requested(self) -> str | None:
         """After the step: ``pause`` or ``kill`` if the driver asked before it began."""
 
+    def look_for_preemption(self, step: int) -> PreemptionNotice | None:
+        """Before ``step`` (every ``control_period`` steps, every rank): a new reclaim notice."""
+
+    def await_restart(self, notice: PreemptionNotice) -> float:
+        """After the checkpoint sealed on ``notice``: every report delivered, wait for the restart;
+        returns the seconds waited if none came (the loop then trains on)."""
+
     def checkpoint(self, steps_done: int, save: Save) -> str:
         """Write (rank 0) and persist a checkpoint; returns the folder the driver records."""
 
@@ -85,6 +95,8 @@ class _RunDirectory:
         # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
         self.every_rank_writes = parallelism(spec.strategy, worker).layout.every_rank_writes
         self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
+        self.preemption = PreemptionWatch(spec.control_period, ask=None)  # a Ray Train worker asks
+        self._notice_seen_at = 0.0
 
     def resume_point(self) -> Path | None:
         """By one rule: the newest checkpoint of the run directory that verifies (a report lost
@@ -156,6 +168,19 @@ class _RunDirectory:
         if work is not None:
             work.wait()
         return STOP_NAMES.get(int(flag.item()))
+
+    def look_for_preemption(self, step: int) -> PreemptionNotice | None:
+        notice = self.preemption.look(step)
+        if notice is not None:
+            self._notice_seen_at = time.time()
+        return notice
+
+    def await_restart(self, notice: PreemptionNotice) -> float:
+        self.flush()
+        return wait_for_restart(notice, self._notice_seen_at)
+
+    def flush(self) -> None:
+        """Every report delivered to the driver (those that go through Ray)."""
 
     def checkpoint(self, steps_done: int, save: Save) -> str:
         """Rank 0 writes the checkpoint (under FSDP every rank writes its shards into the folder
@@ -258,6 +283,9 @@ class RayTrainSession(_RunDirectory):
             self._sink = ray.get_actor(spec.report_sink)
             place = {"pid": os.getpid(), "placement_group": group.id.hex() if group is not None else ""}
             self._sent.append(self._sink.announce.remote(worker.rank, place))
+        import ray.train
+
+        self.preemption.ask = ray.train.get_preemption_info
 
     def report(self, report: StepReport) -> None:
         if self.worker.rank != 0:
@@ -279,12 +307,15 @@ class RayTrainSession(_RunDirectory):
         if len(self._sent) > 64:  # forget those delivered
             _, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
 
-    def close(self) -> None:
+    def flush(self) -> None:
         import ray
 
         self._send()
-        ray.get(self._sent)  # the run ends when the driver can read all of its reports
+        ray.get(self._sent)
         self._sent = []
+
+    def close(self) -> None:
+        self.flush()  # the run ends when the driver can read all of its reports
 
 
 class TuneSession(_RunDirectory):
