@@ -222,6 +222,16 @@ def gap_of_means(detector: Detector, training_mean: float, holdout_mean: float) 
     return MEMBER_DIRECTION[detector] * (training_mean - holdout_mean)
 
 
+def predicted(
+    given: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | TokenStats | None,
+) -> tuple[torch.Tensor | TokenStats | None, torch.Tensor | None, torch.Tensor | None]:
+    """A trial's ``predictions`` (logits, targets, mask; their ``TokenStats``; or None) as
+    ``example_scores``' ``logits``, ``targets`` and ``mask``."""
+    if isinstance(given, TokenStats):
+        return given, None, None
+    return given or (None, None, None)
+
+
 def example_scores(
     losses: torch.Tensor,
     logits: torch.Tensor | TokenStats | None = None,

@@ -54,7 +54,7 @@ from govray.data.shards import ShardManifest
 from govray.governance.adapters import GovernedModel
 from govray.governance.canaries import CanaryProbe
 from govray.governance.credentials import Credential
-from govray.governance.detectors import Detector, TokenStats, example_scores, gap_of_means
+from govray.governance.detectors import Detector, example_scores, gap_of_means, predicted
 from govray.governance.memorization import CorpusMeasures, EntropyBand, entropy_profile, exposure
 from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
 from govray.governance.policy import DepthPolicy
@@ -250,11 +250,9 @@ class MemorizationProbe:
                     batch = on_device(self.trial.collate(piece), self.worker.device)
                     losses = self.trial.loss(self.model, batch)
                     given = self.trial.predictions(self.model, batch) if logits else None
-                    predicted, targets, mask = (
-                        (given, None, None) if isinstance(given, TokenStats) else given or (None, None, None)
-                    )
+                    logit_input, targets, mask = predicted(given)
                     texts = piece.column("text").to_pylist() if "text" in piece.column_names else None
-                    parts.append(example_scores(losses, predicted, targets, mask, texts=texts))
+                    parts.append(example_scores(losses, logit_input, targets, mask, texts=texts))
         if not parts:
             return {}
         scores = {detector: torch.cat([part[detector] for part in parts]) for detector in parts[0]}

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from govray.governance.detectors import MEMBER_DIRECTION, Detector, detector_gap, example_scores
+from govray.governance.detectors import MEMBER_DIRECTION, Detector, detector_gap, example_scores, predicted
 from govray.governance.memorization_thresholds import MemorizationThresholds
 from jobs.benchmarks.memorization_digits import DATA, DigitsRun, ProbeRows
 from jobs.benchmarks.memorization_study import ADAPTER, Study, arguments, study_corpora
@@ -128,7 +128,7 @@ class TextWorkload:
         with study.model.active(ADAPTER):
             losses = study.trial.loss(study.model, batch)
             predictions = study.trial.predictions(study.model, batch)
-        logits, targets, mask = predictions
+        logits, targets, mask = predicted(predictions)
         return example_scores(losses, logits, targets, mask, reference, texts)
 
     def measure(self) -> dict[str, Scores]:
@@ -152,7 +152,7 @@ class DigitsWorkload:
         run.model.eval()
         batch = run.rows_batch(rows)
         losses = run.trial.loss(run.model, batch)
-        logits, targets, mask = run.trial.predictions(run.model, batch)
+        logits, targets, mask = predicted(run.trial.predictions(run.model, batch))
         return example_scores(losses, logits, targets, mask, reference)
 
     def measure(self) -> dict[str, Scores]:
