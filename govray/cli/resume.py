@@ -34,10 +34,9 @@ def resume(
         raise typer.BadParameter(str(error), param_hint="--workers") from None
     use_interrupted_trial_code(config, store, recorded)  # the recorded trial, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    now, before = config.resources.workers, configured.resources.workers
+    now, before = config.resources.describe_workers(), configured.resources.describe_workers()
     elsewhere = (
-        f" on {now} worker{'s' if now > 1 else ''} (configured: {before}; each step keeps its run's "
-        "slots, split among them)"
+        f" on {now} (configured: {before}; each step keeps its run's slots, split among them)"
         if now != before
         else ""
     )

@@ -70,10 +70,9 @@ def run(
     planner = RunPlanner(config, checked, from_checkpoint, start_model)
     experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=planner)
     assert experiment.id is not None
-    workers = config.resources.workers
     policy = checked.policy.policy
     console.print(
-        f"experiment {experiment.id} '{config.name}': {workers} worker{'s' if workers > 1 else ''}, "
+        f"experiment {experiment.id} '{config.name}': {config.resources.describe_workers()}, "
         f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]} "
         f"(row hash v{ingested.manifest.row_hash_version})"
     )
