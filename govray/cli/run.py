@@ -88,7 +88,7 @@ def run(
 
 @contextmanager
 def progress_bar() -> Iterator[ProgressCallback]:
-    """A terminal progress bar: steps, elapsed, ETA and the latest metrics."""
+    """A terminal progress bar: steps, elapsed, ETA, the world size and the latest metrics."""
     columns = (
         TextColumn("training"),
         BarColumn(),
@@ -101,8 +101,9 @@ def progress_bar() -> Iterator[ProgressCallback]:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=None, metrics="")
 
-        def update(step: int, max_steps: int, latest: dict[str, float]) -> None:
-            shown = [f"loss {latest['training_loss']:.4f}"] if "training_loss" in latest else []
+        def update(step: int, max_steps: int, latest: dict[str, float], workers: int | None) -> None:
+            shown = [f"{workers} worker{'s' if workers > 1 else ''}"] if workers is not None else []
+            shown += [f"loss {latest['training_loss']:.4f}"] if "training_loss" in latest else []
             shown += [
                 f"{name.removeprefix('validation_')} {value:.4f}"
                 for name, value in sorted(latest.items())

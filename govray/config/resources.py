@@ -95,9 +95,7 @@ class Resources(BaseModel):
             raise ValueError(f"is {raw!r}: a number of workers, or an elastic range {{min: A, max: B}}")
         low, high = raw["min"], raw["max"]
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (low, high)):
-            raise ValueError(
-                f"min and max are numbers of workers, at least 1 (min {low!r}, max {high!r})"
-            )
+            raise ValueError(f"min and max are numbers of workers, at least 1 (min {low!r}, max {high!r})")
         if low > high:
             raise ValueError(f"min ({low}) is above max ({high})")
         return WorkerRange(min=low, max=high)

@@ -49,7 +49,8 @@ from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
 from govray.train.snapshots import CodeSnapshot
 
-Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
+# (step, max_steps, latest metrics, workers: the world size that reported them, None if unknown)
+Progress = Callable[[int, int, dict[str, float], int | None], None]
 RAY_CHECKPOINT_INDEX = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in its run directory
 
 
@@ -395,7 +396,7 @@ def _fit_with_progress(
         latest = recorder.latest
         if progress is not None and latest is not None and latest.step > seen:
             seen = latest.step
-            progress(seen, max_steps, latest.metrics)
+            progress(seen, max_steps, latest.metrics, latest.workers)
     if "error" in outcome:
         raise outcome["error"]
     result: ray.train.Result = outcome["result"]
