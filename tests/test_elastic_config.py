@@ -45,7 +45,6 @@ def test_a_range_of_workers_is_an_elastic_run_on_ray_trains_elastic_scaling() ->
     config = ExperimentConfig.model_validate(example(**ELASTIC))
     resources = config.resources
     assert (resources.elastic, resources.min_workers, resources.max_workers) == (True, 2, 3)
-    assert list(resources.world_sizes) == [2, 3]
     assert resources.describe_workers() == "2 to 3 workers (elastic)"
     assert config.model_dump(mode="json")["resources"]["workers"] == {"min": 2, "max": 3}
     assert ExperimentConfig.model_validate(config.model_dump(mode="json")) == config
@@ -92,14 +91,10 @@ def test_resume_on_a_number_of_workers_turns_an_elastic_config_into_a_fixed_size
             "resources: strategy fsdp shards the model across workers: it needs workers >= 2",
         ),
         (
-            {"workers": {"min": 4, "max": 6}, "strategy": "hsdp", "shard_group": 2},
-            "resources: strategy hsdp: 5 workers do not split into shard groups of 2 (workers must "
-            "be a multiple of resources.shard_group) (elastic workers 4 to 6)",
-        ),
-        (
-            {"workers": {"min": 4, "max": 8}, "strategy": "hsdp", "use_gpu": True},
-            "resources: strategy hsdp with elastic workers needs resources.shard_group: it must divide "
-            "every world size the run may take, which the GPUs per node cannot promise",
+            {"workers": {"min": 4, "max": 8}, "strategy": "hsdp", "shard_group": 2},
+            "resources: strategy hsdp with elastic workers: a resize resumes the run on another world "
+            "size, which an HSDP checkpoint cannot be read onto exactly yet (govray.train.layouts); use "
+            "strategy fsdp, or a fixed number of workers",
         ),
     ],
 )
