@@ -71,6 +71,6 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
 
 def trial_resources(config: ExperimentConfig) -> dict[str, float]:
     """What one trial's workers hold (a waiting trial keeps them)."""
-    workers = config.resources.workers
+    workers = config.resources.max_workers
     held = {"CPU": workers * config.resources.cpus_per_worker}
     return held | ({"GPU": float(workers)} if config.resources.use_gpu else {})

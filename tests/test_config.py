@@ -77,7 +77,7 @@ def write(tmp_path: Path, mutate: Any) -> Path:
         ),
         (
             lambda r: r.update(resources={"workers": 0}),
-            r"resources.workers should be greater than or equal to 1",
+            r"resources.workers: is 0: a run needs at least 1 worker",
         ),
         (lambda r: r.update(trial="not a path"), r"trial should match pattern"),
         (

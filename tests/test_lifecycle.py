@@ -64,7 +64,7 @@ def run_and_request(
         )
     asked: list[int] = []
 
-    def progress(step: int, max_steps: int, latest: dict[str, float]) -> None:
+    def progress(step: int, max_steps: int, latest: dict[str, float], workers: int | None) -> None:
         if not asked:
             asked.append(step)
             code = main(["experiment", command, str(experiment.id), "--database", config.database_url])

@@ -26,7 +26,7 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
-HEAD = "0009_ledger_change_indexes"
+HEAD = "0010_trial_world_history"
 
 
 def raw(store: TrackingStore, sql: str, **params: Any) -> None:

@@ -91,6 +91,7 @@ def tracked(database_url: str, tmp_path: Path) -> Iterator[Tracked]:
         record = record_checkpoint(store, a.id, str(directory), step)
         assert record.id is not None
         checkpoint_ids[step] = record.id
+    store.set_trial_world_history(a.id, [(0, 3), (12, 2), (24, 3)])  # an elastic run, resized twice
     store.record_decisions(
         a.id,
         [{"seq": 0, "step": 20, "kind": "lr_scale", "scale": 0.1, "metric": "validation_loss"}],
@@ -167,6 +168,7 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                         "replayed": False,
                     }
                 ],
+                "world_history": [[0, 3], [12, 2], [24, 3]],
             },
             {
                 "id": tracked.trial_b,
@@ -182,6 +184,7 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                 "validation": {},
                 "checkpoints": [],
                 "decisions": [],
+                "world_history": [],
             },
             {
                 "id": tracked.trial_c,
@@ -197,6 +200,7 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                 "validation": {},
                 "checkpoints": [],
                 "decisions": [],
+                "world_history": [],
             },
         ],
     }
@@ -221,6 +225,7 @@ def test_describe_prints_the_same_content_as_tables(
         f"digits-public train 900 {FINGERPRINT[:16]}",
         f"{tracked.trial_a} original completed digits-run-a 7 30 0.4 "
         "accuracy=0.8 (step 20), validation_loss=0.6 (step 30) -",
+        f"trial {tracked.trial_a} workers: 3 from step 0, 2 from step 12, 3 from step 24 (2 resizes)",
         f"trial {tracked.trial_a} checkpoints",
         f"{tracked.checkpoint_ids[20]} 20 active {tracked.storage}/ray/digits-run-a/checkpoint_20",
         f"trial {tracked.trial_a} decisions",

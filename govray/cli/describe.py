@@ -67,7 +67,14 @@ class TrialDescription(BaseModel):
     training_loss: LatestMetric | None
     validation: dict[str, LatestMetric]
     checkpoints: list[CheckpointDescription]  # by step
-    decisions: list[DecisionView]  # in order
+    decisions: list[DecisionView]  # in order (a ``preempted`` one: a node's notice, sealed)
+    # [(from_step, workers), ...]: the world sizes it trained on; more than one entry: resized
+    # (an elastic run, or a resume on another world size). Empty: not recorded.
+    world_history: list[tuple[int, int]] = []
+
+    @property
+    def resizes(self) -> int:
+        return max(len(self.world_history) - 1, 0)
 
 
 class ExperimentDescription(BaseModel):
@@ -115,7 +122,10 @@ def describe_experiment(store: TrackingStore, experiment: int | str) -> Experime
             CorpusDescription.model_validate(corpus, from_attributes=True)
             for corpus in reader.corpora(found.id)
         ],
-        trials=[_describe_trial(reader, trial, latest.get(trial.id, [])) for trial in trials],
+        trials=[
+            _describe_trial(reader, trial, latest.get(trial.id, []), store.get_trial(trial.id).world_history)
+            for trial in trials
+        ],
     )
 
 
@@ -129,7 +139,9 @@ def _trials(reader: StoreReader, experiment_id: int) -> list[TrialView]:
             return trials
 
 
-def _describe_trial(reader: StoreReader, trial: TrialDetail, reported: list[MetricView]) -> TrialDescription:
+def _describe_trial(
+    reader: StoreReader, trial: TrialDetail, reported: list[MetricView], world_history: list[tuple[int, int]]
+) -> TrialDescription:
     latest = {(m.kind, m.name): LatestMetric(step=m.step, value=m.value) for m in reported}
     return TrialDescription(
         id=trial.id,
@@ -150,4 +162,5 @@ def _describe_trial(reader: StoreReader, trial: TrialDetail, reported: list[Metr
             for checkpoint in trial.checkpoints
         ],
         decisions=reader.decisions(trial.id),
+        world_history=world_history,
     )

@@ -209,6 +209,10 @@ def _print_overview(description: ExperimentDescription) -> None:
 
 
 def _print_trial_records(trial: TrialDescription) -> None:
+    if trial.world_history:
+        worlds = ", ".join(f"{workers} from step {step}" for step, workers in trial.world_history)
+        resized = f" ({trial.resizes} resize{'s' if trial.resizes != 1 else ''})" if trial.resizes else ""
+        console.print(f"trial {trial.id} workers: {worlds}{resized}", highlight=False)
     if trial.checkpoints:
         saved = table("checkpoint", "step", "state", "path")
         for checkpoint in trial.checkpoints:

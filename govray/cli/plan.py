@@ -19,7 +19,9 @@ GIB = 2**30
 
 def plan(
     experiment: Path = ConfigArgument,
-    world: int | None = typer.Option(None, "--world", min=1, help="Ranks (default: resources.workers)."),
+    world: int | None = typer.Option(
+        None, "--world", min=1, help="Ranks (default: resources.workers, an elastic run's max)."
+    ),
     gpu_memory: float | None = typer.Option(
         None,
         "--gpu-memory",
@@ -29,7 +31,8 @@ def plan(
 ) -> None:
     """Print each rank's peak memory (params, grads, optimizer state, activations, governance and
     communication buffers) for one step of the experiment's first trial; refuse a run that cannot fit."""
-    from govray.config.experiment import ParallelStrategy, load_experiment
+    from govray.config.experiment import load_experiment
+    from govray.config.resources import ParallelStrategy
     from govray.governance.policy import load_policy
     from govray.train.hf import CausalLMTrial
     from govray.train.memory_plan import MemoryPlanError, PlanSetup, plan_governed
@@ -50,7 +53,7 @@ def plan(
     else:
         raise ConfigError(f"{experiment}: set data.packing.seq_len, the tokens per row govray plan measures")
     setup = PlanSetup(
-        world_size=world or config.resources.workers,
+        world_size=world or config.resources.max_workers,
         micro_batch=-(-settings.batch_size // settings.accumulation_steps),
         seq_len=seq_len,
         precision=settings.precision,

@@ -34,11 +34,12 @@ def resume(
         raise typer.BadParameter(str(error), param_hint="--workers") from None
     use_interrupted_trial_code(config, store, recorded)  # the recorded trial, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    now, before = config.resources.workers, configured.resources.workers
+    resources = configured.resources
+    before = f"{resources.min_workers} to {resources.max_workers}, elastic" if resources.elastic else None
     elsewhere = (
-        f" on {now} worker{'s' if now > 1 else ''} (configured: {before}; each step keeps its run's "
-        "slots, split among them)"
-        if now != before
+        f" on {config.resources.describe_workers()} (configured: {before or resources.max_workers}; "
+        "each step keeps its run's slots, split among them)"
+        if config.resources != resources
         else ""
     )
     console.print(f"resuming experiment {recorded.id} '{recorded.name}'{elsewhere}")

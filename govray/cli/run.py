@@ -70,10 +70,9 @@ def run(
     planner = RunPlanner(config, checked, from_checkpoint, start_model)
     experiment, ingested = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=planner)
     assert experiment.id is not None
-    workers = config.resources.workers
     policy = checked.policy.policy
     console.print(
-        f"experiment {experiment.id} '{config.name}': {workers} worker{'s' if workers > 1 else ''}, "
+        f"experiment {experiment.id} '{config.name}': {config.resources.describe_workers()}, "
         f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]} "
         f"(row hash v{ingested.manifest.row_hash_version})"
     )
@@ -89,7 +88,7 @@ def run(
 
 @contextmanager
 def progress_bar() -> Iterator[ProgressCallback]:
-    """A terminal progress bar: steps, elapsed, ETA and the latest metrics."""
+    """A terminal progress bar: steps, elapsed, ETA, the world size and the latest metrics."""
     columns = (
         TextColumn("training"),
         BarColumn(),
@@ -102,8 +101,9 @@ def progress_bar() -> Iterator[ProgressCallback]:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=None, metrics="")
 
-        def update(step: int, max_steps: int, latest: dict[str, float]) -> None:
-            shown = [f"loss {latest['training_loss']:.4f}"] if "training_loss" in latest else []
+        def update(step: int, max_steps: int, latest: dict[str, float], workers: int | None) -> None:
+            shown = [f"{workers} worker{'s' if workers > 1 else ''}"] if workers is not None else []
+            shown += [f"loss {latest['training_loss']:.4f}"] if "training_loss" in latest else []
             shown += [
                 f"{name.removeprefix('validation_')} {value:.4f}"
                 for name, value in sorted(latest.items())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +32,7 @@ from pydantic import (
 
 from govray.config.data import CorpusRole, DataConfig
 from govray.config.hyperparameters import Hyperparameter, default_value, extremes
+from govray.config.resources import ParallelStrategy, Resources
 from govray.config.searcher import SearcherConfig, validated_searcher
 from govray.config.training import SETTING_HYPERPARAMETERS, Precision, TrainingSettings
 from govray.core.documents import parse_yaml_mapping, read_text
@@ -54,92 +54,6 @@ class PolicyRef(BaseModel):
     @property
     def signature_path(self) -> Path:
         return self.signature if self.signature is not None else self.file.with_name(self.file.name + ".sig")
-
-
-class PlacementStrategy(StrEnum):
-    """Where Ray places the workers (Ray Train's ``ScalingConfig.placement_strategy``)."""
-
-    PACK = "PACK"  # as few nodes as possible (best effort)
-    SPREAD = "SPREAD"  # across nodes (best effort)
-    STRICT_PACK = "STRICT_PACK"  # all on one node, or wait
-    STRICT_SPREAD = "STRICT_SPREAD"  # one worker per node, or wait (for more nodes)
-
-
-class ParallelStrategy(StrEnum):
-    """How the workers hold the model: whole on each (DDP), or sharded across them (FSDP2)."""
-
-    DDP = "ddp"  # a full copy of model, gradients and optimizer state per worker; governed allreduce
-    FSDP = "fsdp"  # each worker holds a shard; governed reduce-scatter (govray.train.sharding)
-    # FSDP within groups of ``resources.shard_group`` workers, replicated across the groups
-    # (govray.train.hybrid): the all-gathers stay inside a group (a node), one all-reduce across.
-    HSDP = "hsdp"
-
-
-class Resources(BaseModel):
-    model_config = _STRICT
-
-    workers: int = Field(default=1, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1.0, gt=0)
-    # Results do not depend on it: governed CPU runs are bit-identical on one node or many.
-    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
-    strategy: ParallelStrategy = ParallelStrategy.DDP
-    # strategy hsdp: the workers each shard group spans (the model is sharded within a group and
-    # replicated across groups). Unset: the workers on a node (its GPUs), which needs use_gpu; a
-    # CPU run names it, there being no GPUs per node to count.
-    shard_group: int | None = Field(default=None, ge=2)
-
-    @model_validator(mode="after")
-    def _sharding_needs_workers(self) -> Resources:
-        if self.strategy == ParallelStrategy.FSDP and self.workers < 2:
-            raise ValueError("strategy fsdp shards the model across workers: it needs workers >= 2")
-        if self.strategy != ParallelStrategy.HSDP:
-            if self.shard_group is not None:
-                raise ValueError(f"resources.shard_group is for strategy hsdp (this one is {self.strategy})")
-            return self
-        if self.workers < 4:
-            raise ValueError(
-                "strategy hsdp shards within groups of 2 or more workers and replicates across 2 or "
-                f"more groups: it needs workers >= 4 (this run has {self.workers}); use strategy fsdp"
-            )
-        if self.shard_group is None:
-            if not self.use_gpu:
-                raise ValueError(
-                    "strategy hsdp on CPUs needs resources.shard_group (the workers each shard group "
-                    "spans): it defaults to the GPUs per node only under use_gpu"
-                )
-            return self  # the workers per node, checked by the workers (train.hybrid.shard_group_size)
-        refusal = shard_group_refusal(self.workers, self.shard_group)
-        if refusal is not None:
-            raise ValueError(refusal)
-        return self
-
-    @model_serializer(mode="wrap")
-    def _without_default_strategy(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left at ddp, the strategy is not serialized: an experiment written before it existed
-        # keeps its bytes and its digest.
-        dumped: dict[str, Any] = handler(self)
-        if self.strategy == ParallelStrategy.DDP:
-            dumped.pop("strategy", None)
-        if self.shard_group is None:
-            dumped.pop("shard_group", None)
-        return dumped
-
-
-def shard_group_refusal(workers: int, shard_group: int) -> str | None:
-    """Why ``workers`` do not split into two or more whole shard groups of ``shard_group``
-    (strategy hsdp), or None when they do."""
-    if workers % shard_group:
-        return (
-            f"strategy hsdp: {workers} workers do not split into shard groups of {shard_group} "
-            "(workers must be a multiple of resources.shard_group)"
-        )
-    if workers // shard_group < 2:
-        return (
-            f"strategy hsdp: {workers} workers in shard groups of {shard_group} make one group, "
-            "nothing to replicate across: use strategy fsdp (or more workers)"
-        )
-    return None
 
 
 class MlflowConfig(BaseModel):
@@ -268,6 +182,23 @@ class ExperimentConfig(BaseModel):
             raise ValueError(
                 f"precision fp16 with strategy {self.resources.strategy}: use bf16 (FSDP2's mixed "
                 "precision, fp32 reduction); fp16's per-route loss scales run under strategy ddp"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _elastic_runs(self) -> ExperimentConfig:
+        if not self.resources.elastic:
+            return self
+        if self.training.precision == Precision.FP16:
+            raise ValueError(
+                "precision fp16 with elastic workers: on fewer workers than resources.workers.max "
+                "a rank sums several slots per step, which fp16's per-route loss scales refuse "
+                "(govray.train.rounds); use bf16, or a fixed number of workers"
+            )
+        if self.searcher.name != "single":
+            raise ValueError(
+                f"elastic workers train one run; searcher '{self.searcher.name}' trains its trials "
+                "on a fixed number of workers: set resources.workers to a number"
             )
         return self
 

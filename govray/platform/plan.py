@@ -164,6 +164,7 @@ def plan_run(
         use_gpu=config.resources.use_gpu,
         strategy=config.resources.strategy,
         shard_group=config.resources.shard_group,
+        slots_per_step=config.resources.max_workers,
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
         checkpoint_period=config.checkpoint.period,
@@ -240,7 +241,7 @@ def plan_steps(
     schedule = ScheduleSpec.from_manifest(
         manifest,
         seed=derive_seed(config.seed, trial_seed, "schedule"),
-        world_size=config.resources.workers,
+        world_size=config.resources.max_workers,
         batch_size=batch_size,
         version=schedule_version,
         windows=packed.layouts() if packed is not None else None,

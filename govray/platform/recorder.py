@@ -74,16 +74,29 @@ class RunRecorder:
         self.trust = trust
         self.reported = store.reported_steps(trial_id)  # steps whose report is in the store
         self.latest: StepReport | None = None  # the newest report recorded
+        self.world_history = store.get_trial(trial_id).world_history  # [(from_step, workers), ...]
 
     def record(self, report: StepReport) -> None:
         """One report, and the checkpoint it carries (after recording what earlier reports lost at
         a worker's death left on storage)."""
         if report.checkpoint is not None and self.run_dir and self.trust is not None:
             self.reconcile(below_step=report.step)
+        self.record_world(report)
         self.record_once(report)
         if report.checkpoint is not None:
             path = self.storage.cached(report.checkpoint) if self.storage is not None else report.checkpoint
             self.record_checkpoint(str(path), report.step)
+
+    def record_world(self, report: StepReport) -> None:
+        """Keep the world sizes the trial trained on as its live reports say them. Live reports
+        arrive in the order their attempts ran (a restarted worker group reports after the one it
+        replaced ended), so the latest is right even when it is shorter: a restart from a checkpoint
+        written before a resize discards the steps trained since on the other world size. (What
+        reconcile recovers from storage is older: it leaves the history alone.)"""
+        history = list(report.world_history)
+        if history and history != self.world_history:
+            self.store.set_trial_world_history(self.trial_id, history)
+            self.world_history = history
 
     def record_once(self, report: StepReport) -> None:
         """Store one report unless its step's report is already there. Its metric rows go last,

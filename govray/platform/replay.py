@@ -236,7 +236,7 @@ def replay_trial(
         schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
     )
     history = recorded_world_history(original_dir)  # verified with the checkpoint
-    segments = replay_segments(history, plan.spec.max_steps, config.resources.workers)
+    segments = replay_segments(history, plan.spec.max_steps, config.resources.max_workers)
     outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
         finish = (

@@ -47,11 +47,13 @@ def use_interrupted_trial_code(
 
 def on_workers(config: ExperimentConfig, workers: int | None) -> ExperimentConfig:
     """``config`` with ``resources.workers`` set to ``workers`` (None: as it is), validated as a
-    config (an HSDP shard group must still divide it): a resume on another world size."""
+    config (an HSDP shard group must still divide it): a resume on another world size. An elastic
+    config resumed on a number of workers continues as a fixed-size run of that many."""
     if workers is None or workers == config.resources.workers:
         return config
     raw = config.model_dump(mode="json")
-    raw["resources"] = {**raw.get("resources", {}), "workers": workers}
+    resources = {key: value for key, value in raw.get("resources", {}).items() if key != "resize_check_s"}
+    raw["resources"] = {**resources, "workers": workers}
     return ExperimentConfig.model_validate(raw)
 
 

@@ -49,7 +49,8 @@ from govray.train.runspec import RunSpec
 from govray.train.session import LocalSession, open_sink, taken_reports
 from govray.train.snapshots import CodeSnapshot
 
-Progress = Callable[[int, int, dict[str, float]], None]  # (step, max_steps, latest metrics)
+# (step, max_steps, latest metrics, workers: the world size that reported them, None if unknown)
+Progress = Callable[[int, int, dict[str, float], int | None], None]
 RAY_CHECKPOINT_INDEX = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in its run directory
 
 
@@ -68,30 +69,53 @@ def governed_trainer(
     """The TorchTrainer that runs ``spec``'s governed loop: one worker in the driver's process
     (Train V2 local mode: ``deliver`` hears each report), or N Ray Train workers whose rank 0 sends
     its reports to the driver's sink (``spec.report_sink``)."""
-    workers = config.resources.workers
-    local = workers == 1 and deliver is not None
+    resources = config.resources
+    local = resources.max_workers == 1 and deliver is not None
     loop = partial(train_worker, session=partial(LocalSession, deliver=deliver)) if deliver else train_worker
     return TorchTrainer(
         loop if local else train_worker,
         train_loop_config=spec.model_dump(mode="json"),
-        scaling_config=ScalingConfig(
-            num_workers=0 if local else workers,
-            use_gpu=config.resources.use_gpu,
-            resources_per_worker={"CPU": config.resources.cpus_per_worker},
-            placement_strategy=config.resources.placement_strategy.value,
-        ),
+        scaling_config=scaling_config_for(config, local),
         torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
         run_config=RunConfig(
             name=run_name,
             storage_path=storage.ray_path(storage.root / "ray"),
             storage_filesystem=storage.filesystem,
-            failure_config=FailureConfig(max_failures=config.max_restarts),
+            failure_config=failure_config_for(config),
             # Set when each worker process starts, before Ray Train creates its process group
             # (NCCL reads its algorithm and protocol then): training.deterministic's variables.
             # A Train V2 field; mypy resolves ray.train.RunConfig to V1's, which lacks it.
             worker_runtime_env={"env_vars": deterministic_worker_env(spec.settings or config.training)},  # type: ignore[call-arg]
         ),
     )
+
+
+def scaling_config_for(config: ExperimentConfig, local: bool) -> ScalingConfig:
+    """Ray Train's workers: none besides the driver (local), a fixed number, or an elastic range
+    (``resources.workers: {min, max}``) whose growth Ray Train checks every ``resize_check_s``."""
+    resources = config.resources
+    workers: dict[str, Any] = {"num_workers": 0 if local else resources.max_workers}
+    if resources.elastic:
+        workers = {
+            "num_workers": (resources.min_workers, resources.max_workers),
+            "elastic_resize_monitor_interval_s": resources.resize_check_s,
+        }
+    return ScalingConfig(
+        use_gpu=resources.use_gpu,
+        resources_per_worker={"CPU": resources.cpus_per_worker},
+        placement_strategy=resources.placement_strategy.value,
+        **workers,
+    )
+
+
+def failure_config_for(config: ExperimentConfig) -> FailureConfig:
+    """How often Ray Train restarts the workers from the newest checkpoint. A fixed-size run: up
+    to ``max_restarts`` times. An elastic run: without limit, because Ray Train V2 counts a node
+    lost without a drain notice (a reclaimed spot node) as a worker-group failure against
+    ``max_failures`` (``failure_handling/default.py``; only a drained preemption has its own,
+    unlimited, budget) — and a resize after such a loss is the point of the run. A run that fails
+    for another reason is stopped with ``govray experiment kill``."""
+    return FailureConfig(max_failures=-1 if config.resources.elastic else config.max_restarts)
 
 
 @dataclass(frozen=True)
@@ -250,7 +274,7 @@ def train_run(
         trust=spec.trust,
     )
     sink = None
-    if config.resources.workers > 1:  # rank 0 sends its reports here without waiting
+    if config.resources.max_workers > 1:  # rank 0 sends its reports here without waiting
         spec = spec.model_copy(update={"report_sink": f"govray-reports-{run_name}-{uuid.uuid4().hex[:6]}"})
         sink = open_sink(spec.report_sink)
     trainer = governed_trainer(config, spec, run_name, storage, deliver=recorder.record)
@@ -385,7 +409,7 @@ def _fit_with_progress(
         latest = recorder.latest
         if progress is not None and latest is not None and latest.step > seen:
             seen = latest.step
-            progress(seen, max_steps, latest.metrics)
+            progress(seen, max_steps, latest.metrics, latest.workers)
     if "error" in outcome:
         raise outcome["error"]
     result: ray.train.Result = outcome["result"]

@@ -142,7 +142,7 @@ def search_planned(
         # group); a Tune trial holding any CPU would starve it (0.1 + 2 x 1 CPU > 2 cores), and Tune
         # refuses an empty request: the Tune trial asks for a little memory instead.
         {"CPU": config.resources.cpus_per_worker}
-        if config.resources.workers == 1
+        if config.resources.max_workers == 1
         else {"memory": TUNE_TRIAL_MEMORY},
     )
     callbacks: list[ray.tune.Callback] = [tracking]
@@ -187,7 +187,7 @@ def search_planned(
                     # A 1-worker trial trains in the Tune actor: a reused one saves its start and
                     # imports (per-step seeding: nothing of an earlier trial reaches the next).
                     # An N-worker trial's run is owned by its actor, which must end with it.
-                    reuse_actors=config.resources.workers == 1,
+                    reuse_actors=config.resources.max_workers == 1,
                 ),
                 run_config=ray.tune.RunConfig(
                     name=path.name,

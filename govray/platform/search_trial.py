@@ -98,7 +98,7 @@ def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
         spec = plan.named(run_name, setup.reproducibility).model_copy(
             update={"resume_checkpoint": scratch if restored is not None else ""}
         )
-        if config.resources.workers == 1:
+        if config.resources.max_workers == 1:
             _local_trial(spec)
         else:
             _continuous_trial(config, plan.storage, spec)

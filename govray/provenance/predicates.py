@@ -111,6 +111,9 @@ def provenance(
                 "schedule_sha256": state.schedule_digest,
                 "shards": manifest.key,
                 "reproducibility": state.reproducibility,
+                # [[from_step, workers], ...]: the world sizes it trained on. Summation order follows
+                # them: a replay that reproduces these weights bit for bit follows the same history.
+                "world_history": world_history(state),
                 # Removal = replay: bit for bit, or within this stated tolerance (GPUs).
                 "replay_equivalence": _replay_equivalence(state.reproducibility),
                 "precision": precision_statement(
@@ -132,6 +135,13 @@ def provenance(
             ],
         },
     }
+
+
+def world_history(state: CheckpointState) -> list[list[int]]:
+    """The checkpoint's world-size history; one written before it was recorded ran on its
+    schedule's slots per step throughout (resizes did not exist then)."""
+    history = state.world_history or [(0, int(state.schedule["world_size"]))]
+    return [[int(step), int(workers)] for step, workers in history]
 
 
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}

@@ -11,7 +11,8 @@ here, never the workers: each row has one writer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import delete
@@ -324,6 +325,14 @@ class TrackingStore:
             trial = require(session, TrialRecord, trial_id)
             trial.stop_reason = None
             session.add(trial)
+
+    def set_trial_world_history(self, trial_id: int, history: Sequence[tuple[int, int]]) -> TrialRecord:
+        """Record the world sizes the trial trained on (``[(from_step, workers), ...]``)."""
+        with self.session() as session:
+            trial = require(session, TrialRecord, trial_id)
+            trial.world_history_json = json.dumps([[step, workers] for step, workers in history])
+            session.add(trial)
+        return trial
 
     def set_trial_source(self, trial_id: int, source_json: str) -> TrialRecord:
         """Record the checkpoint a trial started from (its lineage parent)."""

@@ -7,6 +7,7 @@ back identically from SQLite and PostgreSQL. The hand-written migration
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -159,6 +160,15 @@ class TrialRecord(SQLModel, table=True):
     replay_of: int | None = Field(default=None, foreign_key="trials.id")  # the trial a replay reruns
     last_step: int | None = None  # the last step it reported (migration 0008)
     stop_reason: str | None = None  # pause, kill or early_stop: why it ended before its last step
+    # [[from_step, workers], ...]: the world sizes it trained on (migration 0010; NULL before).
+    world_history_json: str | None = Field(default=None, sa_type=Text)
+
+    @property
+    def world_history(self) -> list[tuple[int, int]]:
+        """The world sizes the trial trained on, from each step (empty: not recorded)."""
+        if not self.world_history_json:
+            return []
+        return [(int(step), int(workers)) for step, workers in json.loads(self.world_history_json)]
 
 
 class DecisionRecord(SQLModel, table=True):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from govray.config.experiment import shard_group_refusal
+from govray.config.resources import shard_group_refusal
 from govray.core.errors import ConfigError
 from govray.train.worker import Worker
 

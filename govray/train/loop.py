@@ -172,6 +172,7 @@ def _train(
             flagged=flagged,
             stop="early_stop" if control.stopped_early else stop,  # type: ignore[arg-type]
             cloned_from_run=run.cloned_from_run,
+            world_history=tuple(run.world_history),
         )
         note(_line(report) + (" (checkpoint)" if save and key is not None else ""))
         if save:  # the log in object storage before the checkpoint is reported: never behind it

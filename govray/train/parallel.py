@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from govray.config.experiment import ParallelStrategy
+from govray.config.resources import ParallelStrategy
 from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel

@@ -48,6 +48,14 @@ class StepReport(BaseModel):
     flagged: MemorizationFlag | None = None
     stop: StopReason | None = None  # the trial stops after this report, and why
     cloned_from_run: str | None = None  # a PBT clone: the run whose state it continued
+    # [(from_step, workers), ...]: the world sizes the run trained on so far (its checkpoints'
+    # history, then this world's size); empty in reports written before it was recorded.
+    world_history: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def workers(self) -> int | None:
+        """The world size that made this report (None: not recorded)."""
+        return self.world_history[-1][1] if self.world_history else None
 
     @property
     def validated(self) -> bool:

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from govray.config.experiment import EarlyStoppingPolicy, ParallelStrategy, PlateauSchedule
+from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
+from govray.config.resources import ParallelStrategy
 from govray.config.training import TrainingSettings
 from govray.core.errors import RoutingError
 from govray.core.keys import TrustConfig
@@ -64,6 +65,9 @@ class RunSpec(BaseModel):
         ParallelStrategy.DDP
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     shard_group: int | None = None  # resources.shard_group (strategy hsdp; None: workers per node)
+    # The schedule's slots per step (a step's global batch): resources.workers, the most workers
+    # of an elastic run, whatever the world's size; 0 in a run.json written before: the world's.
+    slots_per_step: int = 0
     excluded_corpora: tuple[str, ...] = ()
     # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
     # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (plan_run).

@@ -247,10 +247,15 @@ def worker_places(sink: Any) -> dict[int, WorkerPlace]:
 
 
 def open_sink(name: str) -> Any:
-    """A new ``ReportSink`` actor called ``name`` (in this job's namespace, where its workers look)."""
+    """A new ``ReportSink`` actor called ``name`` (in this job's namespace, where its workers look),
+    on the driver's node as Ray Train's controller is: a worker node reclaimed mid-run (an elastic
+    run continues without it) must not take the run's reports with it."""
     import ray
 
-    return ray.remote(num_cpus=0)(ReportSink).options(name=name).remote()
+    if not ray.is_initialized():
+        ray.init()  # what the actor's creation would do: join RAY_ADDRESS's cluster, or start one
+    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}  # Ray's own label of a node
+    return ray.remote(num_cpus=0)(ReportSink).options(name=name, label_selector=here).remote()
 
 
 def taken_reports(sink: Any) -> list[StepReport]:

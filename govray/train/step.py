@@ -119,8 +119,11 @@ class GovernedStep:
             if spec.packed_root
             else None
         )
-        # The schedule's slots per step: this world's size, or a resumed run's (``resume_slots``).
+        # The schedule's slots per step: the run's (an elastic run's most workers), this world's
+        # size in a run planned before they were recorded, or a resumed run's (``resume_slots``).
         self.slots_per_step = worker.world_size
+        if spec.slots_per_step:
+            self.resume_slots(spec.slots_per_step)
         self.schedule = self.scheduled([])
         self.route_names = [layout.route for layout in self.schedule.routes]
         # fp16's per-route loss scales (the trial's controller shares its own: TrialRun).

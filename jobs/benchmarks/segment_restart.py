@@ -74,7 +74,7 @@ def continuous(root: Path, steps: int, period: int) -> tuple[float, bytes, float
     config, store, checked, experiment_row, ingested = opened(experiment(root, steps, period, "single"))
     arrivals: list[tuple[int, float]] = []
 
-    def arrived(step: int, max_steps: int, latest: dict[str, float]) -> None:
+    def arrived(step: int, max_steps: int, latest: dict[str, float], workers: int | None) -> None:
         arrivals.append((step, time.perf_counter()))
 
     started = time.perf_counter()
