@@ -11,6 +11,8 @@ public corpus excluded so that no slot may update the embedding:
   the original world's within the fp32 summation order; the embedding is the initial one bit
   for bit; the ledger (from the schedule) is the original world's exactly; the world-size
   history is signed into the checkpoint;
+- a 4-rank FSDP run shrunk to 2 ranks and grown back to 4 (an elastic run's resizes) continues
+  exactly on the regrown world;
 - a flipped byte in a shard one rank reads is refused on every rank, naming the file.
 """
 
@@ -41,6 +43,7 @@ from tests.test_fsdp import ADAMW, PUBLIC, whole
 STEPS = 8
 RESUME_AT = 3  # the original world's checkpoint
 AGAIN_AT = 5  # the new world's own checkpoint
+BACK_AT = 6  # a world grown back to the original size: its own checkpoint
 
 
 def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -> None:
@@ -144,6 +147,37 @@ def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) 
     return "ok", payload if rank == 0 else None
 
 
+def regrown(rank: int, world: int, spec_json: str, strategy: str, again: Path) -> tuple[str, Any]:
+    """Grown back to this world from a smaller world's checkpoint ``again`` (at AGAIN_AT): trained
+    to STEPS uninterrupted, and again with a checkpoint at BACK_AT resumed from: the payload of
+    ``resumed``."""
+    from govray.train.checkpoint import load_checkpoint
+
+    spec = trained_spec(spec_json, strategy)
+    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+    back = again.parent / f"{again.name}-back-{world}"
+    fresh(back, rank, world)
+    reference = opened(spec, rank, world)
+    assert reference.restore(again) == AGAIN_AT
+    for step in range(AGAIN_AT, STEPS):
+        reference.governed.step(step)
+    uninterrupted = whole(reference.governed.model)
+    first = opened(spec, rank, world)
+    first.restore(again)
+    for step in range(AGAIN_AT, BACK_AT):
+        first.governed.step(step)
+    first.save(back, BACK_AT, key, {"step": BACK_AT})
+    second = opened(spec, rank, world)
+    assert second.restore(back) == BACK_AT
+    for step in range(BACK_AT, STEPS):
+        second.governed.step(step)
+    interrupted = whole(second.governed.model)
+    history = load_checkpoint(back, spec.trust, rank).state.world_history
+    slots = second.governed.schedule.world_size
+    payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
+    return "ok", payload if rank == 0 else None
+
+
 def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
     """Under a memorization rollback policy, a checkpoint at RESUME_AT that is itself the clean
     state a rollback would return to."""
@@ -194,12 +228,17 @@ def smaller(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 def assert_continues_exactly(
-    original_world: tuple[Any, Any, Any], payload: Any, slots: int, world: int, resumed_at: int
+    original_world: tuple[Any, Any, Any],
+    payload: Any,
+    slots: int,
+    world: int,
+    resumed_at: int,
+    earlier: tuple[list[int], ...] = (),
 ) -> None:
     initial, final, ledger = original_world
     uninterrupted, interrupted, resumed_ledger, kept_slots, history = payload
     assert kept_slots == slots, "the schedule keeps the slots per step it started with"
-    assert [list(entry) for entry in history] == [[0, slots], [resumed_at, world]]
+    assert [list(entry) for entry in history] == [[0, slots], *earlier, [resumed_at, world]]
     embedding = [name for name in initial if name.startswith("base.embed.")]
     assert embedding and any(".lora_" in name for name in initial), (
         "forbidden tensors and the adapter in play"
@@ -228,6 +267,29 @@ def test_a_four_rank_fsdp_checkpoint_continues_exactly_on_two_and_three_ranks(
     for rank, (status, payload) in answers.items():
         assert status == "ok", (rank, payload)
     assert_continues_exactly(original_world, answers[0][1], slots=4, world=world, resumed_at=RESUME_AT)
+
+
+@pytest.mark.slow
+def test_fsdp_shrunk_from_four_ranks_to_two_and_grown_back_to_four_continues_exactly(
+    signing_spec: Any, four_rank_fsdp: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An elastic FSDP run's 4 -> 2 -> 4 (issue 34): the 2-rank world's checkpoint at AGAIN_AT
+    continues on 4 ranks exactly (bit-identical whether interrupted again or not), with the
+    history [[0, 4], [RESUME_AT, 2], [AGAIN_AT, 4]] signed, the ledger the 4-rank one, the
+    embedding untouched."""
+    folder, original_world = four_rank_fsdp
+    spec_json = signing_spec.model_dump_json()
+    with group(2, tmp_path_factory.mktemp("gloo2")) as run:
+        shrunk = run((resumed, spec_json, "fsdp", folder))
+    assert all(status == "ok" for status, _ in shrunk.values()), shrunk
+    again = folder.parent / f"{folder.name}-again-2"
+    with group(4, tmp_path_factory.mktemp("gloo4")) as run:
+        answers = run((regrown, spec_json, "fsdp", again))
+    for rank, (status, payload) in answers.items():
+        assert status == "ok", (rank, payload)
+    assert_continues_exactly(
+        original_world, answers[0][1], slots=4, world=4, resumed_at=AGAIN_AT, earlier=([RESUME_AT, 2],)
+    )
 
 
 @pytest.mark.slow

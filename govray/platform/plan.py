@@ -164,7 +164,9 @@ def plan_run(
         use_gpu=config.resources.use_gpu,
         strategy=config.resources.strategy,
         shard_group=config.resources.shard_group,
-        slots_per_step=config.resources.max_workers,
+        # An elastic run's steps have its most workers' slots from the start (it may start on fewer);
+        # a fixed-size run's are its world's (0), as before elastic runs existed.
+        slots_per_step=config.resources.max_workers if config.resources.elastic else 0,
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
         checkpoint_period=config.checkpoint.period,

@@ -65,8 +65,9 @@ class RunSpec(BaseModel):
         ParallelStrategy.DDP
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     shard_group: int | None = None  # resources.shard_group (strategy hsdp; None: workers per node)
-    # The schedule's slots per step (a step's global batch): resources.workers, the most workers
-    # of an elastic run, whatever the world's size; 0 in a run.json written before: the world's.
+    # The schedule's slots per step (a step's global batch) when the run starts: an elastic run's
+    # most workers, whatever the world's size; 0 (a fixed-size run, or a run.json written before
+    # elastic runs): the world's size. A resume continues its checkpoint's, whatever this is.
     slots_per_step: int = 0
     excluded_corpora: tuple[str, ...] = ()
     # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
