@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -195,8 +196,12 @@ def test_missing_signature_and_extra_files_are_refused(checkpoint_copy: Path) ->
         verify_checkpoint(checkpoint_copy, trust())
 
 
-def driver_killed_after_first_checkpoint(golden_run: GoldenRun, golden_example: Path) -> int:
-    """The golden configuration's ``jobs/train.py`` SIGKILLed after its first checkpoint: the
+def driver_killed_after_first_checkpoint(
+    golden_run: GoldenRun, golden_example: Path, with_workers: bool = False
+) -> int:
+    """The golden configuration's ``jobs/train.py`` SIGKILLed after its first checkpoint (and,
+    ``with_workers``, its Ray Train workers at once: a machine lost, not only its driver — the
+    workers of a killed driver otherwise train on for a moment, up to the run's end): the
     interrupted trial's id."""
     store = golden_run.store
     known = {trial.id for trial in store.list_trials(1)}
@@ -206,6 +211,9 @@ def driver_killed_after_first_checkpoint(golden_run: GoldenRun, golden_example: 
         new = [t for t in store.list_trials(1) if t.id not in known]
         if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
             found.append(new[0].id)  # type: ignore[arg-type]
+            for pid in train_worker_pids() if with_workers else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         return bool(found)
 
     kill_driver_when("train.py", golden_example, first_checkpoint_written)
@@ -267,12 +275,18 @@ def test_killed_driver_resumes_bit_identically(golden_run: GoldenRun, resumed_af
 def test_a_killed_driver_resumes_on_another_world_size_continuing_its_schedule(
     golden_run: GoldenRun, golden_example: Path, tmp_path: Path
 ) -> None:
-    """``govray resume EXPERIMENT --workers 1`` after the 2-worker golden run's driver died at
-    step 10: the run completes on one worker running both slots of each step, its ledger is the
+    """``govray resume EXPERIMENT --workers 1`` after the 2-worker golden run's driver died past
+    its first checkpoint: the run completes on one worker running both slots of each step, its ledger is the
     2-worker run's exactly (it counts the schedule's slots), its weights are within the fp32
     summation order of it, and its final checkpoint records the world sizes it trained on."""
     store = golden_run.store
-    trial_id = driver_killed_after_first_checkpoint(golden_run, golden_example)
+    trial_id = driver_killed_after_first_checkpoint(golden_run, golden_example, with_workers=True)
+    # The newest checkpoint the killed run left (10, or 20 where the workers outran the kill):
+    # the resume continues from it on the new world.
+    interrupted = Path(golden_run.config.storage_path) / "ray" / str(store.get_trial(trial_id).ray_run_name)
+    sealed = [folder for folder in find_checkpoints(interrupted) if (folder / STATE_FILE).exists()]
+    left = int(json.loads((sealed[-1] / STATE_FILE).read_text())["step"])
+    assert left in (GOLDEN_REPORT_EVERY, 2 * GOLDEN_REPORT_EVERY), left
     printed = govray_elsewhere(
         tmp_path / "elsewhere",
         "resume",
@@ -289,7 +303,7 @@ def test_a_killed_driver_resumes_on_another_world_size_continuing_its_schedule(
     original = final_checkpoint(golden_run.outcome.run_dir)
     states = [json.loads((folder / STATE_FILE).read_text()) for folder in (original, resumed)]
     assert states[0]["ledger"] == states[1]["ledger"]
-    assert states[1]["world_history"] == [[0, 2], [GOLDEN_REPORT_EVERY, 1]]
+    assert states[1]["world_history"] == [[0, 2], [left, 1]]
     assert states[1]["schedule_digest"] == states[0]["schedule_digest"]
     for name in ("model.safetensors", "adapter-pii-lora.safetensors"):
         expected, found = load_file(str(original / name)), load_file(str(resumed / name))
