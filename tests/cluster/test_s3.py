@@ -193,7 +193,9 @@ def test_an_s3_run_checkpoints_resumes_from_the_bucket_and_attests(
         assert any(f"steps 1..{STEPS}" in line for line in lines), lines  # the killed attempt
         resumed = [int(line.split()[-1]) for line in lines if "resumed from a verified checkpoint" in line]
         assert len(resumed) == 1 and at_least <= resumed[0] <= STEPS, lines
-        assert f"completed {STEPS} steps" in lines[-1], lines
+        # The run's end: its completion, then only the rank's one timings line (train.timings).
+        ended = [i for i, line in enumerate(lines) if f"completed {STEPS} steps" in line]
+        assert ended and all(" timings {" in line for line in lines[ended[-1] + 1 :]), lines
 
 
 def test_unreachable_or_unknown_storage_is_refused_naming_it(s3_env: dict[str, str]) -> None:
