@@ -111,34 +111,34 @@ def original(rank: int, world: int, spec_json: str, strategy: str, folder: Path)
     return "ok", (initial, final, run.governed.ledger.to_json()) if rank == 0 else None
 
 
-def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
-    """On this world: resumed from ``folder`` and trained to STEPS uninterrupted; then resumed
-    again, checkpointed at AGAIN_AT, resumed from that and trained to STEPS:
-    ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on rank 0, or
-    ``("refused", message)``."""
+def continued(
+    rank: int, world: int, spec_json: str, strategy: str, source: Path, start: int, again_at: int, again: Path
+) -> tuple[str, Any]:
+    """On this world: resumed from ``source`` (its checkpoint at ``start``) and trained to STEPS
+    uninterrupted; then resumed again, checkpointed into ``again`` at ``again_at``, resumed from
+    that and trained to STEPS: ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on
+    rank 0, or ``("refused", message)``."""
     from govray.train.checkpoint import CheckpointError, load_checkpoint
 
     spec = trained_spec(spec_json, strategy)
     key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
-    again = folder.parent / f"{folder.name}-again-{world}"
     fresh(again, rank, world)
     reference = opened(spec, rank, world)
     try:
-        start = reference.restore(folder)
+        assert reference.restore(source) == start
     except CheckpointError as error:
         return "refused", str(error)
-    assert start == RESUME_AT
     for step in range(start, STEPS):
         reference.governed.step(step)
     uninterrupted = whole(reference.governed.model)
     first = opened(spec, rank, world)
-    first.restore(folder)
-    for step in range(RESUME_AT, AGAIN_AT):
+    first.restore(source)
+    for step in range(start, again_at):
         first.governed.step(step)
-    first.save(again, AGAIN_AT, key, {"step": AGAIN_AT})
+    first.save(again, again_at, key, {"step": again_at})
     second = opened(spec, rank, world)
-    assert second.restore(again) == AGAIN_AT
-    for step in range(AGAIN_AT, STEPS):
+    assert second.restore(again) == again_at
+    for step in range(again_at, STEPS):
         second.governed.step(step)
     interrupted = whole(second.governed.model)
     history = load_checkpoint(again, spec.trust, rank).state.world_history
@@ -147,35 +147,18 @@ def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) 
     return "ok", payload if rank == 0 else None
 
 
-def regrown(rank: int, world: int, spec_json: str, strategy: str, again: Path) -> tuple[str, Any]:
-    """Grown back to this world from a smaller world's checkpoint ``again`` (at AGAIN_AT): trained
-    to STEPS uninterrupted, and again with a checkpoint at BACK_AT resumed from: the payload of
-    ``resumed``."""
-    from govray.train.checkpoint import load_checkpoint
+def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
+    """``continued`` from the original world's checkpoint at RESUME_AT, checkpointed again at
+    AGAIN_AT into ``FOLDER-again-WORLD``."""
+    again = folder.parent / f"{folder.name}-again-{world}"
+    return continued(rank, world, spec_json, strategy, folder, RESUME_AT, AGAIN_AT, again)
 
-    spec = trained_spec(spec_json, strategy)
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
+
+def regrown(rank: int, world: int, spec_json: str, strategy: str, again: Path) -> tuple[str, Any]:
+    """``continued`` on a world grown back from a smaller world's checkpoint ``again`` (at
+    AGAIN_AT), checkpointed again at BACK_AT."""
     back = again.parent / f"{again.name}-back-{world}"
-    fresh(back, rank, world)
-    reference = opened(spec, rank, world)
-    assert reference.restore(again) == AGAIN_AT
-    for step in range(AGAIN_AT, STEPS):
-        reference.governed.step(step)
-    uninterrupted = whole(reference.governed.model)
-    first = opened(spec, rank, world)
-    first.restore(again)
-    for step in range(AGAIN_AT, BACK_AT):
-        first.governed.step(step)
-    first.save(back, BACK_AT, key, {"step": BACK_AT})
-    second = opened(spec, rank, world)
-    assert second.restore(back) == BACK_AT
-    for step in range(BACK_AT, STEPS):
-        second.governed.step(step)
-    interrupted = whole(second.governed.model)
-    history = load_checkpoint(back, spec.trust, rank).state.world_history
-    slots = second.governed.schedule.world_size
-    payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
-    return "ok", payload if rank == 0 else None
+    return continued(rank, world, spec_json, strategy, again, AGAIN_AT, BACK_AT, back)
 
 
 def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
