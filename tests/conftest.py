@@ -65,6 +65,28 @@ def ray_session() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_placement_group_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test in the session's Ray: no placement group of this job is left. A group a
+    dead Train controller left would hold its CPUs until the session ends, and every later test
+    that needs them would hang; this fails the test that left it (and frees it) instead."""
+    yield
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from govray.platform.placement_guard import held_groups, orphaned_groups, remove_group
+
+    deadline = time.monotonic() + 10.0  # a controller Tune stopped at the test's end is still dying
+    while (held := held_groups()) and not all(g.creator_dead for g in held) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    orphans = orphaned_groups()
+    for group in orphans:
+        remove_group(group)
+    held = held_groups()
+    assert not orphans and not held, (request.node.nodeid, orphans, held)
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """A throwaway PostgreSQL server for the cluster tier, installed and started on first use."""

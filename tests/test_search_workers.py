@@ -5,6 +5,7 @@ without changing what any trial trains."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import yaml
 
 from govray.config.experiment import load_experiment
 from govray.core.storage import open_storage
-from govray.platform.placement_guard import REMOVED, PlacementGuard, result_places
+from govray.platform.placement_guard import REMOVED, PlacementGuard, orphaned_groups, result_places
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import run_trial
 from govray.platform.search import SearchOutcome, run_search, search_path
@@ -128,6 +129,49 @@ def test_the_placement_guard_removes_only_groups_ray_has_not(monkeypatch: pytest
     assert removed == ["a1", "c1", "a2"]
 
 
+def test_the_guard_removes_a_group_whose_creator_died_before_any_result_named_it(ray_session: None) -> None:
+    """A Train controller killed with its trial before the trial's first result leaves a group no
+    result named: Ray keeps it (holding its CPUs) until the job ends. The guard removes it when a
+    trial stops and at the search's end; a group this job held before the search began, or whose
+    creator still lives, is left alone."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group
+
+    @ray.remote(num_cpus=0)
+    class Controller:  # creates a group as Ray Train's controller does, in its own process
+        def create(self) -> str:
+            group = placement_group([{"CPU": 0.5}])
+            ray.get(group.ready())
+            return str(group.id.hex())
+
+    def orphan() -> str:
+        controller = Controller.remote()  # type: ignore[attr-defined]
+        group = ray.get(controller.create.remote())
+        ray.kill(controller)
+        deadline = time.monotonic() + 30
+        while group not in orphaned_groups() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return str(group)
+
+    before = orphan()  # held before the search began: not the search's to remove
+    guard = PlacementGuard()
+    guard.SETTLE_S = 1.0
+    guard.begin()
+    stopped = orphan()
+    guard.release("t1")  # a trial stopped (no result named its group)
+    assert guard.removed == [stopped] and orphaned_groups() == [before]
+    living = Controller.remote()  # type: ignore[attr-defined]
+    alive = ray.get(living.create.remote())
+    at_end = orphan()
+    guard.release_all()
+    assert guard.removed == [stopped, at_end] and orphaned_groups() == [before]
+    table = ray.util.placement_group_table()
+    assert table[alive]["state"] == "CREATED" and table[stopped]["state"] == REMOVED
+    for group in (before, alive):
+        ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))
+    ray.kill(living)
+
+
 @pytest.mark.slow  # two whole Ray Tune searches: the slow tier
 def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(ray_session: None, tmp_path: Path) -> None:
     """A 1-worker grid search of two points runs both trials in one Tune actor (``reuse_actors``);
@@ -198,7 +242,8 @@ def _pbt_search(
     for tune_id, results in _tune_results(search_dir).items():
         # An exploited trial's result file may begin at its restart: Tune rewrites it then.
         at = {r["step"]: r for r in results}
-        restarts.append((cloned[tune_id], at[10]["iterations_since_restore"], at[10]["pid"] == at[5]["pid"]))
+        one_process = 5 in at and at[10]["pid"] == at[5]["pid"]
+        restarts.append((cloned[tune_id], at[10]["iterations_since_restore"], one_process))
     return recorded, sorted(restarts)
 
 

@@ -8,6 +8,12 @@ it, issue 62753), holding the CPUs the next trial needs. So each trial's Tune re
 workers' group (``PLACES_KEY``), and the driver removes every group of a trial that is no longer
 running, and every earlier group of one that runs again (a restored actor's run has a new one).
 
+A group no result named yet (the trial stopped while its run was starting, or between a worker
+group's restart and its first report) is an *orphan*: its creator, the run's Train controller, died
+with the trial, yet Ray keeps a group until its creator's job ends. ``orphaned_groups`` finds this
+job's orphans in the GCS's own table; the guard removes them when a trial stops and, waiting for
+the last controllers to die, when the search ends.
+
 Example::
 
     guard = PlacementGuard()
@@ -18,8 +24,13 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PLACES_KEY = "govray_workers"  # a Tune result's workers, {rank: {"pid", "placement_group"}} as JSON
 REMOVED = "REMOVED"  # a group's state in ``ray.util.placement_group_table()`` once removed
@@ -30,13 +41,61 @@ def result_places(result: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
     return {int(rank): place for rank, place in json.loads(result.get(PLACES_KEY, "{}")).items()}
 
 
+@dataclass(frozen=True)
+class JobGroup:
+    """One placement group this job created that Ray still holds, from the GCS's table."""
+
+    group: str  # its id, in hex
+    creator_dead: bool  # the actor that created it (a Train controller) is dead
+
+
+def held_groups() -> list[JobGroup]:
+    """This job's placement groups not yet removed, with whether their creator is alive. Read from
+    the GCS's own records (``ray.util.placement_group_table`` leaves out the creator); Ray's state
+    API would need the dashboard, which a small node runs without."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    table_data: Any = gcs_pb2.PlacementGroupTableData  # type: ignore[attr-defined]  # generated, unstubbed
+    job = ray.get_runtime_context().get_job_id()
+    held = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        data = table_data.FromString(raw)
+        if data.creator_job_id.hex() == job and data.state != table_data.REMOVED:
+            held.append(JobGroup(data.placement_group_id.hex(), data.creator_actor_dead))
+    return held
+
+
+def orphaned_groups() -> list[str]:
+    """This job's groups whose creator died: nobody will ever use or remove them but Ray at the
+    job's end, and they hold their CPUs until then."""
+    return sorted(held.group for held in held_groups() if held.creator_dead)
+
+
+def remove_group(group: str) -> None:
+    import ray
+    from ray.util.placement_group import PlacementGroup
+
+    ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))
+
+
 class PlacementGuard:
     """On the driver: each trial's placement groups, removed when it stops running."""
 
+    SETTLE_S = 30.0  # at the search's end, how long its runs' controllers get to die
+
     def __init__(self) -> None:
+        self.before: set[str] | None = None  # this job's groups when the search began
         self.current: dict[str, set[str]] = {}  # trial id → groups of its latest run
         self.earlier: dict[str, set[str]] = {}  # trial id → groups of its earlier runs, not yet freed
         self.removed: list[str] = []  # every group this guard removed (Ray had not)
+
+    def begin(self) -> None:
+        """The search begins: the groups this job holds now are not the search's."""
+        import ray
+
+        self.before = {held.group for held in held_groups()} if ray.is_initialized() else set()
 
     def note(self, trial_id: str, result: Mapping[str, Any]) -> None:
         groups = {place["placement_group"] for place in result_places(result).values()} - {""}
@@ -50,6 +109,8 @@ class PlacementGuard:
         """The trial stopped running: remove every group of its runs that Ray has not."""
         groups = self.current.pop(trial_id, set()) | self.earlier.pop(trial_id, set())
         self._remove(groups)
+        if self.before is not None:
+            self._remove_orphans()
 
     def sweep(self, running: Iterable[str]) -> None:
         """Remove the groups of every trial not in ``running``, and the earlier runs' groups of
@@ -62,16 +123,43 @@ class PlacementGuard:
         self._remove(stale)
 
     def release_all(self) -> None:
+        """The search is over: every trial's groups go, and every group a run of the search
+        created that is still held once its controller died (waiting ``SETTLE_S`` at most for
+        the controllers Tune's last stops are tearing down)."""
         self.sweep(())
+        if self.before is None:
+            return
+        deadline = time.monotonic() + self.SETTLE_S
+        while True:
+            left = [held for held in held_groups() if held.group not in self.before]
+            for held in left:
+                if held.creator_dead:
+                    remove_group(held.group)
+                    self.removed.append(held.group)
+            if all(held.creator_dead for held in left):
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "placement groups %s outlived the search: their runs' controllers still live",
+                    [held.group for held in left if not held.creator_dead],
+                )
+                return
+            time.sleep(0.25)
+
+    def _remove_orphans(self) -> None:
+        assert self.before is not None
+        for group in orphaned_groups():
+            if group not in self.before:
+                remove_group(group)
+                self.removed.append(group)
 
     def _remove(self, groups: set[str]) -> None:
         if not groups:
             return
         import ray
-        from ray.util.placement_group import PlacementGroup
 
         table = ray.util.placement_group_table()
         for group in sorted(groups):
             if group in table and table[group]["state"] != REMOVED:
-                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))
+                remove_group(group)
                 self.removed.append(group)

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -157,6 +158,7 @@ def search_planned(
     # Tune's new output engine prints its tables even at verbose=0; the old one is silent there.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     store.set_experiment_state(experiment.id, "active")
+    tracking.guard.begin()
     try:
         if Tuner.can_restore(location, storage_filesystem=storage.filesystem):
             tuner = Tuner.restore(
@@ -199,7 +201,12 @@ def search_planned(
                 ),
             )
         with mirrored(store, config.tracking.mlflow, experiment.id):
-            results = tuner.fit()
+            try:
+                results = tuner.fit()  # its end releases every group of its runs (the guard)
+            except BaseException:  # an interrupted or failed search's groups go too
+                with contextlib.suppress(Exception):  # never in place of what stopped it
+                    tracking.guard.release_all()
+                raise
         tracking.collect_garbage()  # every trial is done: nothing can be cloned any more
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
