@@ -92,9 +92,10 @@ def test_resume_on_a_number_of_workers_turns_an_elastic_config_into_a_fixed_size
         ),
         (
             {"workers": {"min": 4, "max": 8}, "strategy": "hsdp", "shard_group": 2},
-            "resources: strategy hsdp with elastic workers: a resize resumes the run on another world "
-            "size, which an HSDP checkpoint cannot be read onto exactly yet (govray.train.layouts); use "
-            "strategy fsdp, or a fixed number of workers",
+            "resources: strategy hsdp with elastic workers: Ray Train may resize the run to any number "
+            "of workers between min and max, and HSDP needs whole shard groups of resources.shard_group "
+            "(two or more); use strategy fsdp, or a fixed number of workers (`govray resume --workers "
+            "N` moves an HSDP run to another multiple of its group)",
         ),
     ],
 )

@@ -4,8 +4,9 @@ running the golden run's governed step: its update equals the 4-rank FSDP update
 rounding: the sums run in another order; the per-route-group clipping norm counts each shard
 once), a tensor no slot may update stays bit-identical, removing the adapter's corpus leaves
 every base tensor bit-identical to the run with it (the replay without it), and a resume from
-its checkpoint is bit-identical (each replica's shard files the same bytes as its twin's). The
-configuration refuses what HSDP cannot split."""
+its checkpoint is bit-identical (each replica's shard files the same bytes as its twin's), and
+a checkpoint of other shard groups (HSDP <-> FSDP, HSDP -> DDP) resumes with its exact state,
+read by verified ranges from the first replica. The configuration refuses what HSDP cannot split."""
 
 from __future__ import annotations
 
@@ -116,20 +117,44 @@ def test_a_resume_from_the_hsdp_checkpoint_is_bit_identical(gloo_four: Any, sign
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("written", "resumed", "refusal"),
-    [
-        ("hsdp", "fsdp", "sharded in groups of 2 worker(s), resumed in groups of every worker(s)"),
-        ("fsdp", "hsdp", "sharded in groups of every worker(s), resumed in groups of 2 worker(s)"),
-    ],
+    ("written", "resumed"),
+    [("hsdp", "fsdp"), ("fsdp", "hsdp"), ("hsdp", "ddp")],
+    ids=["hsdp-to-fsdp", "fsdp-to-hsdp", "hsdp-to-ddp"],
 )
-def test_a_checkpoint_sharded_in_other_groups_is_refused_on_every_rank(
-    gloo_four: Any, signing_spec: Any, written: str, resumed: str, refusal: str
+def test_a_checkpoint_sharded_in_other_groups_resumes_with_its_exact_state(
+    gloo_four: Any, signing_spec: Any, written: str, resumed: str
 ) -> None:
-    """The same world size, other parts of each tensor in each rank's file: refused, not read."""
-    answers = gloo_four(Task(hsdp(signing_spec), written, resume_at=2, resumed_as=(resumed, WORLD)))
+    """The same world size, other parts of each tensor in each rank's file: each rank reads its
+    rows by verified ranges (of an HSDP checkpoint, from its first replica's files only); the
+    resumed weights and optimizer state (exp_avg, exp_avg_sq, step) are the checkpointed ones bit
+    for bit, the ledger continues exactly, and the weights trained on equal the uninterrupted
+    run's within the layouts' summation order."""
+    answers = gloo_four(Task(hsdp(signing_spec), written, resume_at=4, resumed_as=(resumed, WORLD)))
+    assert all(status == "ok" for status, _ in answers.values()), answers
+    _, (uninterrupted, again, saved, loaded, (ledger, resumed_ledger)) = answers[0]
+    for at_save, at_load in zip(saved, loaded, strict=True):
+        assert at_save.keys() == at_load.keys() and at_save
+        for name in at_save:
+            assert torch.equal(at_save[name], at_load[name]), name
+    assert any(name.endswith(".exp_avg_sq") for name in saved[1])
+    assert resumed_ledger == ledger
+    for name in uninterrupted:
+        torch.testing.assert_close(again[name], uninterrupted[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_first_replicas_files_is_refused_on_every_rank(
+    gloo_four: Any, signing_spec: Any
+) -> None:
+    """HSDP -> FSDP reads the first replica's files by ranges: a flipped byte in one is refused on
+    every rank, naming the file (the replicas' copies are never read, so never trusted instead)."""
+    name = shard_file("model", 1, WORLD)
+    answers = gloo_four(
+        Task(hsdp(signing_spec), "hsdp", resume_at=2, tamper=name, resumed_as=("fsdp", WORLD))
+    )
     for rank, (status, message) in answers.items():
         assert status == "refused", (rank, status, message)
-        assert refusal in message, message
+        assert name in message and "does not match" in message, message
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 ranks of another world size (gloo, 2 and 3 ranks): every rank holds exactly its slices of the
 consolidated tensors, weights and optimizer state (exp_avg, exp_avg_sq, step), bit for bit; it
 read its share plus a bounded block overhead; a flipped byte in a block one rank reads is
-refused on every rank, naming the file."""
+refused on every rank, naming the file. A 4-rank HSDP checkpoint (2 shard groups of 2, every
+rank writing its files) loads the same way from its first replica's files alone."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.gloo_group import persistent_group
 pytestmark = pytest.mark.slow  # three gloo groups (4, 2 and 3 spawned ranks)
 
 SOURCE_WORLD = 4
+SHARD_GROUP = 2  # the HSDP checkpoint's: 2 replicas of 2 shards
 BLOCK = 4096  # small blocks, so that a rank's share is many of them
 
 
@@ -61,20 +63,26 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -
     dist.destroy_process_group()
 
 
-def sharded(seed: int, world: int) -> tuple[Plain, torch.optim.Optimizer]:
-    """The model ``fully_shard``ed over ``world`` ranks (each Linear a unit), and its AdamW."""
+def sharded(seed: int, world: int, shard_group: int | None = None) -> tuple[Plain, torch.optim.Optimizer]:
+    """The model ``fully_shard``ed over ``world`` ranks (each Linear a unit; HSDP: sharded within
+    groups of ``shard_group``, replicated across them, as ``train.hybrid``), and its AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = Plain(seed)
-    mesh = init_device_mesh("cpu", (world,))
+    if shard_group is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh(
+            "cpu", (world // shard_group, shard_group), mesh_dim_names=("replicate", "shard")
+        )
     for unit in (model.base[0], model.base[2]):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def write(rank: int, world: int, directory: Path) -> tuple[str, Any]:
+def write(rank: int, world: int, directory: Path, shard_group: int | None = None) -> tuple[str, Any]:
     """One AdamW step, then this rank's shard files; rank 0 also writes ``optimizer.json`` and
     the whole tensors (``expected.safetensors``): every file's digest."""
     import torch.distributed as dist
@@ -84,7 +92,7 @@ def write(rank: int, world: int, directory: Path) -> tuple[str, Any]:
     from govray.train.checkpoint import OPTIMIZER_META, split_optimizer_state
     from govray.train.sharding import local_optimizer_state, write_shards
 
-    model, optimizer = sharded(0, world)
+    model, optimizer = sharded(0, world, shard_group)
     model(torch.randn(5, 64, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     optimizer.step()
     written = write_shards(directory, model, optimizer, rank, world)  # type: ignore[arg-type]
@@ -105,9 +113,12 @@ def write(rank: int, world: int, directory: Path) -> tuple[str, Any]:
     return "ok", {name: digest for part in gathered for name, digest in part.items()}
 
 
-def load(rank: int, world: int, directory: Path, files: dict[str, str]) -> tuple[str, Any]:
-    """This rank's part of the 4-rank checkpoint into a differently initialised model sharded
-    over ``world``: ``("ok", (mismatches, bytes read, share bytes))`` or ``("refused", message)``."""
+def load(
+    rank: int, world: int, directory: Path, files: dict[str, str], shard_group: int | None = None
+) -> tuple[str, Any]:
+    """This rank's part of the 4-rank checkpoint (HSDP: in groups of ``shard_group``) into a
+    differently initialised model sharded over ``world``: ``("ok", (mismatches, bytes read, share
+    bytes))`` or ``("refused", message)``."""
     from govray.train.checkpoint import CheckpointError
     from govray.train.reshard import load_model_part, my_rows, resharded_optimizer_state
     from govray.train.sharding import local, sharded_optimizer_state
@@ -117,8 +128,10 @@ def load(rank: int, world: int, directory: Path, files: dict[str, str]) -> tuple
     parameters = list(model.parameters())
 
     def read() -> tuple[Any, Any, dict[str, Any]]:
-        weights = load_model_part(model, directory, files, SOURCE_WORLD)  # type: ignore[arg-type]
-        state, moments = resharded_optimizer_state(directory, files, SOURCE_WORLD, optimizer, parameters)
+        weights = load_model_part(model, directory, files, SOURCE_WORLD, shard_group)  # type: ignore[arg-type]
+        state, moments = resharded_optimizer_state(
+            directory, files, SOURCE_WORLD, optimizer, parameters, shard_group
+        )
         return weights, moments, state
 
     try:
@@ -142,13 +155,26 @@ def load(rank: int, world: int, directory: Path, files: dict[str, str]) -> tuple
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    directory = tmp_path_factory.mktemp("four-ranks")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     target = functools.partial(rank_main, world=SOURCE_WORLD)
     with persistent_group(target, tmp_path_factory.mktemp("gloo4"), SOURCE_WORLD, timeout=240) as run:
-        answers = run((write, directory))
+        yield run
+
+
+def _written(run: Any, directory: Path, shard_group: int | None = None) -> tuple[Path, dict[str, str]]:
+    answers = run((write, directory, shard_group))
     assert all(status == "ok" for status, _ in answers.values()), answers
     return directory, answers[0][1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(four_ranks: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    return _written(four_ranks, tmp_path_factory.mktemp("four-ranks"))
+
+
+@pytest.fixture(scope="module")
+def hsdp_checkpoint(four_ranks: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    return _written(four_ranks, tmp_path_factory.mktemp("hsdp-2x2"), SHARD_GROUP)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -194,3 +220,22 @@ def test_a_flipped_byte_one_rank_reads_is_refused_on_every_rank_naming_the_file(
     for rank, (status, message) in run((load, directory, files)).items():
         assert status == "refused", (rank, status, message)
         assert f"{tampered}: block" in message and "does not match its signed block digest" in message
+
+
+def test_an_hsdp_checkpoint_loads_on_another_world_size_from_its_first_replica(
+    hsdp_checkpoint: tuple[Path, dict[str, str]], group: tuple[int, Any]
+) -> None:
+    """Every rank of the 2 x 2 HSDP checkpoint wrote its files (the second replica's the first's
+    copies); a rank of 2 or 3 FSDP ranks reads its exact slices from the first replica's files,
+    within the same bound (2 files of each kind, not 4), bit for bit."""
+    directory, files = hsdp_checkpoint
+    _, run = group
+    for kind in ("model", "optimizer"):
+        for rank in range(SHARD_GROUP, SOURCE_WORLD):  # the second replica: copies of the first
+            twin = shard_file(kind, rank % SHARD_GROUP, SOURCE_WORLD)
+            assert files[shard_file(kind, rank, SOURCE_WORLD)] == files[twin], (kind, rank)
+    for rank, (status, payload) in run((load, directory, files, SHARD_GROUP)).items():
+        assert status == "ok", (rank, payload)
+        mismatches, read, share = payload
+        assert not mismatches, (rank, mismatches)
+        assert share <= read <= share + 2 * SHARD_GROUP * BLOCK * (1 + 2 * 5), (rank, read, share)

@@ -13,6 +13,8 @@ public corpus excluded so that no slot may update the embedding:
   history is signed into the checkpoint;
 - a 4-rank FSDP run shrunk to 2 ranks and grown back to 4 (an elastic run's resizes) continues
   exactly on the regrown world;
+- a 4-rank HSDP checkpoint (2 shard groups of 2) continues exactly on 2 and 3 FSDP ranks and on
+  6 HSDP ranks (3 groups), each rank reading its shards from the first replica's files;
 - a flipped byte in a shard one rank reads is refused on every rank, naming the file.
 """
 
@@ -275,6 +277,45 @@ def test_fsdp_shrunk_from_four_ranks_to_two_and_grown_back_to_four_continues_exa
     )
 
 
+@pytest.fixture(scope="module")
+def four_rank_hsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
+    """The original world under HSDP: 2 shard groups of 2 on 4 ranks (every rank writes its files)."""
+    folder = Path(signing_spec.run_dir) / "hsdp-4"
+    spec_json = signing_spec.model_copy(update={"shard_group": 2}).model_dump_json()
+    with group(4, tmp_path_factory.mktemp("gloo4")) as run:
+        answers = run((original, spec_json, "hsdp", folder))
+    assert all(status == "ok" for status, _ in answers.values()), answers
+    return folder, answers[0][1], spec_json
+
+
+@pytest.mark.slow
+def test_an_hsdp_checkpoint_continues_exactly_on_two_and_three_fsdp_ranks(
+    four_rank_hsdp: tuple[Path, Any, str], smaller: tuple[int, Any]
+) -> None:
+    """Read from its first replica's files by verified ranges onto a world that is no multiple of
+    its groups (a shrunk run, or an HSDP run moved to FSDP)."""
+    folder, original_world, spec_json = four_rank_hsdp
+    world, run = smaller
+    answers = run((resumed, spec_json, "fsdp", folder))
+    for rank, (status, payload) in answers.items():
+        assert status == "ok", (rank, payload)
+    assert_continues_exactly(original_world, answers[0][1], slots=4, world=world, resumed_at=RESUME_AT)
+
+
+@pytest.mark.slow
+def test_an_hsdp_run_continues_exactly_on_three_shard_groups(
+    four_rank_hsdp: tuple[Path, Any, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``govray resume --workers 6`` of a 2 x 2 HSDP run: 3 groups of 2 on 6 ranks (two ranks'
+    slots always empty) read their new shards from the 2 x 2 checkpoint and continue exactly."""
+    folder, original_world, spec_json = four_rank_hsdp
+    with group(6, tmp_path_factory.mktemp("gloo6")) as run:
+        answers = run((resumed, spec_json, "hsdp", folder))
+    for rank, (status, payload) in answers.items():
+        assert status == "ok", (rank, payload)
+    assert_continues_exactly(original_world, answers[0][1], slots=4, world=6, resumed_at=RESUME_AT)
+
+
 @pytest.mark.slow
 def test_a_flipped_byte_in_a_shard_one_rank_reads_is_refused_on_every_rank_naming_it(
     signing_spec: Any, four_rank_fsdp: tuple[Path, Any], smaller: tuple[int, Any], tmp_path: Path
@@ -385,4 +426,7 @@ def test_a_rollback_target_in_another_layout_is_refused_by_a_sharded_run_on_ever
         answers = two((resumed, spec, "fsdp", folder))
     for rank, (status, message) in answers.items():
         assert status == "refused", (rank, status, message)
-        assert "a rollback target (a clean state) written by an unsharded run" in message, message
+        assert (
+            "a rollback target (a clean state) unsharded (one whole file); this run (sharded over 2 workers)"
+            in message
+        ), message

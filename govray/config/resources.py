@@ -139,9 +139,10 @@ class Resources(BaseModel):
             return self
         if self.elastic:
             raise ValueError(
-                "strategy hsdp with elastic workers: a resize resumes the run on another world size, "
-                "which an HSDP checkpoint cannot be read onto exactly yet (govray.train.layouts); use "
-                "strategy fsdp, or a fixed number of workers"
+                "strategy hsdp with elastic workers: Ray Train may resize the run to any number of "
+                "workers between min and max, and HSDP needs whole shard groups of "
+                "resources.shard_group (two or more); use strategy fsdp, or a fixed number of workers "
+                "(`govray resume --workers N` moves an HSDP run to another multiple of its group)"
             )
         if self.max_workers < 4:
             raise ValueError(

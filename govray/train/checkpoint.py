@@ -282,8 +282,16 @@ def checkpoint_step(directory: Path) -> int:
 def checkpoint_world_size(directory: Path) -> int | None:
     """The ranks a sharded checkpoint is sharded over (None: not sharded), from its state
     (unverified: loading verifies it)."""
-    world = json.loads((directory / STATE_FILE).read_text()).get("sharding", {}).get("world_size")
-    return int(world) if world is not None else None
+    return checkpoint_sharding(directory)[0]
+
+
+def checkpoint_sharding(directory: Path) -> tuple[int | None, int | None]:
+    """A checkpoint's layout from its state (unverified: loading verifies it): the ranks that
+    wrote shard files (None: not sharded) and HSDP's shard group (None: FSDP, one group of
+    every rank; HSDP's first ``shard_group`` files hold every row once, the others are copies)."""
+    sharding = json.loads((directory / STATE_FILE).read_text()).get("sharding", {})
+    world, group = sharding.get("world_size"), sharding.get("shard_group")
+    return (int(world) if world is not None else None), (int(group) if group is not None else None)
 
 
 def find_checkpoints(root: Path) -> list[Path]:

@@ -33,7 +33,7 @@ from govray.train.checkpoint import (
     OPTIMIZER_META,
     CheckpointError,
     LoadedCheckpoint,
-    checkpoint_world_size,
+    checkpoint_sharding,
     load_checkpoint,
     optimizer_state_from_files,
     shard_file,
@@ -91,26 +91,26 @@ class WholeLayout:
         """Verify and read a checkpoint to resume from (refusing a sharded one); a base file it
         refers to is fetched from object storage first."""
         fetch_referenced(directory, run.storage)
-        if checkpoint_world_size(directory) is None:  # (unverified: what is loaded is verified)
+        if checkpoint_sharding(directory)[0] is None:  # (unverified: what is loaded is verified)
             return load_checkpoint(directory, run.spec.trust)
         agreed(lambda: self._written_by(run, directory), run.governed.worker, CheckpointError)
         return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads its part
 
-    def _written_by(self, run: TrialRun, directory: Path) -> int | None:
-        """The world size a checkpoint is sharded over (None: unsharded), read unverified from
-        its state: it only chooses how the checkpoint is read, and what is loaded is verified."""
-        worker = run.governed.worker
-        fetch_part(directory, run.storage, worker.rank)
+    def _written_by(self, run: TrialRun, directory: Path) -> tuple[int | None, int | None]:
+        """The world size a checkpoint is sharded over (None: unsharded) and its HSDP shard group
+        (None: FSDP's one group), read unverified from its state: it only chooses how the
+        checkpoint is read, and what is loaded is verified."""
+        fetch_part(directory, run.storage, run.governed.worker.rank)
         try:
-            return checkpoint_world_size(directory)
+            return checkpoint_sharding(directory)
         except (OSError, ValueError):
-            return worker.world_size  # unreadable: the verified load refuses it, naming the file
+            return own_layout(run)  # unreadable: the verified load refuses it, naming the file
 
     def _load_other_layout(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
         the shared files and reads its part of the optimizer state by verified ranges (its
         weights follow in ``load_weights``); every rank refuses if any did. The run continues
-        its schedule on this world (``train.rounds``), HSDP only on its own (``_refuse_hsdp_elsewhere``)."""
+        its schedule on this world (``train.rounds``)."""
         governed = run.governed
         loaded = agreed(
             lambda: load_resharded(
@@ -124,7 +124,6 @@ class WholeLayout:
             governed.worker,
             CheckpointError,
         )
-        self._refuse_hsdp_elsewhere(run, directory, loaded)
         earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
         if earlier:
             raise CheckpointError(
@@ -132,31 +131,6 @@ class WholeLayout:
                 "a run under another strategy cannot roll back to them (resume it as it was written)"
             )
         return loaded
-
-    def _refuse_hsdp_elsewhere(self, run: TrialRun, directory: Path, loaded: LoadedCheckpoint) -> None:
-        """An HSDP checkpoint, or an HSDP run, on another world size is refused: reading
-        replicated shard groups by ranges onto another world is not proven exact (DDP <-> HSDP
-        on the same world size is read as before)."""
-        state, world = loaded.state, run.governed.worker.world_size
-        history = state.world_history or [(0, int(state.schedule["world_size"]))]
-        written = state.sharding.get("world_size", history[-1][1])
-        hsdp = state.sharding.get("shard_group") or run.governed.parallel.sharding().get("shard_group")
-        if hsdp and written != world:
-            raise CheckpointError(
-                f"{directory}: written by {written} worker(s), resumed by {world}: strategy hsdp "
-                "resumes on the world size it ran on"
-            )
-
-    def _refuse_other_groups(self, run: TrialRun, directory: Path, written_by: int | None) -> None:
-        """Refuse a checkpoint sharded in other groups (HSDP's ``shard_group``; None: FSDP's one
-        group of every rank, or not sharded): its files hold other parts of each tensor (an HSDP
-        checkpoint is read back only on its own layout)."""
-        groups = run.governed.parallel.sharding().get("shard_group")
-        if written_by != groups:
-            raise CheckpointError(
-                f"{directory}: sharded in groups of {written_by or 'every'} worker(s), resumed in groups "
-                f"of {groups or 'every'} worker(s): a governed run resumes on the layout it started with"
-            )
 
     def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
         """The clean states a resumed run may roll back to, as this layout keeps them."""
@@ -168,6 +142,19 @@ class WholeLayout:
     def roll_back(self, run: TrialRun, snapshot: Snapshot) -> None:
         """Back to a clean state: the copy kept in memory."""
         run.governed.load_snapshot(snapshot)
+
+
+def own_layout(run: TrialRun) -> tuple[int | None, int | None]:
+    """How this run's checkpoints are sharded: (world size, HSDP shard group), None where not."""
+    sharding = run.governed.parallel.sharding()
+    return sharding.get("world_size"), sharding.get("shard_group")
+
+
+def describe_layout(world: int | None, group: int | None) -> str:
+    """A layout in words, for refusals: ``sharded over 4 workers in shard groups of 2``."""
+    if world is None:
+        return "unsharded (one whole file)"
+    return f"sharded over {world} workers" + (f" in shard groups of {group}" if group else "")
 
 
 class ShardedLayout(WholeLayout):
@@ -195,21 +182,23 @@ class ShardedLayout(WholeLayout):
 
     def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
         """Each rank verifies and reads what it needs (the shared files, its own shards); every
-        rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP, or
-        sharded over another world size) is read by verified ranges (``_load_other_layout``)."""
+        rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP,
+        sharded over another world size or in other HSDP shard groups) is read by verified ranges
+        (``_load_other_layout``)."""
         worker = run.governed.worker
         written_by = agreed(lambda: self._written_by(run, directory), worker, CheckpointError)
-        if written_by != worker.world_size:
+        if written_by != own_layout(run):  # another world size or other HSDP shard groups
             return self._load_other_layout(run, directory)
         loaded = agreed(
             lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
         )
-        verified = loaded.state.sharding.get("world_size")
+        sharding = loaded.state.sharding
+        verified = (sharding.get("world_size"), sharding.get("shard_group"))
         if verified != written_by:  # (the unverified read chose the layout: it must be the signed one)
             raise CheckpointError(
-                f"{directory}: its signed state is sharded over {verified} workers, not {written_by}"
+                f"{directory}: its signed state is {describe_layout(*verified)}, "
+                f"not {describe_layout(*written_by)}"
             )
-        self._refuse_other_groups(run, directory, loaded.state.sharding.get("shard_group"))
         return loaded
 
     def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:

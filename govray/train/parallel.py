@@ -47,7 +47,7 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import MODEL_FILE, CheckpointError, checkpoint_world_size, model_file, shard_file
+from govray.train.checkpoint import MODEL_FILE, CheckpointError, checkpoint_sharding, model_file, shard_file
 from govray.train.hybrid import first_replica, hybrid_mesh, shard_group_size
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.reshard import listed_files, load_model_part
@@ -152,18 +152,18 @@ class Single:
     def load_base(self, model: GovernedModel, directory: Path) -> None:
         """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
         checkpoint's shards put together."""
-        world = checkpoint_world_size(directory)
-        if world is not None:  # FSDP -> DDP: every tensor whole, read by verified ranges
-            self._load_part(model, directory, world)
+        world, group = checkpoint_sharding(directory)
+        if world is not None:  # FSDP/HSDP -> DDP: every tensor whole, read by verified ranges
+            self._load_part(model, directory, world, group)
             return
         whole = load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
 
-    def _load_part(self, model: GovernedModel, directory: Path, world: int | None) -> None:
+    def _load_part(self, model: GovernedModel, directory: Path, world: int | None, group: int | None) -> None:
         """This rank's part of the base tensors by verified ranges, every rank refusing if one
         read a tampered block (naming the file)."""
         files = listed_files(directory)
-        agreed(lambda: load_model_part(model, directory, files, world), self.worker, CheckpointError)
+        agreed(lambda: load_model_part(model, directory, files, world, group), self.worker, CheckpointError)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state as read from a checkpoint, ready for ``load_state_dict``."""
@@ -251,14 +251,15 @@ class Sharded(Single):
         return Snapshot(steps_done, {}, {}, ledger, on_storage=True)
 
     def load_base(self, model: GovernedModel, directory: Path) -> None:
-        """A rank reads its own shard file; of a checkpoint sharded otherwise, or not at all
-        (DDP, a fork's source), each rank reads only its rows, by verified ranges. (A base file
-        referred to by digest, a frozen base, is read whole and each rank keeps its part.)"""
-        world, rank, ranks = checkpoint_world_size(directory), self.worker.rank, self.worker.world_size
-        if world == ranks:
+        """A rank reads its own shard file; of a checkpoint sharded otherwise (another world
+        size, other HSDP shard groups), or not at all (DDP, a fork's source), each rank reads
+        only its rows, by verified ranges. (A base file referred to by digest, a frozen base, is
+        read whole and each rank keeps its part.)"""
+        (world, group), rank, ranks = checkpoint_sharding(directory), self.worker.rank, self.worker.world_size
+        if (world, group) == (ranks, self.sharding().get("shard_group")):
             load_shards(model, directory / shard_file("model", rank, ranks))
         elif world is not None or model_file(directory) == directory / MODEL_FILE:
-            self._load_part(model, directory, world)
+            self._load_part(model, directory, world, group)
         else:
             load_whole(model, load_file(str(model_file(directory))), directory)
 

@@ -1,5 +1,6 @@
-"""Resharding loads: a rank's part of a checkpoint written by another layout (unsharded, or
-sharded over another world size), read by verified byte ranges (``train.ranged``).
+"""Resharding loads: a rank's part of a checkpoint written by another layout (unsharded, sharded
+over another world size, or in other HSDP shard groups), read by verified byte ranges
+(``train.ranged``).
 
 FSDP2 shards dim 0: a rank's shard of a tensor is a run of rows, which lies in one or more of the
 old files (the shards of a sharded checkpoint, in rank order, each at its offset; or the one
@@ -45,11 +46,21 @@ from govray.train.sharding import SHARDS_KEY, copy_in, is_sharded, local
 
 class CheckpointTensors:
     """The tensors of one kind (``model`` or ``optimizer``) of a checkpoint: one whole file, or
-    the ``world`` shard files of a sharded checkpoint, read by verified ranges."""
+    the shard files of a sharded checkpoint, read by verified ranges: those of its ``world``
+    ranks, or of an HSDP checkpoint's first ``shard_group`` ranks (its first replica: every row
+    once; the other replicas' files are copies of them)."""
 
-    def __init__(self, directory: Path, files: Mapping[str, str], kind: str, world: int | None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        files: Mapping[str, str],
+        kind: str,
+        world: int | None,
+        shard_group: int | None = None,
+    ) -> None:
         whole = {"model": MODEL_FILE, "optimizer": OPTIMIZER_TENSORS}[kind]
-        names = [whole] if world is None else [shard_file(kind, rank, world) for rank in range(world)]
+        ranks = range(shard_group or world or 0)
+        names = [whole] if world is None else [shard_file(kind, rank, world) for rank in ranks]
         self.files: list[VerifiedFile] = [verified_file(directory, name, files) for name in names]
 
     @property
@@ -117,13 +128,18 @@ def my_rows(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def load_model_part(
-    model: GovernedModel, directory: Path, files: Mapping[str, str], world: int | None = None
+    model: GovernedModel,
+    directory: Path,
+    files: Mapping[str, str],
+    world: int | None = None,
+    shard_group: int | None = None,
 ) -> CheckpointTensors:
     """This rank's part of every base tensor of checkpoint ``directory`` (listed by a verified
     manifest's ``files``; ``world``: the ranks it is sharded over, None: one whole
-    ``model.safetensors``), read by verified ranges; returns the reader (its ``bytes_read``).
-    What a meta-device build calls to load its shards of a seed checkpoint."""
-    source = CheckpointTensors(directory, files, "model", world)
+    ``model.safetensors``; ``shard_group``: an HSDP checkpoint's), read by verified ranges;
+    returns the reader (its ``bytes_read``). What a meta-device build calls to load its shards of
+    a seed checkpoint."""
+    source = CheckpointTensors(directory, files, "model", world, shard_group)
 
     def part(name: str, target: torch.Tensor) -> torch.Tensor:
         return source.part(name, tuple(target.shape), *my_rows(target)).to(local(target).device)
@@ -146,11 +162,12 @@ def resharded_optimizer_state(
     world: int | None,
     optimizer: torch.optim.Optimizer,
     written_order: Sequence[nn.Parameter],
+    shard_group: int | None = None,
 ) -> tuple[dict[str, Any], CheckpointTensors]:
     """This rank's part of the optimizer state of a checkpoint written by another layout, as this
     run's ``optimizer.state_dict()`` holds it (``written_order``: the parameters in the order
     the writing run's optimizer held them); returns it and the reader."""
-    source = CheckpointTensors(directory, files, "optimizer", world)
+    source = CheckpointTensors(directory, files, "optimizer", world, shard_group)
     meta = json.loads((directory / OPTIMIZER_META).read_text())
     current = optimizer.state_dict()
     mine = [p for group in optimizer.param_groups for p in group["params"]]
@@ -193,11 +210,11 @@ def load_resharded(
     manifest, signer = verify_checkpoint(directory, trust, rank, ranged=True)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
-        world = state.sharding.get("world_size")
+        world, group = state.sharding.get("world_size"), state.sharding.get("shard_group")
         whole = {id(p) for adapter in model.adapter_names() for p in model.adapter_parameters(adapter)}
         written_order = optimizer_order(parameters, whole, sharded=world is not None)
         optimizer_state, _ = resharded_optimizer_state(
-            directory, manifest.files, world, optimizer, written_order
+            directory, manifest.files, world, optimizer, written_order, group
         )
     except (ValidationError, json.JSONDecodeError, KeyError, ValueError) as error:
         raise CheckpointError(f"{directory}: signed but unreadable: {error}") from None

@@ -28,7 +28,7 @@ from govray.train.checkpoint import (
 )
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
-from govray.train.layouts import Snapshot
+from govray.train.layouts import Snapshot, describe_layout
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import use_deterministic_mode
 from govray.train.run_checkpoints import fetch_referenced
@@ -223,14 +223,14 @@ class TrialRun:
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
         """Under FSDP a clean state is the checkpoint's shard files, carried into every later
         checkpoint and read back by a rollback, each rank its own: those of another layout (a
-        resume on another world size, or from DDP) are not there to carry."""
-        world = self.governed.worker.world_size
-        if self.layout.every_rank_writes and state.sharding.get("world_size") != world:
-            written = state.sharding.get("world_size")
-            writer = f"{written} sharded workers" if written else "an unsharded run"
+        resume on another world size, in other HSDP shard groups, or from DDP) are not there to carry."""
+        sharding = self.governed.parallel.sharding()
+        own = (sharding.get("world_size"), sharding.get("shard_group"))
+        written = (state.sharding.get("world_size"), state.sharding.get("shard_group"))
+        if self.layout.every_rank_writes and written != own:
             raise CheckpointError(
-                f"{directory}: a rollback target (a clean state) written by {writer}; a sharded "
-                f"run of {world} workers keeps its clean states in its own "
+                f"{directory}: a rollback target (a clean state) {describe_layout(*written)}; "
+                f"this run ({describe_layout(*own)}) keeps its clean states in its own "
                 "shard files: resume it on the world size and strategy that wrote it"
             )
 
