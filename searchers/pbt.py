@@ -10,7 +10,8 @@ mutated: it fixes the schedule a clone continues.
 
 Synchronous, as Tune's ``synch=True`` (its decisions do not depend on timing), but a perturbation
 restarts only the trials it exploits: the others keep their actors and workers
-(``searchers.pbt_scheduler``).
+(``searchers.pbt_scheduler``). Seeded: the initial population is sampled and every perturbation
+drawn from the experiment's seed, so the same experiment searches the same way.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ CONFIG = PbtSearcher
 
 
 def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
+    from govray.data.permutation import derive_seed
     from searchers.pbt_scheduler import SynchronousPbt
-    from searchers.space import sampled, sampled_space
+    from searchers.space import sampled, sampled_space, seeded_samples
 
     searcher = config.searcher
     assert isinstance(searcher, PbtSearcher)
@@ -56,8 +58,11 @@ def plan(config: ExperimentConfig, max_steps: int) -> TunePlan:
         param_space=sampled_space(config),
         num_samples=searcher.population_size,
         max_concurrent_trials=searcher.population_size,
+        # The initial population and every perturbation drawn from the experiment's seed.
+        search_alg=seeded_samples(config, searcher.population_size),
         scheduler=SynchronousPbt(
             trial_resources=trial_resources(config),
+            seed=derive_seed(config.seed, 0, "pbt"),
             time_attr="step",
             perturbation_interval=searcher.perturbation_interval,
             hyperparam_mutations={name: sampled(hp) for name, hp in searcher.hyperparam_mutations.items()},

@@ -16,25 +16,61 @@ would hold the resources a trial behind it needs). A trial that ends while other
 result, an early stop, an error) no longer holds them back: those there perturb without it (stock
 synchronous PBT waits forever for an errored trial).
 
-Ray is pinned (2.60): the two private controller calls below are pinned by
+Its random draws (the donor each exploited trial clones, the resampled or perturbed
+hyperparameters) come from generators of its own seeded by the experiment's seed, not from the
+driver's ``random`` and ``numpy.random``: the same experiment perturbs the same way in every run,
+whatever else the driver draws. Tune's code draws from those modules, so the scheduler swaps its
+own states in around the one call that draws (``_checkpoint_or_exploit``) and back out after.
+
+Ray is pinned (2.60): the two private controller calls below, and the drawing call, are pinned by
 ``tests/test_pbt_scheduler.py``.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import ray
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
 
 
-class SynchronousPbt(PopulationBasedTraining):
-    """``PopulationBasedTraining(synch=True, **pbt)`` keeping unexploited trials running.
-    ``trial_resources`` is what one trial holds while it waits (its workers' CPUs and GPUs)."""
+class SeededPbt(PopulationBasedTraining):
+    """Tune's PBT drawing from generators of its own, seeded by ``seed`` (see the module)."""
 
-    def __init__(self, trial_resources: dict[str, float], **pbt: Any) -> None:
-        super().__init__(synch=True, **pbt)
+    def __init__(self, seed: int, **pbt: Any) -> None:
+        super().__init__(**pbt)
+        self._random_state = random.Random(seed).getstate()
+        self._numpy_state = np.random.RandomState(seed % 2**32).get_state()  # (numpy's seeds: 32 bits)
+
+    @contextmanager
+    def own_draws(self) -> Iterator[None]:
+        """Within: ``random`` and ``numpy.random`` draw from this scheduler's generators."""
+        saved = random.getstate(), np.random.get_state()
+        random.setstate(self._random_state)
+        np.random.set_state(self._numpy_state)
+        try:
+            yield
+        finally:
+            self._random_state, self._numpy_state = random.getstate(), np.random.get_state()
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+
+    def _checkpoint_or_exploit(self, *args: Any, **kwargs: Any) -> None:
+        with self.own_draws():
+            super()._checkpoint_or_exploit(*args, **kwargs)
+
+
+class SynchronousPbt(SeededPbt):
+    """``SeededPbt(synch=True, **pbt)`` keeping unexploited trials running. ``trial_resources``
+    is what one trial holds while it waits (its workers' CPUs and GPUs)."""
+
+    def __init__(self, trial_resources: dict[str, float], seed: int, **pbt: Any) -> None:
+        super().__init__(seed, synch=True, **pbt)
         self._trial_resources = trial_resources
         self._waiting: list[Trial] = []  # RUNNING at the perturbation time, in arrival order
 

@@ -1,6 +1,7 @@
 """govray's synchronous PBT decides what Tune's synchronous PBT decides (same exploits, same
 mutated hyperparameters, from the same random draws), but only the trials it exploits stop: the
-others are asked for their next result. Driven here by a stand-in for Tune's controller (no Ray);
+others are asked for their next result. Its draws come from generators seeded by the experiment,
+never from the driver's. Driven here by a stand-in for Tune's controller (no Ray);
 ``tests/test_search_workers.py`` runs it in real searches."""
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from ray.tune.execution.tune_controller import TrialRunnerWrapper, TuneControlle
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
 
-from searchers.pbt_scheduler import SynchronousPbt
+from searchers.pbt_scheduler import SeededPbt, SynchronousPbt
 
+SEED = 7
 PBT: dict[str, Any] = {
     "time_attr": "step",
     "metric": "loss",
@@ -90,8 +92,8 @@ def perturbed(
     scheduler: PopulationBasedTraining, root: Path, losses: list[float]
 ) -> tuple[Controller, list[str]]:
     """A population reporting ``losses`` at the perturbation time, in order, on seeded draws."""
-    random.seed(7)
-    np.random.seed(7)
+    random.seed(SEED)  # (Tune's stock scheduler draws from the driver's generators)
+    np.random.seed(SEED)
     trials = population(root, len(losses))
     controller = Controller(trials, scheduler, root)
     decisions = [controller.report(trial, 5, loss) for trial, loss in zip(trials, losses, strict=True)]
@@ -106,7 +108,7 @@ def _two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_only_the_exploited_trial_stops_and_every_decision_is_tunes(tmp_path: Path) -> None:
     losses = [0.3, 0.9, 0.1, 0.5]  # trial 1 is the lower quantile, trial 2 the upper
     stock, stock_decisions = perturbed(PopulationBasedTraining(synch=True, **PBT), tmp_path / "stock", losses)
-    kept, decisions = perturbed(SynchronousPbt({"CPU": 1.0}, **PBT), tmp_path / "kept", losses)
+    kept, decisions = perturbed(SynchronousPbt({"CPU": 1.0}, SEED, **PBT), tmp_path / "kept", losses)
     assert stock_decisions == [TrialScheduler.PAUSE] * 4  # Tune stops every trial
     assert decisions == [TrialScheduler.NOOP] * 3 + [TrialScheduler.CONTINUE]
     assert [t.status for t in kept.trials] == [Trial.RUNNING, Trial.PAUSED, Trial.RUNNING, Trial.RUNNING]
@@ -122,9 +124,9 @@ def test_only_the_exploited_trial_stops_and_every_decision_is_tunes(tmp_path: Pa
 
 
 def test_a_trial_ending_while_the_others_wait_no_longer_holds_them(tmp_path: Path) -> None:
-    scheduler = SynchronousPbt({"CPU": 1.0}, **{**PBT, "quantile_fraction": 0.5})
-    random.seed(7)
-    np.random.seed(7)
+    scheduler = SynchronousPbt({"CPU": 1.0}, SEED, **{**PBT, "quantile_fraction": 0.5})
+    random.seed(SEED)  # (Tune's stock scheduler draws from the driver's generators)
+    np.random.seed(SEED)
     trials = population(tmp_path, 3)
     controller = Controller(trials, scheduler, tmp_path)
     assert controller.report(trials[0], 5, 0.2) == TrialScheduler.NOOP
@@ -141,7 +143,7 @@ def test_a_trial_ending_while_the_others_wait_no_longer_holds_them(tmp_path: Pat
 def test_a_waiting_trial_an_exploit_stops_keeps_no_stale_stop(tmp_path: Path) -> None:
     """TuneController.pause_trial caches STOP for a save in flight and discards the save: the
     exploited trial's restart must not be stopped by it at its first checkpoint."""
-    scheduler = SynchronousPbt({"CPU": 1.0}, **{**PBT, "quantile_fraction": 0.5})
+    scheduler = SynchronousPbt({"CPU": 1.0}, SEED, **{**PBT, "quantile_fraction": 0.5})
     trials = population(tmp_path, 2)
     controller = Controller(trials, scheduler, tmp_path)
     controller.report(trials[0], 5, 0.9)
@@ -151,8 +153,48 @@ def test_a_waiting_trial_an_exploit_stops_keeps_no_stale_stop(tmp_path: Path) ->
 
 
 def test_a_population_that_does_not_fit_waits_paused_as_tunes_does(tmp_path: Path) -> None:
-    _, decisions = perturbed(SynchronousPbt({"CPU": 2.0}, **PBT), tmp_path, [0.3, 0.9, 0.1])
+    _, decisions = perturbed(SynchronousPbt({"CPU": 2.0}, SEED, **PBT), tmp_path, [0.3, 0.9, 0.1])
     assert decisions == [TrialScheduler.PAUSE] * 3  # 3 trials x 2 CPUs > 4 CPUs
+
+
+def test_its_draws_are_its_own_seeded_ones_whatever_the_driver_draws(tmp_path: Path) -> None:
+    """Two schedulers of one seed clone the same donor with the same mutated learning rate, one
+    after the driver drew from ``random`` and ``numpy.random`` and one without; the driver's
+    generators are where they were (a perturbation draws none of theirs); another seed mutates
+    otherwise."""
+    losses = [0.3, 0.9, 0.1, 0.5, 0.2, 0.8]
+
+    def exploited(seed: int, root: Path, driver_draws: int) -> tuple[list[dict[str, Any]], Any]:
+        scheduler = SynchronousPbt({"CPU": 0.5}, seed, **{**PBT, "quantile_fraction": 0.5})
+        trials = population(root, len(losses))
+        controller = Controller(trials, scheduler, root)
+        random.seed(123)
+        np.random.seed(123)
+        for _ in range(driver_draws):
+            random.random(), np.random.random()
+        before = random.getstate(), np.random.get_state()[1].copy()
+        for trial, loss in zip(trials, losses, strict=True):
+            controller.report(trial, 5, loss)
+        after = random.getstate(), np.random.get_state()[1]
+        assert before[0] == after[0] and np.array_equal(before[1], after[1]), "the driver's draws untouched"
+        index = {t.trial_id: i for i, t in enumerate(trials)}
+        donors = [t.run_metadata.checkpoint_manager._latest_checkpoint_result.checkpoint.path for t in trials]
+        return [t.config for t in trials], [index[Path(path).name.split("-")[0]] for path in donors]
+
+    first = exploited(SEED, tmp_path / "a", driver_draws=0)
+    assert first == exploited(SEED, tmp_path / "b", driver_draws=5)
+    other = exploited(SEED + 1, tmp_path / "c", driver_draws=0)
+    assert other[0] != first[0]
+    assert sum(config != {"lr": 0.01 * (i + 1)} for i, config in enumerate(first[0])) == 3  # 3 exploited
+
+
+def test_a_seeded_pbt_is_tunes_pbt_on_the_seeded_draws(tmp_path: Path) -> None:
+    """``SeededPbt(seed)`` decides exactly what Tune's PBT decides on the driver's generators
+    seeded by ``seed``."""
+    losses = [0.3, 0.9, 0.1, 0.5]
+    stock, _ = perturbed(PopulationBasedTraining(synch=True, **PBT), tmp_path / "stock", losses)
+    seeded, _ = perturbed(SeededPbt(SEED, synch=True, **PBT), tmp_path / "seeded", losses)
+    assert [t.config for t in seeded.trials] == [t.config for t in stock.trials]
 
 
 def test_the_private_controller_calls_exist_in_the_pinned_ray() -> None:
@@ -161,3 +203,5 @@ def test_the_private_controller_calls_exist_in_the_pinned_ray() -> None:
     assert callable(TuneController._schedule_trial_train)
     assert "_tune_controller" in TrialRunnerWrapper.__init__.__code__.co_names
     assert "_cached_trial_decisions" in TuneController.__init__.__code__.co_names
+    # ``SeededPbt`` swaps its generators in around the one call of Tune's PBT that draws.
+    assert callable(PopulationBasedTraining._checkpoint_or_exploit)

@@ -197,22 +197,18 @@ def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(ray_session: 
 def _pbt_search(
     root: Path, monkeypatch: pytest.MonkeyPatch, stock: bool
 ) -> tuple[list[Any], list[tuple[bool, int, bool]]]:
-    """A seeded PBT search of two 1-worker trials perturbing at step 5 of 10 (``stock``: Tune's
-    synchronous PBT): what each trial recorded, and per trial from its Tune results (whether it
-    is a clone, its results since its last restore at step 10, whether steps 5 and 10 came from
-    one process), both sorted."""
-    import random
-
-    import numpy as np
-    from ray.tune.schedulers import PopulationBasedTraining
-
+    """A PBT search of two 1-worker trials perturbing at step 5 of 10, seeded by its config
+    (``stock``: Tune's synchronous PBT, on the same seeded draws): what each trial recorded, and
+    per trial from its Tune results (whether it is a clone, its results since its last restore at
+    step 10, whether steps 5 and 10 came from one process), both sorted."""
     import searchers.pbt_scheduler
+    from searchers.pbt_scheduler import SeededPbt
 
     if stock:
         monkeypatch.setattr(
             searchers.pbt_scheduler,
             "SynchronousPbt",
-            lambda trial_resources, **pbt: PopulationBasedTraining(synch=True, **pbt),
+            lambda trial_resources, seed, **pbt: SeededPbt(seed, synch=True, **pbt),
         )
     searcher = {
         "name": "pbt",
@@ -223,8 +219,6 @@ def _pbt_search(
         "hyperparam_mutations": {"lr": {"type": "log", "minval": -2.0, "maxval": -1.0, "base": 10}},
         "max_length": {"batches": 10},
     }
-    random.seed(3)  # PBT draws from the driver's random and numpy (initial samples, mutations)
-    np.random.seed(3)
     outcome, store, search_dir = _searched(search_example(root, searcher))
     monkeypatch.undo()
     trials = [store.get_trial(t) for t in outcome.trial_ids]
