@@ -26,7 +26,7 @@ from tests import test_fsdp
 from tests.conftest import GoldenRun
 from tests.gloo_group import persistent_group
 from tests.test_engine import run_spec
-from tests.test_fsdp import PUBLIC, Task, rank_main, weights
+from tests.test_fsdp import PUBLIC, Task, assert_resumed_exactly, rank_main, weights
 
 WORLD = 4
 SHARD_GROUP = 2
@@ -129,17 +129,9 @@ def test_a_checkpoint_sharded_in_other_groups_resumes_with_its_exact_state(
     resumed weights and optimizer state (exp_avg, exp_avg_sq, step) are the checkpointed ones bit
     for bit, the ledger continues exactly, and the weights trained on equal the uninterrupted
     run's within the layouts' summation order."""
-    answers = gloo_four(Task(hsdp(signing_spec), written, resume_at=4, resumed_as=(resumed, WORLD)))
-    assert all(status == "ok" for status, _ in answers.values()), answers
-    _, (uninterrupted, again, saved, loaded, (ledger, resumed_ledger)) = answers[0]
-    for at_save, at_load in zip(saved, loaded, strict=True):
-        assert at_save.keys() == at_load.keys() and at_save
-        for name in at_save:
-            assert torch.equal(at_save[name], at_load[name]), name
-    assert any(name.endswith(".exp_avg_sq") for name in saved[1])
-    assert resumed_ledger == ledger
-    for name in uninterrupted:
-        torch.testing.assert_close(again[name], uninterrupted[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_resumed_exactly(
+        gloo_four(Task(hsdp(signing_spec), written, resume_at=4, resumed_as=(resumed, WORLD)))
+    )
 
 
 @pytest.mark.slow
