@@ -19,6 +19,10 @@ The ratios are medians over seeds. The last lines are exactly::
 
     asha/random cost-to-target ratio (median of N seeds): X.XXX
     asha/random whole-search ratio at equal best: X.XXX
+    asha/random wall-clock ratio at equal best (median of N seeds): X.XXX
+
+the last one the whole searches' wall-clock time (Ray started once before them), over the seeds
+in which ASHA's best equals random search's.
 
 Run: ``python -m jobs.benchmarks.asha_vs_random [--seeds 5 --trials 48 --epochs 4 --target 0.95]``.
 """
@@ -182,6 +186,7 @@ def main() -> None:
     ensure_ray()
     to_target: list[float] = []
     whole: list[float] = []
+    wall: list[float] = []  # at equal best
     equal_best = 0
     with tempfile.TemporaryDirectory(prefix="govray-asha-") as scratch:
         steps = trial_steps(Path(scratch), args)
@@ -197,8 +202,11 @@ def main() -> None:
             to_target.append(asha.cost() / plain.cost())
             whole.append(asha.whole / plain.whole)
             equal_best += asha.best == plain.best
+            if asha.best == plain.best:
+                wall.append(asha.seconds / plain.seconds)
             print(
                 f"seed {seed} asha/random: cost to target {to_target[-1]:.3f}, whole search {whole[-1]:.3f}, "
+                f"wall clock {asha.seconds / plain.seconds:.3f}, "
                 f"best {'equal' if asha.best == plain.best else 'different'}",
                 flush=True,
             )
@@ -208,6 +216,9 @@ def main() -> None:
     median = statistics.median(to_target)
     print(f"asha/random cost-to-target ratio (median of {len(to_target)} seeds): {median:.3f}")
     print(f"asha/random whole-search ratio at equal best: {statistics.median(whole):.3f}")
+    if wall:
+        median_wall = statistics.median(wall)
+        print(f"asha/random wall-clock ratio at equal best (median of {len(wall)} seeds): {median_wall:.3f}")
 
 
 if __name__ == "__main__":
