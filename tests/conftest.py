@@ -78,7 +78,7 @@ def no_placement_group_left(request: pytest.FixtureRequest) -> Iterator[None]:
     from govray.platform.placement_guard import held_groups, orphaned_groups, remove_group
 
     deadline = time.monotonic() + 10.0  # a controller Tune stopped at the test's end is still dying
-    while (held := held_groups()) and not all(g.creator_dead for g in held) and time.monotonic() < deadline:
+    while any(g.creator_alive for g in held_groups()) and time.monotonic() < deadline:
         time.sleep(0.25)
     orphans = orphaned_groups()
     for group in orphans:

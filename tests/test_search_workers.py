@@ -132,8 +132,8 @@ def test_the_placement_guard_removes_only_groups_ray_has_not(monkeypatch: pytest
 def test_the_guard_removes_a_group_whose_creator_died_before_any_result_named_it(ray_session: None) -> None:
     """A Train controller killed with its trial before the trial's first result leaves a group no
     result named: Ray keeps it (holding its CPUs) until the job ends. The guard removes it when a
-    trial stops and at the search's end; a group this job held before the search began, or whose
-    creator still lives, is left alone."""
+    trial stops and at the search's end; a group this job held before the search began, one whose
+    creator still lives, and one the driver made (Tune's trials' own) are left alone."""
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group
 
@@ -157,6 +157,8 @@ def test_the_guard_removes_a_group_whose_creator_died_before_any_result_named_it
     guard = PlacementGuard()
     guard.SETTLE_S = 1.0
     guard.begin()
+    by_driver = placement_group([{"CPU": 0.25}])  # as Tune makes each trial's
+    ray.get(by_driver.ready())
     stopped = orphan()
     guard.release("t1")  # a trial stopped (no result named its group)
     assert guard.removed == [stopped] and orphaned_groups() == [before]
@@ -167,6 +169,8 @@ def test_the_guard_removes_a_group_whose_creator_died_before_any_result_named_it
     assert guard.removed == [stopped, at_end] and orphaned_groups() == [before]
     table = ray.util.placement_group_table()
     assert table[alive]["state"] == "CREATED" and table[stopped]["state"] == REMOVED
+    assert table[by_driver.id.hex()]["state"] == "CREATED"
+    ray.util.remove_placement_group(by_driver)
     for group in (before, alive):
         ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))
     ray.kill(living)

@@ -46,7 +46,16 @@ class JobGroup:
     """One placement group this job created that Ray still holds, from the GCS's table."""
 
     group: str  # its id, in hex
-    creator_dead: bool  # the actor that created it (a Train controller) is dead
+    by_actor: bool  # an actor created it (a Train controller), not the driver (Tune's trials' groups)
+    creator_dead: bool  # that actor is dead (Ray says so of a driver's group too: never an orphan)
+
+    @property
+    def orphaned(self) -> bool:
+        return self.by_actor and self.creator_dead
+
+    @property
+    def creator_alive(self) -> bool:
+        return self.by_actor and not self.creator_dead
 
 
 def held_groups() -> list[JobGroup]:
@@ -59,18 +68,20 @@ def held_groups() -> list[JobGroup]:
 
     table_data: Any = gcs_pb2.PlacementGroupTableData  # type: ignore[attr-defined]  # generated, unstubbed
     job = ray.get_runtime_context().get_job_id()
+    nil = ray.ActorID.nil().binary()  # the creator of a group the driver made (Tune's trials' groups)
     held = []
     for raw in state._connect_and_get_accessor().get_placement_group_table():
         data = table_data.FromString(raw)
         if data.creator_job_id.hex() == job and data.state != table_data.REMOVED:
-            held.append(JobGroup(data.placement_group_id.hex(), data.creator_actor_dead))
+            by_actor = data.creator_actor_id != nil
+            held.append(JobGroup(data.placement_group_id.hex(), by_actor, data.creator_actor_dead))
     return held
 
 
 def orphaned_groups() -> list[str]:
     """This job's groups whose creator died: nobody will ever use or remove them but Ray at the
     job's end, and they hold their CPUs until then."""
-    return sorted(held.group for held in held_groups() if held.creator_dead)
+    return sorted(held.group for held in held_groups() if held.orphaned)
 
 
 def remove_group(group: str) -> None:
@@ -131,17 +142,17 @@ class PlacementGuard:
             return
         deadline = time.monotonic() + self.SETTLE_S
         while True:
-            left = [held for held in held_groups() if held.group not in self.before]
+            left = [held for held in held_groups() if held.group not in self.before and held.by_actor]
             for held in left:
-                if held.creator_dead:
+                if held.orphaned:
                     remove_group(held.group)
                     self.removed.append(held.group)
-            if all(held.creator_dead for held in left):
+            living = [held.group for held in left if held.creator_alive]
+            if not living:
                 return
             if time.monotonic() > deadline:
                 log.warning(
-                    "placement groups %s outlived the search: their runs' controllers still live",
-                    [held.group for held in left if not held.creator_dead],
+                    "placement groups %s outlived the search: their runs' controllers still live", living
                 )
                 return
             time.sleep(0.25)
