@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 PLACES_KEY = "govray_workers"  # a Tune result's workers, {rank: {"pid", "placement_group"}} as JSON
 REMOVED = "REMOVED"  # a group's state in ``ray.util.placement_group_table()`` once removed
@@ -151,7 +151,7 @@ class PlacementGuard:
             if not living:
                 return
             if time.monotonic() > deadline:
-                log.warning(
+                logger.warning(
                     "placement groups %s outlived the search: their runs' controllers still live", living
                 )
                 return
