@@ -206,10 +206,19 @@ def driver_killed_after_first_checkpoint(
     store = golden_run.store
     known = {trial.id for trial in store.list_trials(1)}
     found: list[int] = []
+    first = f"checkpoint_{GOLDEN_REPORT_EVERY:08d}"
+    runs = Path(golden_run.config.storage_path) / "ray"
+    sealed_before = set(runs.glob(f"*/{first}/{SIGNATURE_FILE}"))
 
     def first_checkpoint_written() -> bool:
         new = [t for t in store.list_trials(1) if t.id not in known]
-        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id)):  # type: ignore[arg-type]
+        if not new:
+            return False
+        if with_workers:  # the moment rank 0 signs it: the driver records it later, the workers race on
+            ready = bool(set(runs.glob(f"*/{first}/{SIGNATURE_FILE}")) - sealed_before)
+        else:
+            ready = any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(store, new[0].id))  # type: ignore[arg-type]
+        if ready:
             found.append(new[0].id)  # type: ignore[arg-type]
             for pid in train_worker_pids() if with_workers else []:
                 with contextlib.suppress(ProcessLookupError):
