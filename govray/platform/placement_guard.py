@@ -142,12 +142,10 @@ class PlacementGuard:
             return
         deadline = time.monotonic() + self.SETTLE_S
         while True:
-            left = [held for held in held_groups() if held.group not in self.before and held.by_actor]
-            for held in left:
-                if held.orphaned:
-                    remove_group(held.group)
-                    self.removed.append(held.group)
-            living = [held.group for held in left if held.creator_alive]
+            self._remove_orphans()
+            living = [
+                held.group for held in held_groups() if held.creator_alive and held.group not in self.before
+            ]
             if not living:
                 return
             if time.monotonic() > deadline:

@@ -279,17 +279,17 @@ def checkpoint_step(directory: Path) -> int:
     return int(json.loads((directory / MANIFEST_FILE).read_text())["step"])
 
 
-def checkpoint_world_size(directory: Path) -> int | None:
-    """The ranks a sharded checkpoint is sharded over (None: not sharded), from its state
-    (unverified: loading verifies it)."""
-    return checkpoint_sharding(directory)[0]
-
-
 def checkpoint_sharding(directory: Path) -> tuple[int | None, int | None]:
-    """A checkpoint's layout from its state (unverified: loading verifies it): the ranks that
-    wrote shard files (None: not sharded) and HSDP's shard group (None: FSDP, one group of
-    every rank; HSDP's first ``shard_group`` files hold every row once, the others are copies)."""
-    sharding = json.loads((directory / STATE_FILE).read_text()).get("sharding", {})
+    """A checkpoint's layout from its state (unverified: loading verifies it): ``sharding_layout``
+    of its recorded sharding."""
+    return sharding_layout(json.loads((directory / STATE_FILE).read_text()).get("sharding", {}))
+
+
+def sharding_layout(sharding: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(world size, shard group) of a recorded sharding (``CheckpointState.sharding``, or a
+    run's ``parallel.sharding()``): the ranks that wrote shard files (None: not sharded) and
+    HSDP's shard group (None: FSDP, one group of every rank; HSDP's first ``shard_group`` files
+    hold every row once, the others are copies)."""
     world, group = sharding.get("world_size"), sharding.get("shard_group")
     return (int(world) if world is not None else None), (int(group) if group is not None else None)
 

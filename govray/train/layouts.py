@@ -37,6 +37,7 @@ from govray.train.checkpoint import (
     load_checkpoint,
     optimizer_state_from_files,
     shard_file,
+    sharding_layout,
     signed_manifest,
     verify_checkpoint,
 )
@@ -146,8 +147,7 @@ class WholeLayout:
 
 def own_layout(run: TrialRun) -> tuple[int | None, int | None]:
     """How this run's checkpoints are sharded: (world size, HSDP shard group), None where not."""
-    sharding = run.governed.parallel.sharding()
-    return sharding.get("world_size"), sharding.get("shard_group")
+    return sharding_layout(run.governed.parallel.sharding())
 
 
 def describe_layout(world: int | None, group: int | None) -> str:
@@ -192,8 +192,7 @@ class ShardedLayout(WholeLayout):
         loaded = agreed(
             lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
         )
-        sharding = loaded.state.sharding
-        verified = (sharding.get("world_size"), sharding.get("shard_group"))
+        verified = sharding_layout(loaded.state.sharding)
         if verified != written_by:  # (the unverified read chose the layout: it must be the signed one)
             raise CheckpointError(
                 f"{directory}: its signed state is {describe_layout(*verified)}, "

@@ -47,7 +47,14 @@ from govray.config.training import Precision
 from govray.core.errors import ConfigError
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.train.checkpoint import MODEL_FILE, CheckpointError, checkpoint_sharding, model_file, shard_file
+from govray.train.checkpoint import (
+    MODEL_FILE,
+    CheckpointError,
+    checkpoint_sharding,
+    model_file,
+    shard_file,
+    sharding_layout,
+)
 from govray.train.hybrid import first_replica, hybrid_mesh, shard_group_size
 from govray.train.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.reshard import listed_files, load_model_part
@@ -256,7 +263,7 @@ class Sharded(Single):
         only its rows, by verified ranges. (A base file referred to by digest, a frozen base, is
         read whole and each rank keeps its part.)"""
         (world, group), rank, ranks = checkpoint_sharding(directory), self.worker.rank, self.worker.world_size
-        if (world, group) == (ranks, self.sharding().get("shard_group")):
+        if (world, group) == sharding_layout(self.sharding()):
             load_shards(model, directory / shard_file("model", rank, ranks))
         elif world is not None or model_file(directory) == directory / MODEL_FILE:
             self._load_part(model, directory, world, group)

@@ -38,6 +38,7 @@ from govray.train.checkpoint import (
     LoadedCheckpoint,
     Manifest,
     shard_file,
+    sharding_layout,
     verify_checkpoint,
 )
 from govray.train.ranged import VerifiedFile, verified_file
@@ -210,7 +211,7 @@ def load_resharded(
     manifest, signer = verify_checkpoint(directory, trust, rank, ranged=True)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
-        world, group = state.sharding.get("world_size"), state.sharding.get("shard_group")
+        world, group = sharding_layout(state.sharding)
         whole = {id(p) for adapter in model.adapter_names() for p in model.adapter_parameters(adapter)}
         written_order = optimizer_order(parameters, whole, sharded=world is not None)
         optimizer_state, _ = resharded_optimizer_state(

@@ -25,6 +25,7 @@ from govray.train.checkpoint import (
     CheckpointState,
     load_checkpoint,
     seal_checkpoint,
+    sharding_layout,
 )
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
@@ -224,9 +225,7 @@ class TrialRun:
         """Under FSDP a clean state is the checkpoint's shard files, carried into every later
         checkpoint and read back by a rollback, each rank its own: those of another layout (a
         resume on another world size, in other HSDP shard groups, or from DDP) are not there to carry."""
-        sharding = self.governed.parallel.sharding()
-        own = (sharding.get("world_size"), sharding.get("shard_group"))
-        written = (state.sharding.get("world_size"), state.sharding.get("shard_group"))
+        own, written = sharding_layout(self.governed.parallel.sharding()), sharding_layout(state.sharding)
         if self.layout.every_rank_writes and written != own:
             raise CheckpointError(
                 f"{directory}: a rollback target (a clean state) {describe_layout(*written)}; "
