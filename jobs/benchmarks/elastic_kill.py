@@ -3,8 +3,8 @@
 The digits example (golden hyperparameters, no validations) on ``resources.workers: {min: 2,
 max: 3}``, one CPU per worker, a signed checkpoint every ``PERIOD`` steps, on a local Ray cluster
 of a head and two more nodes of one CPU each (``tests/cluster/local_ray.py``). Once the run has
-trained half a period past a checkpoint on 3 workers, one worker node's raylet is SIGKILLed: Ray
-Train restarts the run on the 2 workers left from the newest verified checkpoint. Once that world
+trained half a period past a checkpoint on 3 workers, every process of one worker node (its raylet,
+agents and workers) is SIGKILLed at once, as a reclaimed spot instance vanishes: Ray Train restarts the run on the 2 workers left from the newest verified checkpoint. Once that world
 has sealed a checkpoint of its own, a node is started again: Ray Train's elastic policy (it looks
 every ``resize_check_s``) grows the run back to 3 workers, again from the newest checkpoint. The
 run is then paused (``govray experiment pause``) at its next checkpoint.
@@ -81,7 +81,7 @@ class ElasticKill:
 
     experiment: Path
     attempts: list[Attempt]
-    killed_at: float  # the raylet's SIGKILL
+    killed_at: float  # the node's SIGKILL
     back_at: float  # the new node alive in the cluster
     state: str  # the trial's, after the pause
 
@@ -160,15 +160,20 @@ def wait_for(what: str, found: Callable[[], T | None], driver: subprocess.Popen[
     raise TimeoutError(f"{what}: not after {WAIT_S:.0f} s")
 
 
-def kill_raylet(temp_dir: Path) -> None:
-    """SIGKILL the raylet of the node whose temp dir this is (its workers die with it)."""
+def kill_node(temp_dir: Path, spare: int) -> None:
+    """SIGKILL every process of the node whose temp dir this is, as a spot instance vanishes: its
+    raylet, its agents and its workers (retitled ``ray::...``: found by the files they hold open
+    below it), all at once; ``spare`` (the run's driver) is not the node's."""
     from govray.core.rayhead import processes_naming
 
-    raylets = [pid for pid, command in processes_naming((str(temp_dir),)) if "raylet/raylet" in command]
-    if not raylets:
-        raise RuntimeError(f"no raylet under {temp_dir}")
-    for pid in raylets:
-        os.kill(pid, signal.SIGKILL)
+    processes = [pid for pid, _ in processes_naming((str(temp_dir),), open_files=True) if pid != spare]
+    if not processes:
+        raise RuntimeError(f"no process of the node under {temp_dir}")
+    for pid in processes:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
 
 
 def node_back(cluster: Any, driver: subprocess.Popen[bytes], tries: int = 3) -> None:
@@ -217,7 +222,7 @@ def kill_and_regrow(cluster: Any, root: Path) -> ElasticKill:
 
         wait_for("half a period past a checkpoint on 3 workers", lambda: trained(3, PERIOD // 2 + 1), driver)
         victim = cluster.nodes[-1]
-        kill_raylet(victim.temp_dir)
+        kill_node(victim.temp_dir, spare=driver.pid)
         killed_at = time.time()
         wait_for("a checkpoint on 2 workers", lambda: trained(2, PERIOD // 2, killed_at), driver)
         node_back(cluster, driver)
@@ -269,7 +274,7 @@ def measure(workdir: Path) -> str:
         cluster.stop()
     worlds = " -> ".join(str(a.workers) for a in seen.attempts)
     print(f"attempts (workers): {worlds}; the trial is {seen.state}")
-    print(f"resize 3 -> 2 (raylet killed -> first step on 2 workers): {seen.shrink_s:.1f} s")
+    print(f"resize 3 -> 2 (node killed -> first step on 2 workers): {seen.shrink_s:.1f} s")
     print(f"resize 2 -> 3 (node back -> first step on 3 workers): {seen.grow_s:.1f} s")
     return f"steps lost to a worker killed without notice: {seen.steps_lost} (checkpoint period {PERIOD})"
 

@@ -1,5 +1,5 @@
 """An elastic run (``resources.workers: {min: 2, max: 3}``) on a head and two more Ray nodes of one
-CPU each: a worker node's raylet SIGKILLed mid-run, then a node started again
+CPU each: every process of a worker node SIGKILLed at once mid-run, then a node started again
 (``jobs/benchmarks/elastic_kill.py`` runs the scenario):
 `python -m pytest -m cluster tests/cluster/test_elastic.py`."""
 
@@ -84,7 +84,9 @@ def test_an_elastic_run_continues_on_two_workers_when_a_node_dies_and_grows_back
     assert seen.state == "paused"
     shrunk, grown = seen.shrunk.resumed_from, seen.grown.resumed_from
     assert shrunk >= PERIOD and shrunk % PERIOD == 0 and grown > shrunk and grown % PERIOD == 0
-    assert 0 < seen.steps_lost <= PERIOD
+    # Killed half a period past a checkpoint; 0 only when the step in flight as the node died was
+    # the checkpoint's own (the scenario polls the log).
+    assert 0 <= seen.steps_lost <= PERIOD
     history = [(0, 3), (shrunk, 2), (grown, 3)]
 
     storage = seen.experiment.parent / "storage"
