@@ -3,7 +3,9 @@ rung's report and checkpoint to Tune while its one Ray Train run keeps training 
 then every rung restarted the worker group: one ``TorchTrainer`` per segment, 23-27 s a rung here).
 
 The same 2-worker trial of the digits example (golden hyperparameters, no LR schedule, one CPU per
-worker) runs four times in one local Ray session, all for the same steps:
+worker) runs four ways in one local Ray session, all for the same steps, ``--repeats`` rounds of
+the four (each figure below is the median over the rounds: a search here varies by seconds from
+one run to the next):
 
 - a 1-point grid search validating every ``steps / segments`` steps: ``segments - 1`` rungs it
   continues past;
@@ -22,7 +24,7 @@ A training step is timed from the reports the continuous one-validation run send
 better). The final weights must not depend on the rungs: the script compares the final
 checkpoints' ``model.safetensors`` bit for bit and prints what it found.
 
-Run: ``python -m jobs.benchmarks.segment_restart [--steps 600 --segments 5]``. Last line::
+Run: ``python -m jobs.benchmarks.segment_restart [--steps 600 --segments 5 --repeats 3]``. Last line::
 
     segment restart cost per rung: X.XX s (Y.YYx a training step)
 """
@@ -92,17 +94,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--segments", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the four runs (medians)")
     args = parser.parse_args()
     if args.steps % args.segments:
         parser.error("--steps must be a multiple of --segments")
     period = args.steps // args.segments
     ensure_ray()
-    with tempfile.TemporaryDirectory(prefix="govray-segments-") as scratch:
-        root = Path(scratch)
-        one, one_model = searched(root / "one", args.steps, args.steps)
-        with_rungs, rungs_model = searched(root / "rungs", args.steps, period)
-        same, same_model, _ = continuous(root / "continuous", args.steps, period)
-        single, _, step = continuous(root / "single", args.steps, args.steps)
+    rounds: list[tuple[float, float, float, float, float]] = []
+    identical_runs: list[tuple[bool, bool]] = []
+    for round_ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="govray-segments-") as scratch:
+            root = Path(scratch)
+            one, one_model = searched(root / "one", args.steps, args.steps)
+            with_rungs, rungs_model = searched(root / "rungs", args.steps, period)
+            same, same_model, _ = continuous(root / "continuous", args.steps, period)
+            single, _, step = continuous(root / "single", args.steps, args.steps)
+        rounds.append((one, with_rungs, same, single, step))
+        identical_runs.append((rungs_model == one_model, rungs_model == same_model))
+        cost = ((with_rungs - one) - (same - single)) / (args.segments - 1)
+        print(f"round {round_ + 1}: cost per rung {cost:.2f} s", flush=True)
+    one, with_rungs, same, single, step = (statistics.median(column) for column in zip(*rounds, strict=True))
     print(f"{args.steps} steps, 2 workers; validation every {period} steps")
     print(f"search, one validation: {one:.2f} s")
     print(f"search, {args.segments} validations ({args.segments - 1} rungs): {with_rungs:.2f} s")
@@ -110,14 +121,14 @@ def main() -> None:
     print(f"training step: {step:.4f} s (continuous run, 1 validation)")
     identical = {True: "yes", False: "NO"}
     print(
-        "final model.safetensors bit-identical: search with rungs vs one validation: "
-        f"{identical[rungs_model == one_model]}; search with rungs vs continuous run: "
-        f"{identical[rungs_model == same_model]}"
+        f"final model.safetensors bit-identical (every round): search with rungs vs one validation: "
+        f"{identical[all(a for a, _ in identical_runs)]}; search with rungs vs continuous run: "
+        f"{identical[all(b for _, b in identical_runs)]}"
     )
     rungs = args.segments - 1
     print(f"validations, per extra one (continuous runs): {(same - single) / rungs:.2f} s")
     print(f"search with rungs / one validation wall time: {with_rungs / one:.3f}")
-    cost = ((with_rungs - one) - (same - single)) / rungs
+    cost = ((with_rungs - one) - (same - single)) / rungs  # of the medians
     print(f"segment restart cost per rung: {cost:.2f} s ({cost / step:.2f}x a training step)")
 
 
