@@ -3,9 +3,10 @@
 The digits example (golden hyperparameters, no validations) on ``resources.workers: {min: 2,
 max: 3}``, one CPU per worker, a signed checkpoint every ``PERIOD`` steps, on a local Ray cluster
 of a head and two more nodes of one CPU each (``tests/cluster/local_ray.py``). Once the run has
-trained half a period past a checkpoint on 3 workers, every process of one worker node (its raylet,
-agents and workers) is SIGKILLed at once, as a reclaimed spot instance vanishes: Ray Train restarts the run on the 2 workers left from the newest verified checkpoint. Once that world
-has sealed a checkpoint of its own, a node is started again: Ray Train's elastic policy (it looks
+trained half a period past a checkpoint on 3 workers, every process of one worker node (its
+raylet, agents and workers) is SIGKILLed at once, as a reclaimed spot instance vanishes: Ray Train
+restarts the run on the 2 workers left from the newest verified checkpoint. Once that world has
+sealed a checkpoint of its own, a node is started again: Ray Train's elastic policy (it looks
 every ``resize_check_s``) grows the run back to 3 workers, again from the newest checkpoint. The
 run is then paused (``govray experiment pause``) at its next checkpoint.
 
