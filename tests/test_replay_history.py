@@ -23,6 +23,7 @@ from govray.platform.world_history import (
 )
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import STATE_FILE, find_checkpoints
+from govray.train.checkpoint_manifest import continued_history
 from jobs.benchmarks.elastic_replay import paused
 from tests.conftest import GOLDEN_STEPS, GoldenRun
 
@@ -44,10 +45,27 @@ def test_a_resized_history_is_split_at_each_step_a_world_began() -> None:
     )
 
 
+def test_a_world_that_trained_no_step_gives_way_to_the_one_after_it() -> None:
+    """A run resumed on another world size from the checkpoint it began the world with (its step-0
+    one: a sharded run's starting state) trained every step of that stretch on the new world: the
+    history a resume continues, and one recorded before it was folded so, replay on the new world
+    only (the replay planning the original's slots per step: ``test_world_resize``)."""
+    assert continued_history([(0, 4)], 0, 2) == [(0, 2)]
+    assert continued_history([(0, 4), (10, 2)], 10, 1) == [(0, 4), (10, 1)]
+    assert continued_history([(0, 4), (10, 2)], 10, 4) == [(0, 4)]  # back where it was: one world
+    assert continued_history([(0, 4), (10, 2)], 20, 2) == [(0, 4), (10, 2)]  # the same world goes on
+    assert continued_history([], 0, 3) == [(0, 3)]
+    assert replay_segments([(0, 4), (0, 2)], 30, configured=4) == (WorldSegment(0, 30, 2),)
+    assert replay_segments([(0, 3), (10, 2), (10, 1), (20, 3)], 30, configured=3) == (
+        WorldSegment(0, 10, 3),
+        WorldSegment(10, 20, 1),
+        WorldSegment(20, 30, 3),
+    )
+
+
 @pytest.mark.parametrize(
     "history",
     [
-        [(0, 4), (0, 2)],  # resumed from its step-0 checkpoint on another world size
         [(0, 2), (20, 1), (10, 2)],  # out of order
         [(5, 2)],  # not from the start
         [(0, 2), (30, 1)],  # a world beginning after the last step

@@ -96,14 +96,22 @@ def fresh(folder: Path, rank: int, world: int) -> None:
     dist.barrier()
 
 
+def at_start(folder: Path) -> Path:
+    """Where ``original`` seals its starting state (a checkpoint at step 0)."""
+    return folder.parent / f"{folder.name}-at-0"
+
+
 def original(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
-    """The original world: a checkpoint at RESUME_AT, then on to STEPS uninterrupted:
+    """The original world: a checkpoint at step 0 (``at_start``) and at RESUME_AT, then on to STEPS
+    uninterrupted:
     ``("ok", (initial, final, ledger))`` on rank 0."""
     spec = trained_spec(spec_json, strategy)
     fresh(folder, rank, world)
     key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     run = opened(spec, rank, world)
     initial = whole(run.governed.model)
+    fresh(at_start(folder), rank, world)
+    run.save(at_start(folder), 0, key, {"step": 0})  # its starting state (a sharded run's step-0 one)
     for step in range(RESUME_AT):
         run.governed.step(step)
     run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
@@ -147,6 +155,18 @@ def continued(
     slots = second.governed.schedule.world_size
     payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
     return "ok", payload if rank == 0 else None
+
+
+def started_on_slots(rank: int, world: int, spec_json: str, strategy: str, slots: int) -> tuple[str, Any]:
+    """A fresh start on this world with ``slots`` slots per step (an elastic run's, or a replay's
+    of a run that trained no step on its first world), trained to STEPS: ``("ok", weights)`` on
+    rank 0."""
+    spec = trained_spec(spec_json, strategy).model_copy(update={"slots_per_step": slots})
+    run = opened(spec, rank, world)
+    for step in range(STEPS):
+        run.governed.step(step)
+    final = whole(run.governed.model)
+    return "ok", final if rank == 0 else None
 
 
 def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
@@ -275,6 +295,33 @@ def test_fsdp_shrunk_from_four_ranks_to_two_and_grown_back_to_four_continues_exa
     assert_continues_exactly(
         original_world, answers[0][1], slots=4, world=4, resumed_at=AGAIN_AT, earlier=([RESUME_AT, 2],)
     )
+
+
+@pytest.mark.slow
+def test_a_step_0_checkpoint_resumed_on_two_ranks_trains_as_a_fresh_start_there_on_four_slots(
+    signing_spec: Any, four_rank_fsdp: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A 4-rank FSDP run resumed on 2 ranks from its starting checkpoint (an elastic run's node lost
+    before its first periodic checkpoint) trained every step on 2 ranks: its history is [[0, 2]]
+    (the 4-rank world trained nothing), its 4 slots per step stay, and it ends bit for bit where a
+    fresh 2-rank start planned on 4 slots ends (what its replay runs), with the 4-rank ledger."""
+    folder, original_world = four_rank_fsdp
+    spec_json = signing_spec.model_dump_json()
+    again = folder.parent / f"{folder.name}-at-0-again-2"
+    with group(2, tmp_path_factory.mktemp("gloo2")) as run:
+        answers = run((continued, spec_json, "fsdp", at_start(folder), 0, AGAIN_AT, again))
+        started = run((started_on_slots, spec_json, "fsdp", 4))
+    for rank, (status, payload) in [*answers.items(), *started.items()]:
+        assert status == "ok", (rank, payload)
+    uninterrupted, interrupted, ledger, slots, history = answers[0][1]
+    assert (slots, [list(entry) for entry in history]) == (4, [[0, 2]])
+    fresh_start = started[0][1]
+    assert uninterrupted.keys() == fresh_start.keys()
+    for name in fresh_start:
+        assert torch.equal(uninterrupted[name], fresh_start[name]), f"{name}: the replay's fresh start"
+        assert torch.equal(interrupted[name], fresh_start[name]), f"{name}: interrupted again"
+    assert any(not torch.equal(fresh_start[name], original_world[0][name]) for name in fresh_start)
+    assert ledger == original_world[2], "the ledger counts every slot of every step"
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import Progress, TrialOutcome, stored_ledger
 from govray.platform.world_history import (
     WorldSegment,
+    recorded_slots_per_step,
     recorded_world_history,
     replay_segments,
     run_segments,
@@ -237,6 +238,11 @@ def replay_trial(
     )
     history = recorded_world_history(original_dir)  # verified with the checkpoint
     segments = replay_segments(history, plan.spec.max_steps, config.resources.max_workers)
+    slots = recorded_slots_per_step(original_dir)
+    if (plan.spec.slots_per_step or segments[0].workers) != slots:
+        # The original's first world trained no step (resumed from its step-0 checkpoint on
+        # another world size): the replay's first segment starts on the original's slots per step.
+        plan = replace(plan, spec=plan.spec.model_copy(update={"slots_per_step": slots}))
     outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
         finish = (

@@ -6,7 +6,8 @@ the same steps. Its final checkpoint records them, signed (``CheckpointState.wor
 checkpoint chain's, so steps a failure lost and the new world trained again count as the new
 world's). The replay runs one segment per entry: W1 workers from step 0 to s2, where it pauses
 with a sealed checkpoint (``RunSpec.pause_at``), then W2 workers resume from that checkpoint to s3
-(a resume on another world size: the schedule's slots per step stay the first world's), and so on.
+(a resume on another world size: the schedule's slots per step stay the run's first, which a
+replay whose first segment runs on another world size plans from the start), and so on.
 Its own checkpoints then carry the same history. A history of one entry is one run, as before.
 
 Example::
@@ -29,6 +30,7 @@ from govray.platform.runner import Progress, TrialOutcome, start_planned, train_
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialState
 from govray.train.checkpoint import STATE_FILE, CheckpointState
+from govray.train.checkpoint_manifest import continued_history
 
 
 class WorldHistoryError(GovrayError):
@@ -53,25 +55,33 @@ def recorded_world_history(checkpoint: Path) -> list[tuple[int, int]]:
     return [(int(step), int(workers)) for step, workers in state.world_history]
 
 
+def recorded_slots_per_step(checkpoint: Path) -> int:
+    """The slots per step of a verified checkpoint's schedule: its run's first world size (an
+    elastic run's most workers), kept whatever world sizes followed."""
+    state = CheckpointState.model_validate_json((checkpoint / STATE_FILE).read_text())
+    return int(state.schedule["world_size"])
+
+
 def replay_segments(
     history: list[tuple[int, int]], max_steps: int, configured: int
 ) -> tuple[WorldSegment, ...]:
     """The segments that reproduce ``history`` over ``max_steps`` steps (no history: one segment on
-    the ``configured`` workers, as a run was before world sizes could change). Refused: a history
-    whose second world began at step 0 (a sharded run resumed from its starting checkpoint): the
-    first world's slots per step cannot be planned on a fresh start of another world size."""
+    the ``configured`` workers, as a run was before world sizes could change). An entry that began
+    where the next one begins trained nothing (recorded so before ``continued_history`` folded it:
+    a run resumed on another world size from its step-0 checkpoint) and is left out."""
     entries = history or [(0, configured)]
     starts = [step for step, _ in entries]
-    if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= max_steps:
+    if starts[0] != 0 or starts != sorted(starts) or starts[-1] >= max_steps:
         raise WorldHistoryError(
-            f"world-size history {entries} does not split steps 1-{max_steps} into segments: each "
-            "entry must begin after the one before (a run resumed on another world size from its "
-            "step-0 checkpoint keeps the first world's slots per step, which a fresh start on the "
-            "second world cannot plan)"
+            f"world-size history {entries} does not split steps 1-{max_steps} into segments: it "
+            "must begin at step 0, and each entry at or after the one before, before the last step"
         )
-    ends = [*starts[1:], max_steps]
+    folded: list[tuple[int, int]] = []
+    for step, workers in entries:
+        folded = continued_history(folded, step, workers)
+    ends = [start for start, _ in folded[1:]] + [max_steps]
     return tuple(
-        WorldSegment(start, end, workers) for (start, workers), end in zip(entries, ends, strict=True)
+        WorldSegment(start, end, workers) for (start, workers), end in zip(folded, ends, strict=True)
     )
 
 

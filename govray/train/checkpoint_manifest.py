@@ -158,3 +158,14 @@ def recorded_state(
         raise CheckpointError(f"{directory}: {error.filename} is missing") from None
     except ValidationError as error:
         raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+
+
+def continued_history(history: list[tuple[int, int]], step: int, world: int) -> list[tuple[int, int]]:
+    """A world-size history ((from step, workers), ...) continued on ``world`` workers from
+    ``step``: an entry that began at ``step`` or later trained nothing and gives way (a run resumed
+    on another world size from its step-0 checkpoint trained every step on the second world), and
+    a world the same as the one before it continues that one."""
+    kept = [(start, workers) for start, workers in history if start < step]
+    if not kept or kept[-1][1] != world:
+        kept.append((step, world))
+    return kept

@@ -27,6 +27,7 @@ from govray.train.checkpoint import (
     seal_checkpoint,
     sharding_layout,
 )
+from govray.train.checkpoint_manifest import continued_history
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.layouts import Snapshot, describe_layout
@@ -212,14 +213,12 @@ class TrialRun:
 
     def _continue_world(self, state: CheckpointState) -> None:
         """The checkpoint's schedule continues (its slots per step, whatever this world's size:
-        ``train.rounds``), and this world size joins its history if it changed."""
+        ``train.rounds``), and this world size joins its history if it changed
+        (:func:`continued_history`)."""
         slots = int(state.schedule["world_size"])
         self.governed.resume_slots(slots)
-        history = list(state.world_history) or [(0, slots)]
-        world = self.governed.worker.world_size
-        if history[-1][1] != world:
-            history.append((state.step, world))
-        self.world_history = [(int(step), int(workers)) for step, workers in history]
+        history = [(int(step), int(workers)) for step, workers in state.world_history] or [(0, slots)]
+        self.world_history = continued_history(history, state.step, self.governed.worker.world_size)
 
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
         """Under FSDP a clean state is the checkpoint's shard files, carried into every later
