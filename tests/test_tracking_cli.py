@@ -94,7 +94,17 @@ def tracked(database_url: str, tmp_path: Path) -> Iterator[Tracked]:
     store.set_trial_world_history(a.id, [(0, 3), (12, 2), (24, 3)])  # an elastic run, resized twice
     store.record_decisions(
         a.id,
-        [{"seq": 0, "step": 20, "kind": "lr_scale", "scale": 0.1, "metric": "validation_loss"}],
+        [
+            {"seq": 0, "step": 20, "kind": "lr_scale", "scale": 0.1, "metric": "validation_loss"},
+            # A node's reclaim notice, as the driver records it (sealed at step 24, then resized).
+            {
+                "seq": 1,
+                "step": 24,
+                "kind": "preempted",
+                "deadline_ms": 1795692251000,
+                "nodes": {"node-a": [2]},
+            },
+        ],
         replayed=False,
     )
     b = store.create_trial(experiment.id, "{}", seed=8, cloned_from=a.id)
@@ -166,7 +176,14 @@ def test_describe_json_holds_state_lineage_policy_corpora_trials_checkpoints_and
                         "kind": "lr_scale",
                         "payload": {"metric": "validation_loss", "scale": 0.1},
                         "replayed": False,
-                    }
+                    },
+                    {
+                        "seq": 1,
+                        "step": 24,
+                        "kind": "preempted",
+                        "payload": {"deadline_ms": 1795692251000, "nodes": {"node-a": [2]}},
+                        "replayed": False,
+                    },
                 ],
                 "world_history": [[0, 3], [12, 2], [24, 3]],
             },
@@ -230,6 +247,7 @@ def test_describe_prints_the_same_content_as_tables(
         f"{tracked.checkpoint_ids[20]} 20 active {tracked.storage}/ray/digits-run-a/checkpoint_20",
         f"trial {tracked.trial_a} decisions",
         '0 20 lr_scale {"metric": "validation_loss", "scale": 0.1}',
+        '1 24 preempted {"deadline_ms": 1795692251000, "nodes": {"node-a": [2]}}',
         f"trial {tracked.trial_b} checkpoints: none",
         f"trial {tracked.trial_b} decisions: none",
     ]:
