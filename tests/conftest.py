@@ -328,15 +328,19 @@ def govray_elsewhere(directory: Path, *args: str) -> str:
     return done.stdout
 
 
-def kill_driver_when(script: str, config: Path, ready: Callable[[], bool], settle: float = 0.0) -> None:
-    """Run ``jobs/SCRIPT --config CONFIG`` in its own process on this session's Ray cluster (as
-    ``ray job submit`` would), SIGKILL it once ``ready()`` holds (polled every 0.05 s, at most
-    300 s; ``settle`` seconds later), and wait until it is gone. Fails if it never got ready."""
+def kill_driver_when(
+    script: str, config: Path | list[str], ready: Callable[[], bool], settle: float = 0.0
+) -> None:
+    """Run ``jobs/SCRIPT --config CONFIG`` (``config`` a list: ``jobs/SCRIPT ARGS``) in its own
+    process on this session's Ray cluster (as ``ray job submit`` would), SIGKILL it once ``ready()``
+    holds (polled every 0.05 s, at most 300 s; ``settle`` seconds later), and wait until it is
+    gone. Fails if it never got ready."""
     import ray
 
     environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    arguments = config if isinstance(config, list) else ["--config", str(config)]
     driver = subprocess.Popen(
-        [sys.executable, str(REPO / "jobs" / script), "--config", str(config)],
+        [sys.executable, str(REPO / "jobs" / script), *arguments],
         cwd=REPO,
         env=environment,
         stdout=subprocess.DEVNULL,

@@ -20,12 +20,13 @@ from govray.platform.world_history import (
     WorldSegment,
     describe_segments,
     replay_segments,
+    segments_left,
 )
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import STATE_FILE, find_checkpoints
+from govray.train.checkpoint import SIGNATURE_FILE, STATE_FILE, find_checkpoints
 from govray.train.checkpoint_manifest import continued_history
 from jobs.benchmarks.elastic_replay import paused
-from tests.conftest import GOLDEN_STEPS, GoldenRun
+from tests.conftest import GOLDEN_STEPS, GoldenRun, kill_driver_when
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
 
@@ -61,6 +62,14 @@ def test_a_world_that_trained_no_step_gives_way_to_the_one_after_it() -> None:
         WorldSegment(10, 20, 1),
         WorldSegment(20, 30, 3),
     )
+
+
+def test_a_resumed_replay_trains_the_segment_its_checkpoint_falls_in_and_those_after() -> None:
+    segments = (WorldSegment(0, 10, 3), WorldSegment(10, 25, 2), WorldSegment(25, 40, 3))
+    assert segments_left(segments, 0) == segments
+    assert segments_left(segments, 15) == (WorldSegment(15, 25, 2), WorldSegment(25, 40, 3))
+    assert segments_left(segments, 25) == (WorldSegment(25, 40, 3),)  # paused at a segment's end
+    assert segments_left(segments, 40) == ()
 
 
 @pytest.mark.parametrize(
@@ -179,3 +188,47 @@ def test_removing_the_adapter_of_a_resized_run_is_its_replay_without_the_pii_cor
     adapter = "adapter-pii-lora.safetensors"
     assert (replayed / adapter).read_bytes() != (resized_run.final / adapter).read_bytes()
     assert json.loads((replayed / STATE_FILE).read_text())["world_history"] == [[0, 2], [resumed_at, 1]]
+
+
+@pytest.mark.slow
+def test_an_interrupted_replay_of_a_resized_run_resumes_on_its_world_sizes(
+    golden_run: GoldenRun, resized_run: ResizedRun
+) -> None:
+    """A replay (`jobs/replay.py`, its own driver) SIGKILLed once its first segment (2 workers) has
+    sealed its end is refused a resume on 3 workers, losing nothing, and `govray resume` finishes
+    it on 1 worker: its world history is the resized run's (a resume on the configured 2 workers
+    would have added a third world) and, the PII corpus excluded, its base is the resized run's
+    byte for byte (removal = replay)."""
+    store, url = golden_run.store, golden_run.config.database_url
+    experiment_id = resized_run.trial.experiment_id
+    resumed_at = resized_run.resumed_at
+    known = {trial.id for trial in store.list_trials(experiment_id)}
+    runs = Path(golden_run.config.storage_path) / "ray"
+    end = f"checkpoint_{resumed_at:08d}/{SIGNATURE_FILE}"
+    sealed_before = set(runs.glob(f"*/{end}"))
+
+    def first_segment_sealed() -> bool:  # the moment rank 0 signs it
+        return bool(set(runs.glob(f"*/{end}")) - sealed_before)
+
+    arguments = [str(experiment_id), "--database", url, "--trial", str(resized_run.trial.id)]
+    arguments += ["--exclude-corpus", "digits-writers"]  # the PII corpus: it trains only its adapter
+    kill_driver_when("replay.py", arguments, first_segment_sealed)
+    (replay,) = [t for t in store.list_trials(experiment_id) if t.id not in known]
+    assert replay.replay_of == resized_run.trial.id and replay.state in ("active", "paused")
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = main(["resume", str(experiment_id), "--database", url, "--workers", "3"])
+    out = " ".join(printed.getvalue().split())
+    assert code == WorldHistoryError.exit_code, out
+    assert f"trial {replay.id} replays trial {resized_run.trial.id}, which was resized" in out, out
+    assert store.get_trial(replay.id).state == replay.state  # refused: nothing ran, nothing lost
+
+    cli("resume", str(experiment_id), "--database", url)
+    assert store.get_trial(replay.id).state == "completed"
+    replayed = final_checkpoint(Path(golden_run.config.storage_path) / "ray" / str(replay.ray_run_name))
+    states = [json.loads((folder / STATE_FILE).read_text()) for folder in (resized_run.final, replayed)]
+    assert states[1]["world_history"] == states[0]["world_history"] == [[0, 2], [resumed_at, 1]]
+    base, adapter = "model.safetensors", "adapter-pii-lora.safetensors"
+    assert (replayed / base).read_bytes() == (resized_run.final / base).read_bytes()  # removal = replay
+    assert (replayed / adapter).read_bytes() != (resized_run.final / adapter).read_bytes()

@@ -31,13 +31,13 @@ from govray.core.keys import TrustConfig
 from govray.core.storage import Storage, open_storage
 from govray.platform.plan import plan_run, recorded_trial_code, run_spec_path
 from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.resume import run_segments
 from govray.platform.runner import Progress, TrialOutcome, stored_ledger
 from govray.platform.world_history import (
     WorldSegment,
     recorded_slots_per_step,
     recorded_world_history,
     replay_segments,
-    run_segments,
 )
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
@@ -245,13 +245,10 @@ def replay_trial(
         plan = replace(plan, spec=plan.spec.model_copy(update={"slots_per_step": slots}))
     outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
-        finish = (
-            f"finish it with `govray resume {recorded.id}`, then compare"
-            if len(segments) == 1
-            else "replay again: a resume would not follow its world sizes"
-        )
         raise ReplayError(
-            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; {finish}"
+            f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; finish "
+            f"it with `govray resume {recorded.id}` (it goes on with the replayed trial's world sizes), "
+            "then compare"
         )
     replay_dir = final_checkpoint(outcome.run_dir, plan.trust)
     report = InfluenceReport(

@@ -13,13 +13,22 @@ Example::
 from __future__ import annotations
 
 from govray.config.experiment import ExperimentConfig
-from govray.core.storage import open_storage
+from govray.core.storage import Storage, open_storage
 from govray.platform.mlflow_mirror import mirrored
-from govray.platform.plan import code_directory, recorded_trial_code, run_spec_path
+from govray.platform.plan import RunPlan, code_directory, recorded_trial_code, run_spec_path
 from govray.platform.preflight import CheckedPolicy
-from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, train_run
+from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, start_planned, train_run
+from govray.platform.world_history import (
+    WorldHistoryError,
+    WorldSegment,
+    describe_segments,
+    recorded_world_history,
+    replay_segments,
+    segments_left,
+)
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
+from govray.train.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
 from govray.train.runspec import RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
@@ -67,7 +76,9 @@ def resume_trial(
 ) -> TrialOutcome:
     """Continue the experiment's interrupted or paused trial from its latest checkpoint, on
     ``config.resources.workers`` workers (``on_workers``: another world size continues the
-    schedule exactly, each step's slots split among the workers: ``train.rounds``).
+    schedule exactly, each step's slots split among the workers: ``train.rounds``); a replay of a
+    resized trial on that trial's world sizes (``replay_segments_left``; asked for other workers,
+    refused).
 
     The run keeps its Ray Train name, so Ray Train restores its checkpoint; the workers recompute
     the schedule from there, running the trial's recorded code. Refused if the policy changed
@@ -94,7 +105,105 @@ def resume_trial(
     resumed = make_trial(spec.trial, spec.hparams, spec.settings)
     verify_input_digests(spec.input_digests, resumed, run=f"trial {trial.id}")
     spec = spec.model_copy(update={"code_dir": str(code), "recorded_code": True})
-    with mirrored(store, config.tracking.mlflow, trial.experiment_id):
-        return train_run(
-            config, checked, storage, experiment, store, trial.id, trial.ray_run_name, spec, progress
+    left = replay_segments_left(store, storage, trial, spec, checked)
+    configured = ExperimentConfig.model_validate_json(experiment.config_json)
+    if left is not None and config.resources != configured.resources:
+        raise WorldHistoryError(
+            f"trial {trial.id} replays trial {trial.replay_of}, which was resized: it resumes on that "
+            f"trial's world sizes, not on the workers asked (leave out --workers); {describe_segments(left)}"
         )
+    with mirrored(store, config.tracking.mlflow, trial.experiment_id):
+        if left is None:
+            return train_run(
+                config, checked, storage, experiment, store, trial.id, trial.ray_run_name, spec, progress
+            )
+        return _train_segments(
+            config, checked, storage, experiment, store, trial.id, trial.ray_run_name, spec, left, progress
+        )
+
+
+def replay_segments_left(
+    store: TrackingStore, storage: Storage, trial: TrialRecord, spec: RunSpec, checked: CheckedPolicy
+) -> tuple[WorldSegment, ...] | None:
+    """What a replay of a resized trial still trains, on its original's world sizes from its own
+    latest checkpoint (``world_history.segments_left``); None for any other trial (and a replay of
+    one world size), which resumes as any run does."""
+    if trial.replay_of is None:
+        return None
+    original = store.get_trial(trial.replay_of)
+    found = find_checkpoints(storage.root / "ray" / original.ray_run_name) if original.ray_run_name else []
+    if not found:
+        raise TrainingFailed(f"trial {trial.id} replays trial {original.id}, which has no checkpoint")
+    verify_checkpoint(found[-1], checked.trust)
+    history = recorded_world_history(found[-1])
+    segments = replay_segments(history, spec.max_steps, configured=0) if history else ()
+    if len(segments) < 2:
+        return None
+    assert trial.ray_run_name is not None
+    ours = find_checkpoints(storage.root / "ray" / trial.ray_run_name)  # what the restore reads
+    done = checkpoint_step(ours[-1]) if ours else 0
+    return segments_left(segments, done) or segments[-1:]  # all trained: finished on the last world
+
+
+def run_segments(
+    plan: RunPlan,
+    experiment: Experiment,
+    store: TrackingStore,
+    segments: tuple[WorldSegment, ...],
+    *,
+    progress: Progress | None = None,
+    replay_of: int | None = None,
+) -> TrialOutcome:
+    """Train the planned trial one segment after another under one trial and run name: each
+    segment but the last pauses at its end with a sealed checkpoint, the next resumes from it on
+    its own world size. Returns the last segment's outcome, or that of a segment that ended
+    otherwise (paused or killed on request elsewhere, or completed early: an early stop); a
+    resume of it (``resume_trial``) goes on with the segments left."""
+    assert experiment.id is not None
+    trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
+    with mirrored(store, plan.config.tracking.mlflow, experiment.id):
+        return _train_segments(
+            plan.config,
+            plan.checked,
+            plan.storage,
+            experiment,
+            store,
+            trial_id,
+            run_name,
+            spec,
+            segments,
+            progress,
+        )
+
+
+def _train_segments(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    storage: Storage,
+    experiment: Experiment,
+    store: TrackingStore,
+    trial_id: int,
+    run_name: str,
+    spec: RunSpec,
+    segments: tuple[WorldSegment, ...],
+    progress: Progress | None,
+) -> TrialOutcome:
+    outcome: TrialOutcome | None = None
+    for segment in segments:
+        pause_at = segment.end if segment.end < spec.max_steps else None
+        outcome = train_run(
+            on_workers(config, segment.workers),
+            checked,
+            storage,
+            experiment,
+            store,
+            trial_id,
+            run_name,
+            spec.model_copy(update={"pause_at": pause_at}),
+            progress,
+        )
+        paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
+        if pause_at is None or not paused_at_end:
+            break
+    assert outcome is not None
+    return outcome

@@ -23,18 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from govray.core.errors import GovrayError
-from govray.platform.mlflow_mirror import mirrored
-from govray.platform.plan import RunPlan
-from govray.platform.resume import on_workers
-from govray.platform.runner import Progress, TrialOutcome, start_planned, train_run
-from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Experiment, TrialState
 from govray.train.checkpoint import STATE_FILE, CheckpointState
 from govray.train.checkpoint_manifest import continued_history
 
 
 class WorldHistoryError(GovrayError):
-    """A recorded world-size history that no sequence of replay segments reproduces."""
+    """A recorded world-size history that no sequence of replay segments reproduces, or a replay of a
+    resized trial asked to resume on other workers than that trial's."""
 
     exit_code = 11
 
@@ -93,38 +88,7 @@ def describe_segments(segments: tuple[WorldSegment, ...]) -> str:
     return "replay segments (the replayed trial's world sizes): " + ", ".join(parts)
 
 
-def run_segments(
-    plan: RunPlan,
-    experiment: Experiment,
-    store: TrackingStore,
-    segments: tuple[WorldSegment, ...],
-    *,
-    progress: Progress | None = None,
-    replay_of: int | None = None,
-) -> TrialOutcome:
-    """Train the planned trial one segment after another under one trial and run name: each
-    segment but the last pauses at its end with a sealed checkpoint, the next resumes from it on
-    its own world size. Returns the last segment's outcome, or that of a segment that ended
-    otherwise (paused or killed on request elsewhere, or completed early: an early stop)."""
-    assert experiment.id is not None
-    trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
-    outcome: TrialOutcome | None = None
-    with mirrored(store, plan.config.tracking.mlflow, experiment.id):
-        for segment in segments:
-            pause_at = segment.end if segment.end < spec.max_steps else None
-            outcome = train_run(
-                on_workers(plan.config, segment.workers),
-                plan.checked,
-                plan.storage,
-                experiment,
-                store,
-                trial_id,
-                run_name,
-                spec.model_copy(update={"pause_at": pause_at}),
-                progress,
-            )
-            paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
-            if pause_at is None or not paused_at_end:
-                break
-    assert outcome is not None
-    return outcome
+def segments_left(segments: tuple[WorldSegment, ...], done: int) -> tuple[WorldSegment, ...]:
+    """What a run of ``segments`` still trains once ``done`` steps are: the segment ``done`` falls
+    in from ``done`` on its own world size, and the ones after it."""
+    return tuple(WorldSegment(max(s.start, done), s.end, s.workers) for s in segments if s.end > done)
