@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from govray.config.experiment import ExperimentConfig
 from govray.core.storage import Storage, open_storage
 from govray.platform.mlflow_mirror import mirrored
@@ -112,14 +114,13 @@ def resume_trial(
             f"trial {trial.id} replays trial {trial.replay_of}, which was resized: it resumes on that "
             f"trial's world sizes, not on the workers asked (leave out --workers); {describe_segments(left)}"
         )
+    trial_id, run_name = trial.id, trial.ray_run_name
+
+    def train(on: ExperimentConfig, continued: RunSpec) -> TrialOutcome:
+        return train_run(on, checked, storage, experiment, store, trial_id, run_name, continued, progress)
+
     with mirrored(store, config.tracking.mlflow, trial.experiment_id):
-        if left is None:
-            return train_run(
-                config, checked, storage, experiment, store, trial.id, trial.ray_run_name, spec, progress
-            )
-        return _train_segments(
-            config, checked, storage, experiment, store, trial.id, trial.ray_run_name, spec, left, progress
-        )
+        return train(config, spec) if left is None else _train_segments(train, config, spec, left)
 
 
 def replay_segments_left(
@@ -161,47 +162,28 @@ def run_segments(
     resume of it (``resume_trial``) goes on with the segments left."""
     assert experiment.id is not None
     trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
-    with mirrored(store, plan.config.tracking.mlflow, experiment.id):
-        return _train_segments(
-            plan.config,
-            plan.checked,
-            plan.storage,
-            experiment,
-            store,
-            trial_id,
-            run_name,
-            spec,
-            segments,
-            progress,
+
+    def train(on: ExperimentConfig, continued: RunSpec) -> TrialOutcome:
+        return train_run(
+            on, plan.checked, plan.storage, experiment, store, trial_id, run_name, continued, progress
         )
+
+    with mirrored(store, plan.config.tracking.mlflow, experiment.id):
+        return _train_segments(train, plan.config, spec, segments)
 
 
 def _train_segments(
+    train: Callable[[ExperimentConfig, RunSpec], TrialOutcome],
     config: ExperimentConfig,
-    checked: CheckedPolicy,
-    storage: Storage,
-    experiment: Experiment,
-    store: TrackingStore,
-    trial_id: int,
-    run_name: str,
     spec: RunSpec,
     segments: tuple[WorldSegment, ...],
-    progress: Progress | None,
 ) -> TrialOutcome:
+    """``train`` each segment on its world size (``config`` on its workers), each but the last to
+    a pause at its end; stops at a segment that ended otherwise."""
     outcome: TrialOutcome | None = None
     for segment in segments:
         pause_at = segment.end if segment.end < spec.max_steps else None
-        outcome = train_run(
-            on_workers(config, segment.workers),
-            checked,
-            storage,
-            experiment,
-            store,
-            trial_id,
-            run_name,
-            spec.model_copy(update={"pause_at": pause_at}),
-            progress,
-        )
+        outcome = train(on_workers(config, segment.workers), spec.model_copy(update={"pause_at": pause_at}))
         paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
         if pause_at is None or not paused_at_end:
             break
