@@ -8,6 +8,9 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +18,13 @@ from typing import Any
 import pytest
 
 from govray.core.keys import platform_key, platform_trust
+from govray.platform.lifecycle import request_kill
 from govray.provenance.attest import attest_checkpoint
 from govray.provenance.recompute import check_attested_ledger
 from govray.train.checkpoint import STATE_FILE, checkpoint_step, find_checkpoints
 from govray.train.checkpoint_manifest import CheckpointState
 from govray.train.runspec import RUN_SPEC_FILE
-from jobs.benchmarks.elastic_kill import FAST_FAILURE_DETECTION, PERIOD, kill_and_regrow
+from jobs.benchmarks.elastic_kill import FAST_FAILURE_DETECTION, PERIOD, REPO, attempts, kill_and_regrow
 from tests.cluster.local_ray import LocalRayCluster
 from tests.gloo_group import persistent_group
 from tests.test_world_resize import rank_main
@@ -93,7 +97,8 @@ def test_an_elastic_run_continues_on_two_workers_when_a_node_dies_and_grows_back
     final one) with the same parameters, optimizer state and ledger, bit for bit: the run is the
     fixed-size runs of its history, continued across the resizes as ``govray resume --workers``
     continues one; the ledger is exactly the one the schedule gives (every slot counted once); and
-    the run, paused, stops at a checkpoint."""
+    the run, paused, stops at a checkpoint; activated, it continues on 3 workers, and a kill
+    request stops it."""
     seen = kill_and_regrow(three_nodes, tmp_path)
     assert seen.state == "paused"
     shrunk, grown = seen.shrunk.resumed_from, seen.grown.resumed_from
@@ -106,7 +111,8 @@ def test_an_elastic_run_continues_on_two_workers_when_a_node_dies_and_grows_back
     storage = seen.experiment.parent / "storage"
     from govray.tracking.store import TrackingStore
 
-    store = TrackingStore.open(f"sqlite:///{storage / 'govray.db'}")
+    url = f"sqlite:///{storage / 'govray.db'}"
+    store = TrackingStore.open(url)
     (recorded,) = store.list_experiments()
     assert recorded.id is not None
     (trial,) = store.list_trials(recorded.id)
@@ -147,3 +153,31 @@ def test_an_elastic_run_continues_on_two_workers_when_a_node_dies_and_grows_back
         assert all(status == "ok" for status, _ in answers.values()), answers
         first, last, differing = answers[0][1]
         assert (differing, last) == ([], checkpoint_step(end)), (world, first, last)
+
+    # Paused, the elastic run continues (`govray experiment activate`: on Ray Train's elastic
+    # scaling again, 3 workers) and a kill request stops it at a step boundary.
+    log = next(storage.glob("logs/*/rank-0.log"))
+    activated_at = time.time()
+    with open(tmp_path / "activate.log", "wb") as output:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "govray", "experiment", "activate", str(recorded.id), "--database", url],
+            env=three_nodes.environment(RAY_ADDRESS=three_nodes.address),
+            cwd=REPO,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    said = tmp_path / "activate.log"
+    try:
+        deadline = time.monotonic() + 300
+        while not ((newest := attempts(log)[-1]).started > activated_at and newest.last_step > state.step):
+            assert driver.poll() is None and time.monotonic() < deadline, said.read_text()
+            time.sleep(0.2)
+        assert newest.workers == 3 and newest.resumed_from == state.step
+        request_kill(store, recorded.id)
+        assert driver.wait(timeout=300) == 0, said.read_text()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert trial.id is not None and store.get_trial(trial.id).state == "killed"
+    assert store.get_experiment(recorded.id).state == "killed"
