@@ -5,6 +5,7 @@ with version 1 stays readable, named as such, and its rows are still found and v
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -118,6 +119,71 @@ def test_the_version_2_definition_spelled_out() -> None:
     assert header(list(row)) == head and len(head) % BLOCK == 0
     assert row_hash(row) == hashlib.sha256(head + values).hexdigest()
     assert row_hashes(pa.Table.from_pylist([row]))[0].to_pylist() == [row_hash(row)]
+
+
+# --- the compiled kernel ------------------------------------------------------------------------
+
+
+def test_the_compiled_kernel_is_built_and_uses_this_cpus_sha_extensions_where_it_has_them() -> None:
+    """The install compiles ``govray/data/_rowdigest.c`` (pyproject's ext-modules, optional): on a
+    machine with a C compiler it must be there, else ingest silently hashes 5x slower."""
+    from govray.data import _rowdigest
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert _rowdigest.uses_sha_extensions() == (" sha_ni" in flags)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_kernel_digests_equal_hashlibs_for_every_length_and_header(native: bool) -> None:
+    """Every row length across the one-block / two-block padding edges (55, 56, 63, 64, 119, 120
+    bytes...), headers of 0-3 blocks, empty rows, offsets not starting at 0; both compression
+    functions (the CPU's SHA extensions and portable C)."""
+    from govray.data import _rowdigest
+
+    rng = np.random.default_rng(7)
+    lengths = np.array([*range(0, 200), *rng.integers(0, 5000, 50)], dtype=np.int64)
+    rng.shuffle(lengths)
+    offsets = np.concatenate([[13], 13 + np.cumsum(lengths)]).astype(np.int64)
+    data = rng.integers(0, 256, int(offsets[-1]) + 5, dtype=np.uint8).tobytes()
+    for blocks in range(4):
+        start = rng.integers(0, 256, 64 * blocks, dtype=np.uint8).tobytes()
+        expected = b"".join(
+            hashlib.sha256(start + data[a:b]).digest() for a, b in itertools.pairwise(offsets.tolist())
+        )
+        assert _rowdigest.sha256_rows(start, offsets, data, native=native) == expected
+    assert _rowdigest.sha256_rows(b"", np.zeros(1, dtype=np.int64), b"") == b""
+
+
+@pytest.mark.parametrize(
+    ("start", "offsets", "message"),
+    [
+        (b"x" * 63, [0, 1], "64-byte blocks"),
+        (b"", [0, 5, 3], "offsets must rise"),
+        (b"", [-1, 2], "offsets must rise"),
+        (b"", [0, 11], "end within data"),
+        (b"", [], "one more than the rows"),
+    ],
+)
+def test_the_kernel_refuses_offsets_outside_its_data(start: bytes, offsets: list[int], message: str) -> None:
+    from govray.data import _rowdigest
+
+    with pytest.raises(ValueError, match=message):
+        _rowdigest.sha256_rows(start, np.array(offsets, dtype=np.int64), b"0123456789")
+
+
+def test_row_hashes_through_the_kernel_equal_the_hashlib_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``row_hashes`` of mixed rows (strings, nulls, floats: variable widths) and of fixed-width
+    rows, with and without the kernel."""
+    from govray.data import rowcode
+
+    tables = [
+        pa.Table.from_pylist(mixed_rows(300)),
+        pa.table({"a": np.arange(1000, dtype=np.float32), "b": np.arange(1000) % 7}),
+    ]
+    with_kernel = [row_hashes(table)[0].to_pylist() for table in tables]
+    monkeypatch.setattr(rowcode, "_rowdigest", None)
+    assert [row_hashes(table)[0].to_pylist() for table in tables] == with_kernel
+    assert with_kernel[0] == [row_hash(row) for row in tables[0].to_pylist()]
 
 
 # --- through ingest (Ray Data reads each format) -------------------------------------------------

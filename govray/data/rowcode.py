@@ -31,6 +31,7 @@ whole table with Arrow and numpy, equal to it on every row (``tests/test_rowhash
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import itertools
 import math
@@ -43,6 +44,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from govray.core.canonical import canonical_json
+
+try:  # the compiled kernel (pyproject.toml's ext-modules); optional
+    from govray.data import _rowdigest
+except ImportError:  # pragma: no cover - where no C compiler built it
+    _rowdigest = None  # type: ignore[assignment]
 
 MAGIC = b"govray-row-v2\n"
 BLOCK = 64  # SHA-256's block size: the header is padded to a multiple of it
@@ -144,8 +150,17 @@ class _Fixed:
 
 def sha256_each(offsets: np.ndarray, data: memoryview, start: bytes = b"") -> bytes:
     """The raw sha256 digests (32 bytes each, concatenated) of ``start`` followed by each row's
-    bytes ``data[offsets[r]:offsets[r + 1]]``. ``start`` (a header) is hashed once: its state is
-    copied per row, which is also cheaper than constructing a hash per row."""
+    bytes ``data[offsets[r]:offsets[r + 1]]``. ``start`` (a header) is hashed once. The whole
+    table is hashed in one call of the compiled kernel (``govray/data/_rowdigest.c``) where it was
+    built; else by :func:`sha256_each_hashlib`, the same digests row by row."""
+    if _rowdigest is not None and len(start) % BLOCK == 0:
+        return _rowdigest.sha256_rows(start, np.ascontiguousarray(offsets, dtype=np.int64), data)
+    return sha256_each_hashlib(offsets, data, start)
+
+
+def sha256_each_hashlib(offsets: np.ndarray, data: memoryview, start: bytes = b"") -> bytes:
+    """:func:`sha256_each` with hashlib: ``start``'s state copied per row (cheaper than a hash
+    constructed per row), one Python call per row."""
     initial = hashlib.sha256(start)
     count = len(offsets) - 1
     digests = []
@@ -167,7 +182,7 @@ def hex_digests(digests: bytes) -> tuple[pa.Array, np.ndarray]:
     """Concatenated 32-byte digests as hex strings (a string array) and their first 64 bits
     (uint64, big-endian: the first 16 hex digits)."""
     count = len(digests) // 32
-    hexes = digests.hex().encode("ascii")
+    hexes = binascii.hexlify(digests)
     offsets = np.arange(0, 64 * (count + 1), 64, dtype=np.int32)
     strings = pa.StringArray.from_buffers(count, pa.py_buffer(offsets), pa.py_buffer(hexes))
     return strings, np.frombuffer(digests, dtype=">u8")[::4].astype(np.uint64)
