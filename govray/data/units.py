@@ -14,6 +14,7 @@ writes nothing and returns the refusal (ingest then deletes what the other units
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,11 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
 from govray.config.data import CorpusRole, CorpusSpec
-from govray.core.canonical import canonical_json, file_sha256
+from govray.core.canonical import canonical_json
 from govray.core.errors import CredentialError, PolicyError
 from govray.data.rowhash import ROW_HASH_VERSION, holdout_mask, row_hashes
 from govray.data.shards import ShardFile
@@ -129,14 +129,15 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     table = pa.concat_tables(pieces, promote_options="permissive").combine_chunks()
     spec = CorpusSpec.model_validate_json(job.spec_json)
     policy = DepthPolicy.model_validate_json(job.policy_json)
-    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version)
+    annotated = annotate_routes(
+        table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version
+    )
     if isinstance(annotated, RowRefusal):
         return UnitReport(received_rows=table.num_rows, refusal=annotated)
     counts: dict[str, int] = {}
     files: dict[str, list[ShardFile]] = {}
-    for route in pc.unique(annotated["_route"]).to_pylist():
-        # One chunk: its byte size (hence its row groups) does not depend on how blocks were cut.
-        rows = annotated.filter(pc.equal(annotated["_route"], route)).combine_chunks()
+    for route in annotated.routes():
+        rows = annotated.of_route(route)
         counts[route] = rows.num_rows
         group = group_rows(rows)
         per_file = group * GROUPS_PER_FILE  # a footer a reader keeps open stays small
@@ -157,25 +158,69 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
 def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: list[str]) -> ShardFile:
     path = Path(job.directory) / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Statistics of _row only: a reader finds a row's row group from the footer. Snappy, and
+    # Statistics of _row only: a reader finds a row's row group from the footer. Snappy, but not
+    # for the row hashes (hex of uniform bytes: snappy spends time and saves nothing), and
     # dictionaries only for the columns that repeat a few values: ingest writes every row.
+    # The file is laid out in memory and hashed there: not read back to be digested.
+    sink = pa.BufferOutputStream()
     pq.write_table(
         rows,
-        path,
-        compression="snappy",
+        sink,
+        compression={name: "none" if name == "_row_hash" else "snappy" for name in rows.column_names},
         row_group_size=group,
         write_statistics=["_row"],
         use_dictionary=dictionary,
     )
+    laid_out = sink.getvalue()
+    path.write_bytes(laid_out)
     numbers = rows["_row"]
     return ShardFile(
         path=relative,
         rows=rows.num_rows,
-        sha256=file_sha256(path),
+        sha256=hashlib.sha256(laid_out).hexdigest(),
         corpus=str(rows["_corpus"][0].as_py()),
         first_row=numbers[0].as_py(),
         last_row=numbers[-1].as_py(),
     )
+
+
+@dataclass(frozen=True)
+class Annotated:
+    """A unit's rows annotated: the table with ``_corpus``, ``_row`` and ``_row_hash`` added, and
+    per row its route and credential as indices (``route_of_row`` into ``route_names``,
+    ``credential_of_row`` into ``credentials``). The ``_route`` and ``_credential`` string columns
+    are built per route after the rows are split (:meth:`of_route`): a credential's JSON repeated
+    on every row, then filtered, is most of a unit's bytes."""
+
+    table: pa.Table
+    route_names: list[str]
+    route_of_row: np.ndarray
+    credentials: pa.Array
+    credential_of_row: np.ndarray
+
+    def routes(self) -> list[str]:
+        """The routes the rows take, in the order of their first row."""
+        present, first = np.unique(self.route_of_row, return_index=True)
+        return [self.route_names[code] for code in present[np.argsort(first, kind="stable")].tolist()]
+
+    def of_route(self, route: str) -> pa.Table:
+        """The rows of ``route`` in row order, with their ``_route`` and ``_credential`` columns:
+        one chunk, so its byte size (hence its row groups) does not depend on how blocks were cut."""
+        mask = self.route_of_row == self.route_names.index(route)
+        rows = self.table if mask.all() else self.table.filter(pa.array(mask))
+        credentials = self.credentials.take(pa.array(self.credential_of_row[mask]))
+        return (
+            rows.append_column("_route", pa.repeat(pa.scalar(route, type=pa.string()), rows.num_rows))
+            .append_column("_credential", credentials)
+            .combine_chunks()
+        )
+
+    def whole(self) -> pa.Table:
+        """Every row with its ``_route`` and ``_credential`` columns, in row order."""
+        names = pa.array(self.route_names, type=pa.string())
+        return self.table.append_column("_route", names.take(pa.array(self.route_of_row))).append_column(
+            "_credential", self.credentials.take(pa.array(self.credential_of_row))
+        )
 
 
 def annotate(
@@ -188,7 +233,20 @@ def annotate(
 ) -> pa.Table | RowRefusal:
     """Number, validate, route, hash (of ``row_hash_version``) and split the rows of ``table``
     (corpus rows from ``first_row``): the table with the shard columns added, or the refusal of
-    its first bad row.
+    its first bad row (:func:`annotate_routes`, every column built)."""
+    annotated = annotate_routes(table, first_row, spec, policy, holdout_fraction, row_hash_version)
+    return annotated if isinstance(annotated, RowRefusal) else annotated.whole()
+
+
+def annotate_routes(
+    table: pa.Table,
+    first_row: int,
+    spec: CorpusSpec,
+    policy: DepthPolicy,
+    holdout_fraction: float,
+    row_hash_version: int = ROW_HASH_VERSION,
+) -> Annotated | RowRefusal:
+    """:func:`annotate`, the route and credential of each row kept as indices (``Annotated``).
 
     A credential is built and routed once per distinct combination of the corpus's credential
     columns, in the order the combinations first occur, so the first refusal is that of the
@@ -211,17 +269,19 @@ def annotate(
         routes.append(resolved[0])
         credentials.append(resolved[1])
     hashes, prefixes = row_hashes(table, row_hash_version)
-    route = pc.take(pa.array(routes, type=pa.string()), pa.array(of_row))
+    route_names = list(dict.fromkeys(routes))
+    route_of_row = np.array([route_names.index(route) for route in routes], dtype=np.int64)[of_row]
     if spec.role == CorpusRole.TRAIN:
-        held_out = pa.array(holdout_mask(prefixes, holdout_fraction))
-        route = pc.if_else(held_out, pa.scalar(HOLDOUT, type=pa.string()), route)
-    return (
-        table.append_column("_corpus", pa.array(np.full(count, spec.id, dtype=object), type=pa.string()))
+        if HOLDOUT not in route_names:
+            route_names.append(HOLDOUT)
+        held_out = holdout_mask(prefixes, holdout_fraction)
+        route_of_row = np.where(held_out, route_names.index(HOLDOUT), route_of_row)
+    rows = (
+        table.append_column("_corpus", pa.repeat(pa.scalar(spec.id, type=pa.string()), count))
         .append_column("_row", pa.array(np.arange(first_row, first_row + count, dtype=np.int64)))
         .append_column("_row_hash", hashes)
-        .append_column("_route", route)
-        .append_column("_credential", pc.take(pa.array(credentials, type=pa.string()), pa.array(of_row)))
     )
+    return Annotated(rows, route_names, route_of_row, pa.array(credentials, type=pa.string()), of_row)
 
 
 def _combinations(
