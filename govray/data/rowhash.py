@@ -6,9 +6,10 @@ anyone can recompute it from the row. Two versions exist; an ingest records the 
 
 - **2** (``ROW_HASH_VERSION``, new ingests): ``sha256`` of the row's canonical binary encoding
   (``govray.data.rowcode``: sorted column names, a type tag and a fixed-width or length-prefixed
-  payload per value). A table's rows are encoded by Arrow and numpy, then hashed with one
-  ``sha256`` state copy per row; the same logical rows hash equally whatever the file format and
-  however the rows are cut into batches.
+  payload per value). A table's rows are encoded by Arrow and numpy, then digested in one call
+  of the compiled kernel (``govray/data/_rowdigest.c``; hashlib row by row where it was not
+  built); the same logical rows hash equally whatever the file format and however the rows are
+  cut into batches.
 - **1** (ingests recorded before version 2): ``sha256`` of the row's canonical JSON
   (``govray.data.rowhash_v1``).
 
