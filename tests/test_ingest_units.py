@@ -134,6 +134,24 @@ def test_manifest_lists_each_routes_files_by_corpus_then_row_with_their_row_span
             assert {c: corpora.count(c) for c in order if c in corpora} == route.corpus_counts
 
 
+def test_files_are_snappy_but_the_row_hashes_and_their_digests_are_the_bytes_on_disk(
+    two_splits: TwoSplits,
+) -> None:
+    """Each file's column chunks: ``_row_hash`` stored uncompressed (hex of uniform bytes), every
+    other column snappy; the manifest's sha256 of each file is that of the bytes on disk."""
+    manifest, root = two_splits.default.manifest, two_splits.default.root
+    files = [file for route in manifest.routes for file in route.files]
+    files += [file for group in manifest.holdout.values() for file in group]
+    for file in files:
+        assert file.sha256 == hashlib.sha256((root / file.path).read_bytes()).hexdigest()
+        metadata = pq.ParquetFile(root / file.path).metadata
+        for group in range(metadata.num_row_groups):
+            chunks = [metadata.row_group(group).column(c) for c in range(metadata.num_columns)]
+            codecs = {chunk.path_in_schema: chunk.compression for chunk in chunks}
+            assert codecs.pop("_row_hash") == "UNCOMPRESSED"
+            assert set(codecs.values()) == {"SNAPPY"}
+
+
 def brute_force(shards: ShardSet) -> dict[tuple[str, int], tuple[str, str | None, int]]:
     """(corpus, row) → (split, route, position), from every row of every route and holdout."""
     found: dict[tuple[str, int], tuple[str, str | None, int]] = {}

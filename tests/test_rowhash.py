@@ -20,10 +20,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from govray.config.data import CorpusSpec
+from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.data.rowhash import READABLE_ROW_HASH_VERSIONS, holdout_mask, in_holdout, row_hash, row_hashes
-from govray.data.units import HOLDOUT, RowRefusal, annotate
+from govray.data.units import HOLDOUT, Annotated, RowRefusal, annotate, annotate_routes
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
 
@@ -142,6 +142,29 @@ def test_annotate_gives_each_row_its_own_credential_and_route() -> None:
         route = HOLDOUT if held_out else policy.route_key_for(credential, where="")
         assert annotated["_route"][row].as_py() == route
     assert HOLDOUT in annotated["_route"].to_pylist() and len(set(annotated["_route"].to_pylist())) == 2
+
+
+def test_each_routes_rows_are_the_whole_annotated_table_filtered_by_route() -> None:
+    """What a unit writes per route (columns built after the split) equals the fully annotated
+    table filtered by ``_route``: the same columns in the same order, types and rows; the routes
+    in the order of their first row; an all-holdout corpus (not a training one) has one route."""
+    import pyarrow.compute as pc
+
+    spec, policy = _writers_spec()
+    countries = ["US", "DE", "US", "GB", "DE", "GB", "US", "DE"] * 40
+    table = pa.table({"pixel": np.arange(320), "writer_country": countries, "sensitivity": ["pii"] * 320})
+    for role, fraction in [(CorpusRole.TRAIN, 0.2), (CorpusRole.VALIDATION, 0.2), (CorpusRole.TRAIN, 0.0)]:
+        annotated = annotate_routes(table, 7, spec.model_copy(update={"role": role}), policy, fraction)
+        assert isinstance(annotated, Annotated)
+        whole = annotated.whole()
+        assert annotated.routes() == pc.unique(whole["_route"]).to_pylist()
+        for route in annotated.routes():
+            expected = whole.filter(pc.equal(whole["_route"], route)).combine_chunks()
+            assert annotated.of_route(route).equals(expected, check_metadata=True)
+        if role == CorpusRole.VALIDATION:
+            assert annotated.routes() == [HOLDOUT]
+        if fraction == 0.0:
+            assert HOLDOUT not in annotated.routes()
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,7 @@ def test_row_hashes_through_the_kernel_equal_the_hashlib_path(monkeypatch: pytes
         pa.Table.from_pylist(mixed_rows(300)),
         pa.table({"a": np.arange(1000, dtype=np.float32), "b": np.arange(1000) % 7}),
     ]
+    assert rowcode._rowdigest is not None
     with_kernel = [row_hashes(table)[0].to_pylist() for table in tables]
     monkeypatch.setattr(rowcode, "_rowdigest", None)
     assert [row_hashes(table)[0].to_pylist() for table in tables] == with_kernel

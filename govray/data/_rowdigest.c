@@ -178,14 +178,17 @@ static PyObject *sha256_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
         goto done;
     }
     Py_ssize_t count = offsets.len / 8 - 1;
-    const int64_t *bounds = (const int64_t *)offsets.buf;
-    int64_t last = bounds[0];
-    if (last < 0) goto bad_offsets;
-    for (Py_ssize_t r = 1; r <= count; r++) {
-        if (bounds[r] < last) goto bad_offsets;
-        last = bounds[r];
+    if (count > PY_SSIZE_T_MAX / 32) {
+        PyErr_NoMemory();
+        goto done;
     }
-    if (last > data.len) goto bad_offsets;
+    /* Native int64 (the caller's contract: numpy int64 or Arrow's offsets), read with memcpy
+       (no alignment assumed) and checked again row by row while the GIL is released: another
+       thread may write to a writable buffer meanwhile, and no row may then be read out of bounds. */
+    const uint8_t *bounds = (const uint8_t *)offsets.buf;
+    int64_t first;
+    memcpy(&first, bounds, 8);
+    if (first < 0 || first > data.len) goto bad_offsets;
     result = PyBytes_FromStringAndSize(NULL, count * 32);
     if (result == NULL) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
@@ -193,13 +196,21 @@ static PyObject *sha256_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     compress_fn compress = chosen(native);
     uint32_t start_state[8];
     memcpy(start_state, INITIAL, sizeof start_state);
+    Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
     if (start.len) compress(start_state, (const uint8_t *)start.buf, (size_t)start.len / 64);
-    for (Py_ssize_t r = 0; r < count; r++)
-        digest_row(compress, start_state, (uint64_t)start.len, bytes + bounds[r], (size_t)(bounds[r + 1] - bounds[r]),
-                   out + 32 * r);
+    int64_t begin = first, end;
+    for (Py_ssize_t r = 0; r < count; r++, begin = end) {
+        memcpy(&end, bounds + 8 * (r + 1), 8);
+        if (end < begin || end > data.len) {
+            bad = r;
+            break;
+        }
+        digest_row(compress, start_state, (uint64_t)start.len, bytes + begin, (size_t)(end - begin), out + 32 * r);
+    }
     Py_END_ALLOW_THREADS
-    goto done;
+    if (bad < 0) goto done;
+    Py_CLEAR(result);
 bad_offsets:
     PyErr_SetString(PyExc_ValueError, "offsets must rise from 0 or more and end within data");
 done:
@@ -219,7 +230,8 @@ static PyMethodDef methods[] = {
     {"sha256_rows", (PyCFunction)(void (*)(void))sha256_rows, METH_VARARGS | METH_KEYWORDS,
      "sha256_rows(start, offsets, data, native=True) -> bytes\n\n"
      "The SHA-256 digests (32 bytes each, concatenated) of start + data[offsets[r]:offsets[r + 1]]\n"
-     "for every row r. start is a multiple of 64 bytes; offsets are int64, one more than the rows.\n"
+     "for every row r. start is a multiple of 64 bytes; offsets are native int64, one more than\n"
+     "the rows.\n"
      "native=False uses the portable compression function even where the CPU has SHA extensions."},
     {"uses_sha_extensions", uses_sha_extensions, METH_NOARGS,
      "Whether this CPU's SHA extensions compute the digests (else portable C)."},

@@ -8,7 +8,7 @@ policy or holdout fraction gets new shards and an unchanged one reuses them)::
     holdout/CORPUS/000000.parquet      held-out rows of one unit (every row of an eval corpus)
 
 A unit is a fixed range of ``ROWS_PER_UNIT`` consecutive corpus rows (``govray.data.units``); each
-file holds its rows in row order, in zstd row groups of ``ROW_GROUP_ROWS`` rows. The manifest
+file holds its rows in row order, in snappy row groups of at most ``ROW_GROUP_ROWS`` rows. The manifest
 lists each route's files in shard order (corpus order, then row), each with its rows, sha256,
 corpus and first and last corpus row, so a row is found without reading files
 (:meth:`ShardSet.locate`) and a reader fetches and verifies only the files it touches
@@ -19,6 +19,9 @@ the corpus, files in sorted order), ``_row_hash`` (the row's hash of the manifes
 ``row_hash_version``: ``govray.data.rowhash``), ``_route`` and ``_credential`` (the row's full
 credential, canonical JSON).
 
+Format 3 (this govray) lays files out as format 2 did, with ``_row_hash`` stored uncompressed and
+row groups sized from freshly built columns: the same ingest makes other bytes than under format 2,
+so the format is part of the shards' key and format-2 shards keep theirs (and stay readable).
 Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
 per file) stays readable; :meth:`ShardSet.locate` scans its route files.
 """
@@ -44,7 +47,7 @@ from govray.core.errors import IngestError
 from govray.core.storage import open_storage
 
 MANIFEST = "manifest.json"
-SHARD_FORMAT_VERSION = 2
+SHARD_FORMAT_VERSION = 3
 ROW_COLUMNS = ("_corpus", "_row", "_row_hash", "_route", "_credential")
 
 

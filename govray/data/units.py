@@ -158,15 +158,15 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
 def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: list[str]) -> ShardFile:
     path = Path(job.directory) / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Statistics of _row only: a reader finds a row's row group from the footer. Snappy, but not
-    # for the row hashes (hex of uniform bytes: snappy spends time and saves nothing), and
-    # dictionaries only for the columns that repeat a few values: ingest writes every row.
+    # Statistics of _row only: a reader finds a row's row group from the footer. Snappy (but not
+    # for the row hashes: _compression), and dictionaries only for the columns that repeat a few
+    # values: ingest writes every row.
     # The file is laid out in memory and hashed there: not read back to be digested.
     sink = pa.BufferOutputStream()
     pq.write_table(
         rows,
         sink,
-        compression={name: "none" if name == "_row_hash" else "snappy" for name in rows.column_names},
+        compression=_compression(rows.schema),
         row_group_size=group,
         write_statistics=["_row"],
         use_dictionary=dictionary,
@@ -182,6 +182,16 @@ def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: 
         first_row=numbers[0].as_py(),
         last_row=numbers[-1].as_py(),
     )
+
+
+def _compression(schema: pa.Schema) -> str | dict[str, str]:
+    """Snappy, but not for ``_row_hash`` (hex of uniform bytes: snappy spends time and saves
+    nothing on it). Per-column codecs are keyed by leaf column paths, which a nested column's
+    name is not (``s.x``, ``l.list.element``), so a table with nested columns keeps snappy
+    everywhere."""
+    if any(pa.types.is_nested(field.type) for field in schema):
+        return "snappy"
+    return {name: "none" if name == "_row_hash" else "snappy" for name in schema.names}
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,9 @@ class Annotated:
         """The rows of ``route`` in row order, with their ``_route`` and ``_credential`` columns:
         one chunk, so its byte size (hence its row groups) does not depend on how blocks were cut."""
         mask = self.route_of_row == self.route_names.index(route)
-        rows = self.table if mask.all() else self.table.filter(pa.array(mask))
+        # Filtered even when every row takes the route: fresh buffers, so the byte size that
+        # decides the row groups does not depend on how the unit's blocks were cut.
+        rows = self.table.filter(pa.array(mask))
         credentials = self.credentials.take(pa.array(self.credential_of_row[mask]))
         return (
             rows.append_column("_route", pa.repeat(pa.scalar(route, type=pa.string()), rows.num_rows))
