@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.data.rowhash import READABLE_ROW_HASH_VERSIONS, holdout_mask, in_holdout, row_hash, row_hashes
-from govray.data.units import HOLDOUT, Annotated, RowRefusal, annotate, annotate_routes
+from govray.data.units import HOLDOUT, Annotated, RowRefusal, annotate
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
 
@@ -127,8 +127,9 @@ def test_annotate_gives_each_row_its_own_credential_and_route() -> None:
             "sensitivity": ["pii"] * len(countries),
         }
     )
-    annotated = annotate(table, 500, spec, policy, 0.2)
-    assert not isinstance(annotated, RowRefusal)
+    routed = annotate(table, 500, spec, policy, 0.2)
+    assert isinstance(routed, Annotated)
+    annotated = routed.whole()
     assert annotated["_row"].to_pylist() == list(range(500, 500 + len(countries)))
     for row, country in enumerate(countries):
         credential = build_credential(
@@ -154,7 +155,7 @@ def test_each_routes_rows_are_the_whole_annotated_table_filtered_by_route() -> N
     countries = ["US", "DE", "US", "GB", "DE", "GB", "US", "DE"] * 40
     table = pa.table({"pixel": np.arange(320), "writer_country": countries, "sensitivity": ["pii"] * 320})
     for role, fraction in [(CorpusRole.TRAIN, 0.2), (CorpusRole.VALIDATION, 0.2), (CorpusRole.TRAIN, 0.0)]:
-        annotated = annotate_routes(table, 7, spec.model_copy(update={"role": role}), policy, fraction)
+        annotated = annotate(table, 7, spec.model_copy(update={"role": role}), policy, fraction)
         assert isinstance(annotated, Annotated)
         whole = annotated.whole()
         assert annotated.routes() == pc.unique(whole["_route"]).to_pylist()

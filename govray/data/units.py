@@ -129,9 +129,7 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     table = pa.concat_tables(pieces, promote_options="permissive").combine_chunks()
     spec = CorpusSpec.model_validate_json(job.spec_json)
     policy = DepthPolicy.model_validate_json(job.policy_json)
-    annotated = annotate_routes(
-        table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version
-    )
+    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version)
     if isinstance(annotated, RowRefusal):
         return UnitReport(received_rows=table.num_rows, refusal=annotated)
     counts: dict[str, int] = {}
@@ -242,23 +240,11 @@ def annotate(
     policy: DepthPolicy,
     holdout_fraction: float,
     row_hash_version: int = ROW_HASH_VERSION,
-) -> pa.Table | RowRefusal:
-    """Number, validate, route, hash (of ``row_hash_version``) and split the rows of ``table``
-    (corpus rows from ``first_row``): the table with the shard columns added, or the refusal of
-    its first bad row (:func:`annotate_routes`, every column built)."""
-    annotated = annotate_routes(table, first_row, spec, policy, holdout_fraction, row_hash_version)
-    return annotated if isinstance(annotated, RowRefusal) else annotated.whole()
-
-
-def annotate_routes(
-    table: pa.Table,
-    first_row: int,
-    spec: CorpusSpec,
-    policy: DepthPolicy,
-    holdout_fraction: float,
-    row_hash_version: int = ROW_HASH_VERSION,
 ) -> Annotated | RowRefusal:
-    """:func:`annotate`, the route and credential of each row kept as indices (``Annotated``).
+    """Number, validate, route, hash (of ``row_hash_version``) and split the rows of ``table``
+    (corpus rows from ``first_row``): the rows with the shard columns, each row's route and
+    credential kept as indices (``Annotated``; ``whole()`` builds every column), or the refusal of
+    its first bad row.
 
     A credential is built and routed once per distinct combination of the corpus's credential
     columns, in the order the combinations first occur, so the first refusal is that of the
