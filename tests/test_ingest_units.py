@@ -96,6 +96,18 @@ def test_shards_are_byte_identical_whatever_the_block_split(two_splits: TwoSplit
     assert default.load.units == small.load.units == 2 + 2  # 130,000 and 70,000 rows
 
 
+def test_each_file_is_read_by_one_task_and_ray_datas_reader_setting_is_left_as_it_was(
+    two_splits: TwoSplits,
+) -> None:
+    from ray.data.context import DEFAULT_USE_DATASOURCE_V2
+
+    # Ray Data's own blocks: one per file (two parquet files, one JSONL file, all under its
+    # block size), not the 200 it cuts after a read by default.
+    assert two_splits.default.load.blocks == len(FIRST_FILES) + 1
+    # Parquet is read with Ray Data's first reader; the process-wide choice is restored.
+    assert ray.data.DataContext.get_current().use_datasource_v2 is DEFAULT_USE_DATASOURCE_V2
+
+
 def test_no_task_holds_more_than_one_block_or_one_unit(two_splits: TwoSplits) -> None:
     default, small = two_splits.default.load, two_splits.small.load
     # Ray Data's own blocks straddle units: one task cuts each, the unit tasks get their rows only.
