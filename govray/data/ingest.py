@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 import ray.data
 import ray.exceptions
+from ray.data._internal.util import unify_schemas_with_validation
 
 from govray.config.data import CorpusSpec
 from govray.config.experiment import ExperimentConfig
@@ -64,6 +66,10 @@ from govray.data.units import (
 from govray.data.validate import check_file, diagnose_file, locate
 from govray.governance.policy import VerifiedPolicy
 
+# Parquet files whose schemas make a corpus's: the first ones, as Ray Data's DataSourceV2 samples
+# them (``ray.data._internal.datasource_v2.common.listing_utils.sample_files``, Ray 2.60).
+SCHEMA_SAMPLE = 16
+
 
 @dataclass(frozen=True)
 class IngestLoad:
@@ -89,23 +95,26 @@ def _read(spec: CorpusSpec, files: Sequence[Path]) -> ray.data.Dataset:
     context.enable_progress_bars = False
     paths = [str(file) for file in files]
     fmt = spec.resolved_format.value
-    # One read task per file, its blocks as the reader yields them (cut only where larger than
-    # Ray Data's block size), not the 200 blocks Ray Data cuts after the read by default: units are
-    # fixed row ranges whatever the blocks, so more blocks only cost. partitioning=None: no
-    # hive-style columns from directory names.
-    options: dict[str, Any] = {
-        "partitioning": None,
-        "file_extensions": None,
-        "override_num_blocks": len(paths),
-    }
+    # One read task per file (up to Ray Data's minimum of read tasks, 200: more files share tasks,
+    # as by default), its blocks as the reader yields them (cut only where larger than Ray Data's
+    # block size), not the 200 blocks Ray Data cuts after the read by default: units are fixed row
+    # ranges whatever the blocks, so more blocks only cost. partitioning=None: no hive-style
+    # columns from directory names.
+    tasks = min(len(paths), context.read_op_min_num_blocks)
+    options: dict[str, Any] = {"partitioning": None, "file_extensions": None, "override_num_blocks": tasks}
     if fmt == "parquet":
         # Ray 2.60's first Parquet reader: its default (DataSourceV2) lists and samples the files
         # in extra tasks and actors, 2.0-2.6 s against 0.9 s for ten files of 10^6 rows read here
         # (BENCHMARKS.md). The choice is made when the dataset is built; the setting is restored.
+        # The first reader keeps each file's own schema; DataSourceV2 reads every file with the
+        # schema of the first files unified (types promoted, missing columns null): that schema
+        # is given here, so the rows (and their hashes) are the ones ingest always read; the
+        # schema metadata the first reader keeps (pandas') is dropped by the units.
+        schema = unify_schemas_with_validation([pq.read_schema(path) for path in paths[:SCHEMA_SAMPLE]])
         v2 = context.use_datasource_v2
         context.use_datasource_v2 = False
         try:
-            return ray.data.read_parquet(paths, **options)
+            return ray.data.read_parquet(paths, schema=schema, **options)
         finally:
             context.use_datasource_v2 = v2
     if fmt == "jsonl":

@@ -126,7 +126,10 @@ def unit_file(route: str, corpus_id: str, unit: int, part: int = 0, parts: int =
 @ray.remote
 def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     """Annotate the unit's rows (``pieces``, in row order) and write its files under ``job.directory``."""
-    table = pa.concat_tables(pieces, promote_options="permissive").combine_chunks()
+    # Without schema metadata (pandas' notes, from a Parquet file): shards hold rows.
+    table = (
+        pa.concat_tables(pieces, promote_options="permissive").combine_chunks().replace_schema_metadata(None)
+    )
     spec = CorpusSpec.model_validate_json(job.spec_json)
     policy = DepthPolicy.model_validate_json(job.policy_json)
     annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version)
