@@ -152,7 +152,13 @@ def test_parquet_is_read_as_ray_datas_default_reader_reads_it(tmp_path: Path) ->
         assert block.schema.equals(expected.schema, check_metadata=True)
     assert pa.concat_tables(blocks).equals(expected)
     assert expected.column_names == ["x", "lic", "__index_level_0__", "extra", "d", "t"]
-    assert expected["x"].type == pa.float64() and expected["extra"].to_pylist() == [None, None, "p", None, None]
+    assert expected["x"].type == pa.float64() and expected["extra"].to_pylist() == [
+        None,
+        None,
+        "p",
+        None,
+        None,
+    ]
 
 
 def test_no_task_holds_more_than_one_block_or_one_unit(two_splits: TwoSplits) -> None:

@@ -37,6 +37,15 @@ def ensure_ray(address: str | None = None) -> None:
     route_ray_logs()
 
 
+def stop_tasks(refs: list[ray.ObjectRef]) -> None:
+    """Cancel these tasks and wait until none of them runs: a caller that gives up (ingest, packing)
+    removes its staging directory after, and no task writes into it again."""
+    pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[1]
+    for ref in pending:
+        ray.cancel(ref)
+    ray.wait(pending, num_returns=len(pending), fetch_local=False)
+
+
 def ray_node_id() -> str | None:
     """The id of the Ray node this process runs on; None outside Ray."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -41,6 +41,7 @@ from govray.config.data import CorpusSpec
 from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
+from govray.core.runtime import stop_tasks
 from govray.core.storage import open_storage
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.data.rowhash import ROW_HASH_VERSION, check_version
@@ -269,14 +270,6 @@ def _collect(corpora: list[_Corpus]) -> list[list[UnitReport]]:
     return collected
 
 
-def _stop(refs: list[ray.ObjectRef]) -> None:
-    """Cancel these tasks and wait until none runs: nothing writes after ingest gives up."""
-    pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[1]
-    for ref in pending:
-        ray.cancel(ref)
-    ray.wait(pending, num_returns=len(pending), fetch_local=False)
-
-
 def _row_error(refusal: RowRefusal, files: list[Path], format_name: str) -> GovrayError:
     """The error of a unit's first bad row, with the file, row and line it sits at."""
     message = refusal.message
@@ -354,7 +347,7 @@ def ingest(
             shutil.rmtree(root)
         staging.rename(root)  # atomic: readers see complete shards or none
     except BaseException:
-        _stop(launched)
+        stop_tasks(launched)  # nothing writes after ingest gives up
         shutil.rmtree(staging, ignore_errors=True)
         raise
     storage.upload(root)  # the manifest last: other nodes see complete shards or none

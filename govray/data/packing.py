@@ -40,6 +40,7 @@ import ray
 
 from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError, IngestError
+from govray.core.runtime import stop_tasks
 from govray.core.storage import open_storage
 from govray.data.packed import (
     PACKED_DIRECTORY,
@@ -116,7 +117,11 @@ def _build(
         jobs.append((route.route, refs))
     try:
         parts = [(route, ray.get(refs)) for route, refs in jobs]
-    except ray.exceptions.RayTaskError as error:
+    except BaseException as error:
+        # The other parts may still be writing under staging, which the caller removes next.
+        stop_tasks([ref for _, refs in jobs for ref in refs])
+        if not isinstance(error, ray.exceptions.RayTaskError):
+            raise
         cause = error.cause
         if isinstance(cause, GovrayError):
             raise cause from None
