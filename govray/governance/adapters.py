@@ -1,8 +1,9 @@
-"""Removable adapters: PEFT LoRA layers in the user's model, gated by govray.
+"""Removable adapters: LoRA layers in the user's model, gated by govray.
 
 ``GovernedModel`` wraps the user's model as its child ``base``. Each adapter target (an
-``nn.Linear``, ``nn.Embedding`` or transformers ``Conv1D``) is replaced in place by PEFT's LoRA
-layer around it, so ``PeftModel.from_pretrained`` reads what govray saves. PEFT renames a wrapped
+``nn.Linear``, ``nn.Embedding`` or transformers ``Conv1D``) is replaced in place by a LoRA layer
+around it (``govray.governance.lora``: PEFT's layout and arithmetic, without importing PEFT), so
+``PeftModel.from_pretrained`` reads what govray saves. The wrapper renames a wrapped
 module's tensors (``hidden.weight`` → ``hidden.base_layer.weight``); govray never shows that
 name: ``base_named_parameters()``, ``base_state()`` and the base file use the user's names,
 ``adapter_tensors()`` the ledger names ``adapter/NAME/TARGET.lora_A|B``, and
@@ -10,7 +11,7 @@ name: ``base_named_parameters()``, ``base_state()`` and the base file use the us
 ``adapters.NAME.TARGET__KEY.lora_A|B``).
 
 The gating is govray's: one adapter (or none) is active, set on every LoRA layer's active-adapter
-list directly — PEFT's ``set_adapter`` would flip ``requires_grad``, which DDP must never see.
+list; ``requires_grad`` never changes with it (DDP must never see it flip).
 An inactive layer returns its base layer's output tensor itself (bit-exact, not ``+ 0``) and its
 adapter tensors stay out of the autograd graph. Adapters are initialised after the base from their
 own ``torch.Generator``, seeded from (seed, adapter, target); the global RNG is left as it was.
@@ -38,10 +39,11 @@ from torch import nn
 
 from govray.core.canonical import canonical_json
 from govray.core.errors import GovrayError
+from govray.governance.lora import LoraLayer, wrap_target
 from govray.governance.policy import AdapterSpec
 from govray.governance.routing import RoutingTable, adapter_tensor_names, lora_target_kind
 
-_WRAPPED = ".base_layer."  # where PEFT puts a wrapped module's own tensors
+_WRAPPED = ".base_layer."  # where a LoRA layer (as PEFT's) puts a wrapped module's own tensors
 
 
 class AdapterError(GovrayError):
@@ -72,11 +74,11 @@ def _initial_factors(
 
 
 class GovernedModel(nn.Module):
-    """The user's model (child ``base``, PEFT LoRA layers injected at the adapter targets).
+    """The user's model (child ``base``, LoRA layers injected at the adapter targets).
 
     One adapter (or none) is active at a time; ``forward`` is the base model's forward.
     ``parameters()`` lists the base tensors in the user's order, then each adapter's ``A, B`` per
-    target (the optimizer's and the governor's order, whatever PEFT's module nesting).
+    target (the optimizer's and the governor's order, whatever the LoRA layers' module nesting).
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class GovernedModel(nn.Module):
         self._active: str | None = None
         self._targets: dict[str, tuple[str, ...]] = {}
         self._specs: dict[str, AdapterSpec] = {}
-        self._layers: dict[str, Any] = {}  # target → the PEFT LoraLayer wrapping it
+        self._layers: dict[str, LoraLayer] = {}  # target → the LoRA layer wrapping it
         self._kinds: dict[str, str] = {}  # target → lora_target_kind of the wrapped module
         self._seed = seed  # of every adapter's initial factors
         for route, adapter in table.adapter_names.items():
@@ -116,13 +118,13 @@ class GovernedModel(nn.Module):
     def _initialise(self, adapter: str, seed: int) -> None:
         for target in self._targets[adapter]:
             kind = self._kinds[target]
-            lora_a, lora_b = _factors(self._layers[target], adapter, kind)
+            lora_a, lora_b = self._layers[target].factors(adapter)
             generator = torch.Generator().manual_seed(_adapter_seed(seed, adapter, target))
             initial = _initial_factors(
                 kind, self._specs[adapter].rank, lora_a.shape[1], lora_b.shape[0], generator
             )
-            # float32 whatever the base's dtype (PEFT made them the base layer's; its upcast is
-            # PeftModel's, which govray does not use): factors, AdamW state and reduction in fp32.
+            # float32 whatever the base's dtype: factors, AdamW state and reduction in fp32 (the
+            # layer casts its input to the factors' dtype and the sum back, as PEFT's does).
             lora_a.data = initial[0].to(lora_a.device)
             lora_b.data = initial[1].to(lora_b.device)
 
@@ -133,48 +135,29 @@ class GovernedModel(nn.Module):
             self._initialise(adapter, self._seed)
 
     def _wrap(self, adapter: str, target: str, spec: AdapterSpec) -> None:
-        """Add ``adapter``'s LoRA to ``target``, wrapping it in a PEFT layer on first use."""
-        from peft import LoraConfig
-        from peft.tuners.lora.layer import dispatch_default
-
-        module: nn.Module | None
-        kind: str | None
-        if target in self._layers:
-            kind, module = self._kinds[target], self._layers[target]
-        else:
+        """Add ``adapter``'s LoRA to ``target``, wrapping it in a LoRA layer on first use."""
+        if target not in self._layers:
             try:
-                module = self.base.get_submodule(target)
+                module: nn.Module | None = self.base.get_submodule(target)
             except AttributeError:
                 module = None
             kind = lora_target_kind(module) if module is not None else None
-        if module is None or kind is None:
-            raise AdapterError(
-                f"adapter '{adapter}': target '{target}' is not a Linear, Embedding or Conv1D "
-                "module of the model"
-            )
-        config = LoraConfig(
-            r=spec.rank,
-            lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT's scaling is alpha / r, a float
-            lora_dropout=spec.dropout,
-            fan_in_fan_out=kind == "conv1d",
-            init_lora_weights=False,  # govray draws the init from the adapter's own generator
-        )
-        # PEFT builds its factors from the global RNG; what it draws is overwritten, the RNG restored.
-        with torch.random.fork_rng(devices=[]):
-            if target in self._layers:
-                self._layers[target].update_layer(adapter, spec.rank, spec.alpha, config=config)
-            else:
-                layer = dispatch_default(module, adapter, config=config, r=spec.rank, lora_alpha=spec.alpha)
-                parent, _, child = target.rpartition(".")
-                setattr(self.base.get_submodule(parent), child, layer)
-                self._layers[target], self._kinds[target] = layer, kind
+            if module is None or kind is None:
+                raise AdapterError(
+                    f"adapter '{adapter}': target '{target}' is not a Linear, Embedding or Conv1D "
+                    "module of the model"
+                )
+            layer = wrap_target(module, kind)
+            parent, _, child = target.rpartition(".")
+            setattr(self.base.get_submodule(parent), child, layer)
+            self._layers[target], self._kinds[target] = layer, kind
+        self._layers[target].add_adapter(adapter, spec.rank, spec.alpha, spec.dropout)
 
     def _gate(self) -> None:
         """Make exactly the active adapter's LoRA run: set each layer's active list, and keep every
-        adapter tensor trainable (PEFT's own switches would flip ``requires_grad``)."""
+        adapter tensor trainable, active or not (one ``requires_grad`` set for the whole run)."""
         for layer in self._layers.values():
-            active = [self._active] if self._active in _adapters_of(layer) else []
-            layer._active_adapter = active  # PEFT's set_adapter also flips requires_grad
+            layer.active = [self._active] if self._active in layer.adapter_names() else []
         for adapter in self._targets:
             for parameter in self.adapter_parameters(adapter):
                 parameter.requires_grad_(True)
@@ -238,10 +221,7 @@ class GovernedModel(nn.Module):
         """``(target, A, B)`` of ``adapter`` per target, in target order. ``A`` is ``[rank, in]``
         (Embedding: ``[rank, num_embeddings]``), ``B`` is ``[out, rank]``."""
         self._require(adapter)
-        return [
-            (target, *_factors(self._layers[target], adapter, self._kinds[target]))
-            for target in self._targets[adapter]
-        ]
+        return [(target, *self._layers[target].factors(adapter)) for target in self._targets[adapter]]
 
     def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
         """``A``, ``B`` of each target, in target order (what the adapter route trains)."""
@@ -257,7 +237,7 @@ class GovernedModel(nn.Module):
         return tensors
 
     def user_name(self, name: str) -> str:
-        """The user's name of a tensor of ``base`` named as PEFT nests it (``X.base_layer.weight``
+        """The user's name of a tensor of ``base`` named as its LoRA layer nests it (``X.base_layer.weight``
         → ``X.weight``); other names are returned as they are."""
         head, found, rest = name.partition(_WRAPPED)
         return f"{head}.{rest}" if found and head in self._layers else name
@@ -309,7 +289,7 @@ class GovernedModel(nn.Module):
             )
         self.base.load_state_dict({expected[name]: tensor for name, tensor in state.items()}, strict=False)
 
-    # -- state_dict keys: govray's, never PEFT's ------------------------------------------------
+    # -- state_dict keys: govray's, never the LoRA layers' (PEFT's) -----------------------------
 
     def _adapter_keys(self) -> dict[str, str]:
         """PEFT's key (under ``base``) of every adapter tensor → govray's key (under the model)."""
@@ -353,11 +333,10 @@ class GovernedModel(nn.Module):
         self._require(adapter)
         if self._active == adapter:
             self._active = None
-        self._gate()  # nothing of this adapter active: PEFT's delete_adapter then leaves requires_grad alone
         for target in self._targets.pop(adapter):
             layer = self._layers[target]
             layer.delete_adapter(adapter)
-            if not _adapters_of(layer):
+            if not layer.adapter_names():
                 parent, _, child = target.rpartition(".")
                 setattr(self.base.get_submodule(parent), child, layer.base_layer)
                 del self._layers[target], self._kinds[target]
@@ -367,16 +346,6 @@ class GovernedModel(nn.Module):
 
 def _module_key(target: str) -> str:
     return target.replace(".", "__")
-
-
-def _adapters_of(layer: Any) -> set[str]:
-    return set(layer.lora_A) | set(layer.lora_embedding_A)
-
-
-def _factors(layer: Any, adapter: str, kind: str) -> tuple[nn.Parameter, nn.Parameter]:
-    if kind == "embedding":
-        return layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]
-    return layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
 
 
 def _peft_names(target: str, adapter: str, kind: str) -> tuple[str, str]:
