@@ -24,7 +24,9 @@ torch.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -83,7 +85,14 @@ class TunePlan:
 
 def installed_searchers() -> dict[str, EntryPoint]:
     """The strategies installed in the ``govray.searchers`` entry-point group, by name."""
-    return {point.name: point for point in entry_points(group=SEARCHER_GROUP)}
+    return dict(_searcher_entry_points(tuple(sys.path)))
+
+
+@functools.lru_cache(maxsize=8)
+def _searcher_entry_points(path: tuple[str, ...]) -> tuple[tuple[str, EntryPoint], ...]:
+    # importlib.metadata reads every installed distribution (~40 ms here), and a search validates
+    # its config at every checkpoint it records (GC): what is installed is read once per sys.path.
+    return tuple((point.name, point) for point in entry_points(group=SEARCHER_GROUP))
 
 
 def searcher_model(name: str) -> type[SearcherConfig]:

@@ -25,7 +25,6 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from govray.config.experiment import ExperimentConfig
-from govray.config.searcher import SEARCHER_GROUP, TunePlan
+from govray.config.searcher import SEARCHER_GROUP, TunePlan, installed_searchers
 from govray.core.errors import ConfigError
 from govray.core.storage import Storage
 from govray.platform.mlflow_mirror import mirrored
@@ -60,7 +59,7 @@ Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of 
 
 def strategy(name: str) -> Strategy:
     """The installed strategy called ``name`` (an entry point in ``govray.searchers``)."""
-    found = {point.name: point for point in entry_points(group=SEARCHER_GROUP)}
+    found = installed_searchers()
     if name not in found:
         installed = ", ".join(sorted(found)) or "none"
         raise ConfigError(f"no searcher '{name}' is installed (entry points {SEARCHER_GROUP}: {installed})")
