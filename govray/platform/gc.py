@@ -230,7 +230,7 @@ def _inventory(store: TrackingStore, experiment_id: int, metric: str) -> _Invent
     found = active_checkpoints(store, experiment_id, metric)
     live = frozenset(trial for trial, state in found.trial_states.items() if state in LIVE_TRIAL_STATES)
     # reports come in the order they were made: a step reported twice counts its last report
-    at_step = {(row.trial_id, row.step): row.value for row in found.reports}
+    at_step = {(trial, step): value for trial, step, value in found.reports}
     values = {
         _checkpoint_id(record): at_step[(record.trial_id, record.step)]
         for record in found.checkpoints

@@ -170,7 +170,9 @@ class ActiveCheckpoints:
 
     checkpoints: tuple[CheckpointRecord, ...]  # by trial, step, id
     trial_states: dict[int, str]  # every trial of the experiment
-    reports: tuple[Metric, ...]  # the validation metric GC ranks by, in the order reported
+    # (trial, step, value) of the validation metric GC ranks by at these checkpoints' steps, in the
+    # order reported (a step reported twice: its last report comes last)
+    reports: tuple[tuple[int, int, float], ...]
     versions: tuple[ModelVersion, ...]  # registered versions of these checkpoints, by model, version
 
 
@@ -188,10 +190,22 @@ def active_checkpoints(store: TrackingStore, experiment_id: int, metric: str) ->
             .where(in_experiment, is_active)
             .order_by(col(CheckpointRecord.trial_id), col(CheckpointRecord.step), col(CheckpointRecord.id))
         ).all()
+        # Only the reports at active checkpoints' steps, as plain rows: GC runs at every checkpoint
+        # a search records, and every validation row of the experiment as an ORM object cost a
+        # search's driver more with each trial.
+        at_checkpoint = (col(CheckpointRecord.trial_id) == col(Metric.trial_id)) & (
+            col(CheckpointRecord.step) == col(Metric.step)
+        )
         reported = session.exec(
-            select(Metric)
+            select(Metric.trial_id, Metric.step, Metric.value)
+            .join(CheckpointRecord, at_checkpoint)
             .join(TrialRecord, col(TrialRecord.id) == col(Metric.trial_id))
-            .where(in_experiment, Metric.kind == MetricKind.VALIDATION.value, Metric.name == metric)
+            .where(
+                in_experiment,
+                is_active,
+                Metric.kind == MetricKind.VALIDATION.value,
+                Metric.name == metric,
+            )
             .order_by(col(Metric.id))
         ).all()
         versions = session.exec(
@@ -201,7 +215,9 @@ def active_checkpoints(store: TrackingStore, experiment_id: int, metric: str) ->
             .where(in_experiment, is_active)
             .order_by(col(ModelVersion.model_name), col(ModelVersion.version))
         ).all()
-    return ActiveCheckpoints(tuple(records), states, tuple(reported), tuple(versions))
+    return ActiveCheckpoints(
+        tuple(records), states, tuple((t, step, value) for t, step, value in reported), tuple(versions)
+    )
 
 
 def mark_deleted(store: TrackingStore, checkpoint_id: int) -> CheckpointRecord | None:
