@@ -27,7 +27,6 @@ from govray.data.schedule import SCHEDULE_VERSION
 from govray.platform.placement_guard import PLACES_KEY
 from govray.platform.plan import control_path, plan_run
 from govray.platform.preflight import CheckedPolicy
-from govray.platform.runner import governed_trainer
 from govray.train.base_file import materialize_base
 from govray.train.loop import train_worker
 from govray.train.reports import StepReport
@@ -175,6 +174,8 @@ def _continuous_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec)
     the run has ended. When Tune stops the trial, ``ray.tune.report`` raises ``SystemExit`` here:
     rank 0 is asked to end at the next step boundary (its last sealed checkpoint is the one Tune
     holds) and the run's placement group is removed (the driver's ``PlacementGuard`` again)."""
+    from govray.platform.runner import governed_trainer  # Ray Train's: N-worker trials only
+
     name = f"{Path(spec.run_dir).name}-{uuid.uuid4().hex[:6]}"
     run = spec.model_copy(
         update={
