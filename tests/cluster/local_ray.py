@@ -114,8 +114,8 @@ class LocalRayCluster:
             args.append(f"--autoscaling-config={autoscaling_config}")
         self._start("head", num_cpus, args, env or {})
 
-    def add_node(self, num_cpus: int) -> None:
-        self._start(f"node{len(self.nodes)}", num_cpus, [f"--address={self.address}"], {})
+    def add_node(self, num_cpus: int, *, env: dict[str, str] | None = None) -> None:
+        self._start(f"node{len(self.nodes)}", num_cpus, [f"--address={self.address}"], env or {})
 
     def _start(self, name: str, num_cpus: int, args: list[str], env: dict[str, str]) -> None:
         temp_dir = Path(tempfile.mkdtemp(prefix=f"govray-{name}-", dir="/tmp"))

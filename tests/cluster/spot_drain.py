@@ -31,6 +31,10 @@ from tests.cluster.local_ray import LocalRayCluster, RayNodeProcess, _gcs_client
 from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
 
 PREEMPTION = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+# Ray Train's controller asks Ray Core for drain notices every 5 s by default: on a fast CPU the
+# 50 steps before the first periodic checkpoint take under 3 s, and the notice reached rank 0 only
+# after it (a seal at step 75). Every node's processes ask each second here.
+DRAIN_POLL = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
 _RANK_NODE = re.compile(r"rank (\d+) of \d+ on Ray node ([0-9a-f]+):")
 _STEP = re.compile(r"\bstep=(\d+)\b")
 _RESUMED = re.compile(r"resumed from a verified checkpoint at step (\d+)")
@@ -126,11 +130,11 @@ def run_reclaimed(
     """Head (1 CPU) and two nodes (1 CPU each): the 2 workers and room for the restart on the two
     nodes left. Once both workers are up, the node of the highest rank not on the head is
     drained with ``deadline_s`` left and SIGKILLed at the deadline."""
-    cluster.start_head(num_cpus=1)
+    cluster.start_head(num_cpus=1, env=DRAIN_POLL)
     processes: dict[str, RayNodeProcess] = {}
     for count in (1, 2, 3):
         if count > 1:
-            cluster.add_node(num_cpus=1)
+            cluster.add_node(num_cpus=1, env=DRAIN_POLL)
         known = {node.node_id for node in cluster.wait_for_nodes(count)}
         (new,) = known - set(processes)
         processes[new] = cluster.nodes[-1]
