@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -84,7 +85,39 @@ def no_placement_group_left(request: pytest.FixtureRequest) -> Iterator[None]:
     for group in orphans:
         remove_group(group)
     held = held_groups()
-    assert not orphans and not held, (request.node.nodeid, orphans, held)
+    holders = _cpus_left_held(timeout=30.0)
+    assert not orphans and not held and not holders, (request.node.nodeid, orphans, held, holders)
+
+
+def _cpus_left_held(timeout: float) -> list[str]:
+    """Waits up to ``timeout`` s until every CPU of the session's Ray is free again. If some stay
+    held, kills this job's live actors (what a failed test left: a Tune trial, a Train controller
+    or its workers) and names them. A CPU left held would make the next test that needs the cores
+    wait without end: a 2-worker trial's controller retries its worker group every 60 s forever."""
+    import ray
+    from ray._private import state
+
+    def free() -> bool:
+        return ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0) - 1e-6
+
+    deadline = time.monotonic() + timeout
+    while not free():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    else:
+        return []
+    job = ray.get_runtime_context().get_job_id()
+    live = [
+        actor
+        for actor in state.actors().values()
+        if actor["JobID"] == job and actor["State"] == "ALIVE" and not actor["IsDetached"]
+    ]
+    for actor in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(actor["Pid"], signal.SIGKILL)
+    named = [f"{actor['ActorClassName']} (pid {actor['Pid']})" for actor in live]
+    return named or ["CPUs held, no live actor"]
 
 
 @pytest.fixture(scope="session")
