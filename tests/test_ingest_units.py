@@ -295,6 +295,62 @@ def test_format_1_shards_stay_readable_and_locate_scans_them(two_splits: TwoSpli
         )
 
 
+def test_format_4_keeps_its_repeated_columns_as_dictionaries_and_format_3_shards_read_alike(
+    two_splits: TwoSplits, tmp_path: Path
+) -> None:
+    """Format 4 files hold ``_corpus``, ``_route`` and ``_credential`` as dictionary columns, each
+    dictionary the values of the file's rows; the same shards as format 3 wrote them (plain
+    strings) answer every reader alike: whole routes and holdouts, the row index, the probe's
+    lowest-hash samples and the EU summary's credential counts."""
+    from govray.data.reader import ShardReader
+    from govray.provenance.eu_summary import _row_credentials
+    from govray.train.worker import lowest_hashes
+
+    new_root = two_splits.default.root
+    old_root = tmp_path / "v3"
+    shutil.copytree(new_root, old_root)
+    manifest = json.loads((old_root / MANIFEST).read_text())
+    assert manifest["format_version"] == 4
+    manifest["format_version"] = 3
+    for group in [route["files"] for route in manifest["routes"]] + list(manifest["holdout"].values()):
+        for file in group:
+            path = old_root / file["path"]
+            table = pq.read_table(path)
+            for column in ("_corpus", "_route", "_credential"):
+                values = table[column]
+                assert pa.types.is_dictionary(values.type)
+                assert all(len(chunk.dictionary) == len(set(chunk.to_pylist())) for chunk in values.chunks), (
+                    file["path"],
+                    column,
+                )
+                table = table.set_column(
+                    table.schema.get_field_index(column), column, values.cast(pa.string())
+                )
+            pq.write_table(table, path, row_group_size=ROW_GROUP_ROWS)
+            file["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (old_root / MANIFEST).write_text(json.dumps(manifest))
+    old, new = ShardSet.open(old_root, verify=True), ShardSet.open(new_root)
+    assert (
+        pq.read_schema(old_root / manifest["routes"][0]["files"][0]["path"]).field("_credential").type
+        == pa.string()
+    )
+    for route in new.manifest.routes:
+        assert old.route_table(route.route).to_pylist() == new.route_table(route.route).to_pylist()
+    for corpus in new.manifest.holdout:
+        assert old.holdout_table(corpus).to_pylist() == new.holdout_table(corpus).to_pylist()
+    for corpus, row in sample_rows(new.manifest):
+        assert old.locate(corpus, row).position == new.locate(corpus, row).position
+    assert _row_credentials(old) == _row_credentials(new)
+    for corpus in ("first", "second"):
+        samples = [
+            lowest_hashes(
+                reader, [reader.route_files(r.route) for r in reader.shards.manifest.routes], corpus, 50, {3}
+            )
+            for reader in (ShardReader(old), ShardReader(new))
+        ]
+        assert samples[0].num_rows == 50 and samples[0].to_pylist() == samples[1].to_pylist()
+
+
 def test_a_bad_row_in_the_last_unit_of_the_second_corpus_is_refused_and_leaves_nothing(
     tmp_path: Path, authority_key: SigningKey, trust_file: Path
 ) -> None:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.data.rowhash import READABLE_ROW_HASH_VERSIONS, holdout_mask, in_holdout, row_hash, row_hashes
-from govray.data.units import HOLDOUT, Annotated, RowRefusal, annotate
+from govray.data.units import DICTIONARY_COLUMNS, HOLDOUT, Annotated, RowRefusal, annotate
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
 
@@ -145,10 +145,20 @@ def test_annotate_gives_each_row_its_own_credential_and_route() -> None:
     assert HOLDOUT in annotated["_route"].to_pylist() and len(set(annotated["_route"].to_pylist())) == 2
 
 
+def _decoded(table: pa.Table) -> pa.Table:
+    """``table`` with its dictionary columns as the values they encode."""
+    return pa.table(
+        [c.cast(c.type.value_type) if pa.types.is_dictionary(c.type) else c for c in table.columns],
+        names=table.column_names,
+    )
+
+
 def test_each_routes_rows_are_the_whole_annotated_table_filtered_by_route() -> None:
     """What a unit writes per route (columns built after the split) equals the fully annotated
     table filtered by ``_route``: the same columns in the same order, types and rows; the routes
-    in the order of their first row; an all-holdout corpus (not a training one) has one route."""
+    in the order of their first row; an all-holdout corpus (not a training one) has one route.
+    ``_corpus``, ``_route`` and ``_credential`` are dictionary columns (shard format 4), each
+    holding only the values of the route's rows."""
     import pyarrow.compute as pc
 
     spec, policy = _writers_spec()
@@ -161,7 +171,12 @@ def test_each_routes_rows_are_the_whole_annotated_table_filtered_by_route() -> N
         assert annotated.routes() == pc.unique(whole["_route"]).to_pylist()
         for route in annotated.routes():
             expected = whole.filter(pc.equal(whole["_route"], route)).combine_chunks()
-            assert annotated.of_route(route).equals(expected, check_metadata=True)
+            rows = annotated.of_route(route)
+            assert rows.schema.equals(expected.schema, check_metadata=True)
+            assert _decoded(rows).equals(_decoded(expected))
+            for column in DICTIONARY_COLUMNS:  # each holds only the values its rows use
+                assert pa.types.is_dictionary(rows.schema.field(column).type)
+                assert len(rows[column].chunk(0).dictionary) == len(pc.unique(_decoded(rows)[column]))
         if role == CorpusRole.VALIDATION:
             assert annotated.routes() == [HOLDOUT]
         if fraction == 0.0:

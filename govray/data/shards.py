@@ -19,9 +19,14 @@ the corpus, files in sorted order), ``_row_hash`` (the row's hash of the manifes
 ``row_hash_version``: ``govray.data.rowhash``), ``_route`` and ``_credential`` (the row's full
 credential, canonical JSON).
 
-Format 3 (this govray) lays files out as format 2 did, with ``_row_hash`` stored uncompressed and
-row groups sized from freshly built columns: the same ingest makes other bytes than under format 2,
-so the format is part of the shards' key and format-2 shards keep theirs (and stay readable).
+Format 4 (this govray) writes ``_corpus``, ``_route`` and ``_credential`` as Arrow dictionary
+columns (a file's dictionary holds the values its rows use; the Parquet writer stores them as they
+are instead of looking up every row's ~300-byte credential), so a reader gets them back as
+dictionary arrays, which Arrow's kernels compare, filter, group and convert (``as_py``) as the
+strings they encode. Format 3 lays files out as format 2 did, with ``_row_hash`` stored uncompressed
+and row groups sized from freshly built columns; it stored the three as plain strings. Each format
+makes other bytes from the same ingest, so the format is part of the shards' key, and shards of
+formats 2 and 3 keep theirs (and stay readable).
 Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
 per file) stays readable; :meth:`ShardSet.locate` scans its route files.
 """
@@ -47,7 +52,7 @@ from govray.core.errors import IngestError
 from govray.core.storage import open_storage
 
 MANIFEST = "manifest.json"
-SHARD_FORMAT_VERSION = 3
+SHARD_FORMAT_VERSION = 4
 ROW_COLUMNS = ("_corpus", "_row", "_row_hash", "_route", "_credential")
 
 
@@ -335,5 +340,6 @@ class ShardSet:
         ]
         if not tables:
             raise IngestError(f"shards {self.manifest.key}: nothing to read")
-        # Files of different corpora (or units) may differ in columns or inferred types.
-        return pa.concat_tables(tables, promote_options="permissive")
+        # Files of different corpora (or units) may differ in columns or inferred types, and each
+        # file has its own dictionaries (format 4): one per column here, as Arrow's grouping needs.
+        return pa.concat_tables(tables, promote_options="permissive").unify_dictionaries()

@@ -41,6 +41,9 @@ ROW_GROUP_BYTES = 1 << 20
 GROUPS_PER_FILE = 64  # a unit's rows of one route fill files of at most this many row groups
 HOLDOUT = "__holdout__"  # the _route value of rows not used for training
 # Columns of few distinct values, dictionary-encoded in the files (with the credential columns).
+# Format 4: these three are Arrow dictionary columns already (``repeated``, ``coded``), which the
+# Parquet writer stores as they are instead of hashing every row's value (a credential's JSON,
+# ~300 bytes) to find its entry; a reader gets them back as dictionary columns.
 DICTIONARY_COLUMNS = ("_corpus", "_route", "_credential")
 
 
@@ -199,9 +202,9 @@ def _compression(schema: pa.Schema) -> str | dict[str, str]:
 class Annotated:
     """A unit's rows annotated: the table with ``_corpus``, ``_row`` and ``_row_hash`` added, and
     per row its route and credential as indices (``route_of_row`` into ``route_names``,
-    ``credential_of_row`` into ``credentials``). The ``_route`` and ``_credential`` string columns
-    are built per route after the rows are split (:meth:`of_route`): a credential's JSON repeated
-    on every row, then filtered, is most of a unit's bytes."""
+    ``credential_of_row`` into ``credentials``). The ``_route`` and ``_credential`` dictionary
+    columns are built per route after the rows are split (:meth:`of_route`), each with the values
+    its rows use."""
 
     table: pa.Table
     route_names: list[str]
@@ -221,19 +224,34 @@ class Annotated:
         # Filtered even when every row takes the route: fresh buffers, so the byte size that
         # decides the row groups does not depend on how the unit's blocks were cut.
         rows = self.table.filter(pa.array(mask))
-        credentials = self.credentials.take(pa.array(self.credential_of_row[mask]))
         return (
-            rows.append_column("_route", pa.repeat(pa.scalar(route, type=pa.string()), rows.num_rows))
-            .append_column("_credential", credentials)
+            rows.append_column("_route", repeated(route, rows.num_rows))
+            .append_column("_credential", coded(self.credentials, self.credential_of_row[mask]))
             .combine_chunks()
         )
 
     def whole(self) -> pa.Table:
         """Every row with its ``_route`` and ``_credential`` columns, in row order."""
         names = pa.array(self.route_names, type=pa.string())
-        return self.table.append_column("_route", names.take(pa.array(self.route_of_row))).append_column(
-            "_credential", self.credentials.take(pa.array(self.credential_of_row))
+        return self.table.append_column("_route", coded(names, self.route_of_row)).append_column(
+            "_credential", coded(self.credentials, self.credential_of_row)
         )
+
+
+def repeated(value: str, count: int) -> pa.DictionaryArray:
+    """``value`` on ``count`` rows as a dictionary column: one entry, int32 indices."""
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.zeros(count, dtype=np.int32)), pa.array([value], type=pa.string())
+    )
+
+
+def coded(values: pa.Array, codes: np.ndarray) -> pa.DictionaryArray:
+    """``values[codes]`` as a dictionary column whose dictionary holds only the values used, in
+    the order of ``values`` (a function of the rows alone: the same rows, the same bytes)."""
+    used = np.flatnonzero(np.bincount(codes, minlength=len(values)))
+    index = np.zeros(len(values), dtype=np.int32)
+    index[used] = np.arange(len(used), dtype=np.int32)
+    return pa.DictionaryArray.from_arrays(pa.array(index[codes]), values.take(pa.array(used)))
 
 
 def annotate(
@@ -278,7 +296,7 @@ def annotate(
         held_out = holdout_mask(prefixes, holdout_fraction)
         route_of_row = np.where(held_out, route_names.index(HOLDOUT), route_of_row)
     rows = (
-        table.append_column("_corpus", pa.repeat(pa.scalar(spec.id, type=pa.string()), count))
+        table.append_column("_corpus", repeated(spec.id, count))
         .append_column("_row", pa.array(np.arange(first_row, first_row + count, dtype=np.int64)))
         .append_column("_row_hash", hashes)
     )
