@@ -202,7 +202,7 @@ def test_manifest_lists_each_routes_files_by_corpus_then_row_with_their_row_span
 def test_files_are_snappy_but_the_row_hashes_and_their_digests_are_the_bytes_on_disk(
     two_splits: TwoSplits,
 ) -> None:
-    """Each file's column chunks: ``_row_hash`` stored uncompressed (hex of uniform bytes), every
+    """Each file's column chunks: ``_row_hash`` stored uncompressed (raw digests: uniform bytes), every
     other column snappy; the manifest's sha256 of each file is that of the bytes on disk."""
     manifest, root = two_splits.default.manifest, two_splits.default.root
     files = [file for route in manifest.routes for file in route.files]
@@ -295,13 +295,25 @@ def test_format_1_shards_stay_readable_and_locate_scans_them(two_splits: TwoSpli
         )
 
 
-def test_format_4_keeps_its_repeated_columns_as_dictionaries_and_format_3_shards_read_alike(
+def _as_format_3(table: pa.Table) -> pa.Table:
+    """A format-4 shard table as format 3 stored it: ``_corpus``, ``_route`` and ``_credential``
+    as plain strings, ``_row_hash`` as hex digits."""
+    for column in ("_corpus", "_route", "_credential"):
+        table = table.set_column(
+            table.schema.get_field_index(column), column, table[column].cast(pa.string())
+        )
+    hexes = pa.array([digest.hex() for digest in table["_row_hash"].to_pylist()], pa.string())
+    return table.set_column(table.schema.get_field_index("_row_hash"), "_row_hash", hexes)
+
+
+def test_format_4_stores_repeated_columns_as_dictionaries_and_raw_hashes_and_reads_as_format_3(
     two_splits: TwoSplits, tmp_path: Path
 ) -> None:
-    """Format 4 files hold ``_corpus``, ``_route`` and ``_credential`` as dictionary columns, each
-    dictionary the values of the file's rows; the same shards as format 3 wrote them (plain
-    strings) answer every reader alike: whole routes and holdouts, the row index, the probe's
-    lowest-hash samples and the EU summary's credential counts."""
+    """Format 4 files hold ``_corpus``, ``_route`` and ``_credential`` as dictionary columns (each
+    dictionary the values of the file's rows) and ``_row_hash`` as 32 raw bytes; the same shards
+    as format 3 wrote them (strings, hex digits) answer every reader alike: whole routes and
+    holdouts, the row index, the probe's lowest-hash samples (raw bytes sort as their hex does)
+    and the EU summary's credential counts."""
     from govray.data.reader import ShardReader
     from govray.provenance.eu_summary import _row_credentials
     from govray.train.worker import lowest_hashes
@@ -316,28 +328,21 @@ def test_format_4_keeps_its_repeated_columns_as_dictionaries_and_format_3_shards
         for file in group:
             path = old_root / file["path"]
             table = pq.read_table(path)
+            assert table.schema.field("_row_hash").type == pa.binary(32)
             for column in ("_corpus", "_route", "_credential"):
-                values = table[column]
-                assert pa.types.is_dictionary(values.type)
-                assert all(len(chunk.dictionary) == len(set(chunk.to_pylist())) for chunk in values.chunks), (
-                    file["path"],
-                    column,
-                )
-                table = table.set_column(
-                    table.schema.get_field_index(column), column, values.cast(pa.string())
-                )
-            pq.write_table(table, path, row_group_size=ROW_GROUP_ROWS)
+                chunks = table[column].chunks
+                assert pa.types.is_dictionary(table.schema.field(column).type)
+                assert all(len(chunk.dictionary) == len(set(chunk.to_pylist())) for chunk in chunks), column
+            pq.write_table(_as_format_3(table), path, row_group_size=ROW_GROUP_ROWS)
             file["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     (old_root / MANIFEST).write_text(json.dumps(manifest))
     old, new = ShardSet.open(old_root, verify=True), ShardSet.open(new_root)
-    assert (
-        pq.read_schema(old_root / manifest["routes"][0]["files"][0]["path"]).field("_credential").type
-        == pa.string()
-    )
     for route in new.manifest.routes:
-        assert old.route_table(route.route).to_pylist() == new.route_table(route.route).to_pylist()
+        assert (
+            old.route_table(route.route).to_pylist() == _as_format_3(new.route_table(route.route)).to_pylist()
+        )
     for corpus in new.manifest.holdout:
-        assert old.holdout_table(corpus).to_pylist() == new.holdout_table(corpus).to_pylist()
+        assert old.holdout_table(corpus).to_pylist() == _as_format_3(new.holdout_table(corpus)).to_pylist()
     for corpus, row in sample_rows(new.manifest):
         assert old.locate(corpus, row).position == new.locate(corpus, row).position
     assert _row_credentials(old) == _row_credentials(new)
@@ -348,7 +353,8 @@ def test_format_4_keeps_its_repeated_columns_as_dictionaries_and_format_3_shards
             )
             for reader in (ShardReader(old), ShardReader(new))
         ]
-        assert samples[0].num_rows == 50 and samples[0].to_pylist() == samples[1].to_pylist()
+        assert samples[0].num_rows == 50
+        assert samples[0].to_pylist() == _as_format_3(samples[1]).to_pylist()
 
 
 def test_a_bad_row_in_the_last_unit_of_the_second_corpus_is_refused_and_leaves_nothing(

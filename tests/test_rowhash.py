@@ -139,7 +139,7 @@ def test_annotate_gives_each_row_its_own_credential_and_route() -> None:
             annotated["_credential"][row].as_py()
             == canonical_json(credential.model_dump(mode="json")).decode()
         )
-        held_out = in_holdout(annotated["_row_hash"][row].as_py(), 0.2)
+        held_out = in_holdout(annotated["_row_hash"][row].as_py().hex(), 0.2)
         route = HOLDOUT if held_out else policy.route_key_for(credential, where="")
         assert annotated["_route"][row].as_py() == route
     assert HOLDOUT in annotated["_route"].to_pylist() and len(set(annotated["_route"].to_pylist())) == 2

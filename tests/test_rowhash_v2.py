@@ -218,10 +218,10 @@ def hashes_by_row(shards: ShardSet, corpus: str) -> dict[int, tuple[str, bool]]:
         for file in route.files:
             for row in pq.read_table(shards.root / file.path).to_pylist():
                 if row["_corpus"] == corpus:
-                    found[row["_row"]] = (row["_row_hash"], False)
+                    found[row["_row"]] = (row["_row_hash"].hex(), False)  # raw bytes in format 4
     for file in shards.manifest.holdout.get(corpus, []):
         for row in pq.read_table(shards.root / file.path).to_pylist():
-            found[row["_row"]] = (row["_row_hash"], True)
+            found[row["_row"]] = (row["_row_hash"].hex(), True)
     return found
 
 
@@ -265,5 +265,5 @@ def test_a_version_1_ingest_stays_readable_and_its_rows_are_found(
         location = shards.locate("as-jsonl", number)
         assert (location.split == "holdout") == held
         found = pq.read_table(shards.root / location.file.path).slice(location.index, 1).to_pylist()[0]
-        assert (found["_row"], found["_row_hash"]) == (number, digest)
+        assert (found["_row"], found["_row_hash"].hex()) == (number, digest)
     assert hashes_by_row(ShardSet.open(new.root), "as-jsonl")[0][0] == row_hash(rows[0])

@@ -178,6 +178,14 @@ def sha256_each_hashlib(offsets: np.ndarray, data: memoryview, start: bytes = b"
     return b"".join(digests)
 
 
+def raw_digests(digests: bytes) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
+    """Concatenated 32-byte digests as a ``binary(32)`` array (no copy) and their first 64 bits
+    (uint64, big-endian). Raw digests sort as their hex digits do."""
+    count = len(digests) // 32
+    array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(32), count, [None, pa.py_buffer(digests)])
+    return array, np.frombuffer(digests, dtype=">u8")[::4].astype(np.uint64)
+
+
 def hex_digests(digests: bytes) -> tuple[pa.Array, np.ndarray]:
     """Concatenated 32-byte digests as hex strings (a string array) and their first 64 bits
     (uint64, big-endian: the first 16 hex digits)."""

@@ -13,7 +13,8 @@ anyone can recompute it from the row. Two versions exist; an ingest records the 
 - **1** (ingests recorded before version 2): ``sha256`` of the row's canonical JSON
   (``govray.data.rowhash_v1``).
 
-Both are 64 hex digits, so a version is named where a hash is shown.
+Both are 64 hex digits, so a version is named where a hash is shown. Shards (format 4) store the
+32 raw bytes (:func:`row_digests`); every answer govray gives shows the hex.
 
 Example::
 
@@ -32,7 +33,7 @@ import pyarrow as pa
 
 from govray.core.errors import IngestError
 from govray.data import rowhash_v1
-from govray.data.rowcode import encode_row, encode_values, header, hex_digests, sha256_each
+from govray.data.rowcode import encode_row, encode_values, header, hex_digests, raw_digests, sha256_each
 
 ROW_HASH_VERSION = 2  # what new ingests use
 READABLE_ROW_HASH_VERSIONS = (1, 2)
@@ -56,10 +57,22 @@ def row_hash(row: dict[str, Any], version: int = ROW_HASH_VERSION) -> str:
 def row_hashes(table: pa.Table, version: int = ROW_HASH_VERSION) -> tuple[pa.Array, np.ndarray]:
     """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
     64 bits (uint64, for :func:`holdout_mask`)."""
+    return hex_digests(_digests(table, version))
+
+
+def row_digests(
+    table: pa.Table, version: int = ROW_HASH_VERSION
+) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
+    """:func:`row_hashes` as raw digests: a ``binary(32)`` array (the shards' ``_row_hash`` since
+    shard format 4: half the bytes of the hex, and no hex to build) and their first 64 bits."""
+    return raw_digests(_digests(table, version))
+
+
+def _digests(table: pa.Table, version: int) -> bytes:
     if check_version(version) == 1:
-        return rowhash_v1.row_hashes_v1(table)
+        return rowhash_v1.digests_v1(table)
     offsets, data = encode_values(table)
-    return hex_digests(sha256_each(offsets, data, header(table.column_names)))
+    return sha256_each(offsets, data, header(table.column_names))
 
 
 def in_holdout(digest: str, fraction: float) -> bool:

@@ -51,6 +51,11 @@ def row_hash_v1(row: dict[str, Any]) -> str:
 def row_hashes_v1(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
     """:func:`row_hash_v1` of every row of ``table``: the hex digests (a string array) and their first
     64 bits (uint64, for ``govray.data.rowhash.holdout_mask``)."""
+    return hex_digests(digests_v1(table))
+
+
+def digests_v1(table: pa.Table) -> bytes:
+    """:func:`row_hash_v1` of every row of ``table`` as raw digests, 32 bytes a row, concatenated."""
     count = table.num_rows
     names = sorted(table.column_names)
     pieces: list[Any] = []
@@ -59,7 +64,7 @@ def row_hashes_v1(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
         pieces.append(_json_texts(table[name]))
     pieces.append(_literal("}"))
     if count == 0:
-        return pa.array([], type=pa.string()), np.zeros(0, dtype=np.uint64)
+        return b""
     if names:
         texts = pc.binary_join_element_wise(*pieces, _literal(""))
     else:
@@ -69,7 +74,7 @@ def row_hashes_v1(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
     texts = texts.cast(pa.large_string())
     _, offsets, data = texts.buffers()
     starts = np.frombuffer(offsets, dtype=np.int64)[texts.offset : texts.offset + count + 1]
-    return hex_digests(sha256_each(starts, memoryview(data) if data is not None else memoryview(b"")))
+    return sha256_each(starts, memoryview(data) if data is not None else memoryview(b""))
 
 
 def _json_texts(column: pa.ChunkedArray) -> pa.Array:

@@ -16,17 +16,19 @@ corpus and first and last corpus row, so a row is found without reading files
 
 Each shard row keeps its source columns plus ``_corpus``, ``_row`` (0-based row number within
 the corpus, files in sorted order), ``_row_hash`` (the row's hash of the manifest's
-``row_hash_version``: ``govray.data.rowhash``), ``_route`` and ``_credential`` (the row's full
-credential, canonical JSON).
+``row_hash_version``: ``govray.data.rowhash``; raw bytes, see format 4), ``_route`` and
+``_credential`` (the row's full credential, canonical JSON).
 
 Format 4 (this govray) writes ``_corpus``, ``_route`` and ``_credential`` as Arrow dictionary
 columns (a file's dictionary holds the values its rows use; the Parquet writer stores them as they
 are instead of looking up every row's ~300-byte credential), so a reader gets them back as
 dictionary arrays, which Arrow's kernels compare, filter, group and convert (``as_py``) as the
-strings they encode. Format 3 lays files out as format 2 did, with ``_row_hash`` stored uncompressed
-and row groups sized from freshly built columns; it stored the three as plain strings. Each format
-makes other bytes from the same ingest, so the format is part of the shards' key, and shards of
-formats 2 and 3 keep theirs (and stay readable).
+strings they encode; and ``_row_hash`` as the digest's 32 raw bytes (``binary(32)``), which sort
+as their hex digits do (every answer govray gives shows the hex). Format 3 lays files out as
+format 2 did, with ``_row_hash`` stored uncompressed and row groups sized from freshly built
+columns; it stored the three as plain strings and the hash as 64 hex digits. Each format makes
+other bytes from the same ingest, so the format is part of the shards' key, and shards of formats
+2 and 3 keep theirs (and stay readable: ``_row_hash`` is hex there).
 Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
 per file) stays readable; :meth:`ShardSet.locate` scans its route files.
 """

@@ -28,7 +28,7 @@ import ray
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.core.errors import CredentialError, PolicyError
-from govray.data.rowhash import ROW_HASH_VERSION, holdout_mask, row_hashes
+from govray.data.rowhash import ROW_HASH_VERSION, holdout_mask, row_digests
 from govray.data.shards import ShardFile
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -189,8 +189,8 @@ def _write(rows: pa.Table, group: int, job: UnitJob, relative: str, dictionary: 
 
 
 def _compression(schema: pa.Schema) -> str | dict[str, str]:
-    """Snappy, but not for ``_row_hash`` (hex of uniform bytes: snappy spends time and saves
-    nothing on it). Per-column codecs are keyed by leaf column paths, which a nested column's
+    """Snappy, but not for ``_row_hash`` (uniform bytes: snappy spends time and saves nothing on
+    it). Per-column codecs are keyed by leaf column paths, which a nested column's
     name is not (``s.x``, ``l.list.element``), so a table with nested columns keeps snappy
     everywhere."""
     if any(pa.types.is_nested(field.type) for field in schema):
@@ -287,7 +287,7 @@ def annotate(
             return resolved
         routes.append(resolved[0])
         credentials.append(resolved[1])
-    hashes, prefixes = row_hashes(table, row_hash_version)
+    hashes, prefixes = row_digests(table, row_hash_version)
     route_names = list(dict.fromkeys(routes))
     route_of_row = np.array([route_names.index(route) for route in routes], dtype=np.int64)[of_row]
     if spec.role == CorpusRole.TRAIN:

@@ -155,14 +155,7 @@ def lowest_hashes(
     """The ``count`` rows of ``corpus_id`` in ``runs`` with the lowest (row hash, row), in that
     order, minus the rows numbered in ``exclude``: one pass over three columns, keeping at most
     ``count`` candidates, then only those rows read whole."""
-    best = pa.table(
-        {
-            "_row_hash": pa.array([], pa.string()),
-            "_row": pa.array([], pa.int64()),
-            "_run": pa.array([], pa.int64()),
-            "_at": pa.array([], pa.int64()),
-        }
-    )
+    best: pa.Table | None = None  # ``_row_hash`` as the shards hold it: raw bytes (format 4) or hex
     for index, run in enumerate(runs):
         for at, part in reader.scan(run, ["_corpus", "_row_hash", "_row"], corpus=corpus_id):
             positions = pa.array(np.arange(at, at + part.num_rows, dtype=np.int64))
@@ -175,8 +168,9 @@ def lowest_hashes(
                     "_at": positions,
                 }
             ).filter(mine)
-            best = by_row_hash(without_rows(pa.concat_tables([best, candidates]), exclude)).slice(0, count)
-    if not best.num_rows:
+            pool = candidates if best is None else pa.concat_tables([best, candidates])
+            best = by_row_hash(without_rows(pool, exclude)).slice(0, count)
+    if best is None or not best.num_rows:
         return reader.empty()
     parts = [
         reader.take_from(
