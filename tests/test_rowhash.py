@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
-from govray.data.rowhash import READABLE_ROW_HASH_VERSIONS, holdout_mask, in_holdout, row_hash, row_hashes
+from govray.data.rowhash import (
+    READABLE_ROW_HASH_VERSIONS,
+    holdout_mask,
+    in_holdout,
+    row_digests,
+    row_hash,
+    row_hashes,
+)
 from govray.data.units import DICTIONARY_COLUMNS, HOLDOUT, Annotated, RowRefusal, annotate
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -76,6 +83,9 @@ def test_row_hashes_are_the_row_hash_of_every_row(version: int, table: pa.Table)
     expected = [row_hash(row, version) for row in table.to_pylist()]
     assert hashes.to_pylist() == expected
     assert prefixes.tolist() == [int(digest[:16], 16) for digest in expected]
+    raw, raw_prefixes = row_digests(table, version)  # what shards of format 4 store
+    assert raw.type == pa.binary(32) and [digest.hex() for digest in raw.to_pylist()] == expected
+    assert raw_prefixes.tolist() == prefixes.tolist()
 
 
 def test_version_1_row_hashes_of_chunked_and_sliced_tables() -> None:
