@@ -11,8 +11,12 @@ running, and every earlier group of one that runs again (a restored actor's run 
 A group no result named yet (the trial stopped while its run was starting, or between a worker
 group's restart and its first report) is an *orphan*: its creator, the run's Train controller, died
 with the trial, yet Ray keeps a group until its creator's job ends. ``orphaned_groups`` finds this
-job's orphans in the GCS's own table; the guard removes them when a trial stops and, waiting for
-the last controllers to die, when the search ends.
+job's orphans in the GCS's own tables: the group's record says whether its creator died, except
+when the creator died while the group was being created (seen in CI: the record says alive, the
+actor table DEAD, and Ray never frees it), so a creator the actor table calls dead counts as dead.
+The guard removes orphans when a trial stops, every ``ORPHAN_CHECK_S`` while the search runs (a
+controller may die after Tune reported its trial stopped, and the trials still waiting for its
+CPUs would wait forever), and, waiting for the last controllers to die, when the search ends.
 
 Example::
 
@@ -74,8 +78,16 @@ def held_groups() -> list[JobGroup]:
         data = table_data.FromString(raw)
         if data.creator_job_id.hex() == job and data.state != table_data.REMOVED:
             by_actor = data.creator_actor_id != nil
-            held.append(JobGroup(data.placement_group_id.hex(), by_actor, data.creator_actor_dead))
+            dead = data.creator_actor_dead or (by_actor and _actor_dead(data.creator_actor_id.hex()))
+            held.append(JobGroup(data.placement_group_id.hex(), by_actor, dead))
     return held
+
+
+def _actor_dead(actor: str) -> bool:
+    """The actor table calls ``actor`` dead, or no longer knows it (the GCS forgets dead actors)."""
+    from ray._private.state import state
+
+    return state.actor_table(actor).get("State", "DEAD") == "DEAD"
 
 
 def orphaned_groups() -> list[str]:
@@ -95,12 +107,14 @@ class PlacementGuard:
     """On the driver: each trial's placement groups, removed when it stops running."""
 
     SETTLE_S = 30.0  # at the search's end, how long its runs' controllers get to die
+    ORPHAN_CHECK_S = 5.0  # while the search runs, how often orphans are looked for
 
     def __init__(self) -> None:
         self.before: set[str] | None = None  # this job's groups when the search began
         self.current: dict[str, set[str]] = {}  # trial id → groups of its latest run
         self.earlier: dict[str, set[str]] = {}  # trial id → groups of its earlier runs, not yet freed
         self.removed: list[str] = []  # every group this guard removed (Ray had not)
+        self.checked = 0.0  # when orphans were last looked for (time.monotonic)
 
     def begin(self) -> None:
         """The search begins: the groups this job holds now are not the search's."""
@@ -124,14 +138,17 @@ class PlacementGuard:
             self._remove_orphans()
 
     def sweep(self, running: Iterable[str]) -> None:
-        """Remove the groups of every trial not in ``running``, and the earlier runs' groups of
-        those that are (cheap when there is nothing to remove: no call to Ray)."""
+        """Remove the groups of every trial not in ``running``, the earlier runs' groups of those
+        that are, and, at most every ``ORPHAN_CHECK_S``, the search's orphans (otherwise cheap when
+        there is nothing to remove: no call to Ray)."""
         running = set(running)
         for trial_id in [t for t in self.current if t not in running]:
             self.release(trial_id)
         stale = set().union(*self.earlier.values()) if self.earlier else set()
         self.earlier.clear()
         self._remove(stale)
+        if self.before is not None and time.monotonic() - self.checked >= self.ORPHAN_CHECK_S:
+            self._remove_orphans()
 
     def release_all(self) -> None:
         """The search is over: every trial's groups go, and every group a run of the search
@@ -157,6 +174,7 @@ class PlacementGuard:
 
     def _remove_orphans(self) -> None:
         assert self.before is not None
+        self.checked = time.monotonic()
         for group in orphaned_groups():
             if group not in self.before:
                 remove_group(group)
