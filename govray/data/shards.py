@@ -55,7 +55,6 @@ from govray.core.storage import open_storage
 
 MANIFEST = "manifest.json"
 SHARD_FORMAT_VERSION = 4
-ROW_COLUMNS = ("_corpus", "_row", "_row_hash", "_route", "_credential")
 
 
 class ShardFile(BaseModel):

@@ -240,9 +240,7 @@ class Annotated:
 
 def repeated(value: str, count: int) -> pa.DictionaryArray:
     """``value`` on ``count`` rows as a dictionary column: one entry, int32 indices."""
-    return pa.DictionaryArray.from_arrays(
-        pa.array(np.zeros(count, dtype=np.int32)), pa.array([value], type=pa.string())
-    )
+    return coded(pa.array([value], type=pa.string()), np.zeros(count, dtype=np.int64))
 
 
 def coded(values: pa.Array, codes: np.ndarray) -> pa.DictionaryArray:
