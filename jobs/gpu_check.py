@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -31,7 +32,8 @@ from jobs.examples.digits.golden import save_experiment
 from jobs.examples.hf_lm.golden import example_under
 
 REPO = Path(__file__).resolve().parents[1]
-TAIL = 15  # lines of each command's output shown
+TAIL = 15  # lines of each command's output shown when it passed
+TAIL_FAILED = 150  # and when it failed
 
 
 def no_gpu_line() -> str:
@@ -42,10 +44,11 @@ def no_gpu_line() -> str:
     )
 
 
-def gpu_experiment(root: Path, steps: int) -> Path:
+def gpu_experiment(root: Path, steps: int, **training: Any) -> Path:
     """The HF example under ``root``: one Ray Train worker with ``use_gpu`` (NCCL), bf16,
-    ``steps`` steps with a validation and a checkpoint halfway and at the end."""
-    path = example_under(root, steps, precision="bf16")
+    ``steps`` steps with a validation and a checkpoint halfway and at the end; ``training``
+    settings added (``deterministic``, say)."""
+    path = example_under(root, steps, precision="bf16", **training)
     raw = yaml.safe_load(path.read_text())
     raw["resources"] = {**raw.get("resources", {}), "workers": 1, "use_gpu": True}
     return save_experiment(root, raw)
@@ -63,7 +66,7 @@ def _run(title: str, command: list[str]) -> bool:
     print(f"\n== {title}\n$ {' '.join(command)}", flush=True)
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     lines = (done.stdout + done.stderr).rstrip().splitlines()
-    for line in lines[-TAIL:]:
+    for line in lines[-(TAIL if done.returncode == 0 else TAIL_FAILED) :]:
         print(f"  {line}")
     print(f"-> {'passed' if done.returncode == 0 else f'FAILED (exit code {done.returncode})'}", flush=True)
     return done.returncode == 0

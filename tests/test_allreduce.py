@@ -63,6 +63,8 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from govray.train.parallel import rank_local_buffers
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     while (case := tasks.get()) is not None:
@@ -70,7 +72,7 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             model = build_model(case.seed)
             before = {name: p.detach().clone() for name, p in model.named_parameters()}
             governor = GradientGovernor(list(model.named_parameters()), case.allowed)
-            ddp = DistributedDataParallel(model, forward_sync_buffers=False)  # rank-local buffers, as govray
+            ddp = DistributedDataParallel(model, **rank_local_buffers())  # rank-local buffers, as govray
             ddp.register_comm_hook(governor, governed_allreduce_hook)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
             try:

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from torch import nn
 
@@ -30,6 +29,7 @@ from govray.provenance.attest import attest_checkpoint
 from govray.provenance.locations import run_spec_of
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
+from jobs.gpu_check import gpu_experiment
 from tests.gloo_group import persistent_group
 from tests.test_attest import statement_of
 
@@ -48,22 +48,9 @@ needs_hf_example = pytest.mark.skipif(not HF_EXAMPLE.is_file(), reason=f"{HF_EXA
 
 
 def hf_example_on_gpu(root: Path, *, deterministic: bool) -> Path:
-    """The HF example's experiment under ``root``: its relative paths made absolute, storage in
-    ``root``, one GPU worker, bf16, a few steps."""
-    raw: dict[str, Any] = yaml.safe_load(HF_EXAMPLE.read_text())
-    here = HF_EXAMPLE.parent
-    for corpus in raw["data"]["corpora"]:
-        corpus["path"] = str((here / corpus["path"]).resolve())
-    for key in ("file", "trust", "signature"):
-        if raw["policy"].get(key):
-            raw["policy"][key] = str((here / raw["policy"][key]).resolve())
-    raw["storage_path"] = str(root / "storage")
-    raw["training"] = {**raw.get("training", {}), "precision": "bf16", "deterministic": deterministic}
-    raw["resources"] = {**raw.get("resources", {}), "workers": 1, "use_gpu": True}
-    raw["searcher"] = {**raw["searcher"], "max_length": {"batches": STEPS}}
-    path = root / "experiment.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+    """The HF example's experiment under ``root`` as ``python -m jobs.gpu_check`` runs it (absolute
+    data, canary and policy paths, storage in ``root``, one GPU worker, bf16), for a few steps."""
+    return gpu_experiment(root, STEPS, deterministic=deterministic)
 
 
 def final_checkpoint(outcome: TrialOutcome) -> Path:
@@ -172,6 +159,8 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from govray.train.parallel import rank_local_buffers
+
     torch.cuda.set_device(0)  # both ranks share the one GPU
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     while (task := tasks.get()) is not None:
@@ -180,7 +169,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
             model = build_model(index)
             before = {name: p.detach().clone() for name, p in model.named_parameters()}
             governor = GradientGovernor(list(model.named_parameters()), ALLOWED)
-            ddp = DistributedDataParallel(model, device_ids=[0], forward_sync_buffers=False)
+            ddp = DistributedDataParallel(model, device_ids=[0], **rank_local_buffers())
             ddp.register_comm_hook(governor, governed_allreduce_hook)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
             governor.begin_step(0, slots[rank], counts(slots, sizes))

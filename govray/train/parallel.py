@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -84,6 +86,17 @@ def _on_host(value: Any, pinned: bool) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_on_host(item, pinned) for item in value)
     return copy.deepcopy(value)
+
+
+@functools.cache
+def rank_local_buffers() -> dict[str, Any]:
+    """The ``DistributedDataParallel`` keyword that keeps buffers rank-local in the forward (govray's
+    routing refuses running statistics, so none is ever synced). torch 2.13, which govray pins, calls
+    it ``forward_sync_buffers`` and deprecates ``broadcast_buffers``; older torch (a GPU image's own
+    2.11, say) knows only ``broadcast_buffers``."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class Single:
@@ -198,7 +211,7 @@ class Replicated(Single):
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            forward_sync_buffers=False,  # running statistics are refused by routing, never synced
+            **rank_local_buffers(),
         )
         ddp.register_comm_hook(governor, governed_allreduce_hook)
         return ddp

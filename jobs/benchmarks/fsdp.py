@@ -94,11 +94,12 @@ def governed_ddp() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
     from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
+    from govray.train.parallel import rank_local_buffers
     from govray.train.step import allowed_route_sets
 
     model, table = governed_model(build_model(0))
     governor = GradientGovernor(parameters_by_name(model), allowed_route_sets(model, table))
-    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(model, **rank_local_buffers())
     ddp.register_comm_hook(governor, governed_allreduce_hook)
     return ddp, governor, torch.optim.AdamW(model.parameters(), lr=1e-4)
 

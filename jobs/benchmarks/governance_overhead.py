@@ -83,13 +83,14 @@ def ddp_pairs(config: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from govray.governance.allreduce import governed_allreduce_hook
+    from govray.train.parallel import rank_local_buffers
 
     torch.set_num_threads(int(config["threads"]))
     rank = dist.get_rank()
     governed, governor = governed_parts(build_model(0))
-    governed_ddp = DistributedDataParallel(governed, forward_sync_buffers=False)
+    governed_ddp = DistributedDataParallel(governed, **rank_local_buffers())
     governed_ddp.register_comm_hook(governor, governed_allreduce_hook)
-    plain_ddp = DistributedDataParallel(build_model(0), forward_sync_buffers=False)
+    plain_ddp = DistributedDataParallel(build_model(0), **rank_local_buffers())
     governed_opt = torch.optim.AdamW(governed.parameters(), lr=1e-4)
     plain_opt = torch.optim.AdamW(plain_ddp.parameters(), lr=1e-4)
     x, y = batch(rank)
