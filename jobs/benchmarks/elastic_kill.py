@@ -115,7 +115,11 @@ def elastic_experiment(root: Path) -> Path:
     """The digits example under ``root`` as an elastic run of 2 to 3 one-CPU workers."""
     from jobs.examples.digits.golden import golden_example
 
-    path = golden_example(root, 3, {"batches": STEPS}, lr_schedule=False)
+    # Every checkpoint kept (not the golden 100 latest): the run trains on through each stage, some
+    # 40 steps a second, while a node starts and the run resizes, and the tests train each world's
+    # stretch again from the checkpoint it resized at, which GC of the latest 100 deletes once 100
+    # newer ones are sealed (a slow node start or resize on a loaded machine).
+    path = golden_example(root, 3, {"batches": STEPS}, lr_schedule=False, keep_checkpoints=STEPS // PERIOD)
     raw: dict[str, Any] = yaml.safe_load(path.read_text())
     raw["resources"] = {
         "workers": {"min": 2, "max": 3},
