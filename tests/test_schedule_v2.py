@@ -26,6 +26,7 @@ SPECIAL_SIZES = sorted(
 )
 sizes = st.one_of(st.sampled_from(SPECIAL_SIZES), st.integers(min_value=1, max_value=100_000))
 keys = st.integers(min_value=0, max_value=2**64 - 1)
+HUGE_SIZES = [2**31 - 1, 2**31, 2**32 + 5, 2**61 + 3, MAX_DOMAIN]
 
 
 @settings(max_examples=120, deadline=None)
@@ -67,6 +68,50 @@ def test_indexes_outside_the_domain_and_empty_domains_are_refused() -> None:
     with pytest.raises(Exception, match="needs 1 <= n <= 2\\*\\*62, not 0"):
         KeyedPermutation(1, 0)
     assert KeyedPermutation(1, 1).forward(np.array([0])).tolist() == [0]
+
+
+# --- the compiled kernel (govray/data/_feistel.c) -------------------------------------------------
+
+
+def test_the_compiled_feistel_kernel_is_built() -> None:
+    """The install compiles ``govray/data/_feistel.c`` (pyproject's ext-modules, optional): on a
+    machine with a C compiler it must be there, else every step's schedule costs ~3x more."""
+    from govray.data import permutation
+
+    assert permutation._feistel is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys, st.one_of(sizes, st.sampled_from([2**31 - 1, 2**31, 2**32 + 5, 2**61 + 3, MAX_DOMAIN])), st.data()
+)
+def test_the_kernel_gives_numpys_images_and_preimages_value_for_value(
+    key: int, n: int, data: st.DataObject
+) -> None:
+    """numpy's rounds are the definition; the kernel walks each cycle in C. Indexes of any shape
+    (2-D, a strided view) and domains up to 2**62, forward and inverse."""
+    order = KeyedPermutation(key, n)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    indexes = np.random.default_rng(seed).integers(0, n, size=(2, 301), dtype=np.int64)[:, ::3]
+    for inverse in (False, True):
+        compiled = order._walk(indexes, inverse=inverse)
+        assert compiled.shape == indexes.shape and compiled.dtype == np.int64
+        assert np.array_equal(compiled, order._walk(indexes, inverse=inverse, compiled=False))
+
+
+def test_the_kernel_refuses_what_its_caller_would_never_give_it() -> None:
+    from govray.data import _feistel
+
+    values, out = np.array([0, 9, 10]), np.empty(3, dtype=np.int64)
+    round_keys = (1, 2, 3, 4, 5, 6)
+    with pytest.raises(ValueError, match=r"value 2 lies outside \[0, 10\)"):
+        _feistel.walk(values, out, round_keys, 2, 10, False)
+    with pytest.raises(ValueError, match="6 round keys"):
+        _feistel.walk(values, out, round_keys[:5], 2, 10, False)
+    with pytest.raises(ValueError, match="half must be"):
+        _feistel.walk(values, out, round_keys, 1, 10, False)  # 2 bits cannot hold 10 values
+    with pytest.raises(ValueError, match="one length"):
+        _feistel.walk(values, out[:2], round_keys, 2, 10, False)
 
 
 # --- the schedule on version 2 --------------------------------------------------------------------

@@ -6,7 +6,9 @@ bijection on ``[0, n)`` chosen by a key, evaluated index by index in O(1) memory
 time, with an exact inverse: a balanced Feistel network on the smallest even bit width covering
 ``n`` whose outputs outside ``[0, n)`` walk the cycle on until they land inside (cycle-walking).
 Its round function is a splitmix64 finalizer of the right half xored with a round key; all of it
-is numpy ``uint64`` arithmetic (wrap-around multiplication), vectorized over the indexes.
+is numpy ``uint64`` arithmetic (wrap-around multiplication), vectorized over the indexes. That numpy
+code is the definition; the compiled kernel ``govray/data/_feistel.c`` computes the same values,
+each index walking its cycle to the end in one loop, wherever the install built it.
 
 Example::
 
@@ -18,12 +20,16 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 
 import numpy as np
 
 from govray.core.canonical import canonical_json
 from govray.core.errors import GovrayError
+
+try:  # the compiled kernel (pyproject.toml's ext-modules); optional
+    from govray.data import _feistel
+except ImportError:  # pragma: no cover - where no C compiler built it
+    _feistel = None  # type: ignore[assignment]
 
 ROUNDS = 6  # Luby-Rackoff: 4 rounds make a strong pseudorandom permutation; 2 more for margin
 MAX_DOMAIN = 2**62
@@ -60,30 +66,37 @@ class KeyedPermutation:
         self._mask = _U64((1 << half) - 1)
         self._drop = _U64(64 - half)  # the round function keeps its output's top ``half`` bits
         self._keys = tuple(_U64(derive_seed(key, "feistel", round)) for round in range(ROUNDS))
+        self._round_keys = tuple(int(round_key) for round_key in self._keys)  # the kernel's
 
     def __repr__(self) -> str:
         return f"KeyedPermutation(key={self.key}, n={self.n})"
 
     def forward(self, indexes: np.ndarray) -> np.ndarray:
         """The image of each index in ``[0, n)`` (an int64 array of ``indexes``' shape)."""
-        return self._walk(indexes, self._encrypt)
+        return self._walk(indexes, inverse=False)
 
     def inverse(self, images: np.ndarray) -> np.ndarray:
         """The index whose image is each of ``images``: ``inverse(forward(x)) == x``."""
-        return self._walk(images, self._decrypt)
+        return self._walk(images, inverse=True)
 
-    def _walk(self, values: np.ndarray, step: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """Apply the Feistel permutation ``step`` until every value lies in ``[0, n)``: since it
-        starts there, each walk stays on its own cycle, so this is a bijection of ``[0, n)``."""
-        start = np.asarray(values, dtype=np.int64)
+    def _walk(self, values: np.ndarray, *, inverse: bool, compiled: bool = True) -> np.ndarray:
+        """Apply the Feistel permutation (or its inverse) until every value lies in ``[0, n)``:
+        since it starts there, each walk stays on its own cycle, so this is a bijection of
+        ``[0, n)``. ``compiled=False``: numpy's definition even where the kernel was built."""
+        start = np.ascontiguousarray(values, dtype=np.int64)
         if start.size and (start.min() < 0 or start.max() >= self.n):
             raise GovrayError(f"index outside [0, {self.n}) given to {self!r}")
-        result = step(start.astype(_U64))
+        if compiled and _feistel is not None:
+            images = np.empty_like(start)
+            _feistel.walk(start, images, self._round_keys, int(self._half), self.n, inverse)
+            return images
+        step = self._decrypt if inverse else self._encrypt
+        result = step(start.ravel().astype(_U64))  # flat: the walk indexes what is still outside
         outside = np.flatnonzero(result >= _U64(self.n))
         while outside.size:  # expected < 4 walks: the domain is less than 4n
             result[outside] = step(result[outside])
             outside = outside[result[outside] >= _U64(self.n)]
-        return result.astype(np.int64)
+        return result.astype(np.int64).reshape(start.shape)
 
     def _round(self, index: int, right: np.ndarray) -> np.ndarray:
         mixed = right ^ self._keys[index]

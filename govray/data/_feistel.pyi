@@ -1,0 +1,3 @@
+# The compiled kernel govray/data/_feistel.c (see there).
+
+def walk(values: object, out: object, keys: tuple[int, ...], half: int, n: int, inverse: bool) -> None: ...
