@@ -3,8 +3,10 @@
 On a machine with a CUDA GPU it runs, from the repository root, and prints what ran and how it
 ended:
 
-1. the GPU tests: ``python -m pytest -m gpu`` (the engine on one GPU in bf16, the comm hook's
-   device path, every collective of a governed run on the GPU, deterministic replay);
+1. the GPU tests: ``python -m pytest -m gpu FILES`` over the test files that mark any test ``gpu``
+   (the engine on one GPU in bf16, the comm hook's device path, every collective of a governed run
+   on the GPU, deterministic replay): named, so that a GPU image without the dev extras some other
+   test modules import still runs them;
 2. a governed run on one Ray Train worker with ``use_gpu`` — a real NCCL process group, which
    takes CUDA tensors only, even at world size 1 — of the Hugging Face example
    (``jobs/examples/hf_lm``: a tiny Llama, its PII corpus routed to a removable LoRA adapter) in
@@ -54,6 +56,15 @@ def gpu_experiment(root: Path, steps: int, **training: Any) -> Path:
     return save_experiment(root, raw)
 
 
+def gpu_test_files() -> list[str]:
+    """The test files (relative to the repository) that mark any test ``gpu``."""
+    return sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in path.read_text()
+    )
+
+
 def machine() -> str:
     """The GPUs, torch, CUDA and NCCL versions, one line."""
     gpus = ", ".join(torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count()))
@@ -84,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, bool] = {}
     if not args.no_tests:
         results["pytest -m gpu"] = _run(
-            "the GPU tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+            "the GPU tests",
+            [sys.executable, "-m", "pytest", "-m", "gpu", *gpu_test_files(), "-q", "-p", "no:cacheprovider"],
         )
     with tempfile.TemporaryDirectory(prefix="govray-gpu-check-") as root:
         experiment = gpu_experiment(Path(root), args.steps)

@@ -16,7 +16,7 @@ import yaml
 from govray.cli import main
 from govray.config.experiment import load_experiment
 from govray.config.training import Precision
-from jobs.gpu_check import gpu_experiment, no_gpu_line
+from jobs.gpu_check import gpu_experiment, gpu_test_files, no_gpu_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,3 +58,35 @@ def test_what_it_calls_on_a_gpu_exists_here(
     assert main(["run", "--help"]) == 0
     assert "Usage:" in capsys.readouterr().out
     assert any(line.startswith("gpu:") for line in pytestconfig.getini("markers"))
+
+
+@pytest.mark.slow  # collects the whole tree: ~16 s
+def test_the_files_it_names_hold_every_gpu_test_of_the_tree() -> None:
+    """It runs ``pytest -m gpu`` over the files it names (a GPU image may lack what other test
+    modules import): those files hold every test the whole tree marks ``gpu``, and some."""
+
+    def collected(*paths: str) -> set[str]:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-m",
+                "gpu",
+                "-p",
+                "no:cacheprovider",
+                *paths,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return {line for line in done.stdout.splitlines() if "::" in line}
+
+    named = collected(*gpu_test_files())
+    assert named and named == collected()
