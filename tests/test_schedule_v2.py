@@ -82,9 +82,7 @@ def test_the_compiled_feistel_kernel_is_built() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    keys, st.one_of(sizes, st.sampled_from([2**31 - 1, 2**31, 2**32 + 5, 2**61 + 3, MAX_DOMAIN])), st.data()
-)
+@given(keys, st.one_of(sizes, st.sampled_from(HUGE_SIZES)), st.data())
 def test_the_kernel_gives_numpys_images_and_preimages_value_for_value(
     key: int, n: int, data: st.DataObject
 ) -> None:

@@ -66,7 +66,7 @@ class KeyedPermutation:
         self._mask = _U64((1 << half) - 1)
         self._drop = _U64(64 - half)  # the round function keeps its output's top ``half`` bits
         self._keys = tuple(_U64(derive_seed(key, "feistel", round)) for round in range(ROUNDS))
-        self._round_keys = tuple(int(round_key) for round_key in self._keys)  # the kernel's
+        self._kernel_args = (tuple(int(round_key) for round_key in self._keys), half, n)  # the kernel's
 
     def __repr__(self) -> str:
         return f"KeyedPermutation(key={self.key}, n={self.n})"
@@ -88,7 +88,7 @@ class KeyedPermutation:
             raise GovrayError(f"index outside [0, {self.n}) given to {self!r}")
         if compiled and _feistel is not None:
             images = np.empty_like(start)
-            _feistel.walk(start, images, self._round_keys, int(self._half), self.n, inverse)
+            _feistel.walk(start, images, *self._kernel_args, inverse)
             return images
         step = self._decrypt if inverse else self._encrypt
         result = step(start.ravel().astype(_U64))  # flat: the walk indexes what is still outside
