@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,10 @@ from tests.conftest import (
     GOLDEN_REPORT_EVERY,
     GOLDEN_STEPS,
     GoldenRun,
-    _golden_run,
     govray_elsewhere,
     kill_driver_when,
 )
+from tests.test_store_completeness import _run_killing_a_worker
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -51,26 +50,12 @@ def final_checkpoint(run_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def killed_run(golden_run: GoldenRun, golden_example: Path) -> GoldenRun:
-    """The golden configuration again, with one Ray Train worker SIGKILLed after the first
-    checkpoint (step 10) is recorded: Ray Train restarts the worker group, which resumes."""
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(run=_golden_run(golden_example)), daemon=True)
-    known = {trial.id for trial in golden_run.store.list_trials(1)}
-    thread.start()
-    deadline = time.monotonic() + 300
-    killed = None
-    while killed is None and time.monotonic() < deadline and thread.is_alive():
-        new = [t for t in golden_run.store.list_trials(1) if t.id not in known]
-        if new and any(c.step == GOLDEN_REPORT_EVERY for c in checkpoints(golden_run.store, new[0].id)):  # type: ignore[arg-type]
-            pids = train_worker_pids()
-            if pids:
-                killed = pids[-1]
-                os.kill(killed, signal.SIGKILL)  # a real kill, not a raised exception
-        time.sleep(0.05)
-    thread.join(timeout=600)
-    assert killed is not None, "never saw the first checkpoint of the run to kill"
-    assert "run" in result, "the killed run did not finish"
-    return result["run"]
+    """The golden configuration again, with one Ray Train worker SIGKILLed as soon as the first
+    checkpoint (step 10) verifies on storage: Ray Train restarts the worker group, which resumes.
+    (Waiting for the driver to record it, up to Ray Train's 2-s report poll later, let the 30-step
+    run end first once steps got faster.)"""
+    run, _ = _run_killing_a_worker(golden_run, golden_example, seed=0)
+    return run
 
 
 @pytest.mark.slow  # a kill and a whole resumed Ray run: the slow tier (store_completeness seed 0 stays)
