@@ -17,7 +17,7 @@ from govray.core.storage import open_storage
 from govray.platform.placement_guard import (
     REMOVED,
     PlacementGuard,
-    _actor_dead,
+    actor_dead,
     orphaned_groups,
     result_places,
 )
@@ -219,19 +219,24 @@ def test_the_guard_looks_for_orphans_while_the_search_runs_and_trusts_the_actor_
     living = _controller()
     ray.get(living.create.remote())
     actor = living._actor_id.hex()
-    assert not _actor_dead(actor)
+    assert not actor_dead(actor)
     ray.kill(living)
     deadline = time.monotonic() + 30
-    while not _actor_dead(actor) and time.monotonic() < deadline:
+    while not actor_dead(actor) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _actor_dead(actor) and _actor_dead("ff" * 16)  # killed; never known
+    assert actor_dead(actor) and actor_dead("ff" * 16)  # killed; never known
     guard.release_all()
 
 
 @pytest.mark.slow  # two whole Ray Tune searches: the slow tier
-def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(ray_session: None, tmp_path: Path) -> None:
-    """A 1-worker grid search of two points runs both trials in one Tune actor (``reuse_actors``);
-    the second trial's final weights are those of a search of its point alone, in a fresh actor."""
+def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(
+    ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trials trained in their Tune actors (``GOVRAY_TRIAL_HOSTS=0``; trial hosts have their own
+    test): a 1-worker grid search of two points runs both trials in one Tune actor
+    (``reuse_actors``); the second trial's final weights are those of a search of its point alone,
+    in a fresh actor."""
+    monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
 
     def grid(root: Path, lrs: list[float]) -> Path:
         path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})

@@ -78,12 +78,12 @@ def held_groups() -> list[JobGroup]:
         data = table_data.FromString(raw)
         if data.creator_job_id.hex() == job and data.state != table_data.REMOVED:
             by_actor = data.creator_actor_id != nil
-            dead = data.creator_actor_dead or (by_actor and _actor_dead(data.creator_actor_id.hex()))
+            dead = data.creator_actor_dead or (by_actor and actor_dead(data.creator_actor_id.hex()))
             held.append(JobGroup(data.placement_group_id.hex(), by_actor, dead))
     return held
 
 
-def _actor_dead(actor: str) -> bool:
+def actor_dead(actor: str) -> bool:
     """The actor table calls ``actor`` dead, or no longer knows it (the GCS forgets dead actors)."""
     from ray._private.state import state
 

@@ -4,7 +4,9 @@ A strategy (``searchers/`` — grid, random, asha, pbt, bayesian) turns the expe
 ``searcher:`` section into a ``TunePlan``: the parameter space, a search algorithm and a trial
 scheduler. govray finds strategies through the ``govray.searchers`` entry points, so it never
 imports ``searchers/``. Each Tune trial runs the governed training loop: one worker inside the
-Tune trial, N workers in one nested ``TorchTrainer`` run that keeps its workers across rungs. At
+Tune trial (a 1-worker CPU trial in a warm trial host the job keeps across searches:
+``govray.platform.trial_hosts``), N workers in one nested ``TorchTrainer`` run that keeps its
+workers across rungs. At
 every validation it reports ``objective = metric ± λ·memorization_score`` (all-reduced over
 ranks), with a signed govray checkpoint as the Tune checkpoint, so ASHA stops memorizers and PBT
 clones a donor's full state (weights, optimizer, ledger).
@@ -21,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -50,6 +53,8 @@ from govray.platform.search_trial import (
     trial_run_name,
     tune_trial,
 )
+from govray.platform.trial_hosts import hosts_enabled, trial_hosts
+from govray.platform.trial_hosts import tune_trial as hosted_trial
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
@@ -136,8 +141,16 @@ def search_planned(
             as_it_goes=not isinstance(plan.scheduler, PopulationBasedTraining),
         ),
     )
+    if hosts_enabled(config.resources.max_workers, config.resources.use_gpu):
+        # A 1-worker CPU trial trains in a warm trial host; its Tune actor never opens the setup.
+        code = hashlib.sha256(record.code.model_dump_json().encode()).hexdigest()
+        function = ray.tune.with_parameters(
+            hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=code
+        )
+    else:
+        function = ray.tune.with_parameters(tune_trial, setup=setup)
     trainable = ray.tune.with_resources(
-        ray.tune.with_parameters(tune_trial, setup=setup),
+        function,
         # An N-worker trial's nested TorchTrainer reserves its workers' CPUs itself (a placement
         # group); a Tune trial holding any CPU would starve it (0.1 + 2 x 1 CPU > 2 cores), and Tune
         # refuses an empty request: the Tune trial asks for a little memory instead.
@@ -185,8 +198,8 @@ def search_planned(
                     else plan.max_concurrent_trials,
                     search_alg=plan.search_alg,
                     scheduler=plan.scheduler,
-                    # A 1-worker trial trains in the Tune actor: a reused one saves its start and
-                    # imports (per-step seeding: nothing of an earlier trial reaches the next).
+                    # A 1-worker trial trains in the Tune actor or its trial host: a reused one
+                    # saves a start (per-step seeding: nothing of an earlier trial reaches the next).
                     # An N-worker trial's run is owned by its actor, which must end with it.
                     reuse_actors=config.resources.max_workers == 1,
                 ),

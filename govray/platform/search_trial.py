@@ -9,8 +9,8 @@ and by the driver (``govray.platform.placement_guard``).
 
 from __future__ import annotations
 
+import contextlib
 import json
-import tempfile
 import threading
 import uuid
 from collections.abc import Mapping
@@ -28,7 +28,7 @@ from govray.platform.placement_guard import PLACES_KEY
 from govray.platform.plan import control_path, plan_run
 from govray.platform.preflight import CheckedPolicy
 from govray.train.base_file import materialize_base
-from govray.train.loop import train_worker
+from govray.train.loop import OpenSession, train_worker
 from govray.train.reports import StepReport
 from govray.train.run_checkpoints import (
     checkpoint_report,
@@ -75,32 +75,48 @@ def trial_run_name(config: ExperimentConfig, tune_trial_id: str) -> str:
 
 
 def tune_trial(params: dict[str, Any], setup: SearchSetup) -> None:
-    """The Tune function trainable: one governed trial, reporting at every validation with its
-    signed checkpoint (Tune hands a restored or PBT-cloned trial that checkpoint back)."""
+    """The Tune function trainable of a trial trained in the Tune trial's own process: one governed
+    trial, reporting at every validation with its signed checkpoint (Tune hands a restored or
+    PBT-cloned trial that checkpoint back). ``govray.platform.trial_hosts.hosted_trial`` is its
+    twin for 1-worker CPU trials, which train in a warm trial host instead."""
+    restored = ray.tune.get_checkpoint()
+    with restored.as_directory() if restored is not None else contextlib.nullcontext(None) as resume:
+        train_trial(params, setup, ray.tune.get_context().get_trial_id(), resume, TuneSession)
+
+
+def train_trial(
+    params: dict[str, Any],
+    setup: SearchSetup,
+    tune_trial_id: str,
+    resume: str | None,
+    session: OpenSession,
+) -> None:
+    """Plan the trial for its sample, then train it: one worker here with ``session`` (a
+    ``TuneSession`` or its hosted twin), N workers in a nested Ray Train run. ``resume``: the
+    folder of the checkpoint Tune restored or cloned, None for a trial that begins."""
     config = ExperimentConfig.model_validate_json(setup.config_json)
     hparams = {name: params[name] for name in config.hyperparameters}
-    run_name = trial_run_name(config, ray.tune.get_context().get_trial_id())
-    restored = ray.tune.get_checkpoint()
-    with restored.as_directory() if restored is not None else tempfile.TemporaryDirectory() as scratch:
-        # A restored trial or a PBT clone continues its checkpoint's schedule (a search begun
-        # before schedule version 2 keeps version 1).
-        version = checkpoint_schedule_version(Path(scratch)) if restored is not None else SCHEDULE_VERSION
-        plan = plan_run(
-            config,
-            setup.checked,
-            Path(setup.shard_root),
-            hparams=hparams,
-            report_every=setup.report_every,
-            validation_period=setup.validation_period,
-            schedule_version=version,
-        )
-        spec = plan.named(run_name, setup.reproducibility).model_copy(
-            update={"resume_checkpoint": scratch if restored is not None else ""}
-        )
-        if config.resources.max_workers == 1:
-            _local_trial(spec)
-        else:
-            _continuous_trial(config, plan.storage, spec)
+    # A restored trial or a PBT clone continues its checkpoint's schedule (a search begun before
+    # schedule version 2 keeps version 1).
+    version = checkpoint_schedule_version(Path(resume)) if resume is not None else SCHEDULE_VERSION
+    plan = plan_run(
+        config,
+        setup.checked,
+        Path(setup.shard_root),
+        hparams=hparams,
+        report_every=setup.report_every,
+        validation_period=setup.validation_period,
+        schedule_version=version,
+    )
+    spec = plan.named(trial_run_name(config, tune_trial_id), setup.reproducibility).model_copy(
+        update={"resume_checkpoint": resume or ""}
+    )
+    if config.resources.max_workers == 1:
+        # Ray 2.60 refuses Ray Train's session API inside Tune functions (also in Train V2 local
+        # mode): the one worker trains here, with a Tune session.
+        train_worker(spec.model_dump(mode="json"), session=session)
+    else:
+        _continuous_trial(config, plan.storage, spec)
 
 
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
@@ -108,12 +124,6 @@ def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
     sees it. Synchronous PBT would otherwise pause a finished trial at its last step to wait for
     the others, and could then hand one's final state to another trial with nothing left to train."""
     return bool(result.get(LAST_KEY))
-
-
-def _local_trial(spec: RunSpec) -> None:
-    """One worker, in this Tune trial's process (Ray 2.60 refuses Ray Train's session API inside
-    Tune functions, also in Train V2 local mode): a ``TuneSession``."""
-    train_worker(spec.model_dump(mode="json"), session=TuneSession)
 
 
 class _Relay:

@@ -11,7 +11,9 @@ to write a checkpoint, to deliver a report, and where to resume:
   and writes each signed checkpoint into the run directory itself (the resume rule reads that
   directory, not Ray's index).
 - ``TuneSession``: a 1-worker Tune trial; the reports since the last validation reach Tune with
-  it, and its checkpoint becomes the Tune checkpoint (what ASHA stops and PBT clones).
+  it, and its checkpoint becomes the Tune checkpoint (what ASHA stops and PBT clones). Its twin
+  ``HostedSession`` trains in a warm trial host and hands each validation to the Tune trial's
+  process, which reports it to Tune.
 
 All three read the driver's pause/kill request (``govray experiment pause|kill``) the same way:
 rank 0 looks at the control file every ``control_period`` steps and broadcasts what it found
@@ -333,20 +335,39 @@ class TuneSession(_RunDirectory):
         self.pending: list[StepReport] = []
 
     def report(self, report: StepReport) -> None:
-        import ray.tune
-        from ray.train import Checkpoint
-
         self.pending.append(report)
         if report.validated:  # a validation (the last step always is one)
-            folder = report.checkpoint
-            checkpoint = Checkpoint.from_directory(folder) if folder else None
-            ray.tune.report(tune_result(self.pending, self.spec.max_steps), checkpoint=checkpoint)
+            self.deliver(tune_result(self.pending, self.spec.max_steps), report.checkpoint)
             self.pending.clear()
         if report.checkpoint is not None:
             shutil.rmtree(report.checkpoint, ignore_errors=True)  # Tune keeps its copy
 
+    def deliver(self, result: dict[str, Any], folder: str | None) -> None:
+        """Hand one validation's result and checkpoint folder to Tune; returns once Tune lets the
+        trial go on (``SystemExit`` when Tune stopped it)."""
+        import ray.tune
+        from ray.train import Checkpoint
+
+        ray.tune.report(result, checkpoint=Checkpoint.from_directory(folder) if folder else None)
+
     def close(self) -> None:
         shutil.rmtree(self.spec.run_dir, ignore_errors=True)
+
+
+class HostedSession(TuneSession):
+    """A 1-worker Tune trial trained in a warm trial host (``govray.platform.trial_hosts``): each
+    validation goes to the Tune trial's process, which reports it to Tune and answers whether the
+    trial goes on, exactly where ``ray.tune.report`` would have returned or raised."""
+
+    def __init__(
+        self, spec: RunSpec, worker: Worker, relay: Callable[[dict[str, Any], str | None], bool]
+    ) -> None:
+        super().__init__(spec, worker)
+        self.relay = relay
+
+    def deliver(self, result: dict[str, Any], folder: str | None) -> None:
+        if not self.relay(result, folder):
+            raise SystemExit(0)  # what ray.tune.report raises in a trial Tune stopped
 
 
 def tune_result(reports: list[StepReport], max_steps: int) -> dict[str, Any]:

@@ -1,0 +1,230 @@
+"""Warm trial hosts: the processes 1-worker CPU search trials train in, kept from search to search.
+
+A Tune trial's actor starts on a fresh Ray worker. Importing torch and govray's trial code, and
+torch's Dynamo at the first optimizer step, cost ~2.5 CPU-seconds per actor on a 2-core machine,
+paid by every concurrent trial slot of every search: Tune's ``reuse_actors`` keeps an actor only
+within one search. So a 1-worker CPU trial trains in a *trial host*: a 0-CPU Ray actor on the
+Tune trial's node, leased from this job's pool (``TrialHosts``, named ``govray-trial-hosts`` and
+owned by the driver, so it and its hosts end with the driver's job).
+
+- The Tune trial (``tune_trial`` here) holds the trial's CPUs and imports nothing but Ray Tune. It
+  hands its sample, its Tune trial id and the checkpoint Tune restored to its host, and relays
+  each validation the host sends to Tune, answering whether the trial goes on: the host's
+  ``HostedSession`` returns or raises exactly where ``ray.tune.report`` would in a trial trained in
+  the Tune actor, so a stopped trial ends at the same step boundary with the same sealed checkpoint.
+- Nothing of an earlier trial reaches the next (each step is seeded from the run's seed and the
+  step: the rule ``reuse_actors`` already relies on), and a host serves the trials of one code
+  snapshot only (the reproducibility record's digests): changed code gets fresh hosts, like a new
+  job gets fresh Ray workers.
+- A host whose trial failed, or whose Tune trial died, is killed, never reused. A host idle for
+  ``GOVRAY_TRIAL_HOST_IDLE_S`` seconds (default 300) exits, so a driver that stays up after its
+  searches does not hold their memory.
+- ``GOVRAY_TRIAL_HOSTS=0`` trains every trial in its Tune actor, as before hosts.
+
+Example (what ``govray.platform.search`` does for a 1-worker CPU search)::
+
+    trainable = ray.tune.with_parameters(tune_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=key)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from govray.platform.placement_guard import actor_dead
+
+POOL_NAME = "govray-trial-hosts"
+REAP_PERIOD = 5.0  # seconds between the pool's looks for idle hosts and dead Tune trials
+
+
+def hosts_enabled(max_workers: int, use_gpu: bool) -> bool:
+    """Whether a search's trials train in trial hosts: 1-worker CPU trials, unless
+    ``GOVRAY_TRIAL_HOSTS=0`` (a GPU trial's device is the Tune actor's; an N-worker trial's workers
+    are Ray Train's)."""
+    return max_workers == 1 and not use_gpu and os.environ.get("GOVRAY_TRIAL_HOSTS", "1") != "0"
+
+
+class TrialHost:
+    """One warm process that trains one trial at a time for the Tune trial that leased it (a
+    threaded Ray actor: ``run`` trains while ``next`` and ``answer`` carry the validations)."""
+
+    def __init__(self) -> None:
+        self._out: queue.Queue[tuple[dict[str, Any], str | None] | None] = queue.Queue()
+        self._answers: queue.Queue[bool] = queue.Queue()
+        self._trained = 0  # trials begun here
+
+    def state(self) -> dict[str, int]:
+        return {"pid": os.getpid(), "trained": self._trained}
+
+    def run(self, params: dict[str, Any], setup: Any, tune_trial_id: str, resume: str | None) -> None:
+        """Train the trial (``govray.platform.search_trial.train_trial``) with a ``HostedSession``;
+        ``next`` gives None once it has ended, however it ended."""
+        from govray.platform.search_trial import train_trial
+        from govray.train.session import HostedSession
+
+        def relay(result: dict[str, Any], folder: str | None) -> bool:
+            self._out.put((result, folder))
+            return self._answers.get()
+
+        self._trained += 1
+        try:
+            train_trial(
+                params, setup, tune_trial_id, resume, lambda spec, worker: HostedSession(spec, worker, relay)
+            )
+        except SystemExit:
+            pass  # the Tune trial was stopped at this validation: the trial ended there
+        finally:
+            self._out.put(None)
+
+    def next(self) -> tuple[dict[str, Any], str | None] | None:
+        """The next validation's Tune result and checkpoint folder; None once the trial ended."""
+        return self._out.get()
+
+    def answer(self, go_on: bool) -> None:
+        """Tune's answer to the last validation: go on, or end the trial there."""
+        self._answers.put(go_on)
+
+
+@dataclass
+class _Held:
+    host: Any
+    node: str
+    code: str
+    lessee: str | None  # the leasing Tune trial's actor id; None while free
+    since: float  # time.monotonic() of its last release
+
+
+class TrialHosts:
+    """The job's trial hosts (a 0-CPU Ray actor owned by the driver; the hosts are its own)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self._idle_s = idle_s
+        self._held: dict[int, _Held] = {}
+        self._made = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._reap, name="govray-trial-host-reaper", daemon=True).start()
+
+    def lease(self, node: str, code: str, lessee: str) -> tuple[int, Any]:
+        """A free host on ``node`` for ``code`` (a new one when none is free), leased to the Tune
+        trial ``lessee``. Free hosts of other code on the node are retired."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            for number, held in self._held.items():
+                if held.lessee is None and held.node == node and held.code == code:
+                    held.lessee = lessee
+                    return number, held.host
+            for number, held in list(self._held.items()):
+                if held.lessee is None and held.node == node:
+                    self._retire(number)
+            host = (
+                ray.remote(TrialHost)
+                .options(
+                    num_cpus=0,  # the Tune trial holds the trial's CPUs
+                    max_concurrency=4,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                )
+                .remote()
+            )
+            self._made += 1
+            self._held[self._made] = _Held(host, node, code, lessee, time.monotonic())
+            return self._made, host
+
+    def release(self, number: int, reusable: bool) -> None:
+        """The lease of host ``number`` ended; a host that cannot be trusted again is killed."""
+        with self._lock:
+            held = self._held.get(number)
+            if held is None:
+                return
+            if reusable:
+                held.lessee, held.since = None, time.monotonic()
+            else:
+                self._retire(number)
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Every live host: its number, node, code digest, whether it is leased, its PID and how
+        many trials it began."""
+        with self._lock:
+            held = dict(self._held)
+        states = ray.get([h.host.state.remote() for h in held.values()])
+        return [
+            {"number": n, "node": h.node, "code": h.code, "leased": h.lessee is not None, **state}
+            for (n, h), state in zip(held.items(), states, strict=True)
+        ]
+
+    def _retire(self, number: int) -> None:
+        held = self._held.pop(number)
+        ray.kill(held.host)
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(REAP_PERIOD)
+            with self._lock:
+                leased = {n: h.lessee for n, h in self._held.items() if h.lessee is not None}
+            gone = {n for n, lessee in leased.items() if lessee is not None and actor_dead(lessee)}
+            now = time.monotonic()
+            with self._lock:
+                for number, held in list(self._held.items()):
+                    orphaned = number in gone and held.lessee == leased[number]
+                    if orphaned or (held.lessee is None and now - held.since > self._idle_s):
+                        self._retire(number)
+
+
+def trial_hosts() -> Any:
+    """This job's pool of trial hosts (made by the first search that needs it; its hosts exit
+    after ``GOVRAY_TRIAL_HOST_IDLE_S`` idle seconds, default 300)."""
+    idle_s = float(os.environ.get("GOVRAY_TRIAL_HOST_IDLE_S", "300"))
+    return (
+        ray.remote(TrialHosts)
+        .options(name=POOL_NAME, get_if_exists=True, num_cpus=0, max_concurrency=8)
+        .remote(idle_s)
+    )
+
+
+def retire_trial_hosts() -> None:
+    """End this job's pool and its hosts (the next search starts fresh ones)."""
+    with contextlib.suppress(ValueError):  # there is none
+        ray.kill(ray.get_actor(POOL_NAME))
+
+
+def tune_trial(params: dict[str, Any], setup: list[Any], hosts: Any, code: str) -> None:
+    """The Tune function trainable of a hosted trial (named like
+    ``govray.platform.search_trial.tune_trial``: Tune restores a search by its trainable's name).
+    ``setup``: the ``SearchSetup``'s object ref in a list (this process never opens it, so never
+    imports what it holds), ``hosts``: the pool, ``code``: the code snapshot's digest."""
+    import ray.tune
+    from ray.exceptions import RayTaskError
+    from ray.train import Checkpoint
+
+    here = ray.get_runtime_context()
+    restored = ray.tune.get_checkpoint()
+    with restored.as_directory() if restored is not None else contextlib.nullcontext(None) as resume:
+        number, host = ray.get(hosts.lease.remote(here.get_node_id(), code, here.get_actor_id()))
+        reusable = False
+        try:
+            run = host.run.remote(params, setup[0], ray.tune.get_context().get_trial_id(), resume)
+            while (validation := ray.get(host.next.remote())) is not None:
+                result, folder = validation
+                try:
+                    ray.tune.report(result, checkpoint=Checkpoint.from_directory(folder) if folder else None)
+                except BaseException:  # Tune stopped the trial (SystemExit), or this actor is ending
+                    ray.get(host.answer.remote(False))
+                    ray.get(host.next.remote())  # the trial ended at this step boundary
+                    ray.get(run)
+                    reusable = True
+                    raise
+                ray.get(host.answer.remote(True))
+            try:
+                ray.get(run)
+            except RayTaskError as error:  # the trial's own error, as a trial trained here raises it
+                raise error.cause from None
+            reusable = True
+        finally:
+            hosts.release.remote(number, reusable)

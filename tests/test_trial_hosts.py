@@ -1,0 +1,100 @@
+"""Warm trial hosts: a 1-worker CPU search trial trains in a host the job keeps from search to
+search, with the same weights as in a fresh host and as in its own Tune actor; the pool lends a
+host to one trial at a time, for one code snapshot, and kills hosts it can no longer trust."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from govray.platform.trial_hosts import TrialHosts, retire_trial_hosts, trial_hosts
+from tests.test_search import search_example
+from tests.test_search_workers import _final_model, _searched
+
+
+def _hosts(pool: Any) -> list[dict[str, Any]]:
+    import ray
+
+    return sorted(ray.get(pool.hosts.remote()), key=lambda host: host["number"])
+
+
+def _gone(pool: Any, numbers: set[int], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while {h["number"] for h in _hosts(pool)} & numbers:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def test_the_pool_lends_a_host_once_per_code_and_kills_those_it_cannot_trust(ray_session: None) -> None:
+    """Lease, reuse, code change, failure, a dead Tune trial and idleness, on a pool of its own
+    (idle hosts exit after 1 s here)."""
+    import ray
+
+    pool = ray.remote(TrialHosts).options(num_cpus=0, max_concurrency=8).remote(1.0)
+    node = ray.get_runtime_context().get_node_id()
+    alive = pool._actor_id.hex()  # a lessee that stays alive while the test runs: the pool itself
+    try:
+        first, host = ray.get(pool.lease.remote(node, "a", alive))
+        second, _ = ray.get(pool.lease.remote(node, "a", alive))
+        assert first != second  # a leased host is nobody else's
+        assert [h["leased"] for h in _hosts(pool)] == [True, True]
+        ray.get(pool.release.remote(first, True))
+        again, same = ray.get(pool.lease.remote(node, "a", alive))
+        assert again == first and ray.get(same.state.remote())["pid"] == ray.get(host.state.remote())["pid"]
+        ray.get([pool.release.remote(first, True), pool.release.remote(second, True)])
+        # Changed code: a fresh host, and the free hosts of the old code go.
+        changed, _ = ray.get(pool.lease.remote(node, "b", alive))
+        assert changed not in (first, second)
+        assert [(h["number"], h["code"]) for h in _hosts(pool)] == [(changed, "b")]
+        ray.get(pool.release.remote(changed, False))  # its trial failed: never reused
+        assert _hosts(pool) == []
+        orphan, _ = ray.get(pool.lease.remote(node, "b", "ff" * 16))  # its Tune trial is dead
+        idle, _ = ray.get(pool.lease.remote(node, "b", alive))
+        ray.get(pool.release.remote(idle, True))
+        assert _gone(pool, {orphan, idle})
+    finally:
+        ray.kill(pool)
+
+
+def _grid(root: Path, lrs: list[float]) -> Path:
+    path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
+    raw = yaml.safe_load(path.read_text())
+    raw["hyperparameters"]["hidden"] = 8
+    raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow  # three whole Ray Tune searches: the slow tier
+def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
+    ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grid search of two points trains both in trial hosts; a later search of the second point
+    alone trains it in one of those same processes (no host started), and its final weights are
+    the first search's for that point, and those of the point trained in its Tune actor
+    (``GOVRAY_TRIAL_HOSTS=0``), which leaves the hosts untouched."""
+    retire_trial_hosts()
+    both, store, _ = _searched(_grid(tmp_path / "both", [0.1, 0.01]))
+    pool = trial_hosts()
+    warmed = _hosts(pool)
+    assert len(both.trial_ids) == 2 and sum(h["trained"] for h in warmed) == 2, warmed
+    second = max(both.trial_ids)
+
+    alone, alone_store, _ = _searched(_grid(tmp_path / "alone", [0.01]))
+    after = _hosts(pool)
+    assert [(h["number"], h["pid"]) for h in after] == [(h["number"], h["pid"]) for h in warmed]
+    assert sum(h["trained"] for h in after) == 3, after
+
+    monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
+    in_place, in_place_store, _ = _searched(_grid(tmp_path / "in-place", [0.01]))
+    assert _hosts(pool) == after
+
+    weights = _final_model(store, second)
+    assert _final_model(alone_store, alone.trial_ids[0]) == weights
+    assert _final_model(in_place_store, in_place.trial_ids[0]) == weights
