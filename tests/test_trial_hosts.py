@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from govray.config.experiment import load_experiment
 from govray.platform.trial_hosts import TrialHosts, retire_trial_hosts, trial_hosts
+from govray.tracking.store import TrackingStore
 from tests.test_search import search_example
 from tests.test_search_workers import _final_model, _searched
 
@@ -94,7 +96,40 @@ def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
     monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
     in_place, in_place_store, _ = _searched(_grid(tmp_path / "in-place", [0.01]))
     assert _hosts(pool) == after
+    monkeypatch.delenv("GOVRAY_TRIAL_HOSTS")
+
+    # The CPUs the Tune trial holds decide the host's torch threads, as in the Tune trial itself.
+    two_cpus = _grid(tmp_path / "two-cpus", [0.01])
+    raw = yaml.safe_load(two_cpus.read_text())
+    raw["resources"]["cpus_per_worker"] = 2
+    two_cpus.write_text(yaml.safe_dump(raw, sort_keys=False))
+    _searched(two_cpus)
+    threads = {h["torch_threads"] for h in _hosts(pool) if h["trained"] > max(w["trained"] for w in after)}
+    assert threads == {2}, _hosts(pool)
 
     weights = _final_model(store, second)
     assert _final_model(alone_store, alone.trial_ids[0]) == weights
     assert _final_model(in_place_store, in_place.trial_ids[0]) == weights
+
+
+@pytest.mark.slow  # a whole Ray Tune search: the slow tier
+def test_a_trial_that_fails_in_its_host_errors_with_its_cause_and_the_host_goes(
+    ray_session: None, tmp_path: Path
+) -> None:
+    """A hosted trial whose learning rate makes its gradients non-finite: Tune's error for the
+    trial is govray's ``NonFiniteGradientError`` with the host's traceback, the trial is recorded
+    errored, the search ends without a usable trial, and the host that failed is killed."""
+    from govray.platform.search_trial import SearchError
+    from govray.tracking.tables import TrialState
+
+    retire_trial_hosts()
+    path = _grid(tmp_path, [1e30])
+    with pytest.raises(SearchError, match="without any trial reporting an objective"):
+        _searched(path)
+    store = TrackingStore.open(load_experiment(path).database_url)
+    (trial,) = store.list_trials(1)
+    assert trial.state == TrialState.ERRORED
+    (error,) = (tmp_path / "storage").rglob("error.txt")
+    text = error.read_text()
+    assert "NonFiniteGradientError: step 1: non-finite gradient" in text and "TrialHost.run" in text, text
+    assert _hosts(trial_hosts()) == []

@@ -360,14 +360,23 @@ class HostedSession(TuneSession):
     trial goes on, exactly where ``ray.tune.report`` would have returned or raised."""
 
     def __init__(
-        self, spec: RunSpec, worker: Worker, relay: Callable[[dict[str, Any], str | None], bool]
+        self,
+        spec: RunSpec,
+        worker: Worker,
+        relay: Callable[[dict[str, Any], str | None], bool],
+        abandoned: Callable[[], bool],
     ) -> None:
         super().__init__(spec, worker)
-        self.relay = relay
+        self.relay, self.abandoned = relay, abandoned
 
     def deliver(self, result: dict[str, Any], folder: str | None) -> None:
         if not self.relay(result, folder):
             raise SystemExit(0)  # what ray.tune.report raises in a trial Tune stopped
+
+    def stop_requested(self) -> str | None:
+        """A trial whose Tune trial died ends at this step boundary (nobody would take its
+        results); else what the driver's control file says."""
+        return "kill" if self.abandoned() else super().stop_requested()
 
 
 def tune_result(reports: list[StepReport], max_steps: int) -> dict[str, Any]:

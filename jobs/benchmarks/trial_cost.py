@@ -1,12 +1,16 @@
 """What a 1-worker search trial costs besides its training, part by part (issue 33, item 4).
 
-A random search of the digits example runs ``--trials`` trials one at a time (one worker of one
-CPU each) on local Ray, each ``--epochs`` long with a validation every quarter epoch (ASHA's first
-rung in ``asha_vs_random``). The parts come from three clocks:
+``--searches`` random searches of the digits example, one after another in one job, each run
+``--trials`` trials one at a time (one worker of one CPU each) on local Ray, each ``--epochs``
+long with a validation every quarter epoch (ASHA's first rung in ``asha_vs_random``). The columns:
+the first trial of the first search (it starts a Tune actor and a trial host, which imports torch
+and govray), the first trial of each later search (a new Tune actor, a warm host), and every
+later trial (a reused Tune actor and host). The parts come from three clocks:
 
 - the worker's ``timings`` line in its log (``govray.train.timings``): opening the session,
   building the ``GovernedStep``, the first step, the steps, each validation's probe, each
-  checkpoint, each report to Tune, and how long its process had lived when the worker began;
+  checkpoint, each report to Tune, and how long its process (the trial host) had lived when the
+  worker began;
 - the driver's Tune callbacks (``SearchTracking``), timed here by wrapping them: the records
   of each result and checkpoint, the end-of-trial attestation;
 - when Tune asked for the trial's actor (its controller's ``_schedule_trial_actor``, wrapped here).
@@ -17,7 +21,7 @@ line is exactly::
 
     per-trial fixed cost: X.XX s (Y.YY epochs of training)
 
-Run: ``python -m jobs.benchmarks.trial_cost [--trials 6 --epochs 1]``.
+Run: ``python -m jobs.benchmarks.trial_cost [--trials 6 --epochs 1 --searches 2]``.
 """
 
 from __future__ import annotations
@@ -115,8 +119,8 @@ def trial_parts(driver: dict[str, list[float]], worker: dict[str, Any], epochs: 
     ended = driver["record_complete_at"][-1]
     worker_end = worker["began"] + sum(sum(seconds) for seconds in parts.values())
     row = {
-        "actor start (request to process)": max(0.0, process_start - requested),
-        "imports, plan (process to loop)": worker["began"] - max(process_start, requested),
+        "host start (request to host process)": max(0.0, process_start - requested),
+        "Tune actor, imports, plan (to the loop)": worker["began"] - max(process_start, requested),
         "open session": sum(parts.get("open", [])),
         "GovernedStep build": sum(parts.get("build", [])),
         "first step, beyond a step": sum(parts.get("first_step", [])) - typical,
@@ -150,11 +154,42 @@ def trial_parts(driver: dict[str, list[float]], worker: dict[str, Any], epochs: 
     return row
 
 
+def search_rows(
+    root: Path, name: str, clock: DriverClock, args: argparse.Namespace, steps: int
+) -> tuple[list[dict[str, float]], float]:
+    """One random search of ``args.trials`` trials one at a time: each trial's parts (but the
+    last trial's: it has no next request), and the search's seconds."""
+    searcher = {"name": "random", "max_trials": args.trials, "max_concurrent_trials": 1}
+    path = experiment_file(root, name, 0, searcher, args, max(1, steps // (4 * args.epochs)))
+    config, store, checked, experiment, ingested = opened(path)
+    before = set(clock)
+    started = time.perf_counter()
+    run_search(config, checked, experiment, ingested.root, store, report_every=args.report_every)
+    seconds = time.perf_counter() - started
+    rows = []
+    ran = [
+        (trial, parts)
+        for trial, parts in clock.items()
+        if trial not in before and parts["record_complete_at"]
+    ]
+    for trial_id, driver in sorted(ran, key=lambda item: item[1]["requested_at"][0]):
+        worker = read_timings(log_path(config.storage_path, f"{config.name}-{trial_id}", 0))
+        if worker is None:
+            continue
+        rows.append(trial_parts(driver, worker, args.epochs))
+        rows[-1]["requested_at"] = driver["requested_at"][0]
+        rows[-1]["ended_at"] = driver["record_complete_at"][-1]
+    for row, after in itertools.pairwise(rows):  # the next trial's actor waits for this one's end
+        row["Tune, to the next trial's request"] = after["requested_at"] - row["ended_at"]
+    return (rows[:-1] if len(rows) > 1 else rows), seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--report-every", type=int, default=10)
+    parser.add_argument("--searches", type=int, default=2, help="searches one after another in one job")
     args = parser.parse_args()
     args.cpus_per_trial = 1.0
     clock: DriverClock = defaultdict(lambda: defaultdict(list))
@@ -162,35 +197,32 @@ def main() -> None:
     # A Ray of its own, never a running one (``govray up``'s, another checkout's): its workers would
     # import that instance's govray, not this checkout's.
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    searches: list[list[dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="govray-trialcost-") as scratch:
         root = Path(scratch)
         steps = trial_steps(root, args)
-        searcher = {"name": "random", "max_trials": args.trials, "max_concurrent_trials": 1}
-        path = experiment_file(root, "bench-trialcost", 0, searcher, args, max(1, steps // (4 * args.epochs)))
-        config, store, checked, experiment, ingested = opened(path)
-        started = time.perf_counter()
-        run_search(config, checked, experiment, ingested.root, store, report_every=args.report_every)
-        seconds = time.perf_counter() - started
-        rows = []
-        for trial_id, driver in sorted(clock.items(), key=lambda item: item[1]["requested_at"][0]):
-            run_name = f"{config.name}-{trial_id}"
-            worker = read_timings(log_path(config.storage_path, run_name, 0))
-            if worker is None or "record_complete_at" not in driver:
-                continue
-            rows.append(trial_parts(driver, worker, args.epochs))
-            rows[-1]["requested_at"] = driver["requested_at"][0]
-            rows[-1]["ended_at"] = driver["record_complete_at"][-1]
-    for row, after in itertools.pairwise(rows):  # the next trial's actor waits for this one's end
-        row["Tune, to the next trial's request"] = after["requested_at"] - row["ended_at"]
-    rows = rows[:-1] if len(rows) > 1 else rows  # the last trial has no next one
-    print(f"{len(rows)} trials of {steps} steps ({args.epochs} epoch(s)) one at a time in {seconds:.1f} s")
-    # The first trial starts its actor and imports; a later one runs in a reused actor (1 worker).
-    later = rows[1:] or rows
-    print(f"{'part (seconds)':44s} {'mean':>8s} {'first':>8s} {'later':>8s}")
+        for number in range(args.searches):
+            rows, seconds = search_rows(root, f"bench-trialcost-{number}", clock, args, steps)
+            searches.append(rows)
+            print(
+                f"search {number + 1}: {len(rows)} trials of {steps} steps ({args.epochs} epoch(s)) "
+                f"one at a time in {seconds:.1f} s"
+            )
+    # The first trial of the first search starts its Tune actor and its trial host, which imports;
+    # the first of a later search starts a Tune actor only (the job's hosts are warm); a later
+    # trial runs in the reused Tune actor and host.
+    rows = [row for search in searches for row in search]
+    columns = {
+        "first": [searches[0][0]],
+        "first, warm": [s[0] for s in searches[1:]],
+        "later": [r for s in searches for r in s[1:]],
+    }
+    columns = {name: group for name, group in columns.items() if group}
+    print(f"{'part (seconds)':44s} {'mean':>8s}" + "".join(f" {name:>12s}" for name in columns))
     for name in rows[0]:
         if name not in ("epochs", "requested_at", "ended_at"):
-            mean, reused = (statistics.mean(r[name] for r in group) for group in (rows, later))
-            print(f"{name:44s} {mean:8.3f} {rows[0][name]:8.3f} {reused:8.3f}")
+            means = [statistics.mean(r.get(name, 0.0) for r in group) for group in (rows, *columns.values())]
+            print(f"{name:44s} {means[0]:8.3f}" + "".join(f" {mean:12.3f}" for mean in means[1:]))
     per_epoch = statistics.mean(r["training"] / r["epochs"] for r in rows)
 
     def fixed_cost(row: dict[str, float]) -> float:
@@ -200,8 +232,10 @@ def main() -> None:
     fixed = statistics.mean(fixed_cost(r) for r in rows)
     print(f"training per epoch: {per_epoch:.3f} s")
     print(
-        f"fixed cost of the first trial (actor start, imports): {fixed_cost(rows[0]):.2f} s; "
-        f"of a later one (reused actor): {statistics.mean(fixed_cost(r) for r in later):.2f} s"
+        "fixed cost of a trial: "
+        + "; ".join(
+            f"{name} {statistics.mean(fixed_cost(r) for r in group):.2f} s" for name, group in columns.items()
+        )
     )
     print(f"per-trial fixed cost: {fixed:.2f} s ({fixed / per_epoch:.2f} epochs of training)")
 
