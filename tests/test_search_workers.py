@@ -50,6 +50,16 @@ def _tune_results(search_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return results
 
 
+def grid_of_lrs(root: Path, lrs: list[float]) -> Path:
+    """A 1-worker grid search of 10 batches a trial over learning rates ``lrs`` (hidden 8)."""
+    path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
+    raw = yaml.safe_load(path.read_text())
+    raw["hyperparameters"]["hidden"] = 8
+    raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 def _final_model(store: TrackingStore, trial_id: int) -> bytes:
     final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
     return model_file(Path(final.path)).read_bytes()
@@ -237,21 +247,12 @@ def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(
     (``reuse_actors``); the second trial's final weights are those of a search of its point alone,
     in a fresh actor."""
     monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
-
-    def grid(root: Path, lrs: list[float]) -> Path:
-        path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
-        raw = yaml.safe_load(path.read_text())
-        raw["hyperparameters"]["hidden"] = 8
-        raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
-        path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        return path
-
-    both, store, search_dir = _searched(grid(tmp_path / "both", [0.1, 0.01]))
+    both, store, search_dir = _searched(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
     pids = {result["pid"] for trial in _tune_results(search_dir).values() for result in trial}
     assert len(both.trial_ids) == 2 and len(pids) == 1, pids  # one actor ran both trials
     second = max(both.trial_ids)
     assert json.loads(store.get_trial(second).hparams_json)["lr"] == 0.01
-    alone, alone_store, _ = _searched(grid(tmp_path / "alone", [0.01]))
+    alone, alone_store, _ = _searched(grid_of_lrs(tmp_path / "alone", [0.01]))
     assert _final_model(store, second) == _final_model(alone_store, alone.trial_ids[0])
 
 

@@ -14,8 +14,7 @@ import yaml
 from govray.config.experiment import load_experiment
 from govray.platform.trial_hosts import TrialHosts, retire_trial_hosts, trial_hosts
 from govray.tracking.store import TrackingStore
-from tests.test_search import search_example
-from tests.test_search_workers import _final_model, _searched
+from tests.test_search_workers import _final_model, _searched, grid_of_lrs
 
 
 def _hosts(pool: Any) -> list[dict[str, Any]]:
@@ -64,15 +63,6 @@ def test_the_pool_lends_a_host_once_per_code_and_kills_those_it_cannot_trust(ray
         ray.kill(pool)
 
 
-def _grid(root: Path, lrs: list[float]) -> Path:
-    path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
-    raw = yaml.safe_load(path.read_text())
-    raw["hyperparameters"]["hidden"] = 8
-    raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
 @pytest.mark.slow  # three whole Ray Tune searches: the slow tier
 def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
     ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -82,24 +72,24 @@ def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
     the first search's for that point, and those of the point trained in its Tune actor
     (``GOVRAY_TRIAL_HOSTS=0``), which leaves the hosts untouched."""
     retire_trial_hosts()
-    both, store, _ = _searched(_grid(tmp_path / "both", [0.1, 0.01]))
+    both, store, _ = _searched(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
     pool = trial_hosts()
     warmed = _hosts(pool)
     assert len(both.trial_ids) == 2 and sum(h["trained"] for h in warmed) == 2, warmed
     second = max(both.trial_ids)
 
-    alone, alone_store, _ = _searched(_grid(tmp_path / "alone", [0.01]))
+    alone, alone_store, _ = _searched(grid_of_lrs(tmp_path / "alone", [0.01]))
     after = _hosts(pool)
     assert [(h["number"], h["pid"]) for h in after] == [(h["number"], h["pid"]) for h in warmed]
     assert sum(h["trained"] for h in after) == 3, after
 
     monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
-    in_place, in_place_store, _ = _searched(_grid(tmp_path / "in-place", [0.01]))
+    in_place, in_place_store, _ = _searched(grid_of_lrs(tmp_path / "in-place", [0.01]))
     assert _hosts(pool) == after
     monkeypatch.delenv("GOVRAY_TRIAL_HOSTS")
 
     # The CPUs the Tune trial holds decide the host's torch threads, as in the Tune trial itself.
-    two_cpus = _grid(tmp_path / "two-cpus", [0.01])
+    two_cpus = grid_of_lrs(tmp_path / "two-cpus", [0.01])
     raw = yaml.safe_load(two_cpus.read_text())
     raw["resources"]["cpus_per_worker"] = 2
     two_cpus.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -123,7 +113,7 @@ def test_a_trial_that_fails_in_its_host_errors_with_its_cause_and_the_host_goes(
     from govray.tracking.tables import TrialState
 
     retire_trial_hosts()
-    path = _grid(tmp_path, [1e30])
+    path = grid_of_lrs(tmp_path, [1e30])
     with pytest.raises(SearchError, match="without any trial reporting an objective"):
         _searched(path)
     store = TrackingStore.open(load_experiment(path).database_url)
