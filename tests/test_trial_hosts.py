@@ -33,32 +33,59 @@ def _gone(pool: Any, numbers: set[int], timeout: float = 20.0) -> bool:
 
 
 def test_the_pool_lends_a_host_once_per_code_and_kills_those_it_cannot_trust(ray_session: None) -> None:
-    """Lease, reuse, code change, failure, a dead Tune trial and idleness, on a pool of its own
-    (idle hosts exit after 1 s here)."""
+    """Lease, reuse, a stale release, code change, failure, a dead Tune trial (before its trial
+    ever ran, and after it failed) and idleness, on a pool of its own (idle hosts exit after 1 s)."""
     import ray
 
     pool = ray.remote(TrialHosts).options(num_cpus=0, max_concurrency=8).remote(1.0)
     node = ray.get_runtime_context().get_node_id()
     alive = pool._actor_id.hex()  # a lessee that stays alive while the test runs: the pool itself
+    dead = "ff" * 16  # a Tune trial the actor table never knew
+
+    def lease(code: str, lessee: str, name: str) -> tuple[int, Any]:
+        return ray.get(pool.lease.remote(node, code, lessee, name))  # type: ignore[no-any-return]
+
+    def freed(number: int, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(h["number"] == number and not h["leased"] for h in _hosts(pool)):
+                return True
+            time.sleep(0.5)
+        return False
+
     try:
-        first, host = ray.get(pool.lease.remote(node, "a", alive))
-        second, _ = ray.get(pool.lease.remote(node, "a", alive))
+        first, host = lease("a", alive, "l1")
+        second, _ = lease("a", alive, "l2")
         assert first != second  # a leased host is nobody else's
         assert [h["leased"] for h in _hosts(pool)] == [True, True]
-        ray.get(pool.release.remote(first, True))
-        again, same = ray.get(pool.lease.remote(node, "a", alive))
+        ray.get(pool.release.remote("l1", True))
+        again, same = lease("a", alive, "l3")
         assert again == first and ray.get(same.state.remote())["pid"] == ray.get(host.state.remote())["pid"]
-        ray.get([pool.release.remote(first, True), pool.release.remote(second, True)])
+        ray.get(pool.release.remote("l1", True))  # stale: l3 holds the host now
+        assert [h["leased"] for h in _hosts(pool)] == [True, True]
+        ray.get([pool.release.remote("l3", True), pool.release.remote("l2", True)])
         # Changed code: a fresh host, and the free hosts of the old code go.
-        changed, _ = ray.get(pool.lease.remote(node, "b", alive))
+        changed, _ = lease("b", alive, "l4")
         assert changed not in (first, second)
         assert [(h["number"], h["code"]) for h in _hosts(pool)] == [(changed, "b")]
-        ray.get(pool.release.remote(changed, False))  # its trial failed: never reused
+        ray.get(pool.release.remote("l4", False))  # its trial failed: never reused
         assert _hosts(pool) == []
-        orphan, _ = ray.get(pool.lease.remote(node, "b", "ff" * 16))  # its Tune trial is dead
-        idle, _ = ray.get(pool.lease.remote(node, "b", alive))
-        ray.get(pool.release.remote(idle, True))
-        assert _gone(pool, {orphan, idle})
+        # A Tune trial that died before its host began: the host is freed, and the lease's run,
+        # however late it arrives, never starts.
+        orphan, orphan_host = lease("b", dead, "l5")
+        assert freed(orphan)
+        ray.get(orphan_host.run.remote("l5", {}, None, "t", None, None))
+        assert ray.get(orphan_host.next.remote("l5")) is None
+        assert ray.get(orphan_host.state.remote())["trained"] == 0
+        # A trial that failed on a host whose Tune trial died: the host is killed, not freed.
+        failing, failing_host = lease("b", dead, "l6")
+        assert failing == orphan
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(failing_host.run.remote("l6", {}, None, "t", None, None))  # no setup: it raises
+        assert _gone(pool, {failing})
+        idle, _ = lease("b", alive, "l7")
+        ray.get(pool.release.remote("l7", True))
+        assert _gone(pool, {idle})
     finally:
         ray.kill(pool)
 

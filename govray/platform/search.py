@@ -53,8 +53,7 @@ from govray.platform.search_trial import (
     trial_run_name,
     tune_trial,
 )
-from govray.platform.trial_hosts import hosts_enabled, trial_hosts
-from govray.platform.trial_hosts import tune_trial as hosted_trial
+from govray.platform.trial_hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
@@ -147,6 +146,8 @@ def search_planned(
         function = ray.tune.with_parameters(
             hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=code
         )
+        # Tune restores a search by its trainable's name: one begun in Tune actors resumes hosted.
+        function.__name__ = tune_trial.__name__
     else:
         function = ray.tune.with_parameters(tune_trial, setup=setup)
     trainable = ray.tune.with_resources(

@@ -7,7 +7,7 @@ within one search. So a 1-worker CPU trial trains in a *trial host*: a 0-CPU Ray
 Tune trial's node, leased from this job's pool (``TrialHosts``, named ``govray-trial-hosts`` and
 owned by the driver, so it and its hosts end with the driver's job).
 
-- The Tune trial (``tune_trial`` here) holds the trial's CPUs and imports nothing but Ray Tune. It
+- The Tune trial (``hosted_trial``) holds the trial's CPUs and imports nothing but Ray Tune. It
   hands its sample, its Tune trial id and the checkpoint Tune restored to its host, and relays
   each validation the host sends to Tune, answering whether the trial goes on: the host's
   ``HostedSession`` returns or raises exactly where ``ray.tune.report`` would in a trial trained in
@@ -23,7 +23,7 @@ owned by the driver, so it and its hosts end with the driver's job).
 
 Example (what ``govray.platform.search`` does for a 1-worker CPU search)::
 
-    trainable = ray.tune.with_parameters(tune_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=key)
+    trainable = ray.tune.with_parameters(hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=key)
 """
 
 from __future__ import annotations
@@ -58,23 +58,30 @@ Validation = tuple[dict[str, Any], str | None]  # a Tune result and its checkpoi
 
 
 class _Channel:
-    """One lease's two queues: the host's validations out, Tune's answers in."""
+    """One lease's two queues (the host's validations out, Tune's answers in) and whether its
+    lessee died."""
 
     def __init__(self) -> None:
         self.out: queue.Queue[Validation | None] = queue.Queue()
         self.answers: queue.Queue[bool] = queue.Queue()
+        self.abandoned = threading.Event()
 
 
 class TrialHost:
     """One warm process that trains one trial at a time for the Tune trial that leased it (a
     threaded Ray actor: ``run`` trains while ``next`` and ``answer`` carry the validations). Each
-    lease talks over its own channel, so nothing a dead lessee left unread reaches the next."""
+    lease talks over its own channel, so nothing a dead lessee left unread reaches the next, and
+    a lease the pool abandoned never starts, however late its ``run`` arrives. A trial that ended
+    cleanly gives the host back to ``pool`` itself, before its lessee hears of the end: a Tune
+    actor that Tune ends with the search may never get to say so."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
         self._channels: dict[str, _Channel] = {}
+        self._abandoned: set[str] = set()  # leases whose lessee died
         self._lock = threading.Lock()
-        self._abandoned = threading.Event()  # the lessee died: end the trial at the next step
         self._running = False
+        self._failed = False  # a trial here raised: the pool must not lend this host again
         self._trained = 0  # trials begun here
         self._torch_threads = 0  # the last trial's, as its own thread saw them
 
@@ -83,12 +90,16 @@ class TrialHost:
             "pid": os.getpid(),
             "trained": self._trained,
             "running": self._running,
+            "failed": self._failed,
             "torch_threads": self._torch_threads,
         }
 
     def _channel(self, lease: str) -> _Channel:
         with self._lock:
-            return self._channels.setdefault(lease, _Channel())
+            channel = self._channels.setdefault(lease, _Channel())
+            if lease in self._abandoned:
+                channel.abandoned.set()
+            return channel
 
     def run(
         self,
@@ -103,25 +114,49 @@ class TrialHost:
         ``next`` gives None once it has ended, however it ended. ``threads``: the Tune trial's
         ``OMP_NUM_THREADS`` (Ray sets it from the CPUs the Tune trial holds; this 0-CPU actor's
         own says 1), which decides the trial's torch threads as it would in the Tune trial."""
+        channel = self._channel(lease)
+        with self._lock:
+            if lease in self._abandoned:
+                channel.out.put(None)
+                return
+            self._running = True
+            self._trained += 1
+        failed = False
+        try:
+            self._train(channel, params, setup, tune_trial_id, resume, threads)
+        except SystemExit:
+            pass  # the Tune trial was stopped at this validation: the trial ended there
+        except BaseException:
+            failed = self._failed = True  # its lessee (or the reaper) ends the lease: the host goes
+            raise
+        finally:
+            self._running = False
+            if not failed:
+                with contextlib.suppress(Exception):  # else the reaper frees it
+                    ray.get(self._pool.release.remote(lease, True), timeout=30)
+            channel.out.put(None)
+
+    def _train(
+        self,
+        channel: _Channel,
+        params: dict[str, Any],
+        setup: Any,
+        tune_trial_id: str,
+        resume: str | None,
+        threads: str | None,
+    ) -> None:
         from govray.platform.search_trial import train_trial
         from govray.train.session import HostedSession
 
-        with self._lock:  # what an earlier lease left is dropped
-            self._channels = {lease: self._channels.get(lease, _Channel())}
-        channel = self._channel(lease)
-        self._abandoned.clear()
-        self._running = True
-        self._trained += 1
-
         def relay(result: dict[str, Any], folder: str | None) -> bool:
             channel.out.put((result, folder))
-            while not self._abandoned.is_set():
+            while not channel.abandoned.is_set():
                 with contextlib.suppress(queue.Empty):
                     return channel.answers.get(timeout=0.5)
             return False
 
         def session(spec: Any, worker: Any) -> HostedSession:
-            return HostedSession(spec, worker, relay, self._abandoned.is_set)
+            return HostedSession(spec, worker, relay, channel.abandoned.is_set)
 
         if threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -129,25 +164,29 @@ class TrialHost:
             os.environ["OMP_NUM_THREADS"] = threads
         try:
             train_trial(params, setup, tune_trial_id, resume, session)
-        except SystemExit:
-            pass  # the Tune trial was stopped at this validation: the trial ended there
         finally:
             if (torch := sys.modules.get("torch")) is not None:  # OpenMP's count is per thread
                 self._torch_threads = torch.get_num_threads()
-            self._running = False
-            channel.out.put(None)
 
     def next(self, lease: str) -> Validation | None:
-        """The next validation's Tune result and checkpoint folder; None once the trial ended."""
-        return self._channel(lease).out.get()
+        """The next validation's Tune result and checkpoint folder; None once the trial ended
+        (the lease's channel goes then)."""
+        validation = self._channel(lease).out.get()
+        if validation is None:
+            with self._lock:
+                self._channels.pop(lease, None)
+        return validation
 
     def answer(self, lease: str, go_on: bool) -> None:
         """Tune's answer to the last validation: go on, or end the trial there."""
         self._channel(lease).answers.put(go_on)
 
-    def abandon(self) -> None:
-        """The lessee is dead: the trial ends at its next step boundary (or validation)."""
-        self._abandoned.set()
+    def abandon(self, lease: str) -> None:
+        """``lease``'s lessee is dead: its trial ends at its next step boundary (or validation),
+        or never starts."""
+        with self._lock:
+            self._abandoned.add(lease)
+        self._channel(lease).abandoned.set()
 
 
 @dataclass
@@ -156,6 +195,7 @@ class _Held:
     node: str
     code: str
     lessee: str | None  # the leasing Tune trial's actor id; None while free
+    lease: str  # the current (or last) lease's id
     since: float  # time.monotonic() of its last release, or of its abandonment while leased
     abandoned: bool = False
 
@@ -170,19 +210,18 @@ class TrialHosts:
         self._lock = threading.Lock()
         threading.Thread(target=self._reap, name="govray-trial-host-reaper", daemon=True).start()
 
-    def lease(self, node: str, code: str, lessee: str) -> tuple[int, Any]:
+    def lease(self, node: str, code: str, lessee: str, lease: str) -> tuple[int, Any]:
         """A free live host on ``node`` for ``code`` (a new one when none is free), leased to the
-        Tune trial ``lessee``. Free hosts of other code on the node are retired."""
+        Tune trial ``lessee`` as ``lease``. Free hosts of other code on the node are retired."""
+        while (found := self._take_free(node, code, lessee, lease)) is not None:
+            number, host = found
+            if not actor_dead(host._actor_id.hex()):  # Ray's OOM killer, a crash (asked unlocked)
+                return number, host
+            with self._lock:
+                self._held.pop(number, None)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         with self._lock:
-            for number, held in list(self._held.items()):
-                if held.lessee is None and held.node == node and held.code == code:
-                    if actor_dead(held.host._actor_id.hex()):  # Ray's OOM killer, a crash
-                        self._held.pop(number)
-                        continue
-                    held.lessee = lessee
-                    return number, held.host
             for number, held in list(self._held.items()):
                 if held.lessee is None and held.node == node:
                     self._retire(number)
@@ -190,25 +229,33 @@ class TrialHosts:
                 ray.remote(TrialHost)
                 .options(
                     num_cpus=0,  # the Tune trial holds the trial's CPUs
-                    max_concurrency=4,
+                    max_concurrency=8,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 )
-                .remote()
+                .remote(ray.get_runtime_context().current_actor)
             )
             self._made += 1
-            self._held[self._made] = _Held(host, node, code, lessee, time.monotonic())
+            self._held[self._made] = _Held(host, node, code, lessee, lease, time.monotonic())
             return self._made, host
 
-    def release(self, number: int, reusable: bool) -> None:
-        """The lease of host ``number`` ended; a host that cannot be trusted again is killed."""
+    def _take_free(self, node: str, code: str, lessee: str, lease: str) -> tuple[int, Any] | None:
         with self._lock:
-            held = self._held.get(number)
-            if held is None:
-                return
-            if reusable:
-                held.lessee, held.since, held.abandoned = None, time.monotonic(), False
-            else:
-                self._retire(number)
+            for number, held in self._held.items():
+                if held.lessee is None and held.node == node and held.code == code:
+                    held.lessee, held.lease = lessee, lease
+                    return number, held.host
+        return None
+
+    def release(self, lease: str, reusable: bool) -> None:
+        """``lease`` ended: its host is free again, or killed when it cannot be trusted again (a
+        stale lease changes nothing)."""
+        with self._lock:
+            for number, held in list(self._held.items()):
+                if held.lease == lease and held.lessee is not None:
+                    if reusable:
+                        held.lessee, held.since, held.abandoned = None, time.monotonic(), False
+                    else:
+                        self._retire(number)
 
     def hosts(self) -> list[dict[str, Any]]:
         """Every live host: its number, node, code digest, whether it is leased, and its
@@ -245,31 +292,47 @@ class TrialHosts:
                 logging.getLogger(__name__).exception("trial host reaper")
 
     def _reap_once(self) -> None:
-        """Idle hosts exit. A host whose lessee died is asked to end its trial, then freed once
-        the trial has ended (killed if it has not within ``ABANDON_S``)."""
+        """Idle hosts exit. A host whose lessee died is told to end (or never start) that lease's
+        trial, then freed once no trial runs there (killed if one still does after
+        ``ABANDON_S``, or if the trial failed)."""
         with self._lock:
-            leased = {n: h.lessee for n, h in self._held.items() if h.lessee is not None}
-        dead = {n for n, lessee in leased.items() if lessee is not None and actor_dead(lessee)}
+            leased = {n: (h.lessee, h.lease) for n, h in self._held.items() if h.lessee is not None}
+        dead = {
+            n: lease for n, (lessee, lease) in leased.items() if lessee is not None and actor_dead(lessee)
+        }
         now = time.monotonic()
         with self._lock:
             for number, held in list(self._held.items()):
                 if held.lessee is None and now - held.since > self._idle_s:
                     self._retire(number)
-                elif number in dead and held.lessee == leased[number] and not held.abandoned:
-                    held.abandoned, held.since = True, now
-                    held.host.abandon.remote()
+            abandoning = {
+                n: self._held[n]
+                for n, lease in dead.items()
+                if n in self._held and self._held[n].lease == lease and not self._held[n].abandoned
+            }
+        for number, held in abandoning.items():
+            try:
+                ray.get(held.host.abandon.remote(held.lease), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                with self._lock:
+                    if self._held.get(number) is held:
+                        self._retire(number)
+                continue
+            with self._lock:
+                held.abandoned, held.since = True, time.monotonic()
+        with self._lock:
             abandoned = {n: h for n, h in self._held.items() if h.abandoned}
         for number, held in abandoned.items():
             try:
-                running = ray.get(held.host.state.remote(), timeout=30)["running"]
+                state = ray.get(held.host.state.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                running = None  # dead or stuck
+                state = None  # dead or stuck
             with self._lock:
                 if self._held.get(number) is not held:
                     continue
-                if running is False:
+                if state is not None and not state["running"] and not state["failed"]:
                     held.lessee, held.since, held.abandoned = None, time.monotonic(), False
-                elif running is None or time.monotonic() - held.since > ABANDON_S:
+                elif state is None or state["failed"] or time.monotonic() - held.since > ABANDON_S:
                     self._retire(number)
 
 
@@ -290,9 +353,9 @@ def retire_trial_hosts() -> None:
         ray.kill(ray.get_actor(POOL_NAME))
 
 
-def tune_trial(params: dict[str, Any], setup: list[Any], hosts: Any, code: str) -> None:
-    """The Tune function trainable of a hosted trial (named like
-    ``govray.platform.search_trial.tune_trial``: Tune restores a search by its trainable's name).
+def hosted_trial(params: dict[str, Any], setup: list[Any], hosts: Any, code: str) -> None:
+    """The Tune function trainable of a hosted trial: ``search_trial.tune_trial``'s twin, which
+    the search registers under that name (Tune restores a search by its trainable's name).
     ``setup``: the ``SearchSetup``'s object ref in a list (this process never opens it, so never
     imports what it holds), ``hosts``: the pool, ``code``: the code snapshot's digest."""
     import ray.tune
@@ -304,8 +367,8 @@ def tune_trial(params: dict[str, Any], setup: list[Any], hosts: Any, code: str) 
     lease = f"{here.get_actor_id()}-{tune_trial_id}-{time.monotonic_ns()}"
     restored = ray.tune.get_checkpoint()
     with restored.as_directory() if restored is not None else contextlib.nullcontext(None) as resume:
-        number, host = ray.get(hosts.lease.remote(here.get_node_id(), code, here.get_actor_id()))
-        reusable = False
+        _, host = ray.get(hosts.lease.remote(here.get_node_id(), code, here.get_actor_id(), lease))
+        ended = False  # cleanly: the host gave itself back to the pool
         try:
             threads = os.environ.get("OMP_NUM_THREADS")
             run = host.run.remote(lease, params, setup[0], tune_trial_id, resume, threads)
@@ -317,16 +380,15 @@ def tune_trial(params: dict[str, Any], setup: list[Any], hosts: Any, code: str) 
                     ray.get(host.answer.remote(lease, False))
                     ray.get(host.next.remote(lease))  # the trial ended at this step boundary
                     ray.get(run)
-                    reusable = True
+                    ended = True
                     raise
                 ray.get(host.answer.remote(lease, True))
             try:
                 ray.get(run)
             except RayTaskError as error:  # the trial's own error, with the host's traceback
                 raise error.as_instanceof_cause() from None
-            reusable = True
+            ended = True
         finally:
-            # Awaited, so this actor's next trial finds the host free (if this process is ending
-            # meanwhile, the pool's reaper frees the host instead).
-            with contextlib.suppress(Exception):
-                ray.get(hosts.release.remote(number, reusable), timeout=30)
+            if not ended:  # the trial failed, or the host died: it is never lent again
+                with contextlib.suppress(Exception):
+                    ray.get(hosts.release.remote(lease, False), timeout=30)
