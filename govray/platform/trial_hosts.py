@@ -16,7 +16,10 @@ owned by the driver, so it and its hosts end with the driver's job).
   step: the rule ``reuse_actors`` already relies on), and a host serves the trials of one code
   snapshot only (the reproducibility record's digests): changed code gets fresh hosts, like a new
   job gets fresh Ray workers.
-- A host whose trial failed, or whose Tune trial died, is killed, never reused. A host idle for
+- A host whose trial ended cleanly gives itself back to the pool (its Tune actor may be ended with
+  the search before it could). A host whose trial failed is killed, never reused. A host whose
+  Tune trial died is told to end that trial at its next step boundary (or never start it) and is
+  then free again; it is killed if the trial has not ended within ``ABANDON_S``. A host idle for
   ``GOVRAY_TRIAL_HOST_IDLE_S`` seconds (default 300) exits, so a driver that stays up after its
   searches does not hold their memory.
 - ``GOVRAY_TRIAL_HOSTS=0`` trains every trial in its Tune actor, as before hosts.
