@@ -38,6 +38,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +127,12 @@ class TrialHost:
             self._trained += 1
         failed = False
         try:
-            self._train(channel, params, setup, tune_trial_id, resume, threads)
+            from govray.platform.search_trial import train_trial
+
+            def train(session: Any) -> None:
+                train_trial(params, setup, tune_trial_id, resume, session)
+
+            self._train(channel, threads, train)
         except SystemExit:
             pass  # the Tune trial was stopped at this validation: the trial ended there
         except BaseException:
@@ -139,16 +145,8 @@ class TrialHost:
                     ray.get(self._pool.release.remote(lease, True), timeout=30)
             channel.out.put(None)
 
-    def _train(
-        self,
-        channel: _Channel,
-        params: dict[str, Any],
-        setup: Any,
-        tune_trial_id: str,
-        resume: str | None,
-        threads: str | None,
-    ) -> None:
-        from govray.platform.search_trial import train_trial
+    def _train(self, channel: _Channel, threads: str | None, train: Callable[[Any], None]) -> None:
+        """``train`` with a ``HostedSession`` on ``channel``, under the Tune trial's threads."""
         from govray.train.session import HostedSession
 
         def relay(result: dict[str, Any], folder: str | None) -> bool:
@@ -166,7 +164,7 @@ class TrialHost:
         else:
             os.environ["OMP_NUM_THREADS"] = threads
         try:
-            train_trial(params, setup, tune_trial_id, resume, session)
+            train(session)
         finally:
             if (torch := sys.modules.get("torch")) is not None:  # OpenMP's count is per thread
                 self._torch_threads = torch.get_num_threads()
