@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -142,9 +141,8 @@ def search_planned(
     )
     if hosts_enabled(config.resources.max_workers, config.resources.use_gpu):
         # A 1-worker CPU trial trains in a warm trial host; its Tune actor never opens the setup.
-        code = hashlib.sha256(record.code.model_dump_json().encode()).hexdigest()
         function = ray.tune.with_parameters(
-            hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=code
+            hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=record.code.digest
         )
         # Tune restores a search by its trainable's name: one begun in Tune actors resumes hosted.
         function.__name__ = tune_trial.__name__
