@@ -14,7 +14,7 @@ import pytest
 from govray.cli import main
 from govray.core.errors import GovrayError
 from govray.core.storage import open_storage
-from govray.platform.replay import InfluenceReport, Replay, final_checkpoint, replay_trial
+from govray.platform.replay import InfluenceReport, Replay, ReplayError, final_checkpoint, replay_trial
 from govray.platform.world_history import WorldSegment
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
@@ -219,8 +219,10 @@ def test_a_tampered_code_snapshot_is_refused_naming_the_file(golden_run: GoldenR
     trials_before = len(store.list_trials(experiment_id))
     try:
         tampered.write_bytes(recorded.replace(b"F.cross_entropy(model(", b"2.0 * F.cross_entropy(model("))
-        with pytest.raises(ReproducibilityError, match=f"{tampered} changed since it was recorded"):
+        # Refused as a replay (exit 11), the code's own error named as its cause.
+        with pytest.raises(ReplayError, match=f"{tampered} changed since it was recorded") as refused:
             replay_trial(store, str(experiment_id), ("digits-licensed",), trial_id=trial_id)
+        assert isinstance(refused.value.__cause__, ReproducibilityError) and refused.value.exit_code == 11
     finally:
         tampered.write_bytes(recorded)
     assert len(store.list_trials(experiment_id)) == trials_before  # refused before anything ran

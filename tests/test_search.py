@@ -43,6 +43,7 @@ from govray.train.session import LocalSession, tune_reports, tune_result
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.conftest import GoldenRun, _golden_example, kill_driver_when
+from tests.search_replays import WRITERS, replay_cli
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -277,6 +278,10 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     }
     donor = store.get_trial(clones[0]).cloned_from
     assert donor is not None and ledgers[clones[0]] and ledgers[clones[0]] == ledgers[donor]
+    # A replay of the clone would compare it with a training it never had (its weights before the
+    # exploit are its donor's, under the donor's learning rate): refused, exit 11, the donor named.
+    refused = replay_cli(store, clones[0], WRITERS)
+    assert refused.code == 11 and f"continued trial {donor}'s state (a PBT exploit)" in refused.err, refused
 
 
 def test_pbt_never_pauses_a_trial_at_its_last_report() -> None:
@@ -360,12 +365,13 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier
+@pytest.mark.parametrize("resumed_by", ["search-again", "govray-resume"])
 def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
-    ray_session: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    ray_session: None, tmp_path: Path, capfd: pytest.CaptureFixture[str], resumed_by: str
 ) -> None:
     """`jobs/search.py` in its own process, SIGKILLed once two of four grid trials finished;
-    the same call again resumes Tune's state and runs only the other two, and shows it in
-    plain progress lines."""
+    the same call again (or `govray resume EXPERIMENT`) resumes Tune's state and runs only the
+    other two, and shows it in plain progress lines."""
     import time
 
     from govray.cli import main
@@ -393,7 +399,12 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     before = {t: len(store.metrics(t)) for t in finished}
     time.sleep(3)  # the dead driver's Tune trials die with it
     capfd.readouterr()
-    assert main(parse(["--config", str(path)])) == 0
+    again = (
+        parse(["--config", str(path)])
+        if resumed_by == "search-again"
+        else ["resume", "1", "--database", database]
+    )
+    assert main(again) == 0
     trials = store.list_trials(1)
     assert len(trials) == 4 and all(t.state == "completed" for t in trials)
     # What `govray search` printed (no terminal here): progress lines, none of Tune's tables; the
@@ -407,6 +418,9 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     )
     assert int(progress[0].split()[1].split("/")[0]) >= 2, progress
     assert {t: len(store.metrics(t)) for t in finished} == before  # not run again
+    # Every trial, before the kill and after the resume, kept the search's reproducibility record
+    # (one code snapshot: the resumed search ran the code it recorded).
+    assert len({t.reproducibility_json for t in trials}) == 1 and trials[0].reproducibility_json
     sampled = sorted(
         (json.loads(t.hparams_json)["hidden"], round(json.loads(t.hparams_json)["lr"], 6)) for t in trials
     )

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from govray.config.experiment import load_experiment
+from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
 from govray.platform.placement_guard import (
     REMOVED,
@@ -27,6 +28,7 @@ from govray.platform.search import SearchOutcome, run_search, search_path
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import find_checkpoints, model_file
+from tests.search_replays import assert_removal_equals_replay, replayed_without_writers
 from tests.test_search import search_example
 
 
@@ -110,6 +112,13 @@ def test_asha_trials_keep_their_workers_and_a_stopped_trial_frees_its_placement_
     experiment, ingested = ingest_experiment(config, checked, alone_store)
     run = run_trial(config, checked, experiment, ingested.root, alone_store, hparams=hparams, report_every=5)
     assert model_file(find_checkpoints(run.run_dir)[-1]).read_bytes() == _final_model(store, survivor)
+    # `govray replay --trial` of the survivor and of a stopped trial without the PII corpus, on
+    # 2 workers as they trained: removal = replay, bit for bit, the stopped one's to step 10.
+    trust = platform_trust(platform_key())
+    [stopped_trial] = [t for t, step in last.items() if step == 10][:1]
+    for trial_id in (survivor, stopped_trial):
+        report = replayed_without_writers(store, trial_id)
+        assert_removal_equals_replay(store, trust, report, stopped_at=last[trial_id])
 
 
 def test_the_placement_guard_removes_only_groups_ray_has_not(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,8 @@ SUBCOMMANDS = {
     ),
     "resume": Subcommand(
         "govray.cli.resume:resume",
-        "Resume the experiment's interrupted (or paused) trial under its own Ray Train run name.",
+        "Resume the experiment's interrupted (or paused) trial under its own Ray Train run name; an\n"
+        "experiment that ran a search resumes its search where Ray Tune left off.",
     ),
     "attest": Subcommand(
         "govray.cli.attest:attest",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, table
+from govray.cli.common import Database, console, record_id, table
 from govray.tracking.store import TrackingStore
 from govray.tracking.versions import list_models
 
@@ -26,17 +26,33 @@ Tags = typer.Option([], "--tag", help="KEY=VALUE; repeat for more.")
 @app.command("register")
 def register_command(
     name: str = typer.Argument(..., help="Model name (letters, digits, ._-)."),
-    checkpoint: Path = typer.Argument(..., help="A checkpoint directory the tracking store recorded."),
+    checkpoint: Path | None = typer.Argument(
+        None, help="A checkpoint directory the tracking store recorded (or give --trial)."
+    ),
+    trial: int | None = typer.Option(
+        None,
+        "--trial",
+        parser=record_id,
+        help="Register this completed trial's final checkpoint (a run's or a search trial's).",
+    ),
     database: str = Database,
     description: str = typer.Option("", "--description"),
     tags: list[str] = Tags,
 ) -> None:
-    """Verify and attest CHECKPOINT, then register it as NAME's next version."""
-    from govray.platform.registry import register
+    """Verify and attest CHECKPOINT (or trial N's final checkpoint), then register it as NAME's
+    next version; prints the version and the directory its files are in."""
+    from govray.platform.registry import register, register_trial
 
+    if (checkpoint is None) == (trial is None):
+        raise typer.BadParameter("give a CHECKPOINT directory or --trial N (one of them)")
     store = TrackingStore.open(database)
-    version = register(store, name, checkpoint, description=description, tags=_pairs(tags))
-    console.print(f"registered {version.ref} ← {version.directory}", highlight=False)
+    if trial is not None:
+        version = register_trial(store, name, trial, description=description, tags=_pairs(tags))
+    else:
+        assert checkpoint is not None
+        version = register(store, name, checkpoint, description=description, tags=_pairs(tags))
+    source = f"trial {version.checkpoint.trial_id}, step {version.checkpoint.step}"
+    console.print(f"registered {version.ref} ({source}) ← {version.directory}", highlight=False)
     _mirror(store, version)
 
 

@@ -8,6 +8,7 @@ from govray.cli.common import console
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
 from govray.tracking.store import TrackingStore
+from govray.tracking.tables import Experiment
 
 
 def resume(
@@ -21,13 +22,22 @@ def resume(
         "schedule keeps its slots per step, split among them.",
     ),
 ) -> None:
-    """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name."""
+    """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name; an
+    experiment that ran a search resumes its search where Ray Tune left off."""
     from govray.platform.preflight import check_policy
     from govray.platform.resume import on_workers, resume_trial, use_interrupted_trial_code
+    from govray.platform.search import search_began
 
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
     configured = ExperimentConfig.model_validate_json(recorded.config_json)
+    if search_began(configured, recorded):
+        if workers is not None:
+            raise typer.BadParameter(
+                "a search's trials resume on their configured workers", param_hint="--workers"
+            )
+        _resume_search(configured, store, recorded)
+        return
     try:
         config = on_workers(configured, workers)
     except ValueError as error:  # (pydantic's): e.g. an HSDP shard group that does not divide it
@@ -46,3 +56,20 @@ def resume(
     with progress_bar() as update:
         outcome = resume_trial(config, checked, recorded, store, progress=update)
     report(outcome, checked, recorded)
+
+
+def _resume_search(config: ExperimentConfig, store: TrackingStore, recorded: Experiment) -> None:
+    from govray.cli.search import search_view, show_outcome
+    from govray.platform.preflight import check_policy
+    from govray.platform.resume import use_interrupted_trial_code
+    from govray.platform.search import resume_search
+
+    use_interrupted_trial_code(config, store, recorded)  # the search's recorded code, from any directory
+    checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
+    console.print(
+        f"resuming experiment {recorded.id} '{recorded.name}': its {config.searcher.name} search, "
+        "where Ray Tune left off (finished trials are not run again)"
+    )
+    with search_view() as show:
+        outcome = resume_search(config, checked, recorded, store, progress=show)
+    show_outcome(store, outcome)

@@ -15,7 +15,9 @@ from rich.text import Text
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 
 if TYPE_CHECKING:
+    from govray.platform.search import SearchOutcome
     from govray.platform.search_progress import SearchState
+    from govray.tracking.store import TrackingStore
 
 
 def search(
@@ -40,6 +42,11 @@ def search(
     )
     with search_view() as show:
         outcome = search_planned(planner.plan, experiment, store, progress=show)
+    show_outcome(store, outcome)
+
+
+def show_outcome(store: TrackingStore, outcome: SearchOutcome) -> None:
+    """Every trial of the search in a table, then the best."""
     listing = table("trial", "state", "hyperparameters", "steps", "objective", "memorization", "cloned from")
     for trial_id in outcome.trial_ids:
         trial = store.get_trial(trial_id)

@@ -36,8 +36,10 @@ from govray.data.schedule import SCHEDULE_VERSION, ScheduleSpec, derive_seed
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
 from govray.platform.preflight import CheckedPolicy, config_digest
+from govray.tracking.lineage import final_checkpoint_record
+from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import load_checkpoint
+from govray.train.checkpoint import load_checkpoint, recorded_state, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.runspec import RunSpec
@@ -344,3 +346,23 @@ def recorded_trial_code(storage: Storage, trial: TrialRecord) -> CodeSnapshot:
     code = ReproducibilityRecord.model_validate_json(trial.reproducibility_json).code
     use_recorded_code(code, code_directory(storage, code), storage)
     return code
+
+
+def recorded_final_checkpoint(
+    store: TrackingStore, storage: Storage, trial: TrialRecord, trust: TrustConfig
+) -> Path:
+    """``trial``'s final checkpoint as the tracking store recorded it — a run's, or the copy Ray
+    Tune keeps of a search trial's (at the step the trial ended: an ASHA stop's, whatever its
+    workers did after it) —, fetched when this node lacks it, unchanged since it was recorded
+    (the store vouches for its manifest) and verified against ``trust`` (the manifest for every
+    file): what a replay compares with and follows."""
+    assert trial.id is not None
+    record = final_checkpoint_record(store, trial.id)
+    if record is None:
+        raise PlanError(f"trial {trial.id} has no recorded checkpoint")
+    path = Path(record.path)
+    if not storage.fetch(path):
+        raise PlanError(f"trial {trial.id}'s final checkpoint {path} is missing from storage")
+    recorded_state(path, record.manifest_digest)
+    verify_checkpoint(path, trust)
+    return path

@@ -25,8 +25,10 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
 from govray.core.keys import SigningKey, platform_key, platform_trust
+from govray.core.storage import open_storage
 from govray.platform.registered import (
     RegisteredVersion,
     RegistryError,
@@ -42,9 +44,9 @@ from govray.provenance.attest import Attestation, attest_checkpoint
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import Derivation
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import checkpoint_at
+from govray.tracking.lineage import checkpoint_at, final_checkpoint_record
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion
+from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion, TrialState
 from govray.tracking.versions import (
     VersionTaken,
     insert_version,
@@ -86,6 +88,29 @@ def register(
     _record_attestations(store, version, written, record.id)
     _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
     return resolve(store, version.ref)
+
+
+def register_trial(
+    store: TrackingStore,
+    name: str,
+    trial_id: int,
+    *,
+    description: str = "",
+    tags: Mapping[str, str] | None = None,
+    key: SigningKey | None = None,
+) -> RegisteredVersion:
+    """Register trial ``trial_id``'s final checkpoint — a run's, or the copy Ray Tune keeps of a
+    search trial's (at the step its scheduler stopped it, for an ASHA stop) — as ``name``'s next
+    version (``register``); the trial must have completed."""
+    trial = store.get_trial(trial_id)
+    if trial.state != TrialState.COMPLETED.value:
+        raise RegistryError(f"trial {trial_id} is {trial.state}: register a completed trial's checkpoint")
+    final = final_checkpoint_record(store, trial_id)
+    if final is None:
+        raise RegistryError(f"trial {trial_id} has no checkpoint left to register")
+    config = ExperimentConfig.model_validate_json(store.get_experiment(trial.experiment_id).config_json)
+    open_storage(config.storage_path).fetch(Path(final.path))  # (object storage: into this node's cache)
+    return register(store, name, Path(final.path), description=description, tags=tags, key=key)
 
 
 def set_tags(

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.keys import TrustConfig
-from govray.core.storage import Storage, open_storage
-from govray.platform.plan import plan_run, recorded_trial_code, run_spec_path
+from govray.core.storage import open_storage
+from govray.platform.plan import RunPlan, plan_run, recorded_final_checkpoint, recorded_trial_code
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.resume import run_segments
 from govray.platform.runner import Progress, TrialOutcome, stored_ledger
@@ -41,7 +41,7 @@ from govray.platform.world_history import (
 )
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import TrialKind, TrialRecord
+from govray.tracking.tables import Experiment, TrialKind, TrialRecord, TrialState
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints, verify_checkpoint
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
@@ -100,27 +100,32 @@ class Replay:
 
 def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | None) -> TrialRecord:
     """Trial ``trial_id``, or the experiment's latest completed original: never a replay unless
-    named (a replay compared with itself would show no influence at all)."""
-    trials = [t for t in store.list_trials(experiment_id) if t.state == "completed"]
+    named (a replay compared with itself would show no influence at all). A trial of a search
+    counts as soon as it completed, also when its scheduler stopped it early."""
+    trials = store.list_trials(experiment_id)
     if trial_id is not None:
-        trials = [t for t in trials if t.id == trial_id]
-    else:
-        trials = [t for t in trials if t.kind == TrialKind.ORIGINAL]
-    if not trials:
-        which = f"trial {trial_id}" if trial_id is not None else "a completed original trial"
-        raise ReplayError(f"experiment {experiment_id} has no {which} to replay")
-    return trials[-1]
+        named = [t for t in trials if t.id == trial_id]
+        if not named:
+            raise ReplayError(f"experiment {experiment_id} has no trial {trial_id}")
+        if named[0].state != TrialState.COMPLETED.value:
+            raise ReplayError(f"trial {trial_id} is {named[0].state}: only a completed trial is replayed")
+        return named[0]
+    originals = [t for t in trials if t.state == TrialState.COMPLETED.value and t.kind == TrialKind.ORIGINAL]
+    if not originals:
+        raise ReplayError(f"experiment {experiment_id} has no completed original trial to replay")
+    return originals[-1]
 
 
-def _excluded_by(storage: Storage, trial: TrialRecord) -> tuple[str, ...]:
-    """The corpora a trial left out (a replay's; none for an original), from its run spec."""
-    if trial.kind == TrialKind.ORIGINAL:
-        return ()
-    assert trial.ray_run_name is not None
-    path = run_spec_path(storage, trial.ray_run_name)
-    if not storage.fetch(path):
-        raise ReplayError(f"trial {trial.id} is a replay whose run spec {path} is missing")
-    return RunSpec.model_validate_json(path.read_text()).excluded_corpora
+def _refuse_clone(trial: TrialRecord) -> None:
+    """A PBT exploit handed the trial another trial's state, trained under that trial's
+    hyperparameters: replaying it means replaying that donor's lineage up to the clone, which a
+    replay does not do (it would silently compare different trainings)."""
+    if trial.cloned_from is not None:
+        raise ReplayError(
+            f"trial {trial.id} continued trial {trial.cloned_from}'s state (a PBT exploit), trained "
+            f"under trial {trial.cloned_from}'s hyperparameters before it: replaying a donor's "
+            f"lineage is not supported; replay trial {trial.cloned_from} or a trial PBT never cloned"
+        )
 
 
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
@@ -188,6 +193,18 @@ def _paired_tensors(
         yield before[0], before[1], after[1]
 
 
+@dataclass(frozen=True)
+class PreparedReplay:
+    """A replay checked and planned, nothing run yet: the trial it reruns, that trial's final
+    checkpoint (verified), the plan, and the world-size segments it runs on."""
+
+    original: TrialRecord
+    original_dir: Path
+    already_excluded: tuple[str, ...]  # the corpora the replayed trial left out (it is a replay)
+    plan: RunPlan
+    segments: tuple[WorldSegment, ...]
+
+
 def replay_trial(
     store: TrackingStore,
     experiment: str,
@@ -196,54 +213,20 @@ def replay_trial(
     trial_id: int | None = None,
     progress: Progress | None = None,
 ) -> Replay:
-    """Rerun a recorded trial without ``exclude``'s rows, on the world sizes it trained on from
-    the steps it trained on them (``platform.world_history``), and write the influence report."""
-    recorded = store.get_experiment(experiment)
-    assert recorded.id is not None
-    config = ExperimentConfig.model_validate_json(recorded.config_json)
-    original = _original_trial(store, recorded.id, trial_id)
-    assert original.id is not None
-    known = {corpus.corpus_id: corpus for corpus in store.list_corpora(recorded.id)}
-    unknown = [corpus for corpus in exclude if corpus not in known]
-    if unknown:
-        raise ReplayError(f"experiment '{recorded.name}' has no corpus {', '.join(unknown)}")
-    storage = open_storage(config.storage_path)
-    code = recorded_trial_code(storage, original)  # the code it ran, whatever the working directory
-    already = _excluded_by(storage, original)
-    checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    _, ingested = ingest_experiment(config, checked, store)
-    for corpus in ingested.manifest.corpora:
-        if corpus.fingerprint != known[corpus.corpus_id].fingerprint:
-            raise ReplayError(
-                f"corpus '{corpus.corpus_id}' changed since the recorded run (fingerprint "
-                f"{known[corpus.corpus_id].fingerprint[:16]}… → {corpus.fingerprint[:16]}…): "
-                "a replay needs the same bytes"
-            )
-    assert original.ray_run_name is not None
-    original_dir = final_checkpoint(storage.root / "ray" / original.ray_run_name, checked.trust)
-    ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
-    trial = make_trial(ran.trial, ran.hparams, ran.settings)
-    verify_input_digests(ran.input_digests, trial, run=f"trial {original.id}")  # before any packing
-    plan = plan_run(
-        config,
-        checked,
-        ingested.root,
-        storage=storage,
-        hparams=json.loads(original.hparams_json),
-        trial_seed=original.seed,
-        excluded_corpora=already + tuple(c for c in exclude if c not in already),
-        recorded_decisions=recorded_decisions(store, original.id),
-        code=code,
-        schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
-    )
-    history = recorded_world_history(original_dir)  # verified with the checkpoint
-    segments = replay_segments(history, plan.spec.max_steps, config.resources.max_workers)
-    slots = recorded_slots_per_step(original_dir)
-    if (plan.spec.slots_per_step or segments[0].workers) != slots:
-        # The original's first world trained no step (resumed from its step-0 checkpoint on
-        # another world size): the replay's first segment starts on the original's slots per step.
-        plan = replace(plan, spec=plan.spec.model_copy(update={"slots_per_step": slots}))
-    outcome = run_segments(plan, recorded, store, segments, progress=progress, replay_of=original.id)
+    """Rerun a recorded trial — of a run or of a search, stopped early or not — without
+    ``exclude``'s rows, on the world sizes it trained on from the steps it trained on them
+    (``platform.world_history``), and write the influence report. Whatever stops it before it
+    trains is a ``ReplayError`` naming the cause (exit 11)."""
+    try:
+        recorded = store.get_experiment(experiment)
+        prepared = prepare_replay(store, recorded, exclude, trial_id)
+    except ReplayError:
+        raise
+    except GovrayError as error:  # an unknown experiment, changed code or data, a tampered checkpoint
+        raise ReplayError(f"replay refused: {error}") from error
+    original, plan = prepared.original, prepared.plan
+    assert recorded.id is not None and original.id is not None
+    outcome = run_segments(plan, recorded, store, prepared.segments, progress=progress, replay_of=original.id)
     if outcome.state != "completed":
         raise ReplayError(
             f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; finish "
@@ -258,14 +241,14 @@ def replay_trial(
         replay_trial=outcome.trial_id,
         replay_run=outcome.run_name,
         excluded_corpora=list(exclude),
-        already_excluded=list(already),
+        already_excluded=list(prepared.already_excluded),
         step=outcome.steps_done,
         created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         tensors=tensor_influence(
-            original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude), checked.trust
+            prepared.original_dir, replay_dir, stored_ledger(store, original.id), tuple(exclude), plan.trust
         ),
     )
-    path = storage.root / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
+    path = plan.storage.root / "reports" / f"influence-trial{original.id}-replay{outcome.trial_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report.model_dump_json(indent=2))
     AuditLog(store).append(
@@ -278,7 +261,64 @@ def replay_trial(
         },
         experiment_id=recorded.id,
     )
-    return Replay(outcome=outcome, report=report, report_path=path, segments=segments)
+    return Replay(outcome=outcome, report=report, report_path=path, segments=prepared.segments)
+
+
+def prepare_replay(
+    store: TrackingStore, recorded: Experiment, exclude: tuple[str, ...], trial_id: int | None
+) -> PreparedReplay:
+    """Check that trial ``trial_id`` (default: the latest completed original) can be rerun as it
+    ran — its recorded code, the same corpus bytes, its verified final checkpoint and inputs —
+    and plan the rerun from what that checkpoint says ran: hyperparameters, validation period,
+    schedule version, world sizes."""
+    assert recorded.id is not None
+    config = ExperimentConfig.model_validate_json(recorded.config_json)
+    original = _original_trial(store, recorded.id, trial_id)
+    assert original.id is not None
+    _refuse_clone(original)
+    known = {corpus.corpus_id: corpus for corpus in store.list_corpora(recorded.id)}
+    unknown = [corpus for corpus in exclude if corpus not in known]
+    if unknown:
+        raise ReplayError(f"experiment '{recorded.name}' has no corpus {', '.join(unknown)}")
+    storage = open_storage(config.storage_path)
+    code = recorded_trial_code(storage, original)  # the code it ran, whatever the working directory
+    checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
+    _, ingested = ingest_experiment(config, checked, store)
+    for corpus in ingested.manifest.corpora:
+        if corpus.fingerprint != known[corpus.corpus_id].fingerprint:
+            raise ReplayError(
+                f"corpus '{corpus.corpus_id}' changed since the recorded run (fingerprint "
+                f"{known[corpus.corpus_id].fingerprint[:16]}… → {corpus.fingerprint[:16]}…): "
+                "a replay needs the same bytes"
+            )
+    original_dir = recorded_final_checkpoint(store, storage, original, checked.trust)
+    ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
+    trial = make_trial(ran.trial, ran.hparams, ran.settings)
+    verify_input_digests(ran.input_digests, trial, run=f"trial {original.id}")  # before any packing
+    already = ran.excluded_corpora
+    plan = plan_run(
+        config,
+        checked,
+        ingested.root,
+        storage=storage,
+        hparams=dict(ran.hparams),
+        trial_seed=original.seed,
+        excluded_corpora=already + tuple(c for c in exclude if c not in already),
+        report_every=ran.report_every,
+        recorded_decisions=recorded_decisions(store, original.id),
+        # A search trial validated where its scheduler's rungs are (a recorded ASHA stop is applied there).
+        validation_period=ran.validation_period,
+        code=code,
+        schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
+    )
+    history = recorded_world_history(original_dir)  # verified with the checkpoint
+    segments = replay_segments(history, plan.spec.max_steps, config.resources.max_workers)
+    slots = recorded_slots_per_step(original_dir)
+    if (plan.spec.slots_per_step or segments[0].workers) != slots:
+        # The original's first world trained no step (resumed from its step-0 checkpoint on
+        # another world size): the replay's first segment starts on the original's slots per step.
+        plan = replace(plan, spec=plan.spec.model_copy(update={"slots_per_step": slots}))
+    return PreparedReplay(original, original_dir, already, plan, segments)
 
 
 def format_influence(report: InfluenceReport) -> str:

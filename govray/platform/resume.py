@@ -17,7 +17,14 @@ from collections.abc import Callable
 from govray.config.experiment import ExperimentConfig
 from govray.core.storage import Storage, open_storage
 from govray.platform.mlflow_mirror import mirrored
-from govray.platform.plan import RunPlan, code_directory, recorded_trial_code, run_spec_path
+from govray.platform.plan import (
+    PlanError,
+    RunPlan,
+    code_directory,
+    recorded_final_checkpoint,
+    recorded_trial_code,
+    run_spec_path,
+)
 from govray.platform.preflight import CheckedPolicy
 from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, start_planned, train_run
 from govray.platform.world_history import (
@@ -30,7 +37,7 @@ from govray.platform.world_history import (
 )
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
-from govray.train.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
+from govray.train.checkpoint import checkpoint_step, find_checkpoints
 from govray.train.runspec import RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
@@ -132,11 +139,11 @@ def replay_segments_left(
     if trial.replay_of is None:
         return None
     original = store.get_trial(trial.replay_of)
-    found = find_checkpoints(storage.root / "ray" / original.ray_run_name) if original.ray_run_name else []
-    if not found:
-        raise TrainingFailed(f"trial {trial.id} replays trial {original.id}, which has no checkpoint")
-    verify_checkpoint(found[-1], checked.trust)
-    history = recorded_world_history(found[-1])
+    try:  # (a run's, or a search trial's: Tune keeps its checkpoints)
+        final = recorded_final_checkpoint(store, storage, original, checked.trust)
+    except PlanError as error:
+        raise TrainingFailed(f"trial {trial.id} replays trial {original.id}: {error}") from None
+    history = recorded_world_history(final)
     segments = replay_segments(history, spec.max_steps, configured=0) if history else ()
     if len(segments) < 2:
         return None

@@ -37,10 +37,10 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from govray.config.experiment import ExperimentConfig
 from govray.config.searcher import SEARCHER_GROUP, TunePlan, installed_searchers
 from govray.core.errors import ConfigError
-from govray.core.storage import Storage
+from govray.core.storage import Storage, open_storage
 from govray.platform.mlflow_mirror import mirrored
-from govray.platform.plan import RunPlan, plan_run
-from govray.platform.preflight import CheckedPolicy
+from govray.platform.plan import RunPlan, code_directory, plan_run, recorded_trial_code
+from govray.platform.preflight import CheckedPolicy, ingest_experiment
 from govray.platform.recorder import GcSettings
 from govray.platform.search_progress import SearchProgress, SearchState
 from govray.platform.search_tracking import SearchTracking
@@ -56,6 +56,7 @@ from govray.platform.trial_hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
+from govray.train.snapshots import CodeSnapshot
 
 Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
 
@@ -100,6 +101,41 @@ def run_search(
     return search_planned(planned, experiment, store, progress=progress)
 
 
+def search_began(config: ExperimentConfig, experiment: Experiment) -> bool:
+    """Whether ``experiment`` ran a search whose Ray Tune state is kept (a resume resumes it)."""
+    from ray.tune import Tuner
+
+    storage = open_storage(config.storage_path)
+    location = storage.ray_path(search_path(storage, config, experiment))
+    return Tuner.can_restore(location, storage_filesystem=storage.filesystem)
+
+
+def resume_search(
+    config: ExperimentConfig,
+    checked: CheckedPolicy,
+    experiment: Experiment,
+    store: TrackingStore,
+    *,
+    progress: Callable[[SearchState], None] | None = None,
+) -> SearchOutcome:
+    """`govray resume` of a search: the experiment's shards (ingested again: the same bytes, or
+    the ingest says what changed), then its search where Ray Tune left off, running the code it
+    recorded, without rerunning finished trials."""
+    _, ingested = ingest_experiment(config, checked, store)
+    return search_planned(plan_run(config, checked, ingested.root), experiment, store, progress=progress)
+
+
+def recorded_search_code(
+    store: TrackingStore, experiment: Experiment, storage: Storage
+) -> CodeSnapshot | None:
+    """The code an interrupted search recorded (its first trial's), imported from its snapshot
+    from now on, verified (a changed or missing file is refused, named); None when no trial of it
+    was recorded yet."""
+    assert experiment.id is not None
+    recorded = [t for t in store.list_trials(experiment.id) if t.reproducibility_json is not None]
+    return recorded_trial_code(storage, recorded[0]) if recorded else None
+
+
 def search_planned(
     planned: RunPlan,
     experiment: Experiment,
@@ -116,7 +152,22 @@ def search_planned(
     assert experiment.id is not None
     config, storage, checked = planned.config, planned.storage, planned.checked
     plan = strategy(config.searcher.name)(config, planned.spec.max_steps)
-    record = build_record(config, storage.root, config_digest=planned.spec.config_digest, threads=1)
+    path = search_path(storage, config, experiment)
+    # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
+    location = storage.ray_path(path)
+    restoring = Tuner.can_restore(location, storage_filesystem=storage.filesystem)
+    # A resumed search runs the code it recorded, as a resumed run does (imported from here on).
+    code = recorded_search_code(store, experiment, storage) if restoring else None
+    # Every trial of the search runs this code on these corpora and threads: its row keeps the
+    # record before the trial trains (as a run's does), and a replay fetches the code.
+    record = build_record(
+        config,
+        storage.root,
+        config_digest=planned.spec.config_digest,
+        threads=planned.spec.threads,
+        code=code,
+    )
+    storage.upload(code_directory(storage, record.code))
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
@@ -125,6 +176,7 @@ def search_planned(
         report_every=planned.spec.report_every,
         validation_period=plan.validation_period,
         database_url=config.database_url,
+        code=code,
     )
     tracking = SearchTracking(
         config.database_url,
@@ -138,6 +190,7 @@ def search_planned(
             # PBT may clone any earlier checkpoint it kept for a donor: GC waits for the search's end.
             as_it_goes=not isinstance(plan.scheduler, PopulationBasedTraining),
         ),
+        reproducibility=record.model_dump_json(),
     )
     if hosts_enabled(config.resources.max_workers, config.resources.use_gpu):
         # A 1-worker CPU trial trains in a warm trial host; its Tune actor never opens the setup.
@@ -160,9 +213,6 @@ def search_planned(
     callbacks: list[ray.tune.Callback] = [tracking]
     if progress is not None:
         callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))
-    path = search_path(storage, config, experiment)
-    # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
-    location = storage.ray_path(path)
     # Tune saves its experiment state at most this often: a trial finished before an interruption
     # is known finished to the resumed search (Tune's "auto" waits 10 s or more).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
@@ -171,7 +221,7 @@ def search_planned(
     store.set_experiment_state(experiment.id, "active")
     tracking.guard.begin()
     try:
-        if Tuner.can_restore(location, storage_filesystem=storage.filesystem):
+        if restoring:
             tuner = Tuner.restore(
                 location,
                 trainable=trainable,

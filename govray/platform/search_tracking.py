@@ -1,7 +1,8 @@
 """The search's rows in the tracking store, written by the driver alone (a Tune ``Callback``).
 
 Each Tune trial gets a ``RunRecorder`` (one owner per row): its trial row (found by run name when
-a restored search meets it again), states, reports, checkpoints, decisions, ledgers and
+a restored search meets it again; created with the search's reproducibility record, as a run's
+trial is, so any trial can be replayed), states, reports, checkpoints, decisions, ledgers and
 attestations; checkpoint GC runs over every trial's recorded checkpoints. Its ``PlacementGuard``
 frees the placement group of each N-worker trial that stops running (Ray would keep it).
 """
@@ -38,8 +39,10 @@ class SearchTracking(ray.tune.Callback):
         storage: Storage,
         layers: dict[str, int | None],
         gc: GcSettings,
+        reproducibility: str,
     ) -> None:
         self.database_url = database_url
+        self.reproducibility = reproducibility  # the search's record (JSON), kept by every trial row
         self.experiment_id = gc.experiment_id
         self.config = config
         self.storage = storage
@@ -68,7 +71,9 @@ class SearchTracking(ray.tune.Callback):
             hparams = {name: trial.config[name] for name in self.config.hyperparameters}
             created = self.store.create_trial(self.experiment_id, json.dumps(hparams, sort_keys=True), seed=0)
             row_id = created.id
-            self.store.set_trial_state(row_id, TrialState.ACTIVE, ray_run_name=run_name)  # type: ignore[arg-type]
+            assert row_id is not None
+            self.store.set_trial_reproducibility(row_id, self.reproducibility)  # what a replay reruns
+            self.store.set_trial_state(row_id, TrialState.ACTIVE, ray_run_name=run_name)
         assert row_id is not None
         root = self.storage.root
         self.recorders[trial.trial_id] = RunRecorder(

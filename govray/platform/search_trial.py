@@ -46,6 +46,7 @@ from govray.train.session import (
     tune_result,
     worker_places,
 )
+from govray.train.snapshots import CodeSnapshot
 
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 RELAY_PERIOD = 0.2  # seconds between the Tune trial's looks at its run's reports
@@ -64,10 +65,13 @@ class SearchSetup:
     config_json: str
     checked: CheckedPolicy  # with the trust read at preflight: every trial checks against it
     shard_root: str
-    reproducibility: dict[str, Any]
+    reproducibility: dict[str, Any]  # the search's record: every trial's row keeps it
     report_every: int
     validation_period: int | None
     database_url: str
+    # A resumed search's recorded code, which its trials import (whatever the working directory
+    # holds now); None: the search began here, on the working directory's code it recorded.
+    code: CodeSnapshot | None = None
 
 
 def trial_run_name(config: ExperimentConfig, tune_trial_id: str) -> str:
@@ -107,6 +111,7 @@ def train_trial(
         report_every=setup.report_every,
         validation_period=setup.validation_period,
         schedule_version=version,
+        code=setup.code,
     )
     spec = plan.named(trial_run_name(config, tune_trial_id), setup.reproducibility).model_copy(
         update={"resume_checkpoint": resume or ""}

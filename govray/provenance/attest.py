@@ -44,7 +44,7 @@ from govray.provenance.locations import attestation_prefix, run_spec_of, signatu
 from govray.provenance.model_signature import sign_model
 from govray.provenance.predicates import Derivation, coverage, provenance, routing_of
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
-from govray.tracking.lineage import checkpoints, record_attestation
+from govray.tracking.lineage import checkpoints, final_checkpoint_record, record_attestation
 from govray.tracking.store import TrackingStore
 from govray.train.base_file import materialize_base
 from govray.train.checkpoint import (
@@ -153,8 +153,8 @@ def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None =
         found = find_checkpoints(run_dir)
         final = found[-1] if found else None
     else:
-        active = [c for c in recorded if c.state == "active"]
-        final = Path(active[-1].path) if active else None
+        kept = final_checkpoint_record(store, trial_id)
+        final = Path(kept.path) if kept is not None else None
     if final is None:
         return None
     written = attest_checkpoint(final)

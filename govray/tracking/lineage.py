@@ -142,6 +142,14 @@ def checkpoints_of(session: Session, trial_id: int) -> list[CheckpointRecord]:
     return list(session.exec(query.order_by(col(CheckpointRecord.step), col(CheckpointRecord.id))))
 
 
+def final_checkpoint_record(store: TrackingStore, trial_id: int) -> CheckpointRecord | None:
+    """The trial's newest checkpoint GC kept (GC never deletes a trial's latest): a run's in its
+    Ray Train run directory, a search trial's the copy Ray Tune keeps, at the step it ended at
+    (an ASHA stop's, whatever its workers did after it)."""
+    kept = [c for c in checkpoints(store, trial_id) if c.state == CheckpointStatus.ACTIVE.value]
+    return kept[-1] if kept else None
+
+
 def checkpoint_at(store: TrackingStore, checkpoint: Path) -> CheckpointRecord | None:
     """The recorded checkpoint whose directory is ``checkpoint`` (both paths resolved), if any."""
     wanted = checkpoint.resolve()

@@ -1,0 +1,234 @@
+"""Every trial of a search can be replayed: search → replay a completed and an ASHA-stopped trial
+without the PII corpus (removal = replay, bit for bit) → register the best trial, remove its
+adapter, and `govray lineage row` finds the version without it. Trials trained in warm trial hosts
+and in Tune's own actors alike (2-worker trials: ``test_search_workers.py``; a PBT clone's
+refusal: ``test_search.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from govray.config.experiment import ExperimentConfig
+from govray.core.canonical import file_sha256
+from govray.core.dsse import sign_envelope
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.core.storage import Storage, open_storage
+from govray.platform.plan import code_directory
+from govray.platform.search import SearchOutcome
+from govray.provenance.rows import row_reach
+from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
+from govray.tracking.lineage import attestations, final_checkpoint_record
+from govray.tracking.store import TrackingStore
+from govray.train.checkpoint import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
+from govray.train.reproducibility import ReproducibilityRecord
+from tests.search_replays import (
+    ADAPTER_FILE,
+    WRITERS,
+    assert_removal_equals_replay,
+    final_folder,
+    govray,
+    replay_cli,
+    replayed_without_writers,
+)
+from tests.test_search import searched
+
+# Rungs at steps 10 and 20; seeded samples and deterministic training stop some trials at 10.
+ASHA: dict[str, Any] = {
+    "name": "asha",
+    "max_trials": 4,
+    "divisor": 2,
+    "max_rungs": 2,
+    "max_length": {"batches": 20},
+}
+
+
+@dataclass(frozen=True)
+class AshaSearch:
+    root: Path
+    outcome: SearchOutcome
+    store: TrackingStore
+    completed: int  # a trial that trained all 20 steps
+    stopped: int  # a trial ASHA stopped at step 10
+
+    @property
+    def trust(self) -> TrustConfig:
+        return platform_trust(platform_key())
+
+    @property
+    def storage(self) -> Storage:
+        experiment = self.store.get_trial(self.completed).experiment_id
+        return open_storage(
+            ExperimentConfig.model_validate_json(
+                self.store.get_experiment(experiment).config_json
+            ).storage_path
+        )
+
+
+def asha_search(root: Path, hosts: bool) -> AshaSearch:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GOVRAY_TRIAL_HOSTS", "1" if hosts else "0")
+        outcome, store = searched(root, ASHA)
+    last = {t: store.get_trial(t).last_step for t in outcome.trial_ids}
+    stopped = [t for t in outcome.trial_ids if [d.kind for d in store.decisions(t)] == ["early_stop"]]
+    completed = [t for t, step in last.items() if step == 20]
+    assert stopped and completed and all(last[t] == 10 for t in stopped), last
+    return AshaSearch(root, outcome, store, completed[0], stopped[0])
+
+
+@pytest.fixture(scope="module")
+def hosted_asha(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AshaSearch]:
+    search = asha_search(tmp_path_factory.mktemp("hosted-asha"), hosts=True)
+    yield search
+    search.store.close()
+
+
+@pytest.mark.slow  # a whole Ray Tune search and two replays: the slow tier
+@pytest.mark.parametrize("hosts", [True, False], ids=["trial-hosts", "tune-actors"])
+def test_a_completed_and_an_asha_stopped_trial_replay_without_the_adapter_corpus_bit_for_bit(
+    hosts: bool, hosted_asha: AshaSearch, tmp_path: Path
+) -> None:
+    """Each trial of the search recorded the search's reproducibility record (its code snapshot
+    stored) before it trained; `govray replay --trial` of the trial that finished and of one ASHA
+    stopped at the first rung, without the PII corpus: the stopped one's replay ends at step 10
+    too, and each base is bit-identical to the trial's, its adapter not."""
+    search = hosted_asha if hosts else asha_search(tmp_path, hosts=False)
+    store = search.store
+    records = {store.get_trial(t).reproducibility_json for t in search.outcome.trial_ids}
+    assert len(records) == 1 and None not in records, "every trial keeps the search's one record"
+    (recorded,) = records
+    assert recorded is not None
+    code = ReproducibilityRecord.model_validate_json(recorded).code
+    assert (code_directory(search.storage, code) / next(iter(code.files))).is_file()
+    for trial_id, step in ((search.completed, 20), (search.stopped, 10)):
+        report = replayed_without_writers(store, trial_id)
+        assert report.original_trial == trial_id
+        assert_removal_equals_replay(store, search.trust, report, stopped_at=step)
+
+
+@pytest.mark.slow  # reads the search of the slow tier's hosted_asha
+def test_a_search_trials_attestation_verifies_and_its_ledger_recomputes_from_the_cli(
+    hosted_asha: AshaSearch, tmp_path: Path
+) -> None:
+    """`govray verify --recompute-ledger` on an ASHA-stopped trial's attestation (its final
+    checkpoint: the copy Tune keeps of step 10)."""
+    store = hosted_asha.store
+    final = final_checkpoint_record(store, hosted_asha.stopped)
+    assert final is not None and final.id is not None and final.step == 10
+    kinds = {PROVENANCE_TYPE: "provenance", COVERAGE_TYPE: "coverage"}
+    for record in attestations(store, final.id):
+        kind = kinds[str(statement_type(record.envelope_json))]
+        (tmp_path / f"trial.{kind}.dsse.json").write_text(record.envelope_json)
+    trust = tmp_path / "trust.yaml"
+    save_trust(hosted_asha.trust, trust)
+    envelope = str(tmp_path / "trial.provenance.dsse.json")
+    done = govray("verify", envelope, "--model-dir", final.path, "--trust", str(trust), "--recompute-ledger")
+    assert done.code == 0, (done.out, done.err)
+    assert "ledger recomputed from the schedule: all" in done.out
+
+
+@pytest.mark.slow  # reads the search of the slow tier's hosted_asha
+def test_the_best_trial_registers_sheds_its_adapter_and_lineage_row_names_the_version_without_it(
+    hosted_asha: AshaSearch,
+) -> None:
+    """`govray model register NAME --trial BEST` says the version's folder; `remove-adapter` makes
+    version 2 without the PII corpus; `govray lineage row` of a PII row the best trial trained on
+    lists version 1 as carrying it and version 2 as not."""
+    store, best = hosted_asha.store, hosted_asha.outcome.best_trial_id
+    folder = final_folder(store, best)
+    done = govray("model", "register", "tumor", "--trial", str(best), "--database", store.url)
+    assert done.code == 0, (done.out, done.err)
+    step = store.get_trial(best).last_step
+    assert f"registered tumor:1 (trial {best}, step {step}) ← {folder}" in done.out
+    removed = govray("model", "remove-adapter", "tumor:1", "--adapter", "pii-lora", "--database", store.url)
+    assert removed.code == 0 and "(excluded corpora: digits-writers)" in removed.out, removed
+    experiment = store.get_trial(best).experiment_id
+    (writers,) = [c for c in store.list_corpora(experiment) if c.corpus_id == WRITERS]
+    row = next(
+        row
+        for row in range(writers.rows)
+        if next(t for t in row_reach(store, WRITERS, row).trials if t.trial_id == best).step_count
+    )
+    done = govray("lineage", "row", WRITERS, str(row), "--json", "--database", store.url)
+    assert done.code == 0, done.err
+    (reach,) = [t for t in json.loads(done.out)["trials"] if t["trial_id"] == best]
+    models = {(m["model"], m["version"]): (m["carries_row"], m["removed_adapters"]) for m in reach["models"]}
+    assert models == {("tumor", 1): (True, []), ("tumor", 2): (False, ["pii-lora"])}
+
+
+@pytest.mark.slow  # reads the search of the slow tier's hosted_asha
+def test_every_refusal_of_a_search_trials_replay_exits_11_in_one_line(
+    hosted_asha: AshaSearch, tmp_path: Path
+) -> None:
+    """A trial that is not there, a corpus the experiment lacks, and what an engineer with write
+    access to storage would try — the trial's recorded code snapshot edited, its final checkpoint
+    edited, and re-sealed with their own key: refused before anything trains, exit 11, in one
+    line naming the cause."""
+    store = hosted_asha.store
+    trials = len(store.list_trials(store.get_trial(hosted_asha.completed).experiment_id))
+    refusals = {
+        "no such trial": govray(
+            "replay",
+            str(store.get_trial(hosted_asha.completed).experiment_id),
+            "--trial",
+            "999",
+            "--exclude-corpus",
+            WRITERS,
+            "--database",
+            store.url,
+        ),
+        "unknown corpus": replay_cli(store, hosted_asha.completed, "no-such-corpus"),
+    }
+    code = ReproducibilityRecord.model_validate_json(
+        str(store.get_trial(hosted_asha.stopped).reproducibility_json)
+    ).code
+    snapshot = code_directory(hosted_asha.storage, code) / next(iter(code.files))
+    original = snapshot.read_bytes()
+    snapshot.write_bytes(original + b"\n# tampered\n")
+    try:
+        refusals["changed code"] = replay_cli(store, hosted_asha.stopped, WRITERS)
+    finally:
+        snapshot.write_bytes(original)
+    # With write access to storage: the checkpoint Tune kept, an adapter file changed; then its
+    # state and manifest rewritten to match and signed with the engineer's own key.
+    final = final_folder(store, hosted_asha.stopped)
+    kept = shutil.copytree(final, tmp_path / "kept")
+    try:
+        adapter = final / ADAPTER_FILE
+        adapter.write_bytes(adapter.read_bytes()[:-4] + b"\x00\x00\x80\x3f")
+        refusals["changed adapter"] = replay_cli(store, hosted_asha.stopped, WRITERS)
+        shutil.copy2(kept / ADAPTER_FILE, adapter)
+        forge_manifest(final, SigningKey.generate(KeyRole.PLATFORM))
+        refusals["own key"] = replay_cli(store, hosted_asha.stopped, WRITERS)
+    finally:
+        shutil.rmtree(final)
+        shutil.copytree(kept, final)
+    causes = {
+        "no such trial": "has no trial 999",
+        "unknown corpus": "has no corpus no-such-corpus",
+        "changed code": "changed since it was recorded",
+        "changed adapter": ADAPTER_FILE,
+        "own key": "its manifest is not the one the tracking store recorded",
+    }
+    for name, done in refusals.items():
+        assert done.code == 11, (name, done)
+        line = done.first_error_line  # the whole refusal, cause included, on its first line
+        assert line.startswith("ReplayError:") and causes[name] in line, (name, done.err)
+    # a refused replay leaves no trial behind
+    assert len(store.list_trials(store.get_trial(hosted_asha.completed).experiment_id)) == trials
+
+
+def forge_manifest(folder: Path, key: SigningKey) -> None:
+    """A checkpoint's state edited (its step), the manifest rewritten to match, signed by ``key``."""
+    state = folder / STATE_FILE
+    state.write_text(state.read_text().replace('"step": 10', '"step": 11'))
+    manifest = Manifest.model_validate_json((folder / MANIFEST_FILE).read_text())
+    forged = Manifest(step=manifest.step, files={**manifest.files, STATE_FILE: file_sha256(state)}).to_bytes()
+    (folder / MANIFEST_FILE).write_bytes(forged)
+    (folder / SIGNATURE_FILE).write_text(sign_envelope(forged, MANIFEST_TYPE, key).to_json())
