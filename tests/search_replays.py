@@ -8,6 +8,7 @@ import contextlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ from govray.core.keys import TrustConfig
 from govray.platform.replay import InfluenceReport
 from govray.tracking.lineage import final_checkpoint_record, ledger_rows
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import checkpoint_step
+from govray.train.checkpoint import STATE_FILE, CheckpointState, checkpoint_step
 from govray.train.whole_file import base_tensors, file_tensors
 
 WRITERS = "digits-writers"  # the PII corpus: routed to the pii-lora adapter only
@@ -91,3 +92,9 @@ def assert_removal_equals_replay(
     assert any(corpus == WRITERS for corpus, _ in ledger), "the trial never trained on the PII corpus"
     assert ledger_of(store, replay) == {key: entry for key, entry in ledger.items() if key[0] != WRITERS}
     assert {row.file for row in report.tensors if row.kind == "direct" and row.distance > 0} == {ADAPTER_FILE}
+
+
+def hparams_history(store: TrackingStore, trial_id: int) -> list[tuple[int, str, dict[str, Any]]]:
+    """(from step, run, hyperparameters) of the trial's final checkpoint's state."""
+    state = CheckpointState.model_validate_json((final_folder(store, trial_id) / STATE_FILE).read_text())
+    return [(entry.from_step, entry.run, entry.hparams) for entry in state.hparams_history]

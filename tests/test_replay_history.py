@@ -21,10 +21,11 @@ from govray.platform.world_history import (
     describe_segments,
     replay_segments,
     segments_left,
+    split_at,
 )
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoint import SIGNATURE_FILE, STATE_FILE, find_checkpoints
-from govray.train.checkpoint_manifest import continued_history
+from govray.train.checkpoint_manifest import TrainedUnder, continued_history, continued_lineage
 from jobs.benchmarks.elastic_replay import paused
 from tests.conftest import GOLDEN_STEPS, GoldenRun, kill_driver_when
 
@@ -70,6 +71,34 @@ def test_a_resumed_replay_trains_the_segment_its_checkpoint_falls_in_and_those_a
     assert segments_left(segments, 15) == (WorldSegment(15, 25, 2), WorldSegment(25, 40, 3))
     assert segments_left(segments, 25) == (WorldSegment(25, 40, 3),)  # paused at a segment's end
     assert segments_left(segments, 40) == ()
+
+
+def test_a_clones_lineage_is_its_donors_then_its_own_and_a_resume_continues_its_own_entry() -> None:
+    """A PBT clone restoring its donor's state at step 5 under other hyperparameters adds its own
+    entry; a resume of its own state (same run, same hyperparameters) adds none; an entry that
+    began at the step restored from trained nothing of it and gives way."""
+    donor = TrainedUnder(from_step=0, run="t-a", hparams={"lr": 0.1})
+    clone = TrainedUnder(from_step=0, run="t-b", hparams={"lr": 0.01})
+    cloned = continued_lineage([donor], 5, clone)
+    assert cloned == [donor, clone.model_copy(update={"from_step": 5})]
+    assert continued_lineage(cloned, 8, clone) == cloned  # its own state resumed
+    assert continued_lineage(cloned, 5, TrainedUnder(from_step=0, run="t-c", hparams={"lr": 1.0})) == [
+        donor,
+        TrainedUnder(from_step=5, run="t-c", hparams={"lr": 1.0}),
+    ]  # t-b's entry, begun at step 5, trained nothing of a state restored at step 5
+    assert continued_lineage([donor], 5, donor) == [donor]  # the donor goes on itself
+
+
+def test_a_lineage_cuts_the_world_segments_where_its_hyperparameters_change() -> None:
+    segments = (WorldSegment(0, 10, 2), WorldSegment(10, 30, 1))
+    assert split_at(segments, []) == segments
+    assert split_at(segments, [10]) == segments  # already a boundary
+    assert split_at(segments, [5, 20, 30, 40]) == (
+        WorldSegment(0, 5, 2),
+        WorldSegment(5, 10, 2),
+        WorldSegment(10, 20, 1),
+        WorldSegment(20, 30, 1),
+    )
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ from govray.train.session import LocalSession, tune_reports, tune_result
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.conftest import GoldenRun, _golden_example, kill_driver_when
-from tests.search_replays import WRITERS, replay_cli
+from tests.search_replays import assert_removal_equals_replay, hparams_history, replayed_without_writers
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -278,10 +278,21 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
     }
     donor = store.get_trial(clones[0]).cloned_from
     assert donor is not None and ledgers[clones[0]] and ledgers[clones[0]] == ledgers[donor]
-    # A replay of the clone would compare it with a training it never had (its weights before the
-    # exploit are its donor's, under the donor's learning rate): refused, exit 11, the donor named.
-    refused = replay_cli(store, clones[0], WRITERS)
-    assert refused.code == 11 and f"continued trial {donor}'s state (a PBT exploit)" in refused.err, refused
+    # The clone's state was its donor's up to the exploit (the donor's learning rate), then its own:
+    # `govray replay --trial CLONE` follows that lineage, and removal = replay holds for it.
+    lineage = hparams_history(store, clones[0])
+    donor_row, clone_row = store.get_trial(donor), store.get_trial(clones[0])
+    assert [(step, run) for step, run, _ in lineage] == [
+        (0, donor_row.ray_run_name),
+        (5, clone_row.ray_run_name),
+    ]
+    assert lineage[0][2] == json.loads(donor_row.hparams_json) and lineage[1][2]["lr"] != lineage[0][2]["lr"]
+    report = replayed_without_writers(store, clones[0])
+    assert_removal_equals_replay(store, platform_trust(platform_key()), report, stopped_at=10)
+    # The replay's own state followed the same hyperparameters from the same steps.
+    assert [(step, hparams) for step, _, hparams in hparams_history(store, report.replay_trial)] == [
+        (step, hparams) for step, _, hparams in lineage
+    ]
 
 
 def test_pbt_never_pauses_a_trial_at_its_last_report() -> None:

@@ -6,19 +6,29 @@ refusal: ``test_search.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import file_sha256
 from govray.core.dsse import sign_envelope
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.core.keys import (
+    KeyRole,
+    SigningKey,
+    TrustConfig,
+    load_trust,
+    platform_key,
+    platform_trust,
+    save_trust,
+)
 from govray.core.storage import Storage, open_storage
 from govray.platform.plan import code_directory
 from govray.platform.search import SearchOutcome
@@ -28,6 +38,7 @@ from govray.tracking.lineage import attestations, final_checkpoint_record
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
 from govray.train.reproducibility import ReproducibilityRecord
+from tests.conftest import write_signed_policy
 from tests.search_replays import (
     ADAPTER_FILE,
     WRITERS,
@@ -209,12 +220,23 @@ def test_every_refusal_of_a_search_trials_replay_exits_11_in_one_line(
     finally:
         shutil.rmtree(final)
         shutil.copytree(kept, final)
+    # Another corpus byte or another (validly signed) policy: the trial cannot be rerun as it ran.
+    with changed_file(
+        hosted_asha.root / "data" / "pii.csv", lambda text: text + text.splitlines()[-1] + "\n"
+    ):
+        refusals["changed corpus"] = replay_cli(store, hosted_asha.stopped, WRITERS)
+        refusals["changed corpus, again"] = replay_cli(store, hosted_asha.stopped, WRITERS)  # (still)
+    with other_signed_policy(hosted_asha.root):
+        refusals["other policy"] = replay_cli(store, hosted_asha.stopped, WRITERS)
     causes = {
         "no such trial": "has no trial 999",
         "unknown corpus": "has no corpus no-such-corpus",
         "changed code": "changed since it was recorded",
         "changed adapter": ADAPTER_FILE,
         "own key": "its manifest is not the one the tracking store recorded",
+        "changed corpus": "digits-writers",
+        "changed corpus, again": "digits-writers",
+        "other policy": "a replay needs the same policy",
     }
     for name, done in refusals.items():
         assert done.code == 11, (name, done)
@@ -232,3 +254,32 @@ def forge_manifest(folder: Path, key: SigningKey) -> None:
     forged = Manifest(step=manifest.step, files={**manifest.files, STATE_FILE: file_sha256(state)}).to_bytes()
     (folder / MANIFEST_FILE).write_bytes(forged)
     (folder / SIGNATURE_FILE).write_text(sign_envelope(forged, MANIFEST_TYPE, key).to_json())
+
+
+@contextlib.contextmanager
+def changed_file(path: Path, change: Callable[[str], str]) -> Iterator[None]:
+    """``path``'s text changed by ``change`` inside the block, restored after it."""
+    before = path.read_bytes()
+    path.write_text(change(before.decode()))
+    try:
+        yield
+    finally:
+        path.write_bytes(before)
+
+
+@contextlib.contextmanager
+def other_signed_policy(root: Path) -> Iterator[None]:
+    """The experiment's policy file replaced by a new version, signed by a key its trust file
+    then lists: valid, but not the policy the trials trained under."""
+    policy, trust_file = root / "policies" / "digits.policy.yaml", root / "policies" / "trust.yaml"
+    kept = {path: path.read_bytes() for path in (policy, policy.with_name(policy.name + ".sig"), trust_file)}
+    key = SigningKey.generate(KeyRole.POLICY_AUTHORITY)
+    trust = load_trust(trust_file)
+    save_trust(TrustConfig(keys=[*trust.keys, key.public_key], revoked=trust.revoked), trust_file)
+    raw = yaml.safe_load(policy.read_text())
+    write_signed_policy(policy.parent, {**raw, "version": raw["version"] + 1}, key, name="digits.policy")
+    try:
+        yield
+    finally:
+        for path, content in kept.items():
+            path.write_bytes(content)

@@ -24,7 +24,8 @@ from govray.platform.placement_guard import (
 )
 from govray.platform.preflight import check_policy, ingest_experiment
 from govray.platform.runner import run_trial
-from govray.platform.search import SearchOutcome, run_search, search_path
+from govray.platform.search import SearchOutcome, run_search
+from govray.platform.search_record import search_path
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoint import find_checkpoints, model_file

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
 
 from govray.cli.common import console, record_id
@@ -40,5 +42,13 @@ def replay(
         f"{', '.join(report.excluded_corpora)}: {report.step} steps"
     )
     console.print(describe_segments(replayed.segments), highlight=False)
+    if len(replayed.lineage) > 1:  # a PBT clone: its state began as its donors'
+        parts = [
+            f"from step {entry.from_step} as {entry.run} trained it "
+            f"({json.dumps(entry.hparams, sort_keys=True)})"
+            for entry in replayed.lineage
+        ]
+        lineage = "replayed along the state's lineage: " + "; ".join(parts)
+        console.print(lineage, highlight=False, markup=False)
     console.print(format_influence(report), highlight=False)
     console.print(f"influence report: {replayed.report_path}")

@@ -25,13 +25,12 @@ def resume(
     """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name; an
     experiment that ran a search resumes its search where Ray Tune left off."""
     from govray.platform.preflight import check_policy
-    from govray.platform.resume import on_workers, resume_trial, use_interrupted_trial_code
-    from govray.platform.search import search_began
+    from govray.platform.resume import on_workers, resume_trial, resumes_search, use_interrupted_trial_code
 
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
     configured = ExperimentConfig.model_validate_json(recorded.config_json)
-    if search_began(configured, recorded):
+    if resumes_search(configured, store, recorded):
         if workers is not None:
             raise typer.BadParameter(
                 "a search's trials resume on their configured workers", param_hint="--workers"
@@ -60,11 +59,12 @@ def resume(
 
 def _resume_search(config: ExperimentConfig, store: TrackingStore, recorded: Experiment) -> None:
     from govray.cli.search import search_view, show_outcome
+    from govray.core.storage import open_storage
     from govray.platform.preflight import check_policy
-    from govray.platform.resume import use_interrupted_trial_code
     from govray.platform.search import resume_search
+    from govray.platform.search_record import began_record
 
-    use_interrupted_trial_code(config, store, recorded)  # the search's recorded code, from any directory
+    began_record(open_storage(config.storage_path), config, recorded)  # its code, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     console.print(
         f"resuming experiment {recorded.id} '{recorded.name}': its {config.searcher.name} search, "

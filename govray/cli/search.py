@@ -30,8 +30,10 @@ def search(
     from govray.platform.plan import RunPlanner
     from govray.platform.preflight import check_policy, ingest_experiment
     from govray.platform.search import search_planned
+    from govray.platform.search_record import use_search_code
 
     config, store = open_experiment(config_path)
+    use_search_code(config, store)  # a search begun before: the code it began with
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     planner = RunPlanner(config, checked)  # refused before the experiment exists
     experiment, _ = ingest_experiment(config, checked, store, strict=strict, warn=warn, check=planner)

@@ -90,6 +90,11 @@ class RunPlan:
         """The platform keys whose checkpoints this run accepts: read once, with the policy."""
         return self.checked.trust
 
+    def named_as(self, other: RunSpec) -> RunSpec:
+        """This plan's spec under ``other``'s run name, directories and record (a replay segment
+        under other hyperparameters than the replay's first)."""
+        return self.named(other.run_name, other.reproducibility)
+
     def named(self, run_name: str, reproducibility: Mapping[str, Any]) -> RunSpec:
         """The spec of run ``run_name``: its directories and its reproducibility record filled in."""
         root = self.storage.root
@@ -120,12 +125,15 @@ def plan_run(
     validation_period: int | None = None,
     schedule_version: int = SCHEDULE_VERSION,
     code: CodeSnapshot | None = None,
+    threads: int | None = None,
 ) -> RunPlan:
     """Plan one run on ``shard_root`` of ``hparams`` (default: the experiment's defaults), refusing
     what the run could not honour before anything is recorded: a tampered or foreign start
     checkpoint, canaries without ``sequence_scores``, canary rows outside their corpus, a monitored
     corpus with nothing to measure. A searcher may impose a ``validation_period`` when the config
-    sets none; ``code`` (a replay's) makes the workers import the trial from that recorded snapshot.
+    sets none; ``code`` (a replay's) makes the workers import the trial from that recorded snapshot;
+    ``threads`` (a replay's, a search trial's) pins the workers' torch threads (default: their
+    CPUs, or ``OMP_NUM_THREADS`` here).
     """
     storage = storage if storage is not None else open_storage(config.storage_path)
     start = _verified_start(start_checkpoint, checked.trust)
@@ -162,7 +170,7 @@ def plan_run(
         excluded_corpora=excluded_corpora,
         schedule_version=schedule_version,
         report_every=report_every,
-        threads=default_threads(config.resources.cpus_per_worker),
+        threads=threads if threads is not None else default_threads(config.resources.cpus_per_worker),
         use_gpu=config.resources.use_gpu,
         strategy=config.resources.strategy,
         shard_group=config.resources.shard_group,

@@ -85,7 +85,7 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     return CheckedPolicy(policy=verified, routing=routing, trust=platform_trust(platform_key(), trust))
 
 
-def _existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:
+def existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:
     """The newest experiment of this name with the same config, if any."""
     digest = config_digest(config)
     for experiment in reversed(store.list_experiments()):
@@ -99,7 +99,7 @@ def _experiment_for(
 ) -> Experiment:
     """The newest experiment of this name with the same config, else (or when forking) a new one."""
     digest = config_digest(config)
-    if fork_of is None and (existing := _existing_experiment(config, store)) is not None:
+    if fork_of is None and (existing := existing_experiment(config, store)) is not None:
         return existing
     experiment = store.create_experiment(
         name=config.name,
@@ -148,7 +148,7 @@ def ingest_experiment(
     naming the experiment) and nothing else in the tracking store.
     """
     audit = AuditLog(store)
-    existing = _existing_experiment(config, store) if fork_of is None else None
+    existing = existing_experiment(config, store) if fork_of is None else None
     refused_in = existing.id if existing is not None else None
     refusal = {"experiment": config.name, "config_digest": config_digest(config)}
     ensure_ray()

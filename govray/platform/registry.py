@@ -60,6 +60,7 @@ from govray.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
     model_file,
+    recorded_state,
     seal_checkpoint,
 )
 from govray.train.ledger import Ledger
@@ -110,6 +111,10 @@ def register_trial(
         raise RegistryError(f"trial {trial_id} has no checkpoint left to register")
     config = ExperimentConfig.model_validate_json(store.get_experiment(trial.experiment_id).config_json)
     open_storage(config.storage_path).fetch(Path(final.path))  # (object storage: into this node's cache)
+    try:  # the folder the store recorded, unchanged since (no other folder put in its place)
+        recorded_state(Path(final.path), final.manifest_digest)
+    except CheckpointError as error:
+        raise RegistryError(f"trial {trial_id}'s final checkpoint: {error}") from None
     return register(store, name, Path(final.path), description=description, tags=tags, key=key)
 
 

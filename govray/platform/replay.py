@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
@@ -35,16 +36,20 @@ from govray.platform.resume import run_segments
 from govray.platform.runner import Progress, TrialOutcome, stored_ledger
 from govray.platform.world_history import (
     WorldSegment,
+    recorded_lineage,
     recorded_slots_per_step,
     recorded_world_history,
     replay_segments,
+    split_at,
 )
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialKind, TrialRecord, TrialState
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints, verify_checkpoint
+from govray.train.checkpoint_manifest import TrainedUnder
 from govray.train.decisions import RecordedDecision
 from govray.train.ledger import Ledger
+from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.run_checkpoints import checkpoint_schedule_version
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.snapshots import verify_input_digests
@@ -96,6 +101,7 @@ class Replay:
     report: InfluenceReport
     report_path: Path
     segments: tuple[WorldSegment, ...]  # the world sizes it ran on: the replayed trial's
+    lineage: tuple[TrainedUnder, ...] = ()  # the hyperparameters it followed: the replayed state's
 
 
 def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | None) -> TrialRecord:
@@ -116,18 +122,6 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
     return originals[-1]
 
 
-def _refuse_clone(trial: TrialRecord) -> None:
-    """A PBT exploit handed the trial another trial's state, trained under that trial's
-    hyperparameters: replaying it means replaying that donor's lineage up to the clone, which a
-    replay does not do (it would silently compare different trainings)."""
-    if trial.cloned_from is not None:
-        raise ReplayError(
-            f"trial {trial.id} continued trial {trial.cloned_from}'s state (a PBT exploit), trained "
-            f"under trial {trial.cloned_from}'s hyperparameters before it: replaying a donor's "
-            f"lineage is not supported; replay trial {trial.cloned_from} or a trial PBT never cloned"
-        )
-
-
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
     """The decisions a trial recorded (LR cuts, early stops, gates, rollbacks), for a replay to
     apply as they were."""
@@ -137,6 +131,30 @@ def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDec
         )
         for row in store.decisions(trial_id)
     )
+
+
+def lineage_decisions(
+    store: TrackingStore, experiment_id: int, lineage: list[TrainedUnder]
+) -> tuple[RecordedDecision, ...]:
+    """The decisions a PBT clone's state carries: those each trial of its lineage recorded for
+    the steps it trained of it (after its entry's step, up to the next entry's), in that order,
+    numbered anew (each trial numbered its own)."""
+    trials = {trial.ray_run_name: trial for trial in store.list_trials(experiment_id)}
+    taken: list[RecordedDecision] = []
+    for entry, after in zip(lineage, [*lineage[1:], None], strict=True):
+        trial = trials.get(entry.run)
+        if trial is None or trial.id is None:
+            raise ReplayError(
+                f"run {entry.run}, which trained the state from step {entry.from_step}, is no trial of "
+                f"experiment {experiment_id}"
+            )
+        end = after.from_step if after is not None else None
+        taken += [
+            decision
+            for decision in recorded_decisions(store, trial.id)
+            if entry.from_step < decision.step and (end is None or decision.step <= end)
+        ]
+    return tuple(decision.model_copy(update={"seq": seq}) for seq, decision in enumerate(taken))
 
 
 def final_checkpoint(run_dir: Path, trust: TrustConfig) -> Path:
@@ -201,8 +219,20 @@ class PreparedReplay:
     original: TrialRecord
     original_dir: Path
     already_excluded: tuple[str, ...]  # the corpora the replayed trial left out (it is a replay)
-    plan: RunPlan
+    plans: tuple[RunPlan, ...]  # one per lineage entry, under its hyperparameters
+    lineage: tuple[TrainedUnder, ...]  # who trained the state under which hyperparameters, from when
     segments: tuple[WorldSegment, ...]
+
+    @property
+    def plan(self) -> RunPlan:
+        """The plan the replay begins with (its trial row's)."""
+        return self.plans[0]
+
+    def respec(self, segment: WorldSegment, named: RunSpec) -> RunSpec:
+        """The spec of ``segment``: the plan of the lineage entry it falls in, under the replay's
+        own run name (``named``)."""
+        index = max(i for i, entry in enumerate(self.lineage) if entry.from_step <= segment.start)
+        return self.plans[index].named_as(named).model_copy(update={"slots_per_step": named.slots_per_step})
 
 
 def replay_trial(
@@ -222,11 +252,14 @@ def replay_trial(
         prepared = prepare_replay(store, recorded, exclude, trial_id)
     except ReplayError:
         raise
-    except GovrayError as error:  # an unknown experiment, changed code or data, a tampered checkpoint
+    except (GovrayError, OSError, ValidationError) as error:  # changed code or data, a tampered checkpoint
         raise ReplayError(f"replay refused: {error}") from error
     original, plan = prepared.original, prepared.plan
     assert recorded.id is not None and original.id is not None
-    outcome = run_segments(plan, recorded, store, prepared.segments, progress=progress, replay_of=original.id)
+    respec = prepared.respec if len(prepared.plans) > 1 else None
+    outcome = run_segments(
+        plan, recorded, store, prepared.segments, progress=progress, replay_of=original.id, respec=respec
+    )
     if outcome.state != "completed":
         raise ReplayError(
             f"replay trial {outcome.trial_id} was {outcome.state} at step {outcome.steps_done}; finish "
@@ -261,7 +294,7 @@ def replay_trial(
         },
         experiment_id=recorded.id,
     )
-    return Replay(outcome=outcome, report=report, report_path=path, segments=prepared.segments)
+    return Replay(outcome, report, path, prepared.segments, prepared.lineage)
 
 
 def prepare_replay(
@@ -275,7 +308,6 @@ def prepare_replay(
     config = ExperimentConfig.model_validate_json(recorded.config_json)
     original = _original_trial(store, recorded.id, trial_id)
     assert original.id is not None
-    _refuse_clone(original)
     known = {corpus.corpus_id: corpus for corpus in store.list_corpora(recorded.id)}
     unknown = [corpus for corpus in exclude if corpus not in known]
     if unknown:
@@ -283,42 +315,66 @@ def prepare_replay(
     storage = open_storage(config.storage_path)
     code = recorded_trial_code(storage, original)  # the code it ran, whatever the working directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    _, ingested = ingest_experiment(config, checked, store)
+    # Strict: a corpus whose bytes changed is refused before the ingest records them.
+    _, ingested = ingest_experiment(config, checked, store, strict=True)
+    trained_on = ReproducibilityRecord.model_validate_json(str(original.reproducibility_json)).corpora
+    fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in trained_on}
     for corpus in ingested.manifest.corpora:
-        if corpus.fingerprint != known[corpus.corpus_id].fingerprint:
+        if corpus.fingerprint != fingerprints.get(corpus.corpus_id, corpus.fingerprint):
             raise ReplayError(
-                f"corpus '{corpus.corpus_id}' changed since the recorded run (fingerprint "
-                f"{known[corpus.corpus_id].fingerprint[:16]}… → {corpus.fingerprint[:16]}…): "
+                f"corpus '{corpus.corpus_id}' changed since trial {original.id} trained on it "
+                f"(fingerprint {fingerprints[corpus.corpus_id][:16]}… → {corpus.fingerprint[:16]}…): "
                 "a replay needs the same bytes"
             )
     original_dir = recorded_final_checkpoint(store, storage, original, checked.trust)
     ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
+    if ran.policy_digest != checked.policy.digest:
+        raise ReplayError(
+            f"trial {original.id} trained under policy digest {ran.policy_digest[:16]}…, the policy is "
+            f"now {checked.policy.digest[:16]}…: a replay needs the same policy"
+        )
     trial = make_trial(ran.trial, ran.hparams, ran.settings)
     verify_input_digests(ran.input_digests, trial, run=f"trial {original.id}")  # before any packing
     already = ran.excluded_corpora
-    plan = plan_run(
-        config,
-        checked,
-        ingested.root,
-        storage=storage,
-        hparams=dict(ran.hparams),
-        trial_seed=original.seed,
-        excluded_corpora=already + tuple(c for c in exclude if c not in already),
-        report_every=ran.report_every,
-        recorded_decisions=recorded_decisions(store, original.id),
-        # A search trial validated where its scheduler's rungs are (a recorded ASHA stop is applied there).
-        validation_period=ran.validation_period,
-        code=code,
-        schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
+    # A PBT clone's state was trained by its donors first, each under its own hyperparameters and
+    # decisions: the replay follows that lineage, one plan per entry (verified with the checkpoint).
+    lineage = recorded_lineage(original_dir) or [
+        TrainedUnder(from_step=0, run=original.ray_run_name or "", hparams=ran.hparams)
+    ]
+    decisions = (
+        recorded_decisions(store, original.id)
+        if len(lineage) == 1
+        else lineage_decisions(store, recorded.id, lineage)
     )
+
+    def planned(hparams: dict[str, Any]) -> RunPlan:
+        return plan_run(
+            config,
+            checked,
+            ingested.root,
+            storage=storage,
+            hparams=dict(hparams),
+            trial_seed=original.seed,
+            excluded_corpora=already + tuple(c for c in exclude if c not in already),
+            report_every=ran.report_every,
+            threads=ran.threads,  # summation order follows the thread count
+            recorded_decisions=decisions,
+            # A search trial validated where its scheduler's rungs are (its ASHA stop is applied there).
+            validation_period=ran.validation_period,
+            code=code,
+            schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
+        )
+
+    plans = [planned(entry.hparams) for entry in lineage]
     history = recorded_world_history(original_dir)  # verified with the checkpoint
-    segments = replay_segments(history, plan.spec.max_steps, config.resources.max_workers)
+    segments = replay_segments(history, plans[0].spec.max_steps, config.resources.max_workers)
+    segments = split_at(segments, [entry.from_step for entry in lineage[1:]])
     slots = recorded_slots_per_step(original_dir)
-    if (plan.spec.slots_per_step or segments[0].workers) != slots:
+    if (plans[0].spec.slots_per_step or segments[0].workers) != slots:
         # The original's first world trained no step (resumed from its step-0 checkpoint on
         # another world size): the replay's first segment starts on the original's slots per step.
-        plan = replace(plan, spec=plan.spec.model_copy(update={"slots_per_step": slots}))
-    return PreparedReplay(original, original_dir, already, plan, segments)
+        plans = [replace(p, spec=p.spec.model_copy(update={"slots_per_step": slots})) for p in plans]
+    return PreparedReplay(original, original_dir, already, tuple(plans), tuple(lineage), segments)
 
 
 def format_influence(report: InfluenceReport) -> str:

@@ -27,10 +27,12 @@ from govray.platform.plan import (
 )
 from govray.platform.preflight import CheckedPolicy
 from govray.platform.runner import Progress, TrainingFailed, TrialOutcome, start_planned, train_run
+from govray.platform.search_record import search_began
 from govray.platform.world_history import (
     WorldHistoryError,
     WorldSegment,
     describe_segments,
+    recorded_lineage,
     recorded_world_history,
     replay_segments,
     segments_left,
@@ -42,6 +44,8 @@ from govray.train.runspec import RunSpec
 from govray.train.snapshots import verify_input_digests
 from govray.train.trial import make_trial
 
+# The spec a segment of a replay trains with, from the replay's own (named) spec.
+Respec = Callable[[WorldSegment, RunSpec], RunSpec]
 RESUMABLE_STATES = (TrialState.ACTIVE.value, TrialState.ERRORED.value, TrialState.PAUSED.value)
 
 
@@ -52,6 +56,18 @@ def interrupted_trial(store: TrackingStore, experiment: Experiment) -> TrialReco
         t for t in store.list_trials(experiment.id) if t.state in RESUMABLE_STATES and t.ray_run_name
     ]
     return interrupted[-1] if interrupted else None
+
+
+def resumes_search(config: ExperimentConfig, store: TrackingStore, experiment: Experiment) -> bool:
+    """Whether `govray resume` of ``experiment`` resumes its search: its Ray Tune state is kept
+    and no run or replay of it is interrupted (those keep their run spec on storage; a search
+    trial has none)."""
+    trial = interrupted_trial(store, experiment)
+    if trial is not None and trial.ray_run_name is not None:
+        storage = open_storage(config.storage_path)
+        if storage.fetch(run_spec_path(storage, trial.ray_run_name)):
+            return False
+    return search_began(config, experiment)
 
 
 def use_interrupted_trial_code(
@@ -143,6 +159,12 @@ def replay_segments_left(
         final = recorded_final_checkpoint(store, storage, original, checked.trust)
     except PlanError as error:
         raise TrainingFailed(f"trial {trial.id} replays trial {original.id}: {error}") from None
+    if len(lineage := recorded_lineage(final)) > 1:
+        changes = ", ".join(str(entry.from_step) for entry in lineage[1:])
+        raise TrainingFailed(
+            f"trial {trial.id} replays trial {original.id} along its PBT lineage (its hyperparameters "
+            f"changed after steps {changes}): a resume would go on under one of them; run the replay again"
+        )
     history = recorded_world_history(final)
     segments = replay_segments(history, spec.max_steps, configured=0) if history else ()
     if len(segments) < 2:
@@ -161,12 +183,15 @@ def run_segments(
     *,
     progress: Progress | None = None,
     replay_of: int | None = None,
+    respec: Respec | None = None,
 ) -> TrialOutcome:
     """Train the planned trial one segment after another under one trial and run name: each
     segment but the last pauses at its end with a sealed checkpoint, the next resumes from it on
-    its own world size. Returns the last segment's outcome, or that of a segment that ended
-    otherwise (paused or killed on request elsewhere, or completed early: an early stop); a
-    resume of it (``resume_trial``) goes on with the segments left."""
+    its own world size (and, given ``respec``, with the spec it gives the segment: a replay of a
+    PBT clone's lineage changes hyperparameters between segments). Returns the last segment's
+    outcome, or that of a segment that ended otherwise (paused or killed on request elsewhere, or
+    completed early: an early stop); a resume of it (``resume_trial``) goes on with the segments
+    left."""
     assert experiment.id is not None
     trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
 
@@ -176,7 +201,7 @@ def run_segments(
         )
 
     with mirrored(store, plan.config.tracking.mlflow, experiment.id):
-        return _train_segments(train, plan.config, spec, segments)
+        return _train_segments(train, plan.config, spec, segments, respec)
 
 
 def _train_segments(
@@ -184,13 +209,18 @@ def _train_segments(
     config: ExperimentConfig,
     spec: RunSpec,
     segments: tuple[WorldSegment, ...],
+    respec: Respec | None = None,
 ) -> TrialOutcome:
-    """``train`` each segment on its world size (``config`` on its workers), each but the last to
-    a pause at its end; stops at a segment that ended otherwise."""
+    """``train`` each segment on its world size (``config`` on its workers) with its spec
+    (``respec``'s, else ``spec``), each but the last to a pause at its end; stops at a segment that
+    ended otherwise."""
     outcome: TrialOutcome | None = None
     for segment in segments:
         pause_at = segment.end if segment.end < spec.max_steps else None
-        outcome = train(on_workers(config, segment.workers), spec.model_copy(update={"pause_at": pause_at}))
+        trained = respec(segment, spec) if respec is not None else spec
+        outcome = train(
+            on_workers(config, segment.workers), trained.model_copy(update={"pause_at": pause_at})
+        )
         paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
         if pause_at is None or not paused_at_end:
             break

@@ -37,12 +37,13 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from govray.config.experiment import ExperimentConfig
 from govray.config.searcher import SEARCHER_GROUP, TunePlan, installed_searchers
 from govray.core.errors import ConfigError
-from govray.core.storage import Storage, open_storage
+from govray.data.shards import ShardSet
 from govray.platform.mlflow_mirror import mirrored
-from govray.platform.plan import RunPlan, code_directory, plan_run, recorded_trial_code
+from govray.platform.plan import RunPlan, plan_run
 from govray.platform.preflight import CheckedPolicy, ingest_experiment
 from govray.platform.recorder import GcSettings
 from govray.platform.search_progress import SearchProgress, SearchState
+from govray.platform.search_record import began_record, check_corpora, keep_record, search_path
 from govray.platform.search_tracking import SearchTracking
 from govray.platform.search_trial import (
     TUNE_TRIAL_MEMORY,
@@ -56,7 +57,6 @@ from govray.platform.trial_hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment
 from govray.train.reproducibility import build_record
-from govray.train.snapshots import CodeSnapshot
 
 Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
 
@@ -80,11 +80,6 @@ class SearchOutcome:
     plan: TunePlan
 
 
-def search_path(storage: Storage, config: ExperimentConfig, experiment: Experiment) -> Path:
-    """Where Ray Tune keeps the search's state (in this node's cache, for object storage)."""
-    return storage.root / "tune" / f"{config.name}-search{experiment.id}"
-
-
 def run_search(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -101,15 +96,6 @@ def run_search(
     return search_planned(planned, experiment, store, progress=progress)
 
 
-def search_began(config: ExperimentConfig, experiment: Experiment) -> bool:
-    """Whether ``experiment`` ran a search whose Ray Tune state is kept (a resume resumes it)."""
-    from ray.tune import Tuner
-
-    storage = open_storage(config.storage_path)
-    location = storage.ray_path(search_path(storage, config, experiment))
-    return Tuner.can_restore(location, storage_filesystem=storage.filesystem)
-
-
 def resume_search(
     config: ExperimentConfig,
     checked: CheckedPolicy,
@@ -118,22 +104,16 @@ def resume_search(
     *,
     progress: Callable[[SearchState], None] | None = None,
 ) -> SearchOutcome:
-    """`govray resume` of a search: the experiment's shards (ingested again: the same bytes, or
-    the ingest says what changed), then its search where Ray Tune left off, running the code it
-    recorded, without rerunning finished trials."""
-    _, ingested = ingest_experiment(config, checked, store)
+    """`govray resume` of a search: the experiment's shards (ingested again, refused if a corpus's
+    bytes changed), then its search where Ray Tune left off, running the code and threads it
+    began with, without rerunning finished trials."""
+    ingested_into, ingested = ingest_experiment(config, checked, store, strict=True)
+    if ingested_into.id != experiment.id:
+        raise SearchError(
+            f"experiment {experiment.id} is not the newest of its config (experiment {ingested_into.id} "
+            f"is): resume that one"
+        )
     return search_planned(plan_run(config, checked, ingested.root), experiment, store, progress=progress)
-
-
-def recorded_search_code(
-    store: TrackingStore, experiment: Experiment, storage: Storage
-) -> CodeSnapshot | None:
-    """The code an interrupted search recorded (its first trial's), imported from its snapshot
-    from now on, verified (a changed or missing file is refused, named); None when no trial of it
-    was recorded yet."""
-    assert experiment.id is not None
-    recorded = [t for t in store.list_trials(experiment.id) if t.reproducibility_json is not None]
-    return recorded_trial_code(storage, recorded[0]) if recorded else None
 
 
 def search_planned(
@@ -156,18 +136,21 @@ def search_planned(
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
     location = storage.ray_path(path)
     restoring = Tuner.can_restore(location, storage_filesystem=storage.filesystem)
-    # A resumed search runs the code it recorded, as a resumed run does (imported from here on).
-    code = recorded_search_code(store, experiment, storage) if restoring else None
-    # Every trial of the search runs this code on these corpora and threads: its row keeps the
-    # record before the trial trains (as a run's does), and a replay fetches the code.
+    # Every trial of the search imports this code snapshot and trains on these threads, and its
+    # row keeps the record before it trains (as a run's does): a replay reruns exactly that. A
+    # resumed search goes on with the code and threads it began with, on the same corpus bytes.
+    began = began_record(storage, config, experiment) if restoring else None
+    if began is not None:
+        check_corpora(began, ShardSet.open(planned.shard_root).manifest)
     record = build_record(
         config,
         storage.root,
         config_digest=planned.spec.config_digest,
-        threads=planned.spec.threads,
-        code=code,
+        threads=began.threads if began is not None else planned.spec.threads,
+        code=began.code if began is not None else None,
     )
-    storage.upload(code_directory(storage, record.code))
+    if began is None:
+        keep_record(storage, config, experiment, record)
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
@@ -176,7 +159,8 @@ def search_planned(
         report_every=planned.spec.report_every,
         validation_period=plan.validation_period,
         database_url=config.database_url,
-        code=code,
+        code=record.code,
+        threads=record.threads,
     )
     tracking = SearchTracking(
         config.database_url,

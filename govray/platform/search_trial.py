@@ -69,9 +69,8 @@ class SearchSetup:
     report_every: int
     validation_period: int | None
     database_url: str
-    # A resumed search's recorded code, which its trials import (whatever the working directory
-    # holds now); None: the search began here, on the working directory's code it recorded.
-    code: CodeSnapshot | None = None
+    code: CodeSnapshot  # the record's: every trial imports it (whatever the working directory holds)
+    threads: int  # the record's: every trial's torch threads per worker
 
 
 def trial_run_name(config: ExperimentConfig, tune_trial_id: str) -> str:
@@ -112,6 +111,7 @@ def train_trial(
         validation_period=setup.validation_period,
         schedule_version=version,
         code=setup.code,
+        threads=setup.threads,
     )
     spec = plan.named(trial_run_name(config, tune_trial_id), setup.reproducibility).model_copy(
         update={"resume_checkpoint": resume or ""}

@@ -19,12 +19,13 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 from govray.core.errors import GovrayError
 from govray.train.checkpoint import STATE_FILE, CheckpointState
-from govray.train.checkpoint_manifest import continued_history
+from govray.train.checkpoint_manifest import TrainedUnder, continued_history
 
 
 class WorldHistoryError(GovrayError):
@@ -48,6 +49,25 @@ def recorded_world_history(checkpoint: Path) -> list[tuple[int, int]]:
     signed manifest covers ``state.json``); empty for a checkpoint written before they were kept."""
     state = CheckpointState.model_validate_json((checkpoint / STATE_FILE).read_text())
     return [(int(step), int(workers)) for step, workers in state.world_history]
+
+
+def recorded_lineage(checkpoint: Path) -> list[TrainedUnder]:
+    """Who trained a verified checkpoint's state under which hyperparameters, from which step,
+    up to its step (``CheckpointState.hparams_history``: a PBT clone's begins with its donor's);
+    an entry that began at the checkpoint's step trained nothing of it and is left out."""
+    state = CheckpointState.model_validate_json((checkpoint / STATE_FILE).read_text())
+    return [entry for entry in state.hparams_history if entry.from_step < state.step or entry.from_step == 0]
+
+
+def split_at(segments: tuple[WorldSegment, ...], steps: list[int]) -> tuple[WorldSegment, ...]:
+    """``segments`` cut where one of ``steps`` falls inside one (a replay's hyperparameters change
+    there: a PBT clone's lineage), each part on its segment's world size."""
+    parts: list[WorldSegment] = []
+    for segment in segments:
+        cuts = sorted({step for step in steps if segment.start < step < segment.end})
+        bounds = [segment.start, *cuts, segment.end]
+        parts += [WorldSegment(start, end, segment.workers) for start, end in itertools.pairwise(bounds)]
+    return tuple(parts)
 
 
 def recorded_slots_per_step(checkpoint: Path) -> int:

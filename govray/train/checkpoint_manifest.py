@@ -41,6 +41,18 @@ class CheckpointError(GovrayError):
     exit_code = 10
 
 
+class TrainedUnder(BaseModel):
+    """From step ``from_step`` on, run ``run`` trained the state under ``hparams``: an entry of a
+    checkpoint's ``hparams_history``. A PBT exploit continues a donor's state under the clone's
+    own hyperparameters, so a clone's history holds its donor's entries, then its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    from_step: int = Field(ge=0)
+    run: str
+    hparams: dict[str, Any]
+
+
 class CheckpointState(BaseModel):
     """``state.json``: everything besides tensors that a resume or replay needs."""
 
@@ -74,6 +86,8 @@ class CheckpointState(BaseModel):
     # [from_step, workers] each time the world size changed (resumed on another); empty in a
     # checkpoint written before it was recorded: the schedule's slots per step from step 0.
     world_history: list[tuple[int, int]] = Field(default_factory=list)
+    # Who trained the state under which hyperparameters, from which step (``continued_lineage``).
+    hparams_history: list[TrainedUnder] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -168,4 +182,14 @@ def continued_history(history: list[tuple[int, int]], step: int, world: int) -> 
     kept = [(start, workers) for start, workers in history if start < step]
     if not kept or kept[-1][1] != world:
         kept.append((step, world))
+    return kept
+
+
+def continued_lineage(history: list[TrainedUnder], step: int, entry: TrainedUnder) -> list[TrainedUnder]:
+    """A state's ``hparams_history`` continued by ``entry`` from ``step``: entries that began at
+    ``step`` or later trained nothing of it and give way, and ``entry`` is added unless the run
+    and hyperparameters before it are its own (a resume continues its own entry)."""
+    kept = [earlier for earlier in history if earlier.from_step < step]
+    if not kept or (kept[-1].run, kept[-1].hparams) != (entry.run, entry.hparams):
+        kept.append(entry.model_copy(update={"from_step": step}))
     return kept

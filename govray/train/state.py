@@ -27,7 +27,7 @@ from govray.train.checkpoint import (
     seal_checkpoint,
     sharding_layout,
 )
-from govray.train.checkpoint_manifest import continued_history
+from govray.train.checkpoint_manifest import TrainedUnder, continued_history, continued_lineage
 from govray.train.control import Controller
 from govray.train.decisions import GateDecision, RollbackDecision
 from govray.train.layouts import Snapshot, describe_layout
@@ -62,6 +62,8 @@ class TrialRun:
         self.layout = governed.parallel.layout  # who writes checkpoints, where clean states live
         # [from_step, workers]: the world sizes the run trained on (summation order follows them).
         self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
+        # Who trained the state under which hyperparameters (a PBT clone continues its donor's).
+        self.hparams_history = [TrainedUnder(from_step=0, run=self.run_name, hparams=spec.hparams)]
 
     @classmethod
     def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
@@ -134,6 +136,7 @@ class TrialRun:
             source=self.source,
             run=self.run_name,
             world_history=self.world_history,
+            hparams_history=self.hparams_history,
         )
 
     def save(
@@ -199,6 +202,7 @@ class TrialRun:
         governed.ledger = Ledger.from_json(loaded.state.ledger)
         self.source = loaded.state.source
         self.restored_from_run = loaded.state.run
+        self._continue_lineage(loaded.state)
         if self.control.plateau is not None and loaded.state.plateau:
             governed.set_lr_scale(self.control.lr_scale)
         if loaded.state.memorization:
@@ -219,6 +223,15 @@ class TrialRun:
         self.governed.resume_slots(slots)
         history = [(int(step), int(workers)) for step, workers in state.world_history] or [(0, slots)]
         self.world_history = continued_history(history, state.step, self.governed.worker.world_size)
+
+    def _continue_lineage(self, state: CheckpointState) -> None:
+        """This run and its hyperparameters continue the checkpoint's history from its step (a
+        resume of its own: nothing changes; a PBT clone: its donor's entries, then its own)."""
+        recorded = state.hparams_history or [
+            TrainedUnder(from_step=0, run=state.run, hparams=self.spec.hparams)  # (an older checkpoint)
+        ]
+        own = TrainedUnder(from_step=state.step, run=self.run_name, hparams=self.spec.hparams)
+        self.hparams_history = continued_lineage(recorded, state.step, own)
 
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
         """Under FSDP a clean state is the checkpoint's shard files, carried into every later
