@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from govray.platform.replay import Replay, replay_trial
+from govray.platform.replay import Replay, carried_decisions, replay_trial
 from govray.platform.runner import run_trial
 from govray.platform.world_history import (
     WorldHistoryError,
@@ -23,9 +23,11 @@ from govray.platform.world_history import (
     segments_left,
     split_at,
 )
+from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import SIGNATURE_FILE, STATE_FILE, find_checkpoints
+from govray.train.checkpoint import SIGNATURE_FILE, STATE_FILE, CheckpointState, find_checkpoints
 from govray.train.checkpoint_manifest import TrainedUnder, continued_history, continued_lineage
+from govray.train.decisions import GateDecision, LrDecision, PlateauState
 from jobs.benchmarks.elastic_replay import paused
 from tests.conftest import GOLDEN_STEPS, GoldenRun, kill_driver_when
 
@@ -99,6 +101,53 @@ def test_a_lineage_cuts_the_world_segments_where_its_hyperparameters_change() ->
         WorldSegment(10, 20, 1),
         WorldSegment(20, 30, 1),
     )
+
+
+def test_a_clones_replay_applies_the_decisions_its_state_carries_then_the_schedulers_stop(
+    store: TrackingStore, tmp_path: Path
+) -> None:
+    """The decisions a clone's replay applies are its state's — its donor's LR cut at step 5 and
+    gate at 5, its own cut at 10 (numbered by two controllers) — in step order, then the ASHA stop
+    the driver recorded for the trial, numbered anew; the clone's row (its pre-exploit cut) is not read."""
+    cut = LrDecision(seq=0, step=5, metric="validation_loss", observed=0.9, previous_scale=1.0, scale=0.5)
+    later = cut.model_copy(update={"seq": 2, "step": 10, "previous_scale": 0.5, "scale": 0.25})
+    gate = GateDecision(seq=1, step=5, corpus_id="digits-writers", score=3.0)
+    state = CheckpointState(
+        step=10,
+        epoch=0,
+        seed=7,
+        trial_seed=0,
+        schedule={},
+        schedule_digest="s",
+        policy_digest="p",
+        config_digest="c",
+        ledger={},
+        plateau=PlateauState(scale=0.25, decisions=(cut, later)).model_dump(mode="json"),
+        gates=[gate.model_dump(mode="json")],
+    )
+    (tmp_path / STATE_FILE).write_text(state.model_dump_json())
+    experiment = store.create_experiment("clone", "{}", "d", str(tmp_path))
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    own_cut = {**cut.model_dump(mode="json"), "observed": 0.2}  # of the state the exploit replaced
+    stop = {
+        "seq": 1,
+        "step": 10,
+        "kind": "early_stop",
+        "reason": "scheduler",
+        "metric": "m",
+        "observed": None,
+    }
+    store.record_decisions(trial.id, [own_cut, stop], replayed=False)
+    carried = carried_decisions(tmp_path, trial.id, store)
+    assert [(d.seq, d.step, d.kind) for d in carried] == [
+        (0, 5, "lr_scale"),
+        (1, 5, "gate"),
+        (2, 10, "lr_scale"),
+        (3, 10, "early_stop"),
+    ]
+    assert carried[0] == cut and carried[2] == later.model_copy(update={"seq": 2})
 
 
 @pytest.mark.parametrize(

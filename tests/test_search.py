@@ -55,13 +55,20 @@ SEARCH_HPARAMS: dict[str, Any] = {
 
 
 def search_example(
-    root: Path, searcher: dict[str, Any], workers: int = 1, cpus_per_worker: float = 1.0
+    root: Path,
+    searcher: dict[str, Any],
+    workers: int = 1,
+    cpus_per_worker: float = 1.0,
+    lr_schedule: dict[str, Any] | None = None,
+    validation_period: int = 5,
 ) -> Path:
     path = _golden_example(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
     raw = yaml.safe_load(path.read_text())
     raw["resources"]["cpus_per_worker"] = cpus_per_worker
     raw["searcher"] = {"metric": "validation_loss", "smaller_is_better": True, **searcher}
     del raw["lr_schedule"], raw["min_validation_period"]
+    if lr_schedule is not None:  # metric-driven decisions in every trial, at validations
+        raw["lr_schedule"], raw["min_validation_period"] = lr_schedule, validation_period
     raw["checkpoint"] = {"period": 10, "save_trial_latest": 1, "save_trial_best": 1}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -127,8 +134,9 @@ def searched(
     report_every: int = 5,
     cpus_per_worker: float = 1.0,
     progress: Callable[[SearchState], None] | None = None,
+    lr_schedule: dict[str, Any] | None = None,
 ) -> tuple[SearchOutcome, TrackingStore]:
-    config = load_experiment(search_example(root, searcher, workers, cpus_per_worker))
+    config = load_experiment(search_example(root, searcher, workers, cpus_per_worker, lr_schedule))
     store = TrackingStore.open(config.database_url)
     checked = check_policy(config, store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, store)
@@ -250,7 +258,11 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
         "hyperparam_mutations": {"lr": SEARCH_HPARAMS["lr"]},
         "max_length": {"batches": 10},
     }
-    outcome, store = searched(tmp_path, searcher, workers=2, report_every=2, cpus_per_worker=0.5)
+    # A metric-driven LR schedule: a cut at every validation after the first.
+    cut_always = {"metric": "validation_loss", "factor": 0.5, "patience": 0, "threshold": 0.9}
+    outcome, store = searched(
+        tmp_path, searcher, workers=2, report_every=2, cpus_per_worker=0.5, lr_schedule=cut_always
+    )
     assert_recorded(outcome, store, trials=2)
     places: dict[str, dict[int, Any]] = {}  # Tune trial id: step: worker places
     for path in tmp_path.rglob("result.json"):  # Tune's results (a clone's may begin at its restart)
@@ -287,8 +299,13 @@ def test_pbt_with_two_worker_trials_exploits_and_the_clone_records_its_donor(
         (5, clone_row.ray_run_name),
     ]
     assert lineage[0][2] == json.loads(donor_row.hparams_json) and lineage[1][2]["lr"] != lineage[0][2]["lr"]
+    # The first validation sets the plateau rule's best; the clone's cut at 10 is the decision its
+    # state carries, and the replay (from the state's record) applies it where it was taken.
+    assert [(d.seq, d.step, d.kind) for d in store.decisions(clones[0])] == [(0, 10, "lr_scale")]
     report = replayed_without_writers(store, clones[0])
     assert_removal_equals_replay(store, platform_trust(platform_key()), report, stopped_at=10)
+    replayed_cuts = [(d.seq, d.step, d.kind) for d in store.decisions(report.replay_trial)]
+    assert replayed_cuts == [(0, 10, "lr_scale")], replayed_cuts
     # The replay's own state followed the same hyperparameters from the same steps.
     assert [(step, hparams) for step, _, hparams in hparams_history(store, report.replay_trial)] == [
         (step, hparams) for step, _, hparams in lineage

@@ -32,6 +32,7 @@ from govray.core.keys import (
 from govray.core.storage import Storage, open_storage
 from govray.platform.plan import code_directory
 from govray.platform.search import SearchOutcome
+from govray.platform.search_trial import SearchError
 from govray.provenance.rows import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.lineage import attestations, final_checkpoint_record
@@ -244,6 +245,35 @@ def test_every_refusal_of_a_search_trials_replay_exits_11_in_one_line(
         assert line.startswith("ReplayError:") and causes[name] in line, (name, done.err)
     # a refused replay leaves no trial behind
     assert len(store.list_trials(store.get_trial(hosted_asha.completed).experiment_id)) == trials
+
+
+@pytest.mark.slow  # reads the search of the slow tier's hosted_asha
+def test_govray_resume_of_a_search_resumes_it_and_refuses_a_changed_record_of_how_it_began(
+    hosted_asha: AshaSearch,
+) -> None:
+    """`govray resume` of the finished search (its replays finished too) resumes the search: Tune
+    has nothing left to run, nothing is trained again, the best is the search's. The record the
+    search began with, edited on storage (its threads), no longer matches the sha256 the audit log
+    holds: refused."""
+    store = hosted_asha.store
+    experiment = store.get_trial(hosted_asha.completed).experiment_id
+
+    def progress() -> dict[int | None, tuple[str, int]]:
+        return {t.id: (t.state, len(store.metrics(t.id or 0))) for t in store.list_trials(experiment)}
+
+    before = progress()
+    done = govray("resume", str(experiment), "--database", store.url)
+    assert done.code == 0, (done.out, done.err)
+    assert "its asha search, where Ray Tune left off" in done.out
+    assert f"best: trial {hosted_asha.outcome.best_trial_id} " in done.out
+    assert progress() == before
+    (record,) = (hosted_asha.storage.root / "searches").glob(f"*-search{experiment}.json")
+    with changed_file(record, lambda text: text.replace('"threads": 1', '"threads": 2')):
+        refused = govray("resume", str(experiment), "--database", store.url)
+    assert refused.code == SearchError.exit_code, refused
+    assert (
+        refused.first_error_line.startswith("SearchError:") and "is missing or changed since" in refused.err
+    )
 
 
 def forge_manifest(folder: Path, key: SigningKey) -> None:

@@ -427,6 +427,36 @@ def test_decisions_are_stored_once_and_a_different_rewrite_is_refused(store: Tra
     assert len(store.decisions(trial.id)) == 2
 
 
+def test_a_pbt_clones_decisions_supersede_those_of_the_state_it_replaced(store: TrackingStore) -> None:
+    """A clone took its own LR cut at step 5 (seq 0), then continued a donor's state, which carries
+    the donor's cut at step 5 (also seq 0) and its gate: the clone's rows become the donor state's
+    (its own cut, of a state that is gone, too), where a plain re-report would be refused."""
+    experiment = store.create_experiment("epsilon", "{}", "d", "/runs/e")
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    own = {
+        "seq": 0,
+        "step": 5,
+        "kind": "lr_scale",
+        "scale": 0.5,
+        "metric": "validation_loss",
+        "observed": 0.9,
+    }
+    mine_later = {**own, "seq": 1, "step": 8, "observed": 0.8}
+    store.record_decisions(trial.id, [own, mine_later], replayed=False)
+    donors = {**own, "observed": 0.7}
+    gate = {"seq": 1, "step": 5, "kind": "gate", "corpus_id": "c", "reason": "canary_exposure"}
+    with pytest.raises(TrackingError, match="decision 0 differs"):
+        store.record_decisions(trial.id, [donors, gate], replayed=False)
+    assert store.record_decisions(trial.id, [donors, gate], replayed=False, superseding=True) == 2
+    rows = [
+        (d.seq, d.step, d.kind, json.loads(d.payload_json).get("observed")) for d in store.decisions(trial.id)
+    ]
+    assert rows == [(0, 5, "lr_scale", 0.7), (1, 5, "gate", None)]
+    assert store.record_decisions(trial.id, [donors, gate], replayed=False, superseding=True) == 0  # again
+
+
 def test_pause_and_kill_requests_are_validated(store: TrackingStore) -> None:
     experiment = store.create_experiment("epsilon", "{}", "d", "/runs/e")
     assert experiment.id is not None

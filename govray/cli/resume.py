@@ -64,7 +64,7 @@ def _resume_search(config: ExperimentConfig, store: TrackingStore, recorded: Exp
     from govray.platform.search import resume_search
     from govray.platform.search_record import began_record
 
-    began_record(open_storage(config.storage_path), config, recorded)  # its code, from any directory
+    began_record(store, open_storage(config.storage_path), config, recorded)  # its code, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
     console.print(
         f"resuming experiment {recorded.id} '{recorded.name}': its {config.searcher.name} search, "

@@ -116,7 +116,9 @@ class RunRecorder:
         if report.decisions:
             decisions = [decision.model_dump(mode="json") for decision in report.decisions]
             known = {decision.seq for decision in store.decisions(trial_id)}
-            store.record_decisions(trial_id, decisions, replayed=self.replaying)
+            # A clone's report carries its state's decisions (its donor's first): they supersede the row's.
+            clone = report.cloned_from_run is not None
+            store.record_decisions(trial_id, decisions, replayed=self.replaying, superseding=clone)
             for decision in decisions:
                 if decision["seq"] not in known and decision["kind"] in MEMORIZATION_EVENTS:
                     self._audit(

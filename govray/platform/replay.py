@@ -46,13 +46,21 @@ from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialKind, TrialRecord, TrialState
 from govray.train.checkpoint import MODEL_FILE, find_checkpoints, verify_checkpoint
-from govray.train.checkpoint_manifest import TrainedUnder
-from govray.train.decisions import RecordedDecision
+from govray.train.checkpoint_manifest import STATE_FILE, CheckpointState, TrainedUnder
+from govray.train.decisions import (
+    EarlyStopDecision,
+    EarlyStopState,
+    GateDecision,
+    PlateauState,
+    RecordedDecision,
+    RollbackDecision,
+)
 from govray.train.ledger import Ledger
 from govray.train.reproducibility import ReproducibilityRecord
 from govray.train.run_checkpoints import checkpoint_schedule_version
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
-from govray.train.snapshots import verify_input_digests
+from govray.train.scaling import LossScalingState
+from govray.train.snapshots import verify_corpora_unchanged, verify_input_digests
 from govray.train.trial import make_trial
 from govray.train.whole_file import base_tensors, file_tensors
 
@@ -122,6 +130,18 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
     return originals[-1]
 
 
+def _refuse_unknown_lineage(original: TrialRecord, lineage: list[TrainedUnder], ran: RunSpec) -> None:
+    """A PBT clone whose checkpoint does not say who trained its state under which
+    hyperparameters (its donor's steps) cannot be replayed as it trained."""
+    unknown = [entry.run for entry in lineage if set(entry.hparams) != set(ran.hparams)]
+    if unknown or (original.cloned_from is not None and all(e.run == original.ray_run_name for e in lineage)):
+        raise ReplayError(
+            f"trial {original.id} continued another trial's state (a PBT exploit), but its final "
+            f"checkpoint does not record the hyperparameters {', '.join(unknown) or 'its donor'} trained it "
+            "under: it cannot be replayed as it trained"
+        )
+
+
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
     """The decisions a trial recorded (LR cuts, early stops, gates, rollbacks), for a replay to
     apply as they were."""
@@ -133,28 +153,27 @@ def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDec
     )
 
 
-def lineage_decisions(
-    store: TrackingStore, experiment_id: int, lineage: list[TrainedUnder]
-) -> tuple[RecordedDecision, ...]:
-    """The decisions a PBT clone's state carries: those each trial of its lineage recorded for
-    the steps it trained of it (after its entry's step, up to the next entry's), in that order,
-    numbered anew (each trial numbered its own)."""
-    trials = {trial.ray_run_name: trial for trial in store.list_trials(experiment_id)}
-    taken: list[RecordedDecision] = []
-    for entry, after in zip(lineage, [*lineage[1:], None], strict=True):
-        trial = trials.get(entry.run)
-        if trial is None or trial.id is None:
-            raise ReplayError(
-                f"run {entry.run}, which trained the state from step {entry.from_step}, is no trial of "
-                f"experiment {experiment_id}"
-            )
-        end = after.from_step if after is not None else None
-        taken += [
-            decision
-            for decision in recorded_decisions(store, trial.id)
-            if entry.from_step < decision.step and (end is None or decision.step <= end)
-        ]
-    return tuple(decision.model_copy(update={"seq": seq}) for seq, decision in enumerate(taken))
+def carried_decisions(checkpoint: Path, trial_id: int, store: TrackingStore) -> tuple[RecordedDecision, ...]:
+    """The decisions a verified checkpoint's state carries — every one its controllers took along
+    its lineage (LR cuts, gates, rollbacks, fp16 skips, an early stop; a PBT clone's include its
+    donors', which its own row does not hold apart from its own) — then the scheduler's stop the
+    driver recorded for the trial, in the order taken, numbered anew."""
+    state = CheckpointState.model_validate_json((checkpoint / STATE_FILE).read_text())
+    taken: list[RecordedDecision] = [
+        *(PlateauState.model_validate(state.plateau).decisions if state.plateau else ()),
+        *(GateDecision.model_validate(gate) for gate in state.gates),
+        *(RollbackDecision.model_validate(rollback) for rollback in state.rollbacks),
+        *(LossScalingState.model_validate(state.loss_scaling).skips if state.loss_scaling else ()),
+    ]
+    if state.early_stopping and (stop := EarlyStopState.model_validate(state.early_stopping).decision):
+        taken.append(stop)
+    scheduler = [
+        decision
+        for decision in recorded_decisions(store, trial_id)
+        if isinstance(decision, EarlyStopDecision) and decision.reason == "scheduler"
+    ]
+    ordered = [*sorted(taken, key=lambda decision: (decision.step, decision.seq)), *scheduler]
+    return tuple(decision.model_copy(update={"seq": seq}) for seq, decision in enumerate(ordered))
 
 
 def final_checkpoint(run_dir: Path, trust: TrustConfig) -> Path:
@@ -315,17 +334,10 @@ def prepare_replay(
     storage = open_storage(config.storage_path)
     code = recorded_trial_code(storage, original)  # the code it ran, whatever the working directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)
-    # Strict: a corpus whose bytes changed is refused before the ingest records them.
-    _, ingested = ingest_experiment(config, checked, store, strict=True)
+    # The bytes the trial trained on (its own record), checked before the ingest records anything.
     trained_on = ReproducibilityRecord.model_validate_json(str(original.reproducibility_json)).corpora
-    fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in trained_on}
-    for corpus in ingested.manifest.corpora:
-        if corpus.fingerprint != fingerprints.get(corpus.corpus_id, corpus.fingerprint):
-            raise ReplayError(
-                f"corpus '{corpus.corpus_id}' changed since trial {original.id} trained on it "
-                f"(fingerprint {fingerprints[corpus.corpus_id][:16]}… → {corpus.fingerprint[:16]}…): "
-                "a replay needs the same bytes"
-            )
+    verify_corpora_unchanged(config.data.corpora, trained_on, since=f"trial {original.id} trained on it")
+    _, ingested = ingest_experiment(config, checked, store)
     original_dir = recorded_final_checkpoint(store, storage, original, checked.trust)
     ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
     if ran.policy_digest != checked.policy.digest:
@@ -341,10 +353,13 @@ def prepare_replay(
     lineage = recorded_lineage(original_dir) or [
         TrainedUnder(from_step=0, run=original.ray_run_name or "", hparams=ran.hparams)
     ]
+    _refuse_unknown_lineage(original, lineage, ran)
+    cloned = any(entry.run != original.ray_run_name for entry in lineage)
+    # A clone's row mixes its decisions before the exploit with those after; its state's are its lineage's.
     decisions = (
-        recorded_decisions(store, original.id)
-        if len(lineage) == 1
-        else lineage_decisions(store, recorded.id, lineage)
+        carried_decisions(original_dir, original.id, store)
+        if cloned
+        else recorded_decisions(store, original.id)
     )
 
     def planned(hparams: dict[str, Any]) -> RunPlan:

@@ -160,10 +160,15 @@ def replay_segments_left(
     except PlanError as error:
         raise TrainingFailed(f"trial {trial.id} replays trial {original.id}: {error}") from None
     if len(lineage := recorded_lineage(final)) > 1:
+        # Its plans are the replay's, not on storage: it is ended (killed), so it no longer stands
+        # in the way of resuming the experiment's search.
+        assert trial.id is not None
+        store.set_trial_state(trial.id, TrialState.KILLED)
         changes = ", ".join(str(entry.from_step) for entry in lineage[1:])
         raise TrainingFailed(
-            f"trial {trial.id} replays trial {original.id} along its PBT lineage (its hyperparameters "
-            f"changed after steps {changes}): a resume would go on under one of them; run the replay again"
+            f"trial {trial.id} replayed trial {original.id} along its PBT lineage (hyperparameters "
+            f"changed after steps {changes}), which a resume cannot continue: it is now killed; run "
+            "`govray replay` again"
         )
     history = recorded_world_history(final)
     segments = replay_segments(history, spec.max_steps, configured=0) if history else ()

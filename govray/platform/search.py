@@ -37,6 +37,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from govray.config.experiment import ExperimentConfig
 from govray.config.searcher import SEARCHER_GROUP, TunePlan, installed_searchers
 from govray.core.errors import ConfigError
+from govray.core.storage import open_storage
 from govray.data.shards import ShardSet
 from govray.platform.mlflow_mirror import mirrored
 from govray.platform.plan import RunPlan, plan_run
@@ -55,8 +56,9 @@ from govray.platform.search_trial import (
 )
 from govray.platform.trial_hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.tracking.store import TrackingStore
-from govray.tracking.tables import Experiment
+from govray.tracking.tables import Experiment, TrialKind
 from govray.train.reproducibility import build_record
+from govray.train.snapshots import verify_corpora_unchanged
 
 Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
 
@@ -107,7 +109,10 @@ def resume_search(
     """`govray resume` of a search: the experiment's shards (ingested again, refused if a corpus's
     bytes changed), then its search where Ray Tune left off, running the code and threads it
     began with, without rerunning finished trials."""
-    ingested_into, ingested = ingest_experiment(config, checked, store, strict=True)
+    began = began_record(store, open_storage(config.storage_path), config, experiment)
+    if began is not None:  # refused before the ingest records other bytes
+        verify_corpora_unchanged(config.data.corpora, began.corpora, since="the search began")
+    ingested_into, ingested = ingest_experiment(config, checked, store)
     if ingested_into.id != experiment.id:
         raise SearchError(
             f"experiment {experiment.id} is not the newest of its config (experiment {ingested_into.id} "
@@ -139,7 +144,12 @@ def search_planned(
     # Every trial of the search imports this code snapshot and trains on these threads, and its
     # row keeps the record before it trains (as a run's does): a replay reruns exactly that. A
     # resumed search goes on with the code and threads it began with, on the same corpus bytes.
-    began = began_record(storage, config, experiment) if restoring else None
+    began = began_record(store, storage, config, experiment) if restoring else None
+    if restoring and began is None:
+        raise SearchError(
+            f"search {path.name} has Ray Tune state but no record of how it began (the audit log's "
+            "search.began): its trials cannot go on as they began; start a new experiment"
+        )
     if began is not None:
         check_corpora(began, ShardSet.open(planned.shard_root).manifest)
     record = build_record(
@@ -150,7 +160,7 @@ def search_planned(
         code=began.code if began is not None else None,
     )
     if began is None:
-        keep_record(storage, config, experiment, record)
+        keep_record(store, storage, config, experiment, record)
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
@@ -256,10 +266,10 @@ def search_planned(
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
         raise
-    trials = [
+    trials = [  # (replays of its trials are trials of the experiment too, not of the search)
         t
         for t in store.list_trials(experiment.id)
-        if t.ray_run_name and t.ray_run_name.startswith(config.name)
+        if t.ray_run_name and t.ray_run_name.startswith(config.name) and t.kind == TrialKind.ORIGINAL
     ]
     best = results.get_best_result(
         metric="objective", mode="min" if config.searcher.smaller_is_better else "max", scope="all"

@@ -60,6 +60,7 @@ class AuditEventType(StrEnum):
     GC_POLICY_CHANGED = "gc.policy_changed"
     EXPERIMENT_REQUESTED = "experiment.requested"  # pause or kill asked by a user
     EXPERIMENT_FORKED = "experiment.forked"
+    SEARCH_BEGAN = "search.began"  # the record a search's trials run (its sha256): a resume checks it
 
 
 def default_actor() -> str:

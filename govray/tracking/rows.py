@@ -40,23 +40,37 @@ CORPUS_FIELDS = frozenset(CorpusRecord.model_fields) - {"id", "experiment_id", "
 
 
 def add_decisions(
-    session: Session, trial_id: int, decisions: Iterable[Mapping[str, Any]], replayed: bool
+    session: Session,
+    trial_id: int,
+    decisions: Iterable[Mapping[str, Any]],
+    replayed: bool,
+    superseding: bool = False,
 ) -> int:
-    """``TrackingStore.record_decisions`` in ``session``: the decisions not yet stored, added."""
+    """``TrackingStore.record_decisions`` in ``session``: the decisions not yet stored, added
+    (``superseding``: the trial's rows made exactly ``decisions``, those of a state that replaced
+    the one the rows were of)."""
     added = 0
     require(session, TrialRecord, trial_id)
     known = {
         row.seq: row
         for row in session.exec(select(DecisionRecord).where(DecisionRecord.trial_id == trial_id))
     }
+    decisions = list(decisions)
+    if superseding:
+        kept = {int(decision["seq"]): decision for decision in decisions}
+        for seq, row in list(known.items()):
+            if seq not in kept or _payload_of(kept[seq]) != (row.step, row.kind, row.payload_json):
+                session.delete(row)
+                del known[seq]
+        session.flush()
     for decision in decisions:
-        payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}
+        step, kind, payload_json = _payload_of(decision)
         row = DecisionRecord(
             trial_id=trial_id,
             seq=int(decision["seq"]),
-            step=int(decision["step"]),
-            kind=member(DecisionKind, decision["kind"]).value,
-            payload_json=json.dumps(payload, sort_keys=True),
+            step=step,
+            kind=kind,
+            payload_json=payload_json,
             replayed=replayed,
         )
         if row.seq in known:
@@ -71,6 +85,16 @@ def add_decisions(
         known[row.seq] = row
         added += 1
     return added
+
+
+def _payload_of(decision: Mapping[str, Any]) -> tuple[int, str, str]:
+    """(step, kind, payload JSON) of a decision as its row stores them."""
+    payload = {k: v for k, v in decision.items() if k not in ("seq", "step", "kind")}
+    return (
+        int(decision["step"]),
+        member(DecisionKind, decision["kind"]).value,
+        json.dumps(payload, sort_keys=True),
+    )
 
 
 def corpora_of(session: Session, experiment_id: int) -> list[CorpusRecord]:

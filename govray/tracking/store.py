@@ -342,15 +342,24 @@ class TrackingStore:
             session.add(trial)
         return trial
 
-    def record_decisions(self, trial_id: int, decisions: Iterable[Mapping[str, Any]], replayed: bool) -> int:
+    def record_decisions(
+        self,
+        trial_id: int,
+        decisions: Iterable[Mapping[str, Any]],
+        replayed: bool,
+        *,
+        superseding: bool = False,
+    ) -> int:
         """Store decisions (``seq``, ``step``, ``kind`` and the rest as payload) not yet stored.
 
         A restarted worker group re-reports decisions it made before its checkpoint: rows already
-        recorded under the same ``seq`` are kept, and a different decision there is refused.
+        recorded under the same ``seq`` are kept, and a different decision there is refused. A PBT
+        clone reports the decisions its donor's state carries (``superseding``): the trial's rows
+        become exactly those, its own before the exploit gone with the state they were of.
         Returns how many rows were added.
         """
         with self.session() as session:
-            return add_decisions(session, trial_id, decisions, replayed)
+            return add_decisions(session, trial_id, decisions, replayed, superseding)
 
     def decisions(self, trial_id: int) -> list[DecisionRecord]:
         """A trial's recorded decisions, in order."""

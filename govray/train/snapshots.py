@@ -21,7 +21,7 @@ import inspect
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -247,6 +247,24 @@ def verify_corpus_snapshot(snapshot: CorpusSnapshot) -> None:
             f"{where}: the bytes at {snapshot.uri} changed since they were recorded "
             f"(fingerprint {snapshot.fingerprint}, now {found})"
         )
+
+
+def verify_corpora_unchanged(
+    corpora: Sequence[CorpusSpec], recorded: Sequence[CorpusSnapshot], *, since: str
+) -> None:
+    """Raise ReproducibilityError, naming the corpus, unless each configured corpus's bytes still
+    have the fingerprint ``recorded`` (a trial's or a search's record) gives it: checked before an
+    ingest records anything. ``since`` says what the record is of ("trial 3 trained on it")."""
+    fingerprints = {snapshot.corpus_id: snapshot.fingerprint for snapshot in recorded}
+    for spec in corpora:
+        if spec.id not in fingerprints:
+            continue
+        found = _fingerprint_at(spec.path, spec.resolved_format.value, spec.id)
+        if found != fingerprints[spec.id]:
+            raise ReproducibilityError(
+                f"corpus '{spec.id}' changed since {since} (fingerprint {fingerprints[spec.id][:16]}… "
+                f"→ {found[:16]}…): the same bytes are needed"
+            )
 
 
 def _fingerprint_at(path: Path, format_name: str, corpus_id: str) -> str:

@@ -227,11 +227,12 @@ class TrialRun:
     def _continue_lineage(self, state: CheckpointState) -> None:
         """This run and its hyperparameters continue the checkpoint's history from its step (a
         resume of its own: nothing changes; a PBT clone: its donor's entries, then its own)."""
+        own = state.run in ("", self.run_name)  # (an older checkpoint: its donor's hyperparameters unknown)
         recorded = state.hparams_history or [
-            TrainedUnder(from_step=0, run=state.run, hparams=self.spec.hparams)  # (an older checkpoint)
+            TrainedUnder(from_step=0, run=state.run, hparams=self.spec.hparams if own else {})
         ]
-        own = TrainedUnder(from_step=state.step, run=self.run_name, hparams=self.spec.hparams)
-        self.hparams_history = continued_lineage(recorded, state.step, own)
+        entry = TrainedUnder(from_step=state.step, run=self.run_name, hparams=self.spec.hparams)
+        self.hparams_history = continued_lineage(recorded, state.step, entry)
 
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
         """Under FSDP a clean state is the checkpoint's shard files, carried into every later
