@@ -30,13 +30,15 @@ from govray.core.keys import (
     save_trust,
 )
 from govray.core.storage import Storage, open_storage
-from govray.platform.plan import code_directory
+from govray.platform.plan import code_directory, run_spec_path
+from govray.platform.resume import resumes_search
 from govray.platform.search import SearchOutcome
 from govray.platform.search_trial import SearchError
 from govray.provenance.rows import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.lineage import attestations, final_checkpoint_record
 from govray.tracking.store import TrackingStore
+from govray.tracking.tables import TrialState
 from govray.train.checkpoint import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
 from govray.train.reproducibility import ReproducibilityRecord
 from tests.conftest import write_signed_policy
@@ -274,6 +276,28 @@ def test_govray_resume_of_a_search_resumes_it_and_refuses_a_changed_record_of_ho
     assert (
         refused.first_error_line.startswith("SearchError:") and "is missing or changed since" in refused.err
     )
+
+
+@pytest.mark.slow  # reads the search of the slow tier's hosted_asha
+def test_govray_resume_goes_on_with_an_interrupted_replay_before_the_search(hosted_asha: AshaSearch) -> None:
+    """An interrupted trial that keeps a run spec on storage (a run or a replay) is what `govray
+    resume` continues; the experiment's search is resumed only when none is."""
+    store = hosted_asha.store
+    experiment = store.get_experiment(str(store.get_trial(hosted_asha.completed).experiment_id))
+    config = ExperimentConfig.model_validate_json(experiment.config_json)
+    assert experiment.id is not None and resumes_search(config, store, experiment)
+    row = store.create_trial(experiment.id, "{}", seed=0, replay_of=hosted_asha.completed)
+    assert row.id is not None
+    store.set_trial_state(row.id, TrialState.ACTIVE, ray_run_name="digits-governed-interrupted-replay")
+    spec = run_spec_path(hosted_asha.storage, "digits-governed-interrupted-replay")
+    try:
+        assert resumes_search(config, store, experiment)  # no run spec: not a run's or a replay's
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text("{}")
+        assert not resumes_search(config, store, experiment)
+    finally:
+        spec.unlink(missing_ok=True)
+        store.set_trial_state(row.id, TrialState.COMPLETED)
 
 
 def forge_manifest(folder: Path, key: SigningKey) -> None:
