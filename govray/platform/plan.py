@@ -356,14 +356,11 @@ def recorded_trial_code(storage: Storage, trial: TrialRecord) -> CodeSnapshot:
     return code
 
 
-def recorded_final_checkpoint(
-    store: TrackingStore, storage: Storage, trial: TrialRecord, trust: TrustConfig
-) -> Path:
-    """``trial``'s final checkpoint as the tracking store recorded it — a run's, or the copy Ray
-    Tune keeps of a search trial's (at the step the trial ended: an ASHA stop's, whatever its
-    workers did after it) —, fetched when this node lacks it, unchanged since it was recorded
-    (the store vouches for its manifest) and verified against ``trust`` (the manifest for every
-    file): what a replay compares with and follows."""
+def recorded_final_folder(store: TrackingStore, storage: Storage, trial: TrialRecord) -> Path:
+    """``trial``'s final checkpoint folder as the tracking store recorded it — a run's, or the copy
+    Ray Tune keeps of a search trial's (at the step the trial ended: an ASHA stop's, whatever its
+    workers did after it) —, fetched when this node lacks it, and unchanged since it was recorded
+    (the store vouches for its manifest, the manifest for ``state.json``)."""
     assert trial.id is not None
     record = final_checkpoint_record(store, trial.id)
     if record is None:
@@ -372,5 +369,14 @@ def recorded_final_checkpoint(
     if not storage.fetch(path):
         raise PlanError(f"trial {trial.id}'s final checkpoint {path} is missing from storage")
     recorded_state(path, record.manifest_digest)
+    return path
+
+
+def recorded_final_checkpoint(
+    store: TrackingStore, storage: Storage, trial: TrialRecord, trust: TrustConfig
+) -> Path:
+    """``recorded_final_folder``, every file verified against ``trust``: what a replay compares
+    with and follows."""
+    path = recorded_final_folder(store, storage, trial)
     verify_checkpoint(path, trust)
     return path

@@ -29,6 +29,7 @@ from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
 from govray.core.keys import SigningKey, platform_key, platform_trust
 from govray.core.storage import open_storage
+from govray.platform.plan import PlanError, recorded_final_folder
 from govray.platform.registered import (
     RegisteredVersion,
     RegistryError,
@@ -44,7 +45,7 @@ from govray.provenance.attest import Attestation, attest_checkpoint
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import Derivation
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import checkpoint_at, final_checkpoint_record
+from govray.tracking.lineage import checkpoint_at
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion, TrialState
 from govray.tracking.versions import (
@@ -60,7 +61,6 @@ from govray.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
     model_file,
-    recorded_state,
     seal_checkpoint,
 )
 from govray.train.ledger import Ledger
@@ -106,16 +106,12 @@ def register_trial(
     trial = store.get_trial(trial_id)
     if trial.state != TrialState.COMPLETED.value:
         raise RegistryError(f"trial {trial_id} is {trial.state}: register a completed trial's checkpoint")
-    final = final_checkpoint_record(store, trial_id)
-    if final is None:
-        raise RegistryError(f"trial {trial_id} has no checkpoint left to register")
     config = ExperimentConfig.model_validate_json(store.get_experiment(trial.experiment_id).config_json)
-    open_storage(config.storage_path).fetch(Path(final.path))  # (object storage: into this node's cache)
     try:  # the folder the store recorded, unchanged since (no other folder put in its place)
-        recorded_state(Path(final.path), final.manifest_digest)
-    except CheckpointError as error:
-        raise RegistryError(f"trial {trial_id}'s final checkpoint: {error}") from None
-    return register(store, name, Path(final.path), description=description, tags=tags, key=key)
+        final = recorded_final_folder(store, open_storage(config.storage_path), trial)
+    except (PlanError, CheckpointError) as error:
+        raise RegistryError(f"trial {trial_id}: {error}") from None
+    return register(store, name, final, description=description, tags=tags, key=key)
 
 
 def set_tags(
