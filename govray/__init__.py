@@ -36,14 +36,14 @@ PUBLIC_API = {
     # loading an experiment and its signed policy, opening the store
     "ExperimentConfig": "govray.config.experiment",
     "load_experiment": "govray.config.experiment",
-    "check_policy": "govray.platform.preflight",
-    "ingest_experiment": "govray.platform.preflight",
+    "check_policy": "govray.platform.run.preflight",
+    "ingest_experiment": "govray.platform.run.preflight",
     "TrackingStore": "govray.tracking.store",
     # running, searching, resuming, replaying
-    "run_trial": "govray.platform.runner",
-    "resume_trial": "govray.platform.resume",
-    "run_search": "govray.platform.search",
-    "replay_trial": "govray.platform.replay",
+    "run_trial": "govray.platform.run.runner",
+    "resume_trial": "govray.platform.rerun.resume",
+    "run_search": "govray.platform.search.driver",
+    "replay_trial": "govray.platform.rerun.replay",
     # attesting and verifying; asking the store
     "attest_checkpoint": "govray.provenance.attest",
     "verify_attestation": "govray.provenance.verify",
@@ -57,11 +57,11 @@ if TYPE_CHECKING:
     from govray.config.experiment import ExperimentConfig, load_experiment
     from govray.config.training import TrainingSettings
     from govray.core.errors import ConfigError, GovrayError
-    from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.replay import replay_trial
-    from govray.platform.resume import resume_trial
-    from govray.platform.runner import run_trial
-    from govray.platform.search import run_search
+    from govray.platform.rerun.replay import replay_trial
+    from govray.platform.rerun.resume import resume_trial
+    from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.run.runner import run_trial
+    from govray.platform.search.driver import run_search
     from govray.provenance.attest import attest_checkpoint
     from govray.provenance.verify import verify_attestation
     from govray.queries import StoreReader

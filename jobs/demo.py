@@ -20,7 +20,7 @@ from pathlib import Path
 
 from govray.cli import main
 from govray.config.experiment import load_experiment
-from govray.platform.registered import resolve
+from govray.platform.registry.versions import resolve
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 

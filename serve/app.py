@@ -34,7 +34,7 @@ from govray.core.errors import GovrayError, TrackingError
 from govray.core.runtime import ensure_ray
 from govray.queries import NotFoundError, StoreFailure, StoreGeneration, StoreReader, read_only_engine
 from govray.tracking.store import TrackingStore, masked
-from govray.train.checkpoint import CheckpointError
+from govray.train.checkpoints.files import CheckpointError
 from serve import api, verify, writes
 from serve.cache import ResponseCache
 from serve.verify import Unavailable

@@ -20,7 +20,7 @@ from govray.core.dsse import Envelope
 from govray.core.errors import AttestationError, GovrayError, SignatureError
 from govray.core.identifiers import ModelRef, RecordId
 from govray.core.keys import TrustConfig, load_trust
-from govray.platform.registered import RegistryError, parse_ref, resolve
+from govray.platform.registry.versions import RegistryError, parse_ref, resolve
 from govray.provenance.verify import verify_attestation
 from govray.queries import NotFoundError, QueryError, StoreReader
 from govray.tracking.store import TrackingStore

@@ -1,6 +1,6 @@
 """The write endpoints: register a checkpoint as a model version, replace a version's tags.
 
-Both go through ``govray.platform.registry`` (which verifies, attests and audits) and require
+Both go through ``govray.platform.registry.register`` (which verifies, attests and audits) and require
 ``Authorization: Bearer TOKEN`` with the server's configured token: no token is a 401, a wrong one
 (or a server configured without one) a 403.
 """
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from govray.config.serve import ServeSettings
 from govray.core.identifiers import Description, ModelName, RecordId, TagKey, TagValue, Version
-from govray.platform import registry
+from govray.platform.registry import register as registry
 from govray.queries import StoreReader
 from govray.queries.views import ModelVersionView
 from govray.tracking.store import TrackingStore

@@ -76,7 +76,7 @@ def no_placement_group_left(request: pytest.FixtureRequest) -> Iterator[None]:
 
     if "ray_session" not in request.fixturenames or not ray.is_initialized():
         return  # (a cluster test's own Ray may be gone by now)
-    from govray.platform.placement_guard import held_groups, orphaned_groups, remove_group
+    from govray.platform.search.placement_guard import held_groups, orphaned_groups, remove_group
 
     deadline = time.monotonic() + 10.0  # a controller Tune stopped at the test's end is still dying
     while any(g.creator_alive for g in held_groups()) and time.monotonic() < deadline:
@@ -237,7 +237,7 @@ class GoldenRun:
 
 
 def _golden_run(path: Path) -> GoldenRun:
-    from govray.platform.runner import run_trial
+    from govray.platform.run.runner import run_trial
 
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY)
@@ -256,10 +256,10 @@ def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
 
 
 @pytest.fixture(scope="session")
-def golden_replay_without_writers(golden_run: GoldenRun) -> Any:  # a govray.platform.replay.Replay
+def golden_replay_without_writers(golden_run: GoldenRun) -> Any:  # a govray.platform.rerun.replay.Replay
     """The golden run replayed (``govray replay``'s function) with the PII corpus, routed to the
     adapter, excluded: its slots left empty, the recorded LR cuts applied; and its influence report."""
-    from govray.platform.replay import replay_trial
+    from govray.platform.rerun.replay import replay_trial
 
     return replay_trial(
         golden_run.store, golden_run.config.name, ("digits-writers",), trial_id=golden_run.outcome.trial_id
@@ -308,8 +308,8 @@ REMOVED_ADAPTER = "pii-lora"
 
 @pytest.fixture(scope="session")
 def registered_pair(golden_local_epoch: GoldenRun) -> RegisteredPair:
-    from govray.platform.registry import register, remove_adapter
-    from govray.train.checkpoint import find_checkpoints
+    from govray.platform.registry.register import register, remove_adapter
+    from govray.train.checkpoints.files import find_checkpoints
 
     store = golden_local_epoch.store
     final = find_checkpoints(golden_local_epoch.outcome.run_dir)[-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from govray.train.reproducibility import DETERMINISTIC_ENV
+from govray.train.reproduce.record import DETERMINISTIC_ENV
 from jobs.examples.digits.trial import DigitsTrial
 
 

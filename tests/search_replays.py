@@ -14,11 +14,11 @@ import torch
 
 from govray.cli import main
 from govray.core.keys import TrustConfig
-from govray.platform.replay import InfluenceReport
+from govray.platform.rerun.replay import InfluenceReport
 from govray.tracking.lineage import final_checkpoint_record, ledger_rows
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import STATE_FILE, CheckpointState, checkpoint_step
-from govray.train.whole_file import base_tensors, file_tensors
+from govray.train.checkpoints.files import STATE_FILE, CheckpointState, checkpoint_step
+from govray.train.checkpoints.whole_file import base_tensors, file_tensors
 
 WRITERS = "digits-writers"  # the PII corpus: routed to the pii-lora adapter only
 ADAPTER_FILE = "adapter-pii-lora.safetensors"

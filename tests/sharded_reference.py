@@ -1,5 +1,5 @@
 """The whole base model of a sharded checkpoint put together in memory: the reference the
-streamed ``model.safetensors`` (``govray.train.whole_file``) is compared with, byte for byte.
+streamed ``model.safetensors`` (``govray.train.checkpoints.whole_file``) is compared with, byte for byte.
 govray itself never holds a whole model in one process (issue 32); tests do, on small models."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from govray.train.checkpoint import shard_file
-from govray.train.sharding import SHARDS_KEY
+from govray.train.checkpoints.files import shard_file
+from govray.train.parallel.fsdp import SHARDS_KEY
 
 
 def consolidated(directory: Path, world_size: int) -> dict[str, torch.Tensor]:

@@ -63,7 +63,7 @@ def worker_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from govray.train.parallel import rank_local_buffers
+    from govray.train.parallel.strategies import rank_local_buffers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

@@ -30,8 +30,8 @@ from govray.provenance.rows import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
-from govray.train.checkpoint import CheckpointState
-from govray.train.ledger import Ledger
+from govray.train.checkpoints.files import CheckpointState
+from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.trial import DigitsTrial
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun

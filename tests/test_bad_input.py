@@ -28,8 +28,8 @@ from govray.cli import main
 from govray.config.serve import ServeSettings
 from govray.core.identifiers import CORPUS_ID_BODY, MAX_ID, MODEL_NAME_BODY, IdentifierError, parse_model_ref
 from govray.core.keys import load_trust, platform_key
-from govray.platform.registered import RegistryError
-from govray.platform.registry import register
+from govray.platform.registry.register import register
+from govray.platform.registry.versions import RegistryError
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, AuditEvent, ModelVersion, RegisteredModel

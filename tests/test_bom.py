@@ -16,7 +16,7 @@ from cyclonedx.validation.json import JsonStrictValidator
 from govray.cli import main
 from govray.core.canonical import file_sha256
 from govray.data.shards import ShardSet
-from govray.platform.registered import RegisteredVersion
+from govray.platform.registry.versions import RegisteredVersion
 from govray.provenance.eu_summary import eu_summary
 from govray.provenance.locations import run_spec_of
 from tests.conftest import REMOVED_ADAPTER, RegisteredPair

@@ -53,9 +53,9 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
 
 def audited_run(task: Task) -> tuple[list[Any], list[str]]:
     """A whole governed run of this rank (``train_worker`` in-process), audited."""
-    from govray.train.loop import train_worker
+    from govray.train.run.loop import train_worker
+    from govray.train.run.session import LocalSession
     from govray.train.runspec import RunSpec
-    from govray.train.session import LocalSession
 
     spec = RunSpec.model_validate_json(task.spec)
     device = torch.device(task.device, 0) if task.device == "cuda" else torch.device(task.device)
@@ -70,9 +70,9 @@ def audited_run(task: Task) -> tuple[list[Any], list[str]]:
 def audited_meta(task: Task, rank: int) -> tuple[list[Any], list[str]]:
     """The session's stop flag, the report sums and an agreed action of a worker whose device is
     ``meta``, audited against that device."""
+    from govray.train.parallel.worker import Worker, agreed, all_reduce_sums
+    from govray.train.run.session import LocalSession
     from govray.train.runspec import RunSpec
-    from govray.train.session import LocalSession
-    from govray.train.worker import Worker, agreed, all_reduce_sums
 
     # What a session reads of its spec (nothing here trains).
     spec = RunSpec.model_construct(

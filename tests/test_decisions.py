@@ -11,8 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
-from govray.train.control import Controller
-from govray.train.decisions import DecisionError, EarlyStopDecision, EarlyStopping, LrDecision, Plateau
+from govray.train.control.controller import Controller
+from govray.train.control.decisions import (
+    DecisionError,
+    EarlyStopDecision,
+    EarlyStopping,
+    LrDecision,
+    Plateau,
+)
 
 losses = st.lists(st.floats(min_value=0.01, max_value=10.0, allow_nan=False), min_size=1, max_size=40)
 

@@ -16,11 +16,11 @@ import torch
 from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision
 from govray.core.storage import open_storage
-from govray.platform.plan import plan_run
-from govray.platform.runner import governed_trainer, run_trial
+from govray.platform.run.plan import plan_run
+from govray.platform.run.runner import governed_trainer, run_trial
 from govray.provenance.attest import attest_checkpoint
-from govray.train.checkpoint import find_checkpoints
-from govray.train.reproducibility import (
+from govray.train.checkpoints.files import find_checkpoints
+from govray.train.reproduce.record import (
     DETERMINISTIC_ENV,
     GPU_REPLAY_TOLERANCE,
     ReproducibilityRecord,

@@ -11,12 +11,12 @@ import yaml
 from govray.config.experiment import load_experiment
 from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.replay import replay_trial
-from govray.platform.runner import run_trial
+from govray.platform.rerun.replay import replay_trial
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.run.runner import run_trial
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import STATE_FILE, checkpoint_step, find_checkpoints
-from govray.train.ledger import recompute_ledger
+from govray.train.checkpoints.files import STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.step.ledger import recompute_ledger
 from tests.conftest import GOLDEN_HPARAMS, _golden_example
 
 

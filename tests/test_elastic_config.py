@@ -13,8 +13,8 @@ import yaml
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.config.resources import Resources
 from govray.core.errors import ConfigError
-from govray.platform.resume import on_workers
-from govray.platform.runner import failure_config_for, scaling_config_for
+from govray.platform.rerun.resume import on_workers
+from govray.platform.run.runner import failure_config_for, scaling_config_for
 from tests.conftest import EXAMPLE_CONFIG
 
 ELASTIC = {"workers": {"min": 2, "max": 3}, "resize_check_s": 2}

@@ -22,15 +22,15 @@ from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec
 from govray.data.slots import step_slots
 from govray.data.step_rows import step_rows
 from govray.governance.allreduce import NonFiniteGradientError
-from govray.platform.replay import Replay, recorded_decisions, replay_trial
-from govray.train.checkpoint import MODEL_FILE, find_checkpoints
-from govray.train.decisions import LossScaleSkip
-from govray.train.ledger import Ledger, TokensPerRow
+from govray.platform.rerun.replay import Replay, recorded_decisions, replay_trial
+from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
+from govray.train.control.decisions import LossScaleSkip
+from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
-from govray.train.scaling import INIT_SCALE
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
+from govray.train.step.ledger import Ledger, TokensPerRow
+from govray.train.step.scaling import INIT_SCALE
 from govray.train.trial import make_trial
-from govray.train.worker import Worker
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from tests.conftest import GoldenRun, _golden_example, _golden_run
 from tests.test_ledger import TABLE
@@ -281,7 +281,7 @@ def test_the_ledger_by_route_expands_to_exactly_the_ledger_by_tensor(seed: int) 
 
 def reference_entries(spec: ScheduleSpec, tokens: dict[str, list[int]], steps: int) -> dict[Any, Any]:
     """Independent statement, slot by slot and tensor by tensor (wave 1's definition)."""
-    from govray.train.ledger import LedgerEntry
+    from govray.train.step.ledger import LedgerEntry
 
     entries: dict[tuple[str, str], LedgerEntry] = {}
     for step in range(steps):

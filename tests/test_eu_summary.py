@@ -13,12 +13,12 @@ from govray.cli import main
 from govray.cli.export import to_markdown
 from govray.data.shards import ShardSet
 from govray.governance.memorization_thresholds import MemorizationThresholds
-from govray.platform.registry import register, remove_adapter
+from govray.platform.registry.register import register, remove_adapter
 from govray.provenance.eu_summary import EuSummary, eu_summary
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.tables import CorpusRecord
-from govray.train.checkpoint import STATE_FILE, CheckpointState, find_checkpoints
-from govray.train.ledger import Ledger
+from govray.train.checkpoints.files import STATE_FILE, CheckpointState, find_checkpoints
+from govray.train.step.ledger import Ledger
 
 WRITERS = "digits-writers"  # PII, TDM opt-out, routed to the removable adapter pii-lora
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
 from govray.tracking.lineage import checkpoints
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MANIFEST_FILE,
     MODEL_FILE,
     SIGNATURE_FILE,
@@ -154,7 +154,7 @@ def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> Non
     key) is still refused."""
     from govray.core.canonical import file_sha256
     from govray.core.dsse import sign_envelope
-    from govray.train.checkpoint import MANIFEST_TYPE, Manifest
+    from govray.train.checkpoints.files import MANIFEST_TYPE, Manifest
 
     (checkpoint_copy / STATE_FILE).write_text(
         (checkpoint_copy / STATE_FILE).read_text().replace('"step": 30', '"step": 31')

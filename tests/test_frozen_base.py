@@ -30,15 +30,15 @@ from govray.core.storage import open_storage
 from govray.governance.adapter_files import save_base
 from govray.governance.policy import DepthPolicy
 from govray.platform.gc import remove_checkpoint_directory
-from govray.platform.peft_export import export_peft_adapter
-from govray.platform.registry import register, remove_adapter
+from govray.platform.registry.peft_export import export_peft_adapter
+from govray.platform.registry.register import register, remove_adapter
 from govray.provenance.attest import attest_checkpoint
 from govray.provenance.locations import run_spec_of
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
-from govray.train.base_file import FrozenBase
-from govray.train.checkpoint import (
+from govray.train.checkpoints.base_file import FrozenBase
+from govray.train.checkpoints.files import (
     BASE_STORE,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -50,11 +50,11 @@ from govray.train.checkpoint import (
     load_checkpoint,
     model_file,
 )
-from govray.train.loop import train_worker
-from govray.train.reports import StepReport
-from govray.train.reproducibility import build_record
+from govray.train.reproduce.record import build_record
+from govray.train.run.loop import train_worker
+from govray.train.run.reports import StepReport
+from govray.train.run.session import LocalSession
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
-from govray.train.session import LocalSession
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import golden_example
 
@@ -184,10 +184,10 @@ def test_later_checkpoints_write_no_base_bytes(
 ) -> None:
     """FrozenBase writes once per run; the same file (inode) serves every later checkpoint, and a
     folder outside the run directory (a Tune trial's) or a base that trains gets its own copy."""
-    import govray.train.base_file as base_file
-    from govray.train.step import GovernedStep
+    import govray.train.checkpoints.base_file as base_file
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_validate_json((lora_only.checkpoints[0] / RUN_SPEC_FILE).read_text())
     model = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, spec.hparams, spec.settings)).model

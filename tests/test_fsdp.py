@@ -21,8 +21,8 @@ import yaml
 from govray.config.experiment import ExperimentConfig, ParallelStrategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.governance.adapter_files import save_base_tensors
-from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
-from govray.train.whole_file import write_whole_model
+from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
+from govray.train.checkpoints.whole_file import write_whole_model
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests.conftest import GoldenRun
 from tests.gloo_group import persistent_group
@@ -52,10 +52,10 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int = 
     import torch.distributed as dist
 
     from govray.governance.allreduce import NonFiniteGradientError
+    from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.step import GovernedStep
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -100,9 +100,9 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
     import torch.distributed as dist
 
     from govray.core.keys import SigningKey
-    from govray.train.checkpoint import CheckpointError
-    from govray.train.state import TrialRun
-    from govray.train.worker import Worker
+    from govray.train.checkpoints.files import CheckpointError
+    from govray.train.parallel.worker import Worker
+    from govray.train.run.state import TrialRun
 
     assert task.resume_at is not None
     key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
@@ -153,10 +153,10 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
 
     from govray.core.keys import SigningKey
     from govray.governance.memorization import MemorizationThresholds
-    from govray.train.checkpoint import CheckpointError
-    from govray.train.decisions import RollbackDecision
-    from govray.train.state import TrialRun
-    from govray.train.worker import Worker
+    from govray.train.checkpoints.files import CheckpointError
+    from govray.train.control.decisions import RollbackDecision
+    from govray.train.parallel.worker import Worker
+    from govray.train.run.state import TrialRun
 
     thresholds = MemorizationThresholds(loss_gap=0.5, action="rollback")
     spec = spec.model_copy(

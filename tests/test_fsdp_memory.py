@@ -66,8 +66,8 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     while (task := tasks.get()) is not None:
         try:
             if isinstance(task, Ready):
-                import govray.train.sharding
-                import govray.train.step  # noqa: F401
+                import govray.train.parallel.fsdp
+                import govray.train.step.governed  # noqa: F401
 
                 results.put((rank, "ok", None))
             elif isinstance(task, Accumulated):
@@ -133,10 +133,10 @@ def attach_probes(governed: Any) -> Probes:
 def accumulated(task: Accumulated, rank: int) -> dict[str, Any]:
     """``STEPS`` governed steps of ``MICRO_BATCHES`` micro-batches each; the weights before and
     after (rank 0) and, under FSDP, the probes."""
+    from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.step import GovernedStep
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_validate_json(task.spec)
     hparams = {**spec.hparams, **ADAMW}
@@ -241,8 +241,8 @@ def frozen_blocks(task: FrozenBlocks, rank: int) -> dict[str, Any]:
     from govray.governance.allreduce import parameters_by_name
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
-    from govray.train.checkpoint import shard_file
-    from govray.train.sharding import (
+    from govray.train.checkpoints.files import shard_file
+    from govray.train.parallel.fsdp import (
         ShardedGovernor,
         is_sharded,
         layer_units,
@@ -251,8 +251,8 @@ def frozen_blocks(task: FrozenBlocks, rank: int) -> dict[str, Any]:
         shard_model,
         write_shards,
     )
-    from govray.train.step import allowed_route_sets
-    from govray.train.trainable import freeze_unroutable, trainable_in_fp32
+    from govray.train.step.governed import allowed_route_sets
+    from govray.train.step.trainable import freeze_unroutable, trainable_in_fp32
     from jobs.examples.digits.trial import DigitsMLP
 
     policy = DepthPolicy.model_validate(LORA_ONLY)

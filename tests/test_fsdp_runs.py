@@ -22,18 +22,18 @@ from govray.core.canonical import file_sha256
 from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
 from govray.governance.adapter_files import save_base_tensors
-from govray.platform.registry import register, remove_adapter
-from govray.platform.replay import Replay, replay_trial
+from govray.platform.registry.register import register, remove_adapter
+from govray.platform.rerun.replay import Replay, replay_trial
 from govray.provenance.attest import attest_checkpoint
 from govray.tracking.lineage import attestations, checkpoints
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MODEL_FILE,
     checkpoint_step,
     find_checkpoints,
     shard_owner,
     verify_checkpoint,
 )
-from govray.train.whole_file import whole_model_sha256
+from govray.train.checkpoints.whole_file import whole_model_sha256
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, MEMORIZER
 from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
 from tests.sharded_reference import consolidated

@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
-from govray.platform.replay import replay_trial
-from govray.platform.runner import TrialOutcome, run_trial
+from govray.platform.rerun.replay import replay_trial
+from govray.platform.run.runner import TrialOutcome, run_trial
 from govray.provenance.attest import attest_checkpoint
 from govray.provenance.locations import run_spec_of
-from govray.train.checkpoint import MODEL_FILE, find_checkpoints
+from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
 from jobs.gpu_check import gpu_experiment
 from tests.gloo_group import persistent_group
@@ -159,7 +159,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from govray.train.parallel import rank_local_buffers
+    from govray.train.parallel.strategies import rank_local_buffers
 
     torch.cuda.set_device(0)  # both ranks share the one GPU
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from govray.data.schedule import derive_seed
-from govray.platform.replay import replay_trial
+from govray.platform.rerun.replay import replay_trial
 from govray.tracking.lineage import checkpoints, ledger_rows
-from govray.train.checkpoint import MODEL_FILE
+from govray.train.checkpoints.files import MODEL_FILE
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
@@ -36,7 +36,7 @@ def model_files(store: Any, trial_id: int) -> dict[int, Path]:
 def hf_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int, int]:
     """A run without the public corpus (only licensed prose and PII records train), and its replay
     without the PII records: ``(store, run trial id, replay trial id)``."""
-    from govray.platform.runner import run_trial
+    from govray.platform.run.runner import run_trial
 
     path = example_under(tmp_path_factory.mktemp("hf-lm"), STEPS)
     config, store, checked, experiment, ingested = opened(path)

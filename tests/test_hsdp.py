@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from govray.config.experiment import ExperimentConfig
-from govray.train.checkpoint import MODEL_FILE, shard_file, shard_owner
+from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests import test_fsdp
 from tests.conftest import GoldenRun

@@ -20,7 +20,7 @@ from govray.data.ingest import HOLDOUT, ingest
 from govray.data.rowhash import row_hash
 from govray.data.shards import ShardSet
 from govray.governance.policy import VerifiedPolicy, load_verified_policy
-from govray.platform.preflight import check_policy, ingest_experiment
+from govray.platform.run.preflight import check_policy, ingest_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from tests.conftest import BASE_CREDENTIAL, table_rows, write_corpus, write_experiment, write_signed_policy

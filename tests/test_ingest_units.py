@@ -316,7 +316,7 @@ def test_format_4_stores_repeated_columns_as_dictionaries_and_raw_hashes_and_rea
     and the EU summary's credential counts."""
     from govray.data.reader import ShardReader
     from govray.provenance.eu_summary import _row_credentials
-    from govray.train.worker import lowest_hashes
+    from govray.train.parallel.worker import lowest_hashes
 
     new_root = two_splits.default.root
     old_root = tmp_path / "v3"

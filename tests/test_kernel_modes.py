@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from govray.config.training import TrainingSettings
-from govray.train.reproducibility import use_deterministic_mode
+from govray.train.reproduce.record import use_deterministic_mode
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

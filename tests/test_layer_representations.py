@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from govray.train.probe import layer_representations
+from govray.train.control.probe import layer_representations
 from govray.train.trial import ProbeHooks
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from govray.cli.ledger_table import format_ledger
 from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec
 from govray.data.slots import step_slots
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
-from govray.train.ledger import Ledger, LedgerEntry, LedgerError, recompute_ledger
-from govray.train.ledger_table import format_ledger
+from govray.train.step.ledger import Ledger, LedgerEntry, LedgerError, recompute_ledger
 
 BASE = ("l0.weight", "l0.bias", "l1.weight", "l1.bias", "l2.weight", "l2.bias")
 ADAPTER = ("adapter/a/l1.lora_A", "adapter/a/l1.lora_B")

@@ -20,15 +20,15 @@ from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.platform.lifecycle import LifecycleError, parent_checkpoint, request_kill, request_pause
-from govray.platform.plan import run_spec_path
-from govray.platform.runner import TrialOutcome, run_trial
+from govray.platform.run.plan import run_spec_path
+from govray.platform.run.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
-from govray.train.ledger import Ledger, recompute_ledger
+from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.parallel.worker import Worker
+from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
-from govray.train.state import TrialRun
-from govray.train.worker import Worker
+from govray.train.step.ledger import Ledger, recompute_ledger
 from jobs.examples.digits.golden import opened
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_example
 

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from govray.cli import main
 from govray.config.serve import ServeSettings
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
-from govray.platform.ledgers import backfill_ledgers
-from govray.platform.recorder import GcSettings, RunRecorder
+from govray.platform.run.ledgers import backfill_ledgers
+from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.tracking.lineage import (
     checkpoint_ledger_rows,
     checkpoints,
@@ -40,9 +40,9 @@ from govray.tracking.lineage import (
 )
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import LedgerRow, TrialState
-from govray.train.checkpoint import MODEL_FILE, STATE_FILE, CheckpointState, seal_checkpoint
-from govray.train.ledger import Ledger, LedgerEntry
-from govray.train.reports import StepReport
+from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, CheckpointState, seal_checkpoint
+from govray.train.run.reports import StepReport
+from govray.train.step.ledger import Ledger, LedgerEntry
 from serve.api import accepts_gzip
 from serve.app import create_app
 from serve.cache import GZIP_MIN_BYTES

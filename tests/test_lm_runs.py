@@ -20,12 +20,12 @@ import yaml
 from govray.core.keys import platform_key, platform_trust
 from govray.data.fingerprint import directory_digest
 from govray.data.packed import PackedStore
-from govray.platform.plan import plan_run
+from govray.platform.run.plan import plan_run
 from govray.train.hf import CausalLMTrial
+from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from govray.train.worker import Worker
 from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
 from tests.test_lm_tokenizer import TOKENIZER_VOCAB, save_small_tokenizer

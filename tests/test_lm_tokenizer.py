@@ -26,8 +26,8 @@ import torch
 
 from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
-from govray.train.memory import IGNORE
-from govray.train.snapshots import ReproducibilityError, input_digests, verify_input_digests
+from govray.train.reproduce.snapshots import ReproducibilityError, input_digests, verify_input_digests
+from govray.train.step.recompute import IGNORE
 from tests.test_lm_memory import llama
 
 transformers = pytest.importorskip("transformers")

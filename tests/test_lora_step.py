@@ -113,10 +113,10 @@ def trained(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from govray.train import probe
-    from govray.train.step import GovernedStep
+    from govray.train.control import probe
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = spec.model_copy(update={"excluded_corpora": excluded})
     probed = probe.PROBE_HOLDOUT_ROWS
@@ -181,7 +181,7 @@ def text_spec(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Ru
     """The hf_lm example's corpora ingested (routes pii, public, licensed), as a run spec of the
     plain GPT-2 trial (AdamW) under no policy yet."""
     from govray.core.keys import load_trust, platform_key, platform_trust
-    from govray.platform.plan import plan_run
+    from govray.platform.run.plan import plan_run
     from jobs.examples.digits.golden import opened
     from jobs.examples.hf_lm.golden import example_under
 
@@ -298,9 +298,9 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
     """Checkpoints written before frozen tensors left autograd index the optimizer state over
     every tensor of the model (frozen ones never stepped, so without state): such a state loads
     into today's optimizer, each trainable tensor's AdamW moments where they were."""
-    from govray.train.step import GovernedStep
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
 
@@ -333,9 +333,9 @@ def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_
     """A DDP-path snapshot holds weights and optimizer state in host memory (pinned on a GPU),
     shares no storage with the live tensors, and a rollback copies it back into them: after two
     more steps, loading it gives exactly the state of the snapshot's step, in the same tensors."""
-    from govray.train.step import GovernedStep
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
     governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))

@@ -21,18 +21,18 @@ from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
 from govray.governance.memorization import CorpusMeasures, MemorizationThresholds, memorization_report
 from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
-from govray.platform.plan import run_spec_path
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.replay import replay_trial
-from govray.platform.runner import TrialOutcome, run_trial
+from govray.platform.rerun.replay import replay_trial
+from govray.platform.run.plan import run_spec_path
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.run.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import load_checkpoint
-from govray.train.ledger import Ledger, recompute_ledger
+from govray.train.checkpoints.files import load_checkpoint
+from govray.train.parallel.worker import Worker
+from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
-from govray.train.state import TrialRun
-from govray.train.worker import Worker
+from govray.train.step.ledger import Ledger, recompute_ledger
 from jobs.examples.digits.golden import MEMORIZER, with_random_labels
 from tests.conftest import _golden_example, write_signed_policy
 

@@ -35,8 +35,8 @@ from govray.governance.canaries import CanarySet
 from govray.governance.memorization import mean_exposure
 from govray.governance.policy import load_policy
 from govray.governance.routing import resolve_routes
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.search import SearchOutcome, run_search
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.search.driver import SearchOutcome, run_search
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from jobs.examples.text.make_corpora import small_corpora

@@ -13,7 +13,7 @@ from govray.cli import main
 from govray.config.experiment import load_experiment
 from govray.config.training import Precision
 from govray.governance.policy import DepthPolicy, load_policy
-from govray.train.memory_plan import MemoryPlan, PlanSetup, plan_governed
+from govray.train.footprint.estimate import MemoryPlan, PlanSetup, plan_governed
 from govray.train.trial import make_trial
 from jobs.benchmarks.memory_plan import story_policy, story_trial
 

@@ -16,10 +16,10 @@ from torch import nn
 from govray.core.errors import ConfigError, RoutingError
 from govray.governance.policy import DepthPolicy, load_policy
 from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
 from govray.train.trial import Batch, Trial, make_trial, resolve_trial_routes
-from govray.train.worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = "jobs.examples.digits.trial:DigitsTrial"

@@ -14,9 +14,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from govray.cli import main
-from govray.platform.registered import envelope_sha256, resolve, version_attestations
+from govray.platform.registry.versions import envelope_sha256, resolve, version_attestations
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
-from govray.train.checkpoint import find_checkpoints
+from govray.train.checkpoints.files import find_checkpoints
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from jobs.examples.digits.golden import golden_example as _golden_example
 from tests.conftest import GoldenRun, _golden_run

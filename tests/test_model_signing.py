@@ -18,7 +18,7 @@ from securesystemslib.signer import SSlibKey
 
 from govray.cli import main
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, platform_key, save_trust
-from govray.platform.registered import RegisteredVersion, model_signature_of
+from govray.platform.registry.versions import RegisteredVersion, model_signature_of
 from govray.provenance.model_signature import PREDICATE_TYPE, read_bundle, signed_files
 from tests.conftest import RegisteredPair
 

@@ -27,7 +27,7 @@ from govray.data.schedule import ScheduleSpec
 from govray.data.shards import MANIFEST, ShardFile, ShardSet
 from govray.data.slots import slot
 from govray.governance.policy import load_verified_policy
-from govray.platform.preflight import config_digest
+from govray.platform.run.preflight import config_digest
 from govray.train.trial import defines_tokenize
 from jobs.examples.digits.trial import DigitsTrial
 from jobs.examples.text.trial import CharTransformerTrial

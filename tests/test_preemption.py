@@ -22,28 +22,28 @@ from govray.core.keys import platform_key, platform_key_path
 from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
-from govray.platform.replay import recorded_decisions
+from govray.platform.rerun.replay import recorded_decisions
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import CheckpointState, find_checkpoints, load_checkpoint
-from govray.train.control import Controller
-from govray.train.decisions import LrDecision, PreemptedDecision, RecordedDecision
-from govray.train.ledger import Ledger, recompute_ledger
-from govray.train.loop import train_worker
-from govray.train.preemption import (
+from govray.train.checkpoints.files import CheckpointState, find_checkpoints, load_checkpoint
+from govray.train.control.controller import Controller
+from govray.train.control.decisions import LrDecision, PreemptedDecision, RecordedDecision
+from govray.train.control.preemption import (
     RESTART_SLACK_S,
     UNKNOWN_DEADLINE_S,
     PreemptionNotice,
     PreemptionWatch,
     wait_for_restart,
 )
-from govray.train.reports import StepReport
+from govray.train.parallel.worker import RouteRows, Worker
+from govray.train.run.loop import train_worker
+from govray.train.run.reports import StepReport
+from govray.train.run.session import LocalSession
 from govray.train.runspec import RunSpec
-from govray.train.session import LocalSession
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
+from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
-from govray.train.worker import RouteRows, Worker
 
 STORED_RUN = Path(__file__).parent / "data" / "schedule_v1_run" / "run.tar.xz"
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from govray.train.step import GovernedStep
+from govray.train.parallel.worker import Worker
+from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from govray.train.worker import Worker
 from tests.conftest import GoldenRun
 from tests.test_engine import run_spec
 

@@ -20,11 +20,11 @@ from govray.core.errors import IngestError
 from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.shards import MANIFEST, ShardSet
 from govray.data.slots import Slot, slot
-from govray.train.checkpoint import find_checkpoints
+from govray.train.checkpoints.files import find_checkpoints
+from govray.train.parallel.worker import Worker, by_row_hash, lowest_hashes, without_rows
 from govray.train.runspec import RunSpec
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from govray.train.worker import Worker, by_row_hash, lowest_hashes, without_rows
 from tests.conftest import GoldenRun
 
 FILES, ROWS_PER_FILE, ROWS_PER_GROUP = 4, 50, 10

@@ -16,7 +16,8 @@ from govray.cli import main
 from govray.config.searcher import Length
 from govray.core.errors import AttestationError
 from govray.core.keys import platform_key, platform_trust
-from govray.platform.registered import (
+from govray.platform.registry.register import register, remove_adapter, set_tags, start_reference
+from govray.platform.registry.versions import (
     RegisteredVersion,
     RegistryError,
     envelope_sha256,
@@ -25,15 +26,14 @@ from govray.platform.registered import (
     version_attestations,
     versions,
 )
-from govray.platform.registry import register, remove_adapter, set_tags, start_reference
-from govray.platform.runner import run_trial
+from govray.platform.run.runner import run_trial
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.rows import row_reach
 from govray.provenance.verify import verify_attestation
 from govray.tracking.audit import AuditLog
 from govray.tracking.versions import list_models
-from govray.train.checkpoint import MODEL_FILE, CheckpointState, find_checkpoints
-from govray.train.ledger import Ledger
+from govray.train.checkpoints.files import MODEL_FILE, CheckpointState, find_checkpoints
+from govray.train.step.ledger import Ledger
 from tests.conftest import GoldenRun
 
 MODEL = "digits-local"

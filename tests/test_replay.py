@@ -14,13 +14,13 @@ import pytest
 from govray.cli import main
 from govray.core.errors import GovrayError
 from govray.core.storage import open_storage
-from govray.platform.replay import InfluenceReport, Replay, ReplayError, final_checkpoint, replay_trial
-from govray.platform.world_history import WorldSegment
+from govray.platform.rerun.replay import InfluenceReport, Replay, ReplayError, final_checkpoint, replay_trial
+from govray.platform.rerun.world_history import WorldSegment
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
-from govray.train.reproducibility import ReproducibilityRecord
-from govray.train.snapshots import ReproducibilityError
+from govray.train.reproduce.record import ReproducibilityRecord
+from govray.train.reproduce.snapshots import ReproducibilityError
 from tests.conftest import GoldenRun, govray_elsewhere
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")

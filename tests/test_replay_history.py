@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from govray.platform.replay import Replay, carried_decisions, replay_trial
-from govray.platform.runner import run_trial
-from govray.platform.world_history import (
+from govray.platform.rerun.replay import Replay, carried_decisions, replay_trial
+from govray.platform.rerun.world_history import (
     WorldHistoryError,
     WorldSegment,
     describe_segments,
@@ -23,11 +22,12 @@ from govray.platform.world_history import (
     segments_left,
     split_at,
 )
+from govray.platform.run.runner import run_trial
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import SIGNATURE_FILE, STATE_FILE, CheckpointState, find_checkpoints
-from govray.train.checkpoint_manifest import TrainedUnder, continued_history, continued_lineage
-from govray.train.decisions import GateDecision, LrDecision, PlateauState
+from govray.train.checkpoints.files import SIGNATURE_FILE, STATE_FILE, CheckpointState, find_checkpoints
+from govray.train.checkpoints.manifest import TrainedUnder, continued_history, continued_lineage
+from govray.train.control.decisions import GateDecision, LrDecision, PlateauState
 from jobs.benchmarks.elastic_replay import paused
 from tests.conftest import GOLDEN_STEPS, GoldenRun, kill_driver_when
 

@@ -17,13 +17,13 @@ from govray.core.canonical import file_sha256
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.tracking.drift import FingerprintChange, changed_corpora
 from govray.tracking.store import TrackingStore
-from govray.train.reproducibility import (
+from govray.train.reproduce.record import (
     DETERMINISM_VARIABLES,
     ReproducibilityRecord,
     build_record,
     capture_environment,
 )
-from govray.train.snapshots import (
+from govray.train.reproduce.snapshots import (
     ReproducibilityError,
     code_digest,
     snapshot_corpus,

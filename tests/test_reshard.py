@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from govray.train.blocks import write_blocks
-from govray.train.checkpoint import MODEL_FILE, OPTIMIZER_TENSORS, CheckpointError, shard_file
-from govray.train.reshard import CheckpointTensors
-from govray.train.sharding import SHARDS_KEY
+from govray.train.checkpoints.blocks import write_blocks
+from govray.train.checkpoints.files import MODEL_FILE, OPTIMIZER_TENSORS, CheckpointError, shard_file
+from govray.train.checkpoints.reshard import CheckpointTensors
+from govray.train.parallel.fsdp import SHARDS_KEY
 
 BLOCK = 4096
 SOURCE_WORLD = 4

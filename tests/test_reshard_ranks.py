@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from govray.train.checkpoint import shard_file
+from govray.train.checkpoints.files import shard_file
 from tests.gloo_group import persistent_group
 
 pytestmark = pytest.mark.slow  # three gloo groups (4, 2 and 3 spawned ranks)
@@ -50,10 +50,10 @@ class Plain(nn.Module):
 def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -> None:
     import torch.distributed as dist
 
-    import govray.train.blocks
+    import govray.train.checkpoints.blocks
 
     torch.set_num_threads(1)
-    govray.train.blocks.BLOCK_SIZE = BLOCK
+    govray.train.checkpoints.blocks.BLOCK_SIZE = BLOCK
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     while (task := tasks.get()) is not None:
         try:
@@ -89,8 +89,8 @@ def write(rank: int, world: int, directory: Path, shard_group: int | None = None
     from torch.distributed.tensor import DTensor
 
     from govray.core.canonical import file_sha256
-    from govray.train.checkpoint import OPTIMIZER_META, split_optimizer_state
-    from govray.train.sharding import local_optimizer_state, write_shards
+    from govray.train.checkpoints.files import OPTIMIZER_META, split_optimizer_state
+    from govray.train.parallel.fsdp import local_optimizer_state, write_shards
 
     model, optimizer = sharded(0, world, shard_group)
     model(torch.randn(5, 64, generator=torch.Generator().manual_seed(1))).square().sum().backward()
@@ -119,10 +119,10 @@ def load(
     """This rank's part of the 4-rank checkpoint (HSDP: in groups of ``shard_group``) into a
     differently initialised model sharded over ``world``: ``("ok", (mismatches, bytes read, share
     bytes))`` or ``("refused", message)``."""
-    from govray.train.checkpoint import CheckpointError
-    from govray.train.reshard import load_model_part, my_rows, resharded_optimizer_state
-    from govray.train.sharding import local, sharded_optimizer_state
-    from govray.train.worker import Worker, agreed
+    from govray.train.checkpoints.files import CheckpointError
+    from govray.train.checkpoints.reshard import load_model_part, my_rows, resharded_optimizer_state
+    from govray.train.parallel.fsdp import local, sharded_optimizer_state
+    from govray.train.parallel.worker import Worker, agreed
 
     model, optimizer = sharded(seed=99, world=world)
     parameters = list(model.parameters())

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from govray.cli.ledger_table import format_ledger
 from govray.core.errors import RoutingError
 from govray.governance.policy import DepthPolicy, LayerRoute
 from govray.governance.routing import (
@@ -23,8 +24,7 @@ from govray.governance.routing import (
     resolve_routes,
 )
 from govray.provenance.predicates import coverage_matrix
-from govray.train.ledger import Ledger, LedgerEntry
-from govray.train.ledger_table import format_ledger
+from govray.train.step.ledger import Ledger, LedgerEntry
 
 
 class Stack(nn.Module):

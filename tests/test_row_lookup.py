@@ -19,9 +19,9 @@ from govray.data.slots import slot
 from govray.governance.routing import resolve_routes
 from govray.provenance.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
 from govray.tracking.lineage import checkpoints
-from govray.train.checkpoint import STATE_FILE, CheckpointError, CheckpointState
-from govray.train.ledger import Ledger
+from govray.train.checkpoints.files import STATE_FILE, CheckpointError, CheckpointState
 from govray.train.runspec import RunSpec
+from govray.train.step.ledger import Ledger
 from govray.train.trial import load_trial_class
 
 WRITERS = "digits-writers"  # PII, routed to the adapter pii-lora by the digits policy

@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 
-import govray.platform.plan
+import govray.platform.run.plan
 from govray.config.experiment import load_experiment
 from govray.core import keys
 from govray.core import storage as storage_module
 from govray.core.keys import Revocation, TrustConfig, platform_key, save_trust
-from govray.platform.plan import PlanError, RunPlan, RunPlanner, plan_run, run_spec_path
-from govray.platform.preflight import CheckedPolicy, check_policy, ingest_experiment
-from govray.platform.runner import TrialOutcome, run_planned
+from govray.platform.run.plan import PlanError, RunPlan, RunPlanner, plan_run, run_spec_path
+from govray.platform.run.preflight import CheckedPolicy, check_policy, ingest_experiment
+from govray.platform.run.runner import TrialOutcome, run_planned
 from govray.tracking.store import TrackingStore
 from govray.train import trial as trial_module
-from govray.train.checkpoint import CheckpointError, find_checkpoints, verify_checkpoint
+from govray.train.checkpoints.files import CheckpointError, find_checkpoints, verify_checkpoint
 from govray.train.runspec import RunSpec
 from jobs.examples.digits.golden import golden_example
 
@@ -73,7 +73,7 @@ def planned_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
         count_calls(patch, calls, storage_module.open_storage, DRIVER)
         count_calls(patch, calls, keys.load_trust, ("govray.",))
         count_calls(patch, calls, trial_module.make_trial, DRIVER)
-        count_calls(patch, calls, govray.platform.plan.plan_run, DRIVER)
+        count_calls(patch, calls, govray.platform.run.plan.plan_run, DRIVER)
         store = TrackingStore.open(config.database_url)
         checked = check_policy(config, store, allow_unsigned=False)
         planner = RunPlanner(config, checked)

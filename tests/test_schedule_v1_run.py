@@ -25,7 +25,7 @@ from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import row_steps
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MODEL_FILE,
     OPTIMIZER_META,
     OPTIMIZER_TENSORS,
@@ -34,12 +34,12 @@ from govray.train.checkpoint import (
     CheckpointState,
     load_checkpoint,
 )
-from govray.train.ledger import Ledger, recompute_ledger
-from govray.train.loop import train_worker
-from govray.train.reports import StepReport
-from govray.train.session import LocalSession
+from govray.train.parallel.worker import RouteRows
+from govray.train.run.loop import train_worker
+from govray.train.run.reports import StepReport
+from govray.train.run.session import LocalSession
+from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
-from govray.train.worker import RouteRows
 
 ARCHIVE = Path(__file__).parent / "data" / "schedule_v1_run" / "run.tar.xz"
 REPO = Path(__file__).resolve().parents[1]

@@ -20,26 +20,26 @@ from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
-from govray.platform.placement_guard import result_places
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.search import SearchOutcome, TunePlan, run_search, strategy
-from govray.platform.search_progress import SearchState
-from govray.platform.search_trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.search.driver import SearchOutcome, TunePlan, run_search, strategy
+from govray.platform.search.placement_guard import result_places
+from govray.platform.search.progress import SearchState
+from govray.platform.search.trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MODEL_FILE,
     checkpoint_step,
     find_checkpoints,
     load_checkpoint,
 )
-from govray.train.loop import train_worker
-from govray.train.reports import StepReport
+from govray.train.run.loop import train_worker
+from govray.train.run.reports import StepReport
+from govray.train.run.session import LocalSession, tune_reports, tune_result
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
-from govray.train.session import LocalSession, tune_reports, tune_result
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.conftest import GoldenRun, _golden_example, kill_driver_when

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from govray.config.experiment import load_experiment
-from govray.platform.search_progress import (
+from govray.platform.search.progress import (
     LinePrinter,
     SearchState,
     TrialProgress,
@@ -16,7 +16,7 @@ from govray.platform.search_progress import (
     progress_line,
     search_state,
 )
-from govray.train.session import EARLY_STOP_KEY, LAST_KEY
+from govray.train.run.session import EARLY_STOP_KEY, LAST_KEY
 from searchers.asha import rung_steps
 from tests.test_search import search_example
 

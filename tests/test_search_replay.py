@@ -30,17 +30,17 @@ from govray.core.keys import (
     save_trust,
 )
 from govray.core.storage import Storage, open_storage
-from govray.platform.plan import code_directory, run_spec_path
-from govray.platform.resume import resumes_search
-from govray.platform.search import SearchOutcome
-from govray.platform.search_trial import SearchError
+from govray.platform.rerun.resume import resumes_search
+from govray.platform.run.plan import code_directory, run_spec_path
+from govray.platform.search.driver import SearchOutcome
+from govray.platform.search.trial import SearchError
 from govray.provenance.rows import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.lineage import attestations, final_checkpoint_record
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
-from govray.train.checkpoint import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
-from govray.train.reproducibility import ReproducibilityRecord
+from govray.train.checkpoints.files import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
+from govray.train.reproduce.record import ReproducibilityRecord
 from tests.conftest import write_signed_policy
 from tests.search_replays import (
     ADAPTER_FILE,

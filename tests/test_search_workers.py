@@ -15,20 +15,20 @@ import yaml
 from govray.config.experiment import load_experiment
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
-from govray.platform.placement_guard import (
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.run.runner import run_trial
+from govray.platform.search.driver import SearchOutcome, run_search
+from govray.platform.search.placement_guard import (
     REMOVED,
     PlacementGuard,
     actor_dead,
     orphaned_groups,
     result_places,
 )
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import run_trial
-from govray.platform.search import SearchOutcome, run_search
-from govray.platform.search_record import search_path
+from govray.platform.search.record import search_path
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import find_checkpoints, model_file
+from govray.train.checkpoints.files import find_checkpoints, model_file
 from tests.search_replays import assert_removal_equals_replay, replayed_without_writers
 from tests.test_search import search_example
 

@@ -17,7 +17,7 @@ import yaml
 from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.config.searcher import SEARCHER_GROUP, SearcherConfig, installed_searchers, searcher_model
 from govray.core.errors import ConfigError
-from govray.platform.preflight import config_digest
+from govray.platform.run.preflight import config_digest
 from tests.conftest import EXAMPLE_CONFIG, REPO
 
 SHIPPED = ["adaptive_asha", "asha", "bayesian", "grid", "pbt", "random", "single"]

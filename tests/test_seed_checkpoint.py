@@ -88,7 +88,12 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
 
 def started() -> tuple[str, None]:
     """What every case imports, imported (a rank's start-up)."""
-    for name in ("torch.distributed.fsdp", "transformers", "govray.train.hf", "govray.train.seed_checkpoint"):
+    for name in (
+        "torch.distributed.fsdp",
+        "transformers",
+        "govray.train.hf",
+        "govray.train.checkpoints.seed",
+    ):
         importlib.import_module(name)
     return "ok", None
 
@@ -103,12 +108,12 @@ def compared(case: Case, rank: int) -> tuple[str, Any]:
     from govray.config.training import Precision
     from govray.governance.adapters import GovernedModel
     from govray.governance.routing import resolve_routes
-    from govray.train.checkpoint import CheckpointError
+    from govray.train.checkpoints.files import CheckpointError
+    from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
+    from govray.train.parallel.fsdp import layer_units, local, shard_model
+    from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.seed_checkpoint import SeedCheckpoint, initial_model
-    from govray.train.sharding import layer_units, local, shard_model
     from govray.train.trial import make_trial
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_construct(seed=11, trial_seed=3, run_dir=case.run_dir, storage="")
     trial = make_trial(case.trial, case.hparams)

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import CHECKS, is_check_class, load_all_checks
 
 from govray.core.keys import platform_key
-from govray.platform.registry import remove_adapter
+from govray.platform.registry.register import remove_adapter
 from govray.queries import MAX_LIMIT
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import attestations, checkpoint_ledger_rows, checkpoints, ledger_rows
 from govray.tracking.tables import LedgerRow
-from govray.train.checkpoint import STATE_FILE
+from govray.train.checkpoints.files import STATE_FILE
 from tests.conftest import GoldenRun
 from tests.lineage_server import Served, serve_golden_copy
 

@@ -18,11 +18,11 @@ import pytest
 from govray.core.keys import platform_key, platform_trust
 from govray.core.runtime import train_worker_pids
 from govray.core.storage import open_storage
-from govray.platform.recorder import GcSettings, RunRecorder
+from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoints, ledger_rows, record_checkpoint
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MODEL_FILE,
     REPORT_FILE,
     STATE_FILE,
@@ -30,8 +30,8 @@ from govray.train.checkpoint import (
     checkpoint_step,
     verify_checkpoint,
 )
-from govray.train.reports import StepReport
-from govray.train.run_checkpoints import checkpoint_directories, newest_verified_checkpoint
+from govray.train.checkpoints.folders import checkpoint_directories, newest_verified_checkpoint
+from govray.train.run.reports import StepReport
 from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
 
 REPORTED_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))

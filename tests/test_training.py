@@ -22,11 +22,11 @@ from govray.governance.allreduce import parameters_by_name
 from govray.governance.routing import resolve_routes
 from govray.provenance.locations import run_spec_of
 from govray.tracking.lineage import ledger_rows
-from govray.train.checkpoint import checkpoint_step, find_checkpoints, verify_checkpoint
-from govray.train.ledger import recompute_ledger
-from govray.train.step import allowed_route_sets
+from govray.train.checkpoints.files import checkpoint_step, find_checkpoints, verify_checkpoint
+from govray.train.parallel.worker import RouteRows
+from govray.train.step.governed import allowed_route_sets
+from govray.train.step.ledger import recompute_ledger
 from govray.train.trial import load_trial_class
-from govray.train.worker import RouteRows
 from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun
 
 REPORT_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))

@@ -21,9 +21,9 @@ UNUSED = ("model_signing", "torch._inductor", "torch._dynamo")
 TRIAL_PROCESS = f"""
 import json, sys
 import torch
-import govray.platform.search_trial
+import govray.platform.search.trial
 from govray.config.training import TrainingSettings
-from govray.train.reproducibility import use_deterministic_mode
+from govray.train.reproduce.record import use_deterministic_mode
 
 use_deterministic_mode(TrainingSettings(deterministic=True))
 seen = {{"unused": sorted(name for name in {UNUSED!r} if name in sys.modules),

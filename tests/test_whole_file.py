@@ -17,9 +17,9 @@ from govray.core.canonical import file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
 from govray.governance.adapter_files import save_base_tensors
-from govray.platform.replay import tensor_influence
+from govray.platform.rerun.replay import tensor_influence
 from govray.provenance.attest import AttestationError, model_subjects
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     MANIFEST_FILE,
     MANIFEST_TYPE,
     MODEL_FILE,
@@ -28,15 +28,15 @@ from govray.train.checkpoint import (
     Manifest,
     shard_file,
 )
-from govray.train.ledger import Ledger, LedgerEntry
-from govray.train.sharding import SHARDS_KEY
-from govray.train.whole_file import (
+from govray.train.checkpoints.whole_file import (
     CHUNK,
     shard_layout,
     whole_model_sha256,
     whole_tensors,
     write_whole_model,
 )
+from govray.train.parallel.fsdp import SHARDS_KEY
+from govray.train.step.ledger import Ledger, LedgerEntry
 from tests.sharded_reference import consolidated
 
 

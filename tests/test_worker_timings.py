@@ -1,11 +1,11 @@
-"""Each rank's log ends its run with one ``timings`` line (``govray.train.timings``): where the
+"""Each rank's log ends its run with one ``timings`` line (``govray.train.run.timings``): where the
 worker's wall time went, what ``jobs/benchmarks/trial_cost.py`` reads (issue 33, item 4)."""
 
 from __future__ import annotations
 
 from govray.core.logs import log_path
 from govray.tracking.lineage import checkpoints
-from govray.train.timings import read_timings
+from govray.train.run.timings import read_timings
 from tests.conftest import GOLDEN_STEPS, GoldenRun
 
 

@@ -33,8 +33,8 @@ import yaml
 
 from govray.config.experiment import ExperimentConfig, ParallelStrategy
 from govray.core.keys import KeyRole, SigningKey, platform_trust
-from govray.platform.resume import on_workers
-from govray.train.checkpoint import shard_file
+from govray.platform.rerun.resume import on_workers
+from govray.train.checkpoints.files import shard_file
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests.conftest import GoldenRun
 from tests.gloo_group import persistent_group
@@ -79,8 +79,8 @@ def trained_spec(spec_json: str, strategy: str) -> Any:
 
 
 def opened(spec: Any, rank: int, world: int) -> Any:
-    from govray.train.state import TrialRun
-    from govray.train.worker import Worker
+    from govray.train.parallel.worker import Worker
+    from govray.train.run.state import TrialRun
 
     worker = Worker.detect()
     assert (worker.rank, worker.world_size) == (rank, world)
@@ -128,7 +128,7 @@ def continued(
     uninterrupted; then resumed again, checkpointed into ``again`` at ``again_at``, resumed from
     that and trained to STEPS: ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on
     rank 0, or ``("refused", message)``."""
-    from govray.train.checkpoint import CheckpointError, load_checkpoint
+    from govray.train.checkpoints.files import CheckpointError, load_checkpoint
 
     spec = trained_spec(spec_json, strategy)
     key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
@@ -423,7 +423,7 @@ def test_a_workers_rounds_sum_each_slots_masked_average_with_exact_zeros() -> No
     from torch import nn
 
     from govray.governance.allreduce import GradientGovernor
-    from govray.train.rounds import RoundSums
+    from govray.train.parallel.rounds import RoundSums
 
     generator = torch.Generator().manual_seed(0)
     names = ("shared", "only_a", "only_b")

@@ -19,7 +19,7 @@ def ingest(
     strict: bool = Strict,
 ) -> None:
     """Validate every row's credential, fingerprint each corpus and write route-partitioned shards."""
-    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.run.preflight import check_policy, ingest_experiment
 
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)

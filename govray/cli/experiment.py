@@ -131,8 +131,8 @@ def backfill_ledgers_command(
     checkpoints had their own), read from its state.json once its signed manifest verifies.
     Exits 10 when a checkpoint does not verify (it is named and left without a ledger)."""
     from govray.core.keys import load_trust
-    from govray.platform.ledgers import backfill_ledgers
-    from govray.train.checkpoint import CheckpointError
+    from govray.platform.run.ledgers import backfill_ledgers
+    from govray.train.checkpoints.files import CheckpointError
 
     store = TrackingStore.open(database)
     found = store.get_experiment(experiment)

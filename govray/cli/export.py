@@ -16,7 +16,7 @@ from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
 
 if TYPE_CHECKING:
-    from govray.platform.registered import RegisteredVersion
+    from govray.platform.registry.versions import RegisteredVersion
     from govray.provenance.eu_summary import EuSummary, Period
 
 app = typer.Typer(help="Export documents for reviewers and regulators.", no_args_is_help=True)
@@ -48,7 +48,7 @@ def eu_summary_command(
     """The training-content summary of a model version (template sections: general information,
     data sources by type, data processing), from its credentials, shards and recorded schedule.
     Exits 17 for an unknown model or version."""
-    from govray.platform.registered import resolve
+    from govray.platform.registry.versions import resolve
     from govray.provenance.eu_summary import eu_summary
 
     if (model is None) == (checkpoint is None):
@@ -83,7 +83,7 @@ def bom_command(
     """An ML-BOM of a model version: the model (every file's sha256, policy, adapters, removed
     adapters), each corpus as a data component (credential, fingerprint, examples that reached the
     model), dependencies from its provenance attestation. Exits 17 for an unknown model or version."""
-    from govray.platform.registered import envelope_sha256, provenance_record, resolve
+    from govray.platform.registry.versions import envelope_sha256, provenance_record, resolve
     from govray.provenance.bom import cyclonedx_bom
     from govray.queries.ledger import statement_of
 
@@ -136,8 +136,8 @@ def peft_adapter_command(
     ``PeftModel.from_pretrained(base, OUT)`` loads what govray trained. Exits 9 for an unknown
     adapter, 17 for an unknown model or version."""
     from govray.core.keys import load_trust
-    from govray.platform.peft_export import export_peft_adapter
-    from govray.platform.registered import resolve
+    from govray.platform.registry.peft_export import export_peft_adapter
+    from govray.platform.registry.versions import resolve
 
     if (model is None) == (checkpoint is None):
         raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")

@@ -58,7 +58,7 @@ def kill(
 
 def activate_command(experiment: str = ExperimentArgument, database: str = Database) -> None:
     """Continue a paused experiment from its pause checkpoint; this process drives the run."""
-    from govray.platform.preflight import check_policy
+    from govray.platform.run.preflight import check_policy
 
     store = TrackingStore.open(database)
     with progress_bar() as update:
@@ -83,7 +83,7 @@ def fork_command(
     database: str = Database,
 ) -> None:
     """A new experiment from this one, the parent recorded in its lineage; trains it now."""
-    from govray.platform.preflight import check_policy
+    from govray.platform.run.preflight import check_policy
 
     store = TrackingStore.open(database)
     with progress_bar() as update:

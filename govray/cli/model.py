@@ -14,7 +14,7 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.versions import list_models
 
 if TYPE_CHECKING:
-    from govray.platform.registered import RegisteredVersion
+    from govray.platform.registry.versions import RegisteredVersion
 
 app = typer.Typer(
     help="The model registry: versions of checkpoints, tags, adapter removal.", no_args_is_help=True
@@ -41,7 +41,7 @@ def register_command(
 ) -> None:
     """Verify and attest CHECKPOINT (or trial N's final checkpoint), then register it as NAME's
     next version; prints the version and the directory its files are in."""
-    from govray.platform.registry import register, register_trial
+    from govray.platform.registry.register import register, register_trial
 
     if (checkpoint is None) == (trial is None):
         raise typer.BadParameter("give a CHECKPOINT directory or --trial N (one of them)")
@@ -70,7 +70,7 @@ def list_command(database: str = Database) -> None:
 @app.command("versions")
 def versions_command(name: str = typer.Argument(...), database: str = Database) -> None:
     """The versions of model NAME, oldest first."""
-    from govray.platform.registered import versions
+    from govray.platform.registry.versions import versions
 
     listing = table("version", "checkpoint", "step", "tags", "removed adapters", "excluded corpora")
     for version in versions(TrackingStore.open(database), name):
@@ -90,7 +90,7 @@ def describe_command(
     ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str = Database
 ) -> None:
     """One version as JSON: files, checkpoint, tags, lineage, attestations."""
-    from govray.platform.registered import resolve, version_attestations
+    from govray.platform.registry.versions import resolve, version_attestations
 
     store = TrackingStore.open(database)
     version = resolve(store, ref)
@@ -105,7 +105,7 @@ def tag_command(
     database: str = Database,
 ) -> None:
     """Set or remove tags of a version."""
-    from govray.platform.registry import set_tags
+    from govray.platform.registry.register import set_tags
 
     version = set_tags(TrackingStore.open(database), ref, _pairs(pairs or []), remove)
     console.print(f"{version.ref} tags: {json.dumps(version.tags, sort_keys=True)}", highlight=False)
@@ -118,7 +118,7 @@ def remove_adapter_command(
     database: str = Database,
 ) -> None:
     """Make a new version without ADAPTER, attested with the corpora that leaves out."""
-    from govray.platform.registry import remove_adapter
+    from govray.platform.registry.register import remove_adapter
 
     store = TrackingStore.open(database)
     version = remove_adapter(store, ref, adapter)
@@ -129,7 +129,7 @@ def remove_adapter_command(
 
 def describe(version: RegisteredVersion, attestation_ids: list[int | None]) -> dict[str, Any]:
     """A version as a JSON document."""
-    from govray.platform.registered import model_signature_of
+    from govray.platform.registry.versions import model_signature_of
 
     return {
         "model": version.model,
@@ -161,7 +161,7 @@ def _mirror(store: TrackingStore, version: RegisteredVersion) -> None:
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
-    from govray.platform.registered import RegistryError
+    from govray.platform.registry.versions import RegistryError
 
     pairs = {}
     for item in items:

@@ -1,6 +1,6 @@
 """``govray plan EXPERIMENT``: a rank's peak memory for the run as configured, before it is queued.
 
-The estimator (:mod:`govray.train.memory_plan`) runs one governed step of the experiment's trial
+The estimator (:mod:`govray.train.footprint.estimate`) runs one governed step of the experiment's trial
 on fake tensors with a fake process group of the run's world size. With ``--gpu-memory GIB`` a run
 whose peak per rank exceeds it is refused (exit 23), naming the largest parts and the excess.
 """
@@ -34,8 +34,8 @@ def plan(
     from govray.config.experiment import load_experiment
     from govray.config.resources import ParallelStrategy
     from govray.governance.policy import load_policy
+    from govray.train.footprint.estimate import MemoryPlanError, PlanSetup, plan_governed
     from govray.train.hf import CausalLMTrial
-    from govray.train.memory_plan import MemoryPlanError, PlanSetup, plan_governed
     from govray.train.trial import make_trial
 
     config = load_experiment(experiment)

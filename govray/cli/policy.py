@@ -77,7 +77,7 @@ def verify(
 @app.command()
 def check(config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned) -> None:
     """Verify the experiment's policy and resolve it against the trial's model."""
-    from govray.platform.preflight import check_policy
+    from govray.platform.run.preflight import check_policy
 
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)

@@ -24,8 +24,8 @@ def replay(
     ),
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
-    from govray.platform.replay import format_influence, replay_trial
-    from govray.platform.world_history import describe_segments
+    from govray.platform.rerun.replay import format_influence, replay_trial
+    from govray.platform.rerun.world_history import describe_segments
 
     store = TrackingStore.open(database)
     replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)

@@ -24,8 +24,13 @@ def resume(
 ) -> None:
     """Resume the experiment's interrupted (or paused) trial under its own Ray Train run name; an
     experiment that ran a search resumes its search where Ray Tune left off."""
-    from govray.platform.preflight import check_policy
-    from govray.platform.resume import on_workers, resume_trial, resumes_search, use_interrupted_trial_code
+    from govray.platform.rerun.resume import (
+        on_workers,
+        resume_trial,
+        resumes_search,
+        use_interrupted_trial_code,
+    )
+    from govray.platform.run.preflight import check_policy
 
     store = TrackingStore.open(database)
     recorded = store.get_experiment(experiment)
@@ -60,9 +65,9 @@ def resume(
 def _resume_search(config: ExperimentConfig, store: TrackingStore, recorded: Experiment) -> None:
     from govray.cli.search import search_view, show_outcome
     from govray.core.storage import open_storage
-    from govray.platform.preflight import check_policy
-    from govray.platform.search import resume_search
-    from govray.platform.search_record import began_record
+    from govray.platform.run.preflight import check_policy
+    from govray.platform.search.driver import resume_search
+    from govray.platform.search.record import began_record
 
     began_record(store, open_storage(config.storage_path), config, recorded)  # its code, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)

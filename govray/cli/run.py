@@ -20,9 +20,9 @@ from rich.progress import (
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, warn
 
 if TYPE_CHECKING:
-    from govray.platform.preflight import CheckedPolicy
-    from govray.platform.runner import Progress as ProgressCallback
-    from govray.platform.runner import TrialOutcome
+    from govray.platform.run.preflight import CheckedPolicy
+    from govray.platform.run.runner import Progress as ProgressCallback
+    from govray.platform.run.runner import TrialOutcome
     from govray.tracking.tables import Experiment
 
 FromCheckpoint = typer.Option(
@@ -50,12 +50,12 @@ def run(
     ),
 ) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
-    from govray.platform.plan import RunPlanner
-    from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.registered import resolve
-    from govray.platform.registry import start_reference
-    from govray.platform.resume import interrupted_trial, resume_trial
-    from govray.platform.runner import run_planned
+    from govray.platform.registry.register import start_reference
+    from govray.platform.registry.versions import resolve
+    from govray.platform.rerun.resume import interrupted_trial, resume_trial
+    from govray.platform.run.plan import RunPlanner
+    from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.run.runner import run_planned
 
     config, store = open_experiment(config_path)
     start_model = None
@@ -116,7 +116,7 @@ def progress_bar() -> Iterator[ProgressCallback]:
 
 def report(outcome: TrialOutcome, checked: CheckedPolicy, experiment: Experiment) -> None:
     """What a finished, paused or killed run prints."""
-    from govray.train.ledger_table import format_ledger
+    from govray.cli.ledger_table import format_ledger
 
     if outcome.state != "completed":
         console.print(

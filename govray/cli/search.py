@@ -15,8 +15,8 @@ from rich.text import Text
 from govray.cli.common import AllowUnsigned, ConfigArgument, Strict, console, open_experiment, table, warn
 
 if TYPE_CHECKING:
-    from govray.platform.search import SearchOutcome
-    from govray.platform.search_progress import SearchState
+    from govray.platform.search.driver import SearchOutcome
+    from govray.platform.search.progress import SearchState
     from govray.tracking.store import TrackingStore
 
 
@@ -27,10 +27,10 @@ def search(
 
     Run again after an interruption: the search resumes where Tune left off, without rerunning
     finished trials."""
-    from govray.platform.plan import RunPlanner
-    from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.search import search_planned
-    from govray.platform.search_record import use_search_code
+    from govray.platform.run.plan import RunPlanner
+    from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.search.driver import search_planned
+    from govray.platform.search.record import use_search_code
 
     config, store = open_experiment(config_path)
     use_search_code(config, store)  # a search begun before: the code it began with
@@ -74,7 +74,7 @@ def show_outcome(store: TrackingStore, outcome: SearchOutcome) -> None:
 def search_view() -> Iterator[Callable[[SearchState], None]]:
     """The search's progress: one panel redrawn in a terminal, else one line per change at most
     every 5 seconds (ray job logs, CI)."""
-    from govray.platform.search_progress import LinePrinter
+    from govray.platform.search.progress import LinePrinter
 
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
@@ -89,7 +89,7 @@ def search_view() -> Iterator[Callable[[SearchState], None]]:
 
 def progress_panel(state: SearchState) -> RenderableType:
     """The terminal view: counts, the best so far, and a row for each running trial."""
-    from govray.platform.search_progress import progress_best, progress_counts
+    from govray.platform.search.progress import progress_best, progress_counts
 
     lines: list[RenderableType] = [Text(progress_counts(state))]
     if best := progress_best(state):

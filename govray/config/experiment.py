@@ -193,7 +193,7 @@ class ExperimentConfig(BaseModel):
             raise ValueError(
                 "precision fp16 with elastic workers: on fewer workers than resources.workers.max "
                 "a rank sums several slots per step, which fp16's per-route loss scales refuse "
-                "(govray.train.rounds); use bf16, or a fixed number of workers"
+                "(govray.train.parallel.rounds); use bf16, or a fixed number of workers"
             )
         if self.searcher.name != "single":
             raise ValueError(

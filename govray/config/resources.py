@@ -5,7 +5,7 @@ hold the model.
 Ray Train's elastic scaling, which starts once A workers fit and grows to B as nodes come, and
 after losing a node continues on the workers left from the newest verified checkpoint. The
 schedule is defined on B: every step has B slots (its global batch), whatever the world's size,
-and a world of W < B ranks runs each step's slots in rounds (``govray.train.rounds``)::
+and a world of W < B ranks runs each step's slots in rounds (``govray.train.parallel.rounds``)::
 
     resources:
       workers: {min: 2, max: 3}
@@ -44,9 +44,9 @@ class ParallelStrategy(StrEnum):
     """How the workers hold the model: whole on each (DDP), or sharded across them (FSDP2)."""
 
     DDP = "ddp"  # a full copy of model, gradients and optimizer state per worker; governed allreduce
-    FSDP = "fsdp"  # each worker holds a shard; governed reduce-scatter (govray.train.sharding)
+    FSDP = "fsdp"  # each worker holds a shard; governed reduce-scatter (govray.train.parallel.fsdp)
     # FSDP within groups of ``resources.shard_group`` workers, replicated across the groups
-    # (govray.train.hybrid): the all-gathers stay inside a group (a node), one all-reduce across.
+    # (govray.train.parallel.hsdp): the all-gathers stay inside a group (a node), one all-reduce across.
     HSDP = "hsdp"
 
 

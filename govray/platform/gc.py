@@ -217,9 +217,9 @@ def remove_checkpoint_directory(storage: Storage, path: str) -> None:
     """Delete a checkpoint's directory, from object storage too where the experiment keeps its
     files there (``path`` is then its copy in this node's cache); one already gone is fine. Then
     the run's frozen base files no remaining checkpoint of the run refers to
-    (``govray.train.base_file``): a base file outlives every checkpoint that refers to it, no
+    (``govray.train.checkpoints.base_file``): a base file outlives every checkpoint that refers to it, no
     more. The only place GC touches storage."""
-    from govray.train.base_file import release_unreferenced  # loads torch: only when GC deletes
+    from govray.train.checkpoints.base_file import release_unreferenced  # loads torch: only when GC deletes
 
     storage.delete_directory(Path(path))
     release_unreferenced(Path(path).parent, storage)

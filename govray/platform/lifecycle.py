@@ -35,7 +35,7 @@ from govray.tracking.tables import (
 )
 
 if TYPE_CHECKING:
-    from govray.platform.runner import Progress, TrialOutcome
+    from govray.platform.run.runner import Progress, TrialOutcome
 
 LATEST = "latest"  # --from-checkpoint latest: the parent's newest kept checkpoint
 
@@ -115,8 +115,8 @@ def activate(
     """Continue a paused experiment's trial from its pause checkpoint (this process drives it)."""
     # Here, not at the top: a pause or kill request (``govray experiment pause``) needs only the
     # store, not the training stack these bring (torch, Ray).
-    from govray.platform.preflight import check_policy
-    from govray.platform.resume import resume_trial, use_interrupted_trial_code
+    from govray.platform.rerun.resume import resume_trial, use_interrupted_trial_code
+    from govray.platform.run.preflight import check_policy
 
     found, experiment_id = _experiment(store, experiment)
     if found.state != ExperimentState.PAUSED:
@@ -153,9 +153,9 @@ def fork(
     """A new experiment from a recorded one (its config, or ``config_path`` edited from it),
     with the parent in its lineage; ``from_checkpoint`` (a directory, or ``"latest"``: the
     parent's newest kept checkpoint) starts it from those weights and that ledger."""
-    from govray.platform.plan import RunPlanner  # (see activate)
-    from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.runner import run_planned
+    from govray.platform.run.plan import RunPlanner  # (see activate)
+    from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.run.runner import run_planned
 
     parent, parent_id = _experiment(store, experiment)
     if config_path is not None:

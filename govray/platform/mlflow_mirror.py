@@ -36,7 +36,7 @@ import yaml
 
 from govray.config.experiment import ExperimentConfig, MlflowConfig
 from govray.core.errors import ConfigError
-from govray.platform.registered import (
+from govray.platform.registry.versions import (
     RegisteredVersion,
     envelope_sha256,
     model_signature_of,
@@ -49,8 +49,8 @@ from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, st
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.tracking.versions import list_models
-from govray.train.checkpoint import MODEL_FILE, load_checkpoint
-from govray.train.ledger import Ledger
+from govray.train.checkpoints.files import MODEL_FILE, load_checkpoint
+from govray.train.step.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

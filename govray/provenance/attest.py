@@ -46,15 +46,15 @@ from govray.provenance.predicates import Derivation, coverage, provenance, routi
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
 from govray.tracking.lineage import checkpoints, final_checkpoint_record, record_attestation
 from govray.tracking.store import TrackingStore
-from govray.train.base_file import materialize_base
-from govray.train.checkpoint import (
+from govray.train.checkpoints.base_file import materialize_base
+from govray.train.checkpoints.files import (
     MODEL_FILE,
     CheckpointError,
     find_checkpoints,
     load_checkpoint,
     model_file,
 )
-from govray.train.whole_file import shards_only, whole_model_sha256
+from govray.train.checkpoints.whole_file import shards_only, whole_model_sha256
 
 KINDS = ("provenance", "coverage")
 
@@ -71,9 +71,9 @@ class Attestation:
 
 def model_subjects(directory: Path, trust: TrustConfig) -> list[dict[str, Any]]:
     """The model files of a checkpoint or model directory, by name and sha256: the base (the run's
-    base file when the checkpoint refers to it: ``govray.train.base_file``; of a sharded
+    base file when the checkpoint refers to it: ``govray.train.checkpoints.base_file``; of a sharded
     checkpoint, the ``model.safetensors`` its shards, verified against ``trust``, put together,
-    hashed streaming and never written: ``govray.train.whole_file``), then each adapter in name
+    hashed streaming and never written: ``govray.train.checkpoints.whole_file``), then each adapter in name
     order."""
     base = model_file(directory)
     if shards_only(directory):

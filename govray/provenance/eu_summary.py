@@ -44,8 +44,8 @@ from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import load_checkpoint
-from govray.train.whole_file import base_sha256
+from govray.train.checkpoints.files import load_checkpoint
+from govray.train.checkpoints.whole_file import base_sha256
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",

@@ -23,13 +23,13 @@ from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import AttestationError
 from govray.data.shards import ShardSet
 from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label
-from govray.train.checkpoint import (
+from govray.train.checkpoints.files import (
     CheckpointState,
     model_file,
 )
-from govray.train.ledger import Ledger
-from govray.train.reproducibility import ReproducibilityRecord
+from govray.train.reproduce.record import ReproducibilityRecord
 from govray.train.runspec import RunSpec
+from govray.train.step.ledger import Ledger
 from govray.train.trial import importable, make_trial, resolve_trial_routes
 
 BUILD_TYPE = "https://govray.dev/buildtypes/governed-training/v1"
@@ -150,7 +150,7 @@ _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float
 def precision_statement(setting: str | None, routing: RoutingTable, checkpoint: Path) -> dict[str, Any]:
     """What the run computed and kept numbers in: its precision setting (bf16 / fp16: autocast, or
     FSDP's mixed precision); every trainable tensor (adapters included), its optimizer state and
-    its reduction in float32 (``train/trainable.py``); and the dtypes the frozen base tensors — no
+    its reduction in float32 (``train/step/trainable.py``); and the dtypes the frozen base tensors — no
     route may update them — are stored in (they keep the dtype the base was loaded in), read
     from the base file's header (a sharded checkpoint: rank 0's shard file)."""
     frozen = {

@@ -27,10 +27,10 @@ from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.provenance.statement_types import COVERAGE_TYPE
-from govray.train.checkpoint import CheckpointError, load_checkpoint
-from govray.train.ledger import Ledger, LedgerEntry, recompute_ledger
+from govray.train.checkpoints.files import CheckpointError, load_checkpoint
+from govray.train.parallel.worker import RouteRows
+from govray.train.step.ledger import Ledger, LedgerEntry, recompute_ledger
 from govray.train.trial import make_trial
-from govray.train.worker import RouteRows
 
 MAX_REPORTED = 5  # differences named in the error
 

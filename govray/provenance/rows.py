@@ -46,7 +46,7 @@ from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, CorpusRecord, Experiment, TrialRecord
 from govray.tracking.versions import versions_of_checkpoints
-from govray.train.checkpoint_manifest import STATE_FILE, CheckpointState, recorded_state
+from govray.train.checkpoints.manifest import STATE_FILE, CheckpointState, recorded_state
 from govray.train.runspec import RunSpec
 
 MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all

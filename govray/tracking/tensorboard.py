@@ -1,6 +1,6 @@
 """TensorBoard event files of each trial: the scalars the tracking store records, as it records them.
 
-The driver's run recorder (``govray.platform.recorder``: a Ray Train run, an in-process run, each
+The driver's run recorder (``govray.platform.run.recorder``: a Ray Train run, an in-process run, each
 Tune trial) writes the scalars it stores, at the same steps, to ``STORAGE/tensorboard/RUN/`` — one
 TensorBoard run per trial::
 

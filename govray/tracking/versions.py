@@ -1,5 +1,6 @@
 """The model registry in the tracking store: registered models, their numbered versions, and the
-attestations kept for a version. ``govray.platform.registry`` decides what is registered; these are its rows.
+attestations kept for a version. ``govray.platform.registry.register`` decides what is registered;
+these are its rows.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a trial's workers run: the one JSON document that crosses from the driver to every
 worker (and is kept in every checkpoint as ``run.json``).
 
-The driver builds it (``govray.platform.plan.plan_run``); attestation, row lookup and search read it
+The driver builds it (``govray.platform.run.plan.plan_run``); attestation, row lookup and search read it
 without importing the training loop. It carries the run's routing table, resolved by the driver on a
 meta-device model: readers take it from here instead of building the model, and every worker checks
 that its own model resolves to the same table.
@@ -21,7 +21,7 @@ from govray.core.keys import TrustConfig
 from govray.governance.canaries import CanaryProbe
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
-from govray.train.decisions import RecordedDecision
+from govray.train.control.decisions import RecordedDecision
 
 RUN_SPEC_FILE = "run.json"  # the spec's file name in every checkpoint
 
@@ -100,7 +100,7 @@ class RunSpec(BaseModel):
     # attestation's file name and sha256 (the run's attestation lists it as a dependency).
     start_model: dict[str, str] = {}
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
-    # The driver's ReportSink actor (``govray.train.session``): where rank 0 sends its reports
+    # The driver's ReportSink actor (``govray.train.run.session``): where rank 0 sends its reports
     # without waiting (a run on Ray Train workers; empty in-process).
     report_sink: str = ""
     # Object storage (s3://...) whose node-local cache holds shard_root, run_dir and control_file:

@@ -42,9 +42,9 @@ import yaml
 
 from govray.config.experiment import load_experiment
 from govray.core.runtime import ensure_ray
-from govray.platform.plan import plan_run
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.search import run_search
+from govray.platform.run.plan import plan_run
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.search.driver import run_search
 from govray.tracking.store import TrackingStore
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from govray.platform.plan import plan_run
+from govray.platform.run.plan import plan_run
+from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
-from govray.train.step import GovernedStep
+from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from govray.train.worker import Worker
 
 
 def train_alone(

@@ -44,7 +44,7 @@ import ray
 from govray.core.runtime import ensure_ray
 from govray.data.ingest import ingest as ingest_shards
 from govray.data.rowhash import row_hashes
-from govray.platform.runner import run_trial
+from govray.platform.run.runner import run_trial
 from govray.provenance.rows import row_reach
 from jobs.benchmarks.bounded_worker import train_alone
 from jobs.examples.digits.golden import copy_example, opened, save_experiment

@@ -255,7 +255,7 @@ def kill_and_regrow(cluster: Any, root: Path) -> ElasticKill:
 def drive(experiment: Path) -> None:
     """The run's driver (a process of its own, joined to the cluster by ``RAY_ADDRESS``): a report
     every step, so that rank 0's log has a line per step."""
-    from govray.platform.runner import run_trial
+    from govray.platform.run.runner import run_trial
     from jobs.examples.digits.golden import opened
 
     config, store, checked, recorded, ingested = opened(experiment)

@@ -97,7 +97,7 @@ def paused(store: Any, experiment_id: int, run: Callable[[], Any]) -> None:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    from govray.train.checkpoint import find_checkpoints
+    from govray.train.checkpoints.files import find_checkpoints
 
     return find_checkpoints(run_dir)[-1]
 
@@ -105,9 +105,9 @@ def final_checkpoint(run_dir: Path) -> Path:
 def resized_then_replayed(workdir: Path) -> tuple[Path, Path, Path, list[list[int]]]:
     """The resized run's, its replay's and a fixed 3-worker run's final checkpoints, and the
     recorded world history."""
-    from govray.platform.replay import replay_trial
-    from govray.platform.runner import run_trial
-    from govray.platform.world_history import describe_segments
+    from govray.platform.rerun.replay import replay_trial
+    from govray.platform.rerun.world_history import describe_segments
+    from govray.platform.run.runner import run_trial
     from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 
     path = golden_example(workdir, WORLDS[0], {"batches": STEPS}, GOLDEN_HPARAMS, keep_checkpoints=1000)

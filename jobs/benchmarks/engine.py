@@ -46,7 +46,7 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
     from govray.governance.allreduce import GradientGovernor, parameters_by_name
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
-    from govray.train.ledger import Ledger, TokensPerRow
+    from govray.train.step.ledger import Ledger, TokensPerRow
 
     with torch.device("meta"):  # 1000 tensors of a 500-layer stack; never allocated
         model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(TENSORS // 2)))
@@ -100,7 +100,7 @@ def bookkeeping(steps: int, checkpoint_period: int) -> float:
 
 def _hf_example(root: Path) -> tuple[Any, Any]:
     """The hf_lm example ingested under ``root``: a run spec and its trial, as a run builds them."""
-    from govray.platform.plan import plan_run
+    from govray.platform.run.plan import plan_run
     from jobs.examples.digits.golden import opened
     from jobs.examples.hf_lm.golden import example_under
 
@@ -113,8 +113,8 @@ def throughput(steps: int) -> tuple[float, str, str]:
     """govray's governed step vs a plain loop on the HF example: the median per-pair ratio of
     throughputs (examples per second), its precision and its device."""
     from govray.data.slots import slot
-    from govray.train.step import GovernedStep
-    from govray.train.worker import Worker
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
 
     with tempfile.TemporaryDirectory() as directory:
         spec, trial = _hf_example(Path(directory))

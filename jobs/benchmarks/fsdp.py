@@ -77,8 +77,8 @@ def governed_fsdp() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """A governed FSDP2 copy, as ``GovernedStep`` builds one for ``strategy: fsdp``."""
     from govray.config.training import Precision
     from govray.governance.allreduce import parameters_by_name
-    from govray.train.sharding import ShardedGovernor, layer_units, optimizer_groups, shard_model
-    from govray.train.step import allowed_route_sets
+    from govray.train.parallel.fsdp import ShardedGovernor, layer_units, optimizer_groups, shard_model
+    from govray.train.step.governed import allowed_route_sets
 
     base = build_model(0)
     model, table = governed_model(base)
@@ -94,8 +94,8 @@ def governed_ddp() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
     from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook, parameters_by_name
-    from govray.train.parallel import rank_local_buffers
-    from govray.train.step import allowed_route_sets
+    from govray.train.parallel.strategies import rank_local_buffers
+    from govray.train.step.governed import allowed_route_sets
 
     model, table = governed_model(build_model(0))
     governor = GradientGovernor(parameters_by_name(model), allowed_route_sets(model, table))
@@ -109,7 +109,7 @@ def plain_fsdp() -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from govray.train.sharding import layer_units
+    from govray.train.parallel.fsdp import layer_units
 
     model = build_model(0)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -129,7 +129,7 @@ def governed_step(
 ) -> None:
     """forward → backward (masked reduction) → per-count division → clip per group → AdamW.
     Gradients are dropped at the start, so they are still held after the step (measured)."""
-    from govray.train.sharding import ShardedGovernor
+    from govray.train.parallel.fsdp import ShardedGovernor
 
     optimizer.zero_grad(set_to_none=True)
     governor.begin_step(step, route, dict.fromkeys(ROUTES, BATCH))
@@ -149,7 +149,7 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
 
 def held_bytes(parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> HeldBytes:
     """Bytes of the parameters, gradients and optimizer state this rank holds (local shards)."""
-    from govray.train.sharding import local
+    from govray.train.parallel.fsdp import local
 
     def size(tensor: torch.Tensor) -> int:
         part = local(tensor)

@@ -48,7 +48,7 @@ def sha256(data: bytes) -> str:
 
 
 def trained(path: Path, report_every: int) -> tuple[Any, int]:
-    from govray.platform.runner import run_trial
+    from govray.platform.run.runner import run_trial
 
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=report_every)
@@ -56,7 +56,7 @@ def trained(path: Path, report_every: int) -> tuple[Any, int]:
 
 
 def searched(path: Path) -> tuple[Any, int]:
-    from govray.platform.search import run_search
+    from govray.platform.search.driver import run_search
 
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_search(config, checked, experiment, ingested.root, store, report_every=5)
@@ -65,7 +65,7 @@ def searched(path: Path) -> tuple[Any, int]:
 
 
 def replayed(store: Any, experiment: str, trial_id: int, exclude: str) -> int:
-    from govray.platform.replay import replay_trial
+    from govray.platform.rerun.replay import replay_trial
 
     replay = replay_trial(store, experiment, (exclude,), trial_id=trial_id)
     trial: int = replay.outcome.trial_id

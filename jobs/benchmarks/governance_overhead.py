@@ -68,7 +68,7 @@ def governed_parts(model: nn.Module) -> tuple[Any, Any]:
     from govray.governance.allreduce import GradientGovernor, parameters_by_name
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
-    from govray.train.step import allowed_route_sets
+    from govray.train.step.governed import allowed_route_sets
 
     policy = DepthPolicy.model_validate(POLICY)
     table = resolve_routes(policy, model)
@@ -83,7 +83,7 @@ def ddp_pairs(config: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from govray.governance.allreduce import governed_allreduce_hook
-    from govray.train.parallel import rank_local_buffers
+    from govray.train.parallel.strategies import rank_local_buffers
 
     torch.set_num_threads(int(config["threads"]))
     rank = dist.get_rank()

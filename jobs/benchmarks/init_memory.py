@@ -95,11 +95,11 @@ def _build(run_dir: str, meta: bool) -> tuple[int, int]:
     from govray.governance.adapters import GovernedModel
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
+    from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
     from govray.train.hf import CausalLMTrial
+    from govray.train.parallel.fsdp import layer_units, local, shard_model
+    from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.seed_checkpoint import SeedCheckpoint, initial_model
-    from govray.train.sharding import layer_units, local, shard_model
-    from govray.train.worker import Worker
 
     trial = CausalLMTrial({"model": SHAPE})
     spec = RunSpec.model_construct(seed=1, trial_seed=0, run_dir=run_dir, storage="")

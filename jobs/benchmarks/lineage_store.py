@@ -77,9 +77,9 @@ def real_run(root: Path, steps: int) -> tuple[str, Workload]:
     """Train the digits example for ``steps`` steps under ``root``, register it as ``digits`` v1;
     return the store's URL and what it offers to ask."""
     from govray.config.experiment import load_experiment
-    from govray.platform.preflight import check_policy, ingest_experiment
-    from govray.platform.registry import register
-    from govray.platform.runner import run_trial
+    from govray.platform.registry.register import register
+    from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.run.runner import run_trial
     from govray.tracking.lineage import checkpoints, ledger_rows
 
     shutil.copytree(EXAMPLE / "data", root / "data")

@@ -5,7 +5,7 @@ The digits trial (``jobs/examples/digits``) with the memorizer's hyperparameters
 (``golden.MEMORIZER``: hidden 256, no dropout, AdamW lr 0.003, batch 32) trains in this process, no
 Ray, on the public corpus only (``data/public.parquet``, 900 rows). The corpus is split as ingest
 splits it (row hash against the example's ``holdout_fraction``; the hashes of the committed rows,
-so both runs hold out the same images), and measured as ``govray/train/probe.py`` measures a
+so both runs hold out the same images), and measured as ``govray/train/control/probe.py`` measures a
 corpus, with its constants:
 
 - **loss gap** (Yeom et al. 2018, ``memorization.loss_gap``): mean loss of the held-out rows (the
@@ -61,7 +61,7 @@ from govray.governance.memorization import (
     memorization_report,
 )
 from govray.governance.policy import DepthPolicy
-from govray.train.probe import (
+from govray.train.control.probe import (
     CALIBRATION_BATCHES,
     LOSS_GAP_SAMPLE,
     MIN_PROBE_ROWS,

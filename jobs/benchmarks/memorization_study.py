@@ -19,7 +19,7 @@ batches are records. Every ``--every`` steps:
 - **entropy profile** (``govray.governance.memorization``, the estimator the training loop uses): the
   spectral entropy (bits) of each layer's representation (``Trial.representation``: the output
   averaged over positions) on records' training rows vs held-out records rows, against a band
-  calibrated on 4 held-out batches, canary rows left out (as ``govray/train/probe.py`` does);
+  calibrated on 4 held-out batches, canary rows left out (as ``govray/train/control/probe.py`` does);
   flagged when training rows fall below the band on some layer while held-out rows do not.
 
 Two runs: with the records corpus, and without it (prose only; the adapter stays untrained). The
@@ -52,7 +52,7 @@ from govray.governance.canaries import CanarySet
 from govray.governance.memorization import EntropyBand, entropy_profile, mean_exposure
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import resolve_routes
-from govray.train.probe import layer_representations
+from govray.train.control.probe import layer_representations
 from jobs.examples.text.make_corpora import small_corpora
 from jobs.examples.text.trial import CharTransformerTrial, encode
 

@@ -5,7 +5,7 @@ A Llama-3-8B-shaped model (hidden 4096, 32 blocks, 32 heads, 8 KV heads, MLP 143
 under DDP. Three corpora, each routed to its own LoRA adapter (rank 16 on q/k/v/o): public text on
 every block, licensed text on blocks 16-31 only, PII on every block; the base is frozen.
 
-Both steps run under the same estimator (``govray.train.memory_plan``: fake tensors, a fake
+Both steps run under the same estimator (``govray.train.footprint.estimate``: fake tensors, a fake
 process group of 8 ranks, torch's memory tracker): govray's governed step (``plan_governed``)
 and a plain step of the same model with the same three adapters injected by PEFT, ungoverned,
 DDP's buckets over every adapter tensor (``plain_peft_ddp``), with the same checkpointing and
@@ -17,7 +17,7 @@ Then a Llama-70B-shaped model (hidden 8192, 80 blocks, 64 heads, 8 KV heads, MLP
 (FSDP2's mixed precision: bf16 compute, fp32 parameters, gradients, AdamW state and reduction),
 activation checkpointing, the loss head chunked. Public text may update every tensor, licensed
 text the upper 40 blocks, norm and head. govray's governed FSDP step
-(``govray.train.memory_plan_sharded.plan_sharded``: the engine's units and ``shard_model``, the
+(``govray.train.footprint.sharded.plan_sharded``: the engine's units and ``shard_model``, the
 ``ShardedGovernor``'s zero-fill hooks, per-shard division and per-group clipping) against a plain
 FSDP2 step of the same model (torch's ``fully_shard`` on the same units, averaging reduction,
 AdamW, no governance), under the same estimator. ``--accumulation K`` also measures a slot of K
@@ -42,8 +42,7 @@ from torch import nn
 from govray.config.training import Precision
 from govray.governance.policy import DepthPolicy
 from govray.train.decoder import decoder_layers
-from govray.train.hf import CausalLMTrial
-from govray.train.memory_plan import (
+from govray.train.footprint.estimate import (
     MemoryPlan,
     PlanSetup,
     checkpoint_blocks,
@@ -53,7 +52,8 @@ from govray.train.memory_plan import (
     materialize_fake,
     measure_step,
 )
-from govray.train.memory_plan_sharded import plan_sharded
+from govray.train.footprint.sharded import plan_sharded
+from govray.train.hf import CausalLMTrial
 from jobs.benchmarks.init_memory import init_ratio
 
 GIB = 2**30
@@ -227,8 +227,8 @@ def plain_fsdp(trial: CausalLMTrial, setup: PlanSetup) -> MemoryPlan:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from govray.train.memory import checkpoint_activations
-    from govray.train.sharding import layer_units
+    from govray.train.parallel.fsdp import layer_units
+    from govray.train.step.recompute import checkpoint_activations
 
     model = trial.build_meta_model()
     units = layer_units(model, trial.fsdp_units(model))
@@ -284,7 +284,7 @@ def accumulation_trade(micro_batches: int) -> None:
 
 
 def main() -> None:
-    from govray.train.memory_plan import plan_governed
+    from govray.train.footprint.estimate import plan_governed
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--accumulation", type=int, default=0, help="also measure K micro-batches")

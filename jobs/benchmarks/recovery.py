@@ -27,11 +27,17 @@ import yaml
 
 from govray.config.experiment import load_experiment
 from govray.core.runtime import ensure_ray, train_worker_pids
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import TrialOutcome, run_trial
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.run.runner import TrialOutcome, run_trial
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from govray.train.checkpoint import MANIFEST_FILE, SIGNATURE_FILE, STATE_FILE, find_checkpoints, model_file
+from govray.train.checkpoints.files import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    STATE_FILE,
+    find_checkpoints,
+    model_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "examples" / "digits"

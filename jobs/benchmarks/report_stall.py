@@ -25,7 +25,7 @@ from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 
 
 def timed_run(root: Path, steps: int, report_every: int) -> float:
-    from govray.platform.runner import run_trial
+    from govray.platform.run.runner import run_trial
 
     path = golden_example(
         root, 2, {"batches": steps}, GOLDEN_HPARAMS, keep_checkpoints=1000, lr_schedule=False

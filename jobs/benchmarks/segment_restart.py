@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 
 from govray.core.runtime import ensure_ray
-from govray.platform.runner import run_trial
-from govray.platform.search import run_search
+from govray.platform.run.runner import run_trial
+from govray.platform.search.driver import run_search
 from govray.tracking.lineage import checkpoints
-from govray.train.checkpoint import find_checkpoints, model_file
+from govray.train.checkpoints.files import find_checkpoints, model_file
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 
 

@@ -7,7 +7,7 @@ the first trial of the first search (it starts a Tune actor and a trial host, wh
 and govray), the first trial of each later search (a new Tune actor, a warm host), and every
 later trial (a reused Tune actor and host). The parts come from three clocks:
 
-- the worker's ``timings`` line in its log (``govray.train.timings``): opening the session,
+- the worker's ``timings`` line in its log (``govray.train.run.timings``): opening the session,
   building the ``GovernedStep``, the first step, the steps, each validation's probe, each
   checkpoint, each report to Tune, and how long its process (the trial host) had lived when the
   worker began;
@@ -41,10 +41,10 @@ import ray
 from ray.tune.execution.tune_controller import TuneController
 
 from govray.core.logs import log_path
-from govray.platform import search_tracking
-from govray.platform.search import run_search
-from govray.platform.search_tracking import SearchTracking
-from govray.train.timings import read_timings
+from govray.platform.search import tracking as search_tracking
+from govray.platform.search.driver import run_search
+from govray.platform.search.tracking import SearchTracking
+from govray.train.run.timings import read_timings
 from jobs.benchmarks.asha_vs_random import experiment_file, opened, trial_steps
 
 DriverClock = dict[str, dict[str, list[float]]]  # Tune trial id → part → seconds (or moments)

@@ -21,7 +21,7 @@ import yaml
 from govray.core.logs import log_dir
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
-from govray.train.checkpoint import find_checkpoints
+from govray.train.checkpoints.files import find_checkpoints
 from tests.cluster.local_ray import LocalRayCluster
 from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
 

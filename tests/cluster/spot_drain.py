@@ -45,8 +45,8 @@ import sys
 from pathlib import Path
 from govray.config.experiment import load_experiment
 from govray.core.runtime import ensure_ray
-from govray.platform.preflight import check_policy, ingest_experiment
-from govray.platform.runner import run_trial
+from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.run.runner import run_trial
 from govray.tracking.store import TrackingStore
 
 ensure_ray()

@@ -21,8 +21,8 @@ from govray.core.keys import platform_key, platform_trust
 from govray.platform.lifecycle import request_kill
 from govray.provenance.attest import attest_checkpoint
 from govray.provenance.recompute import check_attested_ledger
-from govray.train.checkpoint import STATE_FILE, checkpoint_step, find_checkpoints
-from govray.train.checkpoint_manifest import CheckpointState
+from govray.train.checkpoints.files import STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.checkpoints.manifest import CheckpointState
 from govray.train.runspec import RUN_SPEC_FILE
 from jobs.benchmarks.elastic_kill import FAST_FAILURE_DETECTION, PERIOD, REPO, attempts, kill_and_regrow
 from tests.cluster.local_ray import LocalRayCluster
@@ -53,9 +53,9 @@ def segment(rank: int, world: int, start: str, end: str) -> tuple[str, Any]:
     optimizer's state tensor by tensor, bit for bit, and the ledger."""
     import torch
 
+    from govray.train.parallel.worker import Worker
+    from govray.train.run.state import TrialRun
     from govray.train.runspec import RunSpec
-    from govray.train.state import TrialRun
-    from govray.train.worker import Worker
 
     spec = RunSpec.model_validate_json((Path(end) / RUN_SPEC_FILE).read_text())
     worker = Worker.detect()

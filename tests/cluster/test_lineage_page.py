@@ -25,8 +25,8 @@ import requests
 
 from govray.core.canonical import file_sha256
 from govray.core.keys import TrustConfig, platform_key, save_trust
-from govray.platform.registered import RegisteredVersion
-from govray.platform.registry import register, remove_adapter
+from govray.platform.registry.register import register, remove_adapter
+from govray.platform.registry.versions import RegisteredVersion
 from govray.tracking.lineage import checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from tests.cluster.test_job_submit import free_port

@@ -223,9 +223,9 @@ def test_libpq_and_explicit_driver_urls_reach_the_server_through_psycopg(pg_url:
 
 
 def test_the_run_recorder_writes_a_run_to_postgresql(pg_url: str, tmp_path: Path) -> None:
-    from govray.platform.recorder import GcSettings, RunRecorder
-    from govray.train.ledger import Ledger, LedgerEntry
-    from govray.train.reports import StepReport
+    from govray.platform.run.recorder import GcSettings, RunRecorder
+    from govray.train.run.reports import StepReport
+    from govray.train.step.ledger import Ledger, LedgerEntry
 
     raw = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     raw["tracking"] = {"database": pg_url}

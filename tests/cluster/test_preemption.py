@@ -17,10 +17,10 @@ from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
-from govray.train.checkpoint import STATE_FILE, checkpoint_step
-from govray.train.ledger import Ledger, recompute_ledger
+from govray.train.checkpoints.files import STATE_FILE, checkpoint_step
+from govray.train.parallel.worker import RouteRows
+from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
-from govray.train.worker import RouteRows
 from tests.cluster.governed_job import finished_run
 from tests.cluster.local_ray import LocalRayCluster
 from tests.cluster.spot_drain import run_reclaimed

@@ -97,7 +97,7 @@ def opened(path: Path) -> tuple[Any, Any, Any, Any, Any]:
     """The experiment at ``path`` loaded, its store opened, its policy checked and its data
     ingested: ``(config, store, checked, experiment, ingested)``."""
     from govray.config.experiment import load_experiment
-    from govray.platform.preflight import check_policy, ingest_experiment
+    from govray.platform.run.preflight import check_policy, ingest_experiment
     from govray.tracking.store import TrackingStore
 
     config = load_experiment(path)

@@ -22,11 +22,11 @@ ROOT, ARCHIVE = Path(sys.argv[1]), Path(sys.argv[2])
 os.environ["GOVRAY_HOME"] = str(ROOT / "home")  # a platform key made for this run alone
 
 from govray.data.schedule import ScheduleSpec, slot  # noqa: E402
-from govray.platform.plan import plan_run  # noqa: E402
+from govray.platform.run.plan import plan_run  # noqa: E402
 from govray.provenance.rows import row_steps  # noqa: E402
-from govray.train.checkpoint import STATE_FILE, find_checkpoints  # noqa: E402
-from govray.train.loop import train_worker  # noqa: E402
-from govray.train.session import LocalSession  # noqa: E402
+from govray.train.checkpoints.files import STATE_FILE, find_checkpoints  # noqa: E402
+from govray.train.run.loop import train_worker  # noqa: E402
+from govray.train.run.session import LocalSession  # noqa: E402
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened  # noqa: E402
 
 STEPS = 20

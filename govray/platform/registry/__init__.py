@@ -1,0 +1,1 @@
+"""The model registry: registering versions, reading them, exporting adapters."""

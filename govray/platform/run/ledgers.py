@@ -1,0 +1,126 @@
+"""A ledger per checkpoint in the tracking store: stored as each checkpoint is recorded, and loaded
+later for checkpoints recorded before that (their verified ``state.json`` holds it).
+
+Lineage, influence and row lookups then answer for every recorded checkpoint, and for a running
+trial as of its latest one. Nothing is stored that was not verified: a checkpoint's ``state.json``
+must match the manifest the store recorded for it (and, given a trust configuration, the manifest
+must carry a trusted platform signature)::
+
+    record = record_checkpoint_ledger(store, trial_id, path, step, layers, trust)  # the recorder
+    store_checkpoint_ledger(store, checkpoint_id, trust)   # one older checkpoint, on first request
+    backfill_ledgers(store, trust, experiment_id)          # `govray experiment backfill-ledgers`
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from govray.core.errors import AttestationError
+from govray.core.keys import TrustConfig
+from govray.provenance.locations import run_spec_of
+from govray.provenance.predicates import routing_of
+from govray.tracking.lineage import (
+    LedgerTuple,
+    checkpoint_ledger_rows,
+    checkpoint_record,
+    checkpoints,
+    record_checkpoint,
+    record_ledger,
+)
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import CheckpointRecord, CheckpointStatus
+from govray.train.checkpoints.files import CheckpointError, recorded_state
+from govray.train.step.ledger import Ledger, LedgerError
+
+Layers = Mapping[str, int | None]  # tensor name → its layer index (None: outside the layers)
+
+
+def ledger_tuples(ledger: Ledger, layers: Layers) -> list[LedgerTuple]:
+    """A ledger as the store's rows: ``(corpus, tensor, layer, examples, tokens, steps)``."""
+    return [
+        (corpus, tensor, layers.get(tensor), entry.examples, entry.tokens, entry.steps)
+        for corpus, tensor, entry in ledger.rows()
+    ]
+
+
+def record_checkpoint_ledger(
+    store: TrackingStore,
+    trial_id: int,
+    path: str,
+    step: int,
+    layers: Layers | None,
+    trust: TrustConfig | None,
+) -> CheckpointRecord:
+    """Record a checkpoint the run just saved, then its ledger from its ``state.json`` (verified).
+    ``layers`` None: read from the run spec the checkpoint holds."""
+    record = record_checkpoint(store, trial_id, path, step)
+    _store(store, record, layers, trust)
+    return record
+
+
+def store_checkpoint_ledger(store: TrackingStore, checkpoint_id: int, trust: TrustConfig | None) -> int:
+    """Store the ledger of a recorded checkpoint whose rows are not stored yet, from its verified
+    ``state.json``; returns how many rows were written (0: they were there). ``CheckpointError``
+    when its files are gone (GC deleted it) or no longer match what the store recorded."""
+    record = checkpoint_record(store, checkpoint_id)
+    if checkpoint_ledger_rows(store, checkpoint_id):
+        return 0
+    if record.state != CheckpointStatus.ACTIVE.value:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_id} (step {record.step} of trial {record.trial_id}) was deleted by GC "
+            "before its ledger was stored; no verified state.json is left to read it from"
+        )
+    return _store(store, record, None, trust)
+
+
+@dataclass(frozen=True)
+class Backfill:
+    """What ``backfill_ledgers`` did: checkpoint ids stored, and those refused (with why)."""
+
+    stored: tuple[int, ...]
+    refused: tuple[tuple[int, str], ...]
+
+
+def backfill_ledgers(
+    store: TrackingStore, trust: TrustConfig | None, experiment_id: int | None = None
+) -> Backfill:
+    """Store the ledger of every active checkpoint (of one experiment, or all) that has none
+    stored; a checkpoint that does not verify is refused and left without one."""
+    experiments = [experiment_id] if experiment_id is not None else [e.id for e in store.list_experiments()]
+    stored: list[int] = []
+    refused: list[tuple[int, str]] = []
+    for experiment in experiments:
+        for trial in store.list_trials(experiment or 0):
+            for record in checkpoints(store, trial.id or 0):
+                if record.state != CheckpointStatus.ACTIVE.value or record.id is None:
+                    continue
+                try:
+                    if store_checkpoint_ledger(store, record.id, trust):
+                        stored.append(record.id)
+                except CheckpointError as error:
+                    refused.append((record.id, str(error)))
+    return Backfill(tuple(stored), tuple(refused))
+
+
+def _store(
+    store: TrackingStore, record: CheckpointRecord, layers: Layers | None, trust: TrustConfig | None
+) -> int:
+    assert record.id is not None
+    directory = Path(record.path)
+    state = recorded_state(directory, record.manifest_digest, trust)
+    try:
+        ledger = Ledger.from_json(state.ledger)
+    except LedgerError as error:
+        raise CheckpointError(f"{directory}: its state.json holds {error}") from None
+    rows = ledger_tuples(ledger, layers if layers is not None else _layers(directory))
+    return record_ledger(store, record.trial_id, rows, checkpoint_id=record.id)
+
+
+def _layers(directory: Path) -> Layers:
+    """Tensor → layer of the run that wrote a checkpoint (none known: every layer index None)."""
+    with contextlib.suppress(AttestationError):
+        return routing_of(run_spec_of(directory)).tensor_layers()
+    return {}

@@ -1,0 +1,1 @@
+"""Checkpoints: their files, manifests, layouts, folders, verified ranged reads and resharding loads."""

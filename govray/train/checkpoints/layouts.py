@@ -1,0 +1,283 @@
+"""Checkpoint layouts, one per parallelism twin (``train.parallel``): who writes a trial's
+checkpoint, what it holds, how it is read back and where a rollback's clean state comes from.
+
+- ``WholeLayout`` (one worker, DDP): rank 0 writes every file — the whole base model, the
+  adapters, the optimizer state — and the clean states a rollback may return to (kept in host
+  memory too), then signs the manifest.
+- ``ShardedLayout`` (FSDP): every rank writes and hashes its own shard files (model, optimizer),
+  rank 0 the rest and one signed manifest over all of them, and every rank raises if any rank
+  failed. No checkpoint holds the whole base model and no rank reads another's shards: a consumer
+  that needs the whole model puts it together from the verified shards, streaming, when it needs
+  it (``train.whole_file``). Clean states are not kept in memory: each checkpoint carries (hard
+  links to) the earlier clean states' files, checked against the signed manifest they came from;
+  each rank verifies and reads only its own.
+
+``TrialRun`` (``train.state``) asks its layout and never tests the strategy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from govray.core.canonical import file_sha256
+from govray.governance.adapter_files import load_adapter
+from govray.train.checkpoints.base_file import link_or_copy
+from govray.train.checkpoints.clean_states import clean_name, load_clean_states, save_clean_state
+from govray.train.checkpoints.files import (
+    OPTIMIZER_META,
+    CheckpointError,
+    LoadedCheckpoint,
+    checkpoint_sharding,
+    load_checkpoint,
+    optimizer_state_from_files,
+    shard_file,
+    sharding_layout,
+    signed_manifest,
+    verify_checkpoint,
+)
+from govray.train.checkpoints.folders import fetch_part, fetch_referenced
+from govray.train.checkpoints.reshard import load_resharded
+from govray.train.parallel.fsdp import load_shards, local_optimizer_state, write_shards
+from govray.train.parallel.worker import agreed
+from govray.train.step.ledger import Ledger
+
+if TYPE_CHECKING:
+    from govray.train.run.state import TrialRun
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A clean state: what a rollback restores. ``WholeLayout`` keeps its weights and
+    optimizer state in host memory; ``ShardedLayout`` does not (``on_storage``): they are the signed
+    checkpoint of its step, carried on by every later checkpoint (``TrialRun``)."""
+
+    step: int
+    weights: dict[str, torch.Tensor]  # GovernedModel.state_dict(): base and adapters
+    optimizer: dict[str, Any]
+    ledger: dict[str, Any]
+    on_storage: bool = False
+
+
+class WholeLayout:
+    """One worker or DDP: rank 0 writes the whole checkpoint; clean states live in host memory."""
+
+    every_rank_writes = False  # (the session: only rank 0 writes, and verifies alone)
+
+    def save(self, run: TrialRun, directory: Path, steps_done: int, seal: Any) -> None:
+        """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them."""
+        seal(None)
+
+    def write_model(self, run: TrialRun, directory: Path) -> dict[str, str] | None:
+        """Rank 0, while sealing: the base model file, or (a frozen base) a reference to the
+        run's base file (``train.base_file``); returns what the manifest refers to."""
+        return run.base.save(run.governed.model, directory)
+
+    def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
+        """Rank 0, while sealing: the earlier clean states (rollback targets survive a resume)."""
+        for step, snapshot in run.control.earlier_snapshots(steps_done):
+            save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What rank 0 stores of its ``optimizer.state_dict()``."""
+        return state
+
+    def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """Verify and read a checkpoint to resume from (refusing a sharded one); a base file it
+        refers to is fetched from object storage first."""
+        fetch_referenced(directory, run.storage)
+        if checkpoint_sharding(directory)[0] is None:  # (unverified: what is loaded is verified)
+            return load_checkpoint(directory, run.spec.trust)
+        agreed(lambda: self._written_by(run, directory), run.governed.worker, CheckpointError)
+        return self._load_other_layout(run, directory)  # FSDP -> DDP: every rank reads its part
+
+    def _written_by(self, run: TrialRun, directory: Path) -> tuple[int | None, int | None]:
+        """The world size a checkpoint is sharded over (None: unsharded) and its HSDP shard group
+        (None: FSDP's one group), read unverified from its state: it only chooses how the
+        checkpoint is read, and what is loaded is verified."""
+        fetch_part(directory, run.storage, run.governed.worker.rank)
+        try:
+            return checkpoint_sharding(directory)
+        except (OSError, ValueError):
+            return own_layout(run)  # unreadable: the verified load refuses it, naming the file
+
+    def _load_other_layout(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
+        the shared files and reads its part of the optimizer state by verified ranges (its
+        weights follow in ``load_weights``); every rank refuses if any did. The run continues
+        its schedule on this world (``train.rounds``)."""
+        governed = run.governed
+        loaded = agreed(
+            lambda: load_resharded(
+                directory,
+                run.spec.trust,
+                governed.worker.rank,
+                governed.model,
+                governed.optimizer,
+                governed.governor.parameters,
+            ),
+            governed.worker,
+            CheckpointError,
+        )
+        earlier = sorted(int(step) for step in loaded.state.clean_ledgers if int(step) != loaded.state.step)
+        if earlier:
+            raise CheckpointError(
+                f"{directory}: carries the clean states of steps {earlier} in its own layout's files: "
+                "a run under another strategy cannot roll back to them (resume it as it was written)"
+            )
+        return loaded
+
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+        """The clean states a resumed run may roll back to, as this layout keeps them."""
+        return {
+            step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+            for step, (weights, optimizer) in load_clean_states(loaded).items()
+        }
+
+    def roll_back(self, run: TrialRun, snapshot: Snapshot) -> None:
+        """Back to a clean state: the copy kept in memory."""
+        run.governed.load_snapshot(snapshot)
+
+
+def own_layout(run: TrialRun) -> tuple[int | None, int | None]:
+    """How this run's checkpoints are sharded: (world size, HSDP shard group), None where not."""
+    return sharding_layout(run.governed.parallel.sharding())
+
+
+def describe_layout(world: int | None, group: int | None) -> str:
+    """A layout in words, for refusals: ``sharded over 4 workers in shard groups of 2``."""
+    if world is None:
+        return "unsharded (one whole file)"
+    return f"sharded over {world} workers" + (f" in shard groups of {group}" if group else "")
+
+
+class ShardedLayout(WholeLayout):
+    """FSDP: every rank writes and reads its own shard files; clean states live in checkpoints."""
+
+    every_rank_writes = True
+
+    def save(self, run: TrialRun, directory: Path, steps_done: int, seal: Any) -> None:
+        digests = self._save_shards(run, directory, steps_done)
+        agreed(lambda: seal(digests), run.governed.worker, CheckpointError)
+
+    def write_model(self, run: TrialRun, directory: Path) -> dict[str, str] | None:
+        """Nothing: every rank wrote its model shard (``save``), the whole model is put together
+        only by a consumer that needs it (``train.whole_file``), and shard files are never
+        referenced (each checkpoint holds its own)."""
+        return None
+
+    def write_clean_states(self, run: TrialRun, directory: Path, steps_done: int) -> None:
+        """The clean states' shared files (the shards are carried by their ranks)."""
+        adapters = [f"adapter-{adapter}.safetensors" for adapter in run.governed.model.adapter_names()]
+        self._carry_clean(run, directory, steps_done, [OPTIMIZER_META, *adapters])
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return local_optimizer_state(state)  # rank 0's shards (every rank writes its own file)
+
+    def load(self, run: TrialRun, directory: Path) -> LoadedCheckpoint:
+        """Each rank verifies and reads what it needs (the shared files, its own shards); every
+        rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP,
+        sharded over another world size or in other HSDP shard groups) is read by verified ranges
+        (``_load_other_layout``)."""
+        worker = run.governed.worker
+        written_by = agreed(lambda: self._written_by(run, directory), worker, CheckpointError)
+        if written_by != own_layout(run):  # another world size or other HSDP shard groups
+            return self._load_other_layout(run, directory)
+        loaded = agreed(
+            lambda: load_checkpoint(directory, run.spec.trust, worker.rank), worker, CheckpointError
+        )
+        verified = sharding_layout(loaded.state.sharding)
+        if verified != written_by:  # (the unverified read chose the layout: it must be the signed one)
+            raise CheckpointError(
+                f"{directory}: its signed state is {describe_layout(*verified)}, "
+                f"not {describe_layout(*written_by)}"
+            )
+        return loaded
+
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+        """The clean states stay on storage: this checkpoint carries them."""
+        return {
+            int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)
+            for step, ledger in loaded.state.clean_ledgers.items()
+        }
+
+    def roll_back(self, run: TrialRun, snapshot: Snapshot) -> None:
+        """Back to a clean state from storage (no copy of it was kept in memory): the last
+        checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
+        reads its own shards, and every rank refuses if one does."""
+        if run.latest is None:
+            raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
+        (folder, step), governed = run.latest, run.governed
+        worker = governed.worker
+
+        def verified() -> None:
+            fetch_part(folder, run.storage, worker.rank)
+            verify_checkpoint(folder, run.spec.trust, worker.rank)
+
+        agreed(verified, worker, CheckpointError)
+
+        def path(name: str) -> Path:
+            return folder / (name if step == snapshot.step else clean_name(snapshot.step, name))
+
+        load_shards(governed.model, path(shard_file("model", worker.rank, worker.world_size)))
+        for adapter in governed.model.adapter_names():
+            load_adapter(governed.model, adapter, path(f"adapter-{adapter}.safetensors"))
+        state = optimizer_state_from_files(
+            load_file(str(path(shard_file("optimizer", worker.rank, worker.world_size)))),
+            json.loads(path(OPTIMIZER_META).read_text()),
+        )
+        governed.load_optimizer_state(state)
+        governed.ledger = Ledger.from_json(snapshot.ledger)
+        governed.take_hyperparameters()
+
+    def _carry_clean(
+        self, run: TrialRun, directory: Path, steps_done: int, names: list[str]
+    ) -> dict[str, str]:
+        """Into a new checkpoint, these files of every earlier clean state, hard-linked (or
+        copied) from the last checkpoint, which holds each (its own, or carried), each checked
+        against that checkpoint's signed manifest (a tampered file is never signed again);
+        returns the copies' sha256 by name."""
+        carried: dict[str, str] = {}
+        earlier = run.control.earlier_snapshots(steps_done)
+        if not earlier:
+            return carried
+        if run.latest is None:
+            raise CheckpointError(f"the clean state of step {earlier[0][0]} is in no checkpoint of this run")
+        source, source_step = run.latest
+        fetch_part(source, run.storage, run.governed.worker.rank)
+        signed = signed_manifest(source, run.spec.trust)[0].files
+        for step, _ in earlier:
+            for name in names:
+                origin = source / (name if step == source_step else clean_name(step, name))
+                target = directory / clean_name(step, name)
+                target.unlink(missing_ok=True)  # (a killed attempt's): never write through a link
+                link_or_copy(origin, target)
+                carried[target.name] = file_sha256(target)
+                if carried[target.name] != signed.get(origin.name):
+                    raise CheckpointError(f"{origin}: sha256 does not match its signed manifest (tampered)")
+        return carried
+
+    def _save_shards(self, run: TrialRun, directory: Path, steps_done: int) -> dict[str, str]:
+        """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
+        gathered (every rank raises if any failed)."""
+        governed, worker = run.governed, run.governed.worker
+
+        def write() -> dict[str, str]:
+            rank, world = worker.rank, worker.world_size
+            written = write_shards(directory, governed.model, governed.optimizer, rank, world)
+            own = [shard_file(kind, rank, world) for kind in ("model", "optimizer")]
+            written |= self._carry_clean(run, directory, steps_done, own)
+            if run.storage is not None and directory.is_relative_to(run.storage.root):
+                run.storage.upload(*(directory / name for name in written))  # before rank 0 seals
+            return written
+
+        written = agreed(write, worker, CheckpointError)
+        gathered: list[Any] = [None] * worker.world_size
+        dist.all_gather_object(gathered, written, group=worker.host_group)
+        return {name: digest for part in gathered for name, digest in part.items()}

@@ -1,0 +1,1 @@
+"""One worker's whole run: the loop, where it runs (the session), its state, its reports."""

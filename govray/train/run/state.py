@@ -1,0 +1,270 @@
+"""A trial's state across its checkpoints: the governed step's weights, optimizer and ledger, the
+controller's decisions and clean states, and where the run came from.
+
+``TrialRun.save`` seals a signed checkpoint of all of it; ``restore`` resumes from one (the same
+run, or a PBT clone continuing its donor); ``start_from`` begins a new run from another's weights
+and ledger (fork, ``--from-checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from govray.core.keys import SigningKey
+from govray.core.storage import open_storage
+from govray.governance.adapter_files import save_adapter
+from govray.governance.memorization import MemorizationReport
+from govray.train.checkpoints.base_file import FrozenBase
+from govray.train.checkpoints.files import (
+    MODEL_FILE,
+    REPORT_FILE,
+    CheckpointError,
+    CheckpointState,
+    load_checkpoint,
+    seal_checkpoint,
+    sharding_layout,
+)
+from govray.train.checkpoints.folders import fetch_referenced
+from govray.train.checkpoints.layouts import Snapshot, describe_layout
+from govray.train.checkpoints.manifest import TrainedUnder, continued_history, continued_lineage
+from govray.train.control.controller import Controller
+from govray.train.control.decisions import GateDecision, RollbackDecision
+from govray.train.parallel.worker import Worker
+from govray.train.reproduce.record import use_deterministic_mode
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.step.governed import GovernedStep
+from govray.train.step.ledger import Ledger
+from govray.train.trial import make_trial
+
+
+class TrialRun:
+    """One worker's whole trial: the governed step, its controller, and the run's provenance."""
+
+    def __init__(self, spec: RunSpec, governed: GovernedStep) -> None:
+        self.spec = spec
+        self.governed = governed
+        self.control: Controller[Snapshot] = Controller(
+            spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
+        )
+        governed.scaling.scaler = self.control.scaler  # fp16's skips are the controller's decisions
+        # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
+        # a rollback returns to (its own state, or the copies it carries of earlier ones).
+        self.latest: tuple[Path, int] | None = None  # (folder, step)
+        self.storage = open_storage(spec.storage) if spec.storage else None
+        self.base = FrozenBase(spec.run_dir, self.storage)  # a frozen base is written once per run
+        self.source: dict[str, Any] = {}  # the checkpoint a fork started from
+        self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
+        self.last_report: MemorizationReport | None = None
+        self.run_name = spec.run_name or Path(spec.run_dir).name
+        self.layout = governed.parallel.layout  # who writes checkpoints, where clean states live
+        # [from_step, workers]: the world sizes the run trained on (summation order follows them).
+        self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
+        # Who trained the state under which hyperparameters (a PBT clone continues its donor's).
+        self.hparams_history = [TrainedUnder(from_step=0, run=self.run_name, hparams=spec.hparams)]
+
+    @classmethod
+    def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
+        """The trial ``spec`` names, built for ``worker`` (in deterministic mode if its settings say so)."""
+        use_deterministic_mode(spec.settings, worker.device)  # before the model is built
+        return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
+
+    @property
+    def cloned_from_run(self) -> str | None:
+        """A PBT clone: the run whose state this one continued."""
+        return self.restored_from_run if self.restored_from_run not in ("", self.run_name) else None
+
+    # -- decisions carried out ---------------------------------------------------------------------
+
+    def rescheduled(self) -> None:
+        self.governed.schedule = self.governed.scheduled(self.control.schedule_events())
+
+    def gate(self, decisions: list[GateDecision]) -> None:
+        self.control.gate(decisions)
+        self.rescheduled()
+
+    def roll_back(self, decision: RollbackDecision) -> None:
+        """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
+        since); the LR settings stay those in force now (a plateau cut is not undone)."""
+        self.layout.roll_back(self, self.control.rollback_snapshot(decision))
+        if self.control.plateau is not None:
+            self.governed.set_lr_scale(self.control.lr_scale)
+        self.rescheduled()
+
+    def act_on_memorization(
+        self, steps_done: int, report: MemorizationReport
+    ) -> list[GateDecision | RollbackDecision]:
+        """The controller's memorization decisions after this validation, carried out: roll back
+        to the clean state, gate the flagged corpora; then the clean state moves on."""
+        self.last_report = report
+        gated = {gate.corpus_id for gate in self.control.gates}
+        made = self.control.after_memorization(steps_done, report)
+        for decision in made:
+            if isinstance(decision, RollbackDecision):
+                self.roll_back(decision)
+        self.gate([d for d in made if isinstance(d, GateDecision)])
+        self.control.settle_clean(steps_done, report, gated, made, self.governed.snapshot)
+        return made
+
+    def keep_clean(self, steps_done: int) -> None:
+        self.control.keep_clean(steps_done, self.governed.snapshot)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint_state(self, steps_done: int) -> CheckpointState:
+        schedule = self.governed.schedule
+        return CheckpointState(
+            step=steps_done,
+            epoch=schedule.locate(steps_done)[0],
+            seed=self.spec.seed,
+            trial_seed=self.spec.trial_seed,
+            schedule=schedule.to_json(),
+            schedule_digest=schedule.digest(),
+            policy_digest=self.spec.policy_digest,
+            config_digest=self.spec.config_digest,
+            ledger=self.governed.ledger.to_json(),
+            adapters=list(self.governed.model.adapter_names()),
+            reproducibility=self.spec.reproducibility,
+            sharding=self.governed.parallel.sharding(),
+            **self.control.state(),
+            clean_ledgers={
+                str(step): snap.ledger for step, snap in self.control.earlier_snapshots(steps_done)
+            },
+            memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
+            source=self.source,
+            run=self.run_name,
+            world_history=self.world_history,
+            hparams_history=self.hparams_history,
+        )
+
+    def save(
+        self, directory: Path, steps_done: int, key: SigningKey | None, report: Mapping[str, Any]
+    ) -> None:
+        """Base and adapter weights, optimizer and governance state, and the ``report`` this
+        checkpoint goes with, signed by the platform key (rank 0's ``key``), as the run's layout
+        writes them (``train.layouts``: under FSDP every rank calls it and writes its shards)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.layout.save(
+            self, directory, steps_done, lambda shards: self._seal(directory, steps_done, key, report, shards)
+        )
+        self.latest = (directory, steps_done)
+
+    def _seal(
+        self,
+        directory: Path,
+        steps_done: int,
+        key: SigningKey | None,
+        report: Mapping[str, Any],
+        shard_digests: Mapping[str, str] | None,
+    ) -> None:
+        """Rank 0 (``key``): everything but the shards, then the signed manifest."""
+        if key is None:
+            return
+        model = self.governed.model
+        referenced = self.layout.write_model(self, directory)
+        for adapter in model.adapter_names():
+            save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
+        self.layout.write_clean_states(self, directory, steps_done)
+        (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
+        (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
+        optimizer = self.layout.optimizer_state(self.governed.optimizer.state_dict())
+        seal_checkpoint(
+            directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests, referenced
+        )
+
+    def _check_schedule(self, directory: Path, state: CheckpointState) -> None:
+        schedule = self.governed.schedule
+        if state.schedule.get("version") != schedule.version:
+            raise CheckpointError(
+                f"{directory}: written on schedule version {state.schedule.get('version')}, this run "
+                f"is on version {schedule.version} (its run spec's schedule_version)"
+            )
+        if state.schedule_digest != schedule.digest():
+            raise CheckpointError(
+                f"{directory}: its schedule inputs differ from this run's (a different run?)"
+            )
+
+    def restore(self, directory: Path) -> int:
+        """Resume from a verified checkpoint (as the run's layout reads it: under FSDP each rank
+        its own part, every rank refusing if any did); returns the steps it had completed."""
+        loaded = self.layout.load(self, directory)
+        self.control.restore(loaded.state)
+        self._continue_world(loaded.state)
+        self.rescheduled()
+        self._check_schedule(directory, loaded.state)
+        governed = self.governed
+        governed.load_weights(directory)
+        self.base.resumed(directory, governed.model)
+        governed.load_optimizer_state(loaded.optimizer_state)
+        governed.take_hyperparameters()
+        governed.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = loaded.state.source
+        self.restored_from_run = loaded.state.run
+        self._continue_lineage(loaded.state)
+        if self.control.plateau is not None and loaded.state.plateau:
+            governed.set_lr_scale(self.control.lr_scale)
+        if loaded.state.memorization:
+            self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
+        self.latest = (directory, loaded.state.step)
+        self.control.snapshots = self.layout.clean_states(loaded)
+        if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
+            self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
+            if loaded.state.step in self.control.snapshots:
+                self._refuse_clean_elsewhere(directory, loaded.state)
+        return loaded.state.step
+
+    def _continue_world(self, state: CheckpointState) -> None:
+        """The checkpoint's schedule continues (its slots per step, whatever this world's size:
+        ``train.rounds``), and this world size joins its history if it changed
+        (:func:`continued_history`)."""
+        slots = int(state.schedule["world_size"])
+        self.governed.resume_slots(slots)
+        history = [(int(step), int(workers)) for step, workers in state.world_history] or [(0, slots)]
+        self.world_history = continued_history(history, state.step, self.governed.worker.world_size)
+
+    def _continue_lineage(self, state: CheckpointState) -> None:
+        """This run and its hyperparameters continue the checkpoint's history from its step (a
+        resume of its own: nothing changes; a PBT clone: its donor's entries, then its own)."""
+        own = state.run in ("", self.run_name)  # (an older checkpoint: its donor's hyperparameters unknown)
+        recorded = state.hparams_history or [
+            TrainedUnder(from_step=0, run=state.run, hparams=self.spec.hparams if own else {})
+        ]
+        entry = TrainedUnder(from_step=state.step, run=self.run_name, hparams=self.spec.hparams)
+        self.hparams_history = continued_lineage(recorded, state.step, entry)
+
+    def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
+        """Under FSDP a clean state is the checkpoint's shard files, carried into every later
+        checkpoint and read back by a rollback, each rank its own: those of another layout (a
+        resume on another world size, in other HSDP shard groups, or from DDP) are not there to carry."""
+        own, written = sharding_layout(self.governed.parallel.sharding()), sharding_layout(state.sharding)
+        if self.layout.every_rank_writes and written != own:
+            raise CheckpointError(
+                f"{directory}: a rollback target (a clean state) {describe_layout(*written)}; "
+                f"this run ({describe_layout(*own)}) keeps its clean states in its own "
+                "shard files: resume it on the world size and strategy that wrote it"
+            )
+
+    def start_from(self, directory: Path) -> None:
+        """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters
+        both runs have) and its ledger — what reached the weights stays on the record. The
+        optimizer starts fresh; the source is kept in every checkpoint of this run."""
+        fetch_referenced(directory, self.storage)
+        loaded = load_checkpoint(directory, self.spec.trust)
+        try:
+            self.governed.load_weights(directory, adapters_present_only=True)
+        except RuntimeError as error:
+            raise CheckpointError(
+                f"{directory / MODEL_FILE} does not fit this trial's model: {error}"
+            ) from None
+        self.governed.ledger = Ledger.from_json(loaded.state.ledger)
+        self.source = {
+            "path": str(directory),
+            "manifest_sha256": loaded.manifest_digest,
+            "signer": loaded.signer,
+            "step": loaded.state.step,
+            "config_digest": loaded.state.config_digest,
+            "policy_digest": loaded.state.policy_digest,
+            **self.spec.start_model,
+        }
