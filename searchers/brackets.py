@@ -4,12 +4,13 @@ Ray: validating an ``adaptive_asha`` section must not."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.tune.schedulers import AsyncHyperBandScheduler
 from ray.tune.schedulers.async_hyperband import _Bracket
 
-from searchers.adaptive_asha import BracketPlan
+if TYPE_CHECKING:  # adaptive_asha imports this module when it plans: no import back at run time
+    from searchers.adaptive_asha import BracketPlan
 
 
 class DeterminedBrackets(AsyncHyperBandScheduler):
