@@ -3,54 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
-from govray.governance.policy import sign_policy
 from govray.tracking.store import TrackingStore
-from jobs.examples.digits.golden import EXAMPLE_CONFIG as EXAMPLE_CONFIG  # tests import it from here
-from jobs.examples.digits.golden import (
-    GOLDEN_HPARAMS,
-    GOLDEN_REPORT_EVERY,
-    GOLDEN_STEPS,
-    copy_example,
-    opened,
-    save_experiment,
-)
-from jobs.examples.digits.golden import golden_example as _golden_example
-from tests.tiers import pytest_fixture_setup as pytest_fixture_setup  # the default tier's time budget
-from tests.tiers import pytest_runtest_makereport as pytest_runtest_makereport
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS, copy_example, save_experiment
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.golden import REMOVED_ADAPTER, GoldenRun, RegisteredPair, golden_run_at
+from tests.helpers.tiers import pytest_fixture_setup as pytest_fixture_setup  # the default tier's time budget
+from tests.helpers.tiers import pytest_runtest_makereport as pytest_runtest_makereport
 
 if TYPE_CHECKING:
-    from tests.cluster.postgres import PostgresServer
-
-REPO = Path(__file__).resolve().parents[1]
-
-BASE_CREDENTIAL: dict[str, Any] = {
-    "license_class": "public-domain",
-    "jurisdiction": "US",
-    "sensitivity": "public",
-    "source_type": "public-dataset",
-    "modality": "tabular",
-    "tdm_opt_out": False,
-    "collection_period": {"start": "2020-01-01", "end": "2020-12-31"},
-}
+    from tests.helpers.postgres import PostgresServer
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +94,7 @@ def _cpus_left_held(timeout: float) -> list[str]:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """A throwaway PostgreSQL server for the cluster tier, installed and started on first use."""
-    from tests.cluster.postgres import postgres_server
+    from tests.helpers.postgres import postgres_server
 
     with postgres_server() as server:
         yield server
@@ -166,56 +137,6 @@ def trust_file(tmp_path: Path, trust: TrustConfig) -> Path:
     return path
 
 
-def write_signed_policy(
-    directory: Path, policy: dict[str, Any], key: SigningKey, name: str = "policy"
-) -> Path:
-    """Write POLICY.yaml and POLICY.yaml.sig (signed by ``key``); return the policy path."""
-    path = directory / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(policy, sort_keys=False))
-    path.with_name(path.name + ".sig").write_text(sign_policy(path, key).to_json())
-    return path
-
-
-def table_rows(count: int, start: int = 0, **extra: list[Any]) -> list[dict[str, Any]]:
-    rows = [{"x": float(i) / 7.0, "y": i % 3, "text": f"row {i}"} for i in range(start, start + count)]
-    for column, values in extra.items():
-        for row, value in zip(rows, values, strict=True):
-            row[column] = value
-    return rows
-
-
-def write_corpus(path: Path, rows: list[dict[str, Any]]) -> Path:
-    """Write ``rows`` as parquet, jsonl or csv according to the file extension."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    else:
-        with open(path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["x"])
-            writer.writeheader()
-            writer.writerows(rows)
-    return path
-
-
-def write_experiment(directory: Path, **overrides: Any) -> Path:
-    """An experiment file in ``directory`` using the digits trial; ``overrides`` replace keys."""
-    config: dict[str, Any] = {
-        "name": "test-experiment",
-        "trial": "jobs.examples.digits.trial:DigitsTrial",
-        "hyperparameters": {"hidden": 16, "dropout": 0.0},
-        "data": {"holdout_fraction": 0.2, "corpora": []},
-        "policy": {"file": "policy.yaml", "trust": "trust.yaml"},
-        "storage_path": "storage",
-        "seed": 1,
-    }
-    config.update(overrides)
-    path = directory / "experiment.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
 @pytest.fixture
 def example_copy(tmp_path: Path) -> Path:
     """A copy of the digits example (data, policy, trust) whose storage lies in ``tmp_path``."""
@@ -227,32 +148,17 @@ def example_copy(tmp_path: Path) -> Path:
 # (built by jobs/examples/digits/golden.py, which the golden digest uses too)
 
 
-@dataclass
-class GoldenRun:
-    config: Any
-    checked: Any
-    shard_root: Path
-    store: Any
-    outcome: Any
-
-
-def _golden_run(path: Path) -> GoldenRun:
-    from govray.platform.run.runner import run_trial
-
-    config, store, checked, experiment, ingested = opened(path)
-    outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY)
-    return GoldenRun(config, checked, ingested.root, store, outcome)
-
-
 @pytest.fixture(scope="session")
 def golden_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _golden_example(tmp_path_factory.mktemp("golden"), workers=2, max_length={"batches": GOLDEN_STEPS})
+    return golden_example_at(
+        tmp_path_factory.mktemp("golden"), workers=2, max_length={"batches": GOLDEN_STEPS}
+    )
 
 
 @pytest.fixture(scope="session")
 def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
     """2 Ray Train workers, 30 governed steps of the digits example, weights every 10 steps."""
-    return _golden_run(golden_example)
+    return golden_run_at(golden_example)
 
 
 @pytest.fixture(scope="session")
@@ -282,7 +188,7 @@ def golden_run_without_writers(golden_run: GoldenRun, golden_replay_without_writ
 def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> GoldenRun:
     """One worker in-process (Train V2 local mode), exactly one epoch, AdamW, default checkpoint GC."""
     hparams = {**GOLDEN_HPARAMS, "optimizer": "adamw", "lr": 0.01}
-    path = _golden_example(
+    path = golden_example_at(
         tmp_path_factory.mktemp("local"),
         workers=1,
         max_length={"epochs": 1},
@@ -290,20 +196,7 @@ def golden_local_epoch(ray_session: None, tmp_path_factory: pytest.TempPathFacto
         keep_checkpoints=None,  # Determined's default GC: the trial's best and latest
         lr_schedule=False,
     )
-    return _golden_run(path)
-
-
-@dataclass(frozen=True)
-class RegisteredPair:
-    """A registered version of the one-epoch golden run and the version made from it by removing
-    its PII adapter: what the tools users already run (model_signing, CycloneDX, MLflow) read."""
-
-    store: Any
-    version: Any  # RegisteredVersion
-    without_adapter: Any  # RegisteredVersion, without adapter REMOVED_ADAPTER
-
-
-REMOVED_ADAPTER = "pii-lora"
+    return golden_run_at(path)
 
 
 @pytest.fixture(scope="session")
@@ -315,78 +208,3 @@ def registered_pair(golden_local_epoch: GoldenRun) -> RegisteredPair:
     final = find_checkpoints(golden_local_epoch.outcome.run_dir)[-1]
     version = register(store, "digits-where-users-look", final, description="one epoch")
     return RegisteredPair(store, version, remove_adapter(store, version.ref, REMOVED_ADAPTER))
-
-
-def edited_trial_elsewhere(directory: Path) -> dict[str, str]:
-    """A working directory away from the project with its own copy of the digits trial, edited
-    after the golden runs (its losses doubled: every weight would change), and the environment
-    of a process started there on this session's Ray: that copy shadows the project's on
-    PYTHONPATH, so only the recorded code snapshot runs the trial as it ran."""
-    import ray
-
-    package = directory / "jobs" / "examples" / "digits"
-    package.mkdir(parents=True)
-    for relative in ("jobs/__init__.py", "jobs/examples/__init__.py", "jobs/examples/digits/__init__.py"):
-        shutil.copyfile(REPO / relative, directory / relative)
-    source = (REPO / "jobs" / "examples" / "digits" / "trial.py").read_text()
-    edited = source.replace("return F.cross_entropy(model(", "return 2.0 * F.cross_entropy(model(")
-    assert edited != source
-    (package / "trial.py").write_text(edited)
-    path = os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))
-    environment = {**os.environ, "PYTHONPATH": path, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    imported = subprocess.run(
-        [sys.executable, "-c", "import jobs.examples.digits.trial as t; print(t.__file__)"],
-        cwd=directory,
-        env=environment,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert imported.stdout.strip() == str(package / "trial.py")  # what a plain import runs there
-    return environment
-
-
-def govray_elsewhere(directory: Path, *args: str) -> str:
-    """``python -m govray ARGS`` run from ``directory`` set up by ``edited_trial_elsewhere``;
-    fails unless it exits 0; returns what it printed."""
-    done = subprocess.run(
-        [sys.executable, "-m", "govray", *args],
-        cwd=directory,
-        env=edited_trial_elsewhere(directory),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-def kill_driver_when(
-    script: str, config: Path | list[str], ready: Callable[[], bool], settle: float = 0.0
-) -> None:
-    """Run ``jobs/SCRIPT --config CONFIG`` (``config`` a list: ``jobs/SCRIPT ARGS``) in its own
-    process on this session's Ray cluster (as ``ray job submit`` would), SIGKILL it once ``ready()``
-    holds (polled every 0.05 s, at most 300 s; ``settle`` seconds later), and wait until it is
-    gone. Fails if it never got ready."""
-    import ray
-
-    environment = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    arguments = config if isinstance(config, list) else ["--config", str(config)]
-    driver = subprocess.Popen(
-        [sys.executable, str(REPO / "jobs" / script), *arguments],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    killed = False
-    while driver.poll() is None and time.monotonic() < deadline:
-        if ready():
-            time.sleep(settle)
-            driver.send_signal(signal.SIGKILL)  # a real kill, no cleanup
-            killed = True
-            break
-        time.sleep(0.05)
-    driver.wait(timeout=60)
-    assert killed, f"jobs/{script} ended or timed out before it was ready to be killed"

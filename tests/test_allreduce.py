@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from govray.governance.allreduce import GradientGovernor, NonFiniteGradientError, governed_allreduce_hook
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
 
 ROUTES = ("a", "b", "c")
 WORLD = 2

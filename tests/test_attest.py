@@ -33,8 +33,9 @@ from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoints.files import CheckpointState
 from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial, resolve_trial_routes
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS
 from jobs.examples.digits.trial import DigitsTrial
-from tests.conftest import GOLDEN_HPARAMS, GOLDEN_STEPS, GoldenRun
+from tests.helpers.golden import GoldenRun
 from tests.test_fault_tolerance import final_checkpoint
 
 

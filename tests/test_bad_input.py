@@ -35,8 +35,9 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, AuditEvent, ModelVersion, RegisteredModel
 from serve.api import request_key
 from serve.app import create_app
-from tests.conftest import REPO, GoldenRun
-from tests.lineage_server import copy_store
+from tests.helpers.builders import REPO
+from tests.helpers.golden import GoldenRun
+from tests.helpers.lineage_server import copy_store
 
 TOKEN = "bad-input-token"
 MODELS = ("digits", "digits-2", "Digits")  # names that differ by a suffix or by case only

@@ -19,7 +19,7 @@ from govray.data.shards import ShardSet
 from govray.platform.registry.versions import RegisteredVersion
 from govray.provenance.eu_summary import eu_summary
 from govray.provenance.locations import run_spec_of
-from tests.conftest import REMOVED_ADAPTER, RegisteredPair
+from tests.helpers.golden import REMOVED_ADAPTER, RegisteredPair
 
 
 def exported(pair: RegisteredPair, version: RegisteredVersion, capsys: pytest.CaptureFixture[str]) -> str:

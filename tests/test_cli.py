@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from govray.cli import main
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 
 def test_keygen_sign_verify_and_a_tampered_policy_exits_5(

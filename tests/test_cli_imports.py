@@ -24,7 +24,8 @@ from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import ModelVersion
 from govray.tracking.versions import insert_version
-from tests.conftest import REPO, GoldenRun
+from tests.helpers.builders import REPO
+from tests.helpers.golden import GoldenRun
 from tests.test_row_lookup import WRITERS, corpus_rows
 
 HEAVY = ("torch", "ray", "pyarrow", "pandas")

@@ -1,6 +1,6 @@
 """Every collective of a governed run is on the run's device, or on the gloo host group for host
 objects — what NCCL requires (it takes CUDA tensors only, even at world size 1): in one persistent
-2-process gloo group, under ``tests.collective_audit.CollectiveAudit``:
+2-process gloo group, under ``tests.helpers.collective_audit.CollectiveAudit``:
 
 - a whole governed run (``train_worker``: stop-flag broadcasts, the comm hook, report sums, the
   validation and memorization probe, signed checkpoints; DDP and FSDP) hands the run's group only
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from govray.config.experiment import ParallelStrategy
-from tests.collective_audit import CollectiveAudit
-from tests.conftest import GoldenRun
-from tests.gloo_group import persistent_group
+from tests.helpers.collective_audit import CollectiveAudit
+from tests.helpers.gloo_group import persistent_group
+from tests.helpers.golden import GoldenRun
 from tests.test_engine import run_spec
 
 WORLD = 2

@@ -16,7 +16,8 @@ from govray.config.searcher import searcher_model
 from govray.config.training import OptimizerConfig, OptimizerName, TrainingSettings
 from govray.core.errors import ConfigError
 from govray.governance.credentials import Credential
-from tests.conftest import BASE_CREDENTIAL, EXAMPLE_CONFIG
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
+from tests.helpers.builders import BASE_CREDENTIAL
 
 
 def test_example_experiment_loads_with_paths_relative_to_the_file() -> None:

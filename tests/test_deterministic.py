@@ -29,7 +29,7 @@ from govray.train.reproduce.record import (
 )
 from govray.train.runspec import RunSpec
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
-from tests.probe_trial import builds
+from tests.helpers.probe_trial import builds
 from tests.test_attest import statement_of
 
 STEPS = 4
@@ -47,7 +47,7 @@ def deterministic_example(root: Path, probes: Path) -> Path:
         max_length={"batches": STEPS},
         hparams={**GOLDEN_HPARAMS, "probe_dir": str(probes)},
         lr_schedule=False,
-        trial="tests.probe_trial:ProbedDigitsTrial",
+        trial="tests.helpers.probe_trial:ProbedDigitsTrial",
         training={"deterministic": True},
     )
 

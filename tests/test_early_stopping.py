@@ -17,13 +17,14 @@ from govray.platform.run.runner import run_trial
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import STATE_FILE, checkpoint_step, find_checkpoints
 from govray.train.step.ledger import recompute_ledger
-from tests.conftest import GOLDEN_HPARAMS, _golden_example
+from jobs.examples.digits.golden import GOLDEN_HPARAMS
+from jobs.examples.digits.golden import golden_example as golden_example_at
 
 
 def test_patience_stops_at_the_deciding_evaluation_and_the_replay_stops_there_too(
     ray_session: None, tmp_path: Path
 ) -> None:
-    path = _golden_example(tmp_path, workers=1, max_length={"batches": 60}, lr_schedule=False)
+    path = golden_example_at(tmp_path, workers=1, max_length={"batches": 60}, lr_schedule=False)
     raw = yaml.safe_load(path.read_text())
     raw["min_validation_period"] = 10
     # Demanding an improvement of 10 in validation loss: the second evaluation (step 20) stops it.

@@ -15,7 +15,7 @@ from govray.config.resources import Resources
 from govray.core.errors import ConfigError
 from govray.platform.rerun.resume import on_workers
 from govray.platform.run.runner import failure_config_for, scaling_config_for
-from tests.conftest import EXAMPLE_CONFIG
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
 
 ELASTIC = {"workers": {"min": 2, "max": 3}, "resize_check_s": 2}
 

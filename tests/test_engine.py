@@ -32,7 +32,8 @@ from govray.train.step.ledger import Ledger, TokensPerRow
 from govray.train.step.scaling import INIT_SCALE
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
-from tests.conftest import GoldenRun, _golden_example, _golden_run
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.golden import GoldenRun, golden_run_at
 from tests.test_ledger import TABLE
 
 ENGINE_STEPS = 12
@@ -49,7 +50,7 @@ class Pair:
 def _pair(
     root: Path, workers: int, training: dict[str, Any], steps: int = ENGINE_STEPS, **overrides: Any
 ) -> Pair:
-    path = _golden_example(
+    path = golden_example_at(
         root,
         workers=workers,
         max_length={"batches": steps},
@@ -58,7 +59,7 @@ def _pair(
         training=training,
         **overrides,
     )
-    original = _golden_run(path)
+    original = golden_run_at(path)
     replay = replay_trial(
         original.store, original.config.name, (ADAPTER_CORPUS,), trial_id=original.outcome.trial_id
     )
@@ -82,7 +83,7 @@ def fp16_accumulation_pair(ray_session: None, tmp_path_factory: pytest.TempPathF
         2,
         {"precision": "fp16", "accumulation_steps": 4},
         steps=FP16_STEPS,
-        trial="tests.overflow_trial:OverflowDigitsTrial",
+        trial="tests.helpers.overflow_trial:OverflowDigitsTrial",
     )
 
 

@@ -32,13 +32,9 @@ from govray.train.checkpoints.files import (
     seal_checkpoint,
     verify_checkpoint,
 )
-from tests.conftest import (
-    GOLDEN_REPORT_EVERY,
-    GOLDEN_STEPS,
-    GoldenRun,
-    govray_elsewhere,
-    kill_driver_when,
-)
+from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS
+from tests.helpers.golden import GoldenRun
+from tests.helpers.processes import govray_elsewhere, kill_driver_when
 from tests.test_store_completeness import _run_killing_a_worker
 
 

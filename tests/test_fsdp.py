@@ -24,9 +24,9 @@ from govray.governance.adapter_files import save_base_tensors
 from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
 from govray.train.checkpoints.whole_file import write_whole_model
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
-from tests.conftest import GoldenRun
-from tests.gloo_group import persistent_group
-from tests.sharded_reference import consolidated
+from tests.helpers.gloo_group import persistent_group
+from tests.helpers.golden import GoldenRun
+from tests.helpers.sharded_reference import consolidated
 from tests.test_engine import run_spec
 
 WORLD = 2

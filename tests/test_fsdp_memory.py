@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from govray.config.experiment import ParallelStrategy
-from tests.conftest import GoldenRun
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
+from tests.helpers.golden import GoldenRun
 from tests.test_engine import run_spec
 from tests.test_fsdp import ADAMW, PUBLIC, whole
 

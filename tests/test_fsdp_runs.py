@@ -34,9 +34,10 @@ from govray.train.checkpoints.files import (
     verify_checkpoint,
 )
 from govray.train.checkpoints.whole_file import whole_model_sha256
-from jobs.examples.digits.golden import GOLDEN_HPARAMS, MEMORIZER
-from tests.conftest import GOLDEN_REPORT_EVERY, GoldenRun, _golden_example, _golden_run
-from tests.sharded_reference import consolidated
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, MEMORIZER
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.golden import GoldenRun, golden_run_at
+from tests.helpers.sharded_reference import consolidated
 from tests.test_memorization_flag import trained
 
 pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier
@@ -55,7 +56,7 @@ class FsdpRuns:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> FsdpRuns:
-    path = _golden_example(
+    path = golden_example_at(
         tmp_path_factory.mktemp("fsdp"),
         workers=2,
         max_length={"batches": STEPS},
@@ -63,7 +64,7 @@ def fsdp_runs(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Fs
         lr_schedule=False,
         resources={"workers": 2, "cpus_per_worker": 1, "strategy": "fsdp"},
     )
-    original = _golden_run(path)
+    original = golden_run_at(path)
     replay = replay_trial(
         original.store, original.config.name, (ADAPTER_CORPUS,), trial_id=original.outcome.trial_id
     )
@@ -142,7 +143,7 @@ def test_a_killed_worker_resumes_from_the_sharded_checkpoint_bit_identically(fsd
     store = fsdp_runs.original.store
     known = {trial.id for trial in store.list_trials(1)}
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(run=_golden_run(fsdp_runs.path)), daemon=True)
+    thread = threading.Thread(target=lambda: result.update(run=golden_run_at(fsdp_runs.path)), daemon=True)
     thread.start()
     killed = None
     deadline = time.monotonic() + 300

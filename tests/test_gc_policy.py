@@ -15,7 +15,7 @@ from govray.core.errors import TrackingError
 from govray.platform.gc import GcPolicy, effective_gc_policy, set_gc_policy
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from tests.conftest import BASE_CREDENTIAL
+from tests.helpers.builders import BASE_CREDENTIAL
 from tests.test_gc import LOSSES, METRIC, STEPS, Run
 
 

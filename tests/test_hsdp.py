@@ -23,8 +23,8 @@ from govray.config.experiment import ExperimentConfig
 from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
 from tests import test_fsdp
-from tests.conftest import GoldenRun
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
+from tests.helpers.golden import GoldenRun
 from tests.test_engine import run_spec
 from tests.test_fsdp import PUBLIC, Task, assert_resumed_exactly, rank_main, weights
 

@@ -23,7 +23,13 @@ from govray.governance.policy import VerifiedPolicy, load_verified_policy
 from govray.platform.run.preflight import check_policy, ingest_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from tests.conftest import BASE_CREDENTIAL, table_rows, write_corpus, write_experiment, write_signed_policy
+from tests.helpers.builders import (
+    BASE_CREDENTIAL,
+    table_rows,
+    write_corpus,
+    write_experiment,
+    write_signed_policy,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

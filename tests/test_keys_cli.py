@@ -12,7 +12,7 @@ import pytest
 from govray.cli import main
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, TrustConfig, load_trust
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 
 def keyid_in(output: str) -> str:

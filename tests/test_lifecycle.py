@@ -29,16 +29,17 @@ from govray.train.parallel.worker import Worker
 from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger, recompute_ledger
-from jobs.examples.digits.golden import opened
-from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_example
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, opened
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.golden import GoldenRun
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
 
 
 def slow_example(root: Path, workers: int) -> Path:
-    path = _golden_example(root, workers=workers, max_length={"batches": GOLDEN_STEPS})
+    path = golden_example_at(root, workers=workers, max_length={"batches": GOLDEN_STEPS})
     raw = yaml.safe_load(path.read_text())
-    raw["trial"] = "tests.slow_trial:SlowDigitsTrial"
+    raw["trial"] = "tests.helpers.slow_trial:SlowDigitsTrial"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from govray.governance.lora import LoraLayer, wrap_target
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

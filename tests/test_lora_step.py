@@ -1,5 +1,5 @@
 """The DDP step of a LoRA job, in a persistent 2-process gloo group on the text corpora with a plain
-GPT-2 trial (tests/plain_gpt2_trial.py: no empty-batch special case):
+GPT-2 trial (tests/helpers/plain_gpt2_trial.py: no empty-batch special case):
 
 - tensors no route may update leave autograd: in a LoRA-only job no base tensor requires grad,
   there is no DDP, and the only bytes all-reduced are the adapters' (one flat fp32 buffer per
@@ -35,7 +35,7 @@ pytest.importorskip("peft")
 
 WORLD = 2
 STEPS = 6
-TRIAL = "tests.plain_gpt2_trial:PlainGPT2Trial"
+TRIAL = "tests.helpers.plain_gpt2_trial:PlainGPT2Trial"
 RECORDS = "text-records"
 ATTENTION = "transformer.h.*.attn.c_attn"
 RULES = {  # the hf_lm example's rules (so its shards' routes), routed as each test needs
@@ -209,7 +209,7 @@ def governed_by(spec: RunSpec, policy: DepthPolicy, **hparams: Any) -> str:
 
 @pytest.fixture(scope="module")
 def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.gloo_group import persistent_group
+    from tests.helpers.gloo_group import persistent_group
 
     with persistent_group(rank_main, tmp_path_factory.mktemp("gloo"), WORLD, timeout=600) as run:
 

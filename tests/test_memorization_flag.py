@@ -34,7 +34,8 @@ from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger, recompute_ledger
 from jobs.examples.digits.golden import MEMORIZER, with_random_labels
-from tests.conftest import _golden_example, write_signed_policy
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.builders import write_signed_policy
 
 
 def trained(
@@ -47,7 +48,7 @@ def trained(
     resources: dict[str, Any] | None = None,
     keep_latest: int = 1000,
 ) -> tuple[TrialOutcome, TrackingStore]:
-    path = _golden_example(
+    path = golden_example_at(
         root,
         workers=1,
         max_length={"batches": steps},

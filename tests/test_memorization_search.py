@@ -41,7 +41,7 @@ from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from jobs.examples.text.make_corpora import small_corpora
 from jobs.examples.text.trial import CharTransformerTrial
-from tests.conftest import write_signed_policy
+from tests.helpers.builders import write_signed_policy
 
 EXPOSURE_FLAG = 4.0  # bits: the policy's exposure threshold
 # The mean exposure of an untrained canary among 1,000 references: log2(1001) - log2(1001!)/1001.

@@ -18,10 +18,10 @@ from govray.platform.registry.versions import envelope_sha256, resolve, version_
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.train.checkpoints.files import find_checkpoints
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
-from jobs.examples.digits.golden import golden_example as _golden_example
-from tests.conftest import GoldenRun, _golden_run
-from tests.lineage_server import free_port
-from tests.mlflow_server import mlflow_server
+from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.golden import GoldenRun, golden_run_at
+from tests.helpers.lineage_server import free_port
+from tests.helpers.mlflow_server import mlflow_server
 
 PREFIX = "mirror-test/"
 
@@ -37,7 +37,7 @@ class Warnings(logging.Handler):
 
 def mirrored_run(root: Path, uri: str) -> GoldenRun:
     """A short governed run (one in-process worker, 20 steps, a checkpoint every 10) mirrored to ``uri``."""
-    path = _golden_example(
+    path = golden_example_at(
         root,
         workers=1,
         max_length={"batches": 20},
@@ -46,7 +46,7 @@ def mirrored_run(root: Path, uri: str) -> GoldenRun:
         name=f"mirrored-{root.name}",
         tracking={"mlflow": {"uri": uri, "experiment_prefix": PREFIX}},
     )
-    return _golden_run(path)
+    return golden_run_at(path)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from govray.cli import main
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, platform_key, save_trust
 from govray.platform.registry.versions import RegisteredVersion, model_signature_of
 from govray.provenance.model_signature import PREDICATE_TYPE, read_bundle, signed_files
-from tests.conftest import RegisteredPair
+from tests.helpers.golden import RegisteredPair
 
 MODEL_SIGNING = [sys.executable, "-m", "model_signing"]
 

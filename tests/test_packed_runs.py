@@ -24,7 +24,7 @@ from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import recompute_ledger
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import opened
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 from tests.test_packing import text_experiment
 from tests.test_reader import routes_updating
 

@@ -31,7 +31,7 @@ from govray.platform.run.preflight import config_digest
 from govray.train.trial import defines_tokenize
 from jobs.examples.digits.trial import DigitsTrial
 from jobs.examples.text.trial import CharTransformerTrial
-from tests.conftest import write_corpus
+from tests.helpers.builders import write_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -16,7 +16,7 @@ from govray.core.errors import PolicyError, SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, compute_keyid, load_trust, save_trust
 from govray.governance.credentials import Credential
 from govray.governance.policy import load_verified_policy, parse_policy
-from tests.conftest import BASE_CREDENTIAL, write_signed_policy
+from tests.helpers.builders import BASE_CREDENTIAL, write_signed_policy
 
 POLICY: dict[str, Any] = {
     "name": "test",

@@ -12,7 +12,7 @@ import torch
 from govray.train.parallel.worker import Worker
 from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 from tests.test_engine import run_spec
 
 

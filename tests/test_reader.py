@@ -25,7 +25,7 @@ from govray.train.parallel.worker import Worker, by_row_hash, lowest_hashes, wit
 from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 
 FILES, ROWS_PER_FILE, ROWS_PER_GROUP = 4, 50, 10
 

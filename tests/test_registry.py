@@ -34,7 +34,7 @@ from govray.tracking.audit import AuditLog
 from govray.tracking.versions import list_models
 from govray.train.checkpoints.files import MODEL_FILE, CheckpointState, find_checkpoints
 from govray.train.step.ledger import Ledger
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 
 MODEL = "digits-local"
 ADAPTER = "pii-lora"

@@ -21,7 +21,8 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind
 from govray.train.reproduce.record import ReproducibilityRecord
 from govray.train.reproduce.snapshots import ReproducibilityError
-from tests.conftest import GoldenRun, govray_elsewhere
+from tests.helpers.golden import GoldenRun
+from tests.helpers.processes import govray_elsewhere
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors")
 

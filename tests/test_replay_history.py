@@ -29,7 +29,9 @@ from govray.train.checkpoints.files import SIGNATURE_FILE, STATE_FILE, Checkpoin
 from govray.train.checkpoints.manifest import TrainedUnder, continued_history, continued_lineage
 from govray.train.control.decisions import GateDecision, LrDecision, PlateauState
 from jobs.benchmarks.elastic_replay import paused
-from tests.conftest import GOLDEN_STEPS, GoldenRun, kill_driver_when
+from jobs.examples.digits.golden import GOLDEN_STEPS
+from tests.helpers.golden import GoldenRun
+from tests.helpers.processes import kill_driver_when
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
 

@@ -30,7 +30,7 @@ from govray.train.reproduce.snapshots import (
     snapshot_trial_code,
     verify_corpus_snapshot,
 )
-from tests.conftest import BASE_CREDENTIAL, REPO, table_rows, write_corpus
+from tests.helpers.builders import BASE_CREDENTIAL, REPO, table_rows, write_corpus
 
 DIGITS_TRIAL = "jobs.examples.digits.trial:DigitsTrial"
 

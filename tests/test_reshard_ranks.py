@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from govray.train.checkpoints.files import shard_file
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
 
 pytestmark = pytest.mark.slow  # three gloo groups (4, 2 and 3 spawned ranks)
 

@@ -23,7 +23,7 @@ from govray.data.ingest import ingest, ingest_key
 from govray.data.rowcode import BLOCK, header
 from govray.data.rowhash import ROW_HASH_VERSION, in_holdout, row_hash, row_hashes
 from govray.data.shards import MANIFEST, ShardSet
-from tests.conftest import write_corpus
+from tests.helpers.builders import write_corpus
 from tests.test_ingest import build, corpus_spec, verified
 
 

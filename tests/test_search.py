@@ -40,10 +40,16 @@ from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession, tune_reports, tune_result
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from jobs.examples.digits.golden import golden_example as golden_example_at
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
-from tests.conftest import GoldenRun, _golden_example, kill_driver_when
-from tests.search_replays import assert_removal_equals_replay, hparams_history, replayed_without_writers
+from tests.helpers.golden import GoldenRun
+from tests.helpers.processes import kill_driver_when
+from tests.helpers.search_replays import (
+    assert_removal_equals_replay,
+    hparams_history,
+    replayed_without_writers,
+)
 
 SEARCH_HPARAMS: dict[str, Any] = {
     "hidden": {"type": "categorical", "vals": [8, 16]},
@@ -62,7 +68,7 @@ def search_example(
     lr_schedule: dict[str, Any] | None = None,
     validation_period: int = 5,
 ) -> Path:
-    path = _golden_example(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
+    path = golden_example_at(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
     raw = yaml.safe_load(path.read_text())
     raw["resources"]["cpus_per_worker"] = cpus_per_worker
     raw["searcher"] = {"metric": "validation_loss", "smaller_is_better": True, **searcher}

@@ -41,8 +41,8 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
 from govray.train.checkpoints.files import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
 from govray.train.reproduce.record import ReproducibilityRecord
-from tests.conftest import write_signed_policy
-from tests.search_replays import (
+from tests.helpers.builders import write_signed_policy
+from tests.helpers.search_replays import (
     ADAPTER_FILE,
     WRITERS,
     assert_removal_equals_replay,

@@ -29,7 +29,7 @@ from govray.platform.search.record import search_path
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import find_checkpoints, model_file
-from tests.search_replays import assert_removal_equals_replay, replayed_without_writers
+from tests.helpers.search_replays import assert_removal_equals_replay, replayed_without_writers
 from tests.test_search import search_example
 
 

@@ -18,7 +18,8 @@ from govray.config.experiment import ExperimentConfig, load_experiment
 from govray.config.searcher import SEARCHER_GROUP, SearcherConfig, installed_searchers, searcher_model
 from govray.core.errors import ConfigError
 from govray.platform.run.preflight import config_digest
-from tests.conftest import EXAMPLE_CONFIG, REPO
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
+from tests.helpers.builders import REPO
 
 SHIPPED = ["adaptive_asha", "asha", "bayesian", "grid", "pbt", "random", "single"]
 

@@ -3,7 +3,7 @@ model on meta, is sharded, and fills its shards from the seed; every tensor of e
 the slice of today's full build bit for bit (the digits model, the hf_lm example's tiny Llama with
 PEFT LoRA layers, a ``from_pretrained`` bf16 Llama), the forward is today's, a trial that cannot
 be built on meta is built whole as before, and a flipped byte in the seed is refused on every rank
-naming the file. Two spawned gloo ranks (``tests/gloo_group.py``): their start-up (~15 s, more on
+naming the file. Two spawned gloo ranks (``tests/helpers/gloo_group.py``): their start-up (~15 s, more on
 a loaded machine) puts the module in the slow tier; in the default tier
 ``tests/test_fsdp.py::test_the_sharded_update_equals_the_ddp_update`` holds the golden trial's
 initial weights under FSDP (meta + seed) equal to DDP's (whole build)."""
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from jobs.examples.digits.trial import DigitsTrial
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
 
 pytestmark = pytest.mark.slow
 

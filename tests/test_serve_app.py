@@ -25,8 +25,8 @@ from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import attestations, checkpoint_ledger_rows, checkpoints, ledger_rows
 from govray.tracking.tables import LedgerRow
 from govray.train.checkpoints.files import STATE_FILE
-from tests.conftest import GoldenRun
-from tests.lineage_server import Served, serve_golden_copy
+from tests.helpers.golden import GoldenRun
+from tests.helpers.lineage_server import Served, serve_golden_copy
 
 TOKEN = "serve-test-token"
 PII = "digits-writers"  # routed to the removable adapter pii-lora by policies/digits.policy.yaml

@@ -32,7 +32,8 @@ from govray.train.checkpoints.files import (
 )
 from govray.train.checkpoints.folders import checkpoint_directories, newest_verified_checkpoint
 from govray.train.run.reports import StepReport
-from tests.conftest import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun, _golden_run
+from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS
+from tests.helpers.golden import GoldenRun, golden_run_at
 
 REPORTED_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))
 
@@ -206,7 +207,7 @@ def _run_killing_a_worker(golden_run: GoldenRun, golden_example: Path, seed: int
     store = golden_run.store
     known = {trial.id for trial in store.list_trials(1)}
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(run=_golden_run(golden_example)), daemon=True)
+    thread = threading.Thread(target=lambda: result.update(run=golden_run_at(golden_example)), daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
     killed = None

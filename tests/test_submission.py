@@ -21,7 +21,7 @@ from govray.platform.submission import (
     plan_submission,
     verify_pins,
 )
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 
 @pytest.fixture

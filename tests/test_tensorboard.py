@@ -11,7 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from govray.tracking.tensorboard import tensorboard_dir
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 
 
 def event_scalars(directory: Path) -> dict[tuple[str, int], float]:

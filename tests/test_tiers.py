@@ -14,8 +14,8 @@ def test_a_marker_less_test_over_the_budget_fails_and_a_slow_marked_one_passes(t
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    cluster: cluster\n")
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
-        "import tests.tiers as tiers\n"
-        "from tests.tiers import pytest_fixture_setup, pytest_runtest_makereport\n"
+        "import tests.helpers.tiers as tiers\n"
+        "from tests.helpers.tiers import pytest_fixture_setup, pytest_runtest_makereport\n"
         "tiers.TEST_BUDGET_S = 0.3\n"
         "tiers.SHARED_BUDGET_S = 0.3\n"
         "@pytest.fixture\n"
@@ -58,8 +58,8 @@ def test_a_marker_less_test_over_the_budget_fails_and_a_slow_marked_one_passes(t
 def test_a_shared_fixture_over_its_budget_fails_the_marker_less_test_that_set_it_up(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
         "import pytest\n"
-        "import tests.tiers as tiers\n"
-        "from tests.tiers import pytest_fixture_setup, pytest_runtest_makereport\n"
+        "import tests.helpers.tiers as tiers\n"
+        "from tests.helpers.tiers import pytest_fixture_setup, pytest_runtest_makereport\n"
         "tiers.SHARED_BUDGET_S = 0.2\n"
         "@pytest.fixture(scope='session')\n"
         "def golden():\n"

@@ -20,7 +20,7 @@ from govray.tracking.database import alembic_config, current_revision, tracking_
 from govray.tracking.lineage import checkpoint_ledger_rows, checkpoints, ledger_rows, record_ledger
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord
-from tests.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_openers, run_writers
+from tests.helpers.concurrent_writers import BIG_COUNT, ledger_of, metric_values, run_openers, run_writers
 
 WRITERS, STEPS = 8, 25
 

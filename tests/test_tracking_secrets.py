@@ -14,7 +14,7 @@ from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError, TrackingError
 from govray.tracking.database import tracking_url
 from govray.tracking.store import TrackingStore
-from tests.conftest import EXAMPLE_CONFIG
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
 
 SECRET = "s3cret-Pa55"
 

@@ -27,7 +27,8 @@ from govray.train.parallel.worker import RouteRows
 from govray.train.step.governed import allowed_route_sets
 from govray.train.step.ledger import recompute_ledger
 from govray.train.trial import load_trial_class
-from tests.conftest import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, GoldenRun
+from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS
+from tests.helpers.golden import GoldenRun
 
 REPORT_STEPS = list(range(GOLDEN_REPORT_EVERY, GOLDEN_STEPS + 1, GOLDEN_REPORT_EVERY))
 

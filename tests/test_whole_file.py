@@ -37,7 +37,7 @@ from govray.train.checkpoints.whole_file import (
 )
 from govray.train.parallel.fsdp import SHARDS_KEY
 from govray.train.step.ledger import Ledger, LedgerEntry
-from tests.sharded_reference import consolidated
+from tests.helpers.sharded_reference import consolidated
 
 
 def sharded_checkpoint(

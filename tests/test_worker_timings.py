@@ -6,7 +6,8 @@ from __future__ import annotations
 from govray.core.logs import log_path
 from govray.tracking.lineage import checkpoints
 from govray.train.run.timings import read_timings
-from tests.conftest import GOLDEN_STEPS, GoldenRun
+from jobs.examples.digits.golden import GOLDEN_STEPS
+from tests.helpers.golden import GoldenRun
 
 
 def test_every_rank_logs_one_timing_per_step_and_rank_0_one_per_checkpoint(golden_run: GoldenRun) -> None:

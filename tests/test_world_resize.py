@@ -36,8 +36,8 @@ from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.platform.rerun.resume import on_workers
 from govray.train.checkpoints.files import shard_file
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
-from tests.conftest import GoldenRun
-from tests.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group
+from tests.helpers.golden import GoldenRun
 from tests.test_engine import run_spec
 from tests.test_fsdp import ADAMW, PUBLIC, whole
 

@@ -2,7 +2,7 @@
 
 The digits example (golden hyperparameters, no validations) on ``resources.workers: {min: 2,
 max: 3}``, one CPU per worker, a signed checkpoint every ``PERIOD`` steps, on a local Ray cluster
-of a head and two more nodes of one CPU each (``tests/cluster/local_ray.py``). Once the run has
+of a head and two more nodes of one CPU each (``tests/helpers/local_ray.py``). Once the run has
 trained half a period past a checkpoint on 3 workers, every process of one worker node (its
 raylet, agents and workers) is SIGKILLed at once, as a reclaimed spot instance vanishes: Ray Train
 restarts the run on the 2 workers left from the newest verified checkpoint. Once that world has
@@ -266,7 +266,7 @@ def drive(experiment: Path) -> None:
 def measure(workdir: Path) -> str:
     """Run the scenario on a fresh local cluster in ``workdir``; print the resize's costs and
     return the last line."""
-    from tests.cluster.local_ray import LocalRayCluster
+    from tests.helpers.local_ray import LocalRayCluster
 
     cluster = LocalRayCluster()
     try:

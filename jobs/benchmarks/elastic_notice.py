@@ -3,7 +3,7 @@
 A 2-worker digits run (hidden 2304, 80 steps, a checkpoint every 50) on a local Ray cluster of a
 head and two nodes; once its workers run, the node of one of them is drained for preemption with
 15 s left (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``) and SIGKILLed at the
-deadline (``tests/cluster/spot_drain.py``). The workers seal a checkpoint at the control-period
+deadline (``tests/helpers/spot_drain.py``). The workers seal a checkpoint at the control-period
 boundary after the notice and train nothing more; Ray Train restarts them on the nodes left.
 
 Run: ``python -m jobs.benchmarks.elastic_notice``. The last line is::
@@ -20,8 +20,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from tests.cluster.local_ray import LocalRayCluster
-from tests.cluster.spot_drain import run_reclaimed
+from tests.helpers.local_ray import LocalRayCluster
+from tests.helpers.spot_drain import run_reclaimed
 
 STEPS, PERIOD, DEADLINE_S = 80, 50, 15
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's postgresql for the cluster tier's tracking-store tests (tests/cluster/postgres.py
+# Installs Debian's postgresql for the cluster tier's tracking-store tests (tests/helpers/postgres.py
 # runs it when no initdb is found). Idempotent: does nothing when PostgreSQL's server binaries are
 # there already. The tests start their own throwaway server; this only installs the binaries.
 # Needs root (or passwordless sudo) and the Debian mirrors; exits non-zero saying why otherwise.

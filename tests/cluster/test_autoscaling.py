@@ -17,8 +17,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import validate_config
 
-from tests.cluster.governed_job import digits_experiment, finished_run
-from tests.cluster.local_ray import LocalRayCluster, RayNodeView
+from tests.helpers.governed_job import digits_experiment, finished_run
+from tests.helpers.local_ray import LocalRayCluster, RayNodeView
 
 pytestmark = pytest.mark.cluster
 

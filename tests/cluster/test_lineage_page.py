@@ -29,8 +29,10 @@ from govray.platform.registry.register import register, remove_adapter
 from govray.platform.registry.versions import RegisteredVersion
 from govray.tracking.lineage import checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
+from jobs.examples.digits.golden import golden_example as golden_example_at
 from tests.cluster.test_job_submit import free_port
-from tests.conftest import REPO, _golden_example, _golden_run
+from tests.helpers.builders import REPO
+from tests.helpers.golden import golden_run_at
 
 pytestmark = pytest.mark.cluster
 
@@ -156,7 +158,7 @@ def governed_model(own_ray: None, tmp_path_factory: pytest.TempPathFactory) -> G
     """One governed digits run (one worker, 20 steps), registered as digits:1; digits:2 is that
     version without the PII adapter (a sealed copy of its files)."""
     root = tmp_path_factory.mktemp("lineage-page")
-    run = _golden_run(_golden_example(root, workers=1, max_length={"batches": 20}, lr_schedule=False))
+    run = golden_run_at(golden_example_at(root, workers=1, max_length={"batches": 20}, lr_schedule=False))
     store = run.store
     final = checkpoints(store, run.outcome.trial_id)[-1]
     assert final.id is not None

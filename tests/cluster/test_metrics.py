@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from govray.tracking.lineage import ledger_rows
-from tests.cluster.governed_job import digits_experiment, finished_run
-from tests.cluster.local_ray import LocalRayCluster, free_port
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
+from tests.helpers.governed_job import digits_experiment, finished_run
+from tests.helpers.local_ray import LocalRayCluster, free_port
 
 pytestmark = pytest.mark.cluster
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.governed_job import MODEL_FILES, digits_experiment, finished_run
-from tests.cluster.local_ray import LocalRayCluster
+from tests.helpers.governed_job import MODEL_FILES, digits_experiment, finished_run
+from tests.helpers.local_ray import LocalRayCluster
 
 pytestmark = pytest.mark.cluster
 

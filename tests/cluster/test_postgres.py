@@ -1,5 +1,5 @@
 """The tracking store on a real PostgreSQL server: Debian's postgresql, installed by the test scripts
-when missing and started as the postgres user in a throwaway directory (tests/cluster/postgres.py).
+when missing and started as the postgres user in a throwaway directory (tests/helpers/postgres.py).
 
 The store-level suites run on it too, through the ``postgresql`` variant of their ``database_url``
 fixture (tests/conftest.py): test_tracking.py, test_tracking_databases.py (8 concurrent writer
@@ -36,8 +36,8 @@ from govray.tracking.lineage import (
 )
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import ModelVersion, RegisteredModel
-from tests.cluster.postgres import PostgresServer
-from tests.conftest import EXAMPLE_CONFIG
+from jobs.examples.digits.golden import EXAMPLE_CONFIG
+from tests.helpers.postgres import PostgresServer
 
 pytestmark = pytest.mark.cluster
 

@@ -21,9 +21,9 @@ from govray.train.checkpoints.files import STATE_FILE, checkpoint_step
 from govray.train.parallel.worker import RouteRows
 from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
-from tests.cluster.governed_job import finished_run
-from tests.cluster.local_ray import LocalRayCluster
-from tests.cluster.spot_drain import run_reclaimed
+from tests.helpers.governed_job import finished_run
+from tests.helpers.local_ray import LocalRayCluster
+from tests.helpers.spot_drain import run_reclaimed
 
 pytestmark = pytest.mark.cluster
 

@@ -25,14 +25,14 @@ from govray.core.storage import StorageError, open_storage
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints
 from govray.tracking.store import TrackingStore
-from tests.cluster.governed_job import (
+from tests.helpers.governed_job import (
     MODEL_FILES,
     digits_experiment,
     finished_run,
     kill_driver_when,
     query_one,
 )
-from tests.cluster.local_ray import LocalRayCluster, free_port
+from tests.helpers.local_ray import LocalRayCluster, free_port
 
 pytestmark = pytest.mark.cluster
 

@@ -20,8 +20,8 @@ import torch
 from govray.core.keys import platform_key, platform_trust
 from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, shard_owner, verify_checkpoint
 from govray.train.checkpoints.whole_file import whole_tensors
-from tests.cluster.governed_job import digits_experiment, finished_run, kill_driver_when, query_one
-from tests.cluster.local_ray import LocalRayCluster
+from tests.helpers.governed_job import digits_experiment, finished_run, kill_driver_when, query_one
+from tests.helpers.local_ray import LocalRayCluster
 
 pytestmark = pytest.mark.cluster
 

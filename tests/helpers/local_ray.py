@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from govray.core.rayhead import processes_naming
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 AUTH = {"RAY_AUTH_MODE": "token"}
 # `ray start --block` on SIGTERM marks its node draining and waits up to 30 s (Ray 2.60's default)

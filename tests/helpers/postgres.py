@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL server for the cluster tier's tracking-store tests.
 
-Debian's postgresql (installed by ``install_postgres.sh`` beside this file when its binaries are
+Debian's postgresql (installed by ``tests/cluster/install_postgres.sh`` when its binaries are
 missing); a fresh cluster in a temporary directory on a free port, run as the ``postgres`` user
 when this process is root (PostgreSQL refuses to run as root), small and without fsync (it holds
 test data only), stopped and removed at the end. Each test gets its own empty database::
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-INSTALLER = Path(__file__).with_name("install_postgres.sh")
+INSTALLER = Path(__file__).parents[1] / "cluster" / "install_postgres.sh"
 # A zone with a 45-minute offset that changes with daylight saving: a timestamp that lost or
 # misread its zone anywhere on the way shows up as a different instant.
 SERVER_TIMEZONE = "Pacific/Chatham"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.builders import REPO
 
 Run = Callable[[Any], dict[int, tuple[str, Any]]]
 

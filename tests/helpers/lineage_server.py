@@ -20,7 +20,7 @@ from govray.config.serve import ServeSettings
 from govray.core.keys import platform_key, platform_trust, save_trust
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
-from tests.conftest import GoldenRun
+from tests.helpers.golden import GoldenRun
 
 
 @dataclass

@@ -22,8 +22,9 @@ from govray.core.logs import log_dir
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoints.files import find_checkpoints
-from tests.cluster.local_ray import LocalRayCluster
-from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
+from jobs.examples.digits.golden import EXAMPLE_CONFIG, GOLDEN_HPARAMS
+from tests.helpers.builders import REPO
+from tests.helpers.local_ray import LocalRayCluster
 
 # The governed step's outputs: what "bit-identical results" compares.
 MODEL_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")

@@ -27,8 +27,9 @@ import yaml
 from ray.core.generated import autoscaler_pb2
 
 from govray.core.rayhead import processes_naming
-from tests.cluster.local_ray import LocalRayCluster, RayNodeProcess, _gcs_client
-from tests.conftest import EXAMPLE_CONFIG, GOLDEN_HPARAMS, REPO
+from jobs.examples.digits.golden import EXAMPLE_CONFIG, GOLDEN_HPARAMS
+from tests.helpers.builders import REPO
+from tests.helpers.local_ray import LocalRayCluster, RayNodeProcess, _gcs_client
 
 PREEMPTION = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
 # Ray Train's controller asks Ray Core for drain notices every 5 s by default: on a fast CPU the
