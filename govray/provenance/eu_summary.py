@@ -45,7 +45,9 @@ from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoints.files import load_checkpoint
+from govray.train.checkpoints.manifest import CheckpointState
 from govray.train.checkpoints.whole_file import base_sha256
+from govray.train.runspec import RunSpec
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",
@@ -217,7 +219,42 @@ def eu_summary(
         _source(summary, rows.get(summary.corpus_id, Counter()), trained, in_model, excluded)
         for summary in shards.manifest.corpora
     ]
-    general = GeneralInformation(
+    general = _general_information(
+        checkpoint,
+        spec,
+        state,
+        corpora,
+        adapters,
+        trial,
+        model=model,
+        version=version,
+        provider=provider,
+        trust=trust,
+    )
+    processing = DataProcessing(
+        tdm_opt_outs=[_opt_out(corpus, updates) for corpus in corpora if corpus.tdm_opt_out],
+        sensitive_data=_sensitive_data(rows, updates, in_model, excluded),
+        excluded_corpora=excluded,
+        memorization=_memorization_checks(state.memorization),
+    )
+    return EuSummary(general=general, sources=_groups(corpora), processing=processing)
+
+
+def _general_information(
+    checkpoint: Path,
+    spec: RunSpec,
+    state: CheckpointState,
+    corpora: list[CorpusSource],
+    adapters: list[str],
+    trial: TrialRecord | None,
+    *,
+    model: str,
+    version: str,
+    provider: str,
+    trust: TrustConfig,
+) -> GeneralInformation:
+    """The model, its checkpoint and policy, the periods of collection and training, the totals."""
+    return GeneralInformation(
         model=model,
         version=version,
         provider=provider,
@@ -246,23 +283,23 @@ def eu_summary(
         holdout_rows=sum(c.holdout_rows for c in corpora),
         examples=sum(c.examples for c in corpora),
     )
-    processing = DataProcessing(
-        tdm_opt_outs=[_opt_out(corpus, updates) for corpus in corpora if corpus.tdm_opt_out],
-        sensitive_data=[
-            SensitiveRoute(
-                sensitivity=sensitivity,
-                corpus_id=corpus_id,
-                route=route,
-                updates=updates[route],
-                rows=count,
-                in_model=in_model[route] and corpus_id not in excluded,
-            )
-            for (sensitivity, corpus_id, route), count in sorted(_sensitive_rows(rows).items())
-        ],
-        excluded_corpora=excluded,
-        memorization=_memorization_checks(state.memorization),
-    )
-    return EuSummary(general=general, sources=_groups(corpora), processing=processing)
+
+
+def _sensitive_data(
+    rows: dict[str, _Rows], updates: dict[str, str], in_model: dict[str, bool], excluded: dict[str, str]
+) -> list[SensitiveRoute]:
+    """Per (sensitivity, corpus, route): the rows and what they updated, and whether it is in the model."""
+    return [
+        SensitiveRoute(
+            sensitivity=sensitivity,
+            corpus_id=corpus_id,
+            route=route,
+            updates=updates[route],
+            rows=count,
+            in_model=in_model[route] and corpus_id not in excluded,
+        )
+        for (sensitivity, corpus_id, route), count in sorted(_sensitive_rows(rows).items())
+    ]
 
 
 _Rows = Counter[tuple[str, str | None]]  # (credential JSON, route; None: held out) → rows

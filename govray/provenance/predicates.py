@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import AttestationError
-from govray.data.shards import ShardSet
+from govray.data.shards import ShardManifest, ShardSet
 from govray.governance.routing import RoutingTable, adapter_of_tensor, layer_label
 from govray.train.checkpoints.files import (
     CheckpointState,
@@ -59,6 +59,63 @@ def provenance(
     """The SLSA Provenance v1 predicate of a checkpoint (or of a model version derived from one)."""
     manifest = ShardSet.open(Path(spec.shard_root)).manifest
     excluded = sorted({*spec.excluded_corpora, *(derivation.excluded_corpora if derivation else ())})
+    matrix = coverage_matrix(Ledger.from_json(state.ledger), routing)
+    return {
+        "buildDefinition": {
+            "buildType": BUILD_TYPE,
+            "externalParameters": _external_parameters(spec, excluded, derivation),
+            "internalParameters": {
+                "step": state.step,
+                "epoch": state.epoch,
+                "schedule_sha256": state.schedule_digest,
+                "shards": manifest.key,
+                "reproducibility": state.reproducibility,
+                # [[from_step, workers], ...]: the world sizes it trained on. Summation order follows
+                # them: a replay that reproduces these weights bit for bit follows the same history.
+                "world_history": world_history(state),
+                # Removal = replay: bit for bit, or within this stated tolerance (GPUs).
+                "replay_equivalence": _replay_equivalence(state.reproducibility),
+                "precision": precision_statement(
+                    spec.settings.precision if spec.settings is not None else None, routing, checkpoint
+                ),
+            },
+            "resolvedDependencies": _dependencies(manifest, excluded, state, derivation),
+        },
+        "runDetails": {
+            "builder": {"id": BUILDER_ID},
+            "metadata": {
+                "invocationId": state.run or checkpoint.resolve().parent.name,
+                "finishedOn": finished_on.isoformat(timespec="seconds").replace("+00:00", "Z"),
+            },
+            "byproducts": [
+                _byproduct("coverage-matrix", matrix),
+                _byproduct("memorization-report", state.memorization),
+                _byproduct("decisions", {"gates": state.gates, "rollbacks": state.rollbacks}),
+            ],
+        },
+    }
+
+
+def _external_parameters(spec: RunSpec, excluded: list[str], derivation: Derivation | None) -> dict[str, Any]:
+    """What the run was asked to do: trial, hyperparameters, seeds, length, exclusions, policy."""
+    return {
+        "trial": spec.trial,
+        "hyperparameters": spec.hparams,
+        "seed": spec.seed,
+        "trial_seed": spec.trial_seed,
+        "max_steps": spec.max_steps,
+        "excluded_corpora": excluded,
+        "removed_adapters": list(derivation.removed_adapters if derivation else ()),
+        "config": {"sha256": spec.config_digest},
+        "policy": {"name": spec.policy.name, "version": spec.policy.version, "sha256": spec.policy_digest},
+    }
+
+
+def _dependencies(
+    manifest: ShardManifest, excluded: list[str], state: CheckpointState, derivation: Derivation | None
+) -> list[dict[str, Any]]:
+    """What the model was built from: every corpus (with its credential and counts), the weights
+    it started from, and for a derived version the source model."""
     dependencies = [
         {
             "name": corpus.corpus_id,
@@ -86,55 +143,7 @@ def provenance(
                 "annotations": {"removed_adapters": list(derivation.removed_adapters)},
             }
         )
-    matrix = coverage_matrix(Ledger.from_json(state.ledger), routing)
-    return {
-        "buildDefinition": {
-            "buildType": BUILD_TYPE,
-            "externalParameters": {
-                "trial": spec.trial,
-                "hyperparameters": spec.hparams,
-                "seed": spec.seed,
-                "trial_seed": spec.trial_seed,
-                "max_steps": spec.max_steps,
-                "excluded_corpora": excluded,
-                "removed_adapters": list(derivation.removed_adapters if derivation else ()),
-                "config": {"sha256": spec.config_digest},
-                "policy": {
-                    "name": spec.policy.name,
-                    "version": spec.policy.version,
-                    "sha256": spec.policy_digest,
-                },
-            },
-            "internalParameters": {
-                "step": state.step,
-                "epoch": state.epoch,
-                "schedule_sha256": state.schedule_digest,
-                "shards": manifest.key,
-                "reproducibility": state.reproducibility,
-                # [[from_step, workers], ...]: the world sizes it trained on. Summation order follows
-                # them: a replay that reproduces these weights bit for bit follows the same history.
-                "world_history": world_history(state),
-                # Removal = replay: bit for bit, or within this stated tolerance (GPUs).
-                "replay_equivalence": _replay_equivalence(state.reproducibility),
-                "precision": precision_statement(
-                    spec.settings.precision if spec.settings is not None else None, routing, checkpoint
-                ),
-            },
-            "resolvedDependencies": dependencies,
-        },
-        "runDetails": {
-            "builder": {"id": BUILDER_ID},
-            "metadata": {
-                "invocationId": state.run or checkpoint.resolve().parent.name,
-                "finishedOn": finished_on.isoformat(timespec="seconds").replace("+00:00", "Z"),
-            },
-            "byproducts": [
-                _byproduct("coverage-matrix", matrix),
-                _byproduct("memorization-report", state.memorization),
-                _byproduct("decisions", {"gates": state.gates, "rollbacks": state.rollbacks}),
-            ],
-        },
-    }
+    return dependencies
 
 
 def world_history(state: CheckpointState) -> list[list[int]]:

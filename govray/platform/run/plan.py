@@ -138,20 +138,15 @@ def plan_run(
     storage = storage if storage is not None else open_storage(config.storage_path)
     start = _verified_start(start_checkpoint, checked.trust)
     values = hparams if hparams is not None else config.default_hparams()
-    canaries = load_canaries(config)
-    if canaries and not defines_sequence_scores(load_trial_class(config.trial)):
-        raise ConfigError(
-            f"corpora {sorted(canaries)} declare canaries, but trial {config.trial} defines no "
-            "sequence_scores(model, texts) to score them"
-        )
     shards = ShardSet.open(shard_root)
-    check_memorization_inputs(checked, shards.manifest, canaries)
+    canaries = _checked_canaries(config, checked, shards)
     settings = config.training.with_hyperparameters(values)
     trial = make_trial(config.trial, values, settings)  # the one build of this sample's trial
     inputs = input_digests(trial)
     packed = packed_store(config, shards, values, trial, inputs)
     policy = checked.policy.policy
     spec = RunSpec(
+        **_from_the_experiment_file(config),
         trial=config.trial,
         hparams=values,
         settings=settings,
@@ -160,9 +155,7 @@ def plan_run(
         routing=resolve_trial_routes(policy, trial),
         shard_root=str(shard_root),
         shards_sha256=file_sha256(shard_root / MANIFEST),
-        eval_rows=config.data.eval_rows,
         input_digests=inputs,
-        seed=config.seed,
         trial_seed=trial_seed,
         packed_root=str(packed.root) if packed is not None else "",
         packed_sha256=file_sha256(packed.root / MANIFEST) if packed is not None else "",
@@ -171,33 +164,56 @@ def plan_run(
         schedule_version=schedule_version,
         report_every=report_every,
         threads=threads if threads is not None else default_threads(config.resources.cpus_per_worker),
-        use_gpu=config.resources.use_gpu,
-        strategy=config.resources.strategy,
-        shard_group=config.resources.shard_group,
-        # An elastic run's steps have its most workers' slots from the start (it may start on fewer);
-        # a fixed-size run's are its world's (0), as before elastic runs existed.
-        slots_per_step=config.resources.max_workers if config.resources.elastic else 0,
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
-        checkpoint_period=config.checkpoint.period,
         platform_key=str(platform_key_path()),
         trust=checked.trust,
-        config_digest=config_digest(config),
         policy_digest=checked.policy.digest,
-        experiment=config.name,
         validation_period=config.min_validation_period or validation_period,
-        lr_schedule=config.lr_schedule,
         recorded_decisions=recorded_decisions,
-        early_stopping=config.early_stopping,
-        storage=config.storage_path if "://" in config.storage_path else "",
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",
         start_model=dict(start_model or {}),
-        objective_metric=config.searcher.metric,
-        smaller_is_better=config.searcher.smaller_is_better,
-        memorization_lambda=config.searcher.memorization_lambda,
         canaries=canaries,
     )
     return RunPlan(config, storage, checked, shard_root, trial, packed, spec, start, code)
+
+
+def _checked_canaries(
+    config: ExperimentConfig, checked: CheckedPolicy, shards: ShardSet
+) -> dict[str, CanaryProbe]:
+    """The experiment's canaries, refused when the trial cannot score them or what memorization
+    monitoring needs is missing from the shards."""
+    canaries = load_canaries(config)
+    if canaries and not defines_sequence_scores(load_trial_class(config.trial)):
+        raise ConfigError(
+            f"corpora {sorted(canaries)} declare canaries, but trial {config.trial} defines no "
+            "sequence_scores(model, texts) to score them"
+        )
+    check_memorization_inputs(checked, shards.manifest, canaries)
+    return canaries
+
+
+def _from_the_experiment_file(config: ExperimentConfig) -> dict[str, Any]:
+    """The run spec's fields that the experiment file gives as it is (whatever the sample)."""
+    return {
+        "eval_rows": config.data.eval_rows,
+        "seed": config.seed,
+        "use_gpu": config.resources.use_gpu,
+        "strategy": config.resources.strategy,
+        "shard_group": config.resources.shard_group,
+        # An elastic run's steps have its most workers' slots from the start (it may start on
+        # fewer); a fixed-size run's are its world's (0).
+        "slots_per_step": config.resources.max_workers if config.resources.elastic else 0,
+        "checkpoint_period": config.checkpoint.period,
+        "config_digest": config_digest(config),
+        "experiment": config.name,
+        "lr_schedule": config.lr_schedule,
+        "early_stopping": config.early_stopping,
+        "storage": config.storage_path if "://" in config.storage_path else "",
+        "objective_metric": config.searcher.metric,
+        "smaller_is_better": config.searcher.smaller_is_better,
+        "memorization_lambda": config.searcher.memorization_lambda,
+    }
 
 
 @dataclass

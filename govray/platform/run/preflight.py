@@ -161,11 +161,6 @@ def ingest_experiment(
         raise
     fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in result.manifest.corpora}
     changes = changed_corpora(store, config.name, fingerprints)
-    messages = [
-        f"corpus '{change.corpus_id}' changed since the previous run of '{config.name}' "
-        f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
-        for change in changes
-    ]
     if strict and changes:
         for change in changes:
             audit.append(
@@ -173,7 +168,7 @@ def ingest_experiment(
                 {"experiment": config.name, **_change(change), "strict": strict},
                 experiment_id=refused_in,
             )
-        reason = f"{'; '.join(messages)}; refused (--strict)"
+        reason = f"{'; '.join(_changed(config.name, change) for change in changes)}; refused (--strict)"
         audit.append(AuditEventType.INGEST_REFUSED, {**refusal, "reason": reason}, experiment_id=refused_in)
         raise IngestError(reason)
     if check is not None:
@@ -186,14 +181,28 @@ def ingest_experiment(
             raise
     experiment = _experiment_for(config, store, checked.policy, fork_of)
     assert experiment.id is not None
-    for change, message in zip(changes, messages, strict=True):
+    for change in changes:
         audit.append(
             AuditEventType.DATA_CHANGED, {**_change(change), "strict": strict}, experiment_id=experiment.id
         )
         if warn is not None:
-            warn(message)
+            warn(_changed(config.name, change))
+    _record_ingest(store, audit, experiment.id, result)
+    return experiment, result
+
+
+def _changed(experiment: str, change: FingerprintChange) -> str:
+    return (
+        f"corpus '{change.corpus_id}' changed since the previous run of '{experiment}' "
+        f"(fingerprint {change.before[:16]}… → {change.after[:16]}…)"
+    )
+
+
+def _record_ingest(store: TrackingStore, audit: AuditLog, experiment_id: int, result: IngestResult) -> None:
+    """The experiment's corpora (credential, counts, routes), its ``ingested`` state, and the
+    ``ingest.completed`` event with every corpus's fingerprint."""
     store.record_corpora(
-        experiment.id,
+        experiment_id,
         [
             {
                 "corpus_id": corpus.corpus_id,
@@ -208,7 +217,7 @@ def ingest_experiment(
             for corpus in result.manifest.corpora
         ],
     )
-    store.set_experiment_state(experiment.id, "ingested")
+    store.set_experiment_state(experiment_id, "ingested")
     audit.append(
         AuditEventType.INGEST_COMPLETED,
         {
@@ -216,9 +225,8 @@ def ingest_experiment(
             "reused": result.reused,
             "fingerprints": {c.corpus_id: c.fingerprint for c in result.manifest.corpora},
         },
-        experiment_id=experiment.id,
+        experiment_id=experiment_id,
     )
-    return experiment, result
 
 
 def _change(change: FingerprintChange) -> dict[str, str]:

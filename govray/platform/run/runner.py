@@ -304,13 +304,22 @@ def train_run(
         events.publish(storage)  # written here
     _close_sink(sink, recorder)
     recorder.settle()
+    return _finished(store, storage, experiment.id, trial_id, run_name, spec)
+
+
+def _finished(
+    store: TrackingStore, storage: Storage, experiment_id: int, trial_id: int, run_name: str, spec: RunSpec
+) -> TrialOutcome:
+    """The outcome of a run its workers ended: stopped short by a request (paused, killed), or
+    completed: its final checkpoint fetched here, attested and uploaded."""
+    max_steps = spec.max_steps
     metrics = {metric.name: metric.value for metric in store.metrics(trial_id)}  # latest value per name
     trial = store.get_trial(trial_id)
     steps_done = trial.last_step or 0
     if steps_done < max_steps and trial.stop_reason != "early_stop":
         stopped = _requested_stop(trial.stop_reason, trial_id, run_name, steps_done, max_steps)
         store.set_trial_state(trial_id, stopped)
-        store.set_experiment_state(experiment.id, stopped.value)
+        store.set_experiment_state(experiment_id, stopped.value)
         return TrialOutcome(
             trial_id, run_name, Path(spec.run_dir), max_steps, metrics, None, stopped.value, steps_done
         )
@@ -323,7 +332,7 @@ def train_run(
     if attested is not None:  # kept next to the checkpoint, in object storage too
         storage.upload(attested.provenance, attested.coverage)
     store.set_trial_state(trial_id, TrialState.COMPLETED)
-    store.set_experiment_state(experiment.id, ExperimentState.COMPLETED)
+    store.set_experiment_state(experiment_id, ExperimentState.COMPLETED)
     return TrialOutcome(
         trial_id, run_name, Path(spec.run_dir), max_steps, metrics, ledger, steps_done=steps_done
     )

@@ -37,7 +37,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from govray.config.experiment import ExperimentConfig
 from govray.config.searcher import SEARCHER_GROUP, TunePlan, installed_searchers
 from govray.core.errors import ConfigError
-from govray.core.storage import open_storage
+from govray.core.storage import Storage, open_storage
 from govray.data.shards import ShardSet
 from govray.platform.mlflow_mirror import mirrored
 from govray.platform.run.plan import RunPlan, plan_run
@@ -57,7 +57,7 @@ from govray.platform.search.trial import (
 )
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialKind
-from govray.train.reproduce.record import build_record
+from govray.train.reproduce.record import ReproducibilityRecord, build_record
 from govray.train.reproduce.snapshots import verify_corpora_unchanged
 
 Strategy = Callable[[ExperimentConfig, int], TunePlan]  # (config, max steps of one trial)
@@ -132,35 +132,18 @@ def search_planned(
     ``planned`` (the default sample's plan) gives the trials' length to the strategy, and the
     storage, checked policy and trust every trial shares. ``progress`` is shown the search's state
     whenever it changes (Tune itself prints nothing)."""
-    from ray.tune import TuneConfig, Tuner
+    from ray.tune import Tuner
 
     assert experiment.id is not None
     config, storage, checked = planned.config, planned.storage, planned.checked
     plan = strategy(config.searcher.name)(config, planned.spec.max_steps)
     path = search_path(storage, config, experiment)
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
-    location = storage.ray_path(path)
-    restoring = Tuner.can_restore(location, storage_filesystem=storage.filesystem)
+    restoring = Tuner.can_restore(storage.ray_path(path), storage_filesystem=storage.filesystem)
     # Every trial of the search imports this code snapshot and trains on these threads, and its
     # row keeps the record before it trains (as a run's does): a replay reruns exactly that. A
     # resumed search goes on with the code and threads it began with, on the same corpus bytes.
-    began = began_record(store, storage, config, experiment) if restoring else None
-    if restoring and began is None:
-        raise SearchError(
-            f"search {path.name} has Ray Tune state but no record of how it began (the audit log's "
-            "search.began): its trials cannot go on as they began; start a new experiment"
-        )
-    if began is not None:
-        check_corpora(began, ShardSet.open(planned.shard_root).manifest)
-    record = build_record(
-        config,
-        storage.root,
-        config_digest=planned.spec.config_digest,
-        threads=began.threads if began is not None else planned.spec.threads,
-        code=began.code if began is not None else None,
-    )
-    if began is None:
-        keep_record(store, storage, config, experiment, record)
+    record = _search_record(planned, experiment, store, restoring, path)
     setup = SearchSetup(
         config_json=config.model_dump_json(),
         checked=checked,
@@ -186,24 +169,7 @@ def search_planned(
         ),
         reproducibility=record.model_dump_json(),
     )
-    if hosts_enabled(config.resources.max_workers, config.resources.use_gpu):
-        # A 1-worker CPU trial trains in a warm trial host; its Tune actor never opens the setup.
-        function = ray.tune.with_parameters(
-            hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=record.code.digest
-        )
-        # Tune restores a search by its trainable's name: one begun in Tune actors resumes hosted.
-        function.__name__ = tune_trial.__name__
-    else:
-        function = ray.tune.with_parameters(tune_trial, setup=setup)
-    trainable = ray.tune.with_resources(
-        function,
-        # An N-worker trial's nested TorchTrainer reserves its workers' CPUs itself (a placement
-        # group); a Tune trial holding any CPU would starve it (0.1 + 2 x 1 CPU > 2 cores), and Tune
-        # refuses an empty request: the Tune trial asks for a little memory instead.
-        {"CPU": config.resources.cpus_per_worker}
-        if config.resources.max_workers == 1
-        else {"memory": TUNE_TRIAL_MEMORY},
-    )
+    trainable = _trainable(config, setup, record)
     callbacks: list[ray.tune.Callback] = [tracking]
     if progress is not None:
         callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))
@@ -215,46 +181,7 @@ def search_planned(
     store.set_experiment_state(experiment.id, "active")
     tracking.guard.begin()
     try:
-        if restoring:
-            tuner = Tuner.restore(
-                location,
-                trainable=trainable,
-                resume_errored=True,
-                param_space=plan.param_space,
-                storage_filesystem=storage.filesystem,
-            )
-            # Tune resumes with the callbacks it pickled when the search began (there is no public
-            # way to pass others): this run's tracking and view take their place.
-            if tuner._local_tuner is not None:
-                tuner._local_tuner.get_run_config().callbacks = callbacks
-        else:
-            tuner = Tuner(
-                trainable,
-                param_space=plan.param_space,
-                tune_config=TuneConfig(
-                    metric="objective",
-                    mode="min" if config.searcher.smaller_is_better else "max",
-                    num_samples=plan.num_samples,
-                    # A sampler given as search_alg holds its own limit (Tune would ignore this one).
-                    max_concurrent_trials=None
-                    if isinstance(plan.search_alg, BasicVariantGenerator)
-                    else plan.max_concurrent_trials,
-                    search_alg=plan.search_alg,
-                    scheduler=plan.scheduler,
-                    # A 1-worker trial trains in the Tune actor or its trial host: a reused one
-                    # saves a start (per-step seeding: nothing of an earlier trial reaches the next).
-                    # An N-worker trial's run is owned by its actor, which must end with it.
-                    reuse_actors=config.resources.max_workers == 1,
-                ),
-                run_config=ray.tune.RunConfig(
-                    name=path.name,
-                    storage_path=storage.ray_path(path.parent),
-                    storage_filesystem=storage.filesystem,
-                    callbacks=callbacks,
-                    stop=ends_trial,
-                    verbose=0,
-                ),
-            )
+        tuner = _tuner(config, plan, trainable, callbacks, storage, path, restoring=restoring)
         with mirrored(store, config.tracking.mlflow, experiment.id):
             try:
                 results = tuner.fit()  # its end releases every group of its runs (the guard)
@@ -266,22 +193,134 @@ def search_planned(
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
         raise
+    return _outcome(store, experiment.id, config, results, plan)
+
+
+def _search_record(
+    planned: RunPlan, experiment: Experiment, store: TrackingStore, restoring: bool, path: Path
+) -> ReproducibilityRecord:
+    """The record every trial of the search keeps: a new search's (kept now, vouched for by the audit
+    log's ``search.began``), or the one a resumed search began with (its corpora unchanged)."""
+    config, storage = planned.config, planned.storage
+    began = began_record(store, storage, config, experiment) if restoring else None
+    if restoring and began is None:
+        raise SearchError(
+            f"search {path.name} has Ray Tune state but no record of how it began (the audit log's "
+            "search.began): its trials cannot go on as they began; start a new experiment"
+        )
+    if began is not None:
+        check_corpora(began, ShardSet.open(planned.shard_root).manifest)
+    record = build_record(
+        config,
+        storage.root,
+        config_digest=planned.spec.config_digest,
+        threads=began.threads if began is not None else planned.spec.threads,
+        code=began.code if began is not None else None,
+    )
+    if began is None:
+        keep_record(store, storage, config, experiment, record)
+    return record
+
+
+def _trainable(config: ExperimentConfig, setup: SearchSetup, record: ReproducibilityRecord) -> Any:
+    """The function each Tune trial runs: in a warm trial host (a 1-worker CPU trial) or in its Tune
+    actor, with the resources its Tune trial holds."""
+    if hosts_enabled(config.resources.max_workers, config.resources.use_gpu):
+        # A 1-worker CPU trial trains in a warm trial host; its Tune actor never opens the setup.
+        function = ray.tune.with_parameters(
+            hosted_trial, setup=[ray.put(setup)], hosts=trial_hosts(), code=record.code.digest
+        )
+        # Tune restores a search by its trainable's name: one begun in Tune actors resumes hosted.
+        function.__name__ = tune_trial.__name__
+    else:
+        function = ray.tune.with_parameters(tune_trial, setup=setup)
+    return ray.tune.with_resources(
+        function,
+        # An N-worker trial's nested TorchTrainer reserves its workers' CPUs itself (a placement
+        # group); a Tune trial holding any CPU would starve it (0.1 + 2 x 1 CPU > 2 cores), and Tune
+        # refuses an empty request: the Tune trial asks for a little memory instead.
+        {"CPU": config.resources.cpus_per_worker}
+        if config.resources.max_workers == 1
+        else {"memory": TUNE_TRIAL_MEMORY},
+    )
+
+
+def _tuner(
+    config: ExperimentConfig,
+    plan: TunePlan,
+    trainable: Any,
+    callbacks: list[ray.tune.Callback],
+    storage: Storage,
+    path: Path,
+    *,
+    restoring: bool,
+) -> Any:
+    """A new search's Tuner, or the interrupted one's restored with this run's callbacks."""
+    from ray.tune import TuneConfig, Tuner
+
+    if restoring:
+        tuner = Tuner.restore(
+            storage.ray_path(path),
+            trainable=trainable,
+            resume_errored=True,
+            param_space=plan.param_space,
+            storage_filesystem=storage.filesystem,
+        )
+        # Tune resumes with the callbacks it pickled when the search began (there is no public
+        # way to pass others): this run's tracking and view take their place.
+        if tuner._local_tuner is not None:
+            tuner._local_tuner.get_run_config().callbacks = callbacks
+    else:
+        tuner = Tuner(
+            trainable,
+            param_space=plan.param_space,
+            tune_config=TuneConfig(
+                metric="objective",
+                mode="min" if config.searcher.smaller_is_better else "max",
+                num_samples=plan.num_samples,
+                # A sampler given as search_alg holds its own limit (Tune would ignore this one).
+                max_concurrent_trials=None
+                if isinstance(plan.search_alg, BasicVariantGenerator)
+                else plan.max_concurrent_trials,
+                search_alg=plan.search_alg,
+                scheduler=plan.scheduler,
+                # A 1-worker trial trains in the Tune actor or its trial host: a reused one
+                # saves a start (per-step seeding: nothing of an earlier trial reaches the next).
+                # An N-worker trial's run is owned by its actor, which must end with it.
+                reuse_actors=config.resources.max_workers == 1,
+            ),
+            run_config=ray.tune.RunConfig(
+                name=path.name,
+                storage_path=storage.ray_path(path.parent),
+                storage_filesystem=storage.filesystem,
+                callbacks=callbacks,
+                stop=ends_trial,
+                verbose=0,
+            ),
+        )
+    return tuner
+
+
+def _outcome(
+    store: TrackingStore, experiment_id: int, config: ExperimentConfig, results: Any, plan: TunePlan
+) -> SearchOutcome:
+    """The finished search's trials and its best one (refused when no trial reported an objective)."""
     trials = [  # (replays of its trials are trials of the experiment too, not of the search)
         t
-        for t in store.list_trials(experiment.id)
+        for t in store.list_trials(experiment_id)
         if t.ray_run_name and t.ray_run_name.startswith(config.name) and t.kind == TrialKind.ORIGINAL
     ]
     best = results.get_best_result(
         metric="objective", mode="min" if config.searcher.smaller_is_better else "max", scope="all"
     )
     if best.metrics is None or "objective" not in best.metrics:
-        store.set_experiment_state(experiment.id, "errored")
+        store.set_experiment_state(experiment_id, "errored")
         raise SearchError(
-            f"search of experiment {experiment.id} finished without any trial reporting an objective"
+            f"search of experiment {experiment_id} finished without any trial reporting an objective"
         )
     best_run = trial_run_name(config, best.metrics["trial_id"])
     best_row = next(t for t in trials if t.ray_run_name == best_run)
-    store.set_experiment_state(experiment.id, "completed")
+    store.set_experiment_state(experiment_id, "completed")
     assert best_row.id is not None
     return SearchOutcome(
         trial_ids=[t.id for t in trials if t.id is not None],

@@ -32,6 +32,7 @@ from govray.core.keys import SigningKey
 from govray.core.logs import WorkerLog
 from govray.core.runtime import ray_node_id
 from govray.core.storage import StorageError, open_storage
+from govray.train.control.preemption import PreemptionNotice
 from govray.train.control.validation import finished_clone_report, run_validation
 from govray.train.parallel.worker import Worker, all_reduce_sums
 from govray.train.reproduce.snapshots import CodeSnapshot, use_recorded_code
@@ -90,26 +91,11 @@ def _train(
         if log is not None:
             log.write(message)
 
-    with timings.part("build"):
-        run = TrialRun.open(spec, worker)
+    run, start, resumed = _opened(spec, worker, session, note, timings)
     governed, control = run.governed, run.control
-    start, resume = 0, session.resume_point()
-    for reason in session.passed_over:
-        note(f"passed over a newer checkpoint that does not verify: {reason}")
-    if resume is not None:
-        with timings.part("restore"):
-            start = run.restore(resume)
-        worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
-        note(f"workers so far: {worlds}")
-        note(f"resumed from a verified checkpoint at step {start}")
-    elif spec.start_checkpoint:
-        run.start_from(Path(spec.start_checkpoint))
-        note(f"starting from checkpoint {spec.start_checkpoint} (its step {run.source['step']})")
-    if resume is None:
-        run.keep_clean(0)  # the starting weights are the first rollback target
     key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
     every_rank_writes = governed.parallel.layout.every_rank_writes
-    if resume is None and every_rank_writes and control.snapshots and spec.platform_key:
+    if not resumed and every_rank_writes and control.snapshots and spec.platform_key:
         # Under FSDP a clean state is a checkpoint, not a copy in memory: the starting one too.
         _deliver(run, StepReport(step=0, epoch=0, metrics={}), key, session, report_it=False)
     node = ray_node_id()
@@ -118,16 +104,7 @@ def _train(
         f"steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
-    if (control.stopped_early or start >= spec.max_steps) and run.cloned_from_run:
-        report = finished_clone_report(run, start)
-        note(
-            f"a clone of {run.restored_from_run}'s finished state at step {start}: nothing left to "
-            f"train; objective={report.metrics['objective']:.6g} (checkpoint)"
-        )
-        _deliver(run, report, key, session)
-        return
-    if control.stopped_early:
-        note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
+    if _nothing_left(run, start, key, session, note):
         return
     loss_sum, examples = torch.zeros((), dtype=torch.float64, device=worker.device), 0
     for step in range(start, spec.max_steps):
@@ -148,11 +125,7 @@ def _train(
         # The boundary: the device is read here, and a non-finite gradient since the last one
         # stops the run before any report, snapshot or checkpoint holds its state.
         governed.governor.check_finite()
-        totals = all_reduce_sums({"loss": float(loss_sum), "examples": float(examples)}, worker)
-        metrics = {
-            "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
-            "examples": float(int(totals["examples"])),
-        }
+        metrics = _training_metrics(loss_sum, examples, worker)
         loss_sum, examples = torch.zeros_like(loss_sum), 0
         flagged = None
         if validate:
@@ -185,14 +158,79 @@ def _train(
             note(f"stopped early after step {done} of {spec.max_steps}")
             return
         if notice is not None:
-            note(
-                f"preemption notice for Ray nodes {notice.nodes} (node: ranks), deadline_ms "
-                f"{notice.deadline_ms}: checkpoint sealed after step {done}; training no further step"
-            )
-            _publish_log(log, spec.storage)  # the node may go before the log is copied again
-            waited = session.await_restart(notice)
-            note(f"no restart after {waited:.0f} s, past the notice's deadline: training on from step {done}")
+            _await_restart(session, notice, done, log, spec.storage, note)
     note(f"completed {spec.max_steps} steps")
+
+
+def _opened(
+    spec: RunSpec, worker: Worker, session: Session, note: Callable[[str], None], timings: WorkerTimings
+) -> tuple[TrialRun, int, bool]:
+    """(the trial's run, the step it starts after, whether it resumed): restored from the session's
+    newest verified checkpoint, or started from the spec's start checkpoint, or from scratch."""
+    with timings.part("build"):
+        run = TrialRun.open(spec, worker)
+    start, resume = 0, session.resume_point()
+    for reason in session.passed_over:
+        note(f"passed over a newer checkpoint that does not verify: {reason}")
+    if resume is not None:
+        with timings.part("restore"):
+            start = run.restore(resume)
+        worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
+        note(f"workers so far: {worlds}")
+        note(f"resumed from a verified checkpoint at step {start}")
+        return run, start, True
+    if spec.start_checkpoint:
+        run.start_from(Path(spec.start_checkpoint))
+        note(f"starting from checkpoint {spec.start_checkpoint} (its step {run.source['step']})")
+    run.keep_clean(0)  # the starting weights are the first rollback target
+    return run, start, False
+
+
+def _nothing_left(
+    run: TrialRun, start: int, key: SigningKey | None, session: Session, note: Callable[[str], None]
+) -> bool:
+    """Whether the run starts where its trial already ended: a PBT clone of a finished (or early
+    stopped) state reports that state's objective; a checkpoint after the early stop trains nothing."""
+    if (run.control.stopped_early or start >= run.spec.max_steps) and run.cloned_from_run:
+        report = finished_clone_report(run, start)
+        note(
+            f"a clone of {run.restored_from_run}'s finished state at step {start}: nothing left to "
+            f"train; objective={report.metrics['objective']:.6g} (checkpoint)"
+        )
+        _deliver(run, report, key, session)
+        return True
+    if run.control.stopped_early:
+        note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
+        return True
+    return False
+
+
+def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Worker) -> dict[str, float]:
+    """The mean training loss over every rank's examples since the last boundary, and their count."""
+    totals = all_reduce_sums({"loss": float(loss_sum), "examples": float(examples)}, worker)
+    return {
+        "training_loss": totals["loss"] / totals["examples"] if totals["examples"] else float("nan"),
+        "examples": float(int(totals["examples"])),
+    }
+
+
+def _await_restart(
+    session: Session,
+    notice: PreemptionNotice,
+    done: int,
+    log: WorkerLog | None,
+    storage: str,
+    note: Callable[[str], None],
+) -> None:
+    """After a preemption notice's checkpoint: wait for Ray Train to restart the group; past the
+    notice's deadline with no restart, train on."""
+    note(
+        f"preemption notice for Ray nodes {notice.nodes} (node: ranks), deadline_ms "
+        f"{notice.deadline_ms}: checkpoint sealed after step {done}; training no further step"
+    )
+    _publish_log(log, storage)  # the node may go before the log is copied again
+    waited = session.await_restart(notice)
+    note(f"no restart after {waited:.0f} s, past the notice's deadline: training on from step {done}")
 
 
 def _deliver(
