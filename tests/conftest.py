@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust, save_trust
 from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS, copy_example, save_experiment
 from jobs.examples.digits.golden import golden_example as golden_example_at
@@ -159,6 +159,20 @@ def golden_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
     """2 Ray Train workers, 30 governed steps of the digits example, weights every 10 steps."""
     return golden_run_at(golden_example)
+
+
+@pytest.fixture(scope="module")
+def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The golden run's spec, signing its checkpoints with a key of the test module's own (a module
+    that trains from it in a gloo group and reads the checkpoints back: FSDP's, HSDP's)."""
+    from tests.helpers.engine import run_spec  # imports torch: only for the modules that ask
+
+    root = tmp_path_factory.mktemp("fsdp-checkpoints")
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    private, _ = key.save(root / "platform")
+    return run_spec(golden_run).model_copy(
+        update={"platform_key": str(private), "trust": platform_trust(key), "run_dir": str(root / "run")}
+    )
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from searchers.adaptive_asha import (
     mode_brackets,
 )
 from searchers.brackets import DeterminedBrackets
-from tests.test_search import assert_recorded, plan_of, searched
+from tests.helpers.search import assert_recorded, plan_of, searched
 
 
 def searcher(**fields: Any) -> AdaptiveAshaSearcher:

@@ -35,19 +35,14 @@ from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS
 from jobs.examples.digits.trial import DigitsTrial
-from tests.helpers.golden import GoldenRun
-from tests.test_fault_tolerance import final_checkpoint
+from tests.helpers.attest import statement_of
+from tests.helpers.golden import GoldenRun, final_checkpoint
 
 
 @pytest.fixture(scope="module")
 def attested(golden_run: GoldenRun) -> tuple[Path, Attestation]:
     checkpoint = final_checkpoint(golden_run.outcome.run_dir)
     return checkpoint, attest_checkpoint(checkpoint)
-
-
-def statement_of(path: Path) -> dict[str, Any]:
-    envelope = json.loads(path.read_text())
-    return json.loads(base64.b64decode(envelope["payload"]))
 
 
 def test_securesystemslib_verifies_both_envelopes_by_key_id(attested: tuple[Path, Attestation]) -> None:

@@ -8,9 +8,6 @@ Each case runs in a fresh interpreter, since the test process itself has importe
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +23,8 @@ from govray.tracking.tables import ModelVersion
 from govray.tracking.versions import insert_version
 from tests.helpers.builders import REPO
 from tests.helpers.golden import GoldenRun
-from tests.test_row_lookup import WRITERS, corpus_rows
+from tests.helpers.processes import python
+from tests.helpers.rows import WRITERS, corpus_rows
 
 HEAVY = ("torch", "ray", "pyarrow", "pandas")
 
@@ -60,21 +58,6 @@ def walk(command, path, context):
 root = typer.main.get_group(app)
 print(json.dumps(walk(root, [], root.make_context("govray", ["--help"], resilient_parsing=True))))
 """
-
-
-def python(*args: str) -> str:
-    """Run ``python ARGS`` on this checkout's govray in a fresh interpreter; its stdout."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def probe(*argvs: list[str]) -> list[dict[str, object]]:

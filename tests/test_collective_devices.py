@@ -23,9 +23,9 @@ import torch
 
 from govray.config.experiment import ParallelStrategy
 from tests.helpers.collective_audit import CollectiveAudit
+from tests.helpers.engine import run_spec
 from tests.helpers.gloo_group import persistent_group
 from tests.helpers.golden import GoldenRun
-from tests.test_engine import run_spec
 
 WORLD = 2
 STEPS = 10

@@ -29,8 +29,8 @@ from govray.train.reproduce.record import (
 )
 from govray.train.runspec import RunSpec
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
+from tests.helpers.attest import statement_of
 from tests.helpers.probe_trial import builds
-from tests.test_attest import statement_of
 
 STEPS = 4
 

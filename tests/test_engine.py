@@ -26,15 +26,15 @@ from govray.platform.rerun.replay import Replay, recorded_decisions, replay_tria
 from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
 from govray.train.control.decisions import LossScaleSkip
 from govray.train.parallel.worker import Worker
-from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger, TokensPerRow
 from govray.train.step.scaling import INIT_SCALE
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun, golden_run_at
-from tests.test_ledger import TABLE
+from tests.helpers.routing import TABLE
 
 ENGINE_STEPS = 12
 FP16_STEPS = 18
@@ -184,10 +184,6 @@ class HostReads(TorchFunctionMode):
         if self.optimizer is None:
             return False
         return any(state.get("step") is tensor for state in self.optimizer.state.values())
-
-
-def run_spec(run: GoldenRun) -> RunSpec:
-    return RunSpec.model_validate_json((find_checkpoints(run.outcome.run_dir)[-1] / "run.json").read_text())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

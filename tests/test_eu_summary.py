@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import GoldenRun
 
 from govray.cli import main
 from govray.cli.export import to_markdown
@@ -19,6 +18,7 @@ from govray.tracking.lineage import ledger_rows
 from govray.tracking.tables import CorpusRecord
 from govray.train.checkpoints.files import STATE_FILE, CheckpointState, find_checkpoints
 from govray.train.step.ledger import Ledger
+from tests.helpers.golden import GoldenRun
 
 WRITERS = "digits-writers"  # PII, TDM opt-out, routed to the removable adapter pii-lora
 

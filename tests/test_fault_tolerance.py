@@ -25,7 +25,6 @@ from govray.train.checkpoints.files import (
     STATE_FILE,
     CheckpointError,
     CheckpointState,
-    checkpoint_step,
     find_checkpoints,
     load_checkpoint,
     recorded_state,
@@ -33,15 +32,9 @@ from govray.train.checkpoints.files import (
     verify_checkpoint,
 )
 from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS
-from tests.helpers.golden import GoldenRun
+from tests.helpers.golden import GoldenRun, final_checkpoint
+from tests.helpers.killed_run import run_killing_a_worker
 from tests.helpers.processes import govray_elsewhere, kill_driver_when
-from tests.test_store_completeness import _run_killing_a_worker
-
-
-def final_checkpoint(run_dir: Path) -> Path:
-    found = find_checkpoints(run_dir)
-    assert found and checkpoint_step(found[-1]) == GOLDEN_STEPS
-    return found[-1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def killed_run(golden_run: GoldenRun, golden_example: Path) -> GoldenRun:
     checkpoint (step 10) verifies on storage: Ray Train restarts the worker group, which resumes.
     (Waiting for the driver to record it, up to Ray Train's 2-s report poll later, let the 30-step
     run end first once steps got faster.)"""
-    run, _ = _run_killing_a_worker(golden_run, golden_example, seed=0)
+    run, _ = run_killing_a_worker(golden_run, golden_example, seed=0)
     return run
 
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from govray.config.experiment import ParallelStrategy
+from tests.helpers.engine import run_spec
+from tests.helpers.fsdp import ADAMW, PUBLIC, whole
 from tests.helpers.gloo_group import persistent_group
 from tests.helpers.golden import GoldenRun
-from tests.test_engine import run_spec
-from tests.test_fsdp import ADAMW, PUBLIC, whole
 
 WORLD = 2
 STEPS = 4

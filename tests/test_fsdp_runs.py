@@ -37,8 +37,8 @@ from govray.train.checkpoints.whole_file import whole_model_sha256
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, MEMORIZER
 from jobs.examples.digits.golden import golden_example as golden_example_at
 from tests.helpers.golden import GoldenRun, golden_run_at
+from tests.helpers.memorization import trained
 from tests.helpers.sharded_reference import consolidated
-from tests.test_memorization_flag import trained
 
 pytestmark = pytest.mark.cluster  # 3 whole 2-worker runs (~3 min): the second tier
 

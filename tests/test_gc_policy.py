@@ -15,31 +15,11 @@ from govray.core.errors import TrackingError
 from govray.platform.gc import GcPolicy, effective_gc_policy, set_gc_policy
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
-from tests.helpers.builders import BASE_CREDENTIAL
-from tests.test_gc import LOSSES, METRIC, STEPS, Run
-
-
-def experiment_config(**overrides: Any) -> ExperimentConfig:
-    """A valid experiment config; ``overrides`` replace top-level keys."""
-    raw: dict[str, Any] = {
-        "name": "gc-policy",
-        "trial": "jobs.examples.digits.trial:DigitsTrial",
-        "data": {
-            "corpora": [{"id": "digits-public", "path": "/data/public.jsonl", "credential": BASE_CREDENTIAL}]
-        },
-        "policy": {"file": "/policies/digits.policy.yaml"},
-        **overrides,
-    }
-    return ExperimentConfig.model_validate(raw)
-
-
-def single(**fields: Any) -> dict[str, Any]:
-    """A single-trial searcher section."""
-    return {"name": "single", **fields}
+from tests.helpers.gc import LOSSES, METRIC, STEPS, Run, experiment_config, single
 
 
 def configured_run(store: TrackingStore, root: Path, config: ExperimentConfig) -> Run:
-    """Trials a and b with test_gc's LOSSES, in an experiment recorded with ``config``."""
+    """Trials a and b with tests.helpers.gc's LOSSES, in an experiment recorded with ``config``."""
     experiment = store.create_experiment(config.name, config.model_dump_json(), "digest", str(root))
     assert experiment.id is not None
     run = Run(store, experiment.id, {}, {}, root)

@@ -30,8 +30,8 @@ from govray.provenance.locations import run_spec_of
 from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
 from jobs.gpu_check import gpu_experiment
+from tests.helpers.attest import statement_of
 from tests.helpers.gloo_group import persistent_group
-from tests.test_attest import statement_of
 
 REPO = Path(__file__).resolve().parents[1]
 HF_EXAMPLE = REPO / "jobs" / "examples" / "hf_lm" / "experiment.yaml"

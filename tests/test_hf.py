@@ -21,6 +21,7 @@ from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.decoder import decoder_layers
 from govray.train.hf import CausalLMTrial
+from tests.helpers.lm import make_nonzero, policy
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -66,25 +67,6 @@ def built(config: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
-def policy(targets: list[str], *extra: str) -> DepthPolicy:
-    adapters = {name: {"targets": targets, "rank": 4, "alpha": 8} for name in ("pii-lora", *extra)}
-    return DepthPolicy.model_validate(
-        {
-            "name": "hf",
-            "version": 1,
-            "adapters": adapters,
-            "rules": [
-                {"name": "public", "match": {"license_class": "permissive"}, "route": "all"},
-                {"name": "licensed", "match": {"license_class": "licensed"}, "route": {"depth": {"min": -3}}},
-                *(
-                    {"name": f"r-{name}", "match": {"corpus_id": name}, "route": {"adapter": name}}
-                    for name in adapters
-                ),
-            ],
-        }
-    )
-
-
 def governed(case: str, *extra: str, seed: int = 7, base_seed: int = 0) -> GovernedModel:
     config, targets = CASES[case]
     base = built(config, base_seed)
@@ -100,13 +82,6 @@ def logits(model: torch.nn.Module, config: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         out: torch.Tensor = model(input_ids=batch(config)["ids"], use_cache=False).logits
     return out
-
-
-def make_nonzero(model: GovernedModel, adapter: str = "pii-lora") -> None:
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for parameter in model.adapter_parameters(adapter):
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
 
 
 # -- layers ---------------------------------------------------------------------------------------

@@ -22,16 +22,14 @@ import yaml
 from govray.config.experiment import ExperimentConfig
 from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
-from tests import test_fsdp
+from tests.helpers.engine import run_spec
+from tests.helpers.fsdp import PUBLIC, Task, assert_resumed_exactly, rank_main, weights
 from tests.helpers.gloo_group import persistent_group
 from tests.helpers.golden import GoldenRun
-from tests.test_engine import run_spec
-from tests.test_fsdp import PUBLIC, Task, assert_resumed_exactly, rank_main, weights
 
 WORLD = 4
 SHARD_GROUP = 2
 ADAPTER_CORPUS = "digits-writers"  # trains the PII adapter only
-signing_spec = test_fsdp.signing_spec  # the golden spec signing with a key of its own (a fixture)
 
 
 @pytest.fixture(scope="module")

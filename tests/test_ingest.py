@@ -15,11 +15,10 @@ import sqlalchemy as sa
 
 from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError, CredentialError, GovrayError, IngestError, PolicyError
-from govray.core.keys import SigningKey, load_trust
+from govray.core.keys import SigningKey
 from govray.data.ingest import HOLDOUT, ingest
 from govray.data.rowhash import row_hash
 from govray.data.shards import ShardSet
-from govray.governance.policy import VerifiedPolicy, load_verified_policy
 from govray.platform.run.preflight import check_policy, ingest_experiment
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
@@ -27,42 +26,10 @@ from tests.helpers.builders import (
     BASE_CREDENTIAL,
     table_rows,
     write_corpus,
-    write_experiment,
-    write_signed_policy,
 )
+from tests.helpers.ingest import LICENSES, build, corpus_spec, verified
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-POLICY: dict[str, Any] = {
-    "name": "ingest-test",
-    "version": 1,
-    "adapters": {"pii-lora": {"targets": ["hidden"]}},
-    "rules": [
-        {"name": "public", "match": {"license_class": "public-domain"}, "route": "all"},
-        {"name": "licensed", "match": {"license_class": "licensed"}, "route": {"depth": {"min": -1}}},
-        {"name": "pii", "match": {"sensitivity": "pii"}, "route": {"adapter": "pii-lora"}},
-    ],
-}
-LICENSES = ["public-domain", "licensed", "proprietary"]
-
-
-def corpus_spec(corpus_id: str, path: str, **extra: Any) -> dict[str, Any]:
-    return {"id": corpus_id, "path": path, "credential": dict(BASE_CREDENTIAL), **extra}
-
-
-def build(
-    tmp_path: Path, key: SigningKey, trust_file: Path, corpora: list[dict[str, Any]], **overrides: Any
-) -> Path:
-    write_signed_policy(tmp_path, POLICY, key)
-    return write_experiment(tmp_path, data={"holdout_fraction": 0.25, "corpora": corpora}, **overrides)
-
-
-def verified(config_path: Path) -> tuple[Any, VerifiedPolicy]:
-    config = load_experiment(config_path)
-    assert config.policy.trust is not None
-    return config, load_verified_policy(
-        config.policy.file, config.policy.signature_path, load_trust(config.policy.trust)
-    )
 
 
 @pytest.fixture

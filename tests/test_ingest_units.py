@@ -24,7 +24,7 @@ from govray.data.ingest import IngestResult, ingest
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.data.units import ROW_GROUP_ROWS, ROWS_PER_UNIT, unit_pieces
 from tests.helpers.builders import table_rows, write_corpus
-from tests.test_ingest import LICENSES, build, corpus_spec, verified
+from tests.helpers.ingest import LICENSES, build, corpus_spec, verified
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -328,6 +328,72 @@ def test_code_and_tests_cite_only_documents_in_the_repository() -> None:
     assert missing == []
 
 
+# The tests' own layering: a test module imports no other test module (nor a conftest); what several
+# share lives in tests/helpers/, their shared fixtures in tests/conftest.py (found without an import).
+TEST_TREE_IMPORTERS = ("tests", "jobs")  # jobs/ borrows from tests/helpers/ too (benchmarks)
+
+
+def outside_helpers(module: str) -> bool:
+    """Whether ``module`` is of the test tree but not of tests/helpers/: a test module
+    (``tests.test_x``, ``tests.cluster.test_x``), a conftest (``tests.conftest``, or ``conftest``
+    as pytest puts it on the path), the cluster package. ``tests`` itself is only the namespace."""
+    parts = module.split(".")
+    if parts[0] == "conftest":
+        return True
+    return parts[0] == "tests" and len(parts) > 1 and parts[1] != "helpers"
+
+
+def imported_test_modules(path: Path, root: Path = REPO) -> list[str]:
+    """The modules of the test tree outside tests/helpers/ that ``path`` imports: at the top or
+    inside a function, relatively, or by name through importlib (``from tests import test_fsdp``
+    imports the module tests.test_fsdp)."""
+    package = list(path.relative_to(root).parent.parts)
+    found = dynamic_imports(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append(module)
+            if not outside_helpers(module):
+                found.extend(f"{module}.{alias.name}" for alias in node.names)
+    return [module for module in found if outside_helpers(module)]
+
+
+def test_no_test_module_imports_another_only_tests_helpers() -> None:
+    """No file under tests/ (test modules, conftest, helpers) or jobs/ imports a test module or a
+    conftest; and no helper module is named like a test module (pytest would collect it)."""
+    violations = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for top in TEST_TREE_IMPORTERS
+        for path in sorted((REPO / top).rglob("*.py"))
+        for module in imported_test_modules(path)
+    ]
+    assert violations == [], "move what they share to tests/helpers/ (shared fixtures: tests/conftest.py)"
+    named_as_tests = sorted(path.name for path in (REPO / "tests" / "helpers").rglob("test_*.py"))
+    assert named_as_tests == [], "a helper module is no test module: name it for what it holds"
+
+
+def test_an_import_of_a_test_module_is_seen_wherever_it_is(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "cluster").mkdir(parents=True)
+    module = tmp_path / "tests" / "cluster" / "test_x.py"
+    module.write_text(
+        "import importlib\nfrom tests.helpers.golden import GoldenRun\nfrom tests import helpers, test_fsdp\n"
+        "def f():\n    import tests.cluster.test_job_submit\n    from conftest import GoldenRun\n"
+        "    from .test_elastic import rank_main\n    from tests.conftest import golden_run\n"
+        "    importlib.import_module('tests.test_engine')\n    from tests.helpers import golden\n"
+    )
+    assert sorted(imported_test_modules(module, root=tmp_path)) == [
+        "conftest",
+        "tests.cluster.test_elastic",
+        "tests.cluster.test_job_submit",
+        "tests.conftest",
+        "tests.test_engine",
+        "tests.test_fsdp",
+    ]
+
+
 MODULE_LINE_LIMIT = 450  # the house limit; ~400 is the aim (ARCHITECTURE.md, "Layers")
 
 

@@ -5,45 +5,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from govray.cli.ledger_table import format_ledger
 from govray.data.schedule import RouteLayout, ScheduleEvent, ScheduleSpec
 from govray.data.slots import step_slots
-from govray.governance.policy import DepthPolicy
-from govray.governance.routing import RoutingTable, resolve_routes
+from govray.governance.routing import RoutingTable
 from govray.train.step.ledger import Ledger, LedgerEntry, LedgerError, recompute_ledger
+from tests.helpers.routing import TABLE, routing
 
 BASE = ("l0.weight", "l0.bias", "l1.weight", "l1.bias", "l2.weight", "l2.bias")
 ADAPTER = ("adapter/a/l1.lora_A", "adapter/a/l1.lora_B")
 
 
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l0, self.l1, self.l2 = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(self.l1(self.l0(x)))
-
-
-def routing(**routes: Any) -> RoutingTable:
-    policy = DepthPolicy.model_validate(
-        {
-            "name": "p",
-            "version": 1,
-            "adapters": {"a": {"targets": ["l1"]}},
-            "rules": [{"name": name, "route": route} for name, route in routes.items()],
-        }
-    )
-    return resolve_routes(policy, Stack())
-
-
-TABLE = routing(public="all", licensed={"depth": {"min": -1}}, pii={"adapter": "a"})
 # wiki's rows fall under two routes (per-row credentials); "empty" has no rows.
 SPEC = ScheduleSpec(
     seed=5,

@@ -20,26 +20,9 @@ from govray.train.hf import CausalLMTrial, decoder_layers
 from govray.train.step.recompute import checkpoint_activations
 from govray.train.trial import Trial
 from jobs.examples.text.trial import CharTransformerTrial
-from tests.test_hf import make_nonzero, policy
+from tests.helpers.lm import VOCAB, llama, make_nonzero, policy
 
 pytest.importorskip("transformers")
-
-VOCAB = 1000
-
-
-def llama(vocab: int = VOCAB, tied: bool = True) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": tied,
-    }
-
 
 GPT2: dict[str, Any] = {"model_type": "gpt2", "vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4}
 

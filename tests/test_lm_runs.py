@@ -28,7 +28,7 @@ from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
-from tests.test_lm_tokenizer import TOKENIZER_VOCAB, save_small_tokenizer
+from tests.helpers.lm import TOKENIZER_VOCAB, save_small_tokenizer
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

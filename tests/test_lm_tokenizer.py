@@ -7,14 +7,7 @@ Ray)."""
 
 from __future__ import annotations
 
-import argparse
-import collections
-import csv
-import functools
 import hashlib
-import itertools
-import json
-import pathlib
 import re
 import shutil
 from pathlib import Path
@@ -28,36 +21,12 @@ from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.reproduce.snapshots import ReproducibilityError, input_digests, verify_input_digests
 from govray.train.step.recompute import IGNORE
-from tests.test_lm_memory import llama
+from tests.helpers.lm import TOKENIZER_VOCAB, llama, save_small_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-TOKENIZER_VOCAB = 320
 TEXTS = ["Ada Lovelace, 10 Dec 1815", "Return a new ordered dictionary.", "x"]
-
-
-def save_small_tokenizer(directory: Path) -> Path:
-    """A byte-level BPE of ``TOKENIZER_VOCAB`` ids trained on standard-library docstrings, with
-    ``<s>`` (BOS), ``</s>`` (EOS) and ``<pad>``, saved with ``save_pretrained`` into ``directory``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    modules = (argparse, collections, csv, functools, itertools, json, pathlib, re)
-    texts = [module.__doc__ or "" for module in modules]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(texts, trainer=trainer)
-    wrapped = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    wrapped.save_pretrained(str(directory))
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from govray.config.experiment import load_experiment
-from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.core.keys import SigningKey, TrustConfig, platform_key, platform_trust
 from govray.core.storage import open_storage
 from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
 from govray.data.shards import ShardSet
@@ -23,8 +21,7 @@ from govray.governance.memorization import CorpusMeasures, MemorizationThreshold
 from govray.governance.memorization_thresholds import DETECTOR_THRESHOLDS
 from govray.platform.rerun.replay import replay_trial
 from govray.platform.run.plan import run_spec_path
-from govray.platform.run.preflight import check_policy, ingest_experiment
-from govray.platform.run.runner import TrialOutcome, run_trial
+from govray.platform.run.preflight import check_policy
 from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -33,51 +30,8 @@ from govray.train.parallel.worker import Worker
 from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger, recompute_ledger
-from jobs.examples.digits.golden import MEMORIZER, with_random_labels
-from jobs.examples.digits.golden import golden_example as golden_example_at
-from tests.helpers.builders import write_signed_policy
-
-
-def trained(
-    root: Path,
-    hparams: dict[str, Any],
-    steps: int,
-    random_labels: bool,
-    validate_every: int | None = None,
-    policy: tuple[SigningKey, TrustConfig, dict[str, Any]] | None = None,
-    resources: dict[str, Any] | None = None,
-    keep_latest: int = 1000,
-) -> tuple[TrialOutcome, TrackingStore]:
-    path = golden_example_at(
-        root,
-        workers=1,
-        max_length={"batches": steps},
-        hparams=hparams,
-        lr_schedule=False,
-        **({"resources": resources} if resources else {}),
-    )
-    if policy is not None:  # the example policy plus a memorization section, signed by a test authority
-        key, trust, memorization = policy
-        document = yaml.safe_load((root / "policies" / "digits.policy.yaml").read_text())
-        write_signed_policy(
-            root / "policies", {**document, "memorization": memorization}, key, name="digits.policy"
-        )
-        save_trust(trust, root / "policies" / "trust.yaml")
-    if random_labels:
-        public = root / "data" / "public.parquet"
-        pq.write_table(with_random_labels(pq.read_table(public)), public)
-    raw = yaml.safe_load(path.read_text())
-    raw["min_validation_period"] = validate_every or steps  # by default one validation, at the end
-    raw["checkpoint"]["save_trial_latest"] = keep_latest  # by default tests read every one
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    config = load_experiment(path)
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
-    outcome = run_trial(
-        config, checked, experiment, ingested.root, store, report_every=validate_every or steps
-    )
-    return outcome, store
+from jobs.examples.digits.golden import MEMORIZER
+from tests.helpers.memorization import trained
 
 
 def latest(store: TrackingStore, trial_id: int) -> dict[str, float]:

@@ -24,9 +24,9 @@ from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import recompute_ledger
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import opened
+from tests.helpers.builders import text_experiment
 from tests.helpers.golden import GoldenRun
-from tests.test_packing import text_experiment
-from tests.test_reader import routes_updating
+from tests.helpers.routing import routes_updating
 
 SEQ_LEN = 128  # the text model's context
 STEPS = 12

@@ -31,11 +31,10 @@ from govray.platform.run.preflight import config_digest
 from govray.train.trial import defines_tokenize
 from jobs.examples.digits.trial import DigitsTrial
 from jobs.examples.text.trial import CharTransformerTrial
-from tests.helpers.builders import write_corpus
+from tests.helpers.builders import text_experiment, write_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-TEXT = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "text"
 SEQ_LEN = 160  # the text corpora's rows have up to 128 characters: one or two per window
 SHORT = 48  # most rows are longer: cut into chunks
 TOKENIZER = "text-trial-characters"
@@ -365,18 +364,6 @@ def test_a_trial_without_tokenize_is_refused_naming_it(shards: ShardSet) -> None
 
 
 # --- the experiment's data.packing ------------------------------------------------------------
-
-
-def text_experiment(directory: Path) -> dict[str, Any]:
-    """The text example's experiment document, its paths made absolute, storage in ``directory``."""
-    raw: dict[str, Any] = yaml.safe_load((TEXT / "experiment.yaml").read_text())
-    for corpus in raw["data"]["corpora"]:
-        corpus["path"] = str(TEXT / corpus["path"])
-        if "canaries" in corpus:
-            corpus["canaries"]["file"] = str(TEXT / corpus["canaries"]["file"])
-    raw["policy"] = {key: str((TEXT / path).resolve()) for key, path in raw["policy"].items()}
-    raw["storage_path"] = str(directory / "storage")
-    return raw
 
 
 def experiment(tmp_path: Path, packing: Any = None) -> Path:

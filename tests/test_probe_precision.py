@@ -12,8 +12,8 @@ import torch
 from govray.train.parallel.worker import Worker
 from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
+from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
-from tests.test_engine import run_spec
 
 
 @pytest.mark.parametrize(("precision", "autocast"), [("bf16", torch.bfloat16), ("fp32", None)])

@@ -20,7 +20,7 @@ from govray.core import rayhead
 from govray.core.keys import SigningKey
 from govray.core.rayhead import HeadRecord, RunningRay, leftover_processes, running_ray, settle_token_auth
 from tests.helpers.builders import REPO
-from tests.test_ingest import build, corpus_spec
+from tests.helpers.ingest import build, corpus_spec
 
 REFUSAL = "IngestError: corpus 'bad': {csv} row 2 (line 4): 4 fields, but the header has 3"
 

@@ -26,6 +26,7 @@ from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
 from tests.helpers.golden import GoldenRun
+from tests.helpers.routing import routes_updating
 
 FILES, ROWS_PER_FILE, ROWS_PER_GROUP = 4, 50, 10
 
@@ -182,11 +183,3 @@ def test_reads_that_follow_the_schedule_train_bit_identically_to_loading_everyth
     assert seen[0] == seen[1] and sum(seen[0].values()) == scheduled
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
-
-
-def routes_updating(governed: GovernedStep, tensor: str) -> set[str]:
-    """The routes whose rows reach ``tensor``: an adapter's route, or those the table allows."""
-    if tensor.startswith("adapter/"):
-        adapter = tensor.split("/")[1]
-        return {route for route, name in governed.routing.adapter_names.items() if name == adapter}
-    return set(governed.routing.routes_updating(tensor))

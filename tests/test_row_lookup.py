@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import GoldenRun
 
 from govray.cli import main
 from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleEvent, ScheduleSpec
@@ -23,8 +22,8 @@ from govray.train.checkpoints.files import STATE_FILE, CheckpointError, Checkpoi
 from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger
 from govray.train.trial import load_trial_class
-
-WRITERS = "digits-writers"  # PII, routed to the adapter pii-lora by the digits policy
+from tests.helpers.golden import GoldenRun
+from tests.helpers.rows import WRITERS, corpus_rows
 
 
 def scan(spec: ScheduleSpec, steps: int) -> dict[tuple[str, int], tuple[list[int], list[int]]]:
@@ -106,15 +105,6 @@ def run_spec(golden: GoldenRun) -> RunSpec:
 def final_state(golden: GoldenRun) -> CheckpointState:
     last = checkpoints(golden.store, golden.outcome.trial_id)[-1]
     return CheckpointState.model_validate_json((Path(last.path) / STATE_FILE).read_text())
-
-
-def corpus_rows(golden: GoldenRun, route: str) -> dict[int, int]:
-    """Row number in WRITERS → position in shards/train/ROUTE."""
-    table = ShardSet.open(golden.shard_root).route_table(route, ["_corpus", "_row"])
-    corpora, rows = table.column("_corpus").to_pylist(), table.column("_row").to_pylist()
-    return {
-        row: position for position, (c, row) in enumerate(zip(corpora, rows, strict=True)) if c == WRITERS
-    }
 
 
 def trial_of(reach_trials: list[TrialReach], trial_id: int) -> TrialReach:

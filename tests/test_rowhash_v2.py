@@ -24,7 +24,7 @@ from govray.data.rowcode import BLOCK, header
 from govray.data.rowhash import ROW_HASH_VERSION, in_holdout, row_hash, row_hashes
 from govray.data.shards import MANIFEST, ShardSet
 from tests.helpers.builders import write_corpus
-from tests.test_ingest import build, corpus_spec, verified
+from tests.helpers.ingest import build, corpus_spec, verified
 
 
 def mixed_rows(count: int) -> list[dict[str, Any]]:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from ray import tune
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -20,15 +18,11 @@ from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
-from govray.platform.run.preflight import check_policy, ingest_experiment
-from govray.platform.search.driver import SearchOutcome, TunePlan, run_search, strategy
+from govray.platform.search.driver import strategy
 from govray.platform.search.placement_guard import result_places
 from govray.platform.search.progress import SearchState
 from govray.platform.search.trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
-from govray.provenance.recompute import check_attested_ledger
-from govray.provenance.statement_types import COVERAGE_TYPE
-from govray.provenance.verify import verify_attestation
-from govray.tracking.lineage import attestations, checkpoints, ledger_rows
+from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import (
     MODEL_FILE,
@@ -40,50 +34,16 @@ from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession, tune_reports, tune_result
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
-from jobs.examples.digits.golden import golden_example as golden_example_at
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.helpers.golden import GoldenRun
 from tests.helpers.processes import kill_driver_when
+from tests.helpers.search import SEARCH_HPARAMS, assert_recorded, plan_of, search_example, searched
 from tests.helpers.search_replays import (
     assert_removal_equals_replay,
     hparams_history,
     replayed_without_writers,
 )
-
-SEARCH_HPARAMS: dict[str, Any] = {
-    "hidden": {"type": "categorical", "vals": [8, 16]},
-    "dropout": 0.0,
-    "lr": {"type": "log", "minval": -2.0, "maxval": -1.0, "base": 10, "count": 2},
-    "optimizer": "sgd",
-    "batch_size": 16,
-}
-
-
-def search_example(
-    root: Path,
-    searcher: dict[str, Any],
-    workers: int = 1,
-    cpus_per_worker: float = 1.0,
-    lr_schedule: dict[str, Any] | None = None,
-    validation_period: int = 5,
-) -> Path:
-    path = golden_example_at(root, workers=workers, max_length={"batches": 20}, hparams=SEARCH_HPARAMS)
-    raw = yaml.safe_load(path.read_text())
-    raw["resources"]["cpus_per_worker"] = cpus_per_worker
-    raw["searcher"] = {"metric": "validation_loss", "smaller_is_better": True, **searcher}
-    del raw["lr_schedule"], raw["min_validation_period"]
-    if lr_schedule is not None:  # metric-driven decisions in every trial, at validations
-        raw["lr_schedule"], raw["min_validation_period"] = lr_schedule, validation_period
-    raw["checkpoint"] = {"period": 10, "save_trial_latest": 1, "save_trial_best": 1}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def plan_of(root: Path, searcher: dict[str, Any], max_steps: int = 64) -> TunePlan:
-    config = load_experiment(search_example(root, searcher))
-    return strategy(config.searcher.name)(config, max_steps)
-
 
 # -- the mapping to Tune, no Ray needed ---------------------------------------------------------
 
@@ -131,54 +91,6 @@ def test_pbt_refuses_mutating_what_fixes_the_schedule(tmp_path: Path) -> None:
 
 
 # -- real searches on Ray Tune ------------------------------------------------------------------
-
-
-def searched(
-    root: Path,
-    searcher: dict[str, Any],
-    workers: int = 1,
-    report_every: int = 5,
-    cpus_per_worker: float = 1.0,
-    progress: Callable[[SearchState], None] | None = None,
-    lr_schedule: dict[str, Any] | None = None,
-) -> tuple[SearchOutcome, TrackingStore]:
-    config = load_experiment(search_example(root, searcher, workers, cpus_per_worker, lr_schedule))
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
-    outcome = run_search(
-        config, checked, experiment, ingested.root, store, report_every=report_every, progress=progress
-    )
-    return outcome, store
-
-
-def assert_recorded(outcome: SearchOutcome, store: TrackingStore, trials: int) -> None:
-    assert len(outcome.trial_ids) == trials
-    for trial_id in outcome.trial_ids:
-        trial = store.get_trial(trial_id)
-        assert trial.state == "completed", trial
-        assert set(json.loads(trial.hparams_json)) == set(SEARCH_HPARAMS)
-        assert [m.step for m in store.metrics(trial_id, "objective")], "no objective reported"
-        assert_attested(store, trial_id)
-    objectives = {t: store.metrics(t, "objective")[-1].value for t in outcome.trial_ids}
-    best = min(objectives, key=objectives.__getitem__)
-    assert outcome.best_trial_id == best and math.isclose(outcome.best_objective, objectives[best])
-
-
-def assert_attested(store: TrackingStore, trial_id: int) -> None:
-    """A search trial's last checkpoint (Tune's copy) is attested at its end, and the attested
-    ledger is the one its recorded schedule gives (a PBT clone's too: it continued one schedule)."""
-    final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
-    records = attestations(store, final.id)  # type: ignore[arg-type]
-    assert len(records) == 2, f"trial {trial_id}: {len(records)} attestations of its last checkpoint"
-    trust = platform_trust(platform_key())
-    for record in records:
-        envelope = Path(final.path).parent / f"check-{record.id}.dsse.json"
-        envelope.write_text(record.envelope_json)
-        verified = verify_attestation(envelope, model_dir=Path(final.path), trust=trust)
-        envelope.unlink()
-        if verified.statement["predicateType"] == COVERAGE_TYPE:
-            assert check_attested_ledger(verified.statement, Path(final.path), trust) > 0
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier

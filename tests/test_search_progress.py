@@ -18,7 +18,7 @@ from govray.platform.search.progress import (
 )
 from govray.train.run.session import EARLY_STOP_KEY, LAST_KEY
 from searchers.asha import rung_steps
-from tests.test_search import search_example
+from tests.helpers.search import search_example
 
 
 def tune_trial(

@@ -42,6 +42,7 @@ from govray.tracking.tables import TrialState
 from govray.train.checkpoints.files import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
 from govray.train.reproduce.record import ReproducibilityRecord
 from tests.helpers.builders import write_signed_policy
+from tests.helpers.search import searched
 from tests.helpers.search_replays import (
     ADAPTER_FILE,
     WRITERS,
@@ -51,7 +52,6 @@ from tests.helpers.search_replays import (
     replay_cli,
     replayed_without_writers,
 )
-from tests.test_search import searched
 
 # Rungs at steps 10 and 20; seeded samples and deterministic training stop some trials at 10.
 ASHA: dict[str, Any] = {

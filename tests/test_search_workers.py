@@ -14,10 +14,8 @@ import yaml
 
 from govray.config.experiment import load_experiment
 from govray.core.keys import platform_key, platform_trust
-from govray.core.storage import open_storage
 from govray.platform.run.preflight import check_policy, ingest_experiment
 from govray.platform.run.runner import run_trial
-from govray.platform.search.driver import SearchOutcome, run_search
 from govray.platform.search.placement_guard import (
     REMOVED,
     PlacementGuard,
@@ -25,22 +23,10 @@ from govray.platform.search.placement_guard import (
     orphaned_groups,
     result_places,
 )
-from govray.platform.search.record import search_path
-from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import find_checkpoints, model_file
+from tests.helpers.search import final_model, grid_of_lrs, search_example, searched_from
 from tests.helpers.search_replays import assert_removal_equals_replay, replayed_without_writers
-from tests.test_search import search_example
-
-
-def _searched(path: Path) -> tuple[SearchOutcome, TrackingStore, Path]:
-    """The search, its store, and where Tune kept its state."""
-    config = load_experiment(path)
-    store = TrackingStore.open(config.database_url)
-    checked = check_policy(config, store, allow_unsigned=False)
-    experiment, ingested = ingest_experiment(config, checked, store)
-    outcome = run_search(config, checked, experiment, ingested.root, store, report_every=5)
-    return outcome, store, search_path(open_storage(config.storage_path), config, experiment)
 
 
 def _tune_results(search_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -51,21 +37,6 @@ def _tune_results(search_dir: Path) -> dict[str, list[dict[str, Any]]]:
         for result in lines:
             results.setdefault(result["trial_id"], []).append(result)
     return results
-
-
-def grid_of_lrs(root: Path, lrs: list[float]) -> Path:
-    """A 1-worker grid search of 10 batches a trial over learning rates ``lrs`` (hidden 8)."""
-    path = search_example(root, {"name": "grid", "max_length": {"batches": 10}})
-    raw = yaml.safe_load(path.read_text())
-    raw["hyperparameters"]["hidden"] = 8
-    raw["hyperparameters"]["lr"] = {"type": "categorical", "vals": lrs}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def _final_model(store: TrackingStore, trial_id: int) -> bytes:
-    final = [c for c in checkpoints(store, trial_id) if c.state == "active"][-1]
-    return model_file(Path(final.path)).read_bytes()
 
 
 @pytest.mark.slow  # a whole Ray Tune search of 2-worker trials: the slow tier
@@ -81,7 +52,7 @@ def test_asha_trials_keep_their_workers_and_a_stopped_trial_frees_its_placement_
 
     searcher = {"name": "asha", "max_trials": 3, "divisor": 2, "max_rungs": 2, "max_length": {"batches": 20}}
     path = search_example(tmp_path / "search", searcher, workers=2)
-    outcome, store, search_dir = _searched(path)
+    outcome, store, search_dir = searched_from(path)
     results = _tune_results(search_dir)
     last = {t: store.metrics(t, "objective")[-1].step for t in outcome.trial_ids}
     assert sorted(last.values())[0] == 10 and sorted(last.values())[-1] == 20, last  # stopped and survived
@@ -112,7 +83,7 @@ def test_asha_trials_keep_their_workers_and_a_stopped_trial_frees_its_placement_
     checked = check_policy(config, alone_store, allow_unsigned=False)
     experiment, ingested = ingest_experiment(config, checked, alone_store)
     run = run_trial(config, checked, experiment, ingested.root, alone_store, hparams=hparams, report_every=5)
-    assert model_file(find_checkpoints(run.run_dir)[-1]).read_bytes() == _final_model(store, survivor)
+    assert model_file(find_checkpoints(run.run_dir)[-1]).read_bytes() == final_model(store, survivor)
     # `govray replay --trial` of the survivor and of a stopped trial without the PII corpus, on
     # 2 workers as they trained: removal = replay, bit for bit, the stopped one's to step 10.
     trust = platform_trust(platform_key())
@@ -257,13 +228,13 @@ def test_a_reused_tune_actor_trains_the_next_trial_bit_identically(
     (``reuse_actors``); the second trial's final weights are those of a search of its point alone,
     in a fresh actor."""
     monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
-    both, store, search_dir = _searched(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
+    both, store, search_dir = searched_from(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
     pids = {result["pid"] for trial in _tune_results(search_dir).values() for result in trial}
     assert len(both.trial_ids) == 2 and len(pids) == 1, pids  # one actor ran both trials
     second = max(both.trial_ids)
     assert json.loads(store.get_trial(second).hparams_json)["lr"] == 0.01
-    alone, alone_store, _ = _searched(grid_of_lrs(tmp_path / "alone", [0.01]))
-    assert _final_model(store, second) == _final_model(alone_store, alone.trial_ids[0])
+    alone, alone_store, _ = searched_from(grid_of_lrs(tmp_path / "alone", [0.01]))
+    assert final_model(store, second) == final_model(alone_store, alone.trial_ids[0])
 
 
 def _pbt_search(
@@ -291,7 +262,7 @@ def _pbt_search(
         "hyperparam_mutations": {"lr": {"type": "log", "minval": -2.0, "maxval": -1.0, "base": 10}},
         "max_length": {"batches": 10},
     }
-    outcome, store, search_dir = _searched(search_example(root, searcher))
+    outcome, store, search_dir = searched_from(search_example(root, searcher))
     monkeypatch.undo()
     trials = [store.get_trial(t) for t in outcome.trial_ids]
     recorded = sorted(
@@ -299,7 +270,7 @@ def _pbt_search(
             trial.hparams_json,
             trial.cloned_from is not None,
             [(m.step, m.value) for m in store.metrics(trial.id, "validation_loss")],  # type: ignore[arg-type]
-            _final_model(store, trial.id),  # type: ignore[arg-type]
+            final_model(store, trial.id),  # type: ignore[arg-type]
         )
         for trial in trials
     )

@@ -21,7 +21,7 @@ from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints, record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointStatus, ExperimentState, MetricKind, TrialState
-from tests.test_gc_policy import experiment_config, single
+from tests.helpers.gc import experiment_config, single
 
 FINGERPRINT = "f0" * 32
 CONFIG_DIGEST = "c" * 64

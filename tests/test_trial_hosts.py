@@ -14,7 +14,7 @@ import yaml
 from govray.config.experiment import load_experiment
 from govray.platform.search.hosts import TrialHosts, retire_trial_hosts, trial_hosts
 from govray.tracking.store import TrackingStore
-from tests.test_search_workers import _final_model, _searched, grid_of_lrs
+from tests.helpers.search import final_model, grid_of_lrs, searched_from
 
 
 def _hosts(pool: Any) -> list[dict[str, Any]]:
@@ -99,19 +99,19 @@ def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
     the first search's for that point, and those of the point trained in its Tune actor
     (``GOVRAY_TRIAL_HOSTS=0``), which leaves the hosts untouched."""
     retire_trial_hosts()
-    both, store, _ = _searched(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
+    both, store, _ = searched_from(grid_of_lrs(tmp_path / "both", [0.1, 0.01]))
     pool = trial_hosts()
     warmed = _hosts(pool)
     assert len(both.trial_ids) == 2 and sum(h["trained"] for h in warmed) == 2, warmed
     second = max(both.trial_ids)
 
-    alone, alone_store, _ = _searched(grid_of_lrs(tmp_path / "alone", [0.01]))
+    alone, alone_store, _ = searched_from(grid_of_lrs(tmp_path / "alone", [0.01]))
     after = _hosts(pool)
     assert [(h["number"], h["pid"]) for h in after] == [(h["number"], h["pid"]) for h in warmed]
     assert sum(h["trained"] for h in after) == 3, after
 
     monkeypatch.setenv("GOVRAY_TRIAL_HOSTS", "0")
-    in_place, in_place_store, _ = _searched(grid_of_lrs(tmp_path / "in-place", [0.01]))
+    in_place, in_place_store, _ = searched_from(grid_of_lrs(tmp_path / "in-place", [0.01]))
     assert _hosts(pool) == after
     monkeypatch.delenv("GOVRAY_TRIAL_HOSTS")
 
@@ -120,13 +120,13 @@ def test_a_later_search_trains_in_the_warm_hosts_with_the_same_weights(
     raw = yaml.safe_load(two_cpus.read_text())
     raw["resources"]["cpus_per_worker"] = 2
     two_cpus.write_text(yaml.safe_dump(raw, sort_keys=False))
-    _searched(two_cpus)
+    searched_from(two_cpus)
     threads = {h["torch_threads"] for h in _hosts(pool) if h["trained"] > max(w["trained"] for w in after)}
     assert threads == {2}, _hosts(pool)
 
-    weights = _final_model(store, second)
-    assert _final_model(alone_store, alone.trial_ids[0]) == weights
-    assert _final_model(in_place_store, in_place.trial_ids[0]) == weights
+    weights = final_model(store, second)
+    assert final_model(alone_store, alone.trial_ids[0]) == weights
+    assert final_model(in_place_store, in_place.trial_ids[0]) == weights
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier
@@ -142,7 +142,7 @@ def test_a_trial_that_fails_in_its_host_errors_with_its_cause_and_the_host_goes(
     retire_trial_hosts()
     path = grid_of_lrs(tmp_path, [1e30])
     with pytest.raises(SearchError, match="without any trial reporting an objective"):
-        _searched(path)
+        searched_from(path)
     store = TrackingStore.open(load_experiment(path).database_url)
     (trial,) = store.list_trials(1)
     assert trial.state == TrialState.ERRORED

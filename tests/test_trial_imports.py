@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.test_cli_imports import python
+from tests.helpers.processes import python
 
 UNUSED = ("model_signing", "torch._inductor", "torch._dynamo")
 

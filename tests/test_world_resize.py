@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,29 +35,16 @@ from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.platform.rerun.resume import on_workers
 from govray.train.checkpoints.files import shard_file
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
-from tests.helpers.gloo_group import persistent_group
+from tests.helpers.engine import run_spec
+from tests.helpers.fsdp import ADAMW, PUBLIC, whole
+from tests.helpers.gloo_group import persistent_group, rank_main
 from tests.helpers.golden import GoldenRun
-from tests.test_engine import run_spec
-from tests.test_fsdp import ADAMW, PUBLIC, whole
 
 # The resumes are slow: gloo groups of 4, 2, 3 and 1 spawned ranks, each training the golden trial.
 STEPS = 8
 RESUME_AT = 3  # the original world's checkpoint
 AGAIN_AT = 5  # the new world's own checkpoint
 BACK_AT = 6  # a world grown back to the original size: its own checkpoint
-
-
-def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    while (task := tasks.get()) is not None:
-        try:
-            results.put((rank, *task[0](rank, world, *task[1:])))
-        except Exception:
-            results.put((rank, "crash", traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 def trained_spec(spec_json: str, strategy: str) -> Any:

@@ -25,9 +25,8 @@ from govray.train.checkpoints.files import STATE_FILE, checkpoint_step, find_che
 from govray.train.checkpoints.manifest import CheckpointState
 from govray.train.runspec import RUN_SPEC_FILE
 from jobs.benchmarks.elastic_kill import FAST_FAILURE_DETECTION, PERIOD, REPO, attempts, kill_and_regrow
-from tests.helpers.gloo_group import persistent_group
+from tests.helpers.gloo_group import persistent_group, rank_main
 from tests.helpers.local_ray import LocalRayCluster
-from tests.test_world_resize import rank_main
 
 pytestmark = pytest.mark.cluster
 

@@ -30,9 +30,9 @@ from govray.platform.registry.versions import RegisteredVersion
 from govray.tracking.lineage import checkpoints, ledger_rows
 from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import golden_example as golden_example_at
-from tests.cluster.test_job_submit import free_port
 from tests.helpers.builders import REPO
 from tests.helpers.golden import golden_run_at
+from tests.helpers.local_ray import free_port
 
 pytestmark = pytest.mark.cluster
 

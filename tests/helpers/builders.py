@@ -15,6 +15,7 @@ from govray.core.keys import SigningKey
 from govray.governance.policy import sign_policy
 
 REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "jobs" / "examples" / "text"
 
 BASE_CREDENTIAL: dict[str, Any] = {
     "license_class": "public-domain",
@@ -75,3 +76,15 @@ def write_experiment(directory: Path, **overrides: Any) -> Path:
     path = directory / "experiment.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def text_experiment(directory: Path) -> dict[str, Any]:
+    """The text example's experiment document, its paths made absolute, storage in ``directory``."""
+    raw: dict[str, Any] = yaml.safe_load((TEXT / "experiment.yaml").read_text())
+    for corpus in raw["data"]["corpora"]:
+        corpus["path"] = str(TEXT / corpus["path"])
+        if "canaries" in corpus:
+            corpus["canaries"]["file"] = str(TEXT / corpus["canaries"]["file"])
+    raw["policy"] = {key: str((TEXT / path).resolve()) for key, path in raw["policy"].items()}
+    raw["storage_path"] = str(directory / "storage")
+    return raw

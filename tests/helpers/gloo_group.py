@@ -1,13 +1,15 @@
 """A persistent group of spawned processes for tests of collectives: each runs ``target(rank,
 init_file, tasks, results)`` (which joins a gloo process group through ``init_file`` and answers
 each task on ``results`` as ``(rank, status, payload)`` until it receives None); ``run(task)``
-sends one task to every rank and gathers their answers."""
+sends one task to every rank and gathers their answers. ``rank_main`` is such a target: each task a
+function and its arguments."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,3 +71,19 @@ def _snapshot(entry: str) -> bool:
     that is not the repository's)."""
     path = Path(entry)
     return path != REPO and (path / "jobs").is_dir() and not path.is_relative_to(REPO)
+
+
+def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int) -> None:
+    """A rank that runs each task ``(function, *args)`` as ``function(rank, world, *args)``, answering
+    what it returns (``(status, payload)``), or ``("crash", traceback)``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    while (task := tasks.get()) is not None:
+        try:
+            results.put((rank, *task[0](rank, world, *task[1:])))
+        except Exception:
+            results.put((rank, "crash", traceback.format_exc()))
+    dist.destroy_process_group()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, opened
+from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS, opened
 
 
 @dataclass
@@ -26,6 +26,15 @@ def golden_run_at(path: Path) -> GoldenRun:
     config, store, checked, experiment, ingested = opened(path)
     outcome = run_trial(config, checked, experiment, ingested.root, store, report_every=GOLDEN_REPORT_EVERY)
     return GoldenRun(config, checked, ingested.root, store, outcome)
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    """The newest checkpoint of a golden run's Ray Train directory: that of its last step."""
+    from govray.train.checkpoints.files import checkpoint_step, find_checkpoints
+
+    found = find_checkpoints(run_dir)
+    assert found and checkpoint_step(found[-1]) == GOLDEN_STEPS
+    return found[-1]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Processes the tests start as a person would: the CLI from another directory, a driver killed
-mid-run."""
+mid-run, a fresh interpreter on this checkout."""
 
 from __future__ import annotations
 
@@ -88,3 +88,18 @@ def kill_driver_when(
         time.sleep(0.05)
     driver.wait(timeout=60)
     assert killed, f"jobs/{script} ended or timed out before it was ready to be killed"
+
+
+def python(*args: str) -> str:
+    """Run ``python ARGS`` on this checkout's govray in a fresh interpreter; its stdout."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
