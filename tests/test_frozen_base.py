@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tarfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,7 +32,6 @@ from govray.platform.gc import remove_checkpoint_directory
 from govray.platform.registry.peft_export import export_peft_adapter
 from govray.platform.registry.register import register, remove_adapter
 from govray.provenance.attest import attest_checkpoint
-from govray.provenance.locations import run_spec_of
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
@@ -57,8 +55,9 @@ from govray.train.run.session import LocalSession
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import golden_example
+from tests.helpers.engine import run_spec
+from tests.helpers.golden import GoldenRun
 
-STORED_RUN = Path(__file__).parent / "data" / "schedule_v1_run" / "run.tar.xz"
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = ("licensed-lora", "pii-lora", "public-lora")
 LORA_ONLY = {  # the digits policy with every rule routed to an adapter: no base tensor trains
@@ -101,25 +100,19 @@ class LoraOnlyRun:
 
 
 @pytest.fixture(scope="module")
-def lora_only(tmp_path_factory: pytest.TempPathFactory) -> LoraOnlyRun:
-    """The stored digits run's spec and shards (``tests/data/schedule_v1_run``: no ingestion, no
-    Ray) under the LoRA-only policy, 30 steps in-process, signed by this machine's platform key;
-    its checkpoints recorded in a tracking store of its own."""
+def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: GoldenRun) -> LoraOnlyRun:
+    """The one-worker golden run's spec and shards under the LoRA-only policy, 30 steps
+    in-process, signed by this machine's platform key; its checkpoints recorded in a tracking store
+    of its own."""
     root = tmp_path_factory.mktemp("lora-only")
-    with tarfile.open(STORED_RUN) as archive:
-        archive.extractall(root, filter="data")
-    expected = json.loads((root / "expected.json").read_text())
-    stored = run_spec_of(
-        root / Path(expected["run_dir"]).relative_to(expected["root"]) / "checkpoint_00000020"
-    )
+    stored = run_spec(golden_local_epoch)
     policy = DepthPolicy.model_validate(LORA_ONLY)
     routing = resolve_trial_routes(policy, make_trial(stored.trial, stored.hparams, stored.settings))
     key = platform_key()
     trust = stored.trust.model_copy(deep=True)
     trust.add(key.public_key)
     run_dir = root / "storage" / "ray" / "lora-only"
-    # What an attestation states about the run's code, environment and corpora (the stored run,
-    # made before it was recorded, has none): the digits example's.
+    # What an attestation states about the run's code, environment and corpora: the digits example's.
     config = load_experiment(golden_example(root / "example", workers=1, max_length={"batches": 30}))
     record = build_record(
         config, root / "storage", config_digest=stored.config_digest, threads=stored.threads
@@ -129,7 +122,6 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory) -> LoraOnlyRun:
             "policy": policy,
             "routing": routing,
             "max_steps": 30,
-            "shard_root": str(root / Path(expected["shard_root"]).relative_to(expected["root"])),
             "run_dir": str(run_dir),
             "run_name": "lora-only",
             "platform_key": str(platform_key_path()),

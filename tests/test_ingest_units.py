@@ -273,88 +273,48 @@ def test_locate_refuses_a_row_out_of_range_or_an_unknown_corpus(two_splits: TwoS
         shards.locate("third", 0)
 
 
-def test_format_1_shards_stay_readable_and_locate_scans_them(two_splits: TwoSplits, tmp_path: Path) -> None:
-    """Shards written before the row index (format 1: files without corpus or row spans)."""
-    root = tmp_path / "v1"
+def test_shards_store_repeated_columns_as_dictionaries_and_hashes_as_raw_bytes(two_splits: TwoSplits) -> None:
+    """``_corpus``, ``_route`` and ``_credential`` are dictionary columns (each dictionary the values
+    of the file's rows), ``_row_hash`` 32 raw bytes."""
+    shards = ShardSet.open(two_splits.default.root)
+    files = [file for route in shards.manifest.routes for file in route.files]
+    files += [file for group in shards.manifest.holdout.values() for file in group]
+    assert files
+    for file in files:
+        table = pq.read_table(shards.root / file.path)
+        assert table.schema.field("_row_hash").type == pa.binary(32)
+        for column in ("_corpus", "_route", "_credential"):
+            assert pa.types.is_dictionary(table.schema.field(column).type)
+            chunks = table[column].chunks
+            assert all(len(chunk.dictionary) == len(set(chunk.to_pylist())) for chunk in chunks), column
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            {"format_version": 3},
+            r"shard format 3 is not the one this govray reads \(4\): ingest the corpora again",
+        ),
+        ({"format_version": 1}, r"shard format 1 is not the one this govray reads \(4\)"),
+        ({"row_hash_version": 1}, r"row hash version 1 is not the one this govray computes \(2\)"),
+        ({"row_hash_version": None}, r"Field required"),
+    ],
+)
+def test_a_manifest_of_another_format_or_row_hash_is_refused_with_both_versions_named(
+    two_splits: TwoSplits, tmp_path: Path, edit: dict[str, Any], message: str
+) -> None:
+    """One data format at release: the pre-release shard formats and row hash are refused, never
+    read another way."""
+    root = tmp_path / "shards"
     shutil.copytree(two_splits.default.root, root)
     manifest = json.loads((root / MANIFEST).read_text())
-    manifest["format_version"] = 1
-    for group in [route["files"] for route in manifest["routes"]] + list(manifest["holdout"].values()):
-        for file in group:
-            del file["corpus"], file["first_row"], file["last_row"]
+    assert (manifest["format_version"], manifest["row_hash_version"]) == (4, 2)
+    manifest.update(edit)
+    manifest = {name: value for name, value in manifest.items() if value is not None}
     (root / MANIFEST).write_text(json.dumps(manifest))
-    old, new = ShardSet.open(root, verify=True), ShardSet.open(two_splits.default.root)
-    for corpus, row in [("first", 0), ("first", 70_001), ("second", SECOND_ROWS - 1)]:
-        scanned, indexed = old.locate(corpus, row), new.locate(corpus, row)
-        assert (scanned.split, scanned.route, scanned.position, scanned.index, scanned.file.path) == (
-            indexed.split,
-            indexed.route,
-            indexed.position,
-            indexed.index,
-            indexed.file.path,
-        )
-
-
-def _as_format_3(table: pa.Table) -> pa.Table:
-    """A format-4 shard table as format 3 stored it: ``_corpus``, ``_route`` and ``_credential``
-    as plain strings, ``_row_hash`` as hex digits."""
-    for column in ("_corpus", "_route", "_credential"):
-        table = table.set_column(
-            table.schema.get_field_index(column), column, table[column].cast(pa.string())
-        )
-    hexes = pa.array([digest.hex() for digest in table["_row_hash"].to_pylist()], pa.string())
-    return table.set_column(table.schema.get_field_index("_row_hash"), "_row_hash", hexes)
-
-
-def test_format_4_stores_repeated_columns_as_dictionaries_and_raw_hashes_and_reads_as_format_3(
-    two_splits: TwoSplits, tmp_path: Path
-) -> None:
-    """Format 4 files hold ``_corpus``, ``_route`` and ``_credential`` as dictionary columns (each
-    dictionary the values of the file's rows) and ``_row_hash`` as 32 raw bytes; the same shards
-    as format 3 wrote them (strings, hex digits) answer every reader alike: whole routes and
-    holdouts, the row index, the probe's lowest-hash samples (raw bytes sort as their hex does)
-    and the EU summary's credential counts."""
-    from govray.data.reader import ShardReader
-    from govray.provenance.eu_summary import _row_credentials
-    from govray.train.parallel.worker import lowest_hashes
-
-    new_root = two_splits.default.root
-    old_root = tmp_path / "v3"
-    shutil.copytree(new_root, old_root)
-    manifest = json.loads((old_root / MANIFEST).read_text())
-    assert manifest["format_version"] == 4
-    manifest["format_version"] = 3
-    for group in [route["files"] for route in manifest["routes"]] + list(manifest["holdout"].values()):
-        for file in group:
-            path = old_root / file["path"]
-            table = pq.read_table(path)
-            assert table.schema.field("_row_hash").type == pa.binary(32)
-            for column in ("_corpus", "_route", "_credential"):
-                chunks = table[column].chunks
-                assert pa.types.is_dictionary(table.schema.field(column).type)
-                assert all(len(chunk.dictionary) == len(set(chunk.to_pylist())) for chunk in chunks), column
-            pq.write_table(_as_format_3(table), path, row_group_size=ROW_GROUP_ROWS)
-            file["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (old_root / MANIFEST).write_text(json.dumps(manifest))
-    old, new = ShardSet.open(old_root, verify=True), ShardSet.open(new_root)
-    for route in new.manifest.routes:
-        assert (
-            old.route_table(route.route).to_pylist() == _as_format_3(new.route_table(route.route)).to_pylist()
-        )
-    for corpus in new.manifest.holdout:
-        assert old.holdout_table(corpus).to_pylist() == _as_format_3(new.holdout_table(corpus)).to_pylist()
-    for corpus, row in sample_rows(new.manifest):
-        assert old.locate(corpus, row).position == new.locate(corpus, row).position
-    assert _row_credentials(old) == _row_credentials(new)
-    for corpus in ("first", "second"):
-        samples = [
-            lowest_hashes(
-                reader, [reader.route_files(r.route) for r in reader.shards.manifest.routes], corpus, 50, {3}
-            )
-            for reader in (ShardReader(old), ShardReader(new))
-        ]
-        assert samples[0].num_rows == 50
-        assert samples[0].to_pylist() == _as_format_3(samples[1]).to_pylist()
+    with pytest.raises(IngestError, match=f"shard manifest {root / MANIFEST}: .*{message}"):
+        ShardSet.open(root)
 
 
 def test_a_bad_row_in_the_last_unit_of_the_second_corpus_is_refused_and_leaves_nothing(

@@ -7,7 +7,6 @@ replay applies no preemption. (On a local Ray cluster with a real drain:
 from __future__ import annotations
 
 import json
-import tarfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,7 +22,6 @@ from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.platform.rerun.replay import recorded_decisions
-from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import routing_of
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import CheckpointState, find_checkpoints, load_checkpoint
@@ -44,8 +42,9 @@ from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
+from tests.helpers.engine import run_spec
+from tests.helpers.golden import GoldenRun
 
-STORED_RUN = Path(__file__).parent / "data" / "schedule_v1_run" / "run.tar.xz"
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_MS = 1_800_000_000_000
 
@@ -188,22 +187,15 @@ class NoticedSession(LocalSession):
 
 
 def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_an_exact_ledger(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, golden_local_epoch: GoldenRun
 ) -> None:
-    root = tmp_path / "stored"
-    with tarfile.open(STORED_RUN) as archive:
-        archive.extractall(root, filter="data")
-    expected = json.loads((root / "expected.json").read_text())
-    stored = run_spec_of(
-        root / Path(expected["run_dir"]).relative_to(expected["root"]) / "checkpoint_00000010"
-    )
+    stored = run_spec(golden_local_epoch)  # one worker in-process: its spec and shards
     key = platform_key(tmp_path / "home")
     trust = stored.trust.model_copy(deep=True)
     trust.add(key.public_key)
-    shards = root / Path(expected["shard_root"]).relative_to(expected["root"])
+    shards = Path(stored.shard_root)
     spec = stored.model_copy(
         update={
-            "shard_root": str(shards),
             "run_dir": str(tmp_path / "run"),
             "platform_key": str(platform_key_path(tmp_path / "home")),
             "trust": trust,

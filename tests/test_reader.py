@@ -61,6 +61,7 @@ def synthetic_shards(root: Path) -> ShardSet:
         "policy_version": 1,
         "policy_digest": "0" * 64,
         "holdout_fraction": 0.0,
+        "row_hash_version": 2,
         "corpora": [],
         "routes": [
             {"route": "public", "rows": FILES * ROWS_PER_FILE, "corpus_counts": corpus_counts, "files": files}

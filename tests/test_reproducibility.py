@@ -81,9 +81,9 @@ def test_code_snapshot_copies_the_trial_package_importably_with_recomputable_dig
 
 
 def test_a_trial_module_without_source_is_refused(tmp_path: Path) -> None:
-    from govray.train import trial as harness_trial
+    from govray.train import trial as trial_module
 
-    compiled = type("CompiledTrial", (harness_trial.Trial,), {})
+    compiled = type("CompiledTrial", (trial_module.Trial,), {})
     module = type(sys)("compiled_trial_module")  # a module with no file behind it
     module.CompiledTrial = compiled  # type: ignore[attr-defined]
     sys.modules["compiled_trial_module"] = module

@@ -1,14 +1,12 @@
-"""Row hashes a table at a time are the row hash of each row, in every readable version:
-``row_hashes`` (Arrow kernels and numpy, one sha256 state copy per row) equals ``row_hash`` (the
-definition: sha256 of the row's canonical JSON in version 1, of its canonical binary encoding in
-version 2) on tables of every column type, with nulls, extreme floats, escapes and nested values; the holdout
-split from the hashes' first 64 bits equals ``in_holdout``; and ``annotate``'s credentials,
-resolved once per distinct combination, are each row's own."""
+"""Row hashes a table at a time are the row hash of each row: ``row_hashes`` (Arrow kernels and
+numpy, the compiled digest kernel) equals ``row_hash`` (the definition: sha256 of the row's
+canonical binary encoding) on tables of every column type, with nulls, extreme floats, escapes
+and nested values; the holdout split from the hashes' first 64 bits equals ``in_holdout``; and
+``annotate``'s credentials, resolved once per distinct combination, are each row's own."""
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,8 +20,10 @@ from hypothesis import strategies as st
 
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
+from govray.core.errors import IngestError
 from govray.data.rowhash import (
-    READABLE_ROW_HASH_VERSIONS,
+    ROW_HASH_VERSION,
+    check_version,
     holdout_mask,
     in_holdout,
     row_digests,
@@ -75,35 +75,23 @@ def tables(draw: Any) -> pa.Table:
     return pa.table(columns)
 
 
-@pytest.mark.parametrize("version", READABLE_ROW_HASH_VERSIONS)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(table=tables())
-def test_row_hashes_are_the_row_hash_of_every_row(version: int, table: pa.Table) -> None:
-    hashes, prefixes = row_hashes(table, version)
-    expected = [row_hash(row, version) for row in table.to_pylist()]
+def test_row_hashes_are_the_row_hash_of_every_row(table: pa.Table) -> None:
+    hashes, prefixes = row_hashes(table)
+    expected = [row_hash(row) for row in table.to_pylist()]
     assert hashes.to_pylist() == expected
     assert prefixes.tolist() == [int(digest[:16], 16) for digest in expected]
-    raw, raw_prefixes = row_digests(table, version)  # what shards of format 4 store
+    raw, raw_prefixes = row_digests(table)  # what shards store
     assert raw.type == pa.binary(32) and [digest.hex() for digest in raw.to_pylist()] == expected
     assert raw_prefixes.tolist() == prefixes.tolist()
 
 
-def test_version_1_row_hashes_of_chunked_and_sliced_tables() -> None:
-    rng = np.random.default_rng(5)
-    values = rng.standard_normal(300) * 10.0 ** rng.integers(-9, 20, 300)
-    table = pa.concat_tables(
-        [
-            pa.table({"x": values[:100], "s": [f"r{i}\n" for i in range(100)]}),
-            pa.table({"x": values[100:], "s": [f'"{i}"' for i in range(100, 300)]}),
-        ]
-    )
-    expected = [row_hash(row, 1) for row in table.to_pylist()]
-    assert row_hashes(table, 1)[0].to_pylist() == expected
-    assert row_hashes(table.slice(90, 40), 1)[0].to_pylist() == expected[90:130]
-    # the definition, spelled out once: sha256 of the sorted-key compact JSON of the source columns
-    first = table.slice(0, 1).to_pylist()[0]
-    text = json.dumps(first, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    assert expected[0] == __import__("hashlib").sha256(text).hexdigest()
+def test_any_row_hash_version_but_this_ones_is_refused() -> None:
+    assert check_version(ROW_HASH_VERSION) == ROW_HASH_VERSION == 2
+    for version in (1, 3, "2", None, True):  # 1: the pre-release canonical-JSON hash
+        with pytest.raises(IngestError, match=f"row hash version {version!r} is not the one this govray"):
+            check_version(version)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, 0.1, 0.25, 0.5, 1e-12, 1 - 1e-12, 0.3333333333333333])

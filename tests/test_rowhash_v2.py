@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from govray.core.keys import SigningKey
-from govray.data.ingest import ingest, ingest_key
+from govray.data.ingest import ingest
 from govray.data.rowcode import BLOCK, header
-from govray.data.rowhash import ROW_HASH_VERSION, in_holdout, row_hash, row_hashes
-from govray.data.shards import MANIFEST, ShardSet
+from govray.data.rowhash import ROW_HASH_VERSION, row_hash, row_hashes
+from govray.data.shards import ShardSet
 from tests.helpers.builders import write_corpus
 from tests.helpers.ingest import build, corpus_spec, verified
 
@@ -239,31 +238,3 @@ def test_ingest_hashes_the_same_rows_equally_from_every_format(
     assert [placed["as-csv"][row][0] for row in range(90)] == expected
     held = [held for _, held in placed["as-csv"].values()]
     assert held.count(True) == result.manifest.corpus("as-csv").holdout_rows
-
-
-@pytest.mark.usefixtures("ray_session")
-def test_a_version_1_ingest_stays_readable_and_its_rows_are_found(
-    tmp_path: Path, authority_key: SigningKey, trust_file: Path
-) -> None:
-    """An ingest made as govray made them before version 2: its manifest has no row-hash field
-    and reads as version 1, its key is what it was, and every row is located with its version-1
-    hash and split."""
-    config, policy = verified(same_rows_three_ways(tmp_path, authority_key, trust_file))
-    old = ingest(config, policy, row_hash_version=1)
-    new = ingest(config, policy)
-    assert "row_hash_version" not in json.loads((old.root / MANIFEST).read_text())
-    shards = ShardSet.open(old.root, verify=True)
-    assert shards.manifest.row_hash_version == 1 and new.manifest.row_hash_version == 2
-    fingerprints = {corpus.corpus_id: corpus.fingerprint for corpus in old.manifest.corpora}
-    assert old.manifest.key == ingest_key(config, policy, fingerprints, 1) != new.manifest.key
-    rows = exact_rows()
-    by_row = hashes_by_row(shards, "as-jsonl")
-    for number, row in enumerate(rows):
-        digest, held = by_row[number]
-        assert digest == row_hash(row, 1) != row_hash(row)
-        assert held == in_holdout(digest, config.data.holdout_fraction)
-        location = shards.locate("as-jsonl", number)
-        assert (location.split == "holdout") == held
-        found = pq.read_table(shards.root / location.file.path).slice(location.index, 1).to_pylist()[0]
-        assert (found["_row"], found["_row_hash"].hex()) == (number, digest)
-    assert hashes_by_row(ShardSet.open(new.root), "as-jsonl")[0][0] == row_hash(rows[0])

@@ -1,7 +1,7 @@
-"""Schedule version 2: keyed bijections instead of materialised rankings. Each permutation is a
-true permutation with an exact inverse, every row is read once per epoch, a row's steps are found
-through the inverses, a step of a billion-row route costs milliseconds and no memory, and
-version 1 still gives, bit for bit, the slots and digests it gave before version 2 existed."""
+"""The schedule's keyed bijections (version 2, the one version). Each permutation is a true
+permutation with an exact inverse, every row is read once per epoch, a row's steps are found
+through the inverses, a step of a billion-row route costs milliseconds and no memory, and a
+schedule of any other version is refused."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_schedule_version_2_is_pinned() -> None:
     ]
 
 
-def spec_strategy(version: int) -> st.SearchStrategy[ScheduleSpec]:
+def spec_strategy() -> st.SearchStrategy[ScheduleSpec]:
     routes = st.lists(st.lists(st.integers(0, 20), max_size=3), min_size=1, max_size=4)
     return st.builds(
         lambda counts, world, batch, seed: ScheduleSpec(
@@ -146,7 +146,6 @@ def spec_strategy(version: int) -> st.SearchStrategy[ScheduleSpec]:
                 RouteLayout(f"r{i}", tuple((f"c{i}-{j}", n) for j, n in enumerate(route)))
                 for i, route in enumerate(counts)
             ),
-            version=version,
         ),
         routes.filter(lambda c: sum(map(sum, c)) > 0),
         st.integers(1, 8),
@@ -167,7 +166,7 @@ def epoch_reads(spec: ScheduleSpec, epoch: int) -> Counter[tuple[str | None, int
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec_strategy(2), st.integers(0, 10**6))
+@given(spec_strategy(), st.integers(0, 10**6))
 def test_a_version_2_epoch_reads_every_row_of_every_route_exactly_once(
     spec: ScheduleSpec, epoch: int
 ) -> None:
@@ -176,7 +175,7 @@ def test_a_version_2_epoch_reads_every_row_of_every_route_exactly_once(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([1, 2]).flatmap(spec_strategy), st.data())
+@given(spec_strategy(), st.data())
 def test_step_rows_sum_exactly_the_slots_of_every_rank(spec: ScheduleSpec, data: st.DataObject) -> None:
     corpora = sorted({c for route in spec.routes for c, _ in route.corpus_counts})
     excluded = data.draw(st.sets(st.sampled_from(corpora), max_size=1))
@@ -204,7 +203,7 @@ def scan(spec: ScheduleSpec, epochs: int) -> dict[tuple[str, int], list[tuple[in
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([1, 2]).flatmap(spec_strategy), st.data())
+@given(spec_strategy(), st.data())
 def test_row_slots_are_exactly_what_a_scan_of_every_slot_finds(
     spec: ScheduleSpec, data: st.DataObject
 ) -> None:
@@ -248,7 +247,7 @@ def test_a_step_of_a_billion_row_route_at_epoch_a_million_costs_milliseconds_and
     elapsed = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < 2_000_000, peak  # version 1 would rank 10^9 PCG64 outputs: ≥ 16 GB
+    assert peak < 2_000_000, peak  # ranking 10^9 outputs (the pre-release schedule) would take ≥ 16 GB
     assert elapsed < 1.0, elapsed  # ~10 ms on a busy 2-core machine
     assert sum(every.route_counts().values()) == sum(len(s.rows) for s in slots) == 8 * 32
     row = slots[3].rows[0]
@@ -256,11 +255,9 @@ def test_a_step_of_a_billion_row_route_at_epoch_a_million_costs_milliseconds_and
     assert row in slot(spec, first_step, rank).rows
 
 
-# --- version 1, as it was ---------------------------------------------------------------------------
+# --- the one version ---------------------------------------------------------------------------
 
-# Captured from govray at commit b519793 (before version 2): `ScheduleSpec(...)` below without a
-# version, its digest(), to_json() and slot(spec, step, rank).rows for these steps.
-V1_SPEC = ScheduleSpec(
+SPEC = ScheduleSpec(
     seed=11,
     world_size=3,
     batch_size=4,
@@ -272,48 +269,15 @@ V1_SPEC = ScheduleSpec(
     ),
     excluded_corpora=frozenset({"mail"}),
     events=(ScheduleEvent(step=5, kind="gate", corpus_id="news"),),
-    version=1,
 )
-V1_DIGEST = "fde9c1ed3b064fd92680828e1b1e94f8907ca08f98065d67a360d2231c69f1f1"
-V1_SLOTS = {
-    0: [("public", (7, 5, 10, 4)), ("pii", (0,)), ("public", (6,))],
-    1: [("licensed", (2, 0, 4, 1)), ("public", (9, 0, 1, 3)), ("pii", (2, 1))],
-    2: [("public", (12, 2, 8, 11)), ("licensed", (5, 3)), (None, ())],
-    4: [("public", (12,)), ("licensed", (4, 3, 5, 2)), ("pii", ())],
-    7: [("public", (5, 4, 8)), ("licensed", (1, 0, 4, 3)), ("public", (6, 0))],
-    11: [("licensed", (2, 0, 1, 4)), ("public", (0, 7, 6)), (None, ())],
-}
 
 
-def test_version_1_gives_the_digest_json_and_slots_it_gave_before_version_2() -> None:
-    assert V1_SPEC.digest() == V1_DIGEST
-    assert V1_SPEC.to_json() == {
-        "version": 1,
-        "seed": 11,
-        "world_size": 3,
-        "batch_size": 4,
-        "routes": [
-            {"route": "public", "corpus_counts": [["wiki", 9], ["news", 4]]},
-            {"route": "licensed", "corpus_counts": [["books", 6]]},
-            {"route": "empty", "corpus_counts": []},
-            {"route": "pii", "corpus_counts": [["chats", 3], ["mail", 2]]},
-        ],
-        "excluded_corpora": ["mail"],
-        "events": [{"step": 5, "kind": "gate", "corpus_id": "news"}],
-    }
-    for step, expected in V1_SLOTS.items():
-        assert [(s.route, s.rows) for s in (slot(V1_SPEC, step, rank) for rank in range(3))] == expected
-    assert ScheduleSpec.from_json(V1_SPEC.to_json()) == V1_SPEC
-
-
-def test_the_version_is_an_input_of_the_spec_and_read_back_from_json() -> None:
-    v2 = replace(V1_SPEC, version=2)
-    assert v2.to_json() == {**V1_SPEC.to_json(), "version": 2} and v2.digest() != V1_DIGEST
-    assert ScheduleSpec.from_json(v2.to_json()) == v2
-    assert v2.steps_per_epoch == V1_SPEC.steps_per_epoch  # the versions differ in order only
-    assert [slot(v2, 0, rank) for rank in range(3)] != [slot(V1_SPEC, 0, rank) for rank in range(3)]
-    for version in (0, 3, "2", None):
-        with pytest.raises(ScheduleError, match=f"schedule version {version!r} is not one this govray"):
-            ScheduleSpec.from_json({**v2.to_json(), "version": version})
-    with pytest.raises(ScheduleError, match="schedule version 3 is not one this govray can recompute"):
-        replace(V1_SPEC, version=3)
+def test_the_version_is_recorded_read_back_and_any_other_refused_with_a_clear_message() -> None:
+    assert SPEC.version == SCHEDULE_VERSION == 2
+    assert SPEC.to_json()["version"] == 2
+    assert ScheduleSpec.from_json(SPEC.to_json()) == SPEC
+    for version in (1, 0, 3, "2", None):  # 1: the pre-release PCG64 schedule, never recomputed
+        with pytest.raises(ScheduleError, match=f"schedule version {version!r} is not the one this govray"):
+            ScheduleSpec.from_json({**SPEC.to_json(), "version": version})
+    with pytest.raises(ScheduleError, match=r"schedule version 1 is not the one this govray computes \(2\)"):
+        replace(SPEC, version=1)

@@ -44,7 +44,7 @@ from govray.core.errors import CredentialError, GovrayError, IngestError, Policy
 from govray.core.runtime import stop_tasks
 from govray.core.storage import open_storage
 from govray.data.fingerprint import corpus_files, fingerprint_files
-from govray.data.rowhash import ROW_HASH_VERSION, check_version
+from govray.data.rowhash import ROW_HASH_VERSION
 from govray.data.shards import (
     MANIFEST,
     SHARD_FORMAT_VERSION,
@@ -154,15 +154,12 @@ def ingest_key(
     config: ExperimentConfig,
     policy: VerifiedPolicy,
     fingerprints: dict[str, str],
-    row_hash_version: int = ROW_HASH_VERSION,
 ) -> str:
-    """Digest of everything the shards depend on (a version-1 row hash adds nothing: such
-    ingests keep the keys they had before version 2)."""
-    hashing = {} if row_hash_version == 1 else {"row_hash_version": row_hash_version}
+    """Digest of everything the shards depend on."""
     return sha256_hex(
         canonical_json(
             {
-                **hashing,
+                "row_hash_version": ROW_HASH_VERSION,
                 "format_version": SHARD_FORMAT_VERSION,
                 "policy_digest": policy.digest,
                 "holdout_fraction": config.data.holdout_fraction,
@@ -184,7 +181,6 @@ def _launch(
     default_holdout: float,
     staging: Path,
     launched: list[ray.ObjectRef],
-    row_hash_version: int,
 ) -> _Corpus:
     """Check a corpus's files, read it, and start its fingerprint and unit tasks (added to
     ``launched`` as they start: ingest stops them when anything fails)."""
@@ -209,7 +205,7 @@ def _launch(
     units = []
     for unit, pieces in enumerate(_unit_inputs(blocks, sizes)):
         first = unit * ROWS_PER_UNIT
-        job = UnitJob(spec_json, policy_json, holdout, unit, first, str(staging), row_hash_version)
+        job = UnitJob(spec_json, policy_json, holdout, unit, first, str(staging))
         units.append(write_unit.remote(job, *pieces))
         launched.append(units[-1])
     return _Corpus(spec, files, fingerprint, units, sum(sizes), sizes)
@@ -306,17 +302,15 @@ def ingest(
     policy: VerifiedPolicy,
     *,
     force: bool = False,
-    row_hash_version: int = ROW_HASH_VERSION,
 ) -> IngestResult:
-    """Validate and shard every corpus of ``config`` under ``STORAGE/shards/KEY``, rows hashed
-    with ``row_hash_version`` (``govray.data.rowhash``; an older one reproduces an older ingest).
+    """Validate and shard every corpus of ``config`` under ``STORAGE/shards/KEY``, rows hashed as
+    ``govray.data.rowhash`` defines.
 
     Raises ``IngestError`` naming the corpus, and the file, row and column at fault
     (``CredentialError`` for a row's bad credential, ``PolicyError`` for a row that matches no
     rule); leaves nothing under ``STORAGE/shards`` then. Rows count from 0, lines from 1
     (``govray.data.validate``).
     """
-    check_version(row_hash_version)
     storage = open_storage(config.storage_path)
     storage.check()  # unreachable object storage is refused before any corpus is read
     policy_json = policy.policy.model_dump_json()
@@ -327,13 +321,13 @@ def ingest(
     launched: list[ray.ObjectRef] = []
     try:
         corpora = [
-            _launch(spec, policy_json, config.data.holdout_fraction, staging, launched, row_hash_version)
+            _launch(spec, policy_json, config.data.holdout_fraction, staging, launched)
             for spec in config.data.corpora
         ]
         reports = _collect(corpora)
         ids = [corpus.spec.id for corpus in corpora]
         fingerprints = dict(zip(ids, ray.get([corpus.fingerprint for corpus in corpora]), strict=True))
-        key = ingest_key(config, policy, fingerprints, row_hash_version)
+        key = ingest_key(config, policy, fingerprints)
         root = shards / key
         load = _load(corpora, reports)
         fetched = storage.fetch(root, verify=lambda staged: ShardSet.open(staged, verify=True))
@@ -341,7 +335,7 @@ def ingest(
             shutil.rmtree(staging)
             existing = ShardSet.open(root, verify=True)
             return IngestResult(root=root, manifest=existing.manifest, reused=True, load=load)
-        manifest = _manifest(config, policy, corpora, reports, fingerprints, key, row_hash_version)
+        manifest = _manifest(config, policy, corpora, reports, fingerprints, key)
         (staging / MANIFEST).write_text(manifest.to_json())
         if root.exists():
             shutil.rmtree(root)
@@ -370,7 +364,6 @@ def _manifest(
     reports: list[list[UnitReport]],
     fingerprints: dict[str, str],
     key: str,
-    row_hash_version: int,
 ) -> ShardManifest:
     """Files in shard order (policy route, then corpus order, then row), and exact counts."""
     counts: list[dict[str, int]] = []
@@ -415,7 +408,7 @@ def _manifest(
         policy_version=policy.policy.version,
         policy_digest=policy.digest,
         holdout_fraction=config.data.holdout_fraction,
-        row_hash_version=row_hash_version,
+        row_hash_version=ROW_HASH_VERSION,
         corpora=summaries,
         routes=routes,
         holdout={

@@ -39,7 +39,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import IngestError
@@ -142,6 +142,15 @@ class PackedManifest(BaseModel):
                 return route
         raise IngestError(f"packed store {self.key} has no route '{name}'")
 
+    @model_validator(mode="after")
+    def _one_format(self) -> PackedManifest:
+        if self.format_version != PACKED_FORMAT_VERSION:
+            raise ValueError(
+                f"packed store format {self.format_version} is not the one this govray reads "
+                f"({PACKED_FORMAT_VERSION}): pack the shards again"
+            )
+        return self
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
@@ -175,6 +184,9 @@ class PackedStore:
             manifest = PackedManifest.model_validate_json(path.read_text())
         except OSError as error:
             raise IngestError(f"no packed store manifest at {path}: {error.strerror}") from None
+        except ValidationError as error:
+            problems = "; ".join(problem["msg"] for problem in error.errors())
+            raise IngestError(f"packed store manifest {path}: {problems}") from None
         expected = packed_key(manifest.shard_key, manifest.seq_len, manifest.tokenizer)
         if manifest.key != expected or root.name != expected:
             raise IngestError(

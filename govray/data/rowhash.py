@@ -1,20 +1,16 @@
 """Row hashes: each row's identity, computed a unit of rows at a time, and the holdout split.
 
 A row's hash decides its holdout split, the probe's samples, and what lineage answers cite;
-anyone can recompute it from the row. Two versions exist; an ingest records the one it used
-(``ShardManifest.row_hash_version``) and every version here stays readable:
+anyone can recompute it from the row: ``sha256`` of the row's canonical binary encoding
+(``govray.data.rowcode``: sorted column names, a type tag and a fixed-width or length-prefixed
+payload per value). A table's rows are encoded by Arrow and numpy, then digested in one call of the
+compiled kernel (``govray/data/_rowdigest.c``; hashlib row by row where it was not built); the same
+logical rows hash equally whatever the file format and however the rows are cut into batches.
 
-- **2** (``ROW_HASH_VERSION``, new ingests): ``sha256`` of the row's canonical binary encoding
-  (``govray.data.rowcode``: sorted column names, a type tag and a fixed-width or length-prefixed
-  payload per value). A table's rows are encoded by Arrow and numpy, then digested in one call
-  of the compiled kernel (``govray/data/_rowdigest.c``; hashlib row by row where it was not
-  built); the same logical rows hash equally whatever the file format and however the rows are
-  cut into batches.
-- **1** (ingests recorded before version 2): ``sha256`` of the row's canonical JSON
-  (``govray.data.rowhash_v1``).
-
-Both are 64 hex digits, so a version is named where a hash is shown. Shards (format 4) store the
-32 raw bytes (:func:`row_digests`); every answer govray gives shows the hex.
+An ingest records the version it hashed with (``ShardManifest.row_hash_version``:
+``ROW_HASH_VERSION``, 2, the numbering going on from the pre-release one); shards of any other
+version are refused. Shards store the 32 raw bytes (:func:`row_digests`); every answer govray gives
+shows the 64 hex digits.
 
 Example::
 
@@ -32,45 +28,39 @@ import numpy as np
 import pyarrow as pa
 
 from govray.core.errors import IngestError
-from govray.data import rowhash_v1
 from govray.data.rowcode import encode_row, encode_values, header, hex_digests, raw_digests, sha256_each
 
-ROW_HASH_VERSION = 2  # what new ingests use
-READABLE_ROW_HASH_VERSIONS = (1, 2)
+ROW_HASH_VERSION = 2  # the one version this govray computes and reads
 
 
 def check_version(version: object) -> int:
-    """``version`` if this govray can compute it, else an ``IngestError`` naming those it can."""
-    if version not in READABLE_ROW_HASH_VERSIONS or not isinstance(version, int):
-        known = ", ".join(map(str, READABLE_ROW_HASH_VERSIONS))
-        raise IngestError(f"row hash version {version!r} is not one this govray can compute ({known})")
+    """``version`` if it is the one this govray computes, else an ``IngestError`` saying so."""
+    if version != ROW_HASH_VERSION or not isinstance(version, int):
+        raise IngestError(
+            f"row hash version {version!r} is not the one this govray computes ({ROW_HASH_VERSION}): "
+            "ingest the corpora again"
+        )
     return version
 
 
-def row_hash(row: dict[str, Any], version: int = ROW_HASH_VERSION) -> str:
+def row_hash(row: dict[str, Any]) -> str:
     """The hash of one row (source columns only): the definition, value by value."""
-    if check_version(version) == 1:
-        return rowhash_v1.row_hash_v1(row)
     return hashlib.sha256(encode_row(row)).hexdigest()
 
 
-def row_hashes(table: pa.Table, version: int = ROW_HASH_VERSION) -> tuple[pa.Array, np.ndarray]:
+def row_hashes(table: pa.Table) -> tuple[pa.Array, np.ndarray]:
     """:func:`row_hash` of every row of ``table``: the hex digests (a string array) and their first
     64 bits (uint64, for :func:`holdout_mask`)."""
-    return hex_digests(_digests(table, version))
+    return hex_digests(_digests(table))
 
 
-def row_digests(
-    table: pa.Table, version: int = ROW_HASH_VERSION
-) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
-    """:func:`row_hashes` as raw digests: a ``binary(32)`` array (the shards' ``_row_hash`` since
-    shard format 4: half the bytes of the hex, and no hex to build) and their first 64 bits."""
-    return raw_digests(_digests(table, version))
+def row_digests(table: pa.Table) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
+    """:func:`row_hashes` as raw digests: a ``binary(32)`` array (the shards' ``_row_hash``: half
+    the bytes of the hex, and no hex to build) and their first 64 bits."""
+    return raw_digests(_digests(table))
 
 
-def _digests(table: pa.Table, version: int) -> bytes:
-    if check_version(version) == 1:
-        return rowhash_v1.digests_v1(table)
+def _digests(table: pa.Table) -> bytes:
     offsets, data = encode_values(table)
     return sha256_each(offsets, data, header(table.column_names))
 

@@ -25,17 +25,13 @@ Semantics of epoch ``e``:
    dropped (the route stays set). Excluding corpus X therefore leaves every other slot of every
    step bit-for-bit the same, which the counterfactual replay relies on.
 
-The versions differ in the bijections of steps 1 and 3 only (``ScheduleSpec.version``):
-
-- **2** (``SCHEDULE_VERSION``, new runs): ``KeyedPermutation``, a Feistel network with
-  cycle-walking, never materialised. A step evaluates only its ``world_size`` batches: O(1) memory
-  in the route sizes, so a route of 10^9 rows costs what one of 10^3 does, and a row's steps are
-  found through the inverses without building an epoch (``row_slots``).
-- **1** (runs recorded before version 2, recomputed exactly as they ran): the rows of a route,
-  and the batches of the epoch, are ranked by PCG64's raw 64-bit outputs (``epoch_plan``), which
-  holds a whole epoch's order in memory.
-
-Both are stable across numpy versions and platforms; ``hash()`` is never used. This module holds
+The bijections of steps 1 and 3 are ``KeyedPermutation``s, Feistel networks with cycle-walking,
+never materialised. A step evaluates only its ``world_size`` batches: O(1) memory in the route
+sizes, so a route of 10^9 rows costs what one of 10^3 does, and a row's steps are found through the
+inverses without building an epoch (``row_slots``). They are stable across numpy versions and
+platforms; ``hash()`` is never used. A schedule records its ``version`` (``SCHEDULE_VERSION``, 2:
+the numbering goes on from the pre-release one); a schedule of any other version is refused, never
+recomputed another way. This module holds
 the inputs (``ScheduleSpec``); what they give each worker at each step, and a row's steps, are
 :mod:`govray.data.slots`; a whole step's slots summed by route, without an object per rank,
 :func:`govray.data.step_rows.step_rows`.
@@ -59,8 +55,7 @@ from govray.data.orders import Sizes
 from govray.data.permutation import derive_seed as derive_seed  # the schedule's keys, named here
 from govray.data.shards import ShardManifest
 
-SCHEDULE_VERSION = 2  # what new runs use; every version in READABLE_VERSIONS is recomputed exactly
-READABLE_VERSIONS = (1, 2)
+SCHEDULE_VERSION = 2  # the one version this govray computes and reads
 
 
 class ScheduleError(GovrayError):
@@ -68,10 +63,9 @@ class ScheduleError(GovrayError):
 
 
 def _check_version(version: object) -> None:
-    if version not in READABLE_VERSIONS:
+    if version != SCHEDULE_VERSION:
         raise ScheduleError(
-            f"schedule version {version!r} is not one this govray can recompute "
-            f"({', '.join(map(str, READABLE_VERSIONS))})"
+            f"schedule version {version!r} is not the one this govray computes ({SCHEDULE_VERSION})"
         )
 
 
@@ -200,11 +194,9 @@ class ScheduleSpec:
         batch_size: int,
         excluded_corpora: Iterable[str] = (),
         events: Iterable[ScheduleEvent] = (),
-        version: int = SCHEDULE_VERSION,
         windows: Sequence[RouteLayout] | None = None,
     ) -> ScheduleSpec:
-        """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order); a
-        run's schedule passes the run's ``version`` (``RunSpec.schedule_version``). Under
+        """The spec of ``manifest``'s training shards (corpora in the manifest's corpus order). Under
         ``data.packing`` the positions scheduled are a packed store's ``windows`` (its layouts,
         ``PackedStore.layouts()``), not the rows."""
         order = [corpus.corpus_id for corpus in manifest.corpora]
@@ -235,7 +227,6 @@ class ScheduleSpec:
             routes=tuple(routes) if windows is None else tuple(windows),
             excluded_corpora=frozenset(excluded_corpora),
             events=tuple(events),
-            version=version,
         )
 
     @functools.cached_property
@@ -281,8 +272,7 @@ class ScheduleSpec:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The spec as a JSON document (stable ordering); ``from_json`` reads it back. A version-1
-        spec's document is what it was before version 2 existed, so recorded digests still match."""
+        """The spec as a JSON document (stable ordering); ``from_json`` reads it back."""
         return {
             "version": self.version,
             "seed": self.seed,

@@ -19,18 +19,16 @@ the corpus, files in sorted order), ``_row_hash`` (the row's hash of the manifes
 ``row_hash_version``: ``govray.data.rowhash``; raw bytes, see format 4), ``_route`` and
 ``_credential`` (the row's full credential, canonical JSON).
 
-Format 4 (this govray) writes ``_corpus``, ``_route`` and ``_credential`` as Arrow dictionary
-columns (a file's dictionary holds the values its rows use; the Parquet writer stores them as they
-are instead of looking up every row's ~300-byte credential), so a reader gets them back as
-dictionary arrays, which Arrow's kernels compare, filter, group and convert (``as_py``) as the
-strings they encode; and ``_row_hash`` as the digest's 32 raw bytes (``binary(32)``), which sort
-as their hex digits do (every answer govray gives shows the hex). Format 3 lays files out as
-format 2 did, with ``_row_hash`` stored uncompressed and row groups sized from freshly built
-columns; it stored the three as plain strings and the hash as 64 hex digits. Each format makes
-other bytes from the same ingest, so the format is part of the shards' key, and shards of formats
-2 and 3 keep theirs (and stay readable: ``_row_hash`` is hex there).
-Format 1 (one route's rows in ``part-NNNNN.parquet`` files of 100,000 rows, no corpus or row span
-per file) stays readable; :meth:`ShardSet.locate` scans its route files.
+``_corpus``, ``_route`` and ``_credential`` are Arrow dictionary columns (a file's dictionary
+holds the values its rows use; the Parquet writer stores them as they are instead of looking up
+every row's ~300-byte credential), so a reader gets them back as dictionary arrays, which Arrow's
+kernels compare, filter, group and convert (``as_py``) as the strings they encode; ``_row_hash`` is
+the digest's 32 raw bytes (``binary(32)``), which sort as their hex digits do (every answer govray
+gives shows the hex).
+
+The manifest records the shard format (``format_version``: ``SHARD_FORMAT_VERSION``, 4, the
+numbering going on from the pre-release ones) and the row hash's version; the format is part of the
+shards' key. A manifest of any other format or row hash is refused: ingest again.
 """
 
 from __future__ import annotations
@@ -45,13 +43,13 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from govray.core.canonical import file_sha256
 from govray.core.errors import IngestError
 from govray.core.storage import open_storage
+from govray.data.rowhash import ROW_HASH_VERSION
 
 MANIFEST = "manifest.json"
 SHARD_FORMAT_VERSION = 4
@@ -106,9 +104,7 @@ class ShardManifest(BaseModel):
     policy_version: int
     policy_digest: str
     holdout_fraction: float
-    # How ``_row_hash`` and the holdout split were computed (govray.data.rowhash). Manifests
-    # written before version 2 lack the field: they are version 1.
-    row_hash_version: int = 1
+    row_hash_version: int  # how ``_row_hash`` and the holdout split were computed (govray.data.rowhash)
     corpora: list[CorpusSummary]
     routes: list[RouteSummary]  # in policy order; routes with no rows are listed with rows=0
     holdout: dict[str, list[ShardFile]] = Field(default_factory=dict)  # corpus → files
@@ -125,11 +121,22 @@ class ShardManifest(BaseModel):
                 return corpus
         raise IngestError(f"shards {self.key} have no corpus '{corpus_id}'")
 
+    @model_validator(mode="after")
+    def _one_format(self) -> ShardManifest:
+        if self.format_version != SHARD_FORMAT_VERSION:
+            raise ValueError(
+                f"shard format {self.format_version} is not the one this govray reads "
+                f"({SHARD_FORMAT_VERSION}): ingest the corpora again"
+            )
+        if self.row_hash_version != ROW_HASH_VERSION:
+            raise ValueError(
+                f"row hash version {self.row_hash_version} is not the one this govray computes "
+                f"({ROW_HASH_VERSION}): ingest the corpora again"
+            )
+        return self
+
     def to_json(self) -> str:
-        document = self.model_dump(mode="json")
-        if self.row_hash_version == 1:  # a version-1 manifest reads as it was written
-            del document["row_hash_version"]
-        return json.dumps(document, indent=2, sort_keys=True) + "\n"
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
 
 _Split = Literal["train", "holdout"]
@@ -199,6 +206,9 @@ class ShardSet:
             manifest = ShardManifest.model_validate_json(path.read_text())
         except OSError as error:
             raise IngestError(f"no shard manifest at {path}: {error.strerror}") from None
+        except ValidationError as error:
+            problems = "; ".join(problem["msg"] for problem in error.errors())
+            raise IngestError(f"shard manifest {path}: {problems}") from None
         shards = cls(root, manifest)
         if verify:
             shards.verify()
@@ -261,8 +271,6 @@ class ShardSet:
                 f"corpus '{corpus_id}' has {rows} rows (0..{rows - 1}) in shards {self.manifest.key}; "
                 f"there is no row {row}"
             )
-        if self.manifest.format_version < 2:
-            return self._scan(corpus_id, row)
         order = [corpus.corpus_id for corpus in self.manifest.corpora].index(corpus_id)
         for (split, name), spans in self._file_spans().items():
             covering = spans.covering(order, row)
@@ -304,27 +312,6 @@ class ShardSet:
                     return start + found
             start += size
         return None
-
-    def _scan(self, corpus_id: str, row: int) -> RowLocation:
-        """Format 1 has no row spans per file: read the ``_corpus`` and ``_row`` columns."""
-        groups: list[tuple[_Split, str | None, list[ShardFile]]] = [
-            ("train", route.route, route.files) for route in self.manifest.routes if route.rows
-        ]
-        if corpus_id in self.manifest.holdout:
-            groups.append(("holdout", None, self.manifest.holdout[corpus_id]))
-        for split, route, files in groups:
-            position = 0
-            for file in files:
-                table = pq.read_table(self.root / file.path, columns=["_corpus", "_row"])
-                mine = pc.and_(pc.equal(table["_corpus"], corpus_id), pc.equal(table["_row"], row))
-                hits = np.flatnonzero(mine.to_numpy(zero_copy_only=False))
-                if hits.size:
-                    index = int(hits[0])
-                    return RowLocation(split, route, position + index, file, index)
-                position += file.rows
-        raise IngestError(
-            f"shards {self.manifest.key}: row {row} of corpus '{corpus_id}' is in none of their files"
-        )
 
     def route_table(self, route: str, columns: Sequence[str] | None = None) -> pa.Table:
         """All training rows of ``route``, in shard order."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from govray.data.orders import EpochOrder, epoch_order
+from govray.data.orders import KeyedEpoch, keyed_epoch
 from govray.data.schedule import ScheduleError, ScheduleSpec
 
 
@@ -41,9 +41,9 @@ class Slot:
         return not self.rows
 
 
-def epoch_of(spec: ScheduleSpec, epoch: int) -> EpochOrder:
+def epoch_of(spec: ScheduleSpec, epoch: int) -> KeyedEpoch:
     """Epoch ``epoch``'s order of rows and batches: steps 1-3 of the module docstring."""
-    return epoch_order(spec.version, spec.seed, spec.batch_size, spec.sizes, epoch)
+    return keyed_epoch(spec.seed, spec.batch_size, spec.sizes, epoch)
 
 
 EMPTY = Slot(route=None, rows=(), corpora=())

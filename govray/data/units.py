@@ -28,7 +28,7 @@ import ray
 from govray.config.data import CorpusRole, CorpusSpec
 from govray.core.canonical import canonical_json
 from govray.core.errors import CredentialError, PolicyError
-from govray.data.rowhash import ROW_HASH_VERSION, holdout_mask, row_digests
+from govray.data.rowhash import holdout_mask, row_digests
 from govray.data.shards import ShardFile
 from govray.governance.credentials import build_credential
 from govray.governance.policy import DepthPolicy
@@ -93,7 +93,6 @@ class UnitJob:
     unit: int
     first_row: int  # the corpus row number of the unit's first row
     directory: str  # the staging directory of the shards
-    row_hash_version: int = ROW_HASH_VERSION  # govray.data.rowhash
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def write_unit(job: UnitJob, *pieces: pa.Table) -> UnitReport:
     )
     spec = CorpusSpec.model_validate_json(job.spec_json)
     policy = DepthPolicy.model_validate_json(job.policy_json)
-    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction, job.row_hash_version)
+    annotated = annotate(table, job.first_row, spec, policy, job.holdout_fraction)
     if isinstance(annotated, RowRefusal):
         return UnitReport(received_rows=table.num_rows, refusal=annotated)
     counts: dict[str, int] = {}
@@ -258,9 +257,8 @@ def annotate(
     spec: CorpusSpec,
     policy: DepthPolicy,
     holdout_fraction: float,
-    row_hash_version: int = ROW_HASH_VERSION,
 ) -> Annotated | RowRefusal:
-    """Number, validate, route, hash (of ``row_hash_version``) and split the rows of ``table``
+    """Number, validate, route, hash and split the rows of ``table``
     (corpus rows from ``first_row``): the rows with the shard columns, each row's route and
     credential kept as indices (``Annotated``; ``whole()`` builds every column), or the refusal of
     its first bad row.
@@ -285,7 +283,7 @@ def annotate(
             return resolved
         routes.append(resolved[0])
         credentials.append(resolved[1])
-    hashes, prefixes = row_digests(table, row_hash_version)
+    hashes, prefixes = row_digests(table)
     route_names = list(dict.fromkeys(routes))
     route_of_row = np.array([route_names.index(route) for route in routes], dtype=np.int64)[of_row]
     if spec.role == CorpusRole.TRAIN:

@@ -45,9 +45,7 @@ from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoints.files import load_checkpoint
-from govray.train.checkpoints.manifest import CheckpointState
 from govray.train.checkpoints.whole_file import base_sha256
-from govray.train.runspec import RunSpec
 
 SOURCE_TITLES = {
     SourceType.PUBLIC_DATASET: "Publicly available datasets",
@@ -219,42 +217,7 @@ def eu_summary(
         _source(summary, rows.get(summary.corpus_id, Counter()), trained, in_model, excluded)
         for summary in shards.manifest.corpora
     ]
-    general = _general_information(
-        checkpoint,
-        spec,
-        state,
-        corpora,
-        adapters,
-        trial,
-        model=model,
-        version=version,
-        provider=provider,
-        trust=trust,
-    )
-    processing = DataProcessing(
-        tdm_opt_outs=[_opt_out(corpus, updates) for corpus in corpora if corpus.tdm_opt_out],
-        sensitive_data=_sensitive_data(rows, updates, in_model, excluded),
-        excluded_corpora=excluded,
-        memorization=_memorization_checks(state.memorization),
-    )
-    return EuSummary(general=general, sources=_groups(corpora), processing=processing)
-
-
-def _general_information(
-    checkpoint: Path,
-    spec: RunSpec,
-    state: CheckpointState,
-    corpora: list[CorpusSource],
-    adapters: list[str],
-    trial: TrialRecord | None,
-    *,
-    model: str,
-    version: str,
-    provider: str,
-    trust: TrustConfig,
-) -> GeneralInformation:
-    """The model, its checkpoint and policy, the periods of collection and training, the totals."""
-    return GeneralInformation(
+    general = GeneralInformation(
         model=model,
         version=version,
         provider=provider,
@@ -266,23 +229,38 @@ def _general_information(
         started_from=str(state.source["path"]) if state.source.get("path") else None,
         policy=f"{spec.policy.name} v{spec.policy.version}",
         policy_sha256=spec.policy_digest,
-        modalities=sorted({c.modality for c in corpora if c.examples}),
-        collection_period=Period(
+        **_periods_and_totals(corpora, trial),
+    )
+    processing = DataProcessing(
+        tdm_opt_outs=[_opt_out(corpus, updates) for corpus in corpora if corpus.tdm_opt_out],
+        sensitive_data=_sensitive_data(rows, updates, in_model, excluded),
+        excluded_corpora=excluded,
+        memorization=_memorization_checks(state.memorization),
+    )
+    return EuSummary(general=general, sources=_groups(corpora), processing=processing)
+
+
+def _periods_and_totals(corpora: list[CorpusSource], trial: TrialRecord | None) -> dict[str, Any]:
+    """What the corpora and the trial give the general information: modalities, the periods of
+    collection and training, and the totals."""
+    return {
+        "modalities": sorted({c.modality for c in corpora if c.examples}),
+        "collection_period": Period(
             start=min(c.collection_period.start for c in corpora),
             end=max(c.collection_period.end or c.collection_period.start for c in corpora),
         ),
-        training_period=None
+        "training_period": None
         if trial is None
         else Period(
             start=trial.created_at.date().isoformat(),
             end=trial.ended_at.date().isoformat() if trial.ended_at else None,
         ),
-        corpora=len(corpora),
-        rows=sum(c.rows for c in corpora),
-        train_rows=sum(c.train_rows for c in corpora),
-        holdout_rows=sum(c.holdout_rows for c in corpora),
-        examples=sum(c.examples for c in corpora),
-    )
+        "corpora": len(corpora),
+        "rows": sum(c.rows for c in corpora),
+        "train_rows": sum(c.train_rows for c in corpora),
+        "holdout_rows": sum(c.holdout_rows for c in corpora),
+        "examples": sum(c.examples for c in corpora),
+    }
 
 
 def _sensitive_data(

@@ -9,7 +9,7 @@ Two backends, one schema and one set of Alembic migrations:
   not install).
 
 >>> upgrade("postgresql+psycopg://govray@db.internal/tracking")   # doctest: +SKIP
-'0006_bigint_counts_and_index'
+'0001_initial'
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def upgrade(target: str | Engine) -> str:
             if found is not None and found not in known:
                 raise TrackingError(
                     f"tracking store {where} is at revision {found!r}, which this govray does "
-                    f"not know (newest known: {known[0]!r}); upgrade govray"
+                    f"not know (newest known: {known[0]!r}): a store written by a newer govray "
+                    "needs that govray; one from before 1.0 cannot be migrated (start a new store)"
                 )
             command.upgrade(alembic_config(connection), "head")
     except (SQLAlchemyError, CommandError) as exc:

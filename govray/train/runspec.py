@@ -70,9 +70,6 @@ class RunSpec(BaseModel):
     # elastic runs): the world's size. A resume continues its checkpoint's, whatever this is.
     slots_per_step: int = 0
     excluded_corpora: tuple[str, ...] = ()
-    # How the schedule permutes rows (``govray.data.schedule``): a run.json written before version
-    # 2 existed has no such key, and ran version 1. New runs get SCHEDULE_VERSION (plan_run).
-    schedule_version: int = 1
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
     # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
     recorded_code: bool = False

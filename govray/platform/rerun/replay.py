@@ -46,7 +46,6 @@ from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialKind, TrialRecord, TrialState
 from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints, verify_checkpoint
-from govray.train.checkpoints.folders import checkpoint_schedule_version
 from govray.train.checkpoints.manifest import STATE_FILE, CheckpointState, TrainedUnder
 from govray.train.checkpoints.whole_file import base_tensors, file_tensors
 from govray.train.control.decisions import (
@@ -377,7 +376,6 @@ def prepare_replay(
             # A search trial validated where its scheduler's rungs are (its ASHA stop is applied there).
             validation_period=ran.validation_period,
             code=code,
-            schedule_version=checkpoint_schedule_version(original_dir),  # its schedule, as it ran
         )
 
     plans = [planned(entry.hparams) for entry in lineage]

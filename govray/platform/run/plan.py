@@ -32,7 +32,7 @@ from govray.core.storage import Storage, open_storage
 from govray.data.ingest import IngestResult
 from govray.data.packed import PackedStore
 from govray.data.packing import pack_shards
-from govray.data.schedule import SCHEDULE_VERSION, ScheduleSpec, derive_seed
+from govray.data.schedule import ScheduleSpec, derive_seed
 from govray.data.shards import MANIFEST, ShardManifest, ShardSet
 from govray.governance.canaries import CanaryProbe
 from govray.platform.run.preflight import CheckedPolicy, config_digest
@@ -123,7 +123,6 @@ def plan_run(
     start_checkpoint: Path | None = None,
     start_model: Mapping[str, str] | None = None,
     validation_period: int | None = None,
-    schedule_version: int = SCHEDULE_VERSION,
     code: CodeSnapshot | None = None,
     threads: int | None = None,
 ) -> RunPlan:
@@ -159,9 +158,8 @@ def plan_run(
         trial_seed=trial_seed,
         packed_root=str(packed.root) if packed is not None else "",
         packed_sha256=file_sha256(packed.root / MANIFEST) if packed is not None else "",
-        max_steps=plan_steps(config, shards.manifest, trial.batch_size, trial_seed, schedule_version, packed),
+        max_steps=plan_steps(config, shards.manifest, trial.batch_size, trial_seed, packed),
         excluded_corpora=excluded_corpora,
-        schedule_version=schedule_version,
         report_every=report_every,
         threads=threads if threads is not None else default_threads(config.resources.cpus_per_worker),
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
@@ -257,7 +255,6 @@ def plan_steps(
     manifest: ShardManifest,
     batch_size: int,
     trial_seed: int,
-    schedule_version: int = SCHEDULE_VERSION,
     packed: PackedStore | None = None,
 ) -> int:
     """Total steps from the searcher's ``max_length`` (batches, or epochs of the schedule: of its
@@ -271,7 +268,6 @@ def plan_steps(
         seed=derive_seed(config.seed, trial_seed, "schedule"),
         world_size=config.resources.max_workers,
         batch_size=batch_size,
-        version=schedule_version,
         windows=packed.layouts() if packed is not None else None,
     )
     return length.epochs * schedule.steps_per_epoch

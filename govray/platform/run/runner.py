@@ -29,7 +29,6 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
-from govray.data.schedule import SCHEDULE_VERSION
 from govray.platform.mlflow_mirror import mirrored
 from govray.platform.run.plan import RunPlan, code_directory, plan_run, run_spec_path
 from govray.platform.run.preflight import CheckedPolicy
@@ -147,7 +146,6 @@ def run_trial(
     start_model: Mapping[str, str] | None = None,
     replay_of: int | None = None,
     code: CodeSnapshot | None = None,
-    schedule_version: int = SCHEDULE_VERSION,
 ) -> TrialOutcome:
     """Plan one trial (:func:`govray.platform.run.plan.plan_run`), then train and record it
     (:func:`run_planned`); raises ``TrainingFailed``.
@@ -161,8 +159,7 @@ def run_trial(
     (``govray.platform.registry.register.start_reference``), whose attestation the trial's own
     then lists as its base model. A replay names the trial it reruns
     (``replay_of``) and runs that trial's recorded ``code`` (see
-    :func:`govray.platform.run.plan.recorded_trial_code`) on its ``schedule_version``. A run started
-    from a checkpoint is a new run: the current version.
+    :func:`govray.platform.run.plan.recorded_trial_code`).
     """
     plan = plan_run(
         config,
@@ -175,7 +172,6 @@ def run_trial(
         recorded_decisions=recorded_decisions,
         start_checkpoint=start_checkpoint,
         start_model=start_model,
-        schedule_version=schedule_version,
         code=code,
     )
     return run_planned(plan, experiment, store, progress=progress, replay_of=replay_of)

@@ -23,14 +23,12 @@ import ray.tune
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
-from govray.data.schedule import SCHEDULE_VERSION
 from govray.platform.run.plan import control_path, plan_run
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.search.placement_guard import PLACES_KEY
 from govray.train.checkpoints.base_file import materialize_base
 from govray.train.checkpoints.folders import (
     checkpoint_report,
-    checkpoint_schedule_version,
     newest_verified_checkpoint,
     present_checkpoint,
 )
@@ -99,9 +97,6 @@ def train_trial(
     folder of the checkpoint Tune restored or cloned, None for a trial that begins."""
     config = ExperimentConfig.model_validate_json(setup.config_json)
     hparams = {name: params[name] for name in config.hyperparameters}
-    # A restored trial or a PBT clone continues its checkpoint's schedule (a search begun before
-    # schedule version 2 keeps version 1).
-    version = checkpoint_schedule_version(Path(resume)) if resume is not None else SCHEDULE_VERSION
     plan = plan_run(
         config,
         setup.checked,
@@ -109,7 +104,6 @@ def train_trial(
         hparams=hparams,
         report_every=setup.report_every,
         validation_period=setup.validation_period,
-        schedule_version=version,
         code=setup.code,
         threads=setup.threads,
     )

@@ -182,12 +182,6 @@ def checkpoint_report(directory: Path) -> dict[str, Any]:
     return report
 
 
-def checkpoint_schedule_version(directory: Path) -> int:
-    """The schedule version a checkpoint's run trained on, from its state (unverified: loading
-    verifies it, and a resume refuses a schedule other than its own)."""
-    return int(json.loads((directory / STATE_FILE).read_text())["schedule"]["version"])
-
-
 def checkpoint_run(directory: Path) -> str:
     """The run that wrote a checkpoint, from its state (unverified: loading verifies it)."""
     return str(json.loads((directory / STATE_FILE).read_text()).get("run", ""))

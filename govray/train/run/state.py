@@ -179,7 +179,7 @@ class TrialRun:
         if state.schedule.get("version") != schedule.version:
             raise CheckpointError(
                 f"{directory}: written on schedule version {state.schedule.get('version')}, this run "
-                f"is on version {schedule.version} (its run spec's schedule_version)"
+                f"is on version {schedule.version}"
             )
         if state.schedule_digest != schedule.digest():
             raise CheckpointError(

@@ -335,7 +335,6 @@ class GovernedStep:
             batch_size=self.trial.batch_size,
             excluded_corpora=self.spec.excluded_corpora,
             events=events,
-            version=self.spec.schedule_version,
             windows=self.packed.layouts() if self.packed is not None else None,
         )
 
