@@ -13,7 +13,7 @@ import torch
 from govray.config.training import TrainingSettings
 from govray.governance.detectors import TokenStats, example_scores, min_k_prob, token_stats
 from govray.train.hf import CausalLMTrial
-from govray.train.step.recompute import IGNORE
+from govray.train.step.memory_savers import IGNORE
 
 pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from govray.config.training import TrainingSettings
 from govray.governance.adapters import GovernedModel
 from govray.governance.routing import resolve_routes
 from govray.train.hf import CausalLMTrial, decoder_layers
-from govray.train.step.recompute import checkpoint_activations
+from govray.train.step.memory_savers import checkpoint_activations
 from govray.train.trial import Trial
 from jobs.examples.text.trial import CharTransformerTrial
 from tests.helpers.lm import VOCAB, llama, make_nonzero, policy

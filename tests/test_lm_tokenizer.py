@@ -20,7 +20,7 @@ import torch
 from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.reproduce.snapshots import ReproducibilityError, input_digests, verify_input_digests
-from govray.train.step.recompute import IGNORE
+from govray.train.step.memory_savers import IGNORE
 from tests.helpers.lm import TOKENIZER_VOCAB, llama, save_small_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -152,7 +152,7 @@ class TrainingSettings(BaseModel):
     # its inputs in the forward and recomputes its activations in the backward (non-reentrant).
     activation_checkpointing: bool = False
     # CausalLMTrial's loss: output head and cross-entropy this many positions at a time, so the
-    # whole sequence's logits are never held (govray.train.step.recompute); None: the whole sequence.
+    # whole sequence's logits are never held (govray.train.step.memory_savers); None: the whole sequence.
     loss_chunk: int | None = Field(default=1024, ge=1)
 
     @model_validator(mode="after")

@@ -41,7 +41,7 @@ from torch import nn
 from govray.core.errors import ConfigError
 from govray.governance.detectors import TokenStats, token_stats
 from govray.train.decoder import decoder_layers, is_transformers_model
-from govray.train.step.recompute import IGNORE, chunked_token_nll, token_nll
+from govray.train.step.memory_savers import IGNORE, chunked_token_nll, token_nll
 from govray.train.trial import Batch, Trial, scoring
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class CausalLMTrial(Trial):
         Rows are right-padded and attention is causal, so no real token attends to padding and no
         attention mask is needed. Under ``training.loss_chunk`` (default 1024 positions) the
         output head and cross-entropy run a chunk at a time from the final hidden states
-        (:func:`govray.train.step.recompute.chunked_token_nll`): the whole sequence's logits are never
+        (:func:`govray.train.step.memory_savers.chunked_token_nll`): the whole sequence's logits are never
         held. A model whose logits are more than its head applied to the last hidden state (a
         soft cap, a logit scale) computes them whole.
         """

@@ -168,7 +168,7 @@ class Trial(ProbeHooks, ABC):
     def checkpoint_units(self, model: nn.Module) -> Sequence[str]:
         """Under ``training.activation_checkpointing``, the modules that keep only their inputs in
         the forward and recompute their activations in the backward (non-reentrant, same RNG:
-        :func:`govray.train.step.recompute.checkpoint_activations`). Default: the layers
+        :func:`govray.train.step.memory_savers.checkpoint_activations`). Default: the layers
         (:meth:`layers`), or the model's top-level children; a transformers decoder: its blocks."""
         layers = self.layers(model)
         return list(layers) if layers is not None else [name for name, _ in model.named_children()]

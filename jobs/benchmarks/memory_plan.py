@@ -228,7 +228,7 @@ def plain_fsdp(trial: CausalLMTrial, setup: PlanSetup) -> MemoryPlan:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from govray.train.parallel.fsdp import layer_units
-    from govray.train.step.recompute import checkpoint_activations
+    from govray.train.step.memory_savers import checkpoint_activations
 
     model = trial.build_meta_model()
     units = layer_units(model, trial.fsdp_units(model))

@@ -35,7 +35,7 @@ from govray.train.footprint.estimate import (
     measure_step,
 )
 from govray.train.parallel.fsdp import ShardedGovernor, layer_units, optimizer_groups, shard_model
-from govray.train.step.recompute import checkpoint_activations
+from govray.train.step.memory_savers import checkpoint_activations
 from govray.train.trial import Trial
 
 

@@ -57,7 +57,7 @@ from govray.train.run.dashboard import GovernanceMetrics
 from govray.train.runspec import RunSpec
 from govray.train.step.batches import MicroBatch, Prefetcher, on_device, row_batches
 from govray.train.step.ledger import Ledger
-from govray.train.step.recompute import checkpoint_activations
+from govray.train.step.memory_savers import checkpoint_activations
 from govray.train.step.scaling import LossScaler
 from govray.train.step.trainable import freeze_unroutable, reindexed, trainable_in_fp32
 from govray.train.trial import Trial
