@@ -3,9 +3,9 @@ questions over HTTP from the tracking store (README, "Lineage over HTTP").
 
 Started by ``govray serve`` or by Serve's own CLI with this module's import path::
 
-    GOVRAY_DATABASE_URL=sqlite:///runs/tracking.db GOVRAY_TRUST=policies/trust.yaml \\
-        serve run serve.app:app                      # settings from the environment
-    serve run serve.app:app config=serve.yaml        # ... or a YAML file (govray.config.serve)
+    GOVRAY_DATABASE=sqlite:///runs/tracking.db GOVRAY_TRUST=policies/trust.yaml \\
+        serve run serve.app:app                      # the user's settings and the environment
+    serve run serve.app:app config=serve.yaml        # ... and a YAML file (govray.config.serve)
 
 Endpoints are under ``/api`` (``serve.api`` reads, ``serve.verify`` checks envelopes,
 ``serve.writes`` registers versions and tags with a bearer token); the lineage page's router

@@ -297,8 +297,11 @@ def test_shards_store_repeated_columns_as_dictionaries_and_hashes_as_raw_bytes(t
             r"shard format 3 is not the one this govray reads \(4\): ingest the corpora again",
         ),
         ({"format_version": 1}, r"shard format 1 is not the one this govray reads \(4\)"),
-        ({"row_hash_version": 1}, r"row hash version 1 is not the one this govray computes \(2\)"),
-        ({"row_hash_version": None}, r"Field required"),
+        ({"row_hash_version": 1}, r"row hash version 1: this govray computes row hash version 2"),
+        (
+            {"row_hash_version": None},
+            r"no row hash version \(shards from before govray 1.0\): this govray computes",
+        ),
     ],
 )
 def test_a_manifest_of_another_format_or_row_hash_is_refused_with_both_versions_named(

@@ -474,3 +474,16 @@ def test_every_module_the_docs_name_exists() -> None:
     }
     assert len(cited) > 50
     assert sorted((document, path) for document, path in cited if not (REPO / path).is_file()) == []
+
+
+def test_run_json_has_one_reader() -> None:
+    """``read_run_spec`` (govray/train/runspec.py) is the only code that parses a run spec file."""
+    readers = [
+        f"{path.relative_to(REPO)}:{number}"
+        for top in ("govray", "serve", "searchers", "jobs")
+        for path in sorted((REPO / top).rglob("*.py"))
+        if path != GOVRAY / "train" / "runspec.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "RunSpec.model_validate_json" in line
+    ]
+    assert readers == []

@@ -4,6 +4,7 @@ random access without memory that grows with the corpus, and row lookup by binar
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tracemalloc
@@ -330,6 +331,22 @@ def test_a_changed_byte_is_refused_naming_the_file(store: PackedStore, tmp_path:
     manifest = (copy / MANIFEST).read_text().replace(f'"seq_len": {SEQ_LEN}', '"seq_len": 99')
     (copy / MANIFEST).write_text(manifest)
     with pytest.raises(IngestError, match="the manifest was edited or moved"):
+        PackedStore.open(copy)
+
+
+@pytest.mark.parametrize("version", [0, 2, None])
+def test_a_store_of_another_format_is_refused_naming_both_versions(
+    store: PackedStore, tmp_path: Path, version: int | None
+) -> None:
+    copy = tmp_path / store.root.name
+    shutil.copytree(store.root, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    assert manifest["format_version"] == 1
+    manifest["format_version"] = version
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        IngestError, match=rf"packed store format {version!r} is not the one this govray reads \(1\)"
+    ):
         PackedStore.open(copy)
 
 

@@ -4,6 +4,7 @@ and carried, the trial built once for the plan; the refusal check and the run sh
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from govray.platform.run.runner import TrialOutcome, run_planned
 from govray.tracking.store import TrackingStore
 from govray.train import trial as trial_module
 from govray.train.checkpoints.files import CheckpointError, find_checkpoints, verify_checkpoint
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 from jobs.examples.digits.golden import golden_example
+from tests.helpers.golden import GoldenRun
 
 DRIVER = ("govray.platform.", "govray.cli.")  # the driver's modules
 
@@ -125,3 +127,24 @@ def test_a_planner_that_no_ingest_called_says_so(planned_run: PlannedRun) -> Non
     planner = RunPlanner(planned_run.plan.config, planned_run.checked)
     with pytest.raises(PlanError, match="pass this planner as ingest_experiment's check"):
         _ = planner.plan
+
+
+def test_a_run_spec_of_another_shape_is_refused_naming_the_file(
+    golden_run: GoldenRun, tmp_path: Path
+) -> None:
+    """The one reader of run.json: a pre-release spec (its ``schedule_version``), an edited one, or
+    none at all is a ``CheckpointError`` naming the file and the field — never a traceback."""
+    written = find_checkpoints(golden_run.outcome.run_dir)[-1] / RUN_SPEC_FILE
+    assert read_run_spec(written) == RunSpec.model_validate_json(written.read_text())
+    document = json.loads(written.read_text())
+    for name, edit in [
+        ("pre-release", {**document, "schedule_version": 1}),
+        ("edited", {**document, "max_steps": "thirty"}),
+    ]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(edit))
+        field = "schedule_version" if name == "pre-release" else "max_steps"
+        with pytest.raises(CheckpointError, match=rf"{path}: not a run spec this govray reads: .*{field}"):
+            read_run_spec(path)
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'none.json'}: no run spec"):
+        read_run_spec(tmp_path / "none.json")

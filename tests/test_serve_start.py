@@ -1,4 +1,5 @@
-"""How the lineage app is started: its settings (environment, then a YAML file, then options),
+"""How the lineage app is started: its settings (the settings file and the environment, then a
+YAML file, then options),
 Serve's own ``serve run serve.app:app`` import path, ``govray serve`` starting the app its
 ``govray.apps`` entry point names on the given host and port (govray never imports ``serve/``), and
 refusing to start without a tracking store. None of it needs Ray; tests/test_serve_app.py serves
@@ -23,6 +24,7 @@ from govray.core.errors import ConfigError
 
 def test_settings_come_from_the_environment_then_the_config_file_then_options(tmp_path: Path) -> None:
     environ = {
+        "GOVRAY_HOME": str(tmp_path / "home"),  # no settings file there
         "GOVRAY_DATABASE": "sqlite:///cli-name.db",
         "GOVRAY_SERVE_TOKEN": "from-env",
         "GOVRAY_TRUST": "trust.yaml",
@@ -37,30 +39,37 @@ def test_settings_come_from_the_environment_then_the_config_file_then_options(tm
     assert from_env.token is not None and from_env.token.get_secret_value() == "from-env"
     assert "from-env" not in repr(from_env)  # the token never lands in a log line
 
-    preferred = ServeSettings.load(environ={**environ, "GOVRAY_DATABASE_URL": "sqlite:///url-name.db"})
-    assert preferred.database_url == "sqlite:///url-name.db"
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.yaml").write_text(
+        yaml.safe_dump({"store": {"database_url": "sqlite:///settings.db"}, "serve": {"host": "0.0.0.0"}})
+    )
+    from_settings = ServeSettings.load(environ={"GOVRAY_HOME": str(tmp_path / "home")})
+    assert (from_settings.database_url, from_settings.host) == ("sqlite:///settings.db", "0.0.0.0")
+    assert ServeSettings.load(environ=environ).database_url == "sqlite:///cli-name.db"  # the variable wins
 
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"database_url": "sqlite:///file.db", "port": 9001}))
     layered = ServeSettings.load(config, {"port": 9002, "host": None}, environ=environ)
-    assert (layered.database_url, layered.port, layered.trust) == (
+    assert (layered.database_url, layered.port, layered.trust, layered.host) == (
         "sqlite:///file.db",
         9002,
         Path("trust.yaml"),
+        "0.0.0.0",
     )
-    by_variable = ServeSettings.load(environ={**environ, "GOVRAY_SERVE_CONFIG": str(config)})
-    assert by_variable.port == 9001
 
 
 def test_bad_settings_are_refused_naming_the_field(tmp_path: Path) -> None:
+    home = {"GOVRAY_HOME": str(tmp_path / "home")}
     with pytest.raises(ConfigError, match="no tracking store given"):
-        ServeSettings.load(environ={})
+        ServeSettings.load(environ=home)
     with pytest.raises(ConfigError, match="port"):
-        ServeSettings.load(environ={"GOVRAY_DATABASE": "sqlite:///a.db", "GOVRAY_SERVE_PORT": "eighty"})
+        ServeSettings.load(
+            environ={**home, "GOVRAY_DATABASE": "sqlite:///a.db", "GOVRAY_SERVE_PORT": "eighty"}
+        )
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"database_url": "sqlite:///a.db", "tokn": "typo"}))
     with pytest.raises(ConfigError, match=f"{config}: unknown field 'tokn'"):
-        ServeSettings.load(config, environ={})
+        ServeSettings.load(config, environ=home)
 
 
 def test_serve_run_finds_the_app_by_its_import_path(tmp_path: Path) -> None:
@@ -79,10 +88,10 @@ def test_serve_run_finds_the_app_by_its_import_path(tmp_path: Path) -> None:
 
 
 def test_govray_serve_refuses_to_start_without_a_store(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    for name in ("GOVRAY_DATABASE_URL", "GOVRAY_DATABASE", "GOVRAY_SERVE_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GOVRAY_DATABASE", raising=False)
+    monkeypatch.setenv("GOVRAY_HOME", str(tmp_path))  # no settings file
     assert main(["serve", "--port", "8123"]) == 2
     assert "no tracking store given" in capsys.readouterr().err
 

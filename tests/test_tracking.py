@@ -24,7 +24,7 @@ from govray.tracking.audit import GENESIS_HASH, AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore, current_revision, upgrade
 from govray.tracking.tables import AuditEvent, ExperimentState, TrialState
 
-HEAD = "0001_initial"  # the one migration of 1.0
+HEAD = "0001_release"  # the one migration of 1.0
 
 
 def raw(store: TrackingStore, sql: str, **params: Any) -> None:
@@ -96,7 +96,7 @@ def test_upgrading_twice_is_a_no_op(store: TrackingStore) -> None:
     assert [e.name for e in store.list_experiments()] == ["kept"]
 
 
-@pytest.mark.parametrize("revision", ["0099_future", "0010_trial_world_history"])
+@pytest.mark.parametrize("revision", ["0099_future", "0010_trial_world_history", "0001_initial"])
 def test_a_database_from_a_newer_or_a_pre_release_govray_is_refused(
     store: TrackingStore, revision: str
 ) -> None:
@@ -106,7 +106,7 @@ def test_a_database_from_a_newer_or_a_pre_release_govray_is_refused(
     with pytest.raises(
         TrackingError,
         match=f"at revision '{revision}', which this govray does not know "
-        r"\(newest known: '0001_initial'\).*start a new store",
+        r"\(newest known: '0001_release'\).*start a new store",
     ):
         upgrade(store.engine)
     assert current_revision(store.engine) == revision

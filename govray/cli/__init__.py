@@ -46,8 +46,8 @@ SUBCOMMANDS = {
     "serve": Subcommand(
         "govray.cli.serve:serve",
         "Serve lineage, influence, row lookups, audit events and attestations over HTTP (JSON API\n"
-        "under /api, OpenAPI at /openapi.json). The write token comes from GOVRAY_SERVE_TOKEN or the\n"
-        "config, never the command line.",
+        "under /api, OpenAPI at /openapi.json). The write token comes from serve.token in\n"
+        "GOVRAY_HOME/config.yaml, GOVRAY_SERVE_TOKEN or the config, never the command line.",
     ),
     "submit": Subcommand(
         "govray.cli.job:submit",

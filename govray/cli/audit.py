@@ -8,24 +8,23 @@ from datetime import UTC, datetime
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, table
+from govray.cli.common import Database, console, open_store, table
 from govray.core.errors import TrackingError
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.store import TrackingStore
 
 app = typer.Typer(help="The audit log: verify its hash chain, list its events.", no_args_is_help=True)
 
 
 @app.command("verify")
-def verify(database: str = Database) -> None:
+def verify(database: str | None = Database) -> None:
     """Check the whole hash chain; exits 8 naming the first edited, missing or reordered event."""
-    count = AuditLog(TrackingStore.open(database)).verify()
+    count = AuditLog(open_store(database)).verify()
     console.print(f"audit log intact: {count} events, hash chain verified from seq 1")
 
 
 @app.command("list")
 def list_events(
-    database: str = Database,
+    database: str | None = Database,
     experiment: str | None = typer.Option(None, "--experiment", help="Experiment id or name."),
     event_type: str | None = typer.Option(
         None, "--type", help=f"Event type ({', '.join(member.value for member in AuditEventType)})."
@@ -35,7 +34,7 @@ def list_events(
     as_json: bool = typer.Option(False, "--json", help="One JSON document per line."),
 ) -> None:
     """Events in chain order, filtered by experiment, type and time."""
-    store = TrackingStore.open(database)
+    store = open_store(database)
     experiment_id = store.get_experiment(experiment).id if experiment is not None else None
     events = AuditLog(store).list(
         experiment_id, event_type, _moment(since, "--since"), _moment(until, "--until")

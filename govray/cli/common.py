@@ -24,10 +24,40 @@ if TYPE_CHECKING:
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 ConfigArgument = typer.Argument(..., exists=False, help="Experiment file (YAML).")
-Database = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL.")
+Database = typer.Option(
+    None,
+    "--database",
+    envvar="GOVRAY_DATABASE",
+    help="Tracking store URL (default: store.database_url in GOVRAY_HOME/config.yaml).",
+)
 AllowUnsigned = typer.Option(
     False, "--allow-unsigned-policy", help="Run with an unsigned policy (recorded in the audit log)."
 )
+
+
+def database_url(database: str | None) -> str | None:
+    """The tracking store a command opens: ``--database`` (or ``GOVRAY_DATABASE``), else the
+    ``store.database_url`` setting (``govray.core.settings``); None when neither names one."""
+    if database:
+        return database
+    from govray.core.settings import load_settings
+
+    return load_settings().store.database_url
+
+
+def open_store(database: str | None) -> TrackingStore:
+    """The tracking store :func:`database_url` names; ``ConfigError`` (exit 2) when none does."""
+    from govray.core.errors import ConfigError
+    from govray.core.settings import settings_path
+    from govray.tracking.store import TrackingStore
+
+    url = database_url(database)
+    if not url:
+        raise ConfigError(
+            "no tracking store given: --database URL, GOVRAY_DATABASE, or store.database_url in "
+            f"{settings_path()}"
+        )
+    return TrackingStore.open(url)
 
 
 def open_experiment(path: Path) -> tuple[ExperimentConfig, TrackingStore]:

@@ -11,8 +11,8 @@ import typer
 from rich.markup import escape
 
 from govray.cli import lifecycle
-from govray.cli.common import Database, console, table
-from govray.core.errors import ConfigError, GovrayError
+from govray.cli.common import Database, console, open_store, table
+from govray.core.errors import GovrayError
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialKind, TrialRecord
@@ -35,19 +35,15 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 @app.command("list")
 def list_experiments(
-    database: str | None = typer.Option(
-        None, "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."
-    ),
+    database: str | None = Database,
     config: Path | None = typer.Option(None, "--config", help="Use this experiment file's tracking store."),
 ) -> None:
     """List experiments, newest last."""
-    if database is None:
-        if config is None:
-            raise ConfigError("give --database URL (or GOVRAY_DATABASE) or --config EXPERIMENT.yaml")
+    if database is None and config is not None:
         from govray.config.experiment import load_experiment
 
         database = load_experiment(config).database_url
-    store = TrackingStore.open(database)
+    store = open_store(database)
     listing = table("id", "name", "state", "trials", "parent", "created", "config digest", "policy digest")
     for experiment in store.list_experiments():
         assert experiment.id is not None
@@ -68,12 +64,12 @@ def list_experiments(
 def describe(
     experiment: str = ExperimentArgument,
     as_json: bool = typer.Option(False, "--json", help="One JSON document instead of tables."),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """State, lineage, digests, GC policy, corpora, and each trial's metrics, checkpoints and decisions."""
     from govray.cli.describe import describe_experiment
 
-    description = describe_experiment(TrackingStore.open(database), experiment)
+    description = describe_experiment(open_store(database), experiment)
     if as_json:
         typer.echo(description.model_dump_json(indent=2))
         return
@@ -104,13 +100,13 @@ def describe(
 
 
 @app.command("mlflow-sync")
-def mlflow_sync(experiment: str = ExperimentArgument, database: str = Database) -> None:
+def mlflow_sync(experiment: str = ExperimentArgument, database: str | None = Database) -> None:
     """Copy to the experiment's MLflow server (``tracking.mlflow``) what it lacks: trials, metrics,
     states, registered versions. Runs and registrations do this themselves; this catches up after
     an outage at once."""
     from govray.platform.mlflow_mirror import sync_experiment
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     found = store.get_experiment(experiment)
     assert found.id is not None
     synced = sync_experiment(store, found.id)
@@ -125,7 +121,7 @@ def mlflow_sync(experiment: str = ExperimentArgument, database: str = Database) 
 def backfill_ledgers_command(
     experiment: str = ExperimentArgument,
     trust: Path = typer.Option(..., "--trust", help="Trust file listing the platform keys to accept."),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Store the ledger of every active checkpoint that has none in the store (recorded before
     checkpoints had their own), read from its state.json once its signed manifest verifies.
@@ -134,7 +130,7 @@ def backfill_ledgers_command(
     from govray.platform.run.ledgers import backfill_ledgers
     from govray.train.checkpoints.files import CheckpointError
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     found = store.get_experiment(experiment)
     assert found.id is not None
     done = backfill_ledgers(store, load_trust(trust), found.id)
@@ -160,7 +156,7 @@ def gc_policy(
     save_trial_latest: int | None = typer.Option(
         None, "--save-trial-latest", min=0, help="Keep each trial's N latest checkpoints."
     ),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Override the experiment's checkpoint GC policy and apply it now (audited); counts not given stay."""
     from govray.platform.gc import GcPolicy, effective_gc_policy, set_gc_policy
@@ -174,7 +170,7 @@ def gc_policy(
         raise typer.BadParameter(
             "give at least one of --save-experiment-best, --save-trial-best, --save-trial-latest"
         )
-    store = TrackingStore.open(database)
+    store = open_store(database)
     found = store.get_experiment(experiment)
     assert found.id is not None
     old = effective_gc_policy(store, found.id)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from govray.core.errors import GovrayError
+from govray.cli.common import Database, database_url, open_store
 from govray.tracking.lineage import trial_of
 from govray.tracking.store import TrackingStore
 
@@ -41,9 +41,7 @@ def eu_summary_command(
     ),
     output: Format = typer.Option(Format.MD, "--format", help="md (Markdown) or json."),
     provider: str = typer.Option("", "--provider", help="The provider's name, for section 1."),
-    database: str | None = typer.Option(
-        None, "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL (the registry)."
-    ),
+    database: str | None = Database,
 ) -> None:
     """The training-content summary of a model version (template sections: general information,
     data sources by type, data processing), from its credentials, shards and recorded schedule.
@@ -53,12 +51,11 @@ def eu_summary_command(
 
     if (model is None) == (checkpoint is None):
         raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
-    store = TrackingStore.open(database) if database else None
+    url = database_url(database)
+    store = TrackingStore.open(url) if url else None
     if model is not None:
         if store is None:
-            raise GovrayError(
-                "a registered model needs the tracking store: --database URL or GOVRAY_DATABASE"
-            )
+            store = open_store(None)  # refused, saying where a store may be named
         summary = version_summary(store, resolve(store, model), provider)
     else:
         assert checkpoint is not None
@@ -78,7 +75,7 @@ def bom_command(
         ..., metavar="MODEL[:VERSION]", help="A registered model (its latest version without :VERSION)."
     ),
     output: BomFormat = typer.Option(BomFormat.CYCLONEDX, "--format", help="cyclonedx (CycloneDX 1.6 JSON)."),
-    database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+    database: str | None = Database,
 ) -> None:
     """An ML-BOM of a model version: the model (every file's sha256, policy, adapters, removed
     adapters), each corpus as a data component (credential, fingerprint, examples that reached the
@@ -87,7 +84,7 @@ def bom_command(
     from govray.provenance.bom import cyclonedx_bom
     from govray.queries.ledger import statement_of
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     version = resolve(store, model)
     record = provenance_record(store, version)
     document = cyclonedx_bom(
@@ -128,9 +125,7 @@ def peft_adapter_command(
     checkpoint: Path | None = typer.Option(
         None, "--checkpoint", help="Export from this checkpoint directory instead of a registered model."
     ),
-    database: str | None = typer.Option(
-        None, "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL (the registry)."
-    ),
+    database: str | None = Database,
 ) -> None:
     """Write ADAPTER of a verified model version in PEFT's layout, so that
     ``PeftModel.from_pretrained(base, OUT)`` loads what govray trained. Exits 9 for an unknown
@@ -142,11 +137,7 @@ def peft_adapter_command(
     if (model is None) == (checkpoint is None):
         raise typer.BadParameter("give either MODEL[:VERSION] or --checkpoint DIR")
     if model is not None:
-        if not database:
-            raise GovrayError(
-                "a registered model needs the tracking store: --database URL or GOVRAY_DATABASE"
-            )
-        checkpoint = resolve(TrackingStore.open(database), model).directory
+        checkpoint = resolve(open_store(database), model).directory
     assert checkpoint is not None
     written = export_peft_adapter(checkpoint, adapter, out, load_trust(trust))
     typer.echo(f"{adapter}: {written} (PeftModel.from_pretrained(base, '{written}'))")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import AllowUnsigned, Database, Strict, console
+from govray.cli.common import AllowUnsigned, Database, Strict, console, open_store
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
 from govray.platform.lifecycle import LATEST, activate, fork, request_kill, request_pause, wait_while_active
@@ -32,9 +32,9 @@ def _outcome_of_wait(store: TrackingStore, experiment: str, wait: float, verb: s
     console.print(f"experiment {found.id} '{found.name}' is {found.state}")
 
 
-def pause(experiment: str = ExperimentArgument, wait: float = Wait, database: str = Database) -> None:
+def pause(experiment: str = ExperimentArgument, wait: float = Wait, database: str | None = Database) -> None:
     """Checkpoint the running trial at its next step boundary and stop; `activate` continues it."""
-    store = TrackingStore.open(database)
+    store = open_store(database)
     request_pause(store, experiment)
     _outcome_of_wait(store, experiment, wait, "pause")
 
@@ -45,10 +45,10 @@ def kill(
     force: bool = typer.Option(
         False, "--force", help="Mark an active experiment killed without its driver (the driver died)."
     ),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Stop the experiment for good (a running trial stops at its next step boundary)."""
-    store = TrackingStore.open(database)
+    store = open_store(database)
     found = request_kill(store, experiment, force=force)
     if found.state == "killed":
         console.print(f"experiment {found.id} '{found.name}' is killed")
@@ -56,11 +56,11 @@ def kill(
     _outcome_of_wait(store, experiment, wait, "kill")
 
 
-def activate_command(experiment: str = ExperimentArgument, database: str = Database) -> None:
+def activate_command(experiment: str = ExperimentArgument, database: str | None = Database) -> None:
     """Continue a paused experiment from its pause checkpoint; this process drives the run."""
     from govray.platform.run.preflight import check_policy
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     with progress_bar() as update:
         outcome = activate(store, experiment, progress=update)
     found = store.get_experiment(experiment)
@@ -80,12 +80,12 @@ def fork_command(
     ),
     allow_unsigned: bool = AllowUnsigned,
     strict: bool = Strict,
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """A new experiment from this one, the parent recorded in its lineage; trains it now."""
     from govray.platform.run.preflight import check_policy
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     with progress_bar() as update:
         child, outcome = fork(
             store,

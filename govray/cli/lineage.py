@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, table
+from govray.cli.common import Database, console, open_store, table
 from govray.core.identifiers import parse_id
-from govray.tracking.store import TrackingStore
 
 if TYPE_CHECKING:
     from govray.provenance.rows import TrialReach
@@ -23,7 +22,7 @@ SHOWN_STEPS = 12  # steps printed per trial in the table; --json lists them all 
 def row(
     corpus: str = typer.Argument(..., help="Corpus id."),
     row_text: str = typer.Argument(..., metavar="ROW", help="Row number in the corpus (0-based)."),
-    database: str = Database,
+    database: str | None = Database,
     as_json: bool = typer.Option(False, "--json", help="The whole answer as one JSON document."),
 ) -> None:
     """Every trial that ingested CORPUS, and what its row ROW reached there: the global steps whose
@@ -33,7 +32,7 @@ def row(
     from govray.provenance.rows import LineageError, row_reach
 
     number = parse_id(row_text, f"corpus {corpus!r}: row", LineageError, low=0)
-    reach = row_reach(TrackingStore.open(database), corpus, number)
+    reach = row_reach(open_store(database), corpus, number)
     if as_json:
         typer.echo(reach.model_dump_json(indent=2))
         return

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
-from govray.cli.common import Database, console, record_id, table
+from govray.cli.common import Database, console, open_store, record_id, table
 from govray.tracking.store import TrackingStore
 from govray.tracking.versions import list_models
 
@@ -35,7 +35,7 @@ def register_command(
         parser=record_id,
         help="Register this completed trial's final checkpoint (a run's or a search trial's).",
     ),
-    database: str = Database,
+    database: str | None = Database,
     description: str = typer.Option("", "--description"),
     tags: list[str] = Tags,
 ) -> None:
@@ -45,7 +45,7 @@ def register_command(
 
     if (checkpoint is None) == (trial is None):
         raise typer.BadParameter("give a CHECKPOINT directory or --trial N (one of them)")
-    store = TrackingStore.open(database)
+    store = open_store(database)
     if trial is not None:
         version = register_trial(store, name, trial, description=description, tags=_pairs(tags))
     else:
@@ -57,10 +57,10 @@ def register_command(
 
 
 @app.command("list")
-def list_command(database: str = Database) -> None:
+def list_command(database: str | None = Database) -> None:
     """Registered models and how many versions each has."""
     listing = table("model", "versions", "description", "created")
-    for model, count in list_models(TrackingStore.open(database)):
+    for model, count in list_models(open_store(database)):
         listing.add_row(
             escape(model.name), str(count), escape(model.description), model.created_at.isoformat()
         )
@@ -68,12 +68,12 @@ def list_command(database: str = Database) -> None:
 
 
 @app.command("versions")
-def versions_command(name: str = typer.Argument(...), database: str = Database) -> None:
+def versions_command(name: str = typer.Argument(...), database: str | None = Database) -> None:
     """The versions of model NAME, oldest first."""
     from govray.platform.registry.versions import versions
 
     listing = table("version", "checkpoint", "step", "tags", "removed adapters", "excluded corpora")
-    for version in versions(TrackingStore.open(database), name):
+    for version in versions(open_store(database), name):
         listing.add_row(
             str(version.version),
             escape(version.checkpoint.uuid),
@@ -87,12 +87,12 @@ def versions_command(name: str = typer.Argument(...), database: str = Database) 
 
 @app.command("describe")
 def describe_command(
-    ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str = Database
+    ref: str = typer.Argument(..., help="NAME or NAME:VERSION."), database: str | None = Database
 ) -> None:
     """One version as JSON: files, checkpoint, tags, lineage, attestations."""
     from govray.platform.registry.versions import resolve, version_attestations
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     version = resolve(store, ref)
     typer.echo(json.dumps(describe(version, [a.id for a in version_attestations(store, version)]), indent=2))
 
@@ -102,12 +102,12 @@ def tag_command(
     ref: str = typer.Argument(..., help="NAME:VERSION."),
     pairs: list[str] = typer.Argument(None, help="KEY=VALUE tags to set."),
     remove: list[str] = typer.Option([], "--remove", help="A tag to remove; repeat for more."),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Set or remove tags of a version."""
     from govray.platform.registry.register import set_tags
 
-    version = set_tags(TrackingStore.open(database), ref, _pairs(pairs or []), remove)
+    version = set_tags(open_store(database), ref, _pairs(pairs or []), remove)
     console.print(f"{version.ref} tags: {json.dumps(version.tags, sort_keys=True)}", highlight=False)
 
 
@@ -115,12 +115,12 @@ def tag_command(
 def remove_adapter_command(
     ref: str = typer.Argument(..., help="NAME:VERSION."),
     adapter: str = typer.Option(..., "--adapter", help="The adapter to leave out."),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Make a new version without ADAPTER, attested with the corpora that leaves out."""
     from govray.platform.registry.register import remove_adapter
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     version = remove_adapter(store, ref, adapter)
     excluded = ", ".join(version.excluded_corpora) or "none"
     console.print(f"{version.ref}: {version.directory} (excluded corpora: {excluded})", highlight=False)

@@ -6,8 +6,7 @@ import json
 
 import typer
 
-from govray.cli.common import console, record_id
-from govray.tracking.store import TrackingStore
+from govray.cli.common import Database, console, open_store, record_id
 
 
 def replay(
@@ -15,7 +14,7 @@ def replay(
     exclude_corpus: list[str] = typer.Option(
         ..., "--exclude-corpus", help="Corpus to leave out (repeatable)."
     ),
-    database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+    database: str | None = Database,
     trial: int | None = typer.Option(
         None,
         "--trial",
@@ -27,7 +26,7 @@ def replay(
     from govray.platform.rerun.replay import format_influence, replay_trial
     from govray.platform.rerun.world_history import describe_segments
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     replayed = replay_trial(store, experiment, tuple(exclude_corpus), trial_id=trial)
     report = replayed.report
     if report.original_replay_of is not None:

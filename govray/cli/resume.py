@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from govray.cli.common import console
+from govray.cli.common import Database, console, open_store
 from govray.cli.run import progress_bar, report
 from govray.config.experiment import ExperimentConfig
 from govray.tracking.store import TrackingStore
@@ -13,7 +13,7 @@ from govray.tracking.tables import Experiment
 
 def resume(
     experiment: str = typer.Argument(..., help="Experiment id or name in the tracking store."),
-    database: str = typer.Option(..., "--database", envvar="GOVRAY_DATABASE", help="Tracking store URL."),
+    database: str | None = Database,
     workers: int | None = typer.Option(
         None,
         "--workers",
@@ -32,7 +32,7 @@ def resume(
     )
     from govray.platform.run.preflight import check_policy
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     recorded = store.get_experiment(experiment)
     configured = ExperimentConfig.model_validate_json(recorded.config_json)
     if resumes_search(configured, store, recorded):

@@ -42,15 +42,16 @@ def serve(
     database: str | None = typer.Option(
         None,
         "--database",
-        help="Tracking store URL (else GOVRAY_DATABASE_URL, GOVRAY_DATABASE or the config).",
+        help="Tracking store URL (else the config, GOVRAY_DATABASE or store.database_url in "
+        "GOVRAY_HOME/config.yaml).",
     ),
     trust: Path | None = typer.Option(None, "--trust", help="Trust file /api/verify checks keys against."),
     host: str | None = typer.Option(None, "--host", help="Address to listen on (default 127.0.0.1)."),
     port: int | None = typer.Option(None, "--port", help="Port to listen on (default 8000)."),
 ) -> None:
     """Serve lineage, influence, row lookups, audit events and attestations over HTTP (JSON API
-    under /api, OpenAPI at /openapi.json). The write token comes from GOVRAY_SERVE_TOKEN or the
-    config, never the command line."""
+    under /api, OpenAPI at /openapi.json). The write token comes from serve.token in
+    GOVRAY_HOME/config.yaml, GOVRAY_SERVE_TOKEN or the config, never the command line."""
     overrides = {"database_url": database, "trust": trust, "host": host, "port": port}
     settings = ServeSettings.load(config, overrides)
     start = lineage_app()

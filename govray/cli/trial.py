@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from govray.cli.common import Database, record_id
+from govray.cli.common import Database, open_store, record_id
 from govray.core.errors import GovrayError
 from govray.core.logs import follow_logs, log_dir, read_logs
-from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
 
 if TYPE_CHECKING:
@@ -33,13 +32,13 @@ def logs(
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Keep printing new lines until the trial stops running."
     ),
-    database: str = Database,
+    database: str | None = Database,
 ) -> None:
     """Print the trial's worker logs, every rank's lines merged by time (with object storage, the
     copies in the bucket: each rank's log as of its last checkpoint, whole once it ended)."""
     from govray.core.storage import open_storage
 
-    store = TrackingStore.open(database)
+    store = open_store(database)
     trial = store.get_trial(trial_id)
     if trial.ray_run_name is None:
         raise GovrayError(

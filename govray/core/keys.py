@@ -25,6 +25,7 @@ import contextlib
 import datetime as dt
 import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -282,9 +283,11 @@ def save_trust(trust: TrustConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(trust.model_dump(mode="json"), sort_keys=False))
 
 
-def govray_home() -> Path:
-    """Where this machine keeps govray's own keys: ``$GOVRAY_HOME`` or ``~/.govray``."""
-    return Path(os.environ.get("GOVRAY_HOME", "~/.govray")).expanduser()
+def govray_home(environ: Mapping[str, str] | None = None) -> Path:
+    """Where this machine keeps govray's own files (keys, settings, logs): ``$GOVRAY_HOME`` or
+    ``~/.govray``."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("GOVRAY_HOME") or "~/.govray").expanduser()
 
 
 def platform_key_path(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -> Path:

@@ -1,7 +1,8 @@
 """Where an experiment's files live: a local directory, or object storage (``s3://BUCKET/PREFIX``).
 
 govray reads and writes files on a local path in both cases. For object storage that path is this
-node's cache of the storage (``$GOVRAY_CACHE``, default ``~/.cache/govray``, then a directory per
+node's cache of the storage (the ``cache`` setting, ``GOVRAY_CACHE``, default ``~/.cache/govray``:
+``govray.core.settings``; then a directory per
 storage URI — the same path on every node of a cluster whose nodes share a user and environment):
 what a process writes there it ``upload``s, and what it needs it ``fetch``es first. Downloads land
 in a staging directory that the caller's ``verify`` (the shard or checkpoint manifest's digests)
@@ -275,8 +276,9 @@ def open_storage(storage_path: str | Path) -> Storage:
     remote = remote.strip("/")
     if scheme != "s3" or not remote:
         raise StorageError(f"storage_path {uri!r}: only a local path or s3://BUCKET[/PREFIX] is supported")
-    cache_root = Path(os.environ.get("GOVRAY_CACHE") or Path.home() / ".cache" / "govray")
-    root = cache_root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    from govray.core.settings import load_settings  # the settings only where a bucket is used
+
+    root = load_settings().cache_root / hashlib.sha256(uri.encode()).hexdigest()[:16]
     return Storage(uri, root, _s3_filesystem(), remote)
 
 

@@ -35,14 +35,14 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
-from govray.core.errors import IngestError
+from govray.core.errors import IngestError, describe_validation_error
 from govray.core.storage import open_storage
 from govray.data.schedule import RouteLayout
 from govray.data.shards import MANIFEST
@@ -142,14 +142,17 @@ class PackedManifest(BaseModel):
                 return route
         raise IngestError(f"packed store {self.key} has no route '{name}'")
 
-    @model_validator(mode="after")
-    def _one_format(self) -> PackedManifest:
-        if self.format_version != PACKED_FORMAT_VERSION:
+    @model_validator(mode="before")
+    @classmethod
+    def _one_format(cls, data: Any) -> Any:
+        """The version first: a store of another format is refused as such, not for its fields."""
+        found = data.get("format_version", PACKED_FORMAT_VERSION) if isinstance(data, dict) else None
+        if isinstance(data, dict) and found != PACKED_FORMAT_VERSION:
             raise ValueError(
-                f"packed store format {self.format_version} is not the one this govray reads "
+                f"packed store format {found!r} is not the one this govray reads "
                 f"({PACKED_FORMAT_VERSION}): pack the shards again"
             )
-        return self
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
@@ -185,8 +188,7 @@ class PackedStore:
         except OSError as error:
             raise IngestError(f"no packed store manifest at {path}: {error.strerror}") from None
         except ValidationError as error:
-            problems = "; ".join(problem["msg"] for problem in error.errors())
-            raise IngestError(f"packed store manifest {path}: {problems}") from None
+            raise IngestError(f"packed store manifest {path}: {describe_validation_error(error)}") from None
         expected = packed_key(manifest.shard_key, manifest.seq_len, manifest.tokenizer)
         if manifest.key != expected or root.name != expected:
             raise IngestError(

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from govray.core.canonical import file_sha256
-from govray.core.errors import IngestError
+from govray.core.errors import IngestError, describe_validation_error
 from govray.core.storage import open_storage
 from govray.data.rowhash import ROW_HASH_VERSION
 
@@ -121,19 +121,30 @@ class ShardManifest(BaseModel):
                 return corpus
         raise IngestError(f"shards {self.key} have no corpus '{corpus_id}'")
 
-    @model_validator(mode="after")
-    def _one_format(self) -> ShardManifest:
-        if self.format_version != SHARD_FORMAT_VERSION:
+    @model_validator(mode="before")
+    @classmethod
+    def _one_format(cls, data: Any) -> Any:
+        """The versions first, so that a manifest of another format is refused as such, not for
+        the fields it lacks."""
+        if not isinstance(data, dict):
+            return data
+        found = data.get("format_version", SHARD_FORMAT_VERSION)
+        if found != SHARD_FORMAT_VERSION:
             raise ValueError(
-                f"shard format {self.format_version} is not the one this govray reads "
-                f"({SHARD_FORMAT_VERSION}): ingest the corpora again"
+                f"shard format {found!r} is not the one this govray reads ({SHARD_FORMAT_VERSION}): "
+                "ingest the corpora again"
             )
-        if self.row_hash_version != ROW_HASH_VERSION:
+        hashed = data.get("row_hash_version")
+        if hashed != ROW_HASH_VERSION:
+            said = (
+                "no row hash version (shards from before govray 1.0)"
+                if hashed is None
+                else (f"row hash version {hashed!r}")
+            )
             raise ValueError(
-                f"row hash version {self.row_hash_version} is not the one this govray computes "
-                f"({ROW_HASH_VERSION}): ingest the corpora again"
+                f"{said}: this govray computes row hash version {ROW_HASH_VERSION}; ingest the corpora again"
             )
-        return self
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
@@ -207,8 +218,7 @@ class ShardSet:
         except OSError as error:
             raise IngestError(f"no shard manifest at {path}: {error.strerror}") from None
         except ValidationError as error:
-            problems = "; ".join(problem["msg"] for problem in error.errors())
-            raise IngestError(f"shard manifest {path}: {problems}") from None
+            raise IngestError(f"shard manifest {path}: {describe_validation_error(error)}") from None
         shards = cls(root, manifest)
         if verify:
             shards.verify()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from govray.core.errors import AttestationError
 from govray.provenance.model_signature import SIGNATURE_SUFFIX
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
@@ -20,7 +20,7 @@ def run_spec_of(checkpoint: Path) -> RunSpec:
     path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
     if not path.is_file():
         raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
-    return RunSpec.model_validate_json(path.read_text())
+    return read_run_spec(path)
 
 
 def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:

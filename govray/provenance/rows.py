@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from govray.core.errors import AttestationError, GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
@@ -46,8 +46,8 @@ from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.store import TrackingStore, masked
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, CorpusRecord, Experiment, TrialRecord
 from govray.tracking.versions import versions_of_checkpoints
-from govray.train.checkpoints.manifest import STATE_FILE, CheckpointState, recorded_state
-from govray.train.runspec import RunSpec
+from govray.train.checkpoints.manifest import STATE_FILE, CheckpointError, CheckpointState, recorded_state
+from govray.train.runspec import RunSpec, read_run_spec
 
 MAX_LISTED_STEPS = 1000  # steps listed per trial; ``step_count`` always gives them all
 
@@ -350,8 +350,8 @@ def _run_spec(experiment: Experiment, trial: TrialRecord, checkpoint: Path | Non
     if trial.ray_run_name is None or not path.is_file():
         return None
     try:
-        return RunSpec.model_validate_json(path.read_text())
-    except (OSError, ValidationError) as error:
+        return read_run_spec(path)
+    except CheckpointError as error:
         raise LineageError(f"trial {trial.id}: its run spec {path} is unreadable: {error}") from None
 
 

@@ -9,7 +9,7 @@ Two backends, one schema and one set of Alembic migrations:
   not install).
 
 >>> upgrade("postgresql+psycopg://govray@db.internal/tracking")   # doctest: +SKIP
-'0001_initial'
+'0001_release'
 """
 
 from __future__ import annotations

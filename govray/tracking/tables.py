@@ -2,7 +2,7 @@
 
 JSON documents are stored as text and timestamps as timezone-aware UTC, so the same rows read
 back identically from SQLite and PostgreSQL. The hand-written migration
-``migrations/versions/0001_initial.py`` creates exactly this metadata; a test compares them.
+``migrations/versions/0001_release.py`` creates exactly this metadata; a test compares them.
 """
 
 from __future__ import annotations

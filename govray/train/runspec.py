@@ -9,18 +9,20 @@ that its own model resolves to the same table.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
 from govray.config.resources import ParallelStrategy
 from govray.config.training import TrainingSettings
-from govray.core.errors import RoutingError
+from govray.core.errors import RoutingError, describe_validation_error
 from govray.core.keys import TrustConfig
 from govray.governance.canaries import CanaryProbe
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
+from govray.train.checkpoints.manifest import CheckpointError
 from govray.train.control.decisions import RecordedDecision
 
 RUN_SPEC_FILE = "run.json"  # the spec's file name in every checkpoint
@@ -148,3 +150,19 @@ def _first_difference(planned: tuple[str, ...], found: tuple[str, ...]) -> str:
     if len(planned) != len(found):
         return f"run.json lists {len(planned)}, the model has {len(found)}"
     return ""
+
+
+def read_run_spec(path: Path) -> RunSpec:
+    """The run spec in ``path`` (a checkpoint's or a run's ``run.json``): the one reader of the
+    file. A missing file, or one that is not a run spec this govray writes (a pre-release one, an
+    edited one), is a ``CheckpointError`` naming the file and what is wrong."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise CheckpointError(f"{path}: no run spec ({error.strerror})") from None
+    try:
+        return RunSpec.model_validate_json(text)
+    except ValidationError as error:
+        raise CheckpointError(
+            f"{path}: not a run spec this govray reads: {describe_validation_error(error)}"
+        ) from None

@@ -15,7 +15,7 @@ from typing import Any
 
 from govray.platform.run.plan import plan_run
 from govray.train.parallel.worker import Worker
-from govray.train.runspec import RunSpec
+from govray.train.runspec import read_run_spec
 from govray.train.step.governed import GovernedStep
 from govray.train.trial import make_trial
 
@@ -48,7 +48,7 @@ def peak_rss() -> int:
 
 
 def main(run_json: str, steps: int) -> None:
-    spec = RunSpec.model_validate_json(Path(run_json).read_text())
+    spec = read_run_spec(Path(run_json))
     governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
     examples = sum(int(governed.step(step)[1]) for step in range(steps))
     governed.batches.close()

@@ -20,7 +20,7 @@ from govray.governance.peft_format import peft_task_type, write_peft_adapter
 from govray.governance.routing import lora_target_kind
 from govray.provenance.predicates import routing_of
 from govray.train.checkpoints.files import load_checkpoint
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
 from govray.train.trial import importable, make_trial
 
 
@@ -28,7 +28,7 @@ def export_peft_adapter(directory: Path, adapter: str, out: Path, trust: TrustCo
     """Write ``adapter`` of the checkpoint at ``directory`` (verified against ``trust`` first) in
     PEFT's layout under ``out``; returns ``out``."""
     load_checkpoint(directory, trust)  # every file against the signed manifest, or refused
-    spec = RunSpec.model_validate_json((directory / RUN_SPEC_FILE).read_text())
+    spec = read_run_spec(directory / RUN_SPEC_FILE)
     declared = spec.policy.adapters.get(adapter)
     if declared is None:
         known = ", ".join(spec.policy.adapters) or "none"

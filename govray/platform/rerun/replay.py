@@ -58,7 +58,7 @@ from govray.train.control.decisions import (
 )
 from govray.train.reproduce.record import ReproducibilityRecord
 from govray.train.reproduce.snapshots import verify_corpora_unchanged, verify_input_digests
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 from govray.train.step.ledger import Ledger
 from govray.train.step.scaling import LossScalingState
 from govray.train.trial import make_trial
@@ -338,7 +338,7 @@ def prepare_replay(
     verify_corpora_unchanged(config.data.corpora, trained_on, since=f"trial {original.id} trained on it")
     _, ingested = ingest_experiment(config, checked, store)
     original_dir = recorded_final_checkpoint(store, storage, original, checked.trust)
-    ran = RunSpec.model_validate_json((original_dir / RUN_SPEC_FILE).read_text())
+    ran = read_run_spec(original_dir / RUN_SPEC_FILE)
     if ran.policy_digest != checked.policy.digest:
         raise ReplayError(
             f"trial {original.id} trained under policy digest {ran.policy_digest[:16]}…, the policy is "

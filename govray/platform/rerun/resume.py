@@ -41,7 +41,7 @@ from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.train.checkpoints.files import checkpoint_step, find_checkpoints
 from govray.train.reproduce.snapshots import verify_input_digests
-from govray.train.runspec import RunSpec
+from govray.train.runspec import RunSpec, read_run_spec
 from govray.train.trial import make_trial
 
 # The spec a segment of a replay trains with, from the replay's own (named) spec.
@@ -119,7 +119,7 @@ def resume_trial(
     path = run_spec_path(storage, trial.ray_run_name)
     if not storage.fetch(path):
         raise TrainingFailed(f"trial {trial.id}: {path} is missing; the run cannot be rebuilt")
-    spec = RunSpec.model_validate_json(path.read_text())
+    spec = read_run_spec(path)
     if spec.policy_digest != checked.policy.digest:
         raise TrainingFailed(
             f"trial {trial.id} ran under policy digest {spec.policy_digest[:16]}…, the policy is now "

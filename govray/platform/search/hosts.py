@@ -20,9 +20,9 @@ owned by the driver, so it and its hosts end with the driver's job).
   the search before it could). A host whose trial failed is killed, never reused. A host whose
   Tune trial died is told to end that trial at its next step boundary (or never start it) and is
   then free again; it is killed if the trial has not ended within ``ABANDON_S``. A host idle for
-  ``GOVRAY_TRIAL_HOST_IDLE_S`` seconds (default 300) exits, so a driver that stays up after its
-  searches does not hold their memory.
-- ``GOVRAY_TRIAL_HOSTS=0`` trains every trial in its Tune actor, as before hosts.
+  ``trial_hosts.idle_s`` seconds (``govray.core.settings``; ``GOVRAY_TRIAL_HOST_IDLE_S``, default
+  300) exits, so a driver that stays up after its searches does not hold their memory.
+- ``trial_hosts.enabled: false`` (``GOVRAY_TRIAL_HOSTS=0``) trains every trial in its Tune actor.
 
 Example (what ``govray.platform.search.driver`` does for a 1-worker CPU search)::
 
@@ -44,6 +44,7 @@ from typing import Any
 
 import ray
 
+from govray.core.settings import load_settings
 from govray.platform.search.placement_guard import actor_dead
 
 POOL_NAME = "govray-trial-hosts"
@@ -52,10 +53,10 @@ ABANDON_S = 60.0  # how long a host whose Tune trial died may take to end its tr
 
 
 def hosts_enabled(max_workers: int, use_gpu: bool) -> bool:
-    """Whether a search's trials train in trial hosts: 1-worker CPU trials, unless
-    ``GOVRAY_TRIAL_HOSTS=0`` (a GPU trial's device is the Tune actor's; an N-worker trial's workers
-    are Ray Train's)."""
-    return max_workers == 1 and not use_gpu and os.environ.get("GOVRAY_TRIAL_HOSTS", "1") != "0"
+    """Whether a search's trials train in trial hosts: 1-worker CPU trials, unless the
+    ``trial_hosts.enabled`` setting is off (``GOVRAY_TRIAL_HOSTS=0``; a GPU trial's device is the
+    Tune actor's; an N-worker trial's workers are Ray Train's)."""
+    return max_workers == 1 and not use_gpu and load_settings().trial_hosts.enabled
 
 
 Validation = tuple[dict[str, Any], str | None]  # a Tune result and its checkpoint folder
@@ -339,8 +340,9 @@ class TrialHosts:
 
 def trial_hosts() -> Any:
     """This job's pool of trial hosts (made by the first search that needs it; its hosts exit
-    after ``GOVRAY_TRIAL_HOST_IDLE_S`` idle seconds, default 300)."""
-    idle_s = float(os.environ.get("GOVRAY_TRIAL_HOST_IDLE_S", "300"))
+    after the ``trial_hosts.idle_s`` setting's idle seconds, ``GOVRAY_TRIAL_HOST_IDLE_S``, default
+    300)."""
+    idle_s = load_settings().trial_hosts.idle_s
     return (
         ray.remote(TrialHosts)
         .options(name=POOL_NAME, get_if_exists=True, num_cpus=0, max_concurrency=8)

@@ -1,13 +1,15 @@
 """The tracking schema: experiments, trials, metrics, corpora, checkpoints, decisions, the model
 registry and its attestations, ledger rows and the audit log.
 
-The one migration of govray 1.0 (the pre-release ones were squashed into it). It equals
+The one migration of govray 1.0 (the pre-release ones were squashed into it; its revision id is
+new, so a pre-release store, whose first revision was ``0001_initial``, is refused, not taken for
+this schema). It equals
 ``govray.tracking.tables``: ``tests/test_tracking.py`` compares the migrated database with the
 SQLModel metadata, so the two cannot drift. A later schema change is a new migration revising
 this one, with its own data migration test; a store at a revision this govray does not know is
 refused (``govray.tracking.database.upgrade``).
 
-Revision ID: 0001_initial
+Revision ID: 0001_release
 Revises:
 Create Date: 2026-11-28
 """
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0001_initial"
+revision: str = "0001_release"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

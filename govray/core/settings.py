@@ -1,0 +1,130 @@
+"""The user's settings: one file, ``GOVRAY_HOME/config.yaml`` (``~/.govray/config.yaml``), each
+setting overridable by one documented environment variable, and a command-line option over both::
+
+    store:
+      database_url: sqlite:///runs/tracking.db   # GOVRAY_DATABASE (CLI: --database)
+    serve:
+      trust: policies/trust.yaml                 # GOVRAY_TRUST: keys POST /api/verify accepts
+      token: s3cret                              # GOVRAY_SERVE_TOKEN: bearer token of the write endpoints
+      host: 127.0.0.1                            # GOVRAY_SERVE_HOST
+      port: 8000                                 # GOVRAY_SERVE_PORT
+    trial_hosts:
+      enabled: true                              # GOVRAY_TRIAL_HOSTS (0 or 1)
+      idle_s: 300                                # GOVRAY_TRIAL_HOST_IDLE_S
+    cache: ~/.cache/govray                       # GOVRAY_CACHE: this node's cache of object storage
+
+``GOVRAY_HOME`` itself says where the file is (and this machine's keys, logs and Ray head record).
+Every section and key is optional; an unknown one is refused, naming the file. govray reads these
+variables and never sets one: ``OVERRIDES`` is the whole list. Later issues add sections (the
+store context, the server, the signer) here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from govray.core.documents import parse_yaml_mapping, read_text
+from govray.core.errors import ConfigError, describe_validation_error
+from govray.core.keys import govray_home
+
+SETTINGS_FILE = "config.yaml"
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreSettings(BaseModel):
+    model_config = _STRICT
+
+    database_url: str | None = Field(default=None, description="The tracking store's URL.")
+
+
+class ServeSection(BaseModel):
+    """The lineage server's own settings (its store is ``store.database_url``)."""
+
+    model_config = _STRICT
+
+    trust: Path | None = Field(default=None, description="Trust file that /api/verify checks keys against.")
+    token: SecretStr | None = Field(default=None, description="Bearer token of the write endpoints.")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class TrialHostSettings(BaseModel):
+    model_config = _STRICT
+
+    enabled: bool = Field(default=True, description="1-worker CPU search trials train in warm hosts.")
+    idle_s: float = Field(default=300.0, gt=0, description="A host idle this long exits.")
+
+
+class Settings(BaseModel):
+    """``GOVRAY_HOME/config.yaml``, with the environment's overrides applied."""
+
+    model_config = _STRICT
+
+    store: StoreSettings = StoreSettings()
+    serve: ServeSection = ServeSection()
+    trial_hosts: TrialHostSettings = TrialHostSettings()
+    cache: Path = Field(default=Path("~/.cache/govray"), description="This node's cache of object storage.")
+
+    @property
+    def cache_root(self) -> Path:
+        return self.cache.expanduser()
+
+
+# Environment variable → (section, setting); ``None``: a top-level setting.
+OVERRIDES: dict[str, tuple[str | None, str]] = {
+    "GOVRAY_DATABASE": ("store", "database_url"),
+    "GOVRAY_TRUST": ("serve", "trust"),
+    "GOVRAY_SERVE_TOKEN": ("serve", "token"),
+    "GOVRAY_SERVE_HOST": ("serve", "host"),
+    "GOVRAY_SERVE_PORT": ("serve", "port"),
+    "GOVRAY_TRIAL_HOSTS": ("trial_hosts", "enabled"),
+    "GOVRAY_TRIAL_HOST_IDLE_S": ("trial_hosts", "idle_s"),
+    "GOVRAY_CACHE": (None, "cache"),
+}
+
+
+def settings_path(environ: Mapping[str, str] | None = None) -> Path:
+    """``GOVRAY_HOME/config.yaml``."""
+    return govray_home(environ) / SETTINGS_FILE
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings file (absent: every default), then each ``OVERRIDES`` variable that is set and
+    not empty; ``ConfigError`` names the file or variable at fault. Read again only when the file
+    or one of the variables changed (a worker asks at every object-storage open)."""
+    environ = os.environ if environ is None else environ
+    path = settings_path(environ)
+    try:
+        stamp: tuple[int, int] | None = (path.stat().st_mtime_ns, path.stat().st_size)
+    except OSError:
+        stamp = None
+    return _loaded(str(path), stamp, tuple(environ.get(name, "") for name in OVERRIDES))
+
+
+@functools.lru_cache(maxsize=16)
+def _loaded(file: str, stamp: tuple[int, int] | None, variables: tuple[str, ...]) -> Settings:
+    path = Path(file)
+    values: dict[str, object] = {}
+    if stamp is not None:
+        text = read_text(path, ConfigError, "settings file")
+        values = parse_yaml_mapping(text, file, ConfigError, "a settings file is a mapping")
+    overridden = [(name, value) for name, value in zip(OVERRIDES, variables, strict=True) if value]
+    for name, value in overridden:
+        section, key = OVERRIDES[name]
+        if section is None:
+            values[key] = value
+            continue
+        inner = values.get(section) or {}
+        if not isinstance(inner, dict):
+            raise ConfigError(f"{path}: '{section}' is a mapping of settings")
+        values[section] = {**inner, key: value}
+    where = file if not overridden else f"{file} with {', '.join(name for name, _ in overridden)}"
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as error:
+        raise ConfigError(f"settings from {where}: {describe_validation_error(error)}") from None
