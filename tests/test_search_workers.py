@@ -20,6 +20,8 @@ from govray.platform.search.placement_guard import (
     REMOVED,
     PlacementGuard,
     actor_dead,
+    held_groups,
+    live_controllers,
     orphaned_groups,
     result_places,
 )
@@ -27,6 +29,7 @@ from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import find_checkpoints, model_file
 from tests.helpers.search import final_model, grid_of_lrs, search_example, searched_from
 from tests.helpers.search_replays import assert_removal_equals_replay, replayed_without_writers
+from tests.helpers.train_controller import train_controller
 
 
 def _tune_results(search_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -71,6 +74,10 @@ def test_asha_trials_keep_their_workers_and_a_stopped_trial_frees_its_placement_
     assert len(groups) == len(results) and "" not in groups  # one group per trial
     table = ray.util.placement_group_table()
     assert {group: table[group]["state"] for group in groups} == dict.fromkeys(groups, REMOVED)
+    # The search returned with none of its runs alive: no Train controller (one between two worker
+    # groups holds no group yet, but would make one and wait for CPUs the next run needs) and no
+    # group of this job, named in a result or not.
+    assert live_controllers() == set() and held_groups() == []
     # The survivor's weights: those of the same trial trained by `govray run` (one worker group).
     [survivor] = [t for t, step in last.items() if step == 20][:1]
     hparams = json.loads(store.get_trial(survivor).hparams_json)
@@ -164,7 +171,7 @@ def test_the_guard_removes_a_group_whose_creator_died_before_any_result_named_it
 
     before = _orphan()  # held before the search began: not the search's to remove
     guard = PlacementGuard()
-    guard.SETTLE_S = 1.0
+    guard.SETTLE_S = guard.KILLED_S = 1.0
     guard.begin()
     by_driver = placement_group([{"CPU": 0.25}])  # as Tune makes each trial's
     ray.get(by_driver.ready())
@@ -217,6 +224,33 @@ def test_the_guard_looks_for_orphans_while_the_search_runs_and_trusts_the_actor_
         time.sleep(0.1)
     assert actor_dead(actor) and actor_dead("ff" * 16)  # killed; never known
     guard.release_all()
+
+
+def test_the_guard_kills_a_train_controller_that_outlives_the_search(
+    ray_session: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Train controller of the search still alive ``SETTLE_S`` after the search ended (one
+    holding a group, one between two worker groups holding none, which would create one later and
+    starve the next run) is killed and its group removed; a controller alive before the search
+    began is not the search's and lives on."""
+    import ray
+
+    earlier = train_controller()
+    ray.get(earlier.ready.remote())
+    guard = PlacementGuard()
+    guard.SETTLE_S = guard.KILLED_S = 1.0
+    guard.begin()
+    holding, between = train_controller(), train_controller()
+    group = ray.get(holding.create.remote())
+    ray.get(between.ready.remote())
+    ids = {holding._actor_id.hex(), between._actor_id.hex()}
+    assert live_controllers() >= ids
+    with caplog.at_level("WARNING", logger="govray.platform.search.placement_guard"):
+        guard.release_all()
+    assert live_controllers() == {earlier._actor_id.hex()}
+    assert ray.util.placement_group_table()[group]["state"] == REMOVED and group in guard.removed
+    assert "outlived the search: killed" in caplog.text and all(actor in caplog.text for actor in ids)
+    ray.kill(earlier)
 
 
 @pytest.mark.slow  # two whole Ray Tune searches: the slow tier

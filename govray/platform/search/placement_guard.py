@@ -16,7 +16,10 @@ when the creator died while the group was being created (seen in CI: the record 
 actor table DEAD, and Ray never frees it), so a creator the actor table calls dead counts as dead.
 The guard removes orphans when a trial stops, every ``ORPHAN_CHECK_S`` while the search runs (a
 controller may die after Tune reported its trial stopped, and the trials still waiting for its
-CPUs would wait forever), and, waiting for the last controllers to die, when the search ends.
+CPUs would wait forever), and, waiting for the last controllers to die, when the search ends. A
+controller that outlives the search (seen in CI: one between two worker groups, holding no group
+yet, created one after the search had returned and the test's next run waited for its CPUs forever)
+is killed once ``SETTLE_S`` have passed: the search is over, nothing will ever report to it.
 
 Example::
 
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 PLACES_KEY = "govray_workers"  # a Tune result's workers, {rank: {"pid", "placement_group"}} as JSON
 REMOVED = "REMOVED"  # a group's state in ``ray.util.placement_group_table()`` once removed
+CONTROLLER = "TrainController"  # the class of Ray Train's controller actor (one per run)
 
 
 def result_places(result: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
@@ -90,6 +94,28 @@ def actor_dead(actor: str) -> bool:
     return state.actor_table(actor).get("State", "DEAD") == "DEAD"
 
 
+def live_controllers() -> set[str]:
+    """The Ray Train controllers of this job that are not dead, by actor id (hex)."""
+    import ray
+    from ray._private.state import state
+
+    job = ray.get_runtime_context().get_job_id()
+    return {
+        actor
+        for actor, info in state.actor_table(None).items()
+        if info["JobID"] == job and info["ActorClassName"] == CONTROLLER and info["State"] != "DEAD"
+    }
+
+
+def kill_actor(actor: str) -> None:
+    """Kills the actor with id ``actor`` (hex) for good, without its handle (``ray.kill`` needs one,
+    and a controller's handle lives in the thread of the trial that started its run)."""
+    import ray
+
+    core_worker: Any = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # private
+    core_worker.kill_actor(ray.ActorID.from_hex(actor), True)
+
+
 def orphaned_groups() -> list[str]:
     """This job's groups whose creator died: nobody will ever use or remove them but Ray at the
     job's end, and they hold their CPUs until then."""
@@ -107,10 +133,12 @@ class PlacementGuard:
     """On the driver: each trial's placement groups, removed when it stops running."""
 
     SETTLE_S = 30.0  # at the search's end, how long its runs' controllers get to die
+    KILLED_S = 10.0  # and how long those killed then get
     ORPHAN_CHECK_S = 5.0  # while the search runs, how often orphans are looked for
 
     def __init__(self) -> None:
         self.before: set[str] | None = None  # this job's groups when the search began
+        self.controllers: set[str] = set()  # this job's live Train controllers when the search began
         self.current: dict[str, set[str]] = {}  # trial id → groups of its latest run
         self.earlier: dict[str, set[str]] = {}  # trial id → groups of its earlier runs, not yet freed
         self.removed: list[str] = []  # every group this guard removed (Ray had not)
@@ -120,7 +148,11 @@ class PlacementGuard:
         """The search begins: the groups this job holds now are not the search's."""
         import ray
 
-        self.before = {held.group for held in held_groups()} if ray.is_initialized() else set()
+        if ray.is_initialized():
+            self.before = {held.group for held in held_groups()}
+            self.controllers = live_controllers()
+        else:
+            self.before = set()
 
     def note(self, trial_id: str, result: Mapping[str, Any]) -> None:
         groups = {place["placement_group"] for place in result_places(result).values()} - {""}
@@ -152,25 +184,37 @@ class PlacementGuard:
 
     def release_all(self) -> None:
         """The search is over: every trial's groups go, and every group a run of the search
-        created that is still held once its controller died (waiting ``SETTLE_S`` at most for
-        the controllers Tune's last stops are tearing down)."""
+        created, once its controller died. The controllers Tune's last stops are tearing down get
+        ``SETTLE_S`` to die; those still alive then are killed (and their groups removed)."""
         self.sweep(())
         if self.before is None:
             return
-        deadline = time.monotonic() + self.SETTLE_S
-        while True:
-            self._remove_orphans()
-            living = [
-                held.group for held in held_groups() if held.creator_alive and held.group not in self.before
-            ]
-            if not living:
-                return
+        if self._settled(self.SETTLE_S):
+            return
+        lingering = sorted(live_controllers() - self.controllers)
+        logger.warning("Train controllers %s outlived the search: killed", lingering)
+        for actor in lingering:
+            kill_actor(actor)
+        if not self._settled(self.KILLED_S):  # a kill is asynchronous
+            logger.warning("placement groups of the search outlived its killed controllers")
+
+    def _settled(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s until no run of the search lives; whether none does."""
+        deadline = time.monotonic() + timeout
+        while self._lingering():
             if time.monotonic() > deadline:
-                logger.warning(
-                    "placement groups %s outlived the search: their runs' controllers still live", living
-                )
-                return
+                return False
             time.sleep(0.25)
+        return True
+
+    def _lingering(self) -> bool:
+        """A run of the search still lives: a controller started since ``begin``, or a group
+        whose creator is alive (the orphans of dead ones are removed on the way)."""
+        assert self.before is not None
+        self._remove_orphans()
+        if live_controllers() - self.controllers:
+            return True
+        return any(held.creator_alive and held.group not in self.before for held in held_groups())
 
     def _remove_orphans(self) -> None:
         assert self.before is not None
