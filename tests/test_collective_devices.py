@@ -62,7 +62,7 @@ def audited_run(task: Task) -> tuple[list[Any], list[str]]:
     with CollectiveAudit(device) as audit:
         train_worker(
             spec.model_dump(mode="json"),
-            session=lambda spec, worker: LocalSession(spec, worker, lambda _: None),
+            session=lambda context: LocalSession(context, lambda _: None),
         )
     return audit.calls, audit.violations
 
@@ -70,16 +70,21 @@ def audited_run(task: Task) -> tuple[list[Any], list[str]]:
 def audited_meta(task: Task, rank: int) -> tuple[list[Any], list[str]]:
     """The session's stop flag, the report sums and an agreed action of a worker whose device is
     ``meta``, audited against that device."""
+    from govray.core.storage import IN_PLACE
+    from govray.train.checkpoints.signer import RunSigner
+    from govray.train.context import WorkerContext
+    from govray.train.parallel.strategies import Single
     from govray.train.parallel.worker import Worker, agreed, all_reduce_sums
     from govray.train.run.session import LocalSession
     from govray.train.runspec import RunSpec
 
     # What a session reads of its spec (nothing here trains).
     spec = RunSpec.model_construct(
-        storage="", strategy=ParallelStrategy.DDP, control_period=5, control_file=""
+        storage="", strategy=ParallelStrategy.DDP, control_period=5, control_file="", run_dir=""
     )
     worker = Worker(rank, WORLD, torch.device("meta"))
-    session = LocalSession(spec, worker, lambda _: None)
+    context = WorkerContext(spec, worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    session = LocalSession(context, lambda _: None)
     with CollectiveAudit(worker.device) as audit:
         session.look_for_stop(spec.control_period - 1)
         stop = session.stop_requested()
@@ -107,7 +112,7 @@ def short_run(golden: GoldenRun, root: Path, strategy: str, device: str = "cpu")
         "report_every": 1,
         "run_dir": str(root / f"{strategy}-{device}"),
         "log_dir": "",
-        "storage": "",
+        "storage": str(root),
         "control_file": "",
         "strategy": ParallelStrategy(strategy),
         "use_gpu": device == "cuda",

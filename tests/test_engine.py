@@ -26,12 +26,11 @@ from govray.platform.rerun.replay import Replay, recorded_decisions, replay_tria
 from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
 from govray.train.control.decisions import LossScaleSkip
 from govray.train.parallel.worker import Worker
-from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger, TokensPerRow
 from govray.train.step.scaling import INIT_SCALE
-from govray.train.trial import make_trial
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from jobs.examples.digits.golden import golden_example as golden_example_at
+from tests.helpers.builders import governed_step
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun, golden_run_at
 from tests.helpers.routing import TABLE
@@ -151,7 +150,7 @@ def test_bf16_really_ran_under_autocast(bf16_pair: Pair) -> None:
     weights = {}
     for precision in ("bf16", "fp32"):
         settings = spec.settings.model_copy(update={"precision": precision})
-        governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, settings))
+        governed = governed_step(spec, Worker(0, 1), settings)
         for step in range(3):
             governed.step(step)
         weights[precision] = governed.model.base_state()
@@ -195,7 +194,7 @@ def test_the_governed_step_reads_nothing_from_the_device_between_boundaries(
     settings = spec.settings.model_copy(update={"accumulation_steps": 2}).with_hyperparameters(
         {"optimizer": optimizer, "lr": 0.01}
     )
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, settings))
+    governed = governed_step(spec, Worker(0, 1), settings)
     governed.step(0)  # the first step builds the masks and layouts
     with HostReads(governed.optimizer) as counted:
         for step in range(1, 8):
@@ -210,7 +209,7 @@ def test_a_non_finite_gradient_is_refused_at_the_next_boundary_naming_tensors_an
     bf16_pair: Pair,
 ) -> None:
     spec = run_spec(bf16_pair.original)
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    governed = governed_step(spec, Worker(0, 1))
     loss = governed.trial.loss
     poisoned = next(
         step for step in range(2, 50) if step_slots(governed.schedule, step)[0].route == "licensed"

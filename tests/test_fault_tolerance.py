@@ -31,6 +31,7 @@ from govray.train.checkpoints.files import (
     seal_checkpoint,
     verify_checkpoint,
 )
+from govray.train.checkpoints.signer import KeySigner
 from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS
 from tests.helpers.golden import GoldenRun, final_checkpoint
 from tests.helpers.killed_run import run_killing_a_worker
@@ -111,7 +112,7 @@ def test_a_checkpoint_written_with_memorization_baselines_still_loads(
             lambda self, **kw: {**dump(self, **kw), "memorization_baselines": {}},
         )
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-        seal_checkpoint(tmp_path, optimizer.state_dict(), state, key)
+        seal_checkpoint(tmp_path, optimizer.state_dict(), state, KeySigner(key))
     assert json.loads((tmp_path / STATE_FILE).read_text())["memorization_baselines"] == {}
     loaded = load_checkpoint(tmp_path, platform_trust(key))
     assert loaded.state == state
@@ -143,7 +144,7 @@ def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> Non
     key) is still refused."""
     from govray.core.canonical import file_sha256
     from govray.core.dsse import sign_envelope
-    from govray.train.checkpoints.files import MANIFEST_TYPE, Manifest
+    from govray.train.checkpoints.manifest import MANIFEST_TYPE, Manifest
 
     (checkpoint_copy / STATE_FILE).write_text(
         (checkpoint_copy / STATE_FILE).read_text().replace('"step": 30', '"step": 31')

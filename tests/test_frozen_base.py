@@ -55,6 +55,7 @@ from govray.train.run.session import LocalSession
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import golden_example
+from tests.helpers.builders import governed_step
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
 
@@ -178,11 +179,9 @@ def test_later_checkpoints_write_no_base_bytes(
     folder outside the run directory (a Tune trial's) or a base that trains gets its own copy."""
     import govray.train.checkpoints.base_file as base_file
     from govray.train.parallel.worker import Worker
-    from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     spec = RunSpec.model_validate_json((lora_only.checkpoints[0] / RUN_SPEC_FILE).read_text())
-    model = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, spec.hparams, spec.settings)).model
+    model = governed_step(spec, Worker.detect()).model
     written: list[Path] = []
 
     def counted(model: Any, path: Path) -> str:
@@ -190,7 +189,7 @@ def test_later_checkpoints_write_no_base_bytes(
         return save_base(model, path)
 
     monkeypatch.setattr(base_file, "save_base", counted)
-    frozen = FrozenBase(str(tmp_path), None)
+    frozen = FrozenBase(str(tmp_path))
     first = frozen.save(model, tmp_path / "checkpoint_00000010")
     inode = model_file_of(tmp_path, first).stat().st_ino
     for step in (20, 30):

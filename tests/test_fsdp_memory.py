@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from govray.config.experiment import ParallelStrategy
+from tests.helpers.builders import governed_step
 from tests.helpers.engine import run_spec
 from tests.helpers.fsdp import ADAMW, PUBLIC, whole
 from tests.helpers.gloo_group import persistent_group
@@ -135,8 +136,6 @@ def accumulated(task: Accumulated, rank: int) -> dict[str, Any]:
     after (rank 0) and, under FSDP, the probes."""
     from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     spec = RunSpec.model_validate_json(task.spec)
     hparams = {**spec.hparams, **ADAMW}
@@ -150,7 +149,7 @@ def accumulated(task: Accumulated, rank: int) -> dict[str, Any]:
             "settings": settings.with_hyperparameters(hparams),
         }
     )
-    governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, hparams, spec.settings))
+    governed = governed_step(spec, Worker.detect())
     probes = attach_probes(governed) if task.strategy == "fsdp" else None
     before = whole(governed.model)
     for step in range(STEPS):

@@ -487,3 +487,46 @@ def test_run_json_has_one_reader() -> None:
         if "RunSpec.model_validate_json" in line
     ]
     assert readers == []
+
+
+STRATEGY_FLAGS = {"collective_forward", "every_rank_writes"}  # the twin's own facts
+STRATEGY_HOMES = (GOVRAY / "train" / "parallel", GOVRAY / "config")  # the twin; where a strategy is parsed
+
+
+def strategy_tests(path: Path) -> list[str]:
+    """Where ``path`` asks which strategy runs instead of asking the twin: a read of one of the
+    twin's flags, or a comparison with a ``ParallelStrategy`` member."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in STRATEGY_FLAGS:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for operand in operands:
+                for inner in ast.walk(operand):
+                    if isinstance(inner, ast.Attribute) and ast.unparse(inner.value) == "ParallelStrategy":
+                        found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_strategy_is_tested_outside_the_parallelism_twin() -> None:
+    """Single, DDP, FSDP and HSDP differ only inside ``govray/train/parallel/`` (the twin and its
+    checkpoint layouts); everything else asks the twin (``govray/config/`` parses the strategy)."""
+    tested = [
+        f"{path.relative_to(REPO)}:{found}"
+        for top in ("govray", "serve", "searchers", "jobs")
+        for path in sorted((REPO / top).rglob("*.py"))
+        if not any(path.is_relative_to(home) for home in STRATEGY_HOMES)
+        for found in strategy_tests(path)
+    ]
+    assert tested == []
+
+
+def test_the_strategy_rule_sees_a_flag_and_a_comparison(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f(parallel, strategy):\n"
+        "    if parallel.layout.every_rank_writes:\n        pass\n"
+        "    return strategy in (ParallelStrategy.FSDP, ParallelStrategy.HSDP)\n"
+    )
+    assert [line.split(":")[0] for line in strategy_tests(module)] == ["2", "4", "4"]

@@ -25,6 +25,7 @@ from govray.platform.run.runner import TrialOutcome, run_trial
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, checkpoint_step, find_checkpoints
+from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker
 from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
@@ -245,7 +246,7 @@ def test_fork_from_the_latest_checkpoint_records_parent_source_and_inherited_led
     spec = RunSpec.model_validate_json(
         run_spec_path(open_storage(golden_run.config.storage_path), trial.ray_run_name).read_text()
     )
-    training = TrialRun.open(spec, Worker(0, 1))
+    training = TrialRun.open(WorkerContext.of(spec, Worker(0, 1)))
     training.start_from(golden_final)
     expected = load_file(str(golden_final / MODEL_FILE))
     assert all(training.governed.model.base_state()[name].equal(tensor) for name, tensor in expected.items())

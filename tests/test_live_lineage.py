@@ -41,6 +41,7 @@ from govray.tracking.lineage import (
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import LedgerRow, TrialState
 from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, CheckpointState, seal_checkpoint
+from govray.train.checkpoints.signer import KeySigner
 from govray.train.run.reports import StepReport
 from govray.train.step.ledger import Ledger, LedgerEntry
 from serve.api import accepts_gzip
@@ -76,7 +77,7 @@ def sealed(directory: Path, step: int, ledger: Ledger) -> Path:
         config_digest="",
         ledger=ledger.to_json(),
     )
-    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, KEY)
+    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, KeySigner(KEY))
     return directory
 
 

@@ -21,6 +21,7 @@ from govray.core.keys import platform_key, platform_trust
 from govray.data.fingerprint import directory_digest
 from govray.data.packed import PackedStore
 from govray.platform.run.plan import plan_run
+from govray.train.context import WorkerContext
 from govray.train.hf import CausalLMTrial
 from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
@@ -56,7 +57,7 @@ def trained(spec: RunSpec, **settings: Any) -> GovernedStep:
     """``spec``'s governed steps on one in-process worker, ``settings`` over the run's."""
     assert spec.settings is not None
     trial = make_trial(spec.trial, spec.hparams, spec.settings.model_copy(update=settings))
-    governed = GovernedStep(spec, Worker(0, 1), trial)
+    governed = GovernedStep(WorkerContext.of(spec, Worker(0, 1)), trial)
     for step in range(STEPS):
         governed.step(step)
     governed.batches.close()
@@ -129,7 +130,7 @@ def test_packed_windows_hold_the_tokenizers_ids_with_its_eos_between_documents(
 ) -> None:
     trial = make_trial(tokenizer_spec.trial, tokenizer_spec.hparams, tokenizer_spec.settings)
     assert isinstance(trial, CausalLMTrial)
-    governed = GovernedStep(tokenizer_spec, Worker(0, 1), trial)
+    governed = GovernedStep(WorkerContext.of(tokenizer_spec, Worker(0, 1)), trial)
     assert governed.packed is not None
     for route in governed.schedule.routes:
         rows = governed.shards.route_table(route.route)

@@ -29,6 +29,7 @@ import torch
 from govray.config.training import Precision
 from govray.governance.policy import DepthPolicy
 from govray.train.runspec import RunSpec
+from tests.helpers.builders import governed_step
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -115,14 +116,12 @@ def trained(
 
     from govray.train.control import probe
     from govray.train.parallel.worker import Worker
-    from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     spec = spec.model_copy(update={"excluded_corpora": excluded})
     probed = probe.PROBE_HOLDOUT_ROWS
     probe.PROBE_HOLDOUT_ROWS = probe_rows or probed  # (this process runs later tasks: restored below)
     try:
-        governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, spec.hparams, spec.settings))
+        governed = governed_step(spec, Worker.detect())
     finally:
         probe.PROBE_HOLDOUT_ROWS = probed
     model = governed.model
@@ -300,12 +299,11 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
     into today's optimizer, each trainable tensor's AdamW moments where they were."""
     from govray.train.parallel.worker import Worker
     from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
 
     def governed() -> GovernedStep:
-        return GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+        return governed_step(spec, Worker(0, 1))
 
     first = governed()
     for step in range(3):
@@ -334,11 +332,9 @@ def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_
     shares no storage with the live tensors, and a rollback copies it back into them: after two
     more steps, loading it gives exactly the state of the snapshot's step, in the same tensors."""
     from govray.train.parallel.worker import Worker
-    from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    governed = governed_step(spec, Worker(0, 1))
     for step in range(2):
         governed.step(step)
     snapshot = governed.snapshot(2)

@@ -26,6 +26,7 @@ from govray.tracking.audit import AuditLog
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import load_checkpoint
+from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker
 from govray.train.run.state import TrialRun
 from govray.train.runspec import RunSpec
@@ -175,7 +176,7 @@ def test_rollback_restores_the_last_clean_state_gates_once_and_replays(
             open_storage(load_experiment(tmp_path / "experiment.yaml").storage_path), run
         ).read_text()
     )
-    resumed = TrialRun.open(spec, Worker(0, 1))
+    resumed = TrialRun.open(WorkerContext.of(spec, Worker(0, 1)))
     assert resumed.restore(by_step[between]) == between
     flag = memorization_report(
         {"digits-public": CorpusMeasures(loss_gap=1.0)}, MemorizationThresholds(action="rollback")

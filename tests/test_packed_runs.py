@@ -18,13 +18,14 @@ from govray.data.step_rows import step_rows
 from govray.platform.run.runner import run_trial
 from govray.provenance.rows import row_reach
 from govray.train.checkpoints.files import find_checkpoints
+from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker
 from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import recompute_ledger
 from govray.train.trial import make_trial
 from jobs.examples.digits.golden import opened
-from tests.helpers.builders import text_experiment
+from tests.helpers.builders import governed_step, text_experiment
 from tests.helpers.golden import GoldenRun
 from tests.helpers.routing import routes_updating
 
@@ -55,7 +56,7 @@ def test_a_packed_run_counts_exactly_the_rows_and_tokens_of_the_windows_it_train
 ) -> None:
     spec = last_spec(packed_run)
     store = PackedStore.open(Path(spec.packed_root), verify=True)
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    governed = governed_step(spec, Worker(0, 1))
     schedule = governed.schedule
     assert [layout.rows for layout in schedule.routes] == [layout.rows for layout in store.layouts()]
     expected: dict[tuple[str, str], list[int]] = {}  # (corpus, route) → [rows starting, tokens]
@@ -87,7 +88,7 @@ def test_each_route_groups_gradient_is_divided_by_its_tokens_from_the_schedule(p
         {"optimizer": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0}
     )
     trial = make_trial(spec.trial, spec.hparams, settings)
-    governed = GovernedStep(spec, Worker(0, 1), trial)
+    governed = GovernedStep(WorkerContext.of(spec, Worker(0, 1)), trial)
     store = governed.packed
     assert store is not None
     step = next(
@@ -122,7 +123,7 @@ def test_an_erasure_lookup_in_a_packed_run_finds_the_steps_of_the_windows_holdin
 ) -> None:
     spec = last_spec(packed_run)
     store = PackedStore.open(Path(spec.packed_root))
-    schedule = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings)).schedule
+    schedule = governed_step(spec, Worker(0, 1)).schedule
     first = slot(schedule, 0, 0)
     assert first.route is not None
     window = store.take(first.route, np.asarray(first.rows[:1]))

@@ -18,13 +18,15 @@ from pydantic import TypeAdapter
 
 from govray.config.experiment import PlateauSchedule
 from govray.core.keys import platform_key, platform_key_path
+from govray.core.storage import IN_PLACE
 from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.platform.rerun.replay import recorded_decisions
-from govray.provenance.predicates import routing_of
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import CheckpointState, find_checkpoints, load_checkpoint
+from govray.train.checkpoints.signer import RunSigner
+from govray.train.context import WorkerContext
 from govray.train.control.controller import Controller
 from govray.train.control.decisions import LrDecision, PreemptedDecision, RecordedDecision
 from govray.train.control.preemption import (
@@ -34,6 +36,7 @@ from govray.train.control.preemption import (
     PreemptionWatch,
     wait_for_restart,
 )
+from govray.train.parallel.strategies import Single
 from govray.train.parallel.worker import RouteRows, Worker
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
@@ -80,8 +83,10 @@ def test_every_rank_asks_for_a_notice_only_at_the_control_period_and_acts_on_eac
 
 
 def test_off_ray_train_no_rank_asks_for_a_notice() -> None:
-    spec = RunSpec.model_construct(storage="", strategy="ddp", control_period=1, control_file="")
-    session = LocalSession(spec, Worker(0, 1, torch.device("cpu")), lambda _: None)
+    spec = RunSpec.model_construct(storage="", strategy="ddp", control_period=1, control_file="", run_dir="")
+    worker = Worker(0, 1, torch.device("cpu"))
+    context = WorkerContext(spec, worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    session = LocalSession(context, lambda _: None)
     assert session.preemption.ask is None  # Ray's local mode answers None; a Tune trial's call raises
     assert [session.look_for_preemption(step) for step in range(10)] == [None] * 10
 
@@ -178,8 +183,8 @@ class Reclaimed(Exception):
 class NoticedSession(LocalSession):
     """One worker in-process that gets a reclaim notice at its first look (every 3 steps)."""
 
-    def __init__(self, spec: RunSpec, worker: Worker, deliver: Any) -> None:
-        super().__init__(spec, worker, deliver)
+    def __init__(self, context: WorkerContext, deliver: Any) -> None:
+        super().__init__(context, deliver)
         self.preemption.ask = lambda: PreemptionInfo(DEADLINE_MS, {"node-a": [0]})
 
     def await_restart(self, notice: PreemptionNotice) -> float:
@@ -228,4 +233,4 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     trial = make_trial(spec.trial, spec.hparams, spec.settings)
     tokens = RouteRows(ShardReader(ShardSet.open(shards))).tokens(trial)
     schedule = ScheduleSpec.from_json(final.schedule)
-    assert Ledger.from_json(final.ledger) == recompute_ledger(schedule, routing_of(spec), 6, tokens)
+    assert Ledger.from_json(final.ledger) == recompute_ledger(schedule, spec.routing, 6, tokens)

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from govray.train.parallel.worker import Worker
-from govray.train.step.governed import GovernedStep
-from govray.train.trial import make_trial
+from tests.helpers.builders import governed_step
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
 
@@ -24,7 +23,7 @@ def test_the_probe_runs_under_the_runs_autocast(
     assert spec.settings is not None
     settings = spec.settings.model_copy(update={"precision": precision})
     spec = spec.model_copy(update={"settings": settings})
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, settings))
+    governed = governed_step(spec, Worker(0, 1), settings)
     seen: list[torch.dtype | None] = []
     loss = governed.trial.loss
 

@@ -21,6 +21,7 @@ from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.shards import MANIFEST, ShardSet
 from govray.data.slots import Slot, slot
 from govray.train.checkpoints.files import find_checkpoints
+from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker, by_row_hash, lowest_hashes, without_rows
 from govray.train.runspec import RunSpec
 from govray.train.step.governed import GovernedStep
@@ -157,7 +158,7 @@ def test_reads_that_follow_the_schedule_train_bit_identically_to_loading_everyth
     weights, seen = [], []
     for loader in ("schedule", "everything"):
         trial = make_trial(spec.trial, spec.hparams, spec.settings)
-        governed = GovernedStep(spec, Worker(0, 1), trial)
+        governed = GovernedStep(WorkerContext.of(spec, Worker(0, 1)), trial)
         take = WholeTables(governed.shards).take if loader == "everything" else governed.rows.take
         read: Counter[tuple[str, str]] = Counter()
 

@@ -39,7 +39,8 @@ from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, st
 from govray.tracking.lineage import attestations, final_checkpoint_record
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import TrialState
-from govray.train.checkpoints.files import MANIFEST_FILE, MANIFEST_TYPE, SIGNATURE_FILE, STATE_FILE, Manifest
+from govray.train.checkpoints.files import MANIFEST_FILE, SIGNATURE_FILE, STATE_FILE, Manifest
+from govray.train.checkpoints.manifest import MANIFEST_TYPE
 from govray.train.reproduce.record import ReproducibilityRecord
 from tests.helpers.builders import write_signed_policy
 from tests.helpers.search import searched

@@ -106,6 +106,7 @@ def compared(case: Case, rank: int) -> tuple[str, Any]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from govray.config.training import Precision
+    from govray.core.storage import IN_PLACE
     from govray.governance.adapters import GovernedModel
     from govray.governance.routing import resolve_routes
     from govray.train.checkpoints.files import CheckpointError
@@ -123,7 +124,7 @@ def compared(case: Case, rank: int) -> tuple[str, Any]:
         return GovernedModel(base, resolve_routes(rules, base, trial.layers(base)), rules.adapters, seed=5)
 
     today = governed(initial_model(spec, trial))  # what every rank built before
-    seed = SeedCheckpoint.agree(spec, Worker.detect(), trial)
+    seed = SeedCheckpoint.agree(spec, Worker.detect(), IN_PLACE, trial)
     base = seed.skeleton()
     meta = all(parameter.is_meta for parameter in base.parameters())
     model = governed(base)

@@ -21,13 +21,13 @@ from govray.platform.rerun.replay import tensor_influence
 from govray.provenance.attest import AttestationError, model_subjects
 from govray.train.checkpoints.files import (
     MANIFEST_FILE,
-    MANIFEST_TYPE,
     MODEL_FILE,
     SIGNATURE_FILE,
     CheckpointError,
     Manifest,
     shard_file,
 )
+from govray.train.checkpoints.manifest import MANIFEST_TYPE
 from govray.train.checkpoints.whole_file import (
     CHUNK,
     shard_layout,

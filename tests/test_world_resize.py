@@ -65,12 +65,13 @@ def trained_spec(spec_json: str, strategy: str) -> Any:
 
 
 def opened(spec: Any, rank: int, world: int) -> Any:
+    from govray.train.context import WorkerContext
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
 
     worker = Worker.detect()
     assert (worker.rank, worker.world_size) == (rank, world)
-    return TrialRun.open(spec, worker)
+    return TrialRun.open(WorkerContext.of(spec, worker))
 
 
 def fresh(folder: Path, rank: int, world: int) -> None:
@@ -93,14 +94,13 @@ def original(rank: int, world: int, spec_json: str, strategy: str, folder: Path)
     ``("ok", (initial, final, ledger))`` on rank 0."""
     spec = trained_spec(spec_json, strategy)
     fresh(folder, rank, world)
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     run = opened(spec, rank, world)
     initial = whole(run.governed.model)
     fresh(at_start(folder), rank, world)
-    run.save(at_start(folder), 0, key, {"step": 0})  # its starting state (a sharded run's step-0 one)
+    run.save(at_start(folder), 0, {"step": 0})  # its starting state (a sharded run's step-0 one)
     for step in range(RESUME_AT):
         run.governed.step(step)
-    run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
+    run.save(folder, RESUME_AT, {"step": RESUME_AT})
     for step in range(RESUME_AT, STEPS):
         run.governed.step(step)
     final = whole(run.governed.model)
@@ -117,7 +117,6 @@ def continued(
     from govray.train.checkpoints.files import CheckpointError, load_checkpoint
 
     spec = trained_spec(spec_json, strategy)
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     fresh(again, rank, world)
     reference = opened(spec, rank, world)
     try:
@@ -131,7 +130,7 @@ def continued(
     first.restore(source)
     for step in range(start, again_at):
         first.governed.step(step)
-    first.save(again, again_at, key, {"step": again_at})
+    first.save(again, again_at, {"step": again_at})
     second = opened(spec, rank, world)
     assert second.restore(again) == again_at
     for step in range(again_at, STEPS):
@@ -180,12 +179,11 @@ def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folde
         update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
     )
     fresh(folder, rank, world)
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     run = opened(spec, rank, world)
     for step in range(RESUME_AT):
         run.governed.step(step)
     run.keep_clean(RESUME_AT)  # a validation found it clean
-    run.save(folder, RESUME_AT, key, {"step": RESUME_AT})
+    run.save(folder, RESUME_AT, {"step": RESUME_AT})
     return "ok", spec.model_dump_json()
 
 

@@ -32,17 +32,14 @@ def plan(
     """Print each rank's peak memory (params, grads, optimizer state, activations, governance and
     communication buffers) for one step of the experiment's first trial; refuse a run that cannot fit."""
     from govray.config.experiment import load_experiment
-    from govray.config.resources import ParallelStrategy
     from govray.governance.policy import load_policy
     from govray.train.footprint.estimate import MemoryPlanError, PlanSetup, plan_governed
     from govray.train.hf import CausalLMTrial
+    from govray.train.parallel.strategies import refuse_unplanned
     from govray.train.trial import make_trial
 
     config = load_experiment(experiment)
-    if config.resources.strategy != ParallelStrategy.DDP:
-        raise ConfigError(
-            f"{experiment}: govray plan measures strategy ddp runs (this one is {config.resources.strategy})"
-        )
+    refuse_unplanned(config.resources.strategy, str(experiment))
     hparams = config.default_hparams()
     settings = config.training.with_hyperparameters(hparams)
     trial = make_trial(config.trial, hparams, settings)

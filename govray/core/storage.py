@@ -47,38 +47,27 @@ class StorageError(GovrayError):
 
 
 class Storage:
-    """An experiment's storage: ``root`` is the local directory govray works in; for object
-    storage, ``filesystem`` and ``remote`` (``BUCKET/PREFIX``) say where its files are kept."""
+    """An experiment's storage: ``root`` is the local directory govray works in. One interface
+    with two twins, chosen once by :func:`open_storage`: ``LocalStorage`` (the files are ``root``
+    itself: nothing to fetch or upload) and ``ObjectStorage`` (``root`` is this node's cache of a
+    bucket). Code that holds a ``Storage`` never asks which it has: it fetches before it reads and
+    uploads after it writes, and the local twin does nothing."""
 
-    def __init__(
-        self, uri: str, root: Path, filesystem: pafs.FileSystem | None = None, remote: str = ""
-    ) -> None:
+    is_remote = False  # the files live in object storage (``ObjectStorage``)
+    filesystem: pafs.FileSystem | None = None  # Ray Train's and Tune's ``storage_filesystem``
+
+    def __init__(self, uri: str, root: Path) -> None:
         self.uri = uri
         self.root = root
-        self.filesystem = filesystem
-        self.remote = remote
-        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-
-    @property
-    def is_remote(self) -> bool:
-        return self.filesystem is not None
-
-    def remote_path(self, path: Path) -> str:
-        """The object key (``BUCKET/PREFIX/...``) of a path below ``root``."""
-        relative = Path(path).relative_to(self.root).as_posix()
-        return f"{self.remote}/{relative}" if relative != "." else self.remote
-
-    def local_path(self, remote_path: str) -> Path:
-        """The cache path of an object key below ``remote`` (Ray Train reports its checkpoints so)."""
-        key = remote_path.removeprefix("s3://").rstrip("/")
-        if not self.is_remote or not (key == self.remote or key.startswith(self.remote + "/")):
-            return Path(remote_path)
-        return self.root / key[len(self.remote) :].lstrip("/")
 
     def ray_path(self, path: Path) -> str:
         """How Ray Train and Tune are told a directory below ``root`` (``filesystem`` being their
         ``storage_filesystem``): its object key for object storage, else the path itself."""
-        return self.remote_path(path) if self.is_remote else str(path)
+        return str(path)
+
+    def local_path(self, reported: str) -> Path:
+        """Where a path Ray reported lies on this node."""
+        return Path(reported)
 
     def cached(self, reported: str) -> Path:
         """The cache path of a directory Ray reported (an object key, or a local path), fetched
@@ -89,22 +78,106 @@ class Storage:
 
     def uri_of(self, path: Path) -> str:
         """``s3://BUCKET/PREFIX/...`` of a path below ``root`` (the path itself when local)."""
-        return f"s3://{self.remote_path(path)}" if self.is_remote else str(path)
+        return str(path)
 
     def check(self) -> None:
         """Refuse, with the bucket and endpoint named, storage that cannot be read and written."""
-        if self.filesystem is None:
-            return
+
+    def upload(self, *paths: Path) -> None:
+        """Copy files, or directories' files (each one's manifests last), from the cache to the
+        storage."""
+
+    def fetch(self, path: Path, verify: Callable[[Path], object] | None = None) -> bool:
+        """Make ``path`` (a file or directory) present on this node, downloading it when missing
+        below ``root``; ``verify(staged)`` must accept a download before it appears at ``path``.
+        Returns whether ``path`` exists now (False: in neither place)."""
+        return Path(path).exists()
+
+    def list_files(self, directory: Path) -> list[str]:
+        """The names of the files right below ``directory`` in the storage (none when local)."""
+        return []
+
+    def pull_growing(self, path: Path, destination: Path | None = None) -> bool:
+        """Copy the stored copy of a file that only grows (a log) to ``destination`` (default:
+        ``path`` in the cache) when it is longer there than here; returns whether it copied."""
+        return False
+
+    def delete_file(self, path: Path) -> None:
+        """Remove a file below ``root`` from the cache and from the storage (either one already
+        gone is fine)."""
+        Path(path).unlink(missing_ok=True)
+
+    def delete_directory(self, path: Path) -> None:
+        """Remove a directory below ``root`` from the cache and from the storage (either one
+        already gone is fine; a file in its place is an ``OSError``, and nothing remote is touched)."""
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(path)
+
+    def subdirectories(self, directory: Path, prefix: str) -> list[str]:
+        """The names of the subdirectories of ``directory`` whose names start with ``prefix``, in
+        this node's cache and, for object storage, in the storage; sorted by name."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            return []
+        return sorted(
+            path.name for path in directory.iterdir() if path.is_dir() and path.name.startswith(prefix)
+        )
+
+    def fetch_latest(
+        self, directory: Path, prefix: str, verify: Callable[[Path], object] | None = None
+    ) -> None:
+        """Fetch the last (by name) subdirectory of ``directory`` whose name starts with ``prefix``
+        (checkpoints are named so that this is the newest)."""
+
+
+class LocalStorage(Storage):
+    """A local directory (or a shared file system every node mounts at the same path)."""
+
+
+IN_PLACE = LocalStorage("(files where they lie)", Path("/"))  # no storage: read and write in place
+
+
+class ObjectStorage(Storage):
+    """``s3://BUCKET/PREFIX``: ``filesystem`` and ``remote`` (``BUCKET/PREFIX``) say where its files
+    are kept, ``root`` is this node's cache of them."""
+
+    is_remote = True
+
+    def __init__(self, uri: str, root: Path, filesystem: pafs.FileSystem, remote: str) -> None:
+        super().__init__(uri, root)
+        self.filesystem = filesystem
+        self.remote = remote
+        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+
+    def remote_path(self, path: Path) -> str:
+        """The object key (``BUCKET/PREFIX/...``) of a path below ``root``."""
+        relative = Path(path).relative_to(self.root).as_posix()
+        return f"{self.remote}/{relative}" if relative != "." else self.remote
+
+    def stored(self, path: Path) -> bool:
+        """``path`` lies below ``root``: the storage keeps it (a path elsewhere is this node's own)."""
+        return Path(path).is_relative_to(self.root)
+
+    def local_path(self, reported: str) -> Path:
+        """The cache path of an object key below ``remote`` (Ray Train reports its checkpoints so)."""
+        key = reported.removeprefix("s3://").rstrip("/")
+        if not (key == self.remote or key.startswith(self.remote + "/")):
+            return Path(reported)
+        return self.root / key[len(self.remote) :].lstrip("/")
+
+    def ray_path(self, path: Path) -> str:
+        return self.remote_path(path)
+
+    def uri_of(self, path: Path) -> str:
+        return f"s3://{self.remote_path(path)}"
+
+    def check(self) -> None:
         probe = f"{self.remote}/.govray-probe"
         self._call(f"write {probe}", lambda fs: _write(fs, probe, b"govray"))
         self._call(f"delete {probe}", lambda fs: fs.delete_file(probe))
 
     def upload(self, *paths: Path) -> None:
-        """Copy files, or directories' files (each one's manifests last), from the cache to the
-        storage."""
-        if self.filesystem is None:
-            return
-        for path in map(Path, paths):
+        for path in (Path(p) for p in paths if self.stored(Path(p))):
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             files.sort(key=lambda p: p.name in SEALS)  # stable: manifest.json before manifest.sig stays
             for file in files:
@@ -112,11 +185,8 @@ class Storage:
                 self._call(f"upload {file} to s3://{key}", partial(_put, file, key))
 
     def fetch(self, path: Path, verify: Callable[[Path], object] | None = None) -> bool:
-        """Make ``path`` (a file or directory below ``root``) present in the cache, downloading it
-        when missing; ``verify(staged)`` must accept a download before it appears at ``path``.
-        Returns whether ``path`` exists now (False: in neither place)."""
         path = Path(path)
-        if path.exists() or self.filesystem is None:
+        if path.exists() or not self.stored(path):
             return path.exists()
         import pyarrow.fs as pafs
 
@@ -145,9 +215,6 @@ class Storage:
         return True
 
     def list_files(self, directory: Path) -> list[str]:
-        """The names of the files right below ``directory`` in the storage (none when local)."""
-        if self.filesystem is None:
-            return []
         import pyarrow.fs as pafs
 
         key = self.remote_path(directory)
@@ -156,10 +223,6 @@ class Storage:
         return sorted(Path(info.path).name for info in found if info.type == pafs.FileType.File)
 
     def pull_growing(self, path: Path, destination: Path | None = None) -> bool:
-        """Copy the stored copy of a file that only grows (a log) to ``destination`` (default:
-        ``path`` in the cache) when it is longer there than here; returns whether it copied."""
-        if self.filesystem is None:
-            return False
         import pyarrow.fs as pafs
 
         target = Path(destination or path)
@@ -182,10 +245,8 @@ class Storage:
         return True
 
     def delete_file(self, path: Path) -> None:
-        """Remove a file below ``root`` from the cache and from the storage (either one already
-        gone is fine)."""
-        Path(path).unlink(missing_ok=True)
-        if self.filesystem is None:
+        super().delete_file(path)
+        if not self.stored(path):
             return
         import pyarrow.fs as pafs
 
@@ -195,33 +256,22 @@ class Storage:
             self._call(f"delete s3://{key}", lambda fs: fs.delete_file(key))
 
     def delete_directory(self, path: Path) -> None:
-        """Remove a directory below ``root`` from the cache and from the storage (either one
-        already gone is fine; a file in its place is an ``OSError``, and nothing remote is touched)."""
-        path = Path(path)
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(path)
-        if self.filesystem is None:
+        super().delete_directory(path)
+        if not self.stored(path):
             return
         import pyarrow.fs as pafs
 
-        key = self.remote_path(path)
+        key = self.remote_path(Path(path))
         info = self._call(f"look up s3://{key}", lambda fs: fs.get_file_info(key))
         if info.type != pafs.FileType.NotFound:
             self._call(f"delete s3://{key}", lambda fs: fs.delete_dir(key))
 
     def subdirectories(self, directory: Path, prefix: str) -> list[str]:
-        """The names of the subdirectories of ``directory`` whose names start with ``prefix``, in
-        this node's cache and, for object storage, in the storage; sorted by name."""
-        directory = Path(directory)
-        names = (
-            {path.name for path in directory.iterdir() if path.is_dir() and path.name.startswith(prefix)}
-            if directory.is_dir()
-            else set()
-        )
-        if self.filesystem is not None:
+        names = set(super().subdirectories(directory, prefix))
+        if self.stored(directory):
             import pyarrow.fs as pafs
 
-            key = self.remote_path(directory)
+            key = self.remote_path(Path(directory))
             selector = pafs.FileSelector(key, allow_not_found=True)
             found = self._call(f"list s3://{key}", lambda fs: fs.get_file_info(selector))
             names |= {
@@ -234,15 +284,10 @@ class Storage:
     def fetch_latest(
         self, directory: Path, prefix: str, verify: Callable[[Path], object] | None = None
     ) -> None:
-        """Fetch the last (by name) subdirectory of ``directory`` whose name starts with ``prefix``
-        (checkpoints are named so that this is the newest)."""
-        if self.filesystem is None:
-            return
         if names := self.subdirectories(directory, prefix):
             self.fetch(Path(directory) / names[-1], verify)
 
     def _call(self, what: str, action: Callable[[pafs.FileSystem], T]) -> T:
-        assert self.filesystem is not None
         try:
             return action(self.filesystem)
         except OSError as error:
@@ -254,24 +299,14 @@ class Storage:
             ) from error
 
 
-def _write(filesystem: pafs.FileSystem, key: str, data: bytes) -> None:
-    with filesystem.open_output_stream(key) as stream:
-        stream.write(data)
-
-
-def _put(file: Path, key: str, filesystem: pafs.FileSystem) -> None:
-    import pyarrow.fs as pafs
-
-    local = pafs.LocalFileSystem()
-    pafs.copy_files(str(file), key, source_filesystem=local, destination_filesystem=filesystem)
-
-
 def open_storage(storage_path: str | Path) -> Storage:
     """The storage of an experiment's ``storage_path``: a local directory, or ``s3://BUCKET/PREFIX``
     with this node's cache of it. Other schemes are refused."""
     uri = str(storage_path)
+    if not uri:
+        raise StorageError("no storage_path: a run's storage is a local path or s3://BUCKET[/PREFIX]")
     if "://" not in uri:
-        return Storage(uri, Path(uri))
+        return LocalStorage(uri, Path(uri))
     scheme, _, remote = uri.partition("://")
     remote = remote.strip("/")
     if scheme != "s3" or not remote:
@@ -279,7 +314,7 @@ def open_storage(storage_path: str | Path) -> Storage:
     from govray.core.settings import load_settings  # the settings only where a bucket is used
 
     root = load_settings().cache_root / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return Storage(uri, root, _s3_filesystem(), remote)
+    return ObjectStorage(uri, root, _s3_filesystem(), remote)
 
 
 def _s3_filesystem() -> pafs.S3FileSystem:
@@ -311,3 +346,15 @@ def _s3_filesystem_for(endpoint: str, region: str, key: str, secret: str, token:
         scheme, _, host = endpoint.rpartition("://")
         options.update(endpoint_override=host.rstrip("/"), scheme=scheme or "https")
     return pafs.S3FileSystem(**options)
+
+
+def _write(filesystem: pafs.FileSystem, key: str, data: bytes) -> None:
+    with filesystem.open_output_stream(key) as stream:
+        stream.write(data)
+
+
+def _put(file: Path, key: str, filesystem: pafs.FileSystem) -> None:
+    import pyarrow.fs as pafs
+
+    local = pafs.LocalFileSystem()
+    pafs.copy_files(str(file), key, source_filesystem=local, destination_filesystem=filesystem)

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import IngestError, describe_validation_error
-from govray.core.storage import open_storage
+from govray.core.storage import Storage
 from govray.data.schedule import RouteLayout
 from govray.data.shards import MANIFEST
 
@@ -202,14 +202,12 @@ class PackedStore:
 
     @classmethod
     def fetch(
-        cls, root: Path, storage: str, *, verify: bool | Literal["touched"] = "touched", sha256: str = ""
+        cls, root: Path, storage: Storage, *, verify: bool | Literal["touched"] = "touched", sha256: str
     ) -> PackedStore:
-        """The store at ``root`` in this node's cache of object storage ``storage`` (a local
-        storage_path or "": used where it lies), downloaded and verified first when missing;
-        its manifest checked against ``sha256`` (the digest a run recorded) when given."""
-        if storage:
-            open_storage(storage).fetch(root, verify=lambda staged: cls._staged(staged, root.name))
-        if sha256 and file_sha256(root / MANIFEST) != sha256:
+        """The store at ``root``, downloaded from ``storage`` and verified first when this node
+        lacks it; its manifest checked against ``sha256`` (the digest the run recorded)."""
+        storage.fetch(root, verify=lambda staged: cls._staged(staged, root.name))
+        if file_sha256(root / MANIFEST) != sha256:
             raise IngestError(
                 f"packed store manifest {root / MANIFEST} does not match the digest the run recorded"
             )

@@ -41,7 +41,7 @@ import ray
 from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError, IngestError
 from govray.core.runtime import stop_tasks
-from govray.core.storage import open_storage
+from govray.core.storage import IN_PLACE, Storage
 from govray.data.packed import (
     PACKED_DIRECTORY,
     TOKEN_DTYPE,
@@ -65,13 +65,14 @@ def pack_shards(
     seq_len: int,
     tokenize: Tokenize,
     tokenizer: str,
-    storage: str = "",
+    storage: Storage = IN_PLACE,
     force: bool = False,
 ) -> PackedStore:
     """The packed store of ``shards`` for ``seq_len`` and ``tokenize`` (whose identity, e.g. the
     trial's code and hyperparameter digests, is ``tokenizer``), under
     ``SHARDS/packed/packed_key(...)``: reused (verified) when present, else built and written
-    atomically (readers see a complete store or none), then uploaded to ``storage``.
+    atomically (readers see a complete store or none), then uploaded to ``storage`` (default: none,
+    the store stays where it is written).
 
     Raises ``IngestError`` naming the shard file and rows whose tokenization failed.
     """
@@ -79,8 +80,7 @@ def pack_shards(
         raise IngestError(f"packing needs seq_len >= 2, not {seq_len}")
     key = packed_key(shards.manifest.key, seq_len, tokenizer)
     root = shards.root / PACKED_DIRECTORY / key
-    if storage:
-        open_storage(storage).fetch(root, verify=lambda staged: PackedStore.open(staged, verify=True))
+    storage.fetch(root, verify=lambda staged: PackedStore.open(staged, verify=True))
     if (root / MANIFEST).exists() and not force:
         return PackedStore.open(root, verify=True)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -95,8 +95,7 @@ def pack_shards(
             staging.rename(root)  # atomic: readers see a complete store or none
     finally:
         shutil.rmtree(staging.parent, ignore_errors=True)
-    if storage:
-        open_storage(storage).upload(root)  # the manifest last
+    storage.upload(root)  # the manifest last
     return PackedStore.open(root)
 
 

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from govray.core.errors import IngestError
+from govray.core.storage import IN_PLACE, Storage
 from govray.data.shards import ShardFile, ShardSet
 
 CACHE_BYTES = 64 << 20  # decoded row groups kept per reader
@@ -60,7 +61,7 @@ class FileRun:
 class ShardReader:
     """Reads rows of one shard set by route-local position (see the module docstring)."""
 
-    def __init__(self, shards: ShardSet, storage: str = "", cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, shards: ShardSet, storage: Storage = IN_PLACE, cache_bytes: int = CACHE_BYTES) -> None:
         self.shards = shards
         self._storage = storage
         self._cache_bytes = cache_bytes

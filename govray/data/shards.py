@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from govray.core.canonical import file_sha256
 from govray.core.errors import IngestError, describe_validation_error
-from govray.core.storage import open_storage
+from govray.core.storage import Storage
 from govray.data.rowhash import ROW_HASH_VERSION
 
 MANIFEST = "manifest.json"
@@ -225,19 +225,17 @@ class ShardSet:
         return shards
 
     @classmethod
-    def fetch_manifest(cls, root: Path, storage: str, sha256: str = "") -> ShardSet:
-        """The shard set at ``root``, its manifest fetched from object storage ``storage`` when this
-        node lacks it (a local storage_path or "": read where it lies) and checked against
-        ``sha256``, the digest the run recorded in its signed run.json ("": a run recorded before
-        it was). Its files are fetched and checked one at a time, when read (``ShardReader``)."""
+    def fetch_manifest(cls, root: Path, storage: Storage, sha256: str) -> ShardSet:
+        """The shard set at ``root``, its manifest fetched from ``storage`` when this node lacks it
+        and checked against ``sha256``, the digest the run recorded in its signed run.json. Its
+        files are fetched and checked one at a time, when read (``ShardReader``)."""
         path = root / MANIFEST
 
         def check(candidate: Path) -> None:
-            if sha256 and file_sha256(candidate) != sha256:
+            if file_sha256(candidate) != sha256:
                 raise IngestError(f"shard manifest {path} does not match the digest the run recorded")
 
-        if storage:
-            open_storage(storage).fetch(path, verify=check)
+        storage.fetch(path, verify=check)
         shards = cls.open(root)
         check(path)
         return shards
@@ -260,12 +258,11 @@ class ShardSet:
         if file_sha256(path) != file.sha256:
             raise IngestError(f"shard file {path} does not match its digest in the manifest")
 
-    def fetch_file(self, file: ShardFile, storage: str) -> Path:
-        """The local path of one shard file, downloaded from object storage ``storage`` (a local
-        storage_path or "": used where it lies) when missing; checked against its digest."""
+    def fetch_file(self, file: ShardFile, storage: Storage) -> Path:
+        """The local path of one shard file, downloaded from ``storage`` when this node lacks it;
+        checked against its digest."""
         path = self.root / file.path
-        if storage:
-            open_storage(storage).fetch(path, verify=lambda staged: self.verify_file(file, staged))
+        storage.fetch(path, verify=lambda staged: self.verify_file(file, staged))
         self.verify_file(file, path)
         return path
 

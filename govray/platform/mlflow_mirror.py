@@ -44,7 +44,7 @@ from govray.platform.registry.versions import (
     versions,
 )
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import coverage_matrix, routing_of
+from govray.provenance.predicates import coverage_matrix
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
@@ -212,7 +212,7 @@ class MlflowMirror:
             self.client.log_text(run_id, record.envelope_json, f"{folder}/{kind}.dsse.json")
         spec = run_spec_of(version.directory)
         state = load_checkpoint(version.directory, spec.trust).state
-        matrix = coverage_matrix(Ledger.from_json(state.ledger), routing_of(spec))
+        matrix = coverage_matrix(Ledger.from_json(state.ledger), spec.routing)
         self.client.log_dict(run_id, matrix, f"{folder}/coverage-matrix.json")
         policy = spec.policy.model_dump(mode="json", exclude_none=True)
         self.client.log_text(run_id, yaml.safe_dump(policy, sort_keys=False), f"{folder}/policy.yaml")

@@ -42,7 +42,7 @@ from govray.core.errors import AttestationError
 from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, platform_trust
 from govray.provenance.locations import attestation_prefix, run_spec_of, signature_path
 from govray.provenance.model_signature import sign_model
-from govray.provenance.predicates import Derivation, coverage, provenance, routing_of
+from govray.provenance.predicates import Derivation, coverage, provenance
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
 from govray.tracking.lineage import checkpoints, final_checkpoint_record, record_attestation
 from govray.tracking.store import TrackingStore
@@ -118,7 +118,7 @@ def attest_checkpoint(
         loaded = load_checkpoint(checkpoint, trust)
     except CheckpointError as error:
         raise AttestationError(f"refusing to attest: {error}") from None
-    routing = routing_of(spec)
+    routing = spec.routing
     subjects = model_subjects(checkpoint, trust)
     moment = signing_time()
     predicate = provenance(spec, loaded.state, routing, checkpoint, derivation, finished_on=moment)

@@ -41,7 +41,6 @@ from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import routing_of
 from govray.provenance.rows import route_tensors
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoints.files import load_checkpoint
@@ -208,7 +207,7 @@ def eu_summary(
     in_model = {
         key: not isinstance(route, AdapterRoute) or route.adapter in adapters for key, route in routes.items()
     }
-    routing = routing_of(spec)
+    routing = spec.routing
     updates = {key: _updates(routing, key, route) for key, route in routes.items()}
     trained = _trained_examples(schedule, state.step)
     rows = _row_credentials(shards)

@@ -5,8 +5,8 @@ wraps them in signed in-toto statements about the model files.
 
 Example::
 
-    predicate = provenance(spec, loaded.state, routing_of(spec), checkpoint, None, finished_on=moment)
-    counts = coverage(loaded.state, routing_of(spec))
+    predicate = provenance(spec, loaded.state, spec.routing, checkpoint, None, finished_on=moment)
+    counts = coverage(loaded.state, spec.routing)
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from govray.train.checkpoints.files import (
 from govray.train.reproduce.record import ReproducibilityRecord
 from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger
-from govray.train.trial import importable, make_trial, resolve_trial_routes
 
 BUILD_TYPE = "https://govray.dev/buildtypes/governed-training/v1"
 BUILDER_ID = "https://govray.dev/builder/platform"
@@ -260,15 +259,6 @@ def _replay_equivalence(recorded: dict[str, Any]) -> dict[str, Any]:
     except ValidationError as error:
         raise AttestationError(f"the checkpoint's reproducibility record is unreadable: {error}") from None
     return record.replay_equivalence().model_dump(mode="json")
-
-
-def routing_of(spec: RunSpec) -> RoutingTable:
-    """The routing table of the run ``spec`` describes: the one its run.json holds, else (a run
-    recorded before it held one) its trial's model resolved by its policy on the meta device."""
-    if spec.routing is not None:
-        return spec.routing
-    importable(spec.code_dir)  # where the trial's module was importable when it ran
-    return resolve_trial_routes(spec.policy, make_trial(spec.trial, spec.hparams, spec.settings))
 
 
 def _layer_name(index: int | None, names: list[str], tensor: str) -> str:

@@ -25,7 +25,6 @@ from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleError, ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import routing_of
 from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.train.checkpoints.files import CheckpointError, load_checkpoint
 from govray.train.parallel.worker import RouteRows
@@ -53,7 +52,7 @@ def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: Tru
     except CheckpointError as error:
         raise AttestationError(f"cannot recompute the ledger: {error}") from None
     spec = run_spec_of(model_dir)
-    routing = routing_of(spec)
+    routing = spec.routing
     trial = make_trial(spec.trial, spec.hparams, spec.settings)
     packed = PackedStore.open(Path(spec.packed_root), verify=True) if spec.packed_root else None
     counts = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root))), packed).counts(trial)

@@ -281,7 +281,7 @@ def _trial_reach(
         for c in recorded
         if any(in_weights(schedule, step, c.step) for step in touched)
     ]
-    routing = _routing(spec)
+    routing = spec.routing
     tensors, layers = route_tensors(routing, route) if touched else ((), ())
     adapter = routing.adapter_names.get(route)
     return TrialReach(
@@ -298,16 +298,6 @@ def _trial_reach(
         layers=list(layers),
         note="" if touched else _why_not(schedule, places.corpus_id, state.step),
     )
-
-
-def _routing(spec: RunSpec) -> RoutingTable:
-    """The run's routing table, from its run.json; a run recorded before run.json held one needs its
-    trial's model resolved (``routing_of``: torch is imported then, and only then)."""
-    if spec.routing is not None:
-        return spec.routing
-    from govray.provenance.predicates import routing_of
-
-    return routing_of(spec)
 
 
 def _windows(spec: RunSpec, places: _Places) -> list[int]:

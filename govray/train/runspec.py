@@ -35,17 +35,11 @@ class RunSpec(BaseModel):
 
     trial: str
     hparams: dict[str, Any]
-    # The experiment's training settings with hparams applied; None in a spec written before
-    # they were recorded (the trial resolves hparams over the defaults, as it did then).
-    settings: TrainingSettings | None = None
+    settings: TrainingSettings  # the experiment's training settings with hparams applied
     policy: DepthPolicy
-    # The policy resolved against the trial's model (on the meta device, by the driver); None in a
-    # spec written before it was recorded (readers resolve it on the meta device themselves).
-    routing: RoutingTable | None = None
+    routing: RoutingTable  # the policy resolved against the trial's model (by the driver, on meta)
     shard_root: str
-    # sha256 of the shard manifest (whose per-file digests every read is checked against); "" in a
-    # run.json written before it was recorded.
-    shards_sha256: str = ""
+    shards_sha256: str  # of the shard manifest (whose per-file digests every read is checked against)
     # data.packing: the packed token store the schedule reads windows from, and its manifest's
     # sha256 ("": rows are read, not windows).
     packed_root: str = ""
@@ -102,9 +96,10 @@ class RunSpec(BaseModel):
     # The driver's ReportSink actor (``govray.train.run.session``): where rank 0 sends its reports
     # without waiting (a run on Ray Train workers; empty in-process).
     report_sink: str = ""
-    # Object storage (s3://...) whose node-local cache holds shard_root, run_dir and control_file:
-    # workers fetch from it what their node lacks, and local mode uploads its checkpoints to it.
-    storage: str = ""
+    # The experiment's storage_path (``govray.core.storage``): a local directory, or object storage
+    # (s3://...) whose node-local cache holds shard_root, run_dir and control_file: workers fetch
+    # from it what their node lacks, and upload what they write.
+    storage: str
     run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
     experiment: str = ""  # the experiment's name (a tag of the exported governance metrics)
     # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
@@ -119,7 +114,7 @@ class RunSpec(BaseModel):
     def check_routing(self, resolved: RoutingTable) -> None:
         """Refuse a worker whose model resolves to another routing table than the one the run was
         planned, attested and looked up with (the trial's code changed since)."""
-        if self.routing is None or resolved == self.routing:
+        if resolved == self.routing:
             return
         planned = self.routing
         compared = {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from govray.platform.run.plan import plan_run
+from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker
 from govray.train.runspec import read_run_spec
 from govray.train.step.governed import GovernedStep
@@ -49,7 +50,9 @@ def peak_rss() -> int:
 
 def main(run_json: str, steps: int) -> None:
     spec = read_run_spec(Path(run_json))
-    governed = GovernedStep(spec, Worker(0, 1), make_trial(spec.trial, spec.hparams, spec.settings))
+    governed = GovernedStep(
+        WorkerContext.of(spec, Worker(0, 1)), make_trial(spec.trial, spec.hparams, spec.settings)
+    )
     examples = sum(int(governed.step(step)[1]) for step in range(steps))
     governed.batches.close()
     validation = governed.evaluate()

@@ -113,6 +113,7 @@ def throughput(steps: int) -> tuple[float, str, str]:
     """govray's governed step vs a plain loop on the HF example: the median per-pair ratio of
     throughputs (examples per second), its precision and its device."""
     from govray.data.slots import slot
+    from govray.train.context import WorkerContext
     from govray.train.parallel.worker import Worker
     from govray.train.step.governed import GovernedStep
 
@@ -124,7 +125,7 @@ def throughput(steps: int) -> tuple[float, str, str]:
         spec = spec.model_copy(update={"use_gpu": use_gpu, "settings": settings})
         trial = type(trial)(spec.hparams, settings)
         worker = Worker.detect(use_gpu)
-        governed = GovernedStep(spec, worker, trial)
+        governed = GovernedStep(WorkerContext.of(spec, worker), trial)
         # The plain loop trains a copy of the same model (its PEFT adapter layers too, active on
         # the adapter route's batches as a PEFT user's would be) on the very rows of each step.
         plain = copy.deepcopy(governed.model)

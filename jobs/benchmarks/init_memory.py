@@ -92,6 +92,7 @@ def _build(run_dir: str, meta: bool) -> tuple[int, int]:
     import torch
 
     from govray.config.training import Precision
+    from govray.core.storage import IN_PLACE
     from govray.governance.adapters import GovernedModel
     from govray.governance.policy import DepthPolicy
     from govray.governance.routing import resolve_routes
@@ -110,7 +111,7 @@ def _build(run_dir: str, meta: bool) -> tuple[int, int]:
     before = PeakResidentSize()
     baseline = before.resident()
     with before:
-        seed = SeedCheckpoint.agree(spec, Worker.detect(), trial) if meta else None
+        seed = SeedCheckpoint.agree(spec, Worker.detect(), IN_PLACE, trial) if meta else None
         base = seed.skeleton() if seed is not None else initial_model(spec, trial)
         model = GovernedModel(base, resolve_routes(rules, base, trial.layers(base)), {}, seed=0)
         shard_model(model, layer_units(base, trial.fsdp_units(base)), Precision.FP32, torch.device("cpu"))

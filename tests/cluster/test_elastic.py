@@ -52,13 +52,17 @@ def segment(rank: int, world: int, start: str, end: str) -> tuple[str, Any]:
     optimizer's state tensor by tensor, bit for bit, and the ledger."""
     import torch
 
+    from govray.train.context import WorkerContext
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
     from govray.train.runspec import RunSpec
 
     spec = RunSpec.model_validate_json((Path(end) / RUN_SPEC_FILE).read_text())
     worker = Worker.detect()
-    trained, recorded = TrialRun.open(spec, worker), TrialRun.open(spec, worker)
+    trained, recorded = (
+        TrialRun.open(WorkerContext.of(spec, worker)),
+        TrialRun.open(WorkerContext.of(spec, worker)),
+    )
     first = trained.restore(Path(start)) if start else 0
     last = recorded.restore(Path(end))
     for step in range(first, last):

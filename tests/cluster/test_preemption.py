@@ -16,7 +16,6 @@ from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import routing_of
 from govray.train.checkpoints.files import STATE_FILE, checkpoint_step
 from govray.train.parallel.worker import RouteRows
 from govray.train.step.ledger import Ledger, recompute_ledger
@@ -80,7 +79,7 @@ def test_a_node_reclaimed_with_notice_costs_no_step_and_the_run_completes_with_a
     tokens = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root)))).tokens(
         make_trial(spec.trial, spec.hparams, spec.settings)
     )
-    expected = recompute_ledger(ScheduleSpec.from_json(state["schedule"]), routing_of(spec), STEPS, tokens)
+    expected = recompute_ledger(ScheduleSpec.from_json(state["schedule"]), spec.routing, STEPS, tokens)
     assert Ledger.from_json(state["ledger"]) == expected
     print(
         f"sealed at step {sealed}; resumed {reclaimed.restart_seconds:.1f} s later; "

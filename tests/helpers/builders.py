@@ -88,3 +88,18 @@ def text_experiment(directory: Path) -> dict[str, Any]:
     raw["policy"] = {key: str((TEXT / path).resolve()) for key, path in raw["policy"].items()}
     raw["storage_path"] = str(directory / "storage")
     return raw
+
+
+def governed_step(spec: Any, worker: Any = None, settings: Any = None) -> Any:
+    """The ``GovernedStep`` of ``spec`` as a worker builds it (its ``WorkerContext``, its trial),
+    on ``worker`` (default: rank 0 of 1), under other training ``settings`` when given (they go
+    into the spec: the parallelism twin reads the precision there, the trial the rest)."""
+    from govray.train.context import WorkerContext
+    from govray.train.parallel.worker import Worker
+    from govray.train.step.governed import GovernedStep
+    from govray.train.trial import make_trial
+
+    if settings is not None:
+        spec = spec.model_copy(update={"settings": settings})
+    context = WorkerContext.of(spec, worker if worker is not None else Worker(0, 1))
+    return GovernedStep(context, make_trial(spec.trial, spec.hparams, spec.settings))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from govray.config.experiment import ParallelStrategy
+from tests.helpers.builders import governed_step
 
 WORLD = 2
 STEPS = 10
@@ -37,8 +38,6 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int = 
     from govray.governance.allreduce import NonFiniteGradientError
     from govray.train.parallel.worker import Worker
     from govray.train.runspec import RunSpec
-    from govray.train.step.governed import GovernedStep
-    from govray.train.trial import make_trial
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -57,7 +56,7 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any, world: int = 
             if task.resume_at is not None:
                 results.put((rank, *resumed(spec, task, rank)))
                 continue
-            governed = GovernedStep(spec, Worker.detect(), make_trial(spec.trial, hparams, settings))
+            governed = governed_step(spec, Worker.detect(), settings)
 
             before = whole(governed.model)
             try:
@@ -82,21 +81,20 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
     ``("ok", (uninterrupted, resumed))`` on rank 0, or ``("refused", message)``."""
     import torch.distributed as dist
 
-    from govray.core.keys import SigningKey
     from govray.train.checkpoints.files import CheckpointError
+    from govray.train.context import WorkerContext
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
 
     assert task.resume_at is not None
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     folder = Path(spec.run_dir) / f"checkpoint_{task.resume_at:08d}"
     if rank == 0 and folder.exists():  # an earlier task's (a session makes the folder fresh so)
         shutil.rmtree(folder)
     dist.barrier()
-    first = TrialRun.open(spec, Worker.detect())
+    first = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
     for step in range(task.resume_at):
         first.governed.step(step)
-    first.save(folder, task.resume_at, key, {"step": task.resume_at})
+    first.save(folder, task.resume_at, {"step": task.resume_at})
     saved = whole(first.governed.model), whole_optimizer(first.governed)
     for step in range(task.resume_at, STEPS):
         first.governed.step(step)
@@ -107,12 +105,11 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         (folder / task.tamper).write_bytes(bytes(data))
     dist.barrier()
     if task.resumed_as is None:
-        second = TrialRun.open(spec, Worker.detect())
+        second = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
     else:  # a run that claims another strategy or world size
         strategy, world = task.resumed_as
-        second = TrialRun.open(
-            spec.model_copy(update={"strategy": ParallelStrategy(strategy)}), Worker(rank, world)
-        )
+        claimed = spec.model_copy(update={"strategy": ParallelStrategy(strategy)})
+        second = TrialRun.open(WorkerContext.of(claimed, Worker(rank, world)))
     try:
         start = second.restore(folder)
     except CheckpointError as error:
@@ -134,9 +131,9 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
     at step 8 carries it: ``("refused", message)``."""
     import torch.distributed as dist
 
-    from govray.core.keys import SigningKey
     from govray.governance.memorization import MemorizationThresholds
     from govray.train.checkpoints.files import CheckpointError
+    from govray.train.context import WorkerContext
     from govray.train.control.decisions import RollbackDecision
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
@@ -145,7 +142,6 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
     spec = spec.model_copy(
         update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
     )
-    key = SigningKey.load(Path(spec.platform_key)) if rank == 0 else None
     run_dir = Path(spec.run_dir)
     if rank == 0 and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -153,10 +149,10 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
 
     def checkpoint(run: Any, step: int) -> Path:
         folder = run_dir / f"checkpoint_{step:08d}"
-        run.save(folder, step, key, {"step": step})
+        run.save(folder, step, {"step": step})
         return folder
 
-    run = TrialRun.open(spec, Worker.detect())
+    run = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
     run.keep_clean(0)
     initial = whole(run.governed.model)
     checkpoint(run, 0)
@@ -187,7 +183,7 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
         run.governed.step(step)
     folder = checkpoint(run, 8)  # carries the clean state of step 4
     carried = sorted(path.name for path in folder.iterdir() if path.name.startswith("clean-"))
-    resumed = TrialRun.open(spec, Worker.detect())
+    resumed = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
     resumed.restore(folder)
     resumed.roll_back(RollbackDecision(seq=1, step=8, to_step=4, corpora=["digits-licensed"], score=None))
     second = whole(resumed.governed.model)

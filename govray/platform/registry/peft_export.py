@@ -18,7 +18,6 @@ from govray.governance.adapter_files import read_adapter_factors
 from govray.governance.adapters import AdapterError
 from govray.governance.peft_format import peft_task_type, write_peft_adapter
 from govray.governance.routing import lora_target_kind
-from govray.provenance.predicates import routing_of
 from govray.train.checkpoints.files import load_checkpoint
 from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
 from govray.train.trial import importable, make_trial
@@ -38,7 +37,7 @@ def export_peft_adapter(directory: Path, adapter: str, out: Path, trust: TrustCo
     path = directory / f"adapter-{adapter}.safetensors"
     if not path.is_file():
         raise AdapterError(f"{directory}: holds no file of adapter '{adapter}' (removed from this version?)")
-    table = routing_of(spec)
+    table = spec.routing
     targets = next(
         (table.adapter_targets[route] for route, name in table.adapter_names.items() if name == adapter), ()
     )

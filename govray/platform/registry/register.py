@@ -63,6 +63,7 @@ from govray.train.checkpoints.files import (
     model_file,
     seal_checkpoint,
 )
+from govray.train.checkpoints.signer import KeySigner
 from govray.train.checkpoints.whole_file import shards_only, write_whole_model
 from govray.train.runspec import RUN_SPEC_FILE
 from govray.train.step.ledger import Ledger
@@ -186,7 +187,7 @@ def remove_adapter(
             "sharding": {},  # the version holds the whole model (a sharded source's, put together)
         }
     )
-    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, key)
+    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, KeySigner(key))
     removed = (*source.removed_adapters, adapter)
     written = attest_checkpoint(
         directory,

@@ -21,7 +21,6 @@ from pathlib import Path
 from govray.core.errors import AttestationError
 from govray.core.keys import TrustConfig
 from govray.provenance.locations import run_spec_of
-from govray.provenance.predicates import routing_of
 from govray.tracking.lineage import (
     LedgerTuple,
     checkpoint_ledger_rows,
@@ -122,5 +121,5 @@ def _store(
 def _layers(directory: Path) -> Layers:
     """Tensor → layer of the run that wrote a checkpoint (none known: every layer index None)."""
     with contextlib.suppress(AttestationError):
-        return routing_of(run_spec_of(directory)).tensor_layers()
+        return run_spec_of(directory).routing.tensor_layers()
     return {}

@@ -207,7 +207,7 @@ def _from_the_experiment_file(config: ExperimentConfig) -> dict[str, Any]:
         "experiment": config.name,
         "lr_schedule": config.lr_schedule,
         "early_stopping": config.early_stopping,
-        "storage": config.storage_path if "://" in config.storage_path else "",
+        "storage": config.storage_path,
         "objective_metric": config.searcher.metric,
         "smaller_is_better": config.searcher.smaller_is_better,
         "memorization_lambda": config.searcher.memorization_lambda,
@@ -306,7 +306,7 @@ def packed_store(
         seq_len=packing.seq_len,
         tokenize=trial.tokenize,
         tokenizer=tokenizer,
-        storage=config.storage_path if "://" in config.storage_path else "",
+        storage=open_storage(config.storage_path),
     )
 
 

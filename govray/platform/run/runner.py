@@ -262,7 +262,7 @@ def train_run(
     recorder = RunRecorder(
         store,
         trial_id,
-        (spec.routing or checked.routing).tensor_layers(),  # this trial's model (its hparams)
+        spec.routing.tensor_layers(),  # this trial's model (its hparams)
         gc,
         replaying=spec.recorded_decisions is not None,
         events=events,

@@ -157,8 +157,8 @@ class TrialHost:
                     return channel.answers.get(timeout=0.5)
             return False
 
-        def session(spec: Any, worker: Any) -> HostedSession:
-            return HostedSession(spec, worker, relay, channel.abandoned.is_set)
+        def session(context: Any) -> HostedSession:
+            return HostedSession(context, relay, channel.abandoned.is_set)
 
         if threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)

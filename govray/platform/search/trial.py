@@ -154,8 +154,7 @@ class _Relay:
         by (the report that went with it is in the checkpoint: the sink may have lost it when a
         worker died)."""
         self.take()
-        storage = self.storage if self.storage.is_remote else None
-        final = newest_verified_checkpoint(Path(self.spec.run_dir), self.spec.trust, storage)
+        final = newest_verified_checkpoint(Path(self.spec.run_dir), self.spec.trust, self.storage)
         last = checkpoint_report(final) if final is not None else {}
         if final is None or not last or StepReport.parse(last).step <= self.relayed:
             raise SearchError(f"the trial's run {self.spec.run_dir} ended without its last checkpoint")
@@ -167,7 +166,7 @@ class _Relay:
         from ray.train import Checkpoint
 
         storage = self.storage
-        present_checkpoint(folder, self.spec.trust, storage if storage.is_remote else None)
+        present_checkpoint(folder, self.spec.trust, storage)
         reports = [self.pending[s] for s in sorted(self.pending) if s <= step]
         self.pending = {s: r for s, r in self.pending.items() if s > step}
         self.relayed = step

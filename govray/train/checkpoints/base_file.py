@@ -15,7 +15,7 @@ the run refers to them (``release_unreferenced``). Example::
 
     frozen = FrozenBase(spec.run_dir, storage)
     referenced = frozen.save(model, directory)         # {} or {"model.safetensors": sha256}
-    seal_checkpoint(directory, optimizer_state, state, key, referenced=referenced)
+    seal_checkpoint(directory, optimizer_state, state, signer, referenced=referenced)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from govray.core.storage import Storage
+from govray.core.storage import IN_PLACE, Storage
 from govray.governance.adapter_files import save_base
 from govray.governance.adapters import GovernedModel
 from govray.train.checkpoints.files import (
@@ -47,7 +47,7 @@ class FrozenBase:
     and the checkpoint folder lies in the run directory, else ``model.safetensors`` in each folder
     (a run that trains the base; a Tune trial's folders, which Tune copies elsewhere)."""
 
-    def __init__(self, run_dir: str, storage: Storage | None = None) -> None:
+    def __init__(self, run_dir: str, storage: Storage = IN_PLACE) -> None:
         self.run_dir = Path(run_dir) if run_dir else None
         self.storage = storage
         self.digest: str | None = None  # the base file this run's checkpoints refer to
@@ -95,8 +95,7 @@ class FrozenBase:
         finally:
             staged.unlink(missing_ok=True)
         self.digest, self._buffers = digest, _copied(buffers(model))
-        if self.storage is not None and self.run_dir.is_relative_to(self.storage.root):
-            self.storage.upload(self._file())  # before any checkpoint that refers to it
+        self.storage.upload(self._file())  # before any checkpoint that refers to it
 
 
 def frozen(model: GovernedModel) -> bool:
@@ -116,7 +115,7 @@ def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
 
 
-def materialize_base(directory: Path, storage: Storage | None = None) -> Path:
+def materialize_base(directory: Path, storage: Storage = IN_PLACE) -> Path:
     """Make a checkpoint folder that refers to its run's base file stand alone: the file
     hard-linked (or copied) into it as ``model.safetensors`` (its manifest, signature and digests
     unchanged: verification reads the folder's own copy first and checks it against the signed
@@ -124,8 +123,7 @@ def materialize_base(directory: Path, storage: Storage | None = None) -> Path:
     own, source = directory / MODEL_FILE, model_file(directory)
     if source != own and source.is_file():
         link_or_copy(source, own)
-        if storage is not None and directory.is_relative_to(storage.root):
-            storage.upload(own)
+        storage.upload(own)
     return own
 
 
@@ -137,14 +135,13 @@ def link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def referenced_digests(run_dir: Path, storage: Storage | None = None) -> set[str] | None:
+def referenced_digests(run_dir: Path, storage: Storage = IN_PLACE) -> set[str] | None:
     """The sha256 of every base file a checkpoint folder of the run refers to; None when a folder
     has no readable manifest (one being written may be about to refer to any of them)."""
     digests: set[str] = set()
     for directory in checkpoint_directories(run_dir, storage):
         try:
-            if storage is not None:
-                storage.fetch(directory / MANIFEST_FILE)
+            storage.fetch(directory / MANIFEST_FILE)
             manifest = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
         except (OSError, ValidationError):
             return None
@@ -152,22 +149,18 @@ def referenced_digests(run_dir: Path, storage: Storage | None = None) -> set[str
     return digests
 
 
-def release_unreferenced(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+def release_unreferenced(run_dir: Path, storage: Storage = IN_PLACE) -> list[Path]:
     """Delete the run's base files that no checkpoint folder of the run refers to any more (from
     the object storage too); returns them. Nothing is deleted while a folder of the run has no
     readable manifest. Checkpoint GC calls it after deleting checkpoints."""
     store = run_dir / BASE_STORE
     names = {path.name for path in store.glob("*.safetensors")} if store.is_dir() else set()
-    if storage is not None:
-        names |= set(storage.list_files(store))
+    names |= set(storage.list_files(store))
     names = {name for name in names if not name.startswith(".")}  # (hidden: one being written)
     kept = referenced_digests(run_dir, storage) if names else None
     if kept is None:
         return []
     released = [store / name for name in sorted(names) if name.removesuffix(".safetensors") not in kept]
     for path in released:
-        if storage is not None:
-            storage.delete_file(path)
-        else:
-            path.unlink(missing_ok=True)
+        storage.delete_file(path)
     return released

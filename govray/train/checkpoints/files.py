@@ -45,7 +45,7 @@ or extra file is refused, naming the file.
 Example::
 
     save_base(model, directory / MODEL_FILE)           # weights first (governance/adapter_files.py)
-    seal_checkpoint(directory, optimizer.state_dict(), state, platform_key)
+    seal_checkpoint(directory, optimizer.state_dict(), state, KeySigner(platform_key))
     loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
 """
 
@@ -63,14 +63,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from govray.core.canonical import file_sha256
-from govray.core.dsse import sign_envelope, signing_time
-from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, SigningKey, TrustConfig
+from govray.core.dsse import signing_time
+from govray.core.keys import TrustConfig
 from govray.train.checkpoints.blocks import blocks_name, write_blocks
 from govray.train.checkpoints.manifest import (
     BASE_STORE,
     MANIFEST_FILE,
-    MANIFEST_TYPE,
     MODEL_FILE,
     OPTIMIZER_META,
     OPTIMIZER_TENSORS,
@@ -87,6 +85,7 @@ from govray.train.checkpoints.manifest import CHECKPOINT_FORMAT as CHECKPOINT_FO
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX as CHECKPOINT_PREFIX
 from govray.train.checkpoints.manifest import REPORT_FILE as REPORT_FILE
 from govray.train.checkpoints.manifest import recorded_state as recorded_state
+from govray.train.checkpoints.signer import ManifestSigner
 
 _SHARD = re.compile(r"^(?:clean-\d{8}-)?(model|optimizer)-shard-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -131,7 +130,7 @@ def seal_checkpoint(
     directory: Path,
     optimizer_state: dict[str, Any],
     state: CheckpointState,
-    key: SigningKey,
+    signer: ManifestSigner,
     shard_digests: Mapping[str, str] | None = None,
     referenced: Mapping[str, str] | None = None,
 ) -> str:
@@ -143,8 +142,6 @@ def seal_checkpoint(
     A sharded checkpoint (``shard_digests``: every rank's shard files and the digests their ranks
     computed) keeps its optimizer tensors in the shards: only ``optimizer.json`` is written here,
     and the shard files are listed with their ranks' digests, not read again."""
-    if key.role != KeyRole.PLATFORM:
-        raise SignatureError(f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key")
     optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
     if shard_digests is None:
         save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
@@ -166,7 +163,7 @@ def seal_checkpoint(
     )
     payload = manifest.to_bytes()
     (directory / MANIFEST_FILE).write_bytes(payload)
-    envelope = sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at)
+    envelope = signer.sign_manifest(directory, payload, manifest.signed_at)
     (directory / SIGNATURE_FILE).write_text(envelope.to_json())
     return file_sha256(directory / MANIFEST_FILE)
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError
 from govray.core.keys import TrustConfig
-from govray.core.storage import Storage
+from govray.core.storage import IN_PLACE, Storage
 from govray.train.checkpoints.files import (
     CHECKPOINT_PREFIX,
     MANIFEST_FILE,
@@ -37,12 +37,10 @@ from govray.train.checkpoints.files import (
 )
 
 
-def fetch_part(directory: Path, storage: Storage | None, rank: int) -> None:
+def fetch_part(directory: Path, storage: Storage, rank: int) -> None:
     """Of a checkpoint on object storage, the files ``rank`` reads made present in this node's
     cache (a node holds the shards its own ranks wrote; the shared files come from the bucket).
     Unverified: the caller verifies them (``verify_checkpoint(..., rank=R)``)."""
-    if storage is None or not directory.is_relative_to(storage.root):
-        return
     for name in (MANIFEST_FILE, SIGNATURE_FILE):
         storage.fetch(directory / name)
     try:
@@ -56,14 +54,12 @@ def fetch_part(directory: Path, storage: Storage | None, rank: int) -> None:
     fetch_referenced(directory, storage)
 
 
-def fetch_referenced(directory: Path, storage: Storage | None, run_dir: Path | None = None) -> None:
+def fetch_referenced(directory: Path, storage: Storage, run_dir: Path | None = None) -> None:
     """Of a checkpoint on object storage that refers to its run's base file, that file made
     present in this node's cache (checked against the digest the manifest lists before it
     appears there; the caller verifies the manifest's signature). ``run_dir``: as for
     ``verify_checkpoint``."""
     run_dir = run_dir or directory.parent
-    if storage is None or not run_dir.is_relative_to(storage.root):
-        return
     try:
         manifest = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
     except (OSError, ValidationError):
@@ -80,33 +76,26 @@ def fetch_referenced(directory: Path, storage: Storage | None, run_dir: Path | N
         storage.fetch(base_store_file(run_dir, digest), matches)
 
 
-def ordered_checkpoints(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+def ordered_checkpoints(run_dir: Path, storage: Storage = IN_PLACE) -> list[Path]:
     """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
     unverified (each manifest fetched from the storage if needed)."""
     found: list[tuple[int, str, Path]] = []
     for directory in checkpoint_directories(run_dir, storage):
         try:
-            if storage is not None and directory.is_relative_to(storage.root):
-                storage.fetch(directory / MANIFEST_FILE)
+            storage.fetch(directory / MANIFEST_FILE)
             found.append((-checkpoint_step(directory), directory.name, directory))
         except (OSError, ValueError, KeyError, TypeError, GovrayError):
             continue  # no readable manifest: not a checkpoint (yet)
     return [directory for _, _, directory in sorted(found)]
 
 
-def checkpoint_directories(run_dir: Path, storage: Storage | None = None) -> list[Path]:
+def checkpoint_directories(run_dir: Path, storage: Storage = IN_PLACE) -> list[Path]:
     """Every checkpoint folder of a run (``checkpoint_*`` right below ``run_dir``, in this node's
     cache and, for object storage, in the storage), whole or partial, sorted by name."""
-    if storage is not None:
-        return [run_dir / name for name in storage.subdirectories(run_dir, CHECKPOINT_PREFIX)]
-    if not run_dir.is_dir():
-        return []
-    return sorted(
-        path for path in run_dir.iterdir() if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)
-    )
+    return [run_dir / name for name in storage.subdirectories(run_dir, CHECKPOINT_PREFIX)]
 
 
-def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | None = None) -> Manifest:
+def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage = IN_PLACE) -> Manifest:
     """Verify one of a run's checkpoint folders where it lies (when only the storage holds it,
     fetched into this node's cache, verified before it appears there); returns its manifest and
     raises ``CheckpointError`` naming what does not verify."""
@@ -114,12 +103,10 @@ def present_checkpoint(directory: Path, trust: TrustConfig, storage: Storage | N
     return verify_checkpoint(directory, trust)[0]
 
 
-def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage | None) -> None:
+def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage) -> None:
     """Fetch a checkpoint folder only the storage holds into this node's cache, verified before it
     appears there (``CheckpointError`` when it does not verify), with the run's base file it
     refers to."""
-    if storage is None:
-        return
     if not directory.exists():
 
         def verified(staged: Path) -> None:
@@ -130,9 +117,7 @@ def _fetch_verified(directory: Path, trust: TrustConfig, storage: Storage | None
     fetch_referenced(directory, storage)
 
 
-def newest_verified_checkpoint(
-    run_dir: Path, trust: TrustConfig, storage: Storage | None = None
-) -> Path | None:
+def newest_verified_checkpoint(run_dir: Path, trust: TrustConfig, storage: Storage = IN_PLACE) -> Path | None:
     """The resume rule, the only one: of a run's checkpoint folders, the one with the highest step
     that verifies (signature and every digest); among equal steps the first by name. Folders that
     do not verify (a partial upload by a worker killed mid-copy, a tampered one) are passed over.
@@ -146,7 +131,7 @@ def newest_verified_checkpoint(
 
 
 def checkpoint_candidates(
-    run_dir: Path, trust: TrustConfig, storage: Storage | None = None, rank: int | None = None
+    run_dir: Path, trust: TrustConfig, storage: Storage = IN_PLACE, rank: int | None = None
 ) -> Iterator[tuple[Path, str | None]]:
     """A run's checkpoint folders with a readable manifest, newest first (by step, then name),
     each with why it does not verify (None: it does; with ``rank``, as far as that rank reads),

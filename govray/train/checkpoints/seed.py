@@ -32,7 +32,7 @@ shards it (the seed file is then not read); so does a run with no run directory.
 
 Example::
 
-    seed = SeedCheckpoint.agree(spec, worker, trial)   # rank 0 writes, every rank has the digest
+    seed = SeedCheckpoint.agree(spec, worker, storage, trial)   # rank 0 writes, every rank has the digest
     base = seed.skeleton()                             # on meta (or the whole model: fallback)
     ...                                                # adapters, fully_shard
     seed.fill(model, device)                           # to_empty + this rank's shards, verified
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from govray.core.storage import open_storage
+from govray.core.storage import Storage
 from govray.data.schedule import derive_seed
 from govray.governance.adapter_files import save_base_tensors
 from govray.governance.adapters import GovernedModel
@@ -158,13 +158,13 @@ class SeedCheckpoint:
         return verified_file(self.path.parent, self.path.name, self.files)
 
     @classmethod
-    def agree(cls, spec: RunSpec, worker: Worker, trial: Trial) -> SeedCheckpoint:
-        """Rank 0 writes the seed while the others wait (a restart writes the same bytes); every
-        rank gets its digest. A failure of rank 0 is raised on every rank."""
+    def agree(cls, spec: RunSpec, worker: Worker, storage: Storage, trial: Trial) -> SeedCheckpoint:
+        """Rank 0 writes the seed (uploading it to ``storage``) while the others wait (a restart
+        writes the same bytes); every rank gets its digest and fetches the seed when its node
+        lacks it. A failure of rank 0 is raised on every rank."""
         if not spec.run_dir or not worker.distributed:
             return cls(spec, trial, None, {})
         run_dir = Path(spec.run_dir)
-        storage = open_storage(spec.storage) if spec.storage else None
         said: list[dict[str, str] | str | None] = [None]
         if worker.rank == 0:
             try:
@@ -172,8 +172,7 @@ class SeedCheckpoint:
                 written = write_seed(base, run_dir)
                 del base
                 gc.collect()  # the whole model leaves before this rank builds its shards
-                if storage is not None and run_dir.is_relative_to(storage.root):
-                    storage.upload(*(run_dir / SEED_STORE / name for name in written))
+                storage.upload(*(run_dir / SEED_STORE / name for name in written))
                 said[0] = written
             except Exception as error:
                 said[0] = f"{type(error).__name__}: {error}"
@@ -184,9 +183,8 @@ class SeedCheckpoint:
         if not isinstance(files, dict):
             raise CheckpointError(f"rank 0 could not write the seed checkpoint: {files}")
         paths = [run_dir / SEED_STORE / name for name in files]
-        if storage is not None and run_dir.is_relative_to(storage.root):
-            for path in paths:
-                storage.fetch(path)
+        for path in paths:
+            storage.fetch(path)
         missing = [str(path) for path in paths if not path.is_file()]
         if missing:
             raise CheckpointError(f"{missing[0]}: the seed checkpoint rank 0 wrote is not on this node")

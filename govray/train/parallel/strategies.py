@@ -26,7 +26,7 @@ Example::
     governor = parallel.governor(model, named, allowed)
     forward = parallel.wrap(model, governor)          # DDP where there is something to reduce
     with parallel.no_sync(forward): ...               # the first k-1 micro-batches (DDP)
-    parallel.reduce(governor)                         # after the last backward
+    parallel.reduce()                                 # after the last backward (its own governor)
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -47,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from govray.config.resources import ParallelStrategy
 from govray.config.training import Precision
 from govray.core.errors import ConfigError
+from govray.core.storage import Storage
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
 from govray.train.checkpoints.files import (
@@ -57,10 +60,11 @@ from govray.train.checkpoints.files import (
     shard_file,
     sharding_layout,
 )
-from govray.train.checkpoints.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.checkpoints.reshard import listed_files, load_model_part
+from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
 from govray.train.parallel.fsdp import (
     ShardedGovernor,
+    layer_units,
     load_shards,
     load_whole,
     optimizer_groups,
@@ -68,8 +72,12 @@ from govray.train.parallel.fsdp import (
     sharded_optimizer_state,
 )
 from govray.train.parallel.hsdp import first_replica, hybrid_mesh, shard_group_size
+from govray.train.parallel.layouts import ShardedLayout, Snapshot, WholeLayout
 from govray.train.parallel.worker import Worker, agreed
+from govray.train.runspec import RunSpec
+from govray.train.step.batches import micro_batches, row_batches
 from govray.train.step.scaling import LossScaler
+from govray.train.trial import Trial
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,13 +111,48 @@ class Single:
     """One worker, no process group: nothing is wrapped, the governor governs each ``.grad``."""
 
     layout: ClassVar[WholeLayout] = WholeLayout()  # who writes a checkpoint, and what it holds
-    # Every forward holds a collective (FSDP's all-gathers): every rank runs as many of them.
+    # Every forward holds a collective (FSDP's all-gathers): every rank runs as many of them. Read
+    # inside this package only: the step asks the questions below.
     collective_forward: ClassVar[bool] = False
+    governing: GradientGovernor  # the governor this twin made (``governor``), which it reduces with
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.device = worker.device
         self.whole: list[nn.Parameter] = []  # reduced after backward in one flat buffer (adapters)
+
+    def build_base(
+        self, spec: RunSpec, trial: Trial, storage: Storage
+    ) -> tuple[nn.Module, SeedCheckpoint | None]:
+        """The trial's base model as this twin starts it: built whole on the CPU from the seeded
+        generator (FSDP: see ``Sharded``), and no seed checkpoint."""
+        return initial_model(spec, trial), None
+
+    def layer_units(self, base: nn.Module, trial: Trial) -> list[nn.Module]:
+        """The modules sharded as units (FSDP: the trial's ``fsdp_units``); none here."""
+        return []
+
+    def micro_batches(self, rows: pa.Table, parts: int) -> list[pa.Table]:
+        """A slot's rows in ``parts`` micro-batches (at most: a short slot is fewer; FSDP: always
+        ``parts``, empty ones last, as every forward is a collective)."""
+        return micro_batches(rows, parts, exactly=self.collective_forward)
+
+    def evaluation_batches(self, chosen: np.ndarray, size: int) -> list[np.ndarray]:
+        """This rank's share of the evaluation positions ``chosen`` (every ``world``-th from its
+        rank), in batches of ``size``: only those holding rows (a forward here holds no
+        collective; FSDP: as many on every rank, empty ones last)."""
+        rank, world = self.worker.rank, self.worker.world_size
+        mine = chosen[rank::world]
+        if not self.collective_forward:
+            return [batch for batch in row_batches(mine, size) if len(batch)]
+        forwards = max(1, -(-len(chosen[::world]) // size))
+        return row_batches(mine, size, forwards)
+
+    @property
+    def probe_split(self) -> bool:
+        """Whether the memorization probe splits its rows over the ranks (not when every forward
+        is a collective: every rank runs the same forwards and rank 0's values count)."""
+        return not self.collective_forward
 
     def autocast_dtype(self, precision: Precision) -> torch.dtype | None:
         """What the step's forward and backward autocast to (None: fp32)."""
@@ -125,7 +168,8 @@ class Single:
         allowed: Sequence[frozenset[str]],
     ) -> GradientGovernor:
         self.whole = [p for a in model.adapter_names() for p in model.adapter_parameters(a)]
-        return GradientGovernor(named, allowed)
+        self.governing = GradientGovernor(named, allowed)
+        return self.governing
 
     def wrap(self, model: GovernedModel, governor: GradientGovernor) -> nn.Module:
         """The module the trial's ``loss`` calls."""
@@ -136,18 +180,19 @@ class Single:
         FSDP reduce-scatters every micro-batch into its sharded gradients)."""
         return contextlib.nullcontext()
 
-    def reduce(self, governor: GradientGovernor) -> None:
-        """After the slot's last backward: every gradient masked, reduced and divided."""
-        governor.govern_local()
+    def reduce(self) -> None:
+        """After the slot's last backward: every gradient masked, reduced and divided (by the
+        governor this twin made: ``governor``)."""
+        self.governing.govern_local()
 
-    def reduce_round(self, governor: GradientGovernor) -> list[nn.Parameter]:
+    def reduce_round(self) -> list[nn.Parameter]:
         """A step where this rank runs several slots (``train.rounds``), after a slot's last
         backward: reduce what its route settles and return those tensors (their reduced
         gradients are set aside and summed over the rounds)."""
-        self.reduce(governor)
-        return governor.parameters
+        self.reduce()
+        return self.governing.parameters
 
-    def end_rounds(self, governor: GradientGovernor) -> None:
+    def end_rounds(self) -> None:
         """After the last round, the rounds' sums back in place: what is reduced once per step."""
 
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
@@ -221,9 +266,9 @@ class Replicated(Single):
             return forward.no_sync()
         return contextlib.nullcontext()
 
-    def reduce(self, governor: GradientGovernor) -> None:
+    def reduce(self) -> None:
         if self.whole:  # DDP's hook reduced the base tensors during backward
-            governor.reduce_whole(self.whole)
+            self.governing.reduce_whole(self.whole)
 
 
 class Sharded(Single):
@@ -231,6 +276,18 @@ class Sharded(Single):
 
     layout: ClassVar[WholeLayout] = ShardedLayout()
     collective_forward: ClassVar[bool] = True
+    sharded: ShardedGovernor  # ``governing``, as the sharded governor it is
+
+    def build_base(
+        self, spec: RunSpec, trial: Trial, storage: Storage
+    ) -> tuple[nn.Module, SeedCheckpoint | None]:
+        """Rank 0 writes the seed checkpoint once; the model is built on meta where it can be, and
+        each rank fills its own shards from the seed (``SeedCheckpoint.fill``)."""
+        seed = SeedCheckpoint.agree(spec, self.worker, storage, trial)
+        return seed.skeleton(), seed
+
+    def layer_units(self, base: nn.Module, trial: Trial) -> list[nn.Module]:
+        return layer_units(base, trial.fsdp_units(base))
 
     def autocast_dtype(self, precision: Precision) -> torch.dtype | None:
         return None  # bf16 is FSDP2's mixed precision (bf16 compute, fp32 reduction), not autocast
@@ -244,22 +301,20 @@ class Sharded(Single):
         named: Sequence[tuple[str, nn.Parameter]],
         allowed: Sequence[frozenset[str]],
     ) -> GradientGovernor:
-        return ShardedGovernor(model, named, allowed, self.device)
+        self.governing = self.sharded = ShardedGovernor(model, named, allowed, self.device)
+        return self.sharded
 
-    def reduce(self, governor: GradientGovernor) -> None:
-        assert isinstance(governor, ShardedGovernor)
-        governor.govern_sharded()  # each rank divides its shards; adapters reduced whole
+    def reduce(self) -> None:
+        self.sharded.govern_sharded()  # each rank divides its shards; adapters reduced whole
 
-    def reduce_round(self, governor: GradientGovernor) -> list[nn.Parameter]:
+    def reduce_round(self) -> list[nn.Parameter]:
         """The adapters, reduced under this slot's route; the shards keep summing every round's
         reduce-scatters (each masked by its own round's route) until ``end_rounds``."""
-        assert isinstance(governor, ShardedGovernor)
-        governor.reduce_replicated()
-        return governor.replicated
+        self.sharded.reduce_replicated()
+        return self.sharded.replicated
 
-    def end_rounds(self, governor: GradientGovernor) -> None:
-        assert isinstance(governor, ShardedGovernor)
-        governor.divide_shards()  # once per step: by the step's counts
+    def end_rounds(self) -> None:
+        self.sharded.divide_shards()  # once per step: by the step's counts
 
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
         return optimizer_groups(parameters)
@@ -310,13 +365,19 @@ class Hybrid(Sharded):
         allowed: Sequence[frozenset[str]],
     ) -> GradientGovernor:
         assert self.mesh is not None, "sharded first"
-        governor = ShardedGovernor(model, named, allowed, self.device)
-        governor.counts_its_shards = first_replica(self.mesh)
+        governor = super().governor(model, named, allowed)
+        self.sharded.counts_its_shards = first_replica(self.mesh)
         return governor
 
     def sharding(self) -> dict[str, Any]:
         assert self.mesh is not None, "sharded first"
         return {"world_size": self.worker.world_size, "shard_group": self.mesh.size(1)}
+
+
+def refuse_unplanned(strategy: ParallelStrategy, experiment: str) -> None:
+    """``govray plan`` measures the step of strategy ddp (one worker's copy of the model) only."""
+    if strategy != ParallelStrategy.DDP:
+        raise ConfigError(f"{experiment}: govray plan measures strategy ddp runs (this one is {strategy})")
 
 
 def parallelism(

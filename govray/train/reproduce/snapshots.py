@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from govray.config.data import CorpusSpec
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import ConfigError, GovrayError, IngestError
-from govray.core.storage import Storage
+from govray.core.storage import IN_PLACE, Storage
 from govray.data.fingerprint import corpus_files, directory_digest, fingerprint_files
 from govray.train.trial import Trial, import_code_from, load_trial_class
 
@@ -129,15 +129,14 @@ def verify_code(directory: Path, snapshot: CodeSnapshot) -> None:
             )
 
 
-def use_recorded_code(snapshot: CodeSnapshot, directory: Path, storage: Storage | None = None) -> Path:
+def use_recorded_code(snapshot: CodeSnapshot, directory: Path, storage: Storage = IN_PLACE) -> Path:
     """Import the trial from its recorded code snapshot at ``directory`` (``STORAGE/code/DIGEST``,
     fetched from object ``storage`` when this node lacks it), verified first; returns it.
 
     What a replay or a resume runs is then the recorded code, in the driver and in every worker,
     whatever the working directory and whatever changed in the project since.
     """
-    if storage is not None:
-        storage.fetch(directory, verify=lambda staged: verify_code(staged, snapshot))
+    storage.fetch(directory, verify=lambda staged: verify_code(staged, snapshot))
     if not directory.is_dir():
         raise ReproducibilityError(f"code snapshot {snapshot.digest[:16]}…: {directory} is missing")
     verify_code(directory, snapshot)

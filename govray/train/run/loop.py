@@ -22,89 +22,74 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from govray.core.keys import SigningKey
-from govray.core.logs import WorkerLog
 from govray.core.runtime import ray_node_id
-from govray.core.storage import StorageError, open_storage
+from govray.core.storage import StorageError
+from govray.train.context import OpenSession, WorkerContext
 from govray.train.control.preemption import PreemptionNotice
 from govray.train.control.validation import finished_clone_report, run_validation
-from govray.train.parallel.worker import Worker, all_reduce_sums
+from govray.train.parallel.worker import all_reduce_sums
 from govray.train.reproduce.snapshots import CodeSnapshot, use_recorded_code
 from govray.train.run.reports import StepReport
-from govray.train.run.session import RayTrainSession, Session
+from govray.train.run.session import RayTrainSession
 from govray.train.run.state import TrialRun
 from govray.train.run.timings import WorkerTimings
 from govray.train.runspec import RunSpec
 from govray.train.trial import importable
-
-OpenSession = Callable[[RunSpec, Worker], Session]
 
 
 def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession) -> None:
     """``train_loop_per_worker`` for Ray Train (and, with another ``session``, for one worker
     in-process or in a Tune trial). Each rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray
     trial logs``); a Ray Train worker also tees its stdout and stderr there."""
-    timings = WorkerTimings()
     spec = RunSpec.model_validate(config)
-    if spec.recorded_code:
+    torch.set_num_threads(spec.threads)
+    context = WorkerContext.open(spec, session, WorkerTimings())
+    if spec.recorded_code:  # the trial's code, before its class is first looked up
         snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
-        use_recorded_code(snapshot, Path(spec.code_dir), open_storage(spec.storage) if spec.storage else None)
+        use_recorded_code(snapshot, Path(spec.code_dir), context.storage)
     else:
         importable(spec.code_dir)  # Ray Train moves workers into the run directory
-    torch.set_num_threads(spec.threads)
-    worker = Worker.detect(spec.use_gpu)
-    with timings.part("open"):
-        opened = session(spec, worker)
-    log = None
-    if spec.log_dir:
-        path = Path(spec.log_dir) / f"rank-{worker.rank}.log"
-        if spec.storage:  # a resumed run appends to what this rank wrote on another node (before opening it)
-            open_storage(spec.storage).pull_growing(path)
-        log = WorkerLog(path, worker.rank)
+    log, timings, opened = context.log, context.timings, context.opened
     # In-process the worker is the driver, whose terminal shows a progress bar: no tee.
     tee = log is not None and isinstance(opened, RayTrainSession)
     with log or contextlib.nullcontext(), log.capture() if tee and log else contextlib.nullcontext():
         try:
-            _train(spec, worker, opened, log, timings)
+            _train(context)
         except BaseException:
-            if log is not None:
-                log.write(traceback.format_exc())
+            context.note(traceback.format_exc())
             raise
         finally:
             with timings.part("close"):
                 opened.close()
-            if log is not None:
-                log.write(timings.line())
-            _publish_log(log, spec.storage)
+            context.note(timings.line())
+            _publish_log(context)
 
 
-def _train(
-    spec: RunSpec, worker: Worker, session: Session, log: WorkerLog | None, timings: WorkerTimings
-) -> None:
-    def note(message: str) -> None:
-        if log is not None:
-            log.write(message)
-
-    run, start, resumed = _opened(spec, worker, session, note, timings)
+def _train(context: WorkerContext) -> None:
+    spec, worker, session, timings, note = (
+        context.spec,
+        context.worker,
+        context.opened,
+        context.timings,
+        context.note,
+    )
+    run, start, resumed = _opened(context)
     governed, control = run.governed, run.control
-    key = SigningKey.load(Path(spec.platform_key)) if worker.rank == 0 and spec.platform_key else None
-    every_rank_writes = governed.parallel.layout.every_rank_writes
-    if not resumed and every_rank_writes and control.snapshots and spec.platform_key:
+    if not resumed and any(clean.on_storage for clean in control.snapshots.values()) and context.writes:
         # Under FSDP a clean state is a checkpoint, not a copy in memory: the starting one too.
-        _deliver(run, StepReport(step=0, epoch=0, metrics={}), key, session, report_it=False)
+        _deliver(run, StepReport(step=0, epoch=0, metrics={}), context, report_it=False)
     node = ray_node_id()
     note(
         f"rank {worker.rank} of {worker.world_size}{f' on Ray node {node}' if node else ''}: "
         f"steps {start + 1}..{spec.max_steps}, "
         f"policy {spec.policy.name} v{spec.policy.version}, excluded corpora {list(spec.excluded_corpora)}"
     )
-    if _nothing_left(run, start, key, session, note):
+    if _nothing_left(run, start, context):
         return
     loss_sum, examples = torch.zeros((), dtype=torch.float64, device=worker.device), 0
     for step in range(start, spec.max_steps):
@@ -147,10 +132,10 @@ def _train(
             cloned_from_run=run.cloned_from_run,
             world_history=tuple(run.world_history),
         )
-        note(_line(report) + (" (checkpoint)" if save and key is not None else ""))
+        note(_line(report) + (" (checkpoint)" if save and context.writes else ""))
         if save:  # the log in object storage before the checkpoint is reported: never behind it
-            _publish_log(log, spec.storage)
-        _deliver(run, report, key, session, save, timings=timings)
+            _publish_log(context)
+        _deliver(run, report, context, save)
         if stop is not None:
             note(f"{stop} requested: stopped after step {done}" + (" with a checkpoint" if save else ""))
             return
@@ -158,17 +143,16 @@ def _train(
             note(f"stopped early after step {done} of {spec.max_steps}")
             return
         if notice is not None:
-            _await_restart(session, notice, done, log, spec.storage, note)
+            _await_restart(context, notice, done)
     note(f"completed {spec.max_steps} steps")
 
 
-def _opened(
-    spec: RunSpec, worker: Worker, session: Session, note: Callable[[str], None], timings: WorkerTimings
-) -> tuple[TrialRun, int, bool]:
+def _opened(context: WorkerContext) -> tuple[TrialRun, int, bool]:
     """(the trial's run, the step it starts after, whether it resumed): restored from the session's
     newest verified checkpoint, or started from the spec's start checkpoint, or from scratch."""
+    spec, session, note, timings = context.spec, context.opened, context.note, context.timings
     with timings.part("build"):
-        run = TrialRun.open(spec, worker)
+        run = TrialRun.open(context)
     start, resume = 0, session.resume_point()
     for reason in session.passed_over:
         note(f"passed over a newer checkpoint that does not verify: {reason}")
@@ -186,26 +170,24 @@ def _opened(
     return run, start, False
 
 
-def _nothing_left(
-    run: TrialRun, start: int, key: SigningKey | None, session: Session, note: Callable[[str], None]
-) -> bool:
+def _nothing_left(run: TrialRun, start: int, context: WorkerContext) -> bool:
     """Whether the run starts where its trial already ended: a PBT clone of a finished (or early
     stopped) state reports that state's objective; a checkpoint after the early stop trains nothing."""
     if (run.control.stopped_early or start >= run.spec.max_steps) and run.cloned_from_run:
         report = finished_clone_report(run, start)
-        note(
+        context.note(
             f"a clone of {run.restored_from_run}'s finished state at step {start}: nothing left to "
             f"train; objective={report.metrics['objective']:.6g} (checkpoint)"
         )
-        _deliver(run, report, key, session)
+        _deliver(run, report, context)
         return True
     if run.control.stopped_early:
-        note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
+        context.note(f"the checkpoint at step {start} is after the trial's early stop: nothing left to train")
         return True
     return False
 
 
-def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Worker) -> dict[str, float]:
+def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Any) -> dict[str, float]:
     """The mean training loss over every rank's examples since the last boundary, and their count."""
     totals = all_reduce_sums({"loss": float(loss_sum), "examples": float(examples)}, worker)
     return {
@@ -214,49 +196,36 @@ def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Worker) -> 
     }
 
 
-def _await_restart(
-    session: Session,
-    notice: PreemptionNotice,
-    done: int,
-    log: WorkerLog | None,
-    storage: str,
-    note: Callable[[str], None],
-) -> None:
+def _await_restart(context: WorkerContext, notice: PreemptionNotice, done: int) -> None:
     """After a preemption notice's checkpoint: wait for Ray Train to restart the group; past the
     notice's deadline with no restart, train on."""
+    note = context.note
     note(
         f"preemption notice for Ray nodes {notice.nodes} (node: ranks), deadline_ms "
         f"{notice.deadline_ms}: checkpoint sealed after step {done}; training no further step"
     )
-    _publish_log(log, storage)  # the node may go before the log is copied again
-    waited = session.await_restart(notice)
+    _publish_log(context)  # the node may go before the log is copied again
+    waited = context.opened.await_restart(notice)
     note(f"no restart after {waited:.0f} s, past the notice's deadline: training on from step {done}")
 
 
 def _deliver(
-    run: TrialRun,
-    report: StepReport,
-    key: SigningKey | None,
-    session: Session,
-    save: bool = True,
-    *,
-    report_it: bool = True,
-    timings: WorkerTimings | None = None,
+    run: TrialRun, report: StepReport, context: WorkerContext, save: bool = True, *, report_it: bool = True
 ) -> None:
     """Report (unless not ``report_it``), after sealing the checkpoint that goes with it when
-    ``save`` and the run signs its checkpoints (rank 0 holds the ``key``; under FSDP every rank
-    writes its shards)."""
-    every_rank_writes = run.governed.parallel.layout.every_rank_writes
-    if save and (key is not None or (every_rank_writes and run.spec.platform_key)):
+    ``save`` and the run signs its checkpoints (its layout says which ranks write: under FSDP
+    every rank its shards)."""
+    session, timings = context.opened, context.timings
+    if save and context.writes:
 
         def write(folder: Path) -> None:
             sealed = report.model_copy(update={"checkpoint": str(folder)})
-            run.save(folder, report.step, key, sealed.model_dump(mode="json"))
+            run.save(folder, report.step, sealed.model_dump(mode="json"))
 
-        with timings.part("checkpoint") if timings else contextlib.nullcontext():
+        with timings.part("checkpoint"):
             report = report.model_copy(update={"checkpoint": session.checkpoint(report.step, write)})
     if report_it:
-        with timings.part("report") if timings else contextlib.nullcontext():
+        with timings.part("report"):
             session.report(report)
 
 
@@ -273,12 +242,12 @@ def _line(report: StepReport) -> str:
     )
 
 
-def _publish_log(log: WorkerLog | None, storage: str) -> None:
+def _publish_log(context: WorkerContext) -> None:
     """Copy a rank's log to object storage (at each checkpoint and at the end), where ``govray
     trial logs`` reads every node's ranks; a failed copy is noted in the log, never fatal."""
-    if log is None or not storage:
+    if context.log is None:
         return
     try:
-        open_storage(storage).upload(log.path)
+        context.storage.upload(context.log.path)
     except StorageError as error:
-        log.write(f"could not copy this log to {storage}: {error}")
+        context.note(f"could not copy this log to {context.storage.uri}: {error}")

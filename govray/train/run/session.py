@@ -38,14 +38,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from govray.core.storage import Storage, StorageError, open_storage
-from govray.train.checkpoints.files import CHECKPOINT_PREFIX, CheckpointError, verify_checkpoint
-from govray.train.checkpoints.folders import checkpoint_candidates, fetch_part, ordered_checkpoints
+from govray.train.checkpoints.files import CHECKPOINT_PREFIX
+from govray.train.context import WorkerContext
 from govray.train.control.preemption import PreemptionNotice, PreemptionWatch, wait_for_restart
-from govray.train.parallel.strategies import parallelism
-from govray.train.parallel.worker import Worker
 from govray.train.run.reports import StepReport
-from govray.train.runspec import RunSpec
 
 STOP_CODES = {"pause": 1, "kill": 2}  # what the driver writes in the control file
 STOP_NAMES = {code: name for name, code in STOP_CODES.items()}
@@ -59,6 +55,10 @@ class Session(Protocol):
     """What the governed loop asks of the place it runs in."""
 
     passed_over: list[str]  # after resume_point: why newer checkpoints were not resumed from
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this worker's checkpoints are written (what its signer signs)."""
 
     def resume_point(self) -> Path | None:
         """The verified checkpoint this worker group resumes from, or None: a fresh start."""
@@ -89,16 +89,20 @@ class Session(Protocol):
 class _RunDirectory:
     """What every session shares: the stop request, and checkpoints in the run directory."""
 
-    def __init__(self, spec: RunSpec, worker: Worker) -> None:
-        self.spec = spec
-        self.worker = worker
-        self.storage: Storage | None = open_storage(spec.storage) if spec.storage else None
+    def __init__(self, context: WorkerContext) -> None:
+        self.spec = context.spec
+        self.worker = context.worker
+        self.storage = context.storage
         self._stop: tuple[torch.Tensor, Any] | None = None
-        # FSDP: every rank writes its shards of each checkpoint, and reads only its own.
-        self.every_rank_writes = parallelism(spec.strategy, worker).layout.every_rank_writes
+        # Who writes each checkpoint, and how the ranks agree on the one they resume from.
+        self.layout = context.parallel.layout
         self.passed_over: list[str] = []  # why newer checkpoints were not resumed from
-        self.preemption = PreemptionWatch(spec.control_period, ask=None)  # a Ray Train worker asks
+        self.preemption = PreemptionWatch(self.spec.control_period, ask=None)  # a Ray Train worker asks
         self._notice_seen_at = 0.0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.spec.run_dir)
 
     def resume_point(self) -> Path | None:
         """By one rule: the newest checkpoint of the run directory that verifies (a report lost
@@ -110,42 +114,16 @@ class _RunDirectory:
             if newest is not None:
                 return newest
         if spec.resume_checkpoint:
-            if self.storage is not None:  # a segment's checkpoint, fetched on this node from the bucket
-                self.storage.fetch(Path(spec.resume_checkpoint))
+            self.storage.fetch(Path(spec.resume_checkpoint))  # a segment's, from the bucket
             return Path(spec.resume_checkpoint)
         return None
 
     def _newest_verified(self, run_dir: Path) -> Path | None:
-        """The resume rule; the ranks of a sharded run apply it together: rank 0 lists the
-        candidates (newest first) for all, each rank verifies what it reads of each, and they
-        resume from the first that verifies on every rank (one that does not is passed over on
-        every rank, the reasons kept)."""
-        if not self.every_rank_writes:
-            for directory, refusal in checkpoint_candidates(run_dir, self.spec.trust, self.storage):
-                if refusal is None:
-                    return directory
-                self.passed_over.append(refusal)
-            return None
-        rank = self.worker.rank
-        listed: list[Any] = [
-            [str(d) for d in ordered_checkpoints(run_dir, self.storage)] if rank == 0 else None
-        ]
-        dist.broadcast_object_list(listed, src=0, group=self.worker.host_group)
-        for name in listed[0]:
-            directory = Path(name)
-            try:
-                fetch_part(directory, self.storage, rank)
-                verify_checkpoint(directory, self.spec.trust, rank)
-                refusal = None
-            except (CheckpointError, StorageError, OSError) as error:
-                refusal = str(error)
-            said: list[Any] = [None] * self.worker.world_size
-            dist.all_gather_object(said, refusal, group=self.worker.host_group)
-            refusals = [reason for reason in said if reason is not None]
-            if not refusals:
-                return directory
-            self.passed_over.extend(refusals)
-        return None
+        """The resume rule, as the run's layout applies it (the ranks of a sharded run together);
+        why newer checkpoints were passed over is kept."""
+        newest, refusals = self.layout.newest_verified(run_dir, self.spec.trust, self.storage, self.worker)
+        self.passed_over.extend(refusals)
+        return newest
 
     def look_for_stop(self, step: int) -> None:
         if (step + 1) % self.spec.control_period:
@@ -190,13 +168,11 @@ class _RunDirectory:
         folder = Path(self.spec.run_dir) / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
         if self.worker.rank == 0 and folder.exists():  # a partial folder a killed attempt left
             shutil.rmtree(folder)  # (none verified: it was not resumed from)
-            if self.storage is not None and folder.is_relative_to(self.storage.root):
-                self.storage.delete_directory(folder)
-        if self.every_rank_writes:
-            dist.barrier(group=self.worker.host_group)  # the folder is fresh before any rank writes there
-        if self.worker.rank == 0 or self.every_rank_writes:
+            self.storage.delete_directory(folder)
+        self.layout.ready_to_write(self.worker)  # (FSDP: the folder is fresh before any rank writes there)
+        if self.layout.writes(self.worker.rank):
             save(folder)
-        if self.worker.rank == 0 and self.storage is not None and folder.is_relative_to(self.storage.root):
+        if self.worker.rank == 0:
             self.storage.upload(folder)  # then reported: a recorded checkpoint is on storage
         return str(folder)
 
@@ -207,8 +183,8 @@ class _RunDirectory:
 class LocalSession(_RunDirectory):
     """One worker in the driver's process: reports go straight to ``deliver`` (the recorder)."""
 
-    def __init__(self, spec: RunSpec, worker: Worker, deliver: Callable[[StepReport], None]) -> None:
-        super().__init__(spec, worker)
+    def __init__(self, context: WorkerContext, deliver: Callable[[StepReport], None]) -> None:
+        super().__init__(context)
         self.deliver = deliver
 
     def report(self, report: StepReport) -> None:
@@ -277,8 +253,9 @@ class RayTrainSession(_RunDirectory):
 
     SEND_PERIOD = 0.25
 
-    def __init__(self, spec: RunSpec, worker: Worker) -> None:
-        super().__init__(spec, worker)
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        spec, worker = context.spec, context.worker
         self._sink: Any = None
         self._pending: list[str] = []
         self._sent: list[Any] = []
@@ -328,10 +305,10 @@ class RayTrainSession(_RunDirectory):
 class TuneSession(_RunDirectory):
     """A 1-worker Tune trial: reports reach Tune with each validation, whose checkpoint Tune keeps."""
 
-    def __init__(self, spec: RunSpec, worker: Worker) -> None:
-        super().__init__(
-            spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")}), worker
-        )
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        # Its checkpoints go to a scratch folder Tune copies from: not the run's directory.
+        self.spec = context.spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")})
         self.pending: list[StepReport] = []
 
     def report(self, report: StepReport) -> None:
@@ -361,12 +338,11 @@ class HostedSession(TuneSession):
 
     def __init__(
         self,
-        spec: RunSpec,
-        worker: Worker,
+        context: WorkerContext,
         relay: Callable[[dict[str, Any], str | None], bool],
         abandoned: Callable[[], bool],
     ) -> None:
-        super().__init__(spec, worker)
+        super().__init__(context)
         self.relay, self.abandoned = relay, abandoned
 
     def deliver(self, result: dict[str, Any], folder: str | None) -> None:

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from govray.core.keys import SigningKey
-from govray.core.storage import open_storage
 from govray.governance.adapter_files import save_adapter
 from govray.governance.memorization import MemorizationReport
 from govray.train.checkpoints.base_file import FrozenBase
@@ -28,13 +26,13 @@ from govray.train.checkpoints.files import (
     sharding_layout,
 )
 from govray.train.checkpoints.folders import fetch_referenced
-from govray.train.checkpoints.layouts import Snapshot, describe_layout
 from govray.train.checkpoints.manifest import TrainedUnder, continued_history, continued_lineage
+from govray.train.context import WorkerContext
 from govray.train.control.controller import Controller
 from govray.train.control.decisions import GateDecision, RollbackDecision
-from govray.train.parallel.worker import Worker
+from govray.train.parallel.layouts import Parts, Snapshot
 from govray.train.reproduce.record import use_deterministic_mode
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial
@@ -43,8 +41,9 @@ from govray.train.trial import make_trial
 class TrialRun:
     """One worker's whole trial: the governed step, its controller, and the run's provenance."""
 
-    def __init__(self, spec: RunSpec, governed: GovernedStep) -> None:
-        self.spec = spec
+    def __init__(self, context: WorkerContext, governed: GovernedStep) -> None:
+        spec = self.spec = context.spec
+        self.context = context
         self.governed = governed
         self.control: Controller[Snapshot] = Controller(
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
@@ -53,23 +52,35 @@ class TrialRun:
         # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
-        self.storage = open_storage(spec.storage) if spec.storage else None
+        self.storage = context.storage
         self.base = FrozenBase(spec.run_dir, self.storage)  # a frozen base is written once per run
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
         self.run_name = spec.run_name or Path(spec.run_dir).name
-        self.layout = governed.parallel.layout  # who writes checkpoints, where clean states live
+        self.layout = context.parallel.layout  # who writes checkpoints, where clean states live
+        # What the layout writes and reads checkpoints with (never this run).
+        self.parts = Parts(
+            governed.model,
+            governed.optimizer,
+            governed.governor.parameters,
+            context.parallel.sharding(),
+            context.worker,
+            context.storage,
+            spec.trust,
+        )
         # [from_step, workers]: the world sizes the run trained on (summation order follows them).
         self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
         # Who trained the state under which hyperparameters (a PBT clone continues its donor's).
         self.hparams_history = [TrainedUnder(from_step=0, run=self.run_name, hparams=spec.hparams)]
 
     @classmethod
-    def open(cls, spec: RunSpec, worker: Worker) -> TrialRun:
-        """The trial ``spec`` names, built for ``worker`` (in deterministic mode if its settings say so)."""
-        use_deterministic_mode(spec.settings, worker.device)  # before the model is built
-        return cls(spec, GovernedStep(spec, worker, make_trial(spec.trial, spec.hparams, spec.settings)))
+    def open(cls, context: WorkerContext) -> TrialRun:
+        """The trial the context's spec names, built for its worker (in deterministic mode if its
+        settings say so)."""
+        spec = context.spec
+        use_deterministic_mode(spec.settings, context.worker.device)  # before the model is built
+        return cls(context, GovernedStep(context, make_trial(spec.trial, spec.hparams, spec.settings)))
 
     @property
     def cloned_from_run(self) -> str | None:
@@ -88,7 +99,11 @@ class TrialRun:
     def roll_back(self, decision: RollbackDecision) -> None:
         """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
         since); the LR settings stay those in force now (a plateau cut is not undone)."""
-        self.layout.roll_back(self, self.control.rollback_snapshot(decision))
+        snapshot = self.control.rollback_snapshot(decision)
+        governed = self.governed
+        governed.load_optimizer_state(self.layout.roll_back(self.parts, snapshot, self.latest))
+        governed.ledger = Ledger.from_json(snapshot.ledger)
+        governed.take_hyperparameters()
         if self.control.plateau is not None:
             self.governed.set_lr_scale(self.control.lr_scale)
         self.rescheduled()
@@ -139,15 +154,18 @@ class TrialRun:
             hparams_history=self.hparams_history,
         )
 
-    def save(
-        self, directory: Path, steps_done: int, key: SigningKey | None, report: Mapping[str, Any]
-    ) -> None:
+    def save(self, directory: Path, steps_done: int, report: Mapping[str, Any]) -> None:
         """Base and adapter weights, optimizer and governance state, and the ``report`` this
-        checkpoint goes with, signed by the platform key (rank 0's ``key``), as the run's layout
+        checkpoint goes with, signed (the context's signer, asked by rank 0), as the run's layout
         writes them (``train.layouts``: under FSDP every rank calls it and writes its shards)."""
         directory.mkdir(parents=True, exist_ok=True)
+        earlier = self.control.earlier_snapshots(steps_done)
         self.layout.save(
-            self, directory, steps_done, lambda shards: self._seal(directory, steps_done, key, report, shards)
+            self.parts,
+            directory,
+            lambda shards: self._seal(directory, steps_done, report, shards),
+            earlier,
+            self.latest,
         )
         self.latest = (directory, steps_done)
 
@@ -155,23 +173,29 @@ class TrialRun:
         self,
         directory: Path,
         steps_done: int,
-        key: SigningKey | None,
         report: Mapping[str, Any],
         shard_digests: Mapping[str, str] | None,
     ) -> None:
-        """Rank 0 (``key``): everything but the shards, then the signed manifest."""
-        if key is None:
+        """Rank 0: everything but the shards, then the signed manifest."""
+        if self.context.worker.rank != 0:
             return
         model = self.governed.model
-        referenced = self.layout.write_model(self, directory)
+        referenced = self.layout.write_model(self.parts, self.base, directory)
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
-        self.layout.write_clean_states(self, directory, steps_done)
+        self.layout.write_clean_states(
+            self.parts, directory, self.control.earlier_snapshots(steps_done), self.latest
+        )
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         optimizer = self.layout.optimizer_state(self.governed.optimizer.state_dict())
         seal_checkpoint(
-            directory, optimizer, self.checkpoint_state(steps_done), key, shard_digests, referenced
+            directory,
+            optimizer,
+            self.checkpoint_state(steps_done),
+            self.context.signer,
+            shard_digests,
+            referenced,
         )
 
     def _check_schedule(self, directory: Path, state: CheckpointState) -> None:
@@ -189,7 +213,7 @@ class TrialRun:
     def restore(self, directory: Path) -> int:
         """Resume from a verified checkpoint (as the run's layout reads it: under FSDP each rank
         its own part, every rank refusing if any did); returns the steps it had completed."""
-        loaded = self.layout.load(self, directory)
+        loaded = self.layout.load(self.parts, directory)
         self.control.restore(loaded.state)
         self._continue_world(loaded.state)
         self.rescheduled()
@@ -235,16 +259,9 @@ class TrialRun:
         self.hparams_history = continued_lineage(recorded, state.step, entry)
 
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
-        """Under FSDP a clean state is the checkpoint's shard files, carried into every later
-        checkpoint and read back by a rollback, each rank its own: those of another layout (a
-        resume on another world size, in other HSDP shard groups, or from DDP) are not there to carry."""
-        own, written = sharding_layout(self.governed.parallel.sharding()), sharding_layout(state.sharding)
-        if self.layout.every_rank_writes and written != own:
-            raise CheckpointError(
-                f"{directory}: a rollback target (a clean state) {describe_layout(*written)}; "
-                f"this run ({describe_layout(*own)}) keeps its clean states in its own "
-                "shard files: resume it on the world size and strategy that wrote it"
-            )
+        """The layout refuses clean states it cannot keep (FSDP: another layout's shard files)."""
+        written = sharding_layout(state.sharding)
+        self.layout.refuse_clean_elsewhere(directory, written, self.parts.own_layout)
 
     def start_from(self, directory: Path) -> None:
         """Begin at step 0 from another run's verified checkpoint: its weights (base, and adapters

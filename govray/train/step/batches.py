@@ -90,12 +90,12 @@ class Prefetcher:
         stand_in: Callable[[], pa.Table],
         device: torch.device,
         micro_batches: int = 1,
-        exactly: bool = False,
+        split: Callable[[pa.Table, int], list[pa.Table]] = micro_batches,
     ) -> None:
         self._take, self._collate, self._stand_in = take, collate, stand_in
         self.device = device
         self.parts = micro_batches
-        self.exactly = exactly  # always ``micro_batches`` of them (FSDP: see ``micro_batches``)
+        self._split = split  # a slot's rows into micro-batches (the parallelism twin's way)
         self._pin = device.type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="govray-collate")
         self._ahead: tuple[tuple[Slot, ...], Future[list[list[MicroBatch]]]] | None = None
@@ -105,7 +105,7 @@ class Prefetcher:
 
     def _prepare_one(self, slot: Slot) -> list[MicroBatch]:
         prepared = []
-        for part in micro_batches(self._take(slot), self.parts, self.exactly):
+        for part in self._split(self._take(slot), self.parts):
             if part.num_rows:
                 prepared.append(MicroBatch(self._collate(part)))
             else:

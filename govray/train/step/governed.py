@@ -18,7 +18,7 @@ flags stay on the device until the loop's next boundary (``check_finite``).
 
 Example::
 
-    governed = GovernedStep(spec, Worker.detect(), trial)
+    governed = GovernedStep(WorkerContext.of(spec, Worker.detect()), trial)
     loss_sum, examples = governed.step(0)       # loss_sum: a 0-d float64 tensor on the device
     governed.governor.check_finite()            # at a boundary
     validation = governed.evaluate()    # {"validation_loss": ..., "validation_loss/CORPUS": ...}
@@ -47,15 +47,13 @@ from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
-from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
+from govray.train.context import WorkerContext
 from govray.train.control.probe import MemorizationProbe
-from govray.train.parallel.fsdp import layer_units
 from govray.train.parallel.rounds import RoundSums, refuse_rounds
-from govray.train.parallel.strategies import Autocast, Fp16Scaling, NoScaling, Snapshot, parallelism
-from govray.train.parallel.worker import RouteRows, Worker, all_reduce_sums
+from govray.train.parallel.strategies import Autocast, Fp16Scaling, NoScaling, Snapshot
+from govray.train.parallel.worker import RouteRows, all_reduce_sums
 from govray.train.run.dashboard import GovernanceMetrics
-from govray.train.runspec import RunSpec
-from govray.train.step.batches import MicroBatch, Prefetcher, on_device, row_batches
+from govray.train.step.batches import MicroBatch, Prefetcher, on_device
 from govray.train.step.ledger import Ledger
 from govray.train.step.memory_savers import checkpoint_activations
 from govray.train.step.scaling import LossScaler
@@ -91,18 +89,18 @@ def allowed_route_sets(model: GovernedModel, table: RoutingTable) -> list[frozen
 class GovernedStep:
     """One worker's model, governor, optimizer, schedule and ledger; ``step()`` is one governed step."""
 
-    def __init__(self, spec: RunSpec, worker: Worker, trial: Trial) -> None:
+    def __init__(self, context: WorkerContext, trial: Trial) -> None:
+        spec, worker = context.spec, context.worker
         self.spec, self.worker, self.trial = spec, worker, trial
         self.device = worker.device
         settings = trial.settings
         self.micro_batches = settings.accumulation_steps
         # How the workers hold the model (one, DDP, FSDP, HSDP): asked, never a flag.
-        self.parallel = parallelism(spec.strategy, worker, settings.precision, spec.shard_group)
+        self.parallel = context.parallel
         self.autocast = Autocast(self.device, self.parallel.autocast_dtype(settings.precision))
         # Under FSDP the model is built on meta and each rank fills its shards from the seed file
-        # rank 0 wrote once; otherwise built on the CPU from the seeded generator (the same init).
-        self.seed = SeedCheckpoint.agree(spec, worker, trial) if self.parallel.collective_forward else None
-        base = self.seed.skeleton() if self.seed is not None else initial_model(spec, trial)
+        # rank 0 wrote once (``seed``); otherwise built on the CPU from the seeded generator.
+        base, self.seed = self.parallel.build_base(spec, trial, context.storage)
         if settings.activation_checkpointing:  # blocks recompute their activations in the backward
             checkpoint_activations(base, trial.checkpoint_units(base))
         self.routing = resolve_routes(spec.policy, base, trial.layers(base))
@@ -112,10 +110,10 @@ class GovernedStep:
         self.model = GovernedModel(
             base, self.routing, spec.policy.adapters, seed=derive_seed(spec.seed, "adapters")
         )
-        self.shards = ShardSet.fetch_manifest(Path(spec.shard_root), spec.storage, spec.shards_sha256)
+        self.shards = ShardSet.fetch_manifest(Path(spec.shard_root), context.storage, spec.shards_sha256)
         # Under data.packing a scheduled position is a window of tokens, not a row.
         self.packed = (
-            PackedStore.fetch(Path(spec.packed_root), spec.storage, sha256=spec.packed_sha256)
+            PackedStore.fetch(Path(spec.packed_root), context.storage, sha256=spec.packed_sha256)
             if spec.packed_root
             else None
         )
@@ -132,19 +130,19 @@ class GovernedStep:
             Fp16Scaling(scaler, worker.distributed) if self.autocast.dtype is torch.float16 else NoScaling()
         )
         # Reads follow the schedule: only the row groups of this worker's slots, prefetched.
-        self.rows = RouteRows(ShardReader(self.shards, spec.storage), self.packed, trial.pad_id)
+        self.rows = RouteRows(ShardReader(self.shards, context.storage), self.packed, trial.pad_id)
         self.batches = Prefetcher(
             self.rows.take,
             trial.collate,
             self._stand_in,
             self.device,
             self.micro_batches,
-            exactly=self.parallel.collective_forward,
+            split=self.parallel.micro_batches,
         )
         self.counts = self.rows.counts(trial)  # examples and tokens of each position (the ledger's)
         # Checkpoints written before frozen tensors left autograd index optimizer state over these.
         listed = [name for name, _ in parameters_by_name(self.model)]
-        units = layer_units(base, trial.fsdp_units(base)) if self.parallel.collective_forward else []
+        units = self.parallel.layer_units(base, trial)
         frozen = freeze_unroutable(self.model, self.routing)
         trainable_in_fp32(self.model)
         self.parallel.shard(self.model, units, settings.precision)  # FSDP2: a shard of every base tensor
@@ -171,7 +169,7 @@ class GovernedStep:
             spec.canaries,
             derive_seed(spec.seed, spec.trial_seed),
             worker,
-            split=not self.parallel.collective_forward,
+            split=self.parallel.probe_split,
             autocast=self.autocast,  # measured as trained: under the step's autocast
         )
         self.ledger = Ledger()
@@ -205,12 +203,12 @@ class GovernedStep:
             with self.model.active(adapter):  # base weights never see another route's adapter
                 loss_sum += self._slot(pieces, scale)
             if sums is not None:  # what this round reduced, set aside (train.rounds)
-                sums.set_aside(self.parallel.reduce_round(self.governor))
+                sums.set_aside(self.parallel.reduce_round())
         if sums is None:
-            self.parallel.reduce(self.governor)  # what DDP's hook or FSDP's reduce-scatter did not
+            self.parallel.reduce()  # what DDP's hook or FSDP's reduce-scatter did not
         else:
             sums.put_back()
-            self.parallel.end_rounds(self.governor)
+            self.parallel.end_rounds()
         # fp16: the routes that overflowed skip their tensors (a recorded decision)
         skip = self.scaling.skipped(step + 1, counts, self.governor, self.route_names)
         # grad None where no slot may update (no momentum, no decay); clip per group; a NaN
@@ -280,17 +278,12 @@ class GovernedStep:
         (``validation_loss/CORPUS``)."""
         self.model.eval()
         sums: dict[str, float] = {}
-        size, world = self.trial.batch_size, self.worker.world_size
         for corpus in self.shards.manifest.holdout:
             run = self.rows.reader.holdout_files(corpus)
             chosen = evaluation_rows(run.rows, self.spec.eval_rows)
-            mine = chosen[self.worker.rank :: world]
-            # Under FSDP every forward is a collective: every rank runs as many batches.
-            forwards = max(1, -(-len(chosen[::world]) // size)) if self.parallel.collective_forward else None
+            mine = chosen[self.worker.rank :: self.worker.world_size]
             values: dict[str, list[torch.Tensor]] = {}
-            for positions in row_batches(mine, size, forwards):
-                if not len(positions) and not self.parallel.collective_forward:
-                    continue  # no rows here, and an unsharded forward holds no collective
+            for positions in self.parallel.evaluation_batches(chosen, self.trial.batch_size):
                 # Under FSDP a rank out of rows still runs the forward (all-gathers): on the
                 # stand-in row, its values dropped.
                 rows = self.rows.reader.take_from(run, positions) if len(positions) else self._stand_in()

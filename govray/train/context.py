@@ -1,0 +1,105 @@
+"""What one worker is given once, when it starts, and hands down: its ``WorkerContext``.
+
+Determined gives trial code one composed ``core.Context`` (distributed, checkpoint, preempt,
+train); a govray worker gets the same from ``WorkerContext.open``, built once per worker:
+
+- ``spec``: the ``RunSpec`` the driver planned, complete (nothing edits it after ``plan_run``);
+- ``worker``: rank, world size, device, the host group;
+- ``storage``: the experiment's storage, one interface with a local and an object-store twin
+  (``govray.core.storage``), opened once: never absent;
+- ``parallel``: the parallelism twin (single, DDP, FSDP, HSDP: ``govray.train.parallel``), built
+  once, which answers everything that differs between them;
+- ``signer``: what the worker may ask signed (its own run's checkpoint manifests:
+  ``govray.train.checkpoints.signer``);
+- ``session``: where it runs (``govray.train.run.session``: in-process, Ray Train, Tune);
+- ``log`` and ``timings``: the rank's log file and where its wall time went.
+
+Nothing below it opens storage, builds a twin, loads a key or parses the spec again; a component
+takes the parts it needs (``TrialRun`` the context, a checkpoint layout the model, optimizer,
+storage and worker), never the whole run.
+
+Example::
+
+    context = WorkerContext.open(spec, RayTrainSession, WorkerTimings())
+    run = TrialRun.open(context)
+    context.session.report(report)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from govray.core.logs import WorkerLog
+from govray.core.storage import Storage, open_storage
+from govray.train.checkpoints.signer import ManifestSigner, RunSigner
+from govray.train.parallel.strategies import Single, parallelism
+from govray.train.parallel.worker import Worker
+from govray.train.run.timings import WorkerTimings
+from govray.train.runspec import RunSpec
+
+if TYPE_CHECKING:
+    from govray.train.run.session import Session
+
+OpenSession = Callable[["WorkerContext"], "Session"]  # a session built on the worker's context
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    spec: RunSpec
+    worker: Worker
+    storage: Storage
+    parallel: Single
+    signer: ManifestSigner
+    session: Session | None = None  # set once, by ``open``: a context built for a tool has none
+    log: WorkerLog | None = None  # (a run planned without a log directory has none)
+    timings: WorkerTimings = dataclasses.field(default_factory=WorkerTimings)
+
+    @classmethod
+    def of(cls, spec: RunSpec, worker: Worker) -> WorkerContext:
+        """The context of a worker outside any session: what a tool (or a test) that builds a
+        trial's state itself needs, its storage, twin and signer built as a run's are."""
+        storage = open_storage(spec.storage)
+        parallel = parallelism(spec.strategy, worker, spec.settings.precision, spec.shard_group)
+        return cls(spec, worker, storage, parallel, RunSigner(_key_path(spec), Path(spec.run_dir)))
+
+    @classmethod
+    def open(cls, spec: RunSpec, open_session: OpenSession, timings: WorkerTimings) -> WorkerContext:
+        """The worker's context, its session opened (in ``timings``' "open" part) and its log
+        (``LOG_DIR/rank-N.log``, continuing what this rank wrote on another node) ready."""
+        context = dataclasses.replace(cls.of(spec, Worker.detect(spec.use_gpu)), timings=timings)
+        with timings.part("open"):
+            session = open_session(context)
+        log = None
+        if spec.log_dir:
+            path = Path(spec.log_dir) / f"rank-{context.worker.rank}.log"
+            context.storage.pull_growing(path)  # a resumed run appends to what this rank wrote elsewhere
+            log = WorkerLog(path, context.worker.rank)
+        # The session's run directory is where this worker's checkpoints are (a Tune trial's own).
+        signer = RunSigner(_key_path(spec), session.run_dir)
+        return dataclasses.replace(context, session=session, log=log, signer=signer)
+
+    @property
+    def opened(self) -> Session:
+        """The session (a context built by ``open`` always has one)."""
+        if self.session is None:
+            raise RuntimeError("this worker context was built outside a session (WorkerContext.of)")
+        return self.session
+
+    @property
+    def writes(self) -> bool:
+        """This rank writes (part of) the run's checkpoints: the run signs them, and its layout
+        has this rank write (rank 0; under FSDP every rank its shards)."""
+        return self.signer.signs and self.parallel.layout.writes(self.worker.rank)
+
+    def note(self, message: str) -> None:
+        """A line in the rank's log (none without a log)."""
+        if self.log is not None:
+            self.log.write(message)
+
+
+def _key_path(spec: RunSpec) -> Path | None:
+    return Path(spec.platform_key) if spec.platform_key else None
