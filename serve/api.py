@@ -31,7 +31,7 @@ from govray.core.identifiers import (
 )
 from govray.core.keys import load_trust
 from govray.platform.run.ledgers import store_checkpoint_ledger
-from govray.provenance.rows import LineageError, RowReach, row_reach
+from govray.provenance.row_reach import LineageError, RowReach, row_reach
 from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window, changes
 from govray.queries.errors import LedgerNotStored
 from govray.queries.views import (

@@ -23,7 +23,7 @@ from govray.core.errors import GovrayError, SignatureError
 from govray.core.keys import load_trust
 from govray.provenance.locations import run_spec_of
 from govray.queries import NotFoundError, StoreReader, Window
-from govray.queries.ledger import statement_of
+from govray.queries.ledger_rows import statement_of
 from govray.queries.views import Lineage
 from govray.tracking.tables import AttestationRecord, CorpusRecord
 from serve.verify import check_envelope

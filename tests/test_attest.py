@@ -26,7 +26,7 @@ from govray.provenance.attest import Attestation, AttestationError, attest_check
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import world_history
 from govray.provenance.recompute import check_attested_ledger
-from govray.provenance.rows import row_reach
+from govray.provenance.row_reach import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE
 from govray.provenance.verify import verify_attestation
 from govray.tracking.lineage import attestations, checkpoints

@@ -18,9 +18,9 @@ from govray.config.experiment import load_experiment
 from govray.core.logs import WorkerLog, log_path
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import record_checkpoint
+from govray.tracking.registry import insert_version
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import ModelVersion
-from govray.tracking.versions import insert_version
 from tests.helpers.builders import REPO
 from tests.helpers.golden import GoldenRun
 from tests.helpers.processes import python

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -27,7 +28,6 @@ from govray.train.checkpoints.files import (
     CheckpointState,
     find_checkpoints,
     load_checkpoint,
-    recorded_state,
     seal_checkpoint,
     verify_checkpoint,
 )
@@ -86,11 +86,22 @@ def test_checkpoint_round_trips(checkpoint_copy: Path) -> None:
     assert loaded.signer == platform_key().keyid
 
 
-def test_a_checkpoint_written_with_memorization_baselines_still_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("written", "refused"),
+    [
+        (
+            {"format": "govray-checkpoint-v2"},
+            "format 'govray-checkpoint-v2'; this govray reads 'govray-checkpoint-v1'",
+        ),
+        ({"memorization_baselines": {}}, "memorization_baselines"),  # a retired pre-release field
+    ],
+)
+def test_a_signed_checkpoint_of_another_format_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: dict[str, object], refused: str
 ) -> None:
-    """``state.json`` of checkpoints written before ``memorization_baselines`` was retired holds it
-    (always empty): they verify, load and read back as before, the key dropped."""
+    """One format at release: a ``state.json`` of another format (a newer govray's) or with a
+    field this one does not know is refused, signature valid or not, naming what it found; never
+    read by guessing."""
     key = SigningKey.generate(KeyRole.PLATFORM)
     save_file({"weight": torch.zeros(2)}, str(tmp_path / MODEL_FILE))
     state = CheckpointState(
@@ -105,18 +116,14 @@ def test_a_checkpoint_written_with_memorization_baselines_still_loads(
         ledger={},
     )
     dump = CheckpointState.model_dump
-    with monkeypatch.context() as old_format:
-        old_format.setattr(
-            CheckpointState,
-            "model_dump",
-            lambda self, **kw: {**dump(self, **kw), "memorization_baselines": {}},
+    with monkeypatch.context() as other_format:
+        other_format.setattr(
+            CheckpointState, "model_dump", lambda self, **kw: {**dump(self, **kw), **written}
         )
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
         seal_checkpoint(tmp_path, optimizer.state_dict(), state, KeySigner(key))
-    assert json.loads((tmp_path / STATE_FILE).read_text())["memorization_baselines"] == {}
-    loaded = load_checkpoint(tmp_path, platform_trust(key))
-    assert loaded.state == state
-    assert recorded_state(tmp_path, loaded.manifest_digest) == state
+    with pytest.raises(CheckpointError, match=re.escape(refused)):
+        load_checkpoint(tmp_path, platform_trust(key))
 
 
 @pytest.mark.parametrize(
@@ -151,7 +158,7 @@ def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> Non
     )
     manifest = Manifest.model_validate_json((checkpoint_copy / MANIFEST_FILE).read_text())
     files = {**manifest.files, STATE_FILE: file_sha256(checkpoint_copy / STATE_FILE)}
-    forged = Manifest(step=manifest.step, files=files).to_bytes()
+    forged = Manifest(step=manifest.step, files=files, signed_at=manifest.signed_at).to_bytes()
     (checkpoint_copy / MANIFEST_FILE).write_bytes(forged)
     with pytest.raises(CheckpointError, match="differs from the manifest its signature covers"):
         verify_checkpoint(checkpoint_copy, trust())

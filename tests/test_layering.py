@@ -291,6 +291,22 @@ def test_one_meaning_per_name() -> None:
     assert {name: paths for name, paths in owners.items() if len(paths) > 1} == {}
 
 
+SHARED_FILE_NAMES = {"__init__.py", "errors.py"}  # a package's own; each layer's own refusals
+
+
+def test_one_meaning_per_module_name() -> None:
+    """No two modules outside the CLI share a file name (a newcomer who hears "record.py" or
+    "trial.py" finds one file): the CLI's modules are named after their commands, and every layer
+    may have its ``errors.py``."""
+    owners: dict[str, list[str]] = {}
+    for path in sorted(GOVRAY.rglob("*.py")):
+        relative = path.relative_to(GOVRAY)
+        if relative.parts[0] == "cli" or "migrations" in relative.parts or path.name in SHARED_FILE_NAMES:
+            continue
+        owners.setdefault(path.name, []).append(relative.as_posix())
+    assert {name: paths for name, paths in owners.items() if len(paths) > 1} == {}
+
+
 def test_the_public_api_resolves_lazily_to_the_layer_objects() -> None:
     import importlib
     import subprocess

@@ -328,29 +328,29 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
 
 
 def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_spec: RunSpec) -> None:
-    """A DDP-path snapshot holds weights and optimizer state in host memory (pinned on a GPU),
+    """A DDP-path clean holds weights and optimizer state in host memory (pinned on a GPU),
     shares no storage with the live tensors, and a rollback copies it back into them: after two
-    more steps, loading it gives exactly the state of the snapshot's step, in the same tensors."""
+    more steps, loading it gives exactly the state of the clean's step, in the same tensors."""
     from govray.train.parallel.worker import Worker
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
     governed = governed_step(spec, Worker(0, 1))
     for step in range(2):
         governed.step(step)
-    snapshot = governed.snapshot(2)
+    clean = governed.clean_state(2)
     clean = {name: tensor.clone() for name, tensor in governed.model.state_dict().items()}
     clean_optimizer = {
         index: {name: value.clone() for name, value in values.items()}
         for index, values in governed.optimizer.state_dict()["state"].items()
     }
     live = {tensor.data_ptr() for tensor in governed.model.state_dict().values()}
-    assert all(tensor.device.type == "cpu" for tensor in snapshot.weights.values())
-    assert not live & {tensor.data_ptr() for tensor in snapshot.weights.values()}
+    assert all(tensor.device.type == "cpu" for tensor in clean.weights.values())
+    assert not live & {tensor.data_ptr() for tensor in clean.weights.values()}
     parameters = {name: id(p) for name, p in governed.model.named_parameters()}
     for step in range(2, 4):
         governed.step(step)
     assert any(not torch.equal(t, clean[n]) for n, t in governed.model.state_dict().items())
-    governed.load_snapshot(snapshot)
+    governed.load_clean_state(clean)
     assert {name: id(p) for name, p in governed.model.named_parameters()} == parameters
     for name, tensor in governed.model.state_dict().items():
         assert torch.equal(tensor, clean[name]), name

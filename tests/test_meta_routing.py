@@ -155,6 +155,7 @@ def spec_for(routing: RoutingTable, hidden: int) -> RunSpec:
         routing=routing,
         shard_root="/nonexistent",
         shards_sha256="0" * 64,
+        eval_rows=10,
         storage="/nonexistent",
         seed=1,
         trial_seed=0,

@@ -16,7 +16,7 @@ from govray.data.packed import PackedStore
 from govray.data.slots import slot
 from govray.data.step_rows import step_rows
 from govray.platform.run.runner import run_trial
-from govray.provenance.rows import row_reach
+from govray.provenance.row_reach import row_reach
 from govray.train.checkpoints.files import find_checkpoints
 from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker

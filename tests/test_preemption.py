@@ -19,8 +19,8 @@ from pydantic import TypeAdapter
 from govray.config.experiment import PlateauSchedule
 from govray.core.keys import platform_key, platform_key_path
 from govray.core.storage import IN_PLACE
-from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
+from govray.data.shard_reader import ShardReader
 from govray.data.shards import ShardSet
 from govray.platform.rerun.replay import recorded_decisions
 from govray.tracking.store import TrackingStore

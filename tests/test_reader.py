@@ -17,7 +17,7 @@ import torch
 
 from govray.core.canonical import file_sha256, sha256_hex
 from govray.core.errors import IngestError
-from govray.data.reader import ShardReader, evaluation_rows
+from govray.data.shard_reader import ShardReader, evaluation_rows
 from govray.data.shards import MANIFEST, ShardSet
 from govray.data.slots import Slot, slot
 from govray.train.checkpoints.files import find_checkpoints

@@ -28,10 +28,10 @@ from govray.platform.registry.versions import (
 )
 from govray.platform.run.runner import run_trial
 from govray.provenance.recompute import check_attested_ledger
-from govray.provenance.rows import row_reach
+from govray.provenance.row_reach import row_reach
 from govray.provenance.verify import verify_attestation
 from govray.tracking.audit import AuditLog
-from govray.tracking.versions import list_models
+from govray.tracking.registry import list_models
 from govray.train.checkpoints.files import MODEL_FILE, CheckpointState, find_checkpoints
 from govray.train.step.ledger import Ledger
 from tests.helpers.golden import GoldenRun

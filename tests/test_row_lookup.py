@@ -16,7 +16,7 @@ from govray.data.schedule import SCHEDULE_VERSION, RouteLayout, ScheduleEvent, S
 from govray.data.shards import ShardSet
 from govray.data.slots import slot
 from govray.governance.routing import resolve_routes
-from govray.provenance.rows import LineageError, TrialReach, in_weights, row_reach, row_steps
+from govray.provenance.row_reach import LineageError, TrialReach, in_weights, row_reach, row_steps
 from govray.tracking.lineage import checkpoints
 from govray.train.checkpoints.files import STATE_FILE, CheckpointError, CheckpointState
 from govray.train.runspec import RunSpec

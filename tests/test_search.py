@@ -21,7 +21,7 @@ from govray.core.storage import open_storage
 from govray.platform.search.driver import strategy
 from govray.platform.search.placement_guard import result_places
 from govray.platform.search.progress import SearchState
-from govray.platform.search.trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
+from govray.platform.search.tune_trial import TUNE_TRIAL_MEMORY, _continuous_trial, ends_trial
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import (

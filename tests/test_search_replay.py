@@ -33,8 +33,8 @@ from govray.core.storage import Storage, open_storage
 from govray.platform.rerun.resume import resumes_search
 from govray.platform.run.plan import code_directory, run_spec_path
 from govray.platform.search.driver import SearchOutcome
-from govray.platform.search.trial import SearchError
-from govray.provenance.rows import row_reach
+from govray.platform.search.tune_trial import SearchError
+from govray.provenance.row_reach import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
 from govray.tracking.lineage import attestations, final_checkpoint_record
 from govray.tracking.store import TrackingStore
@@ -306,7 +306,8 @@ def forge_manifest(folder: Path, key: SigningKey) -> None:
     state = folder / STATE_FILE
     state.write_text(state.read_text().replace('"step": 10', '"step": 11'))
     manifest = Manifest.model_validate_json((folder / MANIFEST_FILE).read_text())
-    forged = Manifest(step=manifest.step, files={**manifest.files, STATE_FILE: file_sha256(state)}).to_bytes()
+    files = {**manifest.files, STATE_FILE: file_sha256(state)}
+    forged = Manifest(step=manifest.step, files=files, signed_at=manifest.signed_at).to_bytes()
     (folder / MANIFEST_FILE).write_bytes(forged)
     (folder / SIGNATURE_FILE).write_text(sign_envelope(forged, MANIFEST_TYPE, key).to_json())
 

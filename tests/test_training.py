@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from govray.core.keys import platform_key, platform_trust
-from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec, derive_seed
+from govray.data.shard_reader import ShardReader
 from govray.data.shards import ShardSet
 from govray.data.slots import step_slots
 from govray.governance.adapters import GovernedModel

@@ -136,7 +136,7 @@ def test_a_trial_that_fails_in_its_host_errors_with_its_cause_and_the_host_goes(
     """A hosted trial whose learning rate makes its gradients non-finite: Tune's error for the
     trial is govray's ``NonFiniteGradientError`` with the host's traceback, the trial is recorded
     errored, the search ends without a usable trial, and the host that failed is killed."""
-    from govray.platform.search.trial import SearchError
+    from govray.platform.search.tune_trial import SearchError
     from govray.tracking.tables import TrialState
 
     retire_trial_hosts()

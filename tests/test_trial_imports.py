@@ -21,7 +21,7 @@ UNUSED = ("model_signing", "torch._inductor", "torch._dynamo")
 TRIAL_PROCESS = f"""
 import json, sys
 import torch
-import govray.platform.search.trial
+import govray.platform.search.tune_trial
 from govray.config.training import TrainingSettings
 from govray.train.reproduce.record import use_deterministic_mode
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+from functools import partial
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -21,7 +22,12 @@ from govray.train.checkpoints.signer import KeySigner, RunSigner
 from govray.train.context import WorkerContext
 from govray.train.parallel.strategies import Single
 from govray.train.parallel.worker import Worker
+from govray.train.run.loop import train_worker
+from govray.train.run.reports import StepReport
+from govray.train.run.session import LocalSession
 from govray.train.runspec import RunSpec
+from tests.helpers.engine import run_spec
+from tests.helpers.golden import GoldenRun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +110,30 @@ def test_a_run_without_the_platform_key_signs_nothing_and_no_other_role_signs_ch
         RunSigner(private, tmp_path).sign_manifest(
             tmp_path / "checkpoint_00000001", _manifest(), signing_time()
         )
+
+
+def test_the_rank_that_seals_refuses_a_missing_key_when_it_starts(tmp_path: Path) -> None:
+    """``WorkerContext.open`` loads the key on the rank that seals: a run whose key file is gone
+    stops before its first step, not at its first checkpoint."""
+    with pytest.raises(SignatureError, match="cannot read private key .*missing.key"):
+        RunSigner(tmp_path / "missing.key", tmp_path).load()
+
+
+def test_a_run_whose_platform_key_is_gone_stops_before_its_first_step(
+    golden_run: GoldenRun, tmp_path: Path
+) -> None:
+    spec = run_spec(golden_run).model_copy(
+        update={
+            "platform_key": str(tmp_path / "gone.key"),
+            "run_dir": str(tmp_path / "run"),
+            "log_dir": "",
+            "control_file": "",
+        }
+    )
+    reports: list[StepReport] = []
+    with pytest.raises(SignatureError, match="cannot read private key"):
+        train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+    assert reports == [] and not (tmp_path / "run").exists()
 
 
 def test_storage_is_never_absent_and_the_local_twin_leaves_files_where_they_lie(tmp_path: Path) -> None:

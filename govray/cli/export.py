@@ -82,7 +82,7 @@ def bom_command(
     model), dependencies from its provenance attestation. Exits 17 for an unknown model or version."""
     from govray.platform.registry.versions import envelope_sha256, provenance_record, resolve
     from govray.provenance.bom import cyclonedx_bom
-    from govray.queries.ledger import statement_of
+    from govray.queries.ledger_rows import statement_of
 
     store = open_store(database)
     version = resolve(store, model)

@@ -11,7 +11,7 @@ from govray.cli.common import Database, console, open_store, table
 from govray.core.identifiers import parse_id
 
 if TYPE_CHECKING:
-    from govray.provenance.rows import TrialReach
+    from govray.provenance.row_reach import TrialReach
 
 app = typer.Typer(help="Lineage: what a training row reached, from the schedule.", no_args_is_help=True)
 
@@ -29,7 +29,7 @@ def row(
     update it joined, the checkpoints carrying it, and the parameter tensors its route updates.
     Exits 18 for an unknown or malformed corpus id, or a row that is not one (out of range, not
     ASCII digits)."""
-    from govray.provenance.rows import LineageError, row_reach
+    from govray.provenance.row_reach import LineageError, row_reach
 
     number = parse_id(row_text, f"corpus {corpus!r}: row", LineageError, low=0)
     reach = row_reach(open_store(database), corpus, number)

@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 
 from govray.cli.common import Database, console, open_store, record_id, table
+from govray.tracking.registry import list_models
 from govray.tracking.store import TrackingStore
-from govray.tracking.versions import list_models
 
 if TYPE_CHECKING:
     from govray.platform.registry.versions import RegisteredVersion

@@ -66,8 +66,8 @@ def _resume_search(config: ExperimentConfig, store: TrackingStore, recorded: Exp
     from govray.cli.search import search_view, show_outcome
     from govray.core.storage import open_storage
     from govray.platform.run.preflight import check_policy
+    from govray.platform.search.began import began_record
     from govray.platform.search.driver import resume_search
-    from govray.platform.search.record import began_record
 
     began_record(store, open_storage(config.storage_path), config, recorded)  # its code, from any directory
     checked = check_policy(config, store, allow_unsigned=config.policy.allow_unsigned)

@@ -29,8 +29,8 @@ def search(
     finished trials."""
     from govray.platform.run.plan import RunPlanner
     from govray.platform.run.preflight import check_policy, ingest_experiment
+    from govray.platform.search.began import use_search_code
     from govray.platform.search.driver import search_planned
-    from govray.platform.search.record import use_search_code
 
     config, store = open_experiment(config_path)
     use_search_code(config, store)  # a search begun before: the code it began with

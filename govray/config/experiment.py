@@ -35,9 +35,9 @@ from govray.config.hyperparameters import Hyperparameter, default_value, extreme
 from govray.config.resources import ParallelStrategy, Resources
 from govray.config.searcher import SearcherConfig, validated_searcher
 from govray.config.training import SETTING_HYPERPARAMETERS, Precision, TrainingSettings
-from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import ConfigError, describe_validation_error
 from govray.core.identifiers import ExperimentName
+from govray.core.yaml_files import parse_yaml_mapping, read_text
 from govray.governance.canaries import CanaryProbe, CanarySet
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)

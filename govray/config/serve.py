@@ -23,9 +23,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import ConfigError, describe_validation_error
 from govray.core.settings import load_settings, settings_path
+from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 
 class ServeSettings(BaseModel):

@@ -41,8 +41,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from govray.core.canonical import canonical_text, sha256_hex
-from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import SignatureError, describe_validation_error
+from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 KEYTYPE = "ed25519"
 SCHEME = "ed25519"

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.errors import ConfigError, describe_validation_error
 from govray.core.keys import govray_home
+from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 SETTINGS_FILE = "config.yaml"
 _STRICT = ConfigDict(extra="forbid", frozen=True)

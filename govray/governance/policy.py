@@ -44,10 +44,10 @@ from pydantic import (
 )
 
 from govray.core.canonical import file_sha256
-from govray.core.documents import parse_yaml_mapping, read_text
 from govray.core.dsse import Envelope, read_envelope, sign_envelope, signing_time, verify_envelope
 from govray.core.errors import PolicyError, SignatureError, describe_validation_error
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
+from govray.core.yaml_files import parse_yaml_mapping, read_text
 from govray.governance.credentials import MATCHABLE_FIELDS, Credential
 from govray.governance.memorization_thresholds import MemorizationThresholds
 

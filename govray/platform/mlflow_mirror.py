@@ -46,9 +46,9 @@ from govray.platform.registry.versions import (
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import coverage_matrix
 from govray.provenance.statement_types import COVERAGE_TYPE, PROVENANCE_TYPE, statement_type
+from govray.tracking.registry import list_models
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
-from govray.tracking.versions import list_models
 from govray.train.checkpoints.files import MODEL_FILE, load_checkpoint
 from govray.train.step.ledger import Ledger
 

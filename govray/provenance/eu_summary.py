@@ -41,7 +41,7 @@ from govray.governance.credentials import Credential, SourceType
 from govray.governance.policy import AdapterRoute, Route
 from govray.governance.routing import RoutingTable
 from govray.provenance.locations import run_spec_of
-from govray.provenance.rows import route_tensors
+from govray.provenance.row_reach import route_tensors
 from govray.tracking.tables import TrialRecord
 from govray.train.checkpoints.files import load_checkpoint
 from govray.train.checkpoints.whole_file import base_sha256

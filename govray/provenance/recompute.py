@@ -21,8 +21,8 @@ from typing import Any
 from govray.core.errors import AttestationError
 from govray.core.keys import TrustConfig
 from govray.data.packed import PackedStore
-from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleError, ScheduleSpec
+from govray.data.shard_reader import ShardReader
 from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.provenance.statement_types import COVERAGE_TYPE

@@ -43,7 +43,7 @@ from govray.tracking.tables import (
 )
 
 if TYPE_CHECKING:  # a row's reach is computed elsewhere (it reads the schedule: pyarrow, torch)
-    from govray.provenance.rows import RowReach
+    from govray.provenance.row_reach import RowReach
 
 
 class Topic(NamedTuple):

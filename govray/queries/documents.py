@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from govray.core.errors import TrackingError
-from govray.queries.ledger import statement_of
+from govray.queries.ledger_rows import statement_of
 from govray.queries.views import (
     AttestationView,
     CheckpointView,

@@ -14,7 +14,7 @@ from sqlalchemy.sql import Select
 from sqlmodel import Session, col, select
 
 from govray.provenance.statement_types import PROVENANCE_TYPE
-from govray.queries import changes, ledger
+from govray.queries import changes, ledger_rows
 from govray.queries.changes import Topic
 from govray.queries.documents import (
     attestation_view,
@@ -47,7 +47,7 @@ from govray.queries.views import (
 )
 from govray.tracking.audit import AuditEventType, utc_timestamp
 from govray.tracking.lineage import checkpoints_of
-from govray.tracking.rows import corpora_of, decisions_of
+from govray.tracking.table_rows import corpora_of, decisions_of
 from govray.tracking.tables import (
     AttestationRecord,
     AuditEvent,
@@ -70,7 +70,7 @@ class StoreReader:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.layer_names = ledger.LayerNames()  # immutable coverage envelopes, parsed once
+        self.layer_names = ledger_rows.LayerNames()  # immutable coverage envelopes, parsed once
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -222,14 +222,14 @@ class StoreReader:
         an index, when given)."""
         with self.session() as session:
             checkpoint = _get(session, CheckpointRecord, checkpoint_id)
-            return ledger.lineage(session, checkpoint, self.layer_names, layer)
+            return ledger_rows.lineage(session, checkpoint, self.layer_names, layer)
 
     def trial_lineage(self, trial_id: int, layer: str | None = None) -> Lineage:
         """The lineage of a trial's latest checkpoint: a running trial's so far, as of its step."""
         with self.session() as session:
             _get(session, TrialRecord, trial_id)
-            checkpoint = ledger.latest_checkpoint(session, trial_id)
-            return ledger.lineage(session, checkpoint, self.layer_names, layer)
+            checkpoint = ledger_rows.latest_checkpoint(session, trial_id)
+            return ledger_rows.lineage(session, checkpoint, self.layer_names, layer)
 
     def version_lineage(self, model_name: str, version: int, layer: str | None = None) -> Lineage:
         """The lineage of a model version's files: its checkpoint's, without the adapters removed
@@ -237,12 +237,14 @@ class StoreReader:
         with self.session() as session:
             found = _find_version(session, model_name, version)
             checkpoint = _get(session, CheckpointRecord, found.checkpoint_id)
-            return ledger.lineage(session, checkpoint, self.layer_names, layer, version=version_view(found))
+            return ledger_rows.lineage(
+                session, checkpoint, self.layer_names, layer, version=version_view(found)
+            )
 
     def influence(self, corpus_id: str, window: Window) -> Page[InfluenceItem]:
         """Every trial ledger (checkpoint), model version and layer that ``corpus_id`` reached."""
         with self.session() as session:
-            return ledger.influence(session, corpus_id, window, self.layer_names)
+            return ledger_rows.influence(session, corpus_id, window, self.layer_names)
 
     # -- audit log and attestations --------------------------------------------------------------
 
@@ -297,7 +299,7 @@ class StoreReader:
         """The newest provenance attestation stored about a model version (when given), else about
         a checkpoint."""
         with self.session() as session:
-            return ledger.newest_attestation(
+            return ledger_rows.newest_attestation(
                 session, PROVENANCE_TYPE, model_version_id=model_version_id, checkpoint_id=checkpoint_id
             )
 
@@ -308,7 +310,7 @@ class StoreReader:
     def newest_final_checkpoints(self, limit: int) -> list[CheckpointView]:
         """Trials' last checkpoints (the ones their ledgers belong to), newest first, at most ``limit``."""
         with self.session() as session:
-            return [checkpoint_view(c) for c in ledger.newest_final_checkpoints(session, limit)]
+            return [checkpoint_view(c) for c in ledger_rows.newest_final_checkpoints(session, limit)]
 
     # -- what answers read ------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from govray.tracking.database import (  # the database half, re-exported for thi
     masked,
     upgrade,
 )
-from govray.tracking.rows import (
+from govray.tracking.table_rows import (
     add_decisions,
     advance,
     corpora_of,

@@ -80,7 +80,10 @@ class WorkerContext:
             log = WorkerLog(path, context.worker.rank)
         # The session's run directory is where this worker's checkpoints are (a Tune trial's own).
         signer = RunSigner(_key_path(spec), session.run_dir)
-        return dataclasses.replace(context, session=session, log=log, signer=signer)
+        opened = dataclasses.replace(context, session=session, log=log, signer=signer)
+        if opened.writes and opened.worker.rank == 0:
+            signer.load()  # the rank that seals: refused now, not at the first checkpoint
+        return opened
 
     @property
     def opened(self) -> Session:

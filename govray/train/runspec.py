@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
 from govray.config.resources import ParallelStrategy
 from govray.config.training import TrainingSettings
 from govray.core.errors import RoutingError, describe_validation_error
+from govray.core.formats import RUN_SPEC_FORMAT, known_format
 from govray.core.keys import TrustConfig
 from govray.governance.canaries import CanaryProbe
 from govray.governance.policy import DepthPolicy
@@ -33,6 +34,7 @@ class RunSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    format: str = RUN_SPEC_FORMAT
     trial: str
     hparams: dict[str, Any]
     settings: TrainingSettings  # the experiment's training settings with hparams applied
@@ -44,13 +46,10 @@ class RunSpec(BaseModel):
     # sha256 ("": rows are read, not windows).
     packed_root: str = ""
     packed_sha256: str = ""
-    # Held-out rows per corpus a validation evaluates (evenly spaced); None: all of them (a run.json
-    # written before the limit existed).
-    eval_rows: int | None = None
+    eval_rows: int  # held-out rows per corpus a validation evaluates (evenly spaced: data.eval_rows)
     # The digest of each local directory the trial reads besides its rows (``Trial.input_directories``:
-    # a tokenizer's), by the hyperparameter naming it; None in a run.json written before they were
-    # recorded (nothing to compare a replay or resume with).
-    input_digests: dict[str, str] | None = None
+    # a tokenizer's), by the hyperparameter naming it.
+    input_digests: dict[str, str] = Field(default_factory=dict)
     seed: int
     trial_seed: int
     max_steps: int
@@ -62,8 +61,8 @@ class RunSpec(BaseModel):
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     shard_group: int | None = None  # resources.shard_group (strategy hsdp; None: workers per node)
     # The schedule's slots per step (a step's global batch) when the run starts: an elastic run's
-    # most workers, whatever the world's size; 0 (a fixed-size run, or a run.json written before
-    # elastic runs): the world's size. A resume continues its checkpoint's, whatever this is.
+    # most workers, whatever the world's size; 0 (a fixed-size run): the world's size. A resume
+    # continues its checkpoint's, whatever this is.
     slots_per_step: int = 0
     excluded_corpora: tuple[str, ...] = ()
     code_dir: str = ""  # the driver's working directory: where the trial's module is importable
@@ -110,6 +109,11 @@ class RunSpec(BaseModel):
     smaller_is_better: bool = True
     memorization_lambda: float = 0.0
     canaries: dict[str, CanaryProbe] = Field(default_factory=dict)  # corpus → its canaries
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, found: str) -> str:
+        return known_format(found, RUN_SPEC_FORMAT, "run.json")
 
     def check_routing(self, resolved: RoutingTable) -> None:
         """Refuse a worker whose model resolves to another routing table than the one the run was

@@ -45,7 +45,7 @@ from govray.core.runtime import ensure_ray
 from govray.data.ingest import ingest as ingest_shards
 from govray.data.rowhash import row_hashes
 from govray.platform.run.runner import run_trial
-from govray.provenance.rows import row_reach
+from govray.provenance.row_reach import row_reach
 from jobs.benchmarks.bounded_worker import train_alone
 from jobs.examples.digits.golden import copy_example, opened, save_experiment
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from govray.data.reader import ShardReader
 from govray.data.schedule import ScheduleSpec
+from govray.data.shard_reader import ShardReader
 from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.train.checkpoints.files import STATE_FILE, checkpoint_step

@@ -175,8 +175,8 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
         except CheckpointError as error:
             return "refused", str(error)
         return "ok", None
-    snapshots = list(run.control.snapshots.values())
-    assert snapshots and all(s.on_storage and not s.weights and not s.optimizer for s in snapshots)
+    clean_states = list(run.control.clean_states.values())
+    assert clean_states and all(s.on_storage and not s.weights and not s.optimizer for s in clean_states)
     run.roll_back(RollbackDecision(seq=0, step=6, to_step=4, corpora=["digits-public"], score=None))
     first = whole(run.governed.model)
     for step in range(6, 8):

@@ -14,9 +14,9 @@ from govray.config.experiment import load_experiment
 from govray.core.keys import platform_key, platform_trust
 from govray.core.storage import open_storage
 from govray.platform.run.preflight import check_policy, ingest_experiment
+from govray.platform.search.began import search_path
 from govray.platform.search.driver import SearchOutcome, TunePlan, run_search, strategy
 from govray.platform.search.progress import SearchState
-from govray.platform.search.record import search_path
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.provenance.verify import verify_attestation

@@ -46,15 +46,15 @@ from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import Derivation
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
-from govray.tracking.store import TrackingStore
-from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion, TrialState
-from govray.tracking.versions import (
+from govray.tracking.registry import (
     VersionTaken,
     insert_version,
     next_version,
     record_version_attestations,
     replace_tags,
 )
+from govray.tracking.store import TrackingStore
+from govray.tracking.tables import CheckpointRecord, CheckpointStatus, ModelVersion, TrialState
 from govray.train.checkpoints.base_file import link_or_copy
 from govray.train.checkpoints.files import (
     MODEL_FILE,

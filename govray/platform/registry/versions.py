@@ -14,9 +14,9 @@ from govray.core.errors import GovrayError
 from govray.core.identifiers import ModelName, check, parse_model_ref
 from govray.provenance.locations import attestation_prefix, run_spec_of, signature_path
 from govray.provenance.statement_types import PROVENANCE_TYPE, statement_type
+from govray.tracking.registry import attestations_of_version, find_version, is_registered, model_versions
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import AttestationRecord, CheckpointRecord, ModelVersion
-from govray.tracking.versions import attestations_of_version, find_version, is_registered, model_versions
 
 
 class RegistryError(GovrayError):

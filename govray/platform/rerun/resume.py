@@ -36,7 +36,7 @@ from govray.platform.run.plan import (
 )
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.run.runner import Progress, TrainingFailed, TrialOutcome, start_planned, train_run
-from govray.platform.search.record import search_began
+from govray.platform.search.began import search_began
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.train.checkpoints.files import checkpoint_step, find_checkpoints

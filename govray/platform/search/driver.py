@@ -43,11 +43,11 @@ from govray.platform.mlflow_mirror import mirrored
 from govray.platform.run.plan import RunPlan, plan_run
 from govray.platform.run.preflight import CheckedPolicy, ingest_experiment
 from govray.platform.run.recorder import GcSettings
+from govray.platform.search.began import began_record, check_corpora, keep_record, search_path
 from govray.platform.search.hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.platform.search.progress import SearchProgress, SearchState
-from govray.platform.search.record import began_record, check_corpora, keep_record, search_path
 from govray.platform.search.tracking import SearchTracking
-from govray.platform.search.trial import (
+from govray.platform.search.tune_trial import (
     TUNE_TRIAL_MEMORY,
     SearchError,
     SearchSetup,

@@ -115,7 +115,7 @@ class TrialHost:
         resume: str | None,
         threads: str | None,
     ) -> None:
-        """Train the trial (``govray.platform.search.trial.train_trial``) with a ``HostedSession``;
+        """Train the trial (``govray.platform.search.tune_trial.train_trial``) with a ``HostedSession``;
         ``next`` gives None once it has ended, however it ended. ``threads``: the Tune trial's
         ``OMP_NUM_THREADS`` (Ray sets it from the CPUs the Tune trial holds; this 0-CPU actor's
         own says 1), which decides the trial's torch threads as it would in the Tune trial."""
@@ -128,7 +128,7 @@ class TrialHost:
             self._trained += 1
         failed = False
         try:
-            from govray.platform.search.trial import train_trial
+            from govray.platform.search.tune_trial import train_trial
 
             def train(session: Any) -> None:
                 train_trial(params, setup, tune_trial_id, resume, session)

@@ -14,11 +14,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from govray.core.canonical import file_sha256
 from govray.core.dsse import read_envelope, verify_envelope
 from govray.core.errors import GovrayError, SignatureError, describe_validation_error
+from govray.core.formats import known_format
 from govray.core.keys import KeyRole, TrustConfig
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
@@ -83,20 +84,15 @@ class CheckpointState(BaseModel):
     memorization: dict[str, Any] = Field(default_factory=dict)  # the last MemorizationReport
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
-    # [from_step, workers] each time the world size changed (resumed on another); empty in a
-    # checkpoint written before it was recorded: the schedule's slots per step from step 0.
+    # [from_step, workers]: from step 0, and each time the world size changed (resumed on another).
     world_history: list[tuple[int, int]] = Field(default_factory=list)
     # Who trained the state under which hyperparameters, from which step (``continued_lineage``).
     hparams_history: list[TrainedUnder] = Field(default_factory=list)
 
-    @model_validator(mode="before")
+    @field_validator("format")
     @classmethod
-    def _without_retired_fields(cls, raw: Any) -> Any:
-        # state.json written before memorization_baselines was retired holds it (always empty);
-        # those checkpoints still load and verify (their digests cover the file, not this model).
-        if isinstance(raw, dict) and "memorization_baselines" in raw:
-            return {name: value for name, value in raw.items() if name != "memorization_baselines"}
-        return raw
+    def _known_format(cls, found: str) -> str:
+        return known_format(found, CHECKPOINT_FORMAT, "state.json")
 
 
 class Manifest(BaseModel):
@@ -105,9 +101,14 @@ class Manifest(BaseModel):
     format: str = CHECKPOINT_FORMAT
     step: int
     files: dict[str, str]  # file name → sha256
-    signed_at: dt.datetime | None = None  # absent in checkpoints written before it was recorded
+    signed_at: dt.datetime
     # files (of ``files``) kept in the run's base store by their sha256, not in the folder
     referenced: list[str] | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, found: str) -> str:
+        return known_format(found, CHECKPOINT_FORMAT, "manifest.json")
 
     @model_validator(mode="after")
     def _only_the_base_by_digest(self) -> Manifest:

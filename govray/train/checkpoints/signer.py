@@ -64,21 +64,29 @@ class RunSigner:
     def signs(self) -> bool:
         return self.key_path is not None
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime | None) -> Envelope:
+    def load(self) -> None:
+        """Load the key now (the rank that seals checkpoints, when its run starts): a missing file
+        or another role's key is refused before any step trains, not at the first checkpoint."""
         if self.key_path is None:
             raise SignatureError("this run signs no checkpoint: it was planned without the platform key")
+        if self._key is None:
+            key = SigningKey.load(self.key_path)
+            _refuse_other_roles(key)
+            self._key = key
+
+    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime | None) -> Envelope:
         directory = Path(directory)
-        if directory.parent.resolve() != self.run_dir.resolve() or not directory.name.startswith(
-            CHECKPOINT_PREFIX
+        if self.key_path is not None and (
+            directory.parent.resolve() != self.run_dir.resolve()
+            or not directory.name.startswith(CHECKPOINT_PREFIX)
         ):
             raise SignatureError(
                 f"{directory}: not a checkpoint folder of this run ({self.run_dir}): a worker signs "
                 "its own run's checkpoints only"
             )
+        self.load()
         _refuse_other_payloads(directory, payload)
-        if self._key is None:
-            self._key = SigningKey.load(self.key_path)
-            _refuse_other_roles(self._key)
+        assert self._key is not None
         return sign_envelope(payload, MANIFEST_TYPE, self._key, signed_at)
 
 

@@ -66,7 +66,7 @@ class Controller(Generic[Kept]):
         self.preemptions: list[PreemptedDecision] = []  # this run's own: a replay applies none
         # Rollback targets: the last clean state (a replay keeps those its record goes back to).
         self.clean_step: int | None = None
-        self.snapshots: dict[int, Kept] = {}
+        self.clean_states: dict[int, Kept] = {}
         # fp16's per-route loss scales and the skips they led to (the governed step asks it).
         recorded_skips = None if self.record is None else self._recorded(LossScaleSkip)
         self.scaler = LossScaler(recorded_skips, next_seq=lambda: len(self.decisions))
@@ -218,16 +218,16 @@ class Controller(Generic[Kept]):
             ]
         return made
 
-    def rollback_snapshot(self, decision: RollbackDecision) -> Kept:
+    def rollback_target(self, decision: RollbackDecision) -> Kept:
         """The clean state a rollback goes back to (kept since, also across a resume)."""
-        snapshot = self.snapshots.get(decision.to_step)
-        if snapshot is None:
+        clean = self.clean_states.get(decision.to_step)
+        if clean is None:
             raise DecisionError(
                 f"memorization rollback after step {decision.step}: the clean state of step "
                 f"{decision.to_step} was not kept (this run's checkpoints predate the rollback policy?)"
             )
         self.rollbacks.append(decision)
-        return snapshot
+        return clean
 
     def gate(self, decisions: Sequence[GateDecision]) -> None:
         self.gates.extend(decisions)
@@ -238,7 +238,7 @@ class Controller(Generic[Kept]):
         report: MemorizationReport,
         gated_before: set[str],
         made: Sequence[GateDecision | RollbackDecision],
-        snapshot: Callable[[int], Kept],
+        take: Callable[[int], Kept],
     ) -> None:
         """A validation that leaves no ungated corpus flagged (or is rolled back) is the new clean
         state."""
@@ -246,7 +246,7 @@ class Controller(Generic[Kept]):
             isinstance(d, RollbackDecision) for d in made
         )
         if clean or self.replayed_rollbacks is not None:
-            self.keep_clean(steps_done, snapshot)
+            self.keep_clean(steps_done, take)
 
     @property
     def replayed_rollbacks(self) -> list[RollbackDecision] | None:
@@ -259,19 +259,19 @@ class Controller(Generic[Kept]):
             return bool(replayed)
         return self.memorization is not None and self.memorization.action == "rollback"
 
-    def keep_clean(self, steps_done: int, snapshot: Callable[[int], Kept]) -> None:
+    def keep_clean(self, steps_done: int, take: Callable[[int], Kept]) -> None:
         """Remember this state as the rollback target. A replay keeps every state its record goes
         back to, whatever its own measures say."""
         if (replayed := self.replayed_rollbacks) is not None:
             if any(r.to_step == steps_done for r in replayed):
-                self.snapshots[steps_done] = snapshot(steps_done)
+                self.clean_states[steps_done] = take(steps_done)
             return
         self.clean_step = steps_done
         if self.rolls_back:
-            self.snapshots = {steps_done: snapshot(steps_done)}
+            self.clean_states = {steps_done: take(steps_done)}
 
-    def earlier_snapshots(self, steps_done: int) -> list[tuple[int, Kept]]:
-        return [(step, snap) for step, snap in sorted(self.snapshots.items()) if step != steps_done]
+    def earlier_clean_states(self, steps_done: int) -> list[tuple[int, Kept]]:
+        return [(step, snap) for step, snap in sorted(self.clean_states.items()) if step != steps_done]
 
     # -- on a reclaim notice --------------------------------------------------------------------------
 

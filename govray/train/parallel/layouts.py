@@ -68,7 +68,7 @@ Seal = Callable[[Mapping[str, str] | None], None]  # rank 0 writes its files and
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class CleanState:
     """A clean state: what a rollback restores. ``WholeLayout`` keeps its weights and
     optimizer state in host memory; ``ShardedLayout`` does not (``on_storage``): they are the signed
     checkpoint of its step, carried on by every later checkpoint (``TrialRun``)."""
@@ -128,7 +128,7 @@ class WholeLayout:
         memory here, whatever layout wrote it."""
 
     def save(
-        self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, Snapshot]], latest: Latest
+        self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
         """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them
         (``earlier``: the clean states before this step, ``latest``: the last checkpoint)."""
@@ -140,11 +140,11 @@ class WholeLayout:
         return base.save(parts.model, directory)
 
     def write_clean_states(
-        self, parts: Parts, directory: Path, earlier: list[tuple[int, Snapshot]], latest: Latest
+        self, parts: Parts, directory: Path, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
         """Rank 0, while sealing: the earlier clean states (rollback targets survive a resume)."""
-        for step, snapshot in earlier:
-            save_clean_state(directory, step, snapshot.weights, snapshot.optimizer)
+        for step, clean in earlier:
+            save_clean_state(directory, step, clean.weights, clean.optimizer)
 
     def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """What rank 0 stores of its ``optimizer.state_dict()``."""
@@ -189,18 +189,18 @@ class WholeLayout:
             )
         return loaded
 
-    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, CleanState]:
         """The clean states a resumed run may roll back to, as this layout keeps them."""
         return {
-            step: Snapshot(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
+            step: CleanState(step, weights, optimizer, loaded.state.clean_ledgers[str(step)])
             for step, (weights, optimizer) in load_clean_states(loaded).items()
         }
 
-    def roll_back(self, parts: Parts, snapshot: Snapshot, latest: Latest) -> dict[str, Any]:
+    def roll_back(self, parts: Parts, clean: CleanState, latest: Latest) -> dict[str, Any]:
         """Back to a clean state's weights (the copy kept in memory); returns its optimizer state
-        (the caller loads it, with the snapshot's ledger)."""
-        parts.model.load_state_dict(snapshot.weights, strict=True)
-        return copy.deepcopy(snapshot.optimizer)
+        (the caller loads it, with the clean state's ledger)."""
+        parts.model.load_state_dict(clean.weights, strict=True)
+        return copy.deepcopy(clean.optimizer)
 
 
 def describe_layout(world: int | None, group: int | None) -> str:
@@ -256,7 +256,7 @@ class ShardedLayout(WholeLayout):
             )
 
     def save(
-        self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, Snapshot]], latest: Latest
+        self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
         digests = self._save_shards(parts, directory, earlier, latest)
         agreed(lambda: seal(digests), parts.worker, CheckpointError)
@@ -268,7 +268,7 @@ class ShardedLayout(WholeLayout):
         return None
 
     def write_clean_states(
-        self, parts: Parts, directory: Path, earlier: list[tuple[int, Snapshot]], latest: Latest
+        self, parts: Parts, directory: Path, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
         """The clean states' shared files (the shards are carried by their ranks)."""
         adapters = [f"adapter-{adapter}.safetensors" for adapter in parts.model.adapter_names()]
@@ -295,20 +295,20 @@ class ShardedLayout(WholeLayout):
             )
         return loaded
 
-    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, Snapshot]:
+    def clean_states(self, loaded: LoadedCheckpoint) -> dict[int, CleanState]:
         """The clean states stay on storage: this checkpoint carries them."""
         return {
-            int(step): Snapshot(int(step), {}, {}, ledger, on_storage=True)
+            int(step): CleanState(int(step), {}, {}, ledger, on_storage=True)
             for step, ledger in loaded.state.clean_ledgers.items()
         }
 
-    def roll_back(self, parts: Parts, snapshot: Snapshot, latest: Latest) -> dict[str, Any]:
+    def roll_back(self, parts: Parts, clean: CleanState, latest: Latest) -> dict[str, Any]:
         """Back to a clean state from storage (no copy of it was kept in memory): the last
         checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
         reads its own shards, and every rank refuses if one does. Returns this rank's optimizer
         state (the caller loads it)."""
         if latest is None:
-            raise CheckpointError(f"the clean state of step {snapshot.step} is in no checkpoint of this run")
+            raise CheckpointError(f"the clean state of step {clean.step} is in no checkpoint of this run")
         (folder, step), worker, model = latest, parts.worker, parts.model
 
         def verified() -> None:
@@ -318,7 +318,7 @@ class ShardedLayout(WholeLayout):
         agreed(verified, worker, CheckpointError)
 
         def path(name: str) -> Path:
-            return folder / (name if step == snapshot.step else clean_name(snapshot.step, name))
+            return folder / (name if step == clean.step else clean_name(clean.step, name))
 
         load_shards(model, path(shard_file("model", worker.rank, worker.world_size)))
         for adapter in model.adapter_names():
@@ -332,7 +332,7 @@ class ShardedLayout(WholeLayout):
         self,
         parts: Parts,
         directory: Path,
-        earlier: list[tuple[int, Snapshot]],
+        earlier: list[tuple[int, CleanState]],
         latest: Latest,
         names: list[str],
     ) -> dict[str, str]:
@@ -360,7 +360,7 @@ class ShardedLayout(WholeLayout):
         return carried
 
     def _save_shards(
-        self, parts: Parts, directory: Path, earlier: list[tuple[int, Snapshot]], latest: Latest
+        self, parts: Parts, directory: Path, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> dict[str, str]:
         """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
         gathered (every rank raises if any failed)."""

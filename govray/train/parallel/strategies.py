@@ -16,7 +16,7 @@ never test a flag (torchtitan's ``ParallelDims`` + ``parallelize`` idea):
   of one another (a 2-D device mesh).
 
 Each twin owns what differs: wrapping, ``no_sync``, the reduction after backward, optimizer
-groups, rollback snapshots, weight and optimizer-state loading, and the checkpoint layout.
+groups, clean states (rollback targets), weight and optimizer-state loading, and the checkpoint layout.
 Precision has the same shape: ``Autocast`` and ``Fp16Scaling`` do nothing when off.
 
 Example::
@@ -72,7 +72,7 @@ from govray.train.parallel.fsdp import (
     sharded_optimizer_state,
 )
 from govray.train.parallel.hsdp import first_replica, hybrid_mesh, shard_group_size
-from govray.train.parallel.layouts import ShardedLayout, Snapshot, WholeLayout
+from govray.train.parallel.layouts import CleanState, ShardedLayout, WholeLayout
 from govray.train.parallel.worker import Worker, agreed
 from govray.train.runspec import RunSpec
 from govray.train.step.batches import micro_batches, row_batches
@@ -198,13 +198,13 @@ class Single:
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
         return list(parameters)
 
-    def snapshot(
+    def clean_state(
         self, model: GovernedModel, optimizer: torch.optim.Optimizer, ledger: dict[str, Any], steps_done: int
-    ) -> Snapshot:
+    ) -> CleanState:
         """A clean state in host memory, not a second copy on the device: pinned on a GPU, the
-        copies queued without waiting and waited for once (a snapshot is taken at a boundary)."""
+        copies queued without waiting and waited for once (a clean state is taken at a boundary)."""
         pinned = self.device.type == "cuda"
-        snapshot = Snapshot(
+        clean = CleanState(
             step=steps_done,
             weights={name: _on_host(tensor, pinned) for name, tensor in model.state_dict().items()},
             optimizer=_on_host(optimizer.state_dict(), pinned),
@@ -212,7 +212,7 @@ class Single:
         )
         if pinned:
             torch.cuda.current_stream(self.device).synchronize()
-        return snapshot
+        return clean
 
     def load_base(self, model: GovernedModel, directory: Path) -> None:
         """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
@@ -319,11 +319,11 @@ class Sharded(Single):
     def optimizer_groups(self, parameters: Sequence[nn.Parameter]) -> list[Any]:
         return optimizer_groups(parameters)
 
-    def snapshot(
+    def clean_state(
         self, model: GovernedModel, optimizer: torch.optim.Optimizer, ledger: dict[str, Any], steps_done: int
-    ) -> Snapshot:
+    ) -> CleanState:
         """No second copy in memory: the checkpoint of this step holds it."""
-        return Snapshot(steps_done, {}, {}, ledger, on_storage=True)
+        return CleanState(steps_done, {}, {}, ledger, on_storage=True)
 
     def load_base(self, model: GovernedModel, directory: Path) -> None:
         """A rank reads its own shard file; of a checkpoint sharded otherwise (another world

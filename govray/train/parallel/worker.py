@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from govray.core.errors import GovrayError
 from govray.data.packed import PackedStore
-from govray.data.reader import FileRun, ShardReader
+from govray.data.shard_reader import FileRun, ShardReader
 from govray.data.slots import Slot
 from govray.train.step.ledger import RowCounts, TokensPerRow
 from govray.train.trial import Trial

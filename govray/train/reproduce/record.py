@@ -21,10 +21,11 @@ from typing import Any
 import numpy
 import ray
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from govray.config.experiment import ExperimentConfig
 from govray.config.training import Precision, TrainingSettings
+from govray.core.formats import REPRODUCIBILITY_FORMAT, known_format
 from govray.train.reproduce.snapshots import CodeSnapshot, CorpusSnapshot, snapshot_corpus, store_trial_code
 
 # What training.deterministic sets in every worker process. cuBLAS reads its workspace setting
@@ -128,6 +129,7 @@ class ReproducibilityRecord(BaseModel):
 
     model_config = _RECORD
 
+    format: str = REPRODUCIBILITY_FORMAT
     seed: int
     config: dict[str, Any]  # the resolved experiment config (JSON form)
     config_digest: str
@@ -135,11 +137,15 @@ class ReproducibilityRecord(BaseModel):
     environment: EnvironmentRecord
     corpora: list[CorpusSnapshot]
     threads: int  # torch intra-op threads per worker
-    # The engine's settings that decide whether a replay is bit-exact (defaults: a record written
-    # before they were recorded, when every run was fp32 on CPU).
-    device: str = "cpu"  # "cuda": the workers trained on GPUs
-    precision: Precision = Precision.FP32
-    deterministic: bool = False  # training.deterministic: see use_deterministic_mode
+    # The engine's settings that decide whether a replay is bit-exact.
+    device: str  # "cpu", or "cuda": the workers trained on GPUs
+    precision: Precision
+    deterministic: bool  # training.deterministic: see use_deterministic_mode
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, found: str) -> str:
+        return known_format(found, REPRODUCIBILITY_FORMAT, "the reproducibility record")
 
     def replay_equivalence(self) -> ReplayEquivalence:
         """How closely a replay of this run (same world size, backend, threads, hardware class)

@@ -284,12 +284,10 @@ def input_digests(trial: Trial) -> dict[str, str]:
     return digests
 
 
-def verify_input_digests(recorded: Mapping[str, str] | None, trial: Trial, *, run: str) -> None:
+def verify_input_digests(recorded: Mapping[str, str], trial: Trial, *, run: str) -> None:
     """Raise ReproducibilityError, naming the directory and both digests, unless every directory
     ``trial`` reads besides its rows still holds the files ``run`` recorded (``recorded``: its
-    ``RunSpec.input_digests``; None, a run recorded before them: nothing to compare)."""
-    if recorded is None:
-        return
+    ``RunSpec.input_digests``)."""
     directories = trial.input_directories()
     for name in sorted(set(recorded) | set(directories)):
         directory = directories.get(name)

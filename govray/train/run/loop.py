@@ -80,7 +80,7 @@ def _train(context: WorkerContext) -> None:
     )
     run, start, resumed = _opened(context)
     governed, control = run.governed, run.control
-    if not resumed and any(clean.on_storage for clean in control.snapshots.values()) and context.writes:
+    if not resumed and any(clean.on_storage for clean in control.clean_states.values()) and context.writes:
         # Under FSDP a clean state is a checkpoint, not a copy in memory: the starting one too.
         _deliver(run, StepReport(step=0, epoch=0, metrics={}), context, report_it=False)
     node = ray_node_id()
@@ -108,7 +108,7 @@ def _train(context: WorkerContext) -> None:
         if done % spec.report_every and not save and stop is None:
             continue
         # The boundary: the device is read here, and a non-finite gradient since the last one
-        # stops the run before any report, snapshot or checkpoint holds its state.
+        # stops the run before any report, clean state or checkpoint holds its state.
         governed.governor.check_finite()
         metrics = _training_metrics(loss_sum, examples, worker)
         loss_sum, examples = torch.zeros_like(loss_sum), 0

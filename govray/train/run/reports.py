@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -49,7 +48,7 @@ class StepReport(BaseModel):
     stop: StopReason | None = None  # the trial stops after this report, and why
     cloned_from_run: str | None = None  # a PBT clone: the run whose state it continued
     # [(from_step, workers), ...]: the world sizes the run trained on so far (its checkpoints'
-    # history, then this world's size); empty in reports written before it was recorded.
+    # history, then this world's size); empty in the report of a run's starting state.
     world_history: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -69,29 +68,5 @@ class StepReport(BaseModel):
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> StepReport:
-        """A report as a checkpoint's ``report.json`` holds it: this model, or the flat metrics
-        dict that checkpoints written before typed reports hold (JSON strings under fixed keys)."""
-        if "metrics" in data:
-            return cls.model_validate(data)
-        flat = dict(data)
-        stop: StopReason | None = None
-        if flat.pop("early_stopped", None):
-            stop = "early_stop"
-        requested = flat.pop("stopped_on_request", None)
-        if requested is not None:
-            stop = "pause" if int(requested) == 1 else "kill"
-        ledger, decisions, flagged = flat.pop("ledger", None), flat.pop("decisions", None), None
-        if (flags := flat.pop("memorization_flagged_corpora", None)) is not None:
-            flagged = MemorizationFlag.model_validate(json.loads(flags))
-        return cls.model_validate(
-            {
-                "step": int(flat.pop("step")),
-                "epoch": int(flat.pop("epoch", 0)),
-                "cloned_from_run": flat.pop("cloned_from_run", None),
-                "metrics": {k: float(v) for k, v in flat.items() if isinstance(v, int | float)},
-                "ledger": None if ledger is None else json.loads(ledger),
-                "decisions": () if decisions is None else json.loads(decisions),
-                "flagged": flagged,
-                "stop": stop,
-            }
-        )
+        """A report as a checkpoint's ``report.json`` holds it (this model's JSON form)."""
+        return cls.model_validate(data)

@@ -30,7 +30,7 @@ from govray.train.checkpoints.manifest import TrainedUnder, continued_history, c
 from govray.train.context import WorkerContext
 from govray.train.control.controller import Controller
 from govray.train.control.decisions import GateDecision, RollbackDecision
-from govray.train.parallel.layouts import Parts, Snapshot
+from govray.train.parallel.layouts import CleanState, Parts
 from govray.train.reproduce.record import use_deterministic_mode
 from govray.train.runspec import RUN_SPEC_FILE
 from govray.train.step.governed import GovernedStep
@@ -45,7 +45,7 @@ class TrialRun:
         spec = self.spec = context.spec
         self.context = context
         self.governed = governed
-        self.control: Controller[Snapshot] = Controller(
+        self.control: Controller[CleanState] = Controller(
             spec.lr_schedule, spec.early_stopping, spec.policy.memorization, spec.recorded_decisions
         )
         governed.scaling.scaler = self.control.scaler  # fp16's skips are the controller's decisions
@@ -99,10 +99,10 @@ class TrialRun:
     def roll_back(self, decision: RollbackDecision) -> None:
         """Back to the clean state at ``to_step`` (kept in memory, and in every checkpoint written
         since); the LR settings stay those in force now (a plateau cut is not undone)."""
-        snapshot = self.control.rollback_snapshot(decision)
+        clean = self.control.rollback_target(decision)
         governed = self.governed
-        governed.load_optimizer_state(self.layout.roll_back(self.parts, snapshot, self.latest))
-        governed.ledger = Ledger.from_json(snapshot.ledger)
+        governed.load_optimizer_state(self.layout.roll_back(self.parts, clean, self.latest))
+        governed.ledger = Ledger.from_json(clean.ledger)
         governed.take_hyperparameters()
         if self.control.plateau is not None:
             self.governed.set_lr_scale(self.control.lr_scale)
@@ -120,11 +120,11 @@ class TrialRun:
             if isinstance(decision, RollbackDecision):
                 self.roll_back(decision)
         self.gate([d for d in made if isinstance(d, GateDecision)])
-        self.control.settle_clean(steps_done, report, gated, made, self.governed.snapshot)
+        self.control.settle_clean(steps_done, report, gated, made, self.governed.clean_state)
         return made
 
     def keep_clean(self, steps_done: int) -> None:
-        self.control.keep_clean(steps_done, self.governed.snapshot)
+        self.control.keep_clean(steps_done, self.governed.clean_state)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class TrialRun:
             sharding=self.governed.parallel.sharding(),
             **self.control.state(),
             clean_ledgers={
-                str(step): snap.ledger for step, snap in self.control.earlier_snapshots(steps_done)
+                str(step): snap.ledger for step, snap in self.control.earlier_clean_states(steps_done)
             },
             memorization=self.last_report.model_dump(mode="json") if self.last_report else {},
             source=self.source,
@@ -159,7 +159,7 @@ class TrialRun:
         checkpoint goes with, signed (the context's signer, asked by rank 0), as the run's layout
         writes them (``train.layouts``: under FSDP every rank calls it and writes its shards)."""
         directory.mkdir(parents=True, exist_ok=True)
-        earlier = self.control.earlier_snapshots(steps_done)
+        earlier = self.control.earlier_clean_states(steps_done)
         self.layout.save(
             self.parts,
             directory,
@@ -184,7 +184,7 @@ class TrialRun:
         for adapter in model.adapter_names():
             save_adapter(model, adapter, directory / f"adapter-{adapter}.safetensors")
         self.layout.write_clean_states(
-            self.parts, directory, self.control.earlier_snapshots(steps_done), self.latest
+            self.parts, directory, self.control.earlier_clean_states(steps_done), self.latest
         )
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
@@ -232,10 +232,10 @@ class TrialRun:
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
         self.latest = (directory, loaded.state.step)
-        self.control.snapshots = self.layout.clean_states(loaded)
+        self.control.clean_states = self.layout.clean_states(loaded)
         if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
             self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
-            if loaded.state.step in self.control.snapshots:
+            if loaded.state.step in self.control.clean_states:
                 self._refuse_clean_elsewhere(directory, loaded.state)
         return loaded.state.step
 

@@ -37,8 +37,8 @@ from torch import nn
 
 from govray.core.errors import ConfigError
 from govray.data.packed import PackedStore
-from govray.data.reader import ShardReader, evaluation_rows
 from govray.data.schedule import ScheduleEvent, ScheduleSpec, derive_seed
+from govray.data.shard_reader import ShardReader, evaluation_rows
 from govray.data.shards import ShardSet
 from govray.data.slots import Slot, rank_slots
 from govray.data.step_rows import StepRows, step_rows
@@ -50,7 +50,7 @@ from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.context import WorkerContext
 from govray.train.control.probe import MemorizationProbe
 from govray.train.parallel.rounds import RoundSums, refuse_rounds
-from govray.train.parallel.strategies import Autocast, Fp16Scaling, NoScaling, Snapshot
+from govray.train.parallel.strategies import Autocast, CleanState, Fp16Scaling, NoScaling
 from govray.train.parallel.worker import RouteRows, all_reduce_sums
 from govray.train.run.dashboard import GovernanceMetrics
 from govray.train.step.batches import MicroBatch, Prefetcher, on_device
@@ -353,16 +353,16 @@ class GovernedStep:
                     restored[name] = value
             restored["initial_lr"] = configured["lr"]
 
-    def snapshot(self, steps_done: int) -> Snapshot:
+    def clean_state(self, steps_done: int) -> CleanState:
         """This step's clean state (a rollback target), as the twin keeps it."""
-        return self.parallel.snapshot(self.model, self.optimizer, self.ledger.to_json(), steps_done)
+        return self.parallel.clean_state(self.model, self.optimizer, self.ledger.to_json(), steps_done)
 
-    def load_snapshot(self, snapshot: Snapshot) -> None:
+    def load_clean_state(self, clean: CleanState) -> None:
         """Weights, adapters, optimizer state and ledger of a clean state; the LR settings become
         those in force now (``take_hyperparameters``; the caller reapplies its scale)."""
-        self.model.load_state_dict(snapshot.weights, strict=True)
-        self.load_optimizer_state(copy.deepcopy(snapshot.optimizer))
-        self.ledger = Ledger.from_json(snapshot.ledger)
+        self.model.load_state_dict(clean.weights, strict=True)
+        self.load_optimizer_state(copy.deepcopy(clean.optimizer))
+        self.ledger = Ledger.from_json(clean.ledger)
         self.take_hyperparameters()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from govray.core.storage import Storage, open_storage
 from govray.data.shards import ShardManifest
 from govray.platform.run.plan import code_directory
 from govray.platform.run.preflight import existing_experiment
-from govray.platform.search.trial import SearchError
+from govray.platform.search.tune_trial import SearchError
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment

@@ -43,9 +43,9 @@ from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
 from govray.provenance.locations import run_spec_of
 from govray.tracking.lineage import as_of, checkpoints
+from govray.tracking.registry import versions_of_checkpoints
 from govray.tracking.store import TrackingStore, masked
 from govray.tracking.tables import LIVE_TRIAL_STATES, CheckpointRecord, CorpusRecord, Experiment, TrialRecord
-from govray.tracking.versions import versions_of_checkpoints
 from govray.train.checkpoints.manifest import STATE_FILE, CheckpointError, CheckpointState, recorded_state
 from govray.train.runspec import RunSpec, read_run_spec
 
