@@ -203,7 +203,7 @@ def group(world: int, directory: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def four_rank_fsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    folder = Path(signing_spec.run_dir) / "fsdp-4"
+    folder = Path(signing_spec.run_dir) / "checkpoint_fsdp-4"  # (the signer signs checkpoint_* folders)
     with group(4, tmp_path_factory.mktemp("gloo4")) as run:
         answers = run((original, signing_spec.model_dump_json(), "fsdp", folder))
     assert all(status == "ok" for status, _ in answers.values()), answers
@@ -311,7 +311,7 @@ def test_a_step_0_checkpoint_resumed_on_two_ranks_trains_as_a_fresh_start_there_
 @pytest.fixture(scope="module")
 def four_rank_hsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
     """The original world under HSDP: 2 shard groups of 2 on 4 ranks (every rank writes its files)."""
-    folder = Path(signing_spec.run_dir) / "hsdp-4"
+    folder = Path(signing_spec.run_dir) / "checkpoint_hsdp-4"
     spec_json = signing_spec.model_copy(update={"shard_group": 2}).model_dump_json()
     with group(4, tmp_path_factory.mktemp("gloo4")) as run:
         answers = run((original, spec_json, "hsdp", folder))
@@ -372,7 +372,10 @@ def test_a_ddp_checkpoint_continues_exactly_on_one_rank_fewer_and_one_more(
 ) -> None:
     """2 ranks -> 1 (two rounds a step) and 1 rank -> 2 (the second rank's slot always empty)."""
     spec = signing_spec.model_dump_json()
-    pair, single = Path(signing_spec.run_dir) / "ddp-2", Path(signing_spec.run_dir) / "ddp-1"
+    pair, single = (
+        Path(signing_spec.run_dir) / "checkpoint_ddp-2",
+        Path(signing_spec.run_dir) / "checkpoint_ddp-1",
+    )
     with group(2, tmp_path_factory.mktemp("gloo2")) as two, group(1, tmp_path_factory.mktemp("gloo1")) as one:
         written = {2: two((original, spec, "ddp", pair)), 1: one((original, spec, "ddp", single))}
         for answers in written.values():
@@ -449,7 +452,7 @@ def test_a_rollback_target_in_another_layout_is_refused_by_a_sharded_run_on_ever
     """A 1-worker checkpoint that is the run's clean state, resumed by 2 FSDP ranks: they could
     neither carry its shard files into their next checkpoint nor roll back to them, so both
     refuse it, saying why."""
-    folder = Path(signing_spec.run_dir) / "clean-1"
+    folder = Path(signing_spec.run_dir) / "checkpoint_clean-1"
     with group(1, tmp_path_factory.mktemp("gloo1")) as one:
         ((status, spec),) = one((clean_checkpoint, signing_spec.model_dump_json(), "ddp", folder)).values()
     assert status == "ok", spec
