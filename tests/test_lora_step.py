@@ -327,30 +327,30 @@ def test_an_optimizer_state_indexed_over_every_tensor_still_loads(text_spec: Run
             assert torch.equal(loaded["state"][index][name], value), (index, name)
 
 
-def test_a_rollback_snapshot_is_a_host_copy_restored_into_the_live_tensors(text_spec: RunSpec) -> None:
-    """A DDP-path clean holds weights and optimizer state in host memory (pinned on a GPU),
+def test_a_clean_state_is_a_host_copy_restored_into_the_live_tensors(text_spec: RunSpec) -> None:
+    """A DDP-path clean state holds weights and optimizer state in host memory (pinned on a GPU),
     shares no storage with the live tensors, and a rollback copies it back into them: after two
-    more steps, loading it gives exactly the state of the clean's step, in the same tensors."""
+    more steps, loading it gives exactly the state of the clean state's step, in the same tensors."""
     from govray.train.parallel.worker import Worker
 
     spec = RunSpec.model_validate_json(governed_by(text_spec, MIXED))
     governed = governed_step(spec, Worker(0, 1))
     for step in range(2):
         governed.step(step)
-    clean = governed.clean_state(2)
+    kept = governed.clean_state(2)
     clean = {name: tensor.clone() for name, tensor in governed.model.state_dict().items()}
     clean_optimizer = {
         index: {name: value.clone() for name, value in values.items()}
         for index, values in governed.optimizer.state_dict()["state"].items()
     }
     live = {tensor.data_ptr() for tensor in governed.model.state_dict().values()}
-    assert all(tensor.device.type == "cpu" for tensor in clean.weights.values())
-    assert not live & {tensor.data_ptr() for tensor in clean.weights.values()}
+    assert all(tensor.device.type == "cpu" for tensor in kept.weights.values())
+    assert not live & {tensor.data_ptr() for tensor in kept.weights.values()}
     parameters = {name: id(p) for name, p in governed.model.named_parameters()}
     for step in range(2, 4):
         governed.step(step)
     assert any(not torch.equal(t, clean[n]) for n, t in governed.model.state_dict().items())
-    governed.load_clean_state(clean)
+    governed.load_clean_state(kept)
     assert {name: id(p) for name, p in governed.model.named_parameters()} == parameters
     for name, tensor in governed.model.state_dict().items():
         assert torch.equal(tensor, clean[name]), name
