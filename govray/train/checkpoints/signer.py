@@ -34,7 +34,7 @@ class ManifestSigner(Protocol):
     def signs(self) -> bool:
         """Whether this signer signs at all (a run without a platform key writes no checkpoint)."""
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime | None) -> Envelope:
+    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
         """The DSSE envelope over the manifest ``payload`` of the checkpoint in ``directory``."""
 
 
@@ -47,7 +47,7 @@ class KeySigner:
         _refuse_other_roles(key)
         self.key = key
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime | None) -> Envelope:
+    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
         return sign_envelope(payload, MANIFEST_TYPE, self.key, signed_at)
 
 
@@ -74,7 +74,7 @@ class RunSigner:
             _refuse_other_roles(key)
             self._key = key
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime | None) -> Envelope:
+    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
         directory = Path(directory)
         if self.key_path is not None and (
             directory.parent.resolve() != self.run_dir.resolve()

@@ -32,7 +32,7 @@ from govray.core.storage import StorageError
 from govray.train.context import OpenSession, WorkerContext
 from govray.train.control.preemption import PreemptionNotice
 from govray.train.control.validation import finished_clone_report, run_validation
-from govray.train.parallel.worker import all_reduce_sums
+from govray.train.parallel.worker import Worker, all_reduce_sums
 from govray.train.reproduce.snapshots import CodeSnapshot, use_recorded_code
 from govray.train.run.reports import StepReport
 from govray.train.run.session import RayTrainSession
@@ -187,7 +187,7 @@ def _nothing_left(run: TrialRun, start: int, context: WorkerContext) -> bool:
     return False
 
 
-def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Any) -> dict[str, float]:
+def _training_metrics(loss_sum: torch.Tensor, examples: int, worker: Worker) -> dict[str, float]:
     """The mean training loss over every rank's examples since the last boundary, and their count."""
     totals = all_reduce_sums({"loss": float(loss_sum), "examples": float(examples)}, worker)
     return {

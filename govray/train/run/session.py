@@ -167,8 +167,7 @@ class _RunDirectory:
         rank 0 made fresh) and puts it on the storage before it is reported."""
         folder = Path(self.spec.run_dir) / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
         if self.worker.rank == 0 and folder.exists():  # a partial folder a killed attempt left
-            shutil.rmtree(folder)  # (none verified: it was not resumed from)
-            self.storage.delete_directory(folder)
+            self.storage.delete_directory(folder)  # (none verified: it was not resumed from)
         self.layout.ready_to_write(self.worker)  # (FSDP: the folder is fresh before any rank writes there)
         if self.layout.writes(self.worker.rank):
             save(folder)
