@@ -55,13 +55,13 @@ def audited_run(task: Task) -> tuple[list[Any], list[str]]:
     """A whole governed run of this rank (``train_worker`` in-process), audited."""
     from govray.train.run.loop import train_worker
     from govray.train.run.session import LocalSession
-    from govray.train.runspec import RunSpec
+    from govray.train.runspec import Attempt, RunSpec
 
     spec = RunSpec.model_validate_json(task.spec)
     device = torch.device(task.device, 0) if task.device == "cuda" else torch.device(task.device)
     with CollectiveAudit(device) as audit:
         train_worker(
-            spec.model_dump(mode="json"),
+            Attempt.of(spec).model_dump(mode="json"),
             session=lambda context: LocalSession(context, lambda _: None),
         )
     return audit.calls, audit.violations
@@ -76,14 +76,14 @@ def audited_meta(task: Task, rank: int) -> tuple[list[Any], list[str]]:
     from govray.train.parallel.strategies import Single
     from govray.train.parallel.worker import Worker, agreed, all_reduce_sums
     from govray.train.run.session import LocalSession
-    from govray.train.runspec import RunSpec
+    from govray.train.runspec import Attempt, RunSpec
 
     # What a session reads of its spec (nothing here trains).
     spec = RunSpec.model_construct(
         storage="", strategy=ParallelStrategy.DDP, control_period=5, control_file="", run_dir=""
     )
     worker = Worker(rank, WORLD, torch.device("meta"))
-    context = WorkerContext(spec, worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
     session = LocalSession(context, lambda _: None)
     with CollectiveAudit(worker.device) as audit:
         session.look_for_stop(spec.control_period - 1)

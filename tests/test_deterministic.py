@@ -27,7 +27,7 @@ from govray.train.reproduce.record import (
     build_record,
     deterministic_worker_env,
 )
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
 from tests.helpers.attest import statement_of
 from tests.helpers.probe_trial import builds
@@ -118,7 +118,7 @@ def test_the_variables_go_into_the_workers_runtime_environment_only_in_determini
     deterministic_plan: tuple[ExperimentConfig, RunSpec],
 ) -> None:
     config, spec = deterministic_plan
-    trainer = governed_trainer(config, spec, "placement-check", open_storage(config.storage_path))
+    trainer = governed_trainer(config, Attempt.of(spec), open_storage(config.storage_path))
     assert trainer.run_config.worker_runtime_env == {"env_vars": DETERMINISTIC_ENV}
     assert spec.settings is not None
     assert deterministic_worker_env(spec.settings.model_copy(update={"deterministic": False})) == {}

@@ -53,7 +53,7 @@ from govray.train.reproduce.record import build_record
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, Attempt, RunSpec
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import golden_example
 from tests.helpers.builders import governed_step
@@ -132,7 +132,9 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
             "reproducibility": record.model_dump(mode="json"),
         }
     )
-    train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=lambda _: None))
+    train_worker(
+        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=lambda _: None)
+    )
     store = TrackingStore.open(f"sqlite:///{root / 'govray.db'}")
     experiment = store.create_experiment("lora-only", "{}", spec.config_digest, str(root / "storage"))
     assert experiment.id is not None
@@ -246,7 +248,9 @@ def test_resuming_from_a_referencing_checkpoint_is_bit_identical_to_the_uninterr
     spec = RunSpec.model_validate_json((find_checkpoints(run_dir)[-1] / RUN_SPEC_FILE).read_text())
     spec = spec.model_copy(update={"run_dir": str(run_dir), "log_dir": "", "control_file": ""})
     reports: list[StepReport] = []
-    train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+    train_worker(
+        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+    )
     assert [report.step for report in reports] == [20, 30]
     assert (run_dir / "checkpoint_00000010" / MANIFEST_FILE).read_bytes() == resumed_from  # not rewritten
     resumed, uninterrupted = find_checkpoints(run_dir)[-1], lora_only.checkpoints[-1]

@@ -32,7 +32,7 @@ from govray.train.runspec import RunSpec
 from govray.train.step.ledger import Ledger, recompute_ledger
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_REPORT_EVERY, GOLDEN_STEPS, opened
 from jobs.examples.digits.golden import golden_example as golden_example_at
-from tests.helpers.golden import GoldenRun
+from tests.helpers.golden import GoldenRun, assert_run_as_planned
 
 WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.safetensors")
 
@@ -138,8 +138,12 @@ def pause_and_activate(
     state, golden_state = (json.loads((d / STATE_FILE).read_text()) for d in (final, golden))
     assert state["ledger"] == golden_state["ledger"]
     assert state["plateau"]["decisions"] == golden_state["plateau"]["decisions"]
+    # The resume imported the run's recorded code, its first attempt the working directory's (and
+    # the two-worker attempts reported to sinks of their own): the run's spec is one document.
+    config = load_experiment_config(store, experiment_id)
+    assert_run_as_planned(config.storage_path, outcome.run_name, outcome.run_dir)
 
-    lines = read_logs(log_dir(load_experiment_config(store, experiment_id).storage_path, outcome.run_name))
+    lines = read_logs(log_dir(config.storage_path, outcome.run_name))
     assert any(
         f"pause requested: stopped after step {outcome.steps_done} with a checkpoint" in line
         for line in lines

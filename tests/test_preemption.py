@@ -41,7 +41,7 @@ from govray.train.parallel.worker import RouteRows, Worker
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
@@ -85,7 +85,7 @@ def test_every_rank_asks_for_a_notice_only_at_the_control_period_and_acts_on_eac
 def test_off_ray_train_no_rank_asks_for_a_notice() -> None:
     spec = RunSpec.model_construct(storage="", strategy="ddp", control_period=1, control_file="", run_dir="")
     worker = Worker(0, 1, torch.device("cpu"))
-    context = WorkerContext(spec, worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
     session = LocalSession(context, lambda _: None)
     assert session.preemption.ask is None  # Ray's local mode answers None; a Tune trial's call raises
     assert [session.look_for_preemption(step) for step in range(10)] == [None] * 10
@@ -214,7 +214,9 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     monkeypatch.setattr(GovernedStep, "step", lambda self, s: (trained.append(s), step(self, s))[1])
     reports: list[StepReport] = []
     with pytest.raises(Reclaimed):
-        train_worker(spec.model_dump(mode="json"), session=partial(NoticedSession, deliver=reports.append))
+        train_worker(
+            Attempt.of(spec).model_dump(mode="json"), session=partial(NoticedSession, deliver=reports.append)
+        )
     assert trained == [0, 1, 2]  # the notice read before step 2: sealed after it, nothing more
     preempted = PreemptedDecision(seq=0, step=3, deadline_ms=DEADLINE_MS, nodes={"node-a": [0]})
     (sealed,) = reports
@@ -225,7 +227,9 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
 
     # The restart (no notice now) resumes from the sealed checkpoint: no step is trained twice.
     trained.clear()
-    train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+    train_worker(
+        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+    )
     assert trained == [3, 4, 5]
     final = load_checkpoint(find_checkpoints(Path(spec.run_dir))[-1], trust).state
     assert final.step == 6 and final.preemptions == [preempted.model_dump(mode="json")]

@@ -27,7 +27,7 @@ from govray.train import trial as trial_module
 from govray.train.checkpoints.files import CheckpointError, find_checkpoints, verify_checkpoint
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 from jobs.examples.digits.golden import golden_example
-from tests.helpers.golden import GoldenRun
+from tests.helpers.golden import GoldenRun, assert_run_as_planned
 
 DRIVER = ("govray.platform.", "govray.cli.")  # the driver's modules
 
@@ -148,3 +148,13 @@ def test_a_run_spec_of_another_shape_is_refused_naming_the_file(
             read_run_spec(path)
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'none.json'}: no run spec"):
         read_run_spec(tmp_path / "none.json")
+
+
+def test_a_run_and_its_replay_train_the_specs_they_were_planned_with(
+    golden_run: GoldenRun, golden_run_without_writers: GoldenRun
+) -> None:
+    """Nothing edits a spec after planning: the two-worker run (its attempt reports to a sink of
+    its own) and its replay (planned on its original's slots per step and recorded code) keep the
+    spec each recorded when it started in every checkpoint."""
+    for run in (golden_run, golden_run_without_writers):
+        assert_run_as_planned(run.config.storage_path, run.outcome.run_name, run.outcome.run_dir)

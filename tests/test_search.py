@@ -33,7 +33,7 @@ from govray.train.checkpoints.files import (
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession, tune_reports, tune_result
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec
+from govray.train.runspec import RUN_SPEC_FILE, Attempt, RunSpec
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.helpers.golden import GoldenRun
@@ -243,20 +243,16 @@ def test_pbt_never_pauses_a_trial_at_its_last_report() -> None:
     assert [ends_trial("t", r) for r in (segment_end, last, early_stop)] == [False, True, True]
 
 
-def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path) -> tuple[Path, RunSpec]:
-    """A trial spec resuming from another run's final checkpoint, as PBT would hand it over, with
-    a mutated learning rate."""
+def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path, report_sink: str = "") -> tuple[Path, Attempt]:
+    """A trial resuming from another run's final checkpoint, as PBT would hand it over, with a
+    mutated learning rate (its N workers reporting to ``report_sink``)."""
     donor = find_checkpoints(donor_run)[-1]
     spec = RunSpec.model_validate_json((donor / RUN_SPEC_FILE).read_text())
     assert checkpoint_step(donor) == spec.max_steps
     hparams = {**spec.hparams, "lr": spec.hparams["lr"] * 0.8}
-    update = {
-        "run_name": "clone",
-        "run_dir": str(run_dir),
-        "resume_checkpoint": str(donor),
-        "hparams": hparams,
-    }
-    return donor, spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
+    update = {"run_name": "clone", "run_dir": str(run_dir), "hparams": hparams}
+    clone = spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
+    return donor, Attempt.of(clone, resume_checkpoint=str(donor), report_sink=report_sink)
 
 
 def assert_clone_of(donor: Path, report: StepReport, saved: Path, trust: Any) -> None:
@@ -280,12 +276,12 @@ def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_na
 ) -> None:
     """Handed another run's final checkpoint (nothing left to train), a one-worker trial still
     ends with a last report (objective, ledger, donor) and a signed checkpoint of its own."""
-    donor, spec = _clone_of_final_checkpoint(golden_local_epoch.outcome.run_dir, tmp_path / "clone")
+    donor, attempt = _clone_of_final_checkpoint(golden_local_epoch.outcome.run_dir, tmp_path / "clone")
     reports: list[StepReport] = []
-    train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+    train_worker(attempt.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
     assert len(reports) == 1, [report.step for report in reports]
     assert reports[0].checkpoint is not None
-    assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), spec.trust)
+    assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), attempt.spec.trust)
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier
@@ -294,11 +290,15 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
 ) -> None:
     """The same for N workers: one Ray Train run inside the Tune trial checkpoints the
     donor's state under the clone's name, and Tune keeps it as the trial's checkpoint."""
-    donor, spec = _clone_of_final_checkpoint(golden_run.outcome.run_dir, tmp_path / "clone")
     config = golden_run.config
+    storage = open_storage(config.storage_path)
+    run = f"clone-{tmp_path.name}"  # a Ray Train run of the golden storage, as a trial's would be
+    donor, attempt = _clone_of_final_checkpoint(
+        golden_run.outcome.run_dir, storage.root / "ray" / run, report_sink=f"govray-reports-{run}"
+    )
 
     def trial(params: dict[str, Any]) -> None:
-        _continuous_trial(config, open_storage(config.storage_path), spec)
+        _continuous_trial(config, storage, attempt)
 
     tuner = tune.Tuner(
         tune.with_resources(trial, {"memory": TUNE_TRIAL_MEMORY}),
@@ -307,7 +307,7 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     [result] = list(tuner.fit())
     assert result.error is None and result.checkpoint is not None
     [report] = tune_reports(result.metrics)
-    assert_clone_of(donor, report, Path(result.checkpoint.path), spec.trust)
+    assert_clone_of(donor, report, Path(result.checkpoint.path), attempt.spec.trust)
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier

@@ -25,7 +25,7 @@ from govray.train.parallel.worker import Worker
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
 
@@ -132,7 +132,9 @@ def test_a_run_whose_platform_key_is_gone_stops_before_its_first_step(
     )
     reports: list[StepReport] = []
     with pytest.raises(SignatureError, match="cannot read private key"):
-        train_worker(spec.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
+        train_worker(
+            Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+        )
     assert reports == [] and not (tmp_path / "run").exists()
 
 

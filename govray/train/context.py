@@ -3,7 +3,9 @@
 Determined gives trial code one composed ``core.Context`` (distributed, checkpoint, preempt,
 train); a govray worker gets the same from ``WorkerContext.open``, built once per worker:
 
-- ``spec``: the ``RunSpec`` the driver planned, complete (nothing edits it after ``plan_run``);
+- ``attempt``: this fit of the run (``govray.train.runspec.Attempt``): its ``spec``, the
+  ``RunSpec`` the driver planned, complete (nothing edits it after ``plan_run``), and what this fit
+  alone asks (where it resumes or pauses, whom it reports to, which code it imports);
 - ``worker``: rank, world size, device, the host group;
 - ``storage``: the experiment's storage, one interface with a local and an object-store twin
   (``govray.core.storage``), opened once: never absent;
@@ -20,7 +22,7 @@ storage and worker), never the whole run.
 
 Example::
 
-    context = WorkerContext.open(spec, RayTrainSession, WorkerTimings())
+    context = WorkerContext.open(attempt, RayTrainSession, WorkerTimings())
     run = TrialRun.open(context)
     context.session.report(report)
 """
@@ -39,7 +41,7 @@ from govray.train.checkpoints.signer import ManifestSigner, RunSigner
 from govray.train.parallel.strategies import Single, parallelism
 from govray.train.parallel.worker import Worker
 from govray.train.run.timings import WorkerTimings
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 
 if TYPE_CHECKING:
     from govray.train.run.session import Session
@@ -49,7 +51,7 @@ OpenSession = Callable[["WorkerContext"], "Session"]  # a session built on the w
 
 @dataclass(frozen=True)
 class WorkerContext:
-    spec: RunSpec
+    attempt: Attempt
     worker: Worker
     storage: Storage
     parallel: Single
@@ -58,19 +60,28 @@ class WorkerContext:
     log: WorkerLog | None = None  # (a run planned without a log directory has none)
     timings: WorkerTimings = dataclasses.field(default_factory=WorkerTimings)
 
+    @property
+    def spec(self) -> RunSpec:
+        """The run's spec, as planned."""
+        return self.attempt.spec
+
     @classmethod
     def of(cls, spec: RunSpec, worker: Worker) -> WorkerContext:
         """The context of a worker outside any session: what a tool (or a test) that builds a
         trial's state itself needs, its storage, twin and signer built as a run's are."""
         storage = open_storage(spec.storage)
         parallel = parallelism(spec.strategy, worker, spec.settings.precision, spec.shard_group)
-        return cls(spec, worker, storage, parallel, RunSigner(_key_path(spec), Path(spec.run_dir)))
+        signer = RunSigner(_key_path(spec), Path(spec.run_dir))
+        return cls(Attempt.of(spec), worker, storage, parallel, signer)
 
     @classmethod
-    def open(cls, spec: RunSpec, open_session: OpenSession, timings: WorkerTimings) -> WorkerContext:
-        """The worker's context, its session opened (in ``timings``' "open" part) and its log
-        (``LOG_DIR/rank-N.log``, continuing what this rank wrote on another node) ready."""
-        context = dataclasses.replace(cls.of(spec, Worker.detect(spec.use_gpu)), timings=timings)
+    def open(cls, attempt: Attempt, open_session: OpenSession, timings: WorkerTimings) -> WorkerContext:
+        """The worker's context for ``attempt``, its session opened (in ``timings``' "open" part)
+        and its log (``LOG_DIR/rank-N.log``, continuing what this rank wrote on another node) ready."""
+        spec = attempt.spec
+        context = dataclasses.replace(
+            cls.of(spec, Worker.detect(spec.use_gpu)), attempt=attempt, timings=timings
+        )
         with timings.part("open"):
             session = open_session(context)
         log = None

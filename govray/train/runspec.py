@@ -1,10 +1,14 @@
 """What a trial's workers run: the one JSON document that crosses from the driver to every
-worker (and is kept in every checkpoint as ``run.json``).
+worker (and is kept in every checkpoint as ``run.json``), and the ``Attempt`` that carries it.
 
-The driver builds it (``govray.platform.run.plan.plan_run``); attestation, row lookup and search read it
-without importing the training loop. It carries the run's routing table, resolved by the driver on a
-meta-device model: readers take it from here instead of building the model, and every worker checks
-that its own model resolves to the same table.
+The driver builds it (``govray.platform.run.plan.plan_run``), complete: nothing edits it after
+planning, so the spec a run's workers train, its ``runs/RUN.json`` and every checkpoint's
+``run.json`` are one document. What differs between fits of one run (where this one resumes or
+pauses, whom it reports to, which copy of the trial's code it imports) is the ``Attempt``'s.
+Attestation, row lookup and search read the spec without importing the training loop. It
+carries the run's routing table, resolved by the driver on a meta-device model: readers take it
+from here instead of building the model, and every worker checks that its own model resolves to
+the same table.
 """
 
 from __future__ import annotations
@@ -61,17 +65,13 @@ class RunSpec(BaseModel):
     )  # resources.strategy: a full model per worker, or FSDP2 shards
     shard_group: int | None = None  # resources.shard_group (strategy hsdp; None: workers per node)
     # The schedule's slots per step (a step's global batch) when the run starts: an elastic run's
-    # most workers, whatever the world's size; 0 (a fixed-size run): the world's size. A resume
-    # continues its checkpoint's, whatever this is.
+    # most workers, whatever the world's size; 0 (a fixed-size run): the world's size; a replay's:
+    # its original's. A resume continues its checkpoint's, whatever this is.
     slots_per_step: int = 0
     excluded_corpora: tuple[str, ...] = ()
-    code_dir: str = ""  # the driver's working directory: where the trial's module is importable
-    # code_dir is the trial's recorded code snapshot (replay, resume): verified, imported from there.
-    recorded_code: bool = False
+    code_dir: str = ""  # where the run was planned: the driver's working directory, or ...
+    recorded_code: bool = False  # ... the recorded code snapshot of the trial it replays
     checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
-    # The run pauses after this step with a checkpoint, as on a pause request: a replay's segment
-    # ends there, and the next resumes on the world size the replayed run had from that step.
-    pause_at: int | None = None
     platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
     trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
     config_digest: str = ""
@@ -92,18 +92,12 @@ class RunSpec(BaseModel):
     # attestation's file name and sha256 (the run's attestation lists it as a dependency).
     start_model: dict[str, str] = {}
     log_dir: str = ""  # each rank appends to LOG_DIR/rank-N.log
-    # The driver's ReportSink actor (``govray.train.run.session``): where rank 0 sends its reports
-    # without waiting (a run on Ray Train workers; empty in-process).
-    report_sink: str = ""
     # The experiment's storage_path (``govray.core.storage``): a local directory, or object storage
     # (s3://...) whose node-local cache holds shard_root, run_dir and control_file: workers fetch
     # from it what their node lacks, and upload what they write.
     storage: str
     run_name: str = ""  # the trial's run (a search trial's segments and scratch dirs share it)
     experiment: str = ""  # the experiment's name (a tag of the exported governance metrics)
-    # Start from this verified checkpoint's full state (Ray's own checkpoint comes first): a Tune
-    # trial restored, or a PBT clone continuing its donor.
-    resume_checkpoint: str = ""
     # The search objective, reported at every validation: metric + lambda * memorization_score.
     objective_metric: str = "validation_loss"
     smaller_is_better: bool = True
@@ -135,6 +129,48 @@ class RunSpec(BaseModel):
             f"v{self.policy.version} to another routing table than the run's (run.json): the "
             f"trial's code changed since the run was planned; {', '.join(differing) or 'tables'} "
             f"differ{f' (parameters: {first})' if first else ''}"
+        )
+
+
+class Attempt(BaseModel):
+    """One fit of a planned run, as its workers receive it (``train_loop_config``): the run's spec,
+    unchanged, and what this fit alone asks. Nothing here is recorded as the run: a run resumed,
+    paused at a replay segment's end or continued by a PBT clone is the same planned run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: RunSpec
+    code_dir: str  # where this fit's workers import the trial from: the plan's, or ...
+    recorded_code: bool  # ... the run's recorded code snapshot (a resume): verified, imported from there
+    # Start from this verified checkpoint's full state when the run directory holds none (Ray's own
+    # checkpoint comes first): a Tune trial restored, or a PBT clone continuing its donor.
+    resume_checkpoint: str = ""
+    # Pause after this step with a checkpoint, as on a pause request: a replay's segment ends
+    # there, and the next resumes on the world size the replayed run had from that step.
+    pause_at: int | None = None
+    # The driver's ReportSink actor (``govray.train.run.session``): where rank 0 sends its reports
+    # without waiting (a run on Ray Train workers; empty in-process).
+    report_sink: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        spec: RunSpec,
+        *,
+        resume_checkpoint: str = "",
+        pause_at: int | None = None,
+        report_sink: str = "",
+        recorded_code_dir: str = "",
+    ) -> Attempt:
+        """A fit of ``spec`` importing the trial as planned, or from ``recorded_code_dir`` (the
+        run's recorded code snapshot: a resume runs the code the run started with)."""
+        return cls(
+            spec=spec,
+            code_dir=recorded_code_dir or spec.code_dir,
+            recorded_code=bool(recorded_code_dir) or spec.recorded_code,
+            resume_checkpoint=resume_checkpoint,
+            pause_at=pause_at,
+            report_sink=report_sink,
         )
 
 

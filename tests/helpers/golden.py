@@ -37,6 +37,22 @@ def final_checkpoint(run_dir: Path) -> Path:
     return found[-1]
 
 
+def assert_run_as_planned(storage_path: str, run_name: str, run_dir: Path) -> None:
+    """Nothing edited the run's spec after planning: every checkpoint of the run keeps, as its
+    ``run.json``, the spec the run recorded when it started (``runs/RUN.json``), whatever its
+    attempts asked besides (a report sink, a pause, the recorded code of a resume)."""
+    from govray.core.storage import open_storage
+    from govray.platform.run.plan import run_spec_path
+    from govray.train.checkpoints.files import find_checkpoints
+    from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
+
+    planned = read_run_spec(run_spec_path(open_storage(storage_path), run_name))
+    checkpoints = find_checkpoints(run_dir)
+    assert checkpoints, run_dir
+    for checkpoint in checkpoints:
+        assert read_run_spec(checkpoint / RUN_SPEC_FILE) == planned, checkpoint.name
+
+
 @dataclass(frozen=True)
 class RegisteredPair:
     """A registered version of the one-epoch golden run and the version made from it by removing

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -250,7 +250,7 @@ class PreparedReplay:
         """The spec of ``segment``: the plan of the lineage entry it falls in, under the replay's
         own run name (``named``)."""
         index = max(i for i, entry in enumerate(self.lineage) if entry.from_step <= segment.start)
-        return self.plans[index].named_as(named).model_copy(update={"slots_per_step": named.slots_per_step})
+        return self.plans[index].named_as(named)
 
 
 def replay_trial(
@@ -376,17 +376,16 @@ def prepare_replay(
             # A search trial validated where its scheduler's rungs are (its ASHA stop is applied there).
             validation_period=ran.validation_period,
             code=code,
+            # The original's slots per step (its first world's, an elastic run's most workers'),
+            # whatever world the replay's first segment has: the same global batch at every step.
+            slots_per_step=slots,
         )
 
+    slots = recorded_slots_per_step(original_dir)  # verified with the checkpoint
     plans = [planned(entry.hparams) for entry in lineage]
-    history = recorded_world_history(original_dir)  # verified with the checkpoint
+    history = recorded_world_history(original_dir)  # (so is this)
     segments = replay_segments(history, plans[0].spec.max_steps, config.resources.max_workers)
     segments = split_at(segments, [entry.from_step for entry in lineage[1:]])
-    slots = recorded_slots_per_step(original_dir)
-    if (plans[0].spec.slots_per_step or segments[0].workers) != slots:
-        # The original's first world trained no step (resumed from its step-0 checkpoint on
-        # another world size): the replay's first segment starts on the original's slots per step.
-        plans = [replace(p, spec=p.spec.model_copy(update={"slots_per_step": slots})) for p in plans]
     return PreparedReplay(original, original_dir, already, tuple(plans), tuple(lineage), segments)
 
 

@@ -126,10 +126,9 @@ def resume_trial(
             f"{checked.policy.digest[:16]}…: resume refused"
         )
     # The workers import the trial from its verified snapshot, reading what it read then.
-    code = code_directory(storage, recorded_trial_code(storage, trial))
+    code = str(code_directory(storage, recorded_trial_code(storage, trial)))
     resumed = make_trial(spec.trial, spec.hparams, spec.settings)
     verify_input_digests(spec.input_digests, resumed, run=f"trial {trial.id}")
-    spec = spec.model_copy(update={"code_dir": str(code), "recorded_code": True})
     left = replay_segments_left(store, storage, trial, spec, checked)
     configured = ExperimentConfig.model_validate_json(experiment.config_json)
     if left is not None and config.resources != configured.resources:
@@ -139,11 +138,23 @@ def resume_trial(
         )
     trial_id, run_name = trial.id, trial.ray_run_name
 
-    def train(on: ExperimentConfig, continued: RunSpec) -> TrialOutcome:
-        return train_run(on, checked, storage, experiment, store, trial_id, run_name, continued, progress)
+    def train(on: ExperimentConfig, continued: RunSpec, pause_at: int | None) -> TrialOutcome:
+        return train_run(
+            on,
+            checked,
+            storage,
+            experiment,
+            store,
+            trial_id,
+            run_name,
+            continued,
+            progress,
+            pause_at=pause_at,
+            recorded_code_dir=code,
+        )
 
     with mirrored(store, config.tracking.mlflow, trial.experiment_id):
-        return train(config, spec) if left is None else _train_segments(train, config, spec, left)
+        return train(config, spec, None) if left is None else _train_segments(train, config, spec, left)
 
 
 def replay_segments_left(
@@ -200,9 +211,18 @@ def run_segments(
     assert experiment.id is not None
     trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
 
-    def train(on: ExperimentConfig, continued: RunSpec) -> TrialOutcome:
+    def train(on: ExperimentConfig, continued: RunSpec, pause_at: int | None) -> TrialOutcome:
         return train_run(
-            on, plan.checked, plan.storage, experiment, store, trial_id, run_name, continued, progress
+            on,
+            plan.checked,
+            plan.storage,
+            experiment,
+            store,
+            trial_id,
+            run_name,
+            continued,
+            progress,
+            pause_at=pause_at,
         )
 
     with mirrored(store, plan.config.tracking.mlflow, experiment.id):
@@ -210,7 +230,7 @@ def run_segments(
 
 
 def _train_segments(
-    train: Callable[[ExperimentConfig, RunSpec], TrialOutcome],
+    train: Callable[[ExperimentConfig, RunSpec, int | None], TrialOutcome],
     config: ExperimentConfig,
     spec: RunSpec,
     segments: tuple[WorldSegment, ...],
@@ -223,9 +243,7 @@ def _train_segments(
     for segment in segments:
         pause_at = segment.end if segment.end < spec.max_steps else None
         trained = respec(segment, spec) if respec is not None else spec
-        outcome = train(
-            on_workers(config, segment.workers), trained.model_copy(update={"pause_at": pause_at})
-        )
+        outcome = train(on_workers(config, segment.workers), trained, pause_at)
         paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
         if pause_at is None or not paused_at_end:
             break

@@ -95,14 +95,16 @@ class RunPlan:
         under other hyperparameters than the replay's first)."""
         return self.named(other.run_name, other.reproducibility)
 
-    def named(self, run_name: str, reproducibility: Mapping[str, Any]) -> RunSpec:
-        """The spec of run ``run_name``: its directories and its reproducibility record filled in."""
-        root = self.storage.root
+    def named(self, run_name: str, reproducibility: Mapping[str, Any], *, directory: str = "") -> RunSpec:
+        """The spec of run ``run_name``, complete: its directories (its Ray Train run and control
+        file under ``directory``, default the run's name: a search trial's N-worker run has one
+        per life of its Tune trial) and its reproducibility record filled in."""
+        root, ray_run = self.storage.root, directory or run_name
         return self.spec.model_copy(
             update={
                 "run_name": run_name,
-                "run_dir": str(root / "ray" / run_name),
-                "control_file": str(control_path(self.storage, run_name)),
+                "run_dir": str(root / "ray" / ray_run),
+                "control_file": str(control_path(self.storage, ray_run)),
                 "log_dir": str(log_dir(root, run_name)),
                 "reproducibility": dict(reproducibility),
             }
@@ -125,6 +127,7 @@ def plan_run(
     validation_period: int | None = None,
     code: CodeSnapshot | None = None,
     threads: int | None = None,
+    slots_per_step: int | None = None,
 ) -> RunPlan:
     """Plan one run on ``shard_root`` of ``hparams`` (default: the experiment's defaults), refusing
     what the run could not honour before anything is recorded: a tampered or foreign start
@@ -132,7 +135,8 @@ def plan_run(
     corpus with nothing to measure. A searcher may impose a ``validation_period`` when the config
     sets none; ``code`` (a replay's) makes the workers import the trial from that recorded snapshot;
     ``threads`` (a replay's, a search trial's) pins the workers' torch threads (default: their
-    CPUs, or ``OMP_NUM_THREADS`` here).
+    CPUs, or ``OMP_NUM_THREADS`` here); ``slots_per_step`` (a replay's: its original's) fixes a
+    step's global batch (default: an elastic run's most workers, else the world's size).
     """
     storage = storage if storage is not None else open_storage(config.storage_path)
     start = _verified_start(start_checkpoint, checked.trust)
@@ -145,7 +149,7 @@ def plan_run(
     packed = packed_store(config, shards, values, trial, inputs)
     policy = checked.policy.policy
     spec = RunSpec(
-        **_from_the_experiment_file(config),
+        **_from_the_experiment_file(config, slots_per_step),
         trial=config.trial,
         hparams=values,
         settings=settings,
@@ -191,8 +195,9 @@ def _checked_canaries(
     return canaries
 
 
-def _from_the_experiment_file(config: ExperimentConfig) -> dict[str, Any]:
-    """The run spec's fields that the experiment file gives as it is (whatever the sample)."""
+def _from_the_experiment_file(config: ExperimentConfig, slots_per_step: int | None) -> dict[str, Any]:
+    """The run spec's fields that the experiment file gives as it is (whatever the sample), and
+    the slots per step it implies unless given."""
     return {
         "eval_rows": config.data.eval_rows,
         "seed": config.seed,
@@ -201,7 +206,9 @@ def _from_the_experiment_file(config: ExperimentConfig) -> dict[str, Any]:
         "shard_group": config.resources.shard_group,
         # An elastic run's steps have its most workers' slots from the start (it may start on
         # fewer); a fixed-size run's are its world's (0).
-        "slots_per_step": config.resources.max_workers if config.resources.elastic else 0,
+        "slots_per_step": slots_per_step
+        if slots_per_step is not None
+        else (config.resources.max_workers if config.resources.elastic else 0),
         "checkpoint_period": config.checkpoint.period,
         "config_digest": config_digest(config),
         "experiment": config.name,

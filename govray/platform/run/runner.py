@@ -45,7 +45,7 @@ from govray.train.reproduce.snapshots import CodeSnapshot
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession, open_sink, taken_reports
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 from govray.train.step.ledger import Ledger, LedgerEntry
 
 # (step, max_steps, latest metrics, workers: the world size that reported them, None if unknown)
@@ -59,25 +59,25 @@ class TrainingFailed(GovrayError):
 
 def governed_trainer(
     config: ExperimentConfig,
-    spec: RunSpec,
-    run_name: str,
+    attempt: Attempt,
     storage: Storage,
     *,
     deliver: Callable[[StepReport], None] | None = None,
 ) -> TorchTrainer:
-    """The TorchTrainer that runs ``spec``'s governed loop: one worker in the driver's process
-    (Train V2 local mode: ``deliver`` hears each report), or N Ray Train workers whose rank 0 sends
-    its reports to the driver's sink (``spec.report_sink``)."""
-    resources = config.resources
+    """The TorchTrainer of one ``attempt`` at its run's governed loop, named after the run's
+    directory: one worker in the driver's process (Train V2 local mode: ``deliver`` hears each
+    report), or N Ray Train workers whose rank 0 sends its reports to the driver's sink
+    (``attempt.report_sink``)."""
+    resources, spec = config.resources, attempt.spec
     local = resources.max_workers == 1 and deliver is not None
     loop = partial(train_worker, session=partial(LocalSession, deliver=deliver)) if deliver else train_worker
     return TorchTrainer(
         loop if local else train_worker,
-        train_loop_config=spec.model_dump(mode="json"),
+        train_loop_config=attempt.model_dump(mode="json"),
         scaling_config=scaling_config_for(config, local),
         torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
         run_config=RunConfig(
-            name=run_name,
+            name=Path(spec.run_dir).name,
             storage_path=storage.ray_path(storage.root / "ray"),
             storage_filesystem=storage.filesystem,
             failure_config=failure_config_for(config),
@@ -244,8 +244,13 @@ def train_run(
     run_name: str,
     spec: RunSpec,
     progress: Progress | None,
+    *,
+    pause_at: int | None = None,
+    recorded_code_dir: str = "",
 ) -> TrialOutcome:
-    """Fit the trial's TorchTrainer (a run name that exists in storage resumes that run).
+    """Fit the trial's TorchTrainer once (a run name that exists in storage resumes that run),
+    pausing after ``pause_at`` (a replay's segment) and importing the trial from
+    ``recorded_code_dir`` when given (a resume: the run's recorded code snapshot).
 
     The driver owns the lifecycle: trial and experiment go ``active``, then ``completed``,
     ``paused`` or ``killed`` (on a request) or ``errored``. Callers mirror it to MLflow
@@ -270,11 +275,12 @@ def train_run(
         run_dir=spec.run_dir,
         trust=spec.trust,
     )
-    sink = None
+    sink, sink_name = None, ""
     if config.resources.max_workers > 1:  # rank 0 sends its reports here without waiting
-        spec = spec.model_copy(update={"report_sink": f"govray-reports-{run_name}-{uuid.uuid4().hex[:6]}"})
-        sink = open_sink(spec.report_sink)
-    trainer = governed_trainer(config, spec, run_name, storage, deliver=recorder.record)
+        sink_name = f"govray-reports-{run_name}-{uuid.uuid4().hex[:6]}"
+        sink = open_sink(sink_name)
+    attempt = Attempt.of(spec, pause_at=pause_at, report_sink=sink_name, recorded_code_dir=recorded_code_dir)
+    trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
     recorder.rewrite_events()
     # Ray Train's own index of a run's checkpoints (written by runs from before govray sealed its

@@ -23,7 +23,7 @@ import ray.tune
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
-from govray.platform.run.plan import control_path, plan_run
+from govray.platform.run.plan import plan_run
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.search.placement_guard import PLACES_KEY
 from govray.train.checkpoints.base_file import materialize_base
@@ -44,7 +44,7 @@ from govray.train.run.session import (
     tune_result,
     worker_places,
 )
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt, RunSpec
 
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 RELAY_PERIOD = 0.2  # seconds between the Tune trial's looks at its run's reports
@@ -107,15 +107,21 @@ def train_trial(
         code=setup.code,
         threads=setup.threads,
     )
-    spec = plan.named(trial_run_name(config, tune_trial_id), setup.reproducibility).model_copy(
-        update={"resume_checkpoint": resume or ""}
-    )
+    name = trial_run_name(config, tune_trial_id)
     if config.resources.max_workers == 1:
         # Ray 2.60 refuses Ray Train's session API inside Tune functions (also in Train V2 local
         # mode): the one worker trains here, with a Tune session.
-        train_worker(spec.model_dump(mode="json"), session=session)
+        attempt = Attempt.of(plan.named(name, setup.reproducibility), resume_checkpoint=resume or "")
+        train_worker(attempt.model_dump(mode="json"), session=session)
     else:
-        _continuous_trial(config, plan.storage, spec)
+        # Each life of the trial in this Tune actor (a restored trial, a PBT clone) is a Ray Train
+        # run of its own, in a fresh directory.
+        directory = f"{name}-{uuid.uuid4().hex[:6]}"
+        spec = plan.named(name, setup.reproducibility, directory=directory)
+        sink = f"govray-reports-{directory}"
+        _continuous_trial(
+            config, plan.storage, Attempt.of(spec, resume_checkpoint=resume or "", report_sink=sink)
+        )
 
 
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
@@ -175,30 +181,23 @@ class _Relay:
         ray.tune.report(result, checkpoint=Checkpoint(storage.ray_path(folder), storage.filesystem))
 
 
-def _continuous_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec) -> None:
+def _continuous_trial(config: ExperimentConfig, storage: Storage, attempt: Attempt) -> None:
     """N workers in one Ray Train run for the trial's life in this Tune actor (a restored trial or
-    a PBT clone starts another from its checkpoint, in a fresh run directory). The run reports to
-    a sink this thread relays to Tune at every validation; its last result reaches Tune only once
-    the run has ended. When Tune stops the trial, ``ray.tune.report`` raises ``SystemExit`` here:
-    rank 0 is asked to end at the next step boundary (its last sealed checkpoint is the one Tune
-    holds) and the run's placement group is removed (the driver's ``PlacementGuard`` again)."""
+    a PBT clone starts another from its checkpoint, in a fresh run directory: ``attempt``'s). The
+    run reports to a sink this thread relays to Tune at every validation; its last result reaches
+    Tune only once the run has ended. When Tune stops the trial, ``ray.tune.report`` raises
+    ``SystemExit`` here: rank 0 is asked to end at the next step boundary (its last sealed
+    checkpoint is the one Tune holds) and the run's placement group is removed (the driver's
+    ``PlacementGuard`` again)."""
     from govray.platform.run.runner import governed_trainer  # Ray Train's: N-worker trials only
 
-    name = f"{Path(spec.run_dir).name}-{uuid.uuid4().hex[:6]}"
-    run = spec.model_copy(
-        update={
-            "run_dir": str(storage.root / "ray" / name),
-            "control_file": str(control_path(storage, name)),
-            "report_sink": f"govray-reports-{name}",
-        }
-    )
-    sink = open_sink(run.report_sink)  # rank 0's reports, for Tune
-    relay = _Relay(run, storage, sink)
+    sink = open_sink(attempt.report_sink)  # rank 0's reports, for Tune
+    relay = _Relay(attempt.spec, storage, sink)
     outcome: dict[str, BaseException] = {}
 
     def fit() -> None:
         try:
-            governed_trainer(config, run, name, storage).fit()
+            governed_trainer(config, attempt, storage).fit()
         except BaseException as error:  # re-raised in the Tune thread
             outcome["error"] = error
 
@@ -213,7 +212,7 @@ def _continuous_trial(config: ExperimentConfig, storage: Storage, spec: RunSpec)
         relay.finish()
     finally:
         if thread.is_alive():
-            _end_run(Path(run.control_file), relay.places or worker_places(sink))
+            _end_run(Path(attempt.spec.control_file), relay.places or worker_places(sink))
         ray.kill(sink)
 
 

@@ -9,7 +9,7 @@ Tune trial), resumes or starts, then for each step of the schedule::
         stop, gate, rollback); at a checkpoint: seal it
     session.report(StepReport(...))               # typed: metrics, and what the driver acts on
 
-A pause request checkpoints at the next step boundary and returns (so does reaching the spec's
+A pause request checkpoints at the next step boundary and returns (so does reaching the attempt's
 ``pause_at``: the end of a replay's segment); a kill request returns without one. A node's reclaim
 notice (a spot preemption, ``govray.train.control.preemption``) seals a checkpoint at the next step
 boundary, records a ``preempted`` decision and trains no further step until Ray Train restarts the
@@ -38,22 +38,24 @@ from govray.train.run.reports import StepReport
 from govray.train.run.session import RayTrainSession
 from govray.train.run.state import TrialRun
 from govray.train.run.timings import WorkerTimings
-from govray.train.runspec import RunSpec
+from govray.train.runspec import Attempt
 from govray.train.trial import importable
 
 
 def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession) -> None:
     """``train_loop_per_worker`` for Ray Train (and, with another ``session``, for one worker
-    in-process or in a Tune trial). Each rank logs to ``STORAGE/logs/RUN/rank-N.log`` (``govray
-    trial logs``); a Ray Train worker also tees its stdout and stderr there."""
-    spec = RunSpec.model_validate(config)
+    in-process or in a Tune trial): ``config`` is the ``Attempt``'s JSON. Each rank logs to
+    ``STORAGE/logs/RUN/rank-N.log`` (``govray trial logs``); a Ray Train worker also tees its
+    stdout and stderr there."""
+    attempt = Attempt.model_validate(config)
+    spec = attempt.spec
     torch.set_num_threads(spec.threads)
-    context = WorkerContext.open(spec, session, WorkerTimings())
-    if spec.recorded_code:  # the trial's code, before its class is first looked up
+    context = WorkerContext.open(attempt, session, WorkerTimings())
+    if attempt.recorded_code:  # the trial's code, before its class is first looked up
         snapshot = CodeSnapshot.model_validate(spec.reproducibility["code"])
-        use_recorded_code(snapshot, Path(spec.code_dir), context.storage)
+        use_recorded_code(snapshot, Path(attempt.code_dir), context.storage)
     else:
-        importable(spec.code_dir)  # Ray Train moves workers into the run directory
+        importable(attempt.code_dir)  # Ray Train moves workers into the run directory
     log, timings, opened = context.log, context.timings, context.opened
     # In-process the worker is the driver, whose terminal shows a progress bar: no tee.
     tee = log is not None and isinstance(opened, RayTrainSession)
@@ -100,7 +102,7 @@ def _train(context: WorkerContext) -> None:
         loss_sum, examples = loss_sum + step_loss, examples + step_examples
         done = step + 1
         last = done == spec.max_steps
-        stop = session.stop_requested() or ("pause" if done == spec.pause_at else None)
+        stop = session.stop_requested() or ("pause" if done == context.attempt.pause_at else None)
         if last:
             stop, notice = None, None  # the run is over anyway
         validate = last or bool(spec.validation_period and done % spec.validation_period == 0)

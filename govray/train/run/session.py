@@ -90,7 +90,8 @@ class _RunDirectory:
     """What every session shares: the stop request, and checkpoints in the run directory."""
 
     def __init__(self, context: WorkerContext) -> None:
-        self.spec = context.spec
+        self.spec, self.attempt = context.spec, context.attempt
+        self.directory = Path(context.spec.run_dir)  # the run's (a Tune trial's: a scratch folder)
         self.worker = context.worker
         self.storage = context.storage
         self._stop: tuple[torch.Tensor, Any] | None = None
@@ -102,20 +103,19 @@ class _RunDirectory:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.spec.run_dir)
+        return self.directory
 
     def resume_point(self) -> Path | None:
         """By one rule: the newest checkpoint of the run directory that verifies (a report lost
         when a worker died leaves a folder only the directory shows); with none there, a search
         segment's or a restored Tune trial's ``resume_checkpoint``."""
-        spec = self.spec
-        if spec.run_dir:
-            newest = self._newest_verified(Path(spec.run_dir))
+        if self.spec.run_dir:
+            newest = self._newest_verified(self.directory)
             if newest is not None:
                 return newest
-        if spec.resume_checkpoint:
-            self.storage.fetch(Path(spec.resume_checkpoint))  # a segment's, from the bucket
-            return Path(spec.resume_checkpoint)
+        if given := self.attempt.resume_checkpoint:
+            self.storage.fetch(Path(given))  # a segment's, from the bucket
+            return Path(given)
         return None
 
     def _newest_verified(self, run_dir: Path) -> Path | None:
@@ -165,7 +165,7 @@ class _RunDirectory:
     def checkpoint(self, steps_done: int, save: Save) -> str:
         """Rank 0 writes the checkpoint (under FSDP every rank writes its shards into the folder
         rank 0 made fresh) and puts it on the storage before it is reported."""
-        folder = Path(self.spec.run_dir) / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
+        folder = self.directory / f"{CHECKPOINT_PREFIX}{steps_done:08d}"
         if self.worker.rank == 0 and folder.exists():  # a partial folder a killed attempt left
             self.storage.delete_directory(folder)  # (none verified: it was not resumed from)
         self.layout.ready_to_write(self.worker)  # (FSDP: the folder is fresh before any rank writes there)
@@ -254,16 +254,16 @@ class RayTrainSession(_RunDirectory):
 
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        spec, worker = context.spec, context.worker
+        sink, worker = context.attempt.report_sink, context.worker
         self._sink: Any = None
         self._pending: list[str] = []
         self._sent: list[Any] = []
         self._last_send = time.monotonic()
-        if spec.report_sink:  # every rank says where it runs (its Ray Train placement group)
+        if sink:  # every rank says where it runs (its Ray Train placement group)
             import ray
 
             group = ray.util.get_current_placement_group()
-            self._sink = ray.get_actor(spec.report_sink)
+            self._sink = ray.get_actor(sink)
             place = {"pid": os.getpid(), "placement_group": group.id.hex() if group is not None else ""}
             self._sent.append(self._sink.announce.remote(worker.rank, place))
         import ray.train
@@ -284,7 +284,7 @@ class RayTrainSession(_RunDirectory):
         import ray
 
         if self._sink is None:
-            self._sink = ray.get_actor(self.spec.report_sink)
+            self._sink = ray.get_actor(self.attempt.report_sink)
         self._sent.append(self._sink.put.remote(self._pending))
         self._pending, self._last_send = [], time.monotonic()
         if len(self._sent) > 64:  # forget those delivered
@@ -307,7 +307,7 @@ class TuneSession(_RunDirectory):
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
         # Its checkpoints go to a scratch folder Tune copies from: not the run's directory.
-        self.spec = context.spec.model_copy(update={"run_dir": tempfile.mkdtemp(prefix="govray-trial-")})
+        self.directory = Path(tempfile.mkdtemp(prefix="govray-trial-"))
         self.pending: list[StepReport] = []
 
     def report(self, report: StepReport) -> None:
@@ -327,7 +327,7 @@ class TuneSession(_RunDirectory):
         ray.tune.report(result, checkpoint=Checkpoint.from_directory(folder) if folder else None)
 
     def close(self) -> None:
-        shutil.rmtree(self.spec.run_dir, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class HostedSession(TuneSession):
