@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
 from govray.platform.mlflow_mirror import mirrored
+from govray.platform.run.fitting import fit_polled, pass_request
 from govray.platform.run.plan import RunPlan, code_directory, plan_run, run_spec_path
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.run.recorder import GcSettings, RunRecorder
@@ -50,7 +50,9 @@ from govray.train.step.ledger import Ledger, LedgerEntry
 
 # (step, max_steps, latest metrics, workers: the world size that reported them, None if unknown)
 Progress = Callable[[int, int, dict[str, float], int | None], None]
-RAY_CHECKPOINT_INDEX = "checkpoint_manager_snapshot.json"  # Ray Train V2's, in its run directory
+
+
+LOOK_PERIOD = 0.5  # seconds between the driver's looks at its run (reports, requests)
 
 
 class TrainingFailed(GovrayError):
@@ -283,9 +285,6 @@ def train_run(
     trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
     recorder.rewrite_events()
-    # Ray Train's own index of a run's checkpoints (written by runs from before govray sealed its
-    # checkpoints itself) may name folders GC deleted since; a resumed controller refuses those.
-    storage.delete_file(Path(spec.run_dir) / RAY_CHECKPOINT_INDEX)
     control = Path(spec.control_file)
     control.unlink(missing_ok=True)
     store.request(experiment.id, None)  # a request made while nothing ran is void
@@ -392,28 +391,15 @@ def _fit_with_progress(
     control: Path,
     progress: Progress | None,
 ) -> ray.train.Result:
-    """``trainer.fit()`` in a thread while the driver records the reports its sink queued, shows
-    them, and passes a pause/kill request (``govray experiment pause|kill``) to rank 0."""
-    outcome: dict[str, Any] = {}
+    """``trainer.fit()`` (``fit_polled``) while the driver records the reports its sink queued,
+    shows them, and passes a pause/kill request (``govray experiment pause|kill``) to rank 0."""
+    seen, passed = 0, None
 
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as error:  # re-raised in the driver thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=fit, name="govray-fit", daemon=True)
-    thread.start()
-    seen = 0
-    passed: str | None = None
-    while thread.is_alive():
-        thread.join(timeout=0.5)
+    def look() -> None:
+        nonlocal seen, passed
         requested = store.get_experiment(experiment_id).requested
         if requested is not None and requested != passed:
-            control.parent.mkdir(parents=True, exist_ok=True)
-            scratch = control.with_suffix(".tmp")
-            scratch.write_text(requested)
-            scratch.replace(control)  # rank 0 never reads half a word
+            pass_request(control, requested)
             passed = requested
         if sink is not None:
             for report in taken_reports(sink):
@@ -422,9 +408,8 @@ def _fit_with_progress(
         if progress is not None and latest is not None and latest.step > seen:
             seen = latest.step
             progress(seen, max_steps, latest.metrics, latest.workers)
-    if "error" in outcome:
-        raise outcome["error"]
-    result: ray.train.Result = outcome["result"]
+
+    result: ray.train.Result = fit_polled(trainer.fit, look, period=LOOK_PERIOD, name="govray-fit")
     return result
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import ray.tune
 from govray.config.experiment import ExperimentConfig
 from govray.core.errors import GovrayError
 from govray.core.storage import Storage
+from govray.platform.run.fitting import fit_polled, pass_request
 from govray.platform.run.plan import plan_run
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.search.placement_guard import PLACES_KEY
@@ -161,10 +161,10 @@ class _Relay:
         worker died)."""
         self.take()
         final = newest_verified_checkpoint(Path(self.spec.run_dir), self.spec.trust, self.storage)
-        last = checkpoint_report(final) if final is not None else {}
-        if final is None or not last or StepReport.parse(last).step <= self.relayed:
+        report = StepReport.parse(checkpoint_report(final)) if final is not None else None
+        if report is None or report.step <= self.relayed:
             raise SearchError(f"the trial's run {self.spec.run_dir} ended without its last checkpoint")
-        report = StepReport.parse(last)
+        assert final is not None
         self.pending[report.step] = report
         self._relay(report.step, final)
 
@@ -193,26 +193,17 @@ def _continuous_trial(config: ExperimentConfig, storage: Storage, attempt: Attem
 
     sink = open_sink(attempt.report_sink)  # rank 0's reports, for Tune
     relay = _Relay(attempt.spec, storage, sink)
-    outcome: dict[str, BaseException] = {}
-
-    def fit() -> None:
-        try:
-            governed_trainer(config, attempt, storage).fit()
-        except BaseException as error:  # re-raised in the Tune thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=fit, name="govray-trial-run", daemon=True)
-    thread.start()
+    control = Path(attempt.spec.control_file)
     try:
-        while thread.is_alive():
-            thread.join(timeout=RELAY_PERIOD)
-            relay.take()
-        if "error" in outcome:
-            raise outcome["error"]
+        fit_polled(
+            lambda: governed_trainer(config, attempt, storage).fit(),
+            relay.take,
+            period=RELAY_PERIOD,
+            name="govray-trial-run",
+            abandon=lambda: _end_run(control, relay.places or worker_places(sink)),
+        )
         relay.finish()
     finally:
-        if thread.is_alive():
-            _end_run(Path(attempt.spec.control_file), relay.places or worker_places(sink))
         ray.kill(sink)
 
 
@@ -221,9 +212,6 @@ def _end_run(control: Path, places: dict[int, WorkerPlace]) -> None:
     workers' placement group (Ray would keep it until the driver exits)."""
     from ray.util.placement_group import PlacementGroup
 
-    control.parent.mkdir(parents=True, exist_ok=True)
-    scratch = control.with_suffix(".tmp")
-    scratch.write_text("kill")
-    scratch.replace(control)  # rank 0 never reads half a word
+    pass_request(control, "kill")
     for group in {place["placement_group"] for place in places.values()} - {""}:
         ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group)))
