@@ -7,15 +7,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from govray.cli.search_lines import LinePrinter, progress_line
 from govray.config.experiment import load_experiment
-from govray.platform.search.progress import (
-    LinePrinter,
-    SearchState,
-    TrialProgress,
-    objective_label,
-    progress_line,
-    search_state,
-)
+from govray.platform.search.progress import SearchState, TrialProgress, objective_label, search_state
 from govray.train.run.session import EARLY_STOP_KEY, LAST_KEY
 from searchers.asha import rung_steps
 from tests.helpers.search import search_example

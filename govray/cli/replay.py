@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 
 from govray.cli.common import Database, console, open_store, record_id
+
+if TYPE_CHECKING:
+    from govray.platform.rerun.replay import InfluenceReport
 
 
 def replay(
@@ -23,7 +27,7 @@ def replay(
     ),
 ) -> None:
     """Rerun a recorded trial with the corpus's schedule slots empty; report its influence."""
-    from govray.platform.rerun.replay import format_influence, replay_trial
+    from govray.platform.rerun.replay import replay_trial
     from govray.platform.rerun.world_history import describe_segments
 
     store = open_store(database)
@@ -49,5 +53,14 @@ def replay(
         ]
         lineage = "replayed along the state's lineage: " + "; ".join(parts)
         console.print(lineage, highlight=False, markup=False)
-    console.print(format_influence(report), highlight=False)
+    console.print(influence_table(report), highlight=False)
     console.print(f"influence report: {replayed.report_path}")
+
+
+def influence_table(report: InfluenceReport) -> str:
+    """The influence report, a line per tensor."""
+    lines = [f"{'tensor':40} {'kind':9} {'direct examples':>15} {'distance':>12} {'relative':>10}"]
+    for row in report.tensors:
+        numbers = f"{row.direct_examples:>15} {row.distance:>12.6g} {row.relative:>10.3g}"
+        lines.append(f"{row.tensor:40} {row.kind:9} {numbers}")
+    return "\n".join(lines)

@@ -74,7 +74,7 @@ def show_outcome(store: TrackingStore, outcome: SearchOutcome) -> None:
 def search_view() -> Iterator[Callable[[SearchState], None]]:
     """The search's progress: one panel redrawn in a terminal, else one line per change at most
     every 5 seconds (ray job logs, CI)."""
-    from govray.platform.search.progress import LinePrinter
+    from govray.cli.search_lines import LinePrinter
 
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
@@ -89,7 +89,7 @@ def search_view() -> Iterator[Callable[[SearchState], None]]:
 
 def progress_panel(state: SearchState) -> RenderableType:
     """The terminal view: counts, the best so far, and a row for each running trial."""
-    from govray.platform.search.progress import progress_best, progress_counts
+    from govray.cli.search_lines import progress_best, progress_counts
 
     lines: list[RenderableType] = [Text(progress_counts(state))]
     if best := progress_best(state):

@@ -10,7 +10,7 @@ changed every other corpus's gradients).
 Example::
 
     replayed = replay_trial(store, experiment="digits-governed", exclude=("digits-licensed",))
-    print(format_influence(replayed.report))
+    replayed.report.tensors  # per tensor: direct examples, distance, relative distance
 """
 
 from __future__ import annotations
@@ -127,18 +127,6 @@ def _original_trial(store: TrackingStore, experiment_id: int, trial_id: int | No
     if not originals:
         raise ReplayError(f"experiment {experiment_id} has no completed original trial to replay")
     return originals[-1]
-
-
-def _refuse_unknown_lineage(original: TrialRecord, lineage: list[TrainedUnder], ran: RunSpec) -> None:
-    """A PBT clone whose checkpoint does not say who trained its state under which
-    hyperparameters (its donor's steps) cannot be replayed as it trained."""
-    unknown = [entry.run for entry in lineage if set(entry.hparams) != set(ran.hparams)]
-    if unknown or (original.cloned_from is not None and all(e.run == original.ray_run_name for e in lineage)):
-        raise ReplayError(
-            f"trial {original.id} continued another trial's state (a PBT exploit), but its final "
-            f"checkpoint does not record the hyperparameters {', '.join(unknown) or 'its donor'} trained it "
-            "under: it cannot be replayed as it trained"
-        )
 
 
 def recorded_decisions(store: TrackingStore, trial_id: int) -> tuple[RecordedDecision, ...]:
@@ -349,10 +337,7 @@ def prepare_replay(
     already = ran.excluded_corpora
     # A PBT clone's state was trained by its donors first, each under its own hyperparameters and
     # decisions: the replay follows that lineage, one plan per entry (verified with the checkpoint).
-    lineage = recorded_lineage(original_dir) or [
-        TrainedUnder(from_step=0, run=original.ray_run_name or "", hparams=ran.hparams)
-    ]
-    _refuse_unknown_lineage(original, lineage, ran)
+    lineage = recorded_lineage(original_dir)
     cloned = any(entry.run != original.ray_run_name for entry in lineage)
     # A clone's row mixes its decisions before the exploit with those after; its state's are its lineage's.
     decisions = (
@@ -384,14 +369,6 @@ def prepare_replay(
     slots = recorded_slots_per_step(original_dir)  # verified with the checkpoint
     plans = [planned(entry.hparams) for entry in lineage]
     history = recorded_world_history(original_dir)  # (so is this)
-    segments = replay_segments(history, plans[0].spec.max_steps, config.resources.max_workers)
+    segments = replay_segments(history, plans[0].spec.max_steps)
     segments = split_at(segments, [entry.from_step for entry in lineage[1:]])
     return PreparedReplay(original, original_dir, already, tuple(plans), tuple(lineage), segments)
-
-
-def format_influence(report: InfluenceReport) -> str:
-    lines = [f"{'tensor':40} {'kind':9} {'direct examples':>15} {'distance':>12} {'relative':>10}"]
-    for row in report.tensors:
-        numbers = f"{row.direct_examples:>15} {row.distance:>12.6g} {row.relative:>10.3g}"
-        lines.append(f"{row.tensor:40} {row.kind:9} {numbers}")
-    return "\n".join(lines)

@@ -3,8 +3,8 @@
 After every step of Tune's loop, ``SearchProgress`` (a Tune ``Callback`` on the driver) reads
 Tune's trials into a plain ``SearchState``: trials planned, running, completed, stopped early
 and errored, the rung of each running trial, and the best objective so far with its trial. When
-the state changed it goes to a view: ``govray search`` redraws one panel in a terminal, and
-``LinePrinter`` prints one line per change at most every few seconds (ray job logs, CI)::
+the state changed it goes to a view (``govray.cli.search_lines``): ``govray search`` redraws one
+panel in a terminal, or prints one line per change at most every few seconds (ray job logs, CI)::
 
     search 3/3 trials · 0 running · 1 completed · 2 stopped early · best validation_loss 2.3054 (trial 1)
 
@@ -13,7 +13,6 @@ Trials are named by their id in the tracking store, as ``govray search`` lists t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,7 +37,7 @@ class TrialProgress:
 
 @dataclass(frozen=True)
 class SearchState:
-    """A search at one moment: plain data, rendered by ``progress_line`` (and the CLI's panel)."""
+    """A search at one moment: plain data, rendered by the CLI (``govray.cli.search_lines``)."""
 
     objective: str  # the objective's definition, e.g. "validation_loss+0.1·mem"
     planned: int  # trials the search runs in all
@@ -65,75 +64,6 @@ def objective_label(config: ExperimentConfig) -> str:
 def asha_rung(step: int, rungs: Sequence[int]) -> int:
     """ASHA's rungs a trial at ``step`` has passed (the plan's milestone steps, ``notes['rungs']``)."""
     return sum(step >= milestone for milestone in rungs)
-
-
-def progress_counts(state: SearchState) -> str:
-    """``search 3/4 trials · 1 running · 2 completed · 1 stopped early``: trials ended of planned."""
-    parts = [f"search {state.count(*ENDED)}/{state.planned} trials", f"{state.count('running')} running"]
-    parts += [f"{state.count(status)} {status}" for status in ENDED if state.count(status)]
-    return " · ".join(parts)
-
-
-def progress_best(state: SearchState) -> str:
-    """``best validation_loss+0.1·mem 0.2143 (trial 2)``, or "" before any objective."""
-    if state.best is None:
-        return ""
-    value, number = state.best
-    return f"best {state.objective} {value:.4f} (trial {number})"
-
-
-def progress_rungs(state: SearchState) -> str:
-    """``rung 2: trial 7; rung 1: trials 9, 10``: where the running trials are, highest rung first."""
-    by_rung: dict[int, list[int]] = {}
-    for trial in state.running:
-        by_rung.setdefault(trial.rung, []).append(trial.number)
-    return "; ".join(
-        f"rung {rung}: trial{'s' if len(numbers) > 1 else ''} {', '.join(map(str, sorted(numbers)))}"
-        for rung, numbers in sorted(by_rung.items(), reverse=True)
-    )
-
-
-def progress_line(state: SearchState) -> str:
-    """The state in one plain line: counts, the best so far, where the running trials are."""
-    parts = (progress_counts(state), progress_best(state), progress_rungs(state))
-    return " · ".join(part for part in parts if part)
-
-
-class LinePrinter:
-    """Where no terminal redraws a view: prints the state's line when it changed, at most every
-    ``interval`` seconds, and a search's end at once; ``flush`` prints a line still held back."""
-
-    def __init__(
-        self,
-        write: Callable[[str], None],
-        interval: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.write = write
-        self.interval = interval
-        self.clock = clock
-        self.printed = ""
-        self.printed_at: float | None = None
-        self.held = ""
-
-    def show(self, state: SearchState) -> None:
-        line = progress_line(state)
-        over = state.planned > 0 and state.count(*ENDED) >= state.planned
-        now = self.clock()
-        if over or self.printed_at is None or now - self.printed_at >= self.interval:
-            self._print(line, now)
-        else:
-            self.held = line
-
-    def flush(self) -> None:
-        if self.held:
-            self._print(self.held, self.clock())
-
-    def _print(self, line: str, now: float) -> None:
-        self.held = ""
-        if line != self.printed:
-            self.write(line)
-            self.printed, self.printed_at = line, now
 
 
 def trial_progress(trial: Any, number: int, rungs: Sequence[int] | None) -> TrialProgress:
