@@ -218,8 +218,9 @@ async def trial_lineage(request: Request, trial_id: Id, layer: Layer = None) -> 
 
 
 def loading_ledgers(request: Request, ask: Callable[[], Lineage]) -> Lineage:
-    """``ask()``, after storing the ledger of a checkpoint recorded before checkpoints had their own
-    (from its verified ``state.json``, once: the first request for it)."""
+    """``ask()``, after storing the ledger of a checkpoint whose ledger could not be stored when it
+    was recorded (from its verified ``state.json``, once: the first request for it; a 409 says why
+    it cannot)."""
     try:
         return ask()
     except LedgerNotStored as missing:

@@ -85,11 +85,9 @@ def test_the_statements_name_the_model_files_the_corpora_and_what_reached_each_t
 
     state = CheckpointState.model_validate_json((checkpoint / "state.json").read_text())
     assert state.step == GOLDEN_STEPS
-    # The world sizes it trained on (2 workers throughout); a checkpoint written before they were
-    # recorded ran on its schedule's slots per step, as attested for it.
+    # The world sizes it trained on (2 workers throughout).
     assert build["internalParameters"]["world_history"] == [[0, 2]] == world_history(state)
     assert world_history(state.model_copy(update={"world_history": [(0, 3), (12, 2)]})) == [[0, 3], [12, 2]]
-    assert world_history(state.model_copy(update={"world_history": []})) == [[0, 2]]
     ledger = Ledger.from_json(state.ledger)
     rows = {(r["corpus"], r["tensor"]): r["examples"] for r in coverage["predicate"]["ledger"]}
     assert rows == {(corpus, tensor): entry.examples for corpus, tensor, entry in ledger.rows()}

@@ -31,6 +31,7 @@ from govray.train.checkpoints.files import (
     seal_checkpoint,
     verify_checkpoint,
 )
+from govray.train.checkpoints.manifest import TrainedUnder
 from govray.train.checkpoints.signer import KeySigner
 from jobs.examples.digits.golden import GOLDEN_REPORT_EVERY, GOLDEN_STEPS
 from tests.helpers.golden import GoldenRun, final_checkpoint
@@ -114,6 +115,8 @@ def test_a_signed_checkpoint_of_another_format_is_refused_by_name(
         policy_digest="p",
         config_digest="c",
         ledger={},
+        world_history=[(0, 1)],
+        hparams_history=[TrainedUnder(from_step=0, run="run", hparams={})],
     )
     dump = CheckpointState.model_dump
     with monkeypatch.context() as other_format:

@@ -7,9 +7,8 @@
   checkpoint of its own trial replaces it;
 - GC keeps the ledger rows a registered version, an attestation or the trial's latest checkpoint
   needs, and drops the rest;
-- a checkpoint recorded before checkpoints had their ledgers gets it from its verified
-  ``state.json`` on first request, or from ``govray experiment backfill-ledgers``; a tampered one
-  gets none.
+- a checkpoint whose ledger could not be stored when it was recorded gets it from its verified
+  ``state.json`` on first request; a tampered one gets none, and the request says why.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
-from govray.cli import main
 from govray.config.serve import ServeSettings
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, save_trust
-from govray.platform.run.ledgers import backfill_ledgers
 from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.tracking.lineage import (
     checkpoint_ledger_rows,
@@ -41,6 +38,7 @@ from govray.tracking.lineage import (
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import LedgerRow, TrialState
 from govray.train.checkpoints.files import MODEL_FILE, STATE_FILE, CheckpointState, seal_checkpoint
+from govray.train.checkpoints.manifest import TrainedUnder
 from govray.train.checkpoints.signer import KeySigner
 from govray.train.run.reports import StepReport
 from govray.train.step.ledger import Ledger, LedgerEntry
@@ -76,6 +74,8 @@ def sealed(directory: Path, step: int, ledger: Ledger) -> Path:
         policy_digest="",
         config_digest="",
         ledger=ledger.to_json(),
+        world_history=[(0, 1)],
+        hparams_history=[TrainedUnder(from_step=0, run="run", hparams={})],
     )
     seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, KeySigner(KEY))
     return directory
@@ -224,8 +224,8 @@ def test_gc_drops_a_deleted_checkpoints_ledger_unless_something_needs_it(live: L
     assert live.get(f"/api/checkpoints/{attested}/lineage")[0]["step"] == 20
 
 
-def older_checkpoints(live: Live) -> tuple[int, list[int]]:
-    """A trial whose checkpoints were recorded before checkpoints had ledgers (no rows)."""
+def checkpoints_without_ledgers(live: Live) -> tuple[int, list[int]]:
+    """A trial whose checkpoints were recorded without their ledgers (as when storing one failed)."""
     trial = live.store.create_trial(live.experiment_id, "{}", seed=2)
     assert trial.id is not None
     ids = []
@@ -236,8 +236,10 @@ def older_checkpoints(live: Live) -> tuple[int, list[int]]:
     return trial.id, ids
 
 
-def test_an_older_checkpoints_ledger_is_loaded_from_its_verified_state_on_first_request(live: Live) -> None:
-    _, (first, second) = older_checkpoints(live)
+def test_a_ledger_not_stored_at_recording_is_loaded_from_its_verified_state_on_first_request(
+    live: Live,
+) -> None:
+    _, (first, second) = checkpoints_without_ledgers(live)
     assert checkpoint_ledger_rows(live.store, first) == []
     lineage, _ = live.get(f"/api/checkpoints/{first}/lineage")
     assert lineage["step"] == 10 and lineage["ledger"] == "checkpoint"
@@ -251,17 +253,6 @@ def test_an_older_checkpoints_ledger_is_loaded_from_its_verified_state_on_first_
     response = live.client.get(f"/api/checkpoints/{second}/lineage")
     assert response.status_code == 409 and "does not match its manifest" in response.json()["detail"]
     assert checkpoint_ledger_rows(live.store, second) == []
-
-
-def test_the_maintenance_command_backfills_every_verifiable_ledger(live: Live, tmp_path: Path) -> None:
-    trial_id, (first, second) = older_checkpoints(live)
-    (Path(checkpoints(live.store, trial_id)[1].path) / STATE_FILE).write_text("{}")
-    argv = ["experiment", "backfill-ledgers", "live", "--trust", str(tmp_path / "trust.yaml")]
-    assert main([*argv, "--database", live.store.url]) == 10  # one refused: CheckpointError's code
-    assert stored(checkpoint_ledger_rows(live.store, first)) == ledger_at(10)
-    assert checkpoint_ledger_rows(live.store, second) == []
-    again = backfill_ledgers(live.store, TRUST)
-    assert again.stored == () and [checkpoint for checkpoint, _ in again.refused] == [second]
 
 
 def test_the_lineage_page_of_a_running_trials_checkpoint_says_as_of_which_step(live: Live) -> None:

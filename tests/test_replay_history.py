@@ -37,14 +37,13 @@ WEIGHT_FILES = ("model.safetensors", "adapter-pii-lora.safetensors", "optimizer.
 
 
 def test_a_history_of_one_world_is_one_run_and_no_history_runs_on_the_configured_workers() -> None:
-    assert replay_segments([(0, 2)], 30, configured=3) == (WorldSegment(0, 30, 2),)
-    assert replay_segments([], 30, configured=3) == (WorldSegment(0, 30, 3),)
+    assert replay_segments([(0, 2)], 30) == (WorldSegment(0, 30, 2),)
     said = "replay segments (the replayed trial's world sizes): 2 workers for steps 1-30"
     assert describe_segments((WorldSegment(0, 30, 2),)) == said
 
 
 def test_a_resized_history_is_split_at_each_step_a_world_began() -> None:
-    assert replay_segments([(0, 3), (10, 2), (25, 3)], 40, configured=3) == (
+    assert replay_segments([(0, 3), (10, 2), (25, 3)], 40) == (
         WorldSegment(0, 10, 3),
         WorldSegment(10, 25, 2),
         WorldSegment(25, 40, 3),
@@ -61,8 +60,8 @@ def test_a_world_that_trained_no_step_gives_way_to_the_one_after_it() -> None:
     assert continued_history([(0, 4), (10, 2)], 10, 4) == [(0, 4)]  # back where it was: one world
     assert continued_history([(0, 4), (10, 2)], 20, 2) == [(0, 4), (10, 2)]  # the same world goes on
     assert continued_history([], 0, 3) == [(0, 3)]
-    assert replay_segments([(0, 4), (0, 2)], 30, configured=4) == (WorldSegment(0, 30, 2),)
-    assert replay_segments([(0, 3), (10, 2), (10, 1), (20, 3)], 30, configured=3) == (
+    assert replay_segments([(0, 4), (0, 2)], 30) == (WorldSegment(0, 30, 2),)
+    assert replay_segments([(0, 3), (10, 2), (10, 1), (20, 3)], 30) == (
         WorldSegment(0, 10, 3),
         WorldSegment(10, 20, 1),
         WorldSegment(20, 30, 3),
@@ -124,6 +123,8 @@ def test_a_clones_replay_applies_the_decisions_its_state_carries_then_the_schedu
         policy_digest="p",
         config_digest="c",
         ledger={},
+        world_history=[(0, 1)],
+        hparams_history=[TrainedUnder(from_step=0, run="clone", hparams={})],
         plateau=PlateauState(scale=0.25, decisions=(cut, later)).model_dump(mode="json"),
         gates=[gate.model_dump(mode="json")],
     )
@@ -162,7 +163,7 @@ def test_a_clones_replay_applies_the_decisions_its_state_carries_then_the_schedu
 )
 def test_a_history_no_segments_reproduce_is_refused(history: list[tuple[int, int]]) -> None:
     with pytest.raises(WorldHistoryError, match=r"does not split steps 1-30 into segments"):
-        replay_segments(history, 30, configured=2)
+        replay_segments(history, 30)
 
 
 # --- a resized run, replayed (slow tier: a killed driver, a resume, two replays of two segments) --

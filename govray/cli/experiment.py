@@ -1,4 +1,4 @@
-"""``govray experiment list | describe | backfill-ledgers | mlflow-sync | set gc-policy``
+"""``govray experiment list | describe | mlflow-sync | set gc-policy``
 (``govray experiments``: the same)."""
 
 from __future__ import annotations
@@ -115,33 +115,6 @@ def mlflow_sync(experiment: str = ExperimentArgument, database: str | None = Dat
     if not synced:
         raise GovrayError(f"experiment {found.id} '{found.name}': the MLflow server did not take the mirror")
     console.print(f"experiment {found.id} '{found.name}' mirrored to MLflow", highlight=False)
-
-
-@app.command("backfill-ledgers")
-def backfill_ledgers_command(
-    experiment: str = ExperimentArgument,
-    trust: Path = typer.Option(..., "--trust", help="Trust file listing the platform keys to accept."),
-    database: str | None = Database,
-) -> None:
-    """Store the ledger of every active checkpoint that has none in the store (recorded before
-    checkpoints had their own), read from its state.json once its signed manifest verifies.
-    Exits 10 when a checkpoint does not verify (it is named and left without a ledger)."""
-    from govray.core.keys import load_trust
-    from govray.platform.run.ledgers import backfill_ledgers
-    from govray.train.checkpoints.files import CheckpointError
-
-    store = open_store(database)
-    found = store.get_experiment(experiment)
-    assert found.id is not None
-    done = backfill_ledgers(store, load_trust(trust), found.id)
-    console.print(
-        f"experiment {found.id} '{found.name}': stored the ledgers of {len(done.stored)} checkpoints",
-        highlight=False,
-    )
-    for checkpoint_id, reason in done.refused:
-        console.print(f"checkpoint {checkpoint_id}: not stored: {escape(reason)}", highlight=False)
-    if done.refused:
-        raise CheckpointError(f"{len(done.refused)} checkpoints do not verify; their ledgers were not stored")
 
 
 @settings.command("gc-policy")

@@ -12,14 +12,11 @@ from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
-    """The spec of the run that wrote ``checkpoint``: its own signed copy (``run.json``), else, for
-    a checkpoint written before it held one, ``STORAGE/ray/RUN/checkpoint_*`` →
-    ``STORAGE/runs/RUN.json``."""
-    run = checkpoint.resolve().parent
-    own = checkpoint / RUN_SPEC_FILE
-    path = own if own.is_file() else run.parent.parent / "runs" / f"{run.name}.json"
+    """The spec of the run that wrote ``checkpoint``: its signed copy (``run.json``), which every
+    checkpoint holds."""
+    path = checkpoint / RUN_SPEC_FILE
     if not path.is_file():
-        raise AttestationError(f"{checkpoint}: no run spec at {path} (not a checkpoint of a govray run?)")
+        raise AttestationError(f"{checkpoint}: no {RUN_SPEC_FILE} (not a checkpoint of a govray run?)")
     return read_run_spec(path)
 
 

@@ -146,10 +146,8 @@ def _dependencies(
 
 
 def world_history(state: CheckpointState) -> list[list[int]]:
-    """The checkpoint's world-size history; one written before it was recorded ran on its
-    schedule's slots per step throughout (resizes did not exist then)."""
-    history = state.world_history or [(0, int(state.schedule["world_size"]))]
-    return [[int(step), int(workers)] for step, workers in history]
+    """The checkpoint's world-size history: [from step, workers] from step 0, and at each resize."""
+    return [[int(step), int(workers)] for step, workers in state.world_history]
 
 
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}

@@ -22,8 +22,9 @@ class NotFoundError(QueryError):
 
 
 class LedgerNotStored(NotFoundError):
-    """A recorded checkpoint's ledger is not in the store yet (recorded before checkpoints had their
-    own): its verified ``state.json`` holds it, and a writer may store it from there."""
+    """A recorded checkpoint's ledger is not in the store (it could not be stored when the
+    checkpoint was recorded): its verified ``state.json`` holds it, and a writer may store it from
+    there, or say why it cannot."""
 
     def __init__(self, message: str, checkpoint_id: int) -> None:
         super().__init__(message)

@@ -3,9 +3,9 @@
 A ledger row is (trial, checkpoint, corpus, tensor, layer index, examples, tokens, steps). The
 driver stores each checkpoint's ledger as it records the checkpoint (rows keyed by its id), so a
 running trial answers as of its latest checkpoint. Rows with no checkpoint id are a trial's ledger
-stored once at its end (stores written before checkpoints had their own): the ledger of the
-trial's last checkpoint. A checkpoint recorded before that has no rows until its verified
-``state.json`` is loaded (``LedgerNotStored`` says so).
+stored once at its end by a run that seals no checkpoints (it signs nothing): the ledger of its
+last report. A checkpoint whose ledger could not be stored when it was recorded has no rows until
+its verified ``state.json`` is loaded (``LedgerNotStored`` says so).
 
 Rows are grouped per (corpus, layer) in the database — a base tensor by its layer index, an
 adapter tensor (``adapter/NAME/...``) by its adapter — over the indexes on ``(trial_id,
@@ -264,8 +264,8 @@ def _not_stored(checkpoint: CheckpointRecord) -> NotFoundError:
             f"{where} was deleted by GC, and its ledger with it (no version or attestation cites it)"
         )
     return LedgerNotStored(
-        f"{where} has no ledger in the tracking store yet; its state.json holds it "
-        "(`govray experiment backfill-ledgers` stores it)",
+        f"{where} has no ledger in the tracking store: it could not be stored when the checkpoint "
+        "was recorded; its verified state.json holds it",
         checkpoint_id=checkpoint.id or 0,
     )
 

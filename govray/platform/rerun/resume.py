@@ -182,7 +182,7 @@ def replay_segments_left(
             "`govray replay` again"
         )
     history = recorded_world_history(final)
-    segments = replay_segments(history, spec.max_steps, configured=0) if history else ()
+    segments = replay_segments(history, spec.max_steps)
     if len(segments) < 2:
         return None
     assert trial.ray_run_name is not None

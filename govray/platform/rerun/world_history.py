@@ -12,7 +12,7 @@ Its own checkpoints then carry the same history. A history of one entry is one r
 
 Example::
 
-    segments = replay_segments(recorded_world_history(final), max_steps=30, configured=2)
+    segments = replay_segments(recorded_world_history(final), max_steps=30)
     print(describe_segments(segments))
     # replay segments (the replayed trial's world sizes): 2 workers for steps 1-10, 1 worker for steps 11-30
 """
@@ -46,7 +46,7 @@ class WorldSegment:
 
 def recorded_world_history(checkpoint: Path) -> list[tuple[int, int]]:
     """The (from step, workers) entries of a checkpoint that ``verify_checkpoint`` verified (its
-    signed manifest covers ``state.json``); empty for a checkpoint written before they were kept."""
+    signed manifest covers ``state.json``): from step 0, and at each resize."""
     state = CheckpointState.model_validate_json((checkpoint / STATE_FILE).read_text())
     return [(int(step), int(workers)) for step, workers in state.world_history]
 
@@ -77,14 +77,11 @@ def recorded_slots_per_step(checkpoint: Path) -> int:
     return int(state.schedule["world_size"])
 
 
-def replay_segments(
-    history: list[tuple[int, int]], max_steps: int, configured: int
-) -> tuple[WorldSegment, ...]:
-    """The segments that reproduce ``history`` over ``max_steps`` steps (no history: one segment on
-    the ``configured`` workers, as a run was before world sizes could change). An entry that began
-    where the next one begins trained nothing (recorded so before ``continued_history`` folded it:
-    a run resumed on another world size from its step-0 checkpoint) and is left out."""
-    entries = history or [(0, configured)]
+def replay_segments(history: list[tuple[int, int]], max_steps: int) -> tuple[WorldSegment, ...]:
+    """The segments that reproduce ``history`` over ``max_steps`` steps. An entry that began where
+    the next one begins trained nothing (a run resumed on another world size from its step-0
+    checkpoint) and is left out."""
+    entries = history
     starts = [step for step, _ in entries]
     if starts[0] != 0 or starts != sorted(starts) or starts[-1] >= max_steps:
         raise WorldHistoryError(

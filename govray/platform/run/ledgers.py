@@ -1,5 +1,7 @@
-"""A ledger per checkpoint in the tracking store: stored as each checkpoint is recorded, and loaded
-later for checkpoints recorded before that (their verified ``state.json`` holds it).
+"""A ledger per checkpoint in the tracking store: stored as each checkpoint is recorded, from its
+verified ``state.json``. A checkpoint whose ledger could not be stored then (its ``state.json`` did
+not verify, or storage failed: the recorder logs why) gets it on the first lineage request for it,
+or that request says why not.
 
 Lineage, influence and row lookups then answer for every recorded checkpoint, and for a running
 trial as of its latest one. Nothing is stored that was not verified: a checkpoint's ``state.json``
@@ -7,15 +9,13 @@ must match the manifest the store recorded for it (and, given a trust configurat
 must carry a trusted platform signature)::
 
     record = record_checkpoint_ledger(store, trial_id, path, step, layers, trust)  # the recorder
-    store_checkpoint_ledger(store, checkpoint_id, trust)   # one older checkpoint, on first request
-    backfill_ledgers(store, trust, experiment_id)          # `govray experiment backfill-ledgers`
+    store_checkpoint_ledger(store, checkpoint_id, trust)   # one not stored then, on first request
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from govray.core.errors import AttestationError
@@ -25,7 +25,6 @@ from govray.tracking.lineage import (
     LedgerTuple,
     checkpoint_ledger_rows,
     checkpoint_record,
-    checkpoints,
     record_checkpoint,
     record_ledger,
 )
@@ -73,35 +72,6 @@ def store_checkpoint_ledger(store: TrackingStore, checkpoint_id: int, trust: Tru
             "before its ledger was stored; no verified state.json is left to read it from"
         )
     return _store(store, record, None, trust)
-
-
-@dataclass(frozen=True)
-class Backfill:
-    """What ``backfill_ledgers`` did: checkpoint ids stored, and those refused (with why)."""
-
-    stored: tuple[int, ...]
-    refused: tuple[tuple[int, str], ...]
-
-
-def backfill_ledgers(
-    store: TrackingStore, trust: TrustConfig | None, experiment_id: int | None = None
-) -> Backfill:
-    """Store the ledger of every active checkpoint (of one experiment, or all) that has none
-    stored; a checkpoint that does not verify is refused and left without one."""
-    experiments = [experiment_id] if experiment_id is not None else [e.id for e in store.list_experiments()]
-    stored: list[int] = []
-    refused: list[tuple[int, str]] = []
-    for experiment in experiments:
-        for trial in store.list_trials(experiment or 0):
-            for record in checkpoints(store, trial.id or 0):
-                if record.state != CheckpointStatus.ACTIVE.value or record.id is None:
-                    continue
-                try:
-                    if store_checkpoint_ledger(store, record.id, trust):
-                        stored.append(record.id)
-                except CheckpointError as error:
-                    refused.append((record.id, str(error)))
-    return Backfill(tuple(stored), tuple(refused))
 
 
 def _store(

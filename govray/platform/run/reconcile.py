@@ -105,14 +105,12 @@ def reconcile_run(
             if not live:
                 remove(directory, "duplicate", step=step, checkpoint_id=twin.id)
             continue
-        report = checkpoint_report(directory)
-        if report:
-            record_report(step, report)
+        record_report(step, checkpoint_report(directory))
         record = record_checkpoint_ledger(store, trial_id, str(directory), step, layers, trust)
         steps[step] = by_name[directory.name] = record
         log.append(
             AuditEventType.CHECKPOINT_RECOVERED,
-            {"trial_id": trial_id, "path": str(directory), "step": step, "report_recovered": bool(report)},
+            {"trial_id": trial_id, "path": str(directory), "step": step},
             experiment_id=experiment_id,
         )
         recorded.append(step)

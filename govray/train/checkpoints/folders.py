@@ -153,13 +153,12 @@ def checkpoint_candidates(
 
 
 def checkpoint_report(directory: Path) -> dict[str, Any]:
-    """The report a (verified) checkpoint was reported with; empty for checkpoints written
-    before reports were kept in them."""
+    """The report a (verified) checkpoint was reported with: every checkpoint keeps its own."""
     path = directory / REPORT_FILE
-    if not path.is_file():
-        return {}
     try:
         report = json.loads(path.read_text())
+    except OSError as error:
+        raise CheckpointError(f"{path}: no report ({error.strerror})") from None
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}: not JSON: {error}") from None
     if not isinstance(report, dict):

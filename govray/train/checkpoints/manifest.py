@@ -85,9 +85,9 @@ class CheckpointState(BaseModel):
     source: dict[str, Any] = Field(default_factory=dict)  # the checkpoint a forked run started from
     run: str = ""  # the Ray run that wrote it (a PBT clone restores its donor's)
     # [from_step, workers]: from step 0, and each time the world size changed (resumed on another).
-    world_history: list[tuple[int, int]] = Field(default_factory=list)
+    world_history: list[tuple[int, int]] = Field(min_length=1)
     # Who trained the state under which hyperparameters, from which step (``continued_lineage``).
-    hparams_history: list[TrainedUnder] = Field(default_factory=list)
+    hparams_history: list[TrainedUnder] = Field(min_length=1)
 
     @field_validator("format")
     @classmethod

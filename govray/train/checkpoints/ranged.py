@@ -3,9 +3,10 @@
 A rank that resumes on another world size (or strategy) needs a few rows of each tensor, which
 lie in byte ranges of one or more files. ``VerifiedFile`` reads a range by reading the blocks that
 cover it, checking each against the file's signed block digests (``train.blocks``) and slicing;
-a block is hashed once however many ranges it serves. A file without block digests (a checkpoint
-written before them) is verified whole against the manifest's sha256 on first use, then read by
-ranges. Every byte handed out has been verified; ``bytes_read`` counts what was read from storage.
+a block is hashed once however many ranges it serves. A file without block digests (the frozen
+base a checkpoint refers to by its sha256: ``train.checkpoints.base_file``) is verified whole
+against the manifest's sha256 on first use, then read by ranges. Every byte handed out has been
+verified; ``bytes_read`` counts what was read from storage.
 
 Example::
 

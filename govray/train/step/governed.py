@@ -57,7 +57,7 @@ from govray.train.step.batches import MicroBatch, Prefetcher, on_device
 from govray.train.step.ledger import Ledger
 from govray.train.step.memory_savers import checkpoint_activations
 from govray.train.step.scaling import LossScaler
-from govray.train.step.trainable import freeze_unroutable, reindexed, trainable_in_fp32
+from govray.train.step.trainable import freeze_unroutable, trainable_in_fp32
 from govray.train.trial import Trial
 
 
@@ -140,10 +140,8 @@ class GovernedStep:
             split=self.parallel.micro_batches,
         )
         self.counts = self.rows.counts(trial)  # examples and tokens of each position (the ledger's)
-        # Checkpoints written before frozen tensors left autograd index optimizer state over these.
-        listed = [name for name, _ in parameters_by_name(self.model)]
         units = self.parallel.layer_units(base, trial)
-        frozen = freeze_unroutable(self.model, self.routing)
+        freeze_unroutable(self.model, self.routing)
         trainable_in_fp32(self.model)
         self.parallel.shard(self.model, units, settings.precision)  # FSDP2: a shard of every base tensor
         if self.seed is not None:
@@ -155,8 +153,6 @@ class GovernedStep:
         # Under FSDP, sharded and whole (adapter) tensors in their own parameter groups.
         self.trainable = self.parallel.optimizer_groups([parameter for _, parameter in named])
         self.optimizer = trial.build_optimizer(self.trainable)
-        by_name = dict(self.model.named_parameters())
-        self._listed = [by_name[name] for name in listed] if frozen else None
         for group in self.optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])  # decisions scale it
         self.probe = MemorizationProbe(
@@ -366,15 +362,7 @@ class GovernedStep:
         self.take_hyperparameters()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Load an optimizer state (``optimizer.state_dict()``, this rank's shards under FSDP),
-        also one saved before frozen tensors left autograd (``freeze_unroutable``)."""
-        if self._listed is not None:  # some tensors were frozen: maybe an older layout
-            listed = self._listed
-            state = reindexed(
-                state,
-                self.optimizer,
-                lambda: self.trial.build_optimizer(self.parallel.optimizer_groups(listed)),
-            )
+        """Load an optimizer state (``optimizer.state_dict()``, this rank's shards under FSDP)."""
         self.optimizer.load_state_dict(self.parallel.optimizer_state(self.optimizer, state))
 
     def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
