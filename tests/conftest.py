@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust, save_trust
+from govray.core.settings import OVERRIDES
 from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS, copy_example, save_experiment
 from jobs.examples.digits.golden import golden_example as golden_example_at
@@ -22,6 +25,23 @@ from tests.helpers.tiers import pytest_runtest_makereport as pytest_runtest_make
 
 if TYPE_CHECKING:
     from tests.helpers.postgres import PostgresServer
+
+
+TESTS_HOME = "GOVRAY_TESTS_HOME"  # (not govray's: where this session put its GOVRAY_HOME)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's own ``GOVRAY_HOME`` (settings file, platform keys, logs, Ray head record), and
+    none of the settings' environment overrides: what the developer's machine holds never changes
+    what a test sees, or what a test writes there. (Set before Ray starts: its workers inherit it.)"""
+    home = tempfile.mkdtemp(prefix="govray-tests-home-")
+    os.environ["GOVRAY_HOME"] = os.environ[TESTS_HOME] = home
+    for name in OVERRIDES:
+        os.environ.pop(name, None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop(TESTS_HOME, ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ refused naming where it came from; govray reads ``GOVRAY_*`` variables and sets 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 
 from govray.cli import main
 from govray.core.errors import ConfigError
+from govray.core.keys import platform_key_path
 from govray.core.settings import OVERRIDES, SETTINGS_FILE, load_settings, settings_path
 from govray.tracking.store import TrackingStore
 from tests.helpers.builders import REPO
@@ -202,3 +204,12 @@ def test_govray_never_sets_a_govray_variable_for_itself(tmp_path: Path) -> None:
         "os.environ['RAY_AIR_NEW_OUTPUT'] = '0'\nos.environ |= {'GOVRAY_HOME': '/h'}\n"
     )
     assert sets_a_govray_variable(module) == ["module.py:2", "module.py:3", "module.py:5"]
+
+
+def test_the_tests_never_read_or_write_the_developers_govray_home() -> None:
+    """The session runs in a home of its own (``tests/conftest.py``), with no setting overridden by
+    the developer's environment: their settings, keys and Ray head are not the tests'."""
+    home = Path(os.environ["GOVRAY_HOME"])
+    assert home.name.startswith("govray-tests-home-") and home != Path("~/.govray").expanduser()
+    assert platform_key_path().is_relative_to(home)
+    assert [name for name in OVERRIDES if name in os.environ] == []

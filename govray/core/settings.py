@@ -15,8 +15,7 @@ setting overridable by one documented environment variable, and a command-line o
 
 ``GOVRAY_HOME`` itself says where the file is (and this machine's keys, logs and Ray head record).
 Every section and key is optional; an unknown one is refused, naming the file. govray reads these
-variables and never sets one: ``OVERRIDES`` is the whole list. Later issues add sections (the
-store context, the server, the signer) here.
+variables and never sets one: ``OVERRIDES`` is the whole list.
 """
 
 from __future__ import annotations
@@ -100,9 +99,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     environ = os.environ if environ is None else environ
     path = settings_path(environ)
     try:
-        stamp: tuple[int, int] | None = (path.stat().st_mtime_ns, path.stat().st_size)
+        found = path.stat()
     except OSError:
-        stamp = None
+        stamp: tuple[int, int] | None = None  # no file: every default
+    else:
+        stamp = (found.st_mtime_ns, found.st_size)
     return _loaded(str(path), stamp, tuple(environ.get(name, "") for name in OVERRIDES))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from govray.core.storage import Storage
 from govray.governance.adapter_files import save_adapter
 from govray.governance.memorization import MemorizationReport
 from govray.train.checkpoints.base_file import FrozenBase
@@ -32,7 +33,7 @@ from govray.train.control.controller import Controller
 from govray.train.control.decisions import GateDecision, RollbackDecision
 from govray.train.parallel.layouts import CleanState, Parts
 from govray.train.reproduce.record import use_deterministic_mode
-from govray.train.runspec import RUN_SPEC_FILE
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.step.governed import GovernedStep
 from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial
@@ -42,7 +43,7 @@ class TrialRun:
     """One worker's whole trial: the governed step, its controller, and the run's provenance."""
 
     def __init__(self, context: WorkerContext, governed: GovernedStep) -> None:
-        spec = self.spec = context.spec
+        spec = context.spec
         self.context = context
         self.governed = governed
         self.control: Controller[CleanState] = Controller(
@@ -52,8 +53,7 @@ class TrialRun:
         # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
-        self.storage = context.storage
-        self.base = FrozenBase(spec.run_dir, self.storage)  # a frozen base is written once per run
+        self.base = FrozenBase(spec.run_dir, context.storage)  # a frozen base is written once per run
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
         self.last_report: MemorizationReport | None = None
@@ -73,6 +73,14 @@ class TrialRun:
         self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
         # Who trained the state under which hyperparameters (a PBT clone continues its donor's).
         self.hparams_history = [TrainedUnder(from_step=0, run=self.run_name, hparams=spec.hparams)]
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.context.spec
+
+    @property
+    def storage(self) -> Storage:
+        return self.context.storage
 
     @classmethod
     def open(cls, context: WorkerContext) -> TrialRun:
@@ -245,18 +253,14 @@ class TrialRun:
         (:func:`continued_history`)."""
         slots = int(state.schedule["world_size"])
         self.governed.resume_slots(slots)
-        history = [(int(step), int(workers)) for step, workers in state.world_history] or [(0, slots)]
+        history = [(int(step), int(workers)) for step, workers in state.world_history]
         self.world_history = continued_history(history, state.step, self.governed.worker.world_size)
 
     def _continue_lineage(self, state: CheckpointState) -> None:
         """This run and its hyperparameters continue the checkpoint's history from its step (a
         resume of its own: nothing changes; a PBT clone: its donor's entries, then its own)."""
-        own = state.run in ("", self.run_name)  # (an older checkpoint: its donor's hyperparameters unknown)
-        recorded = state.hparams_history or [
-            TrainedUnder(from_step=0, run=state.run, hparams=self.spec.hparams if own else {})
-        ]
         entry = TrainedUnder(from_step=state.step, run=self.run_name, hparams=self.spec.hparams)
-        self.hparams_history = continued_lineage(recorded, state.step, entry)
+        self.hparams_history = continued_lineage(list(state.hparams_history), state.step, entry)
 
     def _refuse_clean_elsewhere(self, directory: Path, state: CheckpointState) -> None:
         """The layout refuses clean states it cannot keep (FSDP: another layout's shard files)."""
