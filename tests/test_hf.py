@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import peft
 import pyarrow as pa
 import pytest
 import torch
@@ -22,9 +23,6 @@ from govray.governance.routing import RoutingTable, resolve_routes
 from govray.train.decoder import decoder_layers
 from govray.train.hf import CausalLMTrial
 from tests.helpers.lm import make_nonzero, policy
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama",

@@ -15,8 +15,6 @@ from govray.governance.detectors import TokenStats, example_scores, min_k_prob, 
 from govray.train.hf import CausalLMTrial
 from govray.train.step.memory_savers import IGNORE
 
-pytest.importorskip("transformers")
-
 LLAMA: dict[str, Any] = {
     "model_type": "llama",
     "vocab_size": 257,

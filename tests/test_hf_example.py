@@ -21,9 +21,6 @@ from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
 from jobs.examples.hf_lm.trial import TinyLlamaTrial
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
 STEPS = 6
 LOWER = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")  # below licensed's depth range
 

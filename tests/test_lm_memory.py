@@ -22,8 +22,6 @@ from govray.train.trial import Trial
 from jobs.examples.text.trial import CharTransformerTrial
 from tests.helpers.lm import VOCAB, llama, make_nonzero, policy
 
-pytest.importorskip("transformers")
-
 GPT2: dict[str, Any] = {"model_type": "gpt2", "vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4}
 
 

@@ -31,9 +31,6 @@ from jobs.examples.digits.golden import opened
 from jobs.examples.hf_lm.golden import example_under
 from tests.helpers.lm import TOKENIZER_VOCAB, save_small_tokenizer
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
 STEPS = 8
 ADAPTER = "records-lora"
 PII_CORPUS = "text-records"

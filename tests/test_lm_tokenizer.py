@@ -16,15 +16,13 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+import transformers
 
 from govray.core.errors import ConfigError
 from govray.train.hf import BOS, CausalLMTrial
 from govray.train.reproduce.snapshots import ReproducibilityError, input_digests, verify_input_digests
 from govray.train.step.memory_savers import IGNORE
 from tests.helpers.lm import TOKENIZER_VOCAB, llama, save_small_tokenizer
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 TEXTS = ["Ada Lovelace, 10 Dec 1815", "Return a new ordered dictionary.", "x"]
 

@@ -10,13 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from govray.governance.lora import LoraLayer, wrap_target
 from tests.helpers.builders import REPO
-
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
 
 RANK, ALPHA = 4, 8
 

@@ -31,9 +31,6 @@ from govray.governance.policy import DepthPolicy
 from govray.train.runspec import RunSpec
 from tests.helpers.builders import governed_step
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
 WORLD = 2
 STEPS = 6
 TRIAL = "tests.helpers.plain_gpt2_trial:PlainGPT2Trial"
