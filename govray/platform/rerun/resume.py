@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.storage import Storage, open_storage
@@ -136,25 +137,9 @@ def resume_trial(
             f"trial {trial.id} replays trial {trial.replay_of}, which was resized: it resumes on that "
             f"trial's world sizes, not on the workers asked (leave out --workers); {describe_segments(left)}"
         )
-    trial_id, run_name = trial.id, trial.ray_run_name
-
-    def train(on: ExperimentConfig, continued: RunSpec, pause_at: int | None) -> TrialOutcome:
-        return train_run(
-            on,
-            checked,
-            storage,
-            experiment,
-            store,
-            trial_id,
-            run_name,
-            continued,
-            progress,
-            pause_at=pause_at,
-            recorded_code_dir=code,
-        )
-
+    fit = Fit(checked, storage, experiment, store, trial.id, trial.ray_run_name, progress, code)
     with mirrored(store, config.tracking.mlflow, trial.experiment_id):
-        return train(config, spec, None) if left is None else _train_segments(train, config, spec, left)
+        return fit(config, spec) if left is None else _train_segments(fit, config, spec, left)
 
 
 def replay_segments_left(
@@ -210,40 +195,56 @@ def run_segments(
     left."""
     assert experiment.id is not None
     trial_id, run_name, spec = start_planned(plan, experiment, store, replay_of=replay_of)
-
-    def train(on: ExperimentConfig, continued: RunSpec, pause_at: int | None) -> TrialOutcome:
-        return train_run(
-            on,
-            plan.checked,
-            plan.storage,
-            experiment,
-            store,
-            trial_id,
-            run_name,
-            continued,
-            progress,
-            pause_at=pause_at,
-        )
-
+    fit = Fit(plan.checked, plan.storage, experiment, store, trial_id, run_name, progress)
     with mirrored(store, plan.config.tracking.mlflow, experiment.id):
-        return _train_segments(train, plan.config, spec, segments, respec)
+        return _train_segments(fit, plan.config, spec, segments, respec)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What every fit of one recorded trial shares (``train_run``'s arguments but the workers, the
+    spec and where a segment pauses); a resume's fits import the trial's recorded code."""
+
+    checked: CheckedPolicy
+    storage: Storage
+    experiment: Experiment
+    store: TrackingStore
+    trial_id: int
+    run_name: str
+    progress: Progress | None
+    recorded_code_dir: str = ""
+
+    def __call__(self, config: ExperimentConfig, spec: RunSpec, pause_at: int | None = None) -> TrialOutcome:
+        return train_run(
+            config,
+            self.checked,
+            self.storage,
+            self.experiment,
+            self.store,
+            self.trial_id,
+            self.run_name,
+            spec,
+            self.progress,
+            pause_at=pause_at,
+            recorded_code_dir=self.recorded_code_dir,
+        )
 
 
 def _train_segments(
-    train: Callable[[ExperimentConfig, RunSpec, int | None], TrialOutcome],
+    fit: Fit,
     config: ExperimentConfig,
     spec: RunSpec,
     segments: tuple[WorldSegment, ...],
     respec: Respec | None = None,
 ) -> TrialOutcome:
-    """``train`` each segment on its world size (``config`` on its workers) with its spec
+    """``fit`` each segment on its world size (``config`` on its workers) with its spec
     (``respec``'s, else ``spec``), each but the last to a pause at its end; stops at a segment that
     ended otherwise."""
     outcome: TrialOutcome | None = None
     for segment in segments:
         pause_at = segment.end if segment.end < spec.max_steps else None
         trained = respec(segment, spec) if respec is not None else spec
-        outcome = train(on_workers(config, segment.workers), trained, pause_at)
+        outcome = fit(on_workers(config, segment.workers), trained, pause_at)
         paused_at_end = outcome.state == TrialState.PAUSED.value and outcome.steps_done == segment.end
         if pause_at is None or not paused_at_end:
             break
