@@ -148,6 +148,8 @@ def test_a_preempted_decision_is_kept_in_checkpoints_and_the_next_decision_follo
             "policy_digest": "",
             "config_digest": "",
             "ledger": {},
+            "world_history": [[0, 1]],
+            "hparams_history": [{"from_step": 0, "run": "run", "hparams": {}}],
             **control.state(),
         }
     )
