@@ -132,7 +132,7 @@ RUNS = [
     pytest.param(  # two ranks on one GPU: gloo carries CUDA tensors (NCCL cannot put both there)
         "ddp",
         "cuda",
-        marks=pytest.mark.gpu,  # collected only with -m gpu
+        marks=pytest.mark.gpu,  # selected only with -m gpu
     ),
 ]
 

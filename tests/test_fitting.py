@@ -80,3 +80,29 @@ def test_a_request_is_written_whole_where_rank_0_reads_it(tmp_path: Path) -> Non
     assert control.read_text() == "pause"
     pass_request(control, "kill")
     assert control.read_text() == "kill" and sorted(p.name for p in control.parent.iterdir()) == ["run-a"]
+
+
+def test_a_last_look_that_fails_after_the_fit_failed_does_not_hide_the_fits_error() -> None:
+    """The worker's failure is what the run reports, not a recording hiccup after it."""
+
+    def fit() -> None:
+        raise ValueError("worker failed")
+
+    def look() -> None:
+        raise ConnectionError("the sink is gone")
+
+    with pytest.raises(ValueError, match="worker failed"):
+        fit_polled(fit, look, period=0.01, name="test-fit")
+
+
+def test_a_last_look_that_fails_after_the_fit_succeeded_is_raised() -> None:
+    """A run whose last reports could not be recorded is not reported as done."""
+    calls: list[int] = []
+
+    def look() -> None:
+        calls.append(1)
+        raise ConnectionError("the store is gone")
+
+    with pytest.raises(ConnectionError, match="the store is gone"):
+        fit_polled(lambda: 1, look, period=0.01, name="test-fit")
+    assert calls == [1]

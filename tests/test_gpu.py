@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 HF_EXAMPLE = REPO / "jobs" / "examples" / "hf_lm" / "experiment.yaml"
 STEPS = 8
 
-pytestmark = pytest.mark.gpu  # collected only with -m gpu (on a GPU machine: jobs/gpu_check.py)
+pytestmark = pytest.mark.gpu  # selected only with -m gpu (on a GPU machine: jobs/gpu_check.py)
 
 
 # --- (a), (c): the Hugging Face example on one GPU worker ------------------------------------------

@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from govray.core.errors import AttestationError, GovrayError, IngestError
+from govray.core.errors import GovrayError, IngestError
 from govray.core.identifiers import CorpusId, check
 from govray.data.packed import PackedStore
 from govray.data.schedule import ScheduleSpec
@@ -332,10 +331,10 @@ def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None
 
 
 def _run_spec(experiment: Experiment, trial: TrialRecord, checkpoint: Path | None) -> RunSpec | None:
-    """The run's spec: the one its latest checkpoint names, else ``STORAGE/runs/RUN.json``."""
+    """The run's spec: the one its latest checkpoint holds, else (no checkpoint yet)
+    ``STORAGE/runs/RUN.json``."""
     if checkpoint is not None:
-        with contextlib.suppress(AttestationError):  # a checkpoint from before checkpoints held one
-            return run_spec_of(checkpoint)
+        return run_spec_of(checkpoint)
     path = Path(experiment.storage_path) / "runs" / f"{trial.ray_run_name}.json"
     if trial.ray_run_name is None or not path.is_file():
         return None

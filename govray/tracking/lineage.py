@@ -2,8 +2,8 @@
 deleted by GC) and which corpus reached which tensor.
 
 Each recorded checkpoint has its own ledger rows (``checkpoint_id`` set): what had reached each
-tensor by its step. Rows without a checkpoint id are a trial's ledger recorded at its end, as
-stores written before checkpoints had their own hold them. GC deleting a checkpoint drops its rows
+tensor by its step. Rows without a checkpoint id are a trial's ledger recorded at its end by a run
+that seals no checkpoint. GC deleting a checkpoint drops its rows
 unless a registered version or an attestation points at it, or it is its trial's latest (the
 trial's ledger): a trial keeps at most (its checkpoints GC keeps + those it attested or
 registered + 1) x corpora x tensors rows, however long it runs."""

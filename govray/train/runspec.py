@@ -2,9 +2,11 @@
 worker (and is kept in every checkpoint as ``run.json``), and the ``Attempt`` that carries it.
 
 The driver builds it (``govray.platform.run.plan.plan_run``), complete: nothing edits it after
-planning, so the spec a run's workers train, its ``runs/RUN.json`` and every checkpoint's
-``run.json`` are one document. What differs between fits of one run (where this one resumes or
-pauses, whom it reports to, which copy of the trial's code it imports) is the ``Attempt``'s.
+planning, so what a run's workers train is the spec its driver planned and recorded
+(``runs/RUN.json``), and every checkpoint's ``run.json`` is that document (a replay along a PBT
+lineage trains each lineage entry's own plan, recorded in the checkpoints of its segment). What
+differs between fits of one run (where this one resumes or pauses, whom it reports to, which copy
+of the trial's code it imports) is the ``Attempt``'s.
 Attestation, row lookup and search read the spec without importing the training loop. It
 carries the run's routing table, resolved by the driver on a meta-device model: readers take it
 from here instead of building the model, and every worker checks that its own model resolves to

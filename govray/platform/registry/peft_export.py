@@ -14,12 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from govray.core.keys import TrustConfig
+from govray.core.storage import open_storage
 from govray.governance.adapter_files import read_adapter_factors
 from govray.governance.adapters import AdapterError
 from govray.governance.peft_format import peft_task_type, write_peft_adapter
 from govray.governance.routing import lora_target_kind
+from govray.platform.run.plan import code_directory
 from govray.train.checkpoints.files import load_checkpoint
-from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
+from govray.train.reproduce.snapshots import CodeSnapshot, use_recorded_code
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 from govray.train.trial import importable, make_trial
 
 
@@ -41,7 +44,7 @@ def export_peft_adapter(directory: Path, adapter: str, out: Path, trust: TrustCo
     targets = next(
         (table.adapter_targets[route] for route, name in table.adapter_names.items() if name == adapter), ()
     )
-    importable(spec.code_dir)
+    _import_trial_code(spec)
     model = make_trial(spec.trial, spec.hparams, spec.settings).build_meta_model()
     kinds = {}
     for target in targets:
@@ -52,3 +55,15 @@ def export_peft_adapter(directory: Path, adapter: str, out: Path, trust: TrustCo
     factors = read_adapter_factors(path, adapter, targets)
     name = getattr(model, "name_or_path", None) or None
     return write_peft_adapter(out, declared, kinds, factors, name, peft_task_type(model))
+
+
+def _import_trial_code(spec: RunSpec) -> None:
+    """The trial's recorded code snapshot (what the run ran, verified), or for a spec without a
+    reproducibility record (a tool's) the directory it was planned in."""
+    code = spec.reproducibility.get("code")
+    if code is None:
+        importable(spec.code_dir)
+        return
+    snapshot = CodeSnapshot.model_validate(code)
+    storage = open_storage(spec.storage)
+    use_recorded_code(snapshot, code_directory(storage, snapshot), storage)

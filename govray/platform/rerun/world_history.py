@@ -5,7 +5,7 @@ EXP --workers N``, an elastic restart) is reproduced bit for bit only on the sam
 the same steps. Its final checkpoint records them, signed (``CheckpointState.world_history``: the
 checkpoint chain's, so steps a failure lost and the new world trained again count as the new
 world's). The replay runs one segment per entry: W1 workers from step 0 to s2, where it pauses
-with a sealed checkpoint (``RunSpec.pause_at``), then W2 workers resume from that checkpoint to s3
+with a sealed checkpoint (``Attempt.pause_at``), then W2 workers resume from that checkpoint to s3
 (a resume on another world size: the schedule's slots per step stay the run's first, which a
 replay whose first segment runs on another world size plans from the start), and so on.
 Its own checkpoints then carry the same history. A history of one entry is one run, as before.

@@ -15,12 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 Fitted = TypeVar("Fitted")
+logger = logging.getLogger(__name__)
 
 
 def fit_polled(
@@ -32,8 +34,9 @@ def fit_polled(
     abandon: Callable[[], None] | None = None,
 ) -> Fitted:
     """``fit()`` in a thread called ``name`` while ``look()`` runs here every ``period`` seconds
-    and once after the fit ended; returns what the fit returned, or raises what it raised. If
-    ``look`` raises while the fit runs, ``abandon()`` is called before the exception goes on."""
+    and once after the fit ended; returns what the fit returned, or raises what it raised (a last
+    look that fails after the fit failed is logged: the fit's error is the one raised). If ``look``
+    raises while the fit runs, ``abandon()`` is called before the exception goes on."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -49,7 +52,13 @@ def fit_polled(
         while not ended:
             thread.join(timeout=period)
             ended = not thread.is_alive()
-            look()  # (once more after the end: what the fit did last)
+            try:
+                look()  # (once more after the end: what the fit did last)
+            except Exception as error:
+                if not (ended and "error" in outcome):
+                    raise
+                # The fit failed first: its error is the one to tell (the last look's is logged).
+                logger.warning("after the fit failed, its last look failed too: %s", error)
     finally:
         if thread.is_alive() and abandon is not None:
             abandon()

@@ -1,7 +1,7 @@
 """A ledger per checkpoint in the tracking store: stored as each checkpoint is recorded, from its
 verified ``state.json``. A checkpoint whose ledger could not be stored then (its ``state.json`` did
-not verify, or storage failed: the recorder logs why) gets it on the first lineage request for it,
-or that request says why not.
+not verify: the recorder logs why) gets it on the first lineage request for it, or that request
+says why not.
 
 Lineage, influence and row lookups then answer for every recorded checkpoint, and for a running
 trial as of its latest one. Nothing is stored that was not verified: a checkpoint's ``state.json``

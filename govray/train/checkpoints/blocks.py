@@ -7,8 +7,8 @@ so each tensor file a checkpoint's ranks may read by ranges (model and optimizer
 sharded) gets a side file ``NAME.blocks.json``: the sha256 of each ``block_size`` block of it. The
 side file is listed in the signed manifest like any file (its digest verified whole: it is small),
 so a block read and hashed is as trusted as the whole file. Written in the same pass that hashes
-the file. Checkpoints written before block digests have no side files: their readers verify
-whole files instead.
+the file. A frozen base a checkpoint refers to by digest has no side file: its readers verify it
+whole.
 """
 
 from __future__ import annotations

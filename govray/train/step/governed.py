@@ -117,8 +117,9 @@ class GovernedStep:
             if spec.packed_root
             else None
         )
-        # The schedule's slots per step: the run's (an elastic run's most workers), this world's
-        # size in a run planned before they were recorded, or a resumed run's (``resume_slots``).
+        # The schedule's slots per step: the run's (an elastic run's most workers, a replay's
+        # original's), this world's size for a fixed-size run (0), or a resumed run's
+        # (``resume_slots``).
         self.slots_per_step = worker.world_size
         if spec.slots_per_step:
             self.resume_slots(spec.slots_per_step)
