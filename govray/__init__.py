@@ -4,7 +4,7 @@ The public API is below; everything else is reached through its layer's package.
 bottom to top (a package imports only its own and lower ones; ``tests/test_layering.py`` holds the
 list and enforces it, and checks this docstring and README's layout against it):
 
-    core → governance → config → data → train → tracking → provenance → platform → queries → cli
+    core → governance → config → data → train → signer → tracking → provenance → platform → queries → cli
 
 Names are imported on first use, so ``import govray`` stays cheap (no torch, no Ray). A run, as
 ``govray run`` does it::

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"data"},
     {"train"},
+    {"signer"},
     {"tracking"},
     {"provenance"},
     {"platform"},

@@ -97,6 +97,10 @@ SUBCOMMANDS = {
     "trial": Subcommand("govray.cli.trial:app", "Trials in the tracking store."),
     "audit": Subcommand("govray.cli.audit:app", "The audit log: verify its hash chain, list its events."),
     "keys": Subcommand("govray.cli.keys:app", "Signing keys of the two roles, rotation and revocation."),
+    "signer": Subcommand(
+        "govray.cli.signer:app",
+        "The platform's signer: the one process that uses the platform's private keys.",
+    ),
     "model": Subcommand(
         "govray.cli.model:app", "The model registry: versions of checkpoints, tags, adapter removal."
     ),

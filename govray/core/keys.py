@@ -163,9 +163,10 @@ class SigningKey:
             return self._private.sign(data)
         return self._private.sign(data, ec.ECDSA(hashes.SHA256()))
 
-    def save(self, prefix: Path) -> tuple[Path, Path]:
-        """Write ``PREFIX.key`` (private, 0600) and ``PREFIX.pub`` (public, YAML; an ECDSA key also
-        ``PREFIX.pub.pem``); refuse to overwrite."""
+    def save(self, prefix: Path, passphrase: bytes | None = None) -> tuple[Path, Path]:
+        """Write ``PREFIX.key`` (private, 0600; encrypted under ``passphrase`` when given: the
+        signer's key file) and ``PREFIX.pub`` (public, YAML; an ECDSA key also ``PREFIX.pub.pem``);
+        refuse to overwrite."""
         private_path, public_path = prefix.with_suffix(".key"), prefix.with_suffix(".pub")
         pem_path = prefix.with_suffix(".pub.pem")
         for path in (private_path, public_path, pem_path):
@@ -175,7 +176,7 @@ class SigningKey:
         pem = self._private.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
+            serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption(),
         )
         header = f"# govray {self.role.value} key {self.keyid}\n".encode()
         descriptor = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -187,8 +188,9 @@ class SigningKey:
         return private_path, public_path
 
     @classmethod
-    def load(cls, path: Path) -> SigningKey:
-        """Load ``PATH`` (a ``.key`` file written by :meth:`save`)."""
+    def load(cls, path: Path, passphrase: bytes | None = None) -> SigningKey:
+        """Load ``PATH`` (a ``.key`` file written by :meth:`save`; an encrypted one needs its
+        ``passphrase``, and a wrong or missing one is refused)."""
         try:
             text = path.read_bytes()
         except OSError as error:
@@ -196,9 +198,14 @@ class SigningKey:
         role = _role_from_header(text, path)
         pem = b"\n".join(line for line in text.splitlines() if not line.startswith(b"#"))
         try:
-            private = serialization.load_pem_private_key(pem, password=None)
+            private = serialization.load_pem_private_key(pem, password=passphrase or None)
+        except TypeError:  # encrypted without a passphrase given, or a passphrase for a plain key
+            state = "encrypted: its passphrase is needed" if passphrase is None else "not encrypted"
+            raise SignatureError(f"{path}: the key is {state}") from None
         except ValueError as error:
-            raise SignatureError(f"{path} is not a PEM private key: {error}") from None
+            raise SignatureError(
+                f"{path} is not a PEM private key (or the passphrase is wrong): {error}"
+            ) from None
         if isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp256r1":
             return cls(private, role)
         if not isinstance(private, Ed25519PrivateKey):

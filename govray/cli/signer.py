@@ -1,0 +1,75 @@
+"""``govray signer init | serve``: the platform's signer, the one process that uses its keys.
+
+``init`` creates the platform key, encrypted under a passphrase, in the signer's directory (never
+silently: an existing key is refused). ``serve`` unlocks it and answers on a Unix socket: a run's
+channel seals that run's checkpoints, later steps only, over files the signer hashes itself
+(``govray.signer``). The passphrase comes from ``--passphrase-file`` (e.g. a secret the deployment
+mounts) or is asked for; it is never an argument or an environment variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import typer
+
+from govray.cli.common import console
+from govray.core.keys import KeyRole, SigningKey, govray_home
+
+app = typer.Typer(
+    help="The platform's signer: the one process that uses the platform's private keys.", no_args_is_help=True
+)
+
+KEY_NAME = "platform"  # DIR/platform.key (encrypted), DIR/platform.pub
+Directory = typer.Option(None, "--dir", help="The signer's directory (default GOVRAY_HOME/signer).")
+PassphraseFile = typer.Option(
+    None, "--passphrase-file", help="A file holding the key's passphrase (default: asked for)."
+)
+
+
+def signer_dir(directory: Path | None) -> Path:
+    return directory if directory is not None else govray_home() / "signer"
+
+
+def passphrase(path: Path | None, confirm: bool = False) -> bytes:
+    """The passphrase: the file's first line, or typed (twice when a key is created)."""
+    if path is not None:
+        text = path.read_text().splitlines()[0] if path.read_text() else ""
+    else:
+        text = typer.prompt("passphrase", hide_input=True, confirmation_prompt=confirm)
+    if not text:
+        raise typer.BadParameter(
+            "an empty passphrase would leave the key unencrypted", param_hint="--passphrase-file"
+        )
+    return text.encode()
+
+
+@app.command("init")
+def init(directory: Path | None = Directory, passphrase_file: Path | None = PassphraseFile) -> None:
+    """Create the platform key, encrypted under a passphrase, in the signer's directory; print its key id."""
+    root = signer_dir(directory)
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    private, public = key.save(root / KEY_NAME, passphrase=passphrase(passphrase_file, confirm=True))
+    console.print(f"platform key {key.keyid}: {private} (encrypted), public half {public}", highlight=False)
+
+
+@app.command("serve")
+def serve(
+    directory: Path | None = Directory,
+    socket_path: Path | None = typer.Option(
+        None, "--socket", help="The Unix socket (default DIR/signer.sock)."
+    ),
+    passphrase_file: Path | None = PassphraseFile,
+) -> None:
+    """Unlock the platform key and seal runs' checkpoints on a Unix socket until stopped."""
+    from govray.signer.server import SignerServer
+    from govray.signer.service import Signer
+
+    root = signer_dir(directory)
+    key = SigningKey.load(root / f"{KEY_NAME}.key", passphrase(passphrase_file))
+    path = socket_path if socket_path is not None else root / "signer.sock"
+    with SignerServer(Signer(key, root / "state"), path) as server:
+        console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
+            server.serve_forever()

@@ -1,0 +1,124 @@
+"""The signer on a Unix socket (``govray signer serve``), and the client a run uses.
+
+The socket file is created mode 0660 in a directory the signer owns: who may connect is whoever
+the deployment puts in the socket's group (the workers' OS user), never a network peer. Each
+connection is served in its own thread, one frame at a time; a refused frame is answered with
+``{"ok": false, "error": ...}`` and the connection stays usable.
+
+Example::
+
+    with SignerServer(Signer(key, state_dir), socket_path) as server:   # the signer's process
+        server.serve_forever()
+    client = SignerClient(socket_path)                                   # a run's driver, its rank 0
+    capability, after = client.open_run("/storage/ray/run-a")
+    sealed = client.seal(capability, "/storage/ray/run-a/checkpoint_00000010", 10)
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import socketserver
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from govray.core.dsse import Envelope
+from govray.core.errors import SignatureError
+from govray.signer.service import Sealed, Signer
+from govray.signer.wire import (
+    OpenRunRequest,
+    SealRequest,
+    WireError,
+    parse_request,
+    receive,
+    receive_frame,
+    send,
+)
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    server: SignerServer
+
+    def handle(self) -> None:
+        while True:
+            try:
+                frame = receive_frame(self.request)
+            except WireError as error:
+                send(self.request, {"ok": False, "error": str(error)})
+                return  # a frame it cannot delimit: the stream is lost
+            if frame is None:
+                return
+            send(self.request, self.server.answer(frame))
+
+
+class SignerServer(socketserver.ThreadingUnixStreamServer):
+    """Serves ``signer`` on ``path`` (mode 0660; an old socket file there is replaced)."""
+
+    daemon_threads = True
+
+    def __init__(self, signer: Signer, path: Path) -> None:
+        self.signer, self.path = signer, Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_socket():
+            self.path.unlink()
+        super().__init__(str(self.path), _Connection)
+        os.chmod(self.path, 0o660)
+
+    def answer(self, frame: bytes) -> dict[str, Any]:
+        """The answer to one request frame (a refusal says why, and loses nothing)."""
+        try:
+            request = parse_request(frame)
+            if isinstance(request, OpenRunRequest):
+                capability, after = self.signer.open_run(request.run_dir)
+                return {"ok": True, "capability": capability, "after_step": after}
+            sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
+        except SignatureError as error:
+            return {"ok": False, "error": str(error)}
+        return {
+            "ok": True,
+            "manifest": base64.b64encode(sealed.manifest).decode(),
+            "envelope": sealed.envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
+        }
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        super().__exit__(kind, error, trace)
+        self.path.unlink(missing_ok=True)
+
+
+class SignerClient:
+    """A connection to the signer at ``path``: one request at a time."""
+
+    def __init__(self, path: Path, timeout: float = 120.0) -> None:
+        self.path, self.timeout = Path(path), timeout
+
+    def open_run(self, run_dir: str) -> tuple[str, int]:
+        """(a capability for the run's checkpoints, the last step the signer sealed for it)."""
+        answer = self._ask({"op": "open_run", "run_dir": run_dir})
+        return str(answer["capability"]), int(answer["after_step"])
+
+    def seal(
+        self, capability: str, folder: str, step: int, referenced: dict[str, str] | None = None
+    ) -> Sealed:
+        """The signer's manifest of checkpoint ``folder`` at ``step``, and its envelope."""
+        request = SealRequest(
+            op="seal", capability=capability, folder=folder, step=step, referenced=referenced or {}
+        )
+        answer = self._ask(request.model_dump())
+        return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(self.timeout)
+            try:
+                connection.connect(str(self.path))
+            except OSError as error:
+                raise SignatureError(f"no signer at {self.path}: {error.strerror}") from None
+            send(connection, request)
+            answer = receive(connection)
+        if not answer.get("ok"):
+            raise SignatureError(f"the signer refused: {answer.get('error')}")
+        return answer

@@ -1,0 +1,126 @@
+"""What crosses the signer's socket: one JSON object per frame, each way.
+
+A frame is 4 bytes of length (big-endian) and that many bytes of UTF-8 JSON: an object with an
+``op`` and its fields. Anything else is refused before it is looked at further — bytes that are
+not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an op the signer does
+not offer, a field it does not know — with an answer saying why; the signer never unpickles.
+
+Ops: ``open_run`` (a capability for one run's checkpoints) and ``seal`` (one checkpoint of that
+run). The signer signs nothing else for a run's channel: no attestation, no model signature, no
+tree head, no bytes a caller chose.
+
+Example::
+
+    send(sock, {"op": "open_run", "run_dir": "/storage/ray/run-a"})
+    answer = receive(sock)   # {"ok": true, "capability": "...", "after_step": 0}
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from govray.core.canonical import canonical_json
+from govray.core.errors import SignatureError, describe_validation_error
+
+MAX_FRAME = 1 << 20  # bytes: a request names files, it never carries them
+PICKLE_PROTOCOL_MARK = 0x80  # the first byte of a pickle stream (protocol 2 and later)
+
+
+class WireError(SignatureError):
+    """A frame the signer will not read (not JSON, too long, not an op it offers)."""
+
+
+class OpenRunRequest(BaseModel):
+    """A capability for the checkpoints of the run in ``run_dir`` (an absolute path)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["open_run"]
+    run_dir: str
+
+
+class SealRequest(BaseModel):
+    """Seal checkpoint ``folder`` (``RUN_DIR/checkpoint_STEP``) at ``step``: the signer hashes its
+    files and signs their manifest. ``referenced``: the frozen base the checkpoint refers to by its
+    sha256 instead of holding it (``{"model.safetensors": SHA256}``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["seal"]
+    capability: str
+    folder: str
+    step: int = Field(ge=1)
+    referenced: dict[str, str] = Field(default_factory=dict)
+
+
+Request = Annotated[OpenRunRequest | SealRequest, Field(discriminator="op")]
+_REQUEST: TypeAdapter[OpenRunRequest | SealRequest] = TypeAdapter(Request)
+
+
+def parse_request(frame: bytes) -> OpenRunRequest | SealRequest:
+    """The request in ``frame``, or ``WireError`` saying why it is refused."""
+    if frame[:1] == bytes([PICKLE_PROTOCOL_MARK]):
+        raise WireError("a pickled payload is refused: the signer reads JSON only")
+    try:
+        document = json.loads(frame.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise WireError("the frame is not JSON: the signer reads JSON only") from None
+    if not isinstance(document, dict):
+        raise WireError("a request is a JSON object with an 'op'")
+    if document.get("op") not in ("open_run", "seal"):
+        raise WireError(
+            f"op {document.get('op')!r} is not offered: a run's channel opens a run and seals its "
+            "checkpoints, nothing else (no attestation, model signature, tree head or other bytes)"
+        )
+    try:
+        return _REQUEST.validate_python(document)
+    except ValidationError as error:
+        raise WireError(f"malformed {document['op']} request: {describe_validation_error(error)}") from None
+
+
+def send(connection: socket.socket, document: dict[str, Any]) -> None:
+    """One frame: ``document`` as canonical JSON."""
+    data = canonical_json(document)
+    connection.sendall(struct.pack(">I", len(data)) + data)
+
+
+def receive_frame(connection: socket.socket) -> bytes | None:
+    """The next frame's bytes; None when the peer closed the connection before one began."""
+    head = _read(connection, 4)
+    if head is None:
+        return None
+    (length,) = struct.unpack(">I", head)
+    if length > MAX_FRAME:
+        raise WireError(f"a frame of {length} bytes (at most {MAX_FRAME}): refused")
+    data = _read(connection, length)
+    if data is None:
+        raise WireError("the connection closed inside a frame")
+    return data
+
+
+def receive(connection: socket.socket) -> dict[str, Any]:
+    """The next frame as a JSON object (what a client reads back)."""
+    frame = receive_frame(connection)
+    if frame is None:
+        raise WireError("the signer closed the connection without an answer")
+    document = json.loads(frame)
+    if not isinstance(document, dict):
+        raise WireError("the signer's answer is not a JSON object")
+    return document
+
+
+def _read(connection: socket.socket, count: int) -> bytes | None:
+    """Exactly ``count`` bytes, or None if the peer closed the connection first."""
+    chunks, left = [], count
+    while left:
+        chunk = connection.recv(min(left, 1 << 16))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,294 @@
+"""The platform's signer (``govray signer``): the one process that holds the platform key, reached
+over a Unix socket in JSON. What a bad-faith engineer with the socket, their own run and write
+access to storage tries, and what the signer answers:
+
+- a pickled payload, bytes that are not JSON, an op it does not offer (an attestation, a tree
+  head, bytes of their choosing): refused, saying why, and the connection stays usable;
+- another run's checkpoint, an earlier or the same step again, a file linked in from outside the
+  run, a folder linked out of it, a base that does not hash to its reference, digests of their
+  own: refused (the signer hashes every file itself; a request has no field for digests);
+- a capability after the run was opened again (a resume) is revoked; a restarted signer keeps the
+  live one (kept as its digest only) and still refuses the steps it sealed;
+- what it does seal verifies as a govray checkpoint under the platform's trust;
+- ``govray signer serve`` is its own process, with its key encrypted at rest, and loads neither
+  torch nor Ray (measured in its memory map).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from threading import Thread
+
+import pytest
+
+from govray.core.canonical import file_sha256
+from govray.core.errors import SignatureError
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
+from govray.signer.server import SignerClient, SignerServer
+from govray.signer.service import Signer
+from govray.signer.wire import receive, send
+from govray.train.checkpoints.manifest import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    SIGNATURE_FILE,
+    Manifest,
+    signed_manifest,
+)
+
+KEY = SigningKey.generate(KeyRole.PLATFORM)
+TRUST = platform_trust(KEY)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path (a Unix socket's path is at most 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def signer_at(short_dir: Path) -> Iterator[Path]:
+    """A signer serving on a socket in a thread of this process; yields the socket's path."""
+    server = SignerServer(Signer(KEY, short_dir / "state"), short_dir / "s.sock")
+    thread = Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.path
+    server.shutdown()
+    server.server_close()
+
+
+def checkpoint(run_dir: Path, step: int, weights: bytes = b"weights") -> Path:
+    folder = run_dir / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "state.json").write_text(f'{{"step": {step}}}')
+    return folder
+
+
+def seal_into(client: SignerClient, capability: str, folder: Path, step: int, **referenced: str) -> Manifest:
+    """Seal and write the manifest and its signature into the folder, as a worker will."""
+    sealed = client.seal(capability, str(folder), step, dict(referenced) or None)
+    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
+    return Manifest.model_validate_json(sealed.manifest)
+
+
+def raw_answer(path: Path, frame: bytes) -> dict[str, object]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(str(path))
+        connection.sendall(len(frame).to_bytes(4, "big") + frame)
+        answer = receive(connection)
+        send(connection, {"op": "open_run", "run_dir": "/runs/after-a-refusal"})
+        assert receive(connection)["ok"] is True  # the connection stays usable
+    return answer
+
+
+def test_a_sealed_checkpoint_lists_what_the_signer_hashed_and_verifies_as_the_platforms(
+    signer_at: Path, tmp_path: Path
+) -> None:
+    client = SignerClient(signer_at)
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, after = client.open_run(str(run_dir))
+    assert after == 0
+    folder = checkpoint(run_dir, 10)
+    manifest = seal_into(client, capability, folder, 10)
+    assert manifest.step == 10
+    assert manifest.files == {
+        name: file_sha256(folder / name) for name in ("model.safetensors", "state.json")
+    }
+    verified, signer = signed_manifest(folder, TRUST)
+    assert verified == manifest and signer == KEY.keyid
+
+
+@pytest.mark.parametrize(
+    ("frame", "refused"),
+    [
+        (pickle.dumps({"op": "seal", "capability": "x"}), "a pickled payload is refused"),
+        (b"\x00\x01 not json", "not JSON"),
+        (b"[1, 2]", "a JSON object"),
+        (b'{"op": "sign_attestation", "payload": "e30="}', "is not offered"),
+        (b'{"op": "sign_tree_head", "root": "00"}', "is not offered"),
+        (
+            b'{"op": "sign", "payload": "e30=", "payloadType": "application/vnd.in-toto+json"}',
+            "is not offered",
+        ),
+        (
+            b'{"op": "seal", "capability": "c", "folder": "/r/checkpoint_00000001", "step": 1,'
+            b' "files": {"model.safetensors": "00"}}',
+            "malformed seal request",
+        ),
+    ],
+)
+def test_what_is_not_a_request_it_offers_is_refused_and_the_connection_stays_usable(
+    signer_at: Path, frame: bytes, refused: str
+) -> None:
+    answer = raw_answer(signer_at, frame)
+    assert answer["ok"] is False and refused in str(answer["error"])
+
+
+def test_a_capability_seals_its_own_runs_later_steps_only(signer_at: Path, tmp_path: Path) -> None:
+    client = SignerClient(signer_at)
+    mine, theirs = tmp_path / "ray" / "mine", tmp_path / "ray" / "theirs"
+    capability, _ = client.open_run(str(mine))
+    client.open_run(str(theirs))
+    with pytest.raises(SignatureError, match="not this run's checkpoint folder"):
+        client.seal(capability, str(checkpoint(theirs, 5)), 5)
+    seal_into(client, capability, checkpoint(mine, 10), 10)
+    for step in (10, 5):  # the same step again (other bytes), an earlier one
+        folder = mine / f"checkpoint_{step:08d}"
+        if not folder.exists():
+            checkpoint(mine, step)
+        (folder / "model.safetensors").write_bytes(b"forged")
+        with pytest.raises(SignatureError, match="is not after step 10"):
+            client.seal(capability, str(folder), step)
+    with pytest.raises(SignatureError, match="not this run's checkpoint folder of step 20"):
+        client.seal(capability, str(checkpoint(mine, 21)), 20)  # a folder of another step
+
+
+def test_files_from_outside_the_run_are_refused(signer_at: Path, tmp_path: Path) -> None:
+    client = SignerClient(signer_at)
+    run_dir, elsewhere = tmp_path / "ray" / "run-a", tmp_path / "elsewhere"
+    capability, _ = client.open_run(str(run_dir))
+    outside = checkpoint(elsewhere, 10, b"someone else's weights")
+    folder = checkpoint(run_dir, 10)
+    (folder / "adapter-pii.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(SignatureError, match="not a regular file"):
+        client.seal(capability, str(folder), 10)
+    (run_dir / "checkpoint_00000020").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(SignatureError, match="not a folder inside the run directory"):
+        client.seal(capability, str(run_dir / "checkpoint_00000020"), 20)
+    (folder / "adapter-pii.safetensors").unlink()
+    (folder / "nested").mkdir()
+    with pytest.raises(SignatureError, match="not a regular file"):
+        client.seal(capability, str(folder), 10)
+
+
+def test_a_referenced_base_is_hashed_in_the_runs_base_store(signer_at: Path, tmp_path: Path) -> None:
+    client = SignerClient(signer_at)
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = client.open_run(str(run_dir))
+    (run_dir / "base").mkdir(parents=True)
+    base = run_dir / "base" / "frozen.safetensors"
+    base.write_bytes(b"frozen base")
+    digest = file_sha256(base)
+    base.rename(run_dir / "base" / f"{digest}.safetensors")
+    folder = checkpoint(run_dir, 10)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(SignatureError, match="only model.safetensors may be referenced"):
+        client.seal(capability, str(folder), 10, {"state.json": digest})
+    with pytest.raises(SignatureError, match="not a file of the run's base store"):
+        client.seal(capability, str(folder), 10, {MODEL_FILE: "0" * 64})
+    (run_dir / "base" / f"{'1' * 64}.safetensors").write_bytes(b"not what its name says")
+    with pytest.raises(SignatureError, match="its sha256 is not"):
+        client.seal(capability, str(folder), 10, {MODEL_FILE: "1" * 64})
+    manifest = seal_into(client, capability, folder, 10, **{MODEL_FILE: digest})
+    assert manifest.referenced == [MODEL_FILE] and manifest.files[MODEL_FILE] == digest
+
+
+def test_opening_a_run_again_revokes_its_capability_and_a_restart_keeps_its_steps(
+    short_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "ray" / "run-a"
+    signer = Signer(KEY, short_dir / "state")
+    first, _ = signer.open_run(str(run_dir))
+    signer.seal(first, str(checkpoint(run_dir, 10)), 10, {})
+    second, after = signer.open_run(str(run_dir))  # a resume
+    assert after == 10
+    with pytest.raises(SignatureError, match="unknown or revoked capability"):
+        signer.seal(first, str(checkpoint(run_dir, 20)), 20, {})
+    restarted = Signer(KEY, short_dir / "state")  # the run's workers keep their capability
+    with pytest.raises(SignatureError, match="unknown or revoked capability"):
+        restarted.seal(first, str(run_dir / "checkpoint_00000020"), 20, {})
+    with pytest.raises(SignatureError, match="is not after step 10"):
+        restarted.seal(second, str(run_dir / "checkpoint_00000010"), 10, {})
+    restarted.seal(second, str(run_dir / "checkpoint_00000020"), 20, {})
+    assert second not in (short_dir / "state" / "runs.json").read_text()  # kept as its digest only
+
+
+def test_a_run_directory_is_an_absolute_path(short_dir: Path) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    for run_dir in ("ray/run-a", "/storage/ray/../../etc"):
+        with pytest.raises(SignatureError, match="absolute path without"):
+            signer.open_run(run_dir)
+
+
+def test_the_signer_takes_the_platform_key_only(short_dir: Path) -> None:
+    with pytest.raises(SignatureError, match="policy-authority key"):
+        Signer(SigningKey.generate(KeyRole.POLICY_AUTHORITY), short_dir / "state")
+
+
+def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_no_torch_or_ray(
+    short_dir: Path, tmp_path: Path
+) -> None:
+    secret = short_dir / "passphrase"
+    secret.write_text("correct horse\n")
+    home = {**os.environ, "GOVRAY_HOME": str(short_dir / "home")}
+    govray = [sys.executable, "-m", "govray"]
+    init = subprocess.run(
+        [*govray, "signer", "init", "--passphrase-file", str(secret)],
+        env=home,
+        capture_output=True,
+        text=True,
+    )
+    assert init.returncode == 0, init.stderr
+    key_file = short_dir / "home" / "signer" / "platform.key"
+    assert (
+        b"ENCRYPTED PRIVATE KEY" in key_file.read_bytes() and oct(key_file.stat().st_mode & 0o777) == "0o600"
+    )
+    again = subprocess.run(
+        [*govray, "signer", "init", "--passphrase-file", str(secret)],
+        env=home,
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode != 0 and "refusing to overwrite" in again.stdout + again.stderr
+    (short_dir / "wrong").write_text("wrong horse\n")
+    wrong = subprocess.run(
+        [*govray, "signer", "serve", "--passphrase-file", str(short_dir / "wrong")],
+        env=home,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.returncode != 0 and "passphrase is wrong" in wrong.stdout + wrong.stderr
+
+    socket_path = short_dir / "home" / "signer" / "signer.sock"
+    process = subprocess.Popen(
+        [*govray, "signer", "serve", "--passphrase-file", str(secret)],
+        env=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_path.is_socket():
+            assert process.poll() is None and time.monotonic() < deadline, (
+                process.stdout and process.stdout.read()
+            )
+            time.sleep(0.1)
+        assert oct(socket_path.stat().st_mode & 0o777) == "0o660"
+        client = SignerClient(socket_path)
+        run_dir = tmp_path / "ray" / "run-a"
+        capability, _ = client.open_run(str(run_dir))
+        folder = checkpoint(run_dir, 10)
+        seal_into(client, capability, folder, 10)
+        public = SigningKey.load(key_file, b"correct horse").public_key
+        assert signed_manifest(folder, TrustConfig(keys=[public]))[1] == public.keyid
+        mapped = Path(f"/proc/{process.pid}/maps").read_text()
+        assert "libtorch" not in mapped and "_raylet" not in mapped
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    assert not socket_path.exists()  # removed on the way out
