@@ -50,7 +50,6 @@ from torch import nn
 from torch.optim.optimizer import ParamsT
 
 from govray.config.training import OptimizerName, TrainingSettings
-from govray.core.canonical import file_sha256
 from govray.core.errors import ConfigError
 from govray.governance.detectors import TokenStats
 from govray.governance.policy import DepthPolicy
@@ -319,31 +318,3 @@ def load_trial_class(path: str) -> type[Trial]:
     if not (isinstance(trial, type) and issubclass(trial, Trial)):
         raise ConfigError(f"trial '{path}': '{class_name}' is not a govray Trial subclass in {module_name}")
     return trial
-
-
-def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
-    """Make ``directory`` — a verified code snapshot holding ``files`` (path relative to the
-    import root → sha256) — where this process imports those modules from, whatever its
-    working directory.
-
-    ``directory`` goes first on ``sys.path``. A module already imported from other bytes than the
-    recorded ones is dropped, so the next import reads the snapshot; one imported from the same
-    bytes is kept (its classes stay the ones other code holds), and a package among them also
-    looks in the snapshot first for its submodules.
-    """
-    if str(directory) in sys.path:
-        sys.path.remove(str(directory))  # moved first: the snapshot wins over what else is importable
-    importable(directory)
-    for relative, digest in files.items():
-        name = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        module = sys.modules.get(name)
-        loaded = getattr(module, "__file__", None)
-        if module is None or loaded is None:
-            continue
-        if not (Path(loaded).is_file() and file_sha256(Path(loaded)) == digest):
-            del sys.modules[name]  # other code than recorded: imported again, from the snapshot
-        elif relative.endswith("/__init__.py"):
-            package_dir = str((directory / relative).parent)
-            if package_dir not in module.__path__:
-                module.__path__.insert(0, package_dir)
-    importlib.invalidate_caches()

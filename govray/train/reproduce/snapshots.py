@@ -33,7 +33,8 @@ from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import ConfigError, GovrayError, IngestError
 from govray.core.storage import IN_PLACE, Storage
 from govray.data.fingerprint import corpus_files, directory_digest, fingerprint_files
-from govray.train.trial import Trial, import_code_from, load_trial_class
+from govray.train.reproduce.sealed_code import import_code_from
+from govray.train.trial import Trial, load_trial_class
 
 DEFAULT_MAX_COPY_BYTES = 2 * 1024**3
 
@@ -113,10 +114,19 @@ def _module_sources(trial_path: str, module_name: str) -> list[tuple[str, Path]]
 
 def verify_code(directory: Path, snapshot: CodeSnapshot) -> None:
     """Raise ReproducibilityError, naming the file, unless ``directory`` holds exactly the bytes
-    ``snapshot`` recorded."""
+    ``snapshot`` recorded, and nothing else (an extra module, or bytecode Python would prefer to a
+    source, would run unrecorded)."""
     where = f"code snapshot {snapshot.digest[:16]}… ({directory})"
     if code_digest(snapshot.files) != snapshot.digest:
         raise ReproducibilityError(f"{where}: the recorded file digests do not add up to its digest")
+    if directory.is_dir():
+        for path in sorted(directory.rglob("*")):
+            relative = path.relative_to(directory).as_posix()
+            if (path.is_file() or path.is_symlink()) and relative not in snapshot.files:
+                raise ReproducibilityError(
+                    f"{where}: {relative} is not one of its recorded files: refusing to run code that "
+                    "was not recorded"
+                )
     for relative, digest in snapshot.files.items():
         path = directory / relative
         if not path.is_file():
