@@ -126,3 +126,24 @@ def test_a_recorded_file_changed_after_the_check_is_refused_as_it_is_read(
     (directory / package / "trial.py").write_text("ANSWER = 'changed after the check'\n")
     with pytest.raises(ImportError, match="changed since its snapshot was verified"):
         importlib.import_module(record.module)
+
+
+@pytest.mark.parametrize("where", ["root", "package", "namespace"])
+def test_sourceless_bytecode_planted_after_the_check_is_refused(
+    snapshot: tuple[Path, CodeSnapshot, str], where: str
+) -> None:
+    """A .pyc with no source (Python's path finder loads one as the module itself) planted where
+    an import would find it: beside the recorded package, inside it, or as the ``__init__`` of a
+    directory of the snapshot that is no recorded package."""
+    directory, record, package = snapshot
+    use_recorded_code(record, directory)
+    name, planted = {
+        "root": (f"lazy_{package}", directory / f"lazy_{package}.pyc"),
+        "package": (f"{package}.optional", directory / package / "optional.pyc"),
+        "namespace": (f"ns_{package}", directory / f"ns_{package}" / "__init__.pyc"),
+    }[where]
+    planted.parent.mkdir(exist_ok=True)
+    code = compile("ANSWER = 'forged'\n", "forged.py", "exec")
+    planted.write_bytes(importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code))
+    with pytest.raises(ImportError, match="is not one of its recorded files"):
+        importlib.import_module(name)

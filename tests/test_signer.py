@@ -292,3 +292,27 @@ def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
     assert not socket_path.exists()  # removed on the way out
+
+
+def test_another_spelling_or_a_link_of_a_run_directory_is_the_same_run(
+    signer_at: Path, tmp_path: Path
+) -> None:
+    """A link to the run (or ``//`` in its path) opens the same record: its sealed steps stay sealed."""
+    client = SignerClient(signer_at)
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = client.open_run(str(run_dir))
+    seal_into(client, capability, checkpoint(run_dir, 10), 10)
+    alias = tmp_path / "alias"
+    alias.symlink_to(run_dir, target_is_directory=True)
+    for spelling in (str(alias), "/" + str(run_dir)):
+        again, after = client.open_run(spelling)
+        assert after == 10
+        with pytest.raises(SignatureError, match="is not after step 10"):
+            client.seal(again, f"{spelling}/checkpoint_00000010", 10)
+    folder = checkpoint(run_dir, 20)
+    (run_dir / "base").mkdir()
+    (run_dir / "base" / f"{file_sha256(folder / MODEL_FILE)}.safetensors").write_bytes(b"weights")
+    with pytest.raises(
+        SignatureError, match="holds model.safetensors itself, and refers to it by digest too"
+    ):
+        client.seal(again, str(folder), 20, {MODEL_FILE: file_sha256(folder / MODEL_FILE)})

@@ -71,9 +71,10 @@ class Signer:
     def open_run(self, run_dir: str) -> tuple[str, int]:
         """A new capability for the run in ``run_dir`` (an absolute path), and the last step the
         signer sealed for it (0: none); an earlier capability of the run is revoked."""
-        directory = Path(run_dir)
-        if not directory.is_absolute() or ".." in directory.parts:
+        given = Path(run_dir)
+        if not given.is_absolute() or ".." in given.parts:
             raise SealRefused(f"{run_dir}: a run directory is an absolute path without '..'")
+        directory = given.resolve()  # one record per directory, however it is spelled or linked
         capability = secrets.token_urlsafe(32)
         with self._lock:
             run = self._runs.setdefault(str(directory), {"last_step": 0})
@@ -89,7 +90,10 @@ class Signer:
             directory = _checkpoint_folder(Path(run_dir), Path(folder), step)
             if step <= last:
                 raise SealRefused(f"{folder}: step {step} is not after step {last}, the last this run sealed")
-            files = _hashed_files(directory) | _referenced(Path(run_dir), referenced)
+            files, refers = _hashed_files(directory), _referenced(Path(run_dir), referenced)
+            if held := sorted(set(refers) & set(files)):
+                raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
+            files |= refers
             manifest = Manifest(
                 step=step, files=files, signed_at=signing_time(), referenced=sorted(referenced) or None
             )
@@ -132,13 +136,14 @@ def _digest(capability: str) -> str:
 
 
 def _checkpoint_folder(run_dir: Path, folder: Path, step: int) -> Path:
-    """``folder`` if it is the run's checkpoint folder of ``step`` (no link out of the run)."""
+    """The run's checkpoint folder of ``step`` (``run_dir`` is resolved), if ``folder`` is it: a
+    folder, not a link, however the caller spells the path to it."""
     expected = run_dir / f"{CHECKPOINT_PREFIX}{step:08d}"
-    if folder != expected:
-        raise SealRefused(f"{folder}: not this run's checkpoint folder of step {step} ({expected})")
-    if folder.is_symlink() or not folder.is_dir() or folder.resolve().parent != run_dir.resolve():
+    if folder.is_symlink() or not folder.is_dir():
         raise SealRefused(f"{folder}: not a folder inside the run directory {run_dir}")
-    return folder
+    if folder.resolve() != expected:
+        raise SealRefused(f"{folder}: not this run's checkpoint folder of step {step} ({expected})")
+    return expected
 
 
 def _hashed_files(directory: Path) -> dict[str, str]:

@@ -8,7 +8,9 @@ snapshot's modules through ``RecordedCode``, first on ``sys.meta_path``:
 
 - a recorded module is compiled from its source bytes, hashed again as they are read (a file
   changed since the check is refused); bytecode is neither read nor written for it;
-- a module whose file lies in the snapshot but is not one of its recorded files is refused;
+- a module whose file lies in the snapshot but is not one of its recorded files is refused, be it
+  a source, sourceless bytecode or an extension (also a namespace package's planted
+  ``__init__``), since Python's own path finder would load it from there;
 - any other module is left to the rest of the import system (govray, torch, the trial's
   dependencies).
 
@@ -55,13 +57,19 @@ class RecordedCode(importlib.abc.MetaPathFinder):
                 return importlib.util.spec_from_file_location(
                     name, location, loader=loader, submodule_search_locations=package
                 )
-        for relative in (f"{base}.py", f"{base}/__init__.py", base):
-            if (self.directory / relative).exists() and not _is_recorded_package(relative, self.files):
+        # Any file the import system could load this name from (a source, sourceless bytecode, an
+        # extension; a package's __init__ of each kind) that lies in the snapshot unrecorded.
+        for relative in _candidates(base):
+            if (self.directory / relative).exists():
                 raise ImportError(
                     f"{name}: {self.directory / relative} lies in the recorded code snapshot but is not "
                     "one of its recorded files: refusing to run code that was not recorded",
                     name=name,
                 )
+        if (self.directory / base).is_dir() and not _is_recorded_package(base, self.files):
+            raise ImportError(
+                f"{name}: {self.directory / base} is no package of the recorded snapshot", name=name
+            )
         return None
 
 
@@ -114,6 +122,12 @@ def import_code_from(directory: Path, files: Mapping[str, str]) -> None:
             if package_dir not in module.__path__:
                 module.__path__.insert(0, package_dir)
     importlib.invalidate_caches()
+
+
+def _candidates(base: str) -> list[str]:
+    """Where Python's path finder would look for module ``base`` (as a path) in one directory."""
+    suffixes = importlib.machinery.all_suffixes()
+    return [base + suffix for suffix in suffixes] + [f"{base}/__init__{suffix}" for suffix in suffixes]
 
 
 def _is_recorded_package(relative: str, files: Mapping[str, str]) -> bool:
