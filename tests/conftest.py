@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust, save_trust
+from govray.core.keys import (
+    KeyRole,
+    SigningKey,
+    TrustConfig,
+    platform_key,
+    platform_key_path,
+    save_trust,
+)
 from govray.core.settings import OVERRIDES
 from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS, copy_example, save_experiment
@@ -188,10 +195,9 @@ def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory
     from tests.helpers.engine import run_spec  # imports torch: only for the modules that ask
 
     root = tmp_path_factory.mktemp("fsdp-checkpoints")
-    key = SigningKey.generate(KeyRole.PLATFORM)
-    private, _ = key.save(root / "platform")
+    platform_key()  # the home's, which the operator's trust (every worker's default) lists
     return run_spec(golden_run).model_copy(
-        update={"platform_key": str(private), "trust": platform_trust(key), "run_dir": str(root / "run")}
+        update={"platform_key": str(platform_key_path()), "run_dir": str(root / "run")}
     )
 
 

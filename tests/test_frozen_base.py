@@ -111,8 +111,6 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
     policy = DepthPolicy.model_validate(LORA_ONLY)
     routing = resolve_trial_routes(policy, make_trial(stored.trial, stored.hparams, stored.settings))
     key = platform_key()
-    trust = stored.trust.model_copy(deep=True)
-    trust.add(key.public_key)
     run_dir = root / "storage" / "ray" / "lora-only"
     # What an attestation states about the run's code, environment and corpora: the digits example's.
     config = load_experiment(golden_example(root / "example", workers=1, max_length={"batches": 30}))
@@ -127,7 +125,6 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
             "run_dir": str(run_dir),
             "run_name": "lora-only",
             "platform_key": str(platform_key_path()),
-            "trust": trust,
             "code_dir": str(REPO),
             "reproducibility": record.model_dump(mode="json"),
         }
@@ -142,7 +139,7 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
     assert trial.id is not None
     for folder in find_checkpoints(run_dir):
         record_checkpoint(store, trial.id, str(folder), checkpoint_step(folder))
-    return LoraOnlyRun(store, run_dir, platform_trust(key, trust))
+    return LoraOnlyRun(store, run_dir, platform_trust(key))
 
 
 def manifest(directory: Path) -> Manifest:

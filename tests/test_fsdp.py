@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from govray.config.experiment import ExperimentConfig
+from govray.core.settings import operator_trust
 from govray.governance.adapter_files import save_base_tensors
 from govray.train.checkpoints.files import MODEL_FILE, shard_file, shard_owner
 from govray.train.checkpoints.whole_file import write_whole_model
@@ -83,7 +84,7 @@ def test_a_resume_from_the_sharded_checkpoint_is_bit_identical(
     assert not (folder / MODEL_FILE).exists()
     # The whole model streamed from these shards is the file the shards put together in memory give.
     in_memory = save_base_tensors(consolidated(folder, WORLD), tmp_path / MODEL_FILE)
-    assert write_whole_model(folder, signing_spec.trust, tmp_path / "streamed.safetensors") == in_memory
+    assert write_whole_model(folder, operator_trust(), tmp_path / "streamed.safetensors") == in_memory
     for name in uninterrupted:
         assert torch.equal(uninterrupted[name], again[name]), name
 

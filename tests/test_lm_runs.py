@@ -17,7 +17,6 @@ import pytest
 import torch
 import yaml
 
-from govray.core.keys import platform_key, platform_trust
 from govray.data.fingerprint import directory_digest
 from govray.data.packed import PackedStore
 from govray.platform.run.plan import plan_run
@@ -47,7 +46,7 @@ def hf_run_spec(root: Path, edit: Callable[[dict[str, Any]], None] | None = None
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     config, _, checked, _, ingested = opened(path)
     plan = plan_run(config, checked, ingested.root, hparams=config.default_hparams(), trial_seed=0)
-    return plan.named("lm-run", {}).model_copy(update={"trust": platform_trust(platform_key())})
+    return plan.named("lm-run", {})
 
 
 def trained(spec: RunSpec, **settings: Any) -> GovernedStep:

@@ -176,16 +176,14 @@ def trained(
 def text_spec(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> RunSpec:
     """The hf_lm example's corpora ingested (routes pii, public, licensed), as a run spec of the
     plain GPT-2 trial (AdamW) under no policy yet."""
-    from govray.core.keys import load_trust, platform_key, platform_trust
     from govray.platform.run.plan import plan_run
     from jobs.examples.digits.golden import opened
     from jobs.examples.hf_lm.golden import example_under
 
     root = tmp_path_factory.mktemp("lora-step")
     config, _store, checked, _experiment, ingested = opened(example_under(root, STEPS))
-    trust = platform_trust(platform_key(), load_trust(config.policy.trust))
     plan = plan_run(config, checked, ingested.root, hparams=config.default_hparams(), trial_seed=0)
-    spec = plan.named("lora-step", {}).model_copy(update={"trust": trust})
+    spec = plan.named("lora-step", {})
     return spec.model_copy(update={"trial": TRIAL, "run_dir": str(root / "run")})
 
 

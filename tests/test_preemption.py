@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from govray.config.experiment import PlateauSchedule
 from govray.core.keys import platform_key, platform_key_path
+from govray.core.settings import operator_trust
 from govray.core.storage import IN_PLACE
 from govray.data.schedule import ScheduleSpec
 from govray.data.shard_reader import ShardReader
@@ -197,15 +198,12 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, golden_local_epoch: GoldenRun
 ) -> None:
     stored = run_spec(golden_local_epoch)  # one worker in-process: its spec and shards
-    key = platform_key(tmp_path / "home")
-    trust = stored.trust.model_copy(deep=True)
-    trust.add(key.public_key)
+    platform_key()  # the home's, which the operator's trust (the attempt's default) lists
     shards = Path(stored.shard_root)
     spec = stored.model_copy(
         update={
             "run_dir": str(tmp_path / "run"),
-            "platform_key": str(platform_key_path(tmp_path / "home")),
-            "trust": trust,
+            "platform_key": str(platform_key_path()),
             "code_dir": str(REPO),
             "max_steps": 6,
             "control_period": 3,
@@ -225,7 +223,7 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     assert (sealed.step, sealed.decisions, sealed.stop) == (3, (preempted,), None)
     (folder,) = find_checkpoints(Path(spec.run_dir))
     assert sealed.checkpoint == str(folder)
-    assert load_checkpoint(folder, trust).state.preemptions == [preempted.model_dump(mode="json")]
+    assert load_checkpoint(folder, operator_trust()).state.preemptions == [preempted.model_dump(mode="json")]
 
     # The restart (no notice now) resumes from the sealed checkpoint: no step is trained twice.
     trained.clear()
@@ -233,7 +231,7 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
         Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
     )
     assert trained == [3, 4, 5]
-    final = load_checkpoint(find_checkpoints(Path(spec.run_dir))[-1], trust).state
+    final = load_checkpoint(find_checkpoints(Path(spec.run_dir))[-1], operator_trust()).state
     assert final.step == 6 and final.preemptions == [preempted.model_dump(mode="json")]
     assert reports[-1].decisions[0] == preempted
     trial = make_trial(spec.trial, spec.hparams, spec.settings)

@@ -19,6 +19,7 @@ from govray.config.experiment import load_experiment
 from govray.core import keys
 from govray.core import storage as storage_module
 from govray.core.keys import Revocation, TrustConfig, platform_key, save_trust
+from govray.core.settings import operator_trust
 from govray.platform.run.plan import PlanError, RunPlan, RunPlanner, plan_run, run_spec_path
 from govray.platform.run.preflight import CheckedPolicy, check_policy, ingest_experiment
 from govray.platform.run.runner import TrialOutcome, run_planned
@@ -97,14 +98,14 @@ def test_the_trust_file_is_read_once_and_a_later_change_does_not_change_what_the
     planned_run: PlannedRun,
 ) -> None:
     assert planned_run.calls["load_trust"] == 1, planned_run.calls
-    # The file now revokes the key that signed the run's checkpoints; the run, planned before,
-    # checked them against the trust its policy was verified with — and says so in its spec.
+    # The experiment's trust file now revokes the key that signed the run's checkpoints: that file
+    # only checks the policy. Checkpoints are checked against the operator's trust, and the run's
+    # spec (a file the engineer can write) carries no trust of its own for a resume to believe.
     assert platform_key().keyid in {entry.keyid for entry in keys.load_trust(planned_run.trust_file).revoked}
-    spec = RunSpec.model_validate_json(
-        run_spec_path(planned_run.plan.storage, planned_run.outcome.run_name).read_text()
-    )
-    assert spec.trust == planned_run.checked.trust == planned_run.plan.trust
-    assert not spec.trust.revoked
+    recorded = json.loads(run_spec_path(planned_run.plan.storage, planned_run.outcome.run_name).read_text())
+    assert "trust" not in recorded and "trust" not in RunSpec.model_fields
+    assert planned_run.checked.trust == planned_run.plan.trust == operator_trust()
+    assert not planned_run.plan.trust.revoked
     final = find_checkpoints(planned_run.outcome.run_dir)[-1]
     verify_checkpoint(final, planned_run.plan.trust)
 

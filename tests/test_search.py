@@ -281,7 +281,7 @@ def test_a_clone_of_a_finished_trial_ends_with_its_donors_state_under_its_own_na
     train_worker(attempt.model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append))
     assert len(reports) == 1, [report.step for report in reports]
     assert reports[0].checkpoint is not None
-    assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), attempt.spec.trust)
+    assert_clone_of(donor, reports[0], Path(reports[0].checkpoint), attempt.trust)
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier
@@ -307,7 +307,7 @@ def test_a_clone_of_a_finished_two_worker_trial_ends_through_tune(
     [result] = list(tuner.fit())
     assert result.error is None and result.checkpoint is not None
     [report] = tune_reports(result.metrics)
-    assert_clone_of(donor, report, Path(result.checkpoint.path), attempt.spec.trust)
+    assert_clone_of(donor, report, Path(result.checkpoint.path), attempt.trust)
 
 
 @pytest.mark.slow  # a whole Ray Tune search: the slow tier

@@ -37,7 +37,8 @@ def test_every_setting_comes_from_the_file_then_its_variable(tmp_path: Path) -> 
         tmp_path / "home",
         {
             "store": {"database_url": "sqlite:///file.db"},
-            "serve": {"trust": "trust.yaml", "token": "from-file", "port": 9001},
+            "trust": "trust.yaml",
+            "serve": {"token": "from-file", "port": 9001},
             "trial_hosts": {"enabled": False, "idle_s": 30},
             "cache": str(tmp_path / "cache"),
         },
@@ -45,7 +46,7 @@ def test_every_setting_comes_from_the_file_then_its_variable(tmp_path: Path) -> 
     settings = load_settings(environ)
     assert settings_path(environ) == tmp_path / "home" / "config.yaml"
     assert settings.store.database_url == "sqlite:///file.db"
-    assert (settings.serve.trust, settings.serve.port, settings.serve.host) == (
+    assert (settings.trust, settings.serve.port, settings.serve.host) == (
         Path("trust.yaml"),
         9001,
         "127.0.0.1",
@@ -67,7 +68,7 @@ def test_every_setting_comes_from_the_file_then_its_variable(tmp_path: Path) -> 
         }
     )
     assert overridden.store.database_url == "sqlite:///env.db"
-    assert (overridden.serve.port, overridden.serve.host, overridden.serve.trust) == (
+    assert (overridden.serve.port, overridden.serve.host, overridden.trust) == (
         9002,
         "127.0.0.1",
         Path("trust.yaml"),

@@ -31,7 +31,8 @@ import torch
 import yaml
 
 from govray.config.experiment import ExperimentConfig, ParallelStrategy
-from govray.core.keys import KeyRole, SigningKey, platform_trust
+from govray.core.keys import platform_key, platform_key_path
+from govray.core.settings import operator_trust
 from govray.platform.rerun.resume import on_workers
 from govray.train.checkpoints.files import shard_file
 from jobs.examples.digits.golden import EXAMPLE_CONFIG
@@ -136,7 +137,7 @@ def continued(
     for step in range(again_at, STEPS):
         second.governed.step(step)
     interrupted = whole(second.governed.model)
-    history = load_checkpoint(again, spec.trust, rank).state.world_history
+    history = load_checkpoint(again, operator_trust(), rank).state.world_history
     slots = second.governed.schedule.world_size
     payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
     return "ok", payload if rank == 0 else None
@@ -190,10 +191,9 @@ def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folde
 @pytest.fixture(scope="module")
 def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("world-resize")
-    key = SigningKey.generate(KeyRole.PLATFORM)
-    private, _ = key.save(root / "platform")
+    platform_key()  # the home's, which the operator's trust (every worker's default) lists
     return run_spec(golden_run).model_copy(
-        update={"platform_key": str(private), "trust": platform_trust(key), "run_dir": str(root / "run")}
+        update={"platform_key": str(platform_key_path()), "run_dir": str(root / "run")}
     )
 
 

@@ -64,7 +64,8 @@ SUBCOMMANDS = {
     ),
     "attest": Subcommand(
         "govray.cli.attest:attest",
-        "Verify the checkpoint, then write its provenance and coverage statements, signed by the\n"
+        "Verify the checkpoint (under the operator's trust; its manifest the one the tracking store\n"
+        "recorded when it was sealed), then write its provenance and coverage statements, signed by the\n"
         "platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model\n"
         "signature that ``model_signing verify key`` checks).",
     ),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from govray.cli.common import console
+from govray.cli.common import Database, console, open_store
 
 
 def attest(
@@ -17,13 +17,29 @@ def attest(
         "--model-signing",
         help="Also sign the directory for OpenSSF model_signing (the platform's ECDSA key).",
     ),
+    database: str | None = Database,
 ) -> None:
-    """Verify the checkpoint, then write its provenance and coverage statements, signed by the
+    """Verify the checkpoint (under the operator's trust; its manifest the one the tracking store
+    recorded when it was sealed), then write its provenance and coverage statements, signed by the
     platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model
     signature that ``model_signing verify key`` checks)."""
     from govray.provenance.attest import attest_checkpoint
+    from govray.tracking.lineage import checkpoint_at
+    from govray.train.checkpoints.manifest import CheckpointError
 
-    written = attest_checkpoint(checkpoint, model_signature=model_signing)
+    store = open_store(database)
+    try:
+        record = checkpoint_at(store, checkpoint)
+    finally:
+        store.close()
+    if record is None:
+        raise CheckpointError(
+            f"{checkpoint}: not a checkpoint the tracking store recorded: only a sealed checkpoint of a "
+            "run is attested"
+        )
+    written = attest_checkpoint(
+        checkpoint, model_signature=model_signing, recorded_manifest=record.manifest_digest
+    )
     console.print(f"provenance: {written.provenance}\ncoverage:   {written.coverage}", highlight=False)
     if written.model_signature is not None:
         console.print(f"model signature: {written.model_signature}", highlight=False)

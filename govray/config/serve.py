@@ -1,13 +1,13 @@
 """The lineage server's configuration (``govray serve``, the app in ``serve/``): which tracking
 store it reads, which keys it trusts, the token its write endpoints require, and where it listens.
 
-The user's settings (``GOVRAY_HOME/config.yaml``: ``store.database_url`` and the ``serve`` section,
+The user's settings (``GOVRAY_HOME/config.yaml``: ``trust``, ``store.database_url`` and the ``serve`` section,
 each overridable by its environment variable, ``govray.core.settings``), then a serve config file
 (``govray serve --config``, or the app's ``config`` argument) whose keys win, then command-line
 options::
 
     database_url: sqlite:///runs/tracking.db   # (settings: store.database_url, GOVRAY_DATABASE)
-    trust: policies/trust.yaml                 # keys POST /api/verify accepts (GOVRAY_TRUST)
+    trust: policies/trust.yaml                 # keys POST /api/verify accepts (settings: trust, GOVRAY_TRUST)
     token: s3cret                              # bearer token of the write endpoints (GOVRAY_SERVE_TOKEN)
     host: 127.0.0.1                            # (GOVRAY_SERVE_HOST)
     port: 8000                                 # (GOVRAY_SERVE_PORT)
@@ -51,6 +51,8 @@ class ServeSettings(BaseModel):
         what is missing or wrong."""
         settings = load_settings(environ)
         values = {key: value for key, value in settings.serve.model_dump().items() if value is not None}
+        if settings.trust is not None:
+            values["trust"] = settings.trust  # the operator's trust (``trust``, GOVRAY_TRUST)
         if settings.store.database_url:
             values["database_url"] = settings.store.database_url
         where = f"{settings_path(environ)} and the environment"

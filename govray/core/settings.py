@@ -1,10 +1,10 @@
 """The user's settings: one file, ``GOVRAY_HOME/config.yaml`` (``~/.govray/config.yaml``), each
 setting overridable by one documented environment variable, and a command-line option over both::
 
+    trust: /etc/govray/trust.yaml                # GOVRAY_TRUST: the operator's trust (below)
     store:
       database_url: sqlite:///runs/tracking.db   # GOVRAY_DATABASE (CLI: --database)
     serve:
-      trust: policies/trust.yaml                 # GOVRAY_TRUST: keys POST /api/verify accepts
       token: s3cret                              # GOVRAY_SERVE_TOKEN: bearer token of the write endpoints
       host: 127.0.0.1                            # GOVRAY_SERVE_HOST
       port: 8000                                 # GOVRAY_SERVE_PORT
@@ -12,6 +12,11 @@ setting overridable by one documented environment variable, and a command-line o
       enabled: true                              # GOVRAY_TRIAL_HOSTS (0 or 1)
       idle_s: 300                                # GOVRAY_TRIAL_HOST_IDLE_S
     cache: ~/.cache/govray                       # GOVRAY_CACHE: this node's cache of object storage
+
+``trust`` is the operator's: the platform keys (and their revocations) every verification of a
+checkpoint or attestation accepts — a resume, a replay, ``attest``, ``model register``, the
+lineage server. It is never read from an experiment file, a run spec or a checkpoint, which the
+engineer who runs them writes (``operator_trust``). Without it, this machine's platform key alone.
 
 ``GOVRAY_HOME`` itself says where the file is (and this machine's keys, logs and Ray head record).
 Every section and key is optional; an unknown one is refused, naming the file. govray reads these
@@ -28,7 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from govray.core.errors import ConfigError, describe_validation_error
-from govray.core.keys import govray_home
+from govray.core.keys import TrustConfig, govray_home, load_trust, platform_key, platform_trust
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 SETTINGS_FILE = "config.yaml"
@@ -46,7 +51,6 @@ class ServeSection(BaseModel):
 
     model_config = _STRICT
 
-    trust: Path | None = Field(default=None, description="Trust file that /api/verify checks keys against.")
     token: SecretStr | None = Field(default=None, description="Bearer token of the write endpoints.")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -64,6 +68,9 @@ class Settings(BaseModel):
 
     model_config = _STRICT
 
+    trust: Path | None = Field(
+        default=None, description="The operator's trust file: the platform keys every verification accepts."
+    )
     store: StoreSettings = StoreSettings()
     serve: ServeSection = ServeSection()
     trial_hosts: TrialHostSettings = TrialHostSettings()
@@ -77,7 +84,7 @@ class Settings(BaseModel):
 # Environment variable → (section, setting); ``None``: a top-level setting.
 OVERRIDES: dict[str, tuple[str | None, str]] = {
     "GOVRAY_DATABASE": ("store", "database_url"),
-    "GOVRAY_TRUST": ("serve", "trust"),
+    "GOVRAY_TRUST": (None, "trust"),
     "GOVRAY_SERVE_TOKEN": ("serve", "token"),
     "GOVRAY_SERVE_HOST": ("serve", "host"),
     "GOVRAY_SERVE_PORT": ("serve", "port"),
@@ -129,3 +136,12 @@ def _loaded(file: str, stamp: tuple[int, int] | None, variables: tuple[str, ...]
         return Settings.model_validate(values)
     except ValidationError as error:
         raise ConfigError(f"settings from {where}: {describe_validation_error(error)}") from None
+
+
+def operator_trust(environ: Mapping[str, str] | None = None) -> TrustConfig:
+    """The operator's trust, the only one a checkpoint or an attestation is verified against: this
+    machine's platform key, and the platform keys and revocations of the settings' ``trust`` file.
+    Never keys or revocations an experiment file, a run spec or a checkpoint carries: the engineer
+    whose run is verified writes those (listing their own key there would launder their weights)."""
+    configured = load_settings(environ).trust
+    return platform_trust(platform_key(), load_trust(configured) if configured is not None else None)

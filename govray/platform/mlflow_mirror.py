@@ -36,6 +36,7 @@ import yaml
 
 from govray.config.experiment import ExperimentConfig, MlflowConfig
 from govray.core.errors import ConfigError
+from govray.core.settings import operator_trust
 from govray.platform.registry.versions import (
     RegisteredVersion,
     envelope_sha256,
@@ -211,7 +212,7 @@ class MlflowMirror:
         for kind, record in envelopes.items():
             self.client.log_text(run_id, record.envelope_json, f"{folder}/{kind}.dsse.json")
         spec = run_spec_of(version.directory)
-        state = load_checkpoint(version.directory, spec.trust).state
+        state = load_checkpoint(version.directory, operator_trust()).state
         matrix = coverage_matrix(Ledger.from_json(state.ledger), spec.routing)
         self.client.log_dict(run_id, matrix, f"{folder}/coverage-matrix.json")
         policy = spec.policy.model_dump(mode="json", exclude_none=True)

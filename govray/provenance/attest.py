@@ -39,7 +39,8 @@ from typing import Any
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.errors import AttestationError
-from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, platform_trust
+from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key
+from govray.core.settings import operator_trust
 from govray.provenance.locations import attestation_prefix, run_spec_of, signature_path
 from govray.provenance.model_signature import sign_model
 from govray.provenance.predicates import Derivation, coverage, provenance
@@ -54,6 +55,7 @@ from govray.train.checkpoints.files import (
     load_checkpoint,
     model_file,
 )
+from govray.train.checkpoints.manifest import refuse_unrecorded_manifest
 from govray.train.checkpoints.whole_file import shards_only, whole_model_sha256
 
 KINDS = ("provenance", "coverage")
@@ -102,18 +104,25 @@ def attest_checkpoint(
     derivation: Derivation | None = None,
     destination: Path | None = None,
     model_signature: bool = False,
+    recorded_manifest: str | None = None,
 ) -> Attestation:
     """Verify ``checkpoint`` (a tampered one is refused), build both statements and write them
     signed by the platform key; returns the envelope paths. They go to
     ``STORAGE/attestations/RUN/CHECKPOINT.KIND.dsse.json`` unless ``destination`` (a path prefix)
     is given; ``derivation`` attests a model version made by removing adapters;
     ``model_signature`` also signs the directory for ``model_signing`` (the platform's ECDSA key)
-    into ``DESTINATION.model-signing.sig``."""
+    into ``DESTINATION.model-signing.sig``.
+
+    The checkpoint is verified against ``trust`` (by default the operator's: ``operator_trust``),
+    never the keys its own ``run.json`` lists; ``recorded_manifest``: the manifest's sha256 the
+    tracking store recorded when it was sealed (a different manifest: ``CheckpointError``, exit 10)."""
     key = key if key is not None else platform_key()
     spec = run_spec_of(checkpoint)
     if model_signature:  # the OpenSSF signature covers the folder's files: the base file among them
         materialize_base(checkpoint)
-    trust = trust if trust is not None else platform_trust(key, spec.trust)
+    trust = trust if trust is not None else operator_trust()
+    if recorded_manifest is not None:
+        refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     try:
         loaded = load_checkpoint(checkpoint, trust)
     except CheckpointError as error:
@@ -157,8 +166,8 @@ def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None =
         final = Path(kept.path) if kept is not None else None
     if final is None:
         return None
-    written = attest_checkpoint(final)
     row = next((c for c in recorded if Path(c.path).resolve() == final.resolve()), None)
+    written = attest_checkpoint(final, recorded_manifest=row.manifest_digest if row is not None else None)
     subject = written.subjects[MODEL_FILE]
     for path in (written.provenance, written.coverage):
         record_attestation(store, row.id if row is not None else None, subject, path.read_text())

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from govray.core.errors import AttestationError, GovrayError
 from govray.core.keys import TrustConfig
+from govray.core.settings import operator_trust
 from govray.core.version import GOVRAY_VERSION
 from govray.data.schedule import ScheduleSpec
 from govray.data.shards import CorpusSummary, ShardSet
@@ -195,7 +196,7 @@ def eu_summary(
         spec = run_spec_of(checkpoint)
     except AttestationError as error:
         raise SummaryError(str(error)) from None
-    trust = trust if trust is not None else spec.trust
+    trust = trust if trust is not None else operator_trust()
     state = load_checkpoint(checkpoint, trust).state
     adapters = sorted(
         path.name.removeprefix("adapter-").removesuffix(".safetensors")

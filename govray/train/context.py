@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from govray.core.keys import TrustConfig
 from govray.core.logs import WorkerLog
 from govray.core.storage import Storage, open_storage
 from govray.train.checkpoints.signer import ManifestSigner, RunSigner
@@ -65,14 +66,20 @@ class WorkerContext:
         """The run's spec, as planned."""
         return self.attempt.spec
 
+    @property
+    def trust(self) -> TrustConfig:
+        """The platform keys whose checkpoints this worker accepts: the operator's."""
+        return self.attempt.trust
+
     @classmethod
-    def of(cls, spec: RunSpec, worker: Worker) -> WorkerContext:
+    def of(cls, spec: RunSpec, worker: Worker, trust: TrustConfig | None = None) -> WorkerContext:
         """The context of a worker outside any session: what a tool (or a test) that builds a
-        trial's state itself needs, its storage, twin and signer built as a run's are."""
+        trial's state itself needs, its storage, twin and signer built as a run's are; it accepts
+        checkpoints under ``trust`` (by default the operator's)."""
         storage = open_storage(spec.storage)
         parallel = parallelism(spec.strategy, worker, spec.settings.precision, spec.shard_group)
         signer = RunSigner(_key_path(spec), Path(spec.run_dir))
-        return cls(Attempt.of(spec), worker, storage, parallel, signer)
+        return cls(Attempt.of(spec, trust=trust), worker, storage, parallel, signer)
 
     @classmethod
     def open(cls, attempt: Attempt, open_session: OpenSession, timings: WorkerTimings) -> WorkerContext:

@@ -75,7 +75,6 @@ class RunSpec(BaseModel):
     recorded_code: bool = False  # ... the recorded code snapshot of the trial it replays
     checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
     platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
-    trust: TrustConfig = TrustConfig()  # platform keys whose checkpoints a resume accepts
     config_digest: str = ""
     policy_digest: str = ""
     run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
@@ -142,6 +141,9 @@ class Attempt(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     spec: RunSpec
+    # The platform keys (and revocations) whose checkpoints this fit accepts: the operator's, as
+    # the driver read them when it started the fit (``operator_trust``), never the spec's file.
+    trust: TrustConfig
     code_dir: str  # where this fit's workers import the trial from: the plan's, or ...
     recorded_code: bool  # ... the run's recorded code snapshot (a resume): verified, imported from there
     # Start from this verified checkpoint's full state when the run directory holds none (Ray's own
@@ -159,15 +161,20 @@ class Attempt(BaseModel):
         cls,
         spec: RunSpec,
         *,
+        trust: TrustConfig | None = None,
         resume_checkpoint: str = "",
         pause_at: int | None = None,
         report_sink: str = "",
         recorded_code_dir: str = "",
     ) -> Attempt:
         """A fit of ``spec`` importing the trial as planned, or from ``recorded_code_dir`` (the
-        run's recorded code snapshot: a resume runs the code the run started with)."""
+        run's recorded code snapshot: a resume runs the code the run started with). ``trust``: the
+        operator's (``operator_trust``) unless given (the trust a run's policy check read)."""
+        from govray.core.settings import operator_trust
+
         return cls(
             spec=spec,
+            trust=trust if trust is not None else operator_trust(),
             code_dir=recorded_code_dir or spec.code_dir,
             recorded_code=bool(recorded_code_dir) or spec.recorded_code,
             resume_checkpoint=resume_checkpoint,

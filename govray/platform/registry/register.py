@@ -27,7 +27,8 @@ from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
-from govray.core.keys import SigningKey, platform_key, platform_trust
+from govray.core.keys import SigningKey, platform_key
+from govray.core.settings import operator_trust
 from govray.core.storage import open_storage
 from govray.platform.registry.versions import (
     RegisteredVersion,
@@ -85,7 +86,10 @@ def register(
     description = check(Description, description, "description", RegistryError)
     checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
-    written = attest_checkpoint(checkpoint, key, model_signature=True)  # verifies it; refuses a tampered one
+    # Verified against the operator's trust, and its manifest the one the store recorded when sealed.
+    written = attest_checkpoint(
+        checkpoint, key, model_signature=True, recorded_manifest=record.manifest_digest
+    )
     version = _addregistered_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
     _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
@@ -152,7 +156,7 @@ def remove_adapter(
         )
     key = key if key is not None else platform_key()
     spec = run_spec_of(source.directory)
-    trust = platform_trust(key, spec.trust)
+    trust = operator_trust()
     try:
         loaded = load_checkpoint(source.directory, trust)
     except CheckpointError as error:

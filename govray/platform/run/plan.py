@@ -169,7 +169,6 @@ def plan_run(
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
         platform_key=str(platform_key_path()),
-        trust=checked.trust,
         policy_digest=checked.policy.digest,
         validation_period=config.min_validation_period or validation_period,
         recorded_decisions=recorded_decisions,

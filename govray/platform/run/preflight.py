@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import GovrayError, IngestError
-from govray.core.keys import TrustConfig, load_trust, platform_key, platform_trust
+from govray.core.keys import TrustConfig, load_trust
 from govray.core.runtime import ensure_ray
+from govray.core.settings import operator_trust
 from govray.data.ingest import IngestResult, ingest
 from govray.governance.policy import VerifiedPolicy, load_verified_policy
 from govray.governance.routing import RoutingTable
@@ -42,7 +43,9 @@ class CheckedPolicy:
 
     policy: VerifiedPolicy
     routing: RoutingTable
-    trust: TrustConfig  # the platform keys whose checkpoints are accepted (and the revocations)
+    # The platform keys whose checkpoints are accepted, and their revocations: the operator's
+    # (``operator_trust``), never the experiment's trust file, which only checks the policy.
+    trust: TrustConfig
 
 
 def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
@@ -82,7 +85,7 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     hparams = config.default_hparams()
     trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     routing = resolve_trial_routes(verified.policy, trial)  # on the meta device: no weights allocated
-    return CheckedPolicy(policy=verified, routing=routing, trust=platform_trust(platform_key(), trust))
+    return CheckedPolicy(policy=verified, routing=routing, trust=operator_trust())
 
 
 def existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:

@@ -275,13 +275,19 @@ def train_run(
         events=events,
         storage=storage,
         run_dir=spec.run_dir,
-        trust=spec.trust,
+        trust=checked.trust,
     )
     sink, sink_name = None, ""
     if config.resources.max_workers > 1:  # rank 0 sends its reports here without waiting
         sink_name = f"govray-reports-{run_name}-{uuid.uuid4().hex[:6]}"
         sink = open_sink(sink_name)
-    attempt = Attempt.of(spec, pause_at=pause_at, report_sink=sink_name, recorded_code_dir=recorded_code_dir)
+    attempt = Attempt.of(
+        spec,
+        trust=checked.trust,
+        pause_at=pause_at,
+        report_sink=sink_name,
+        recorded_code_dir=recorded_code_dir,
+    )
     trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
     recorder.rewrite_events()

@@ -44,7 +44,7 @@ from govray.train.run.session import (
     tune_result,
     worker_places,
 )
-from govray.train.runspec import Attempt, RunSpec
+from govray.train.runspec import Attempt
 
 TUNE_TRIAL_MEMORY = 64 * 1024**2  # what the Tune trial of an N-worker trial reserves (bytes)
 RELAY_PERIOD = 0.2  # seconds between the Tune trial's looks at its run's reports
@@ -111,7 +111,9 @@ def train_trial(
     if config.resources.max_workers == 1:
         # Ray 2.60 refuses Ray Train's session API inside Tune functions (also in Train V2 local
         # mode): the one worker trains here, with a Tune session.
-        attempt = Attempt.of(plan.named(name, setup.reproducibility), resume_checkpoint=resume or "")
+        attempt = Attempt.of(
+            plan.named(name, setup.reproducibility), trust=setup.checked.trust, resume_checkpoint=resume or ""
+        )
         train_worker(attempt.model_dump(mode="json"), session=session)
     else:
         # Each life of the trial in this Tune actor (a restored trial, a PBT clone) is a Ray Train
@@ -120,7 +122,9 @@ def train_trial(
         spec = plan.named(name, setup.reproducibility, directory=directory)
         sink = f"govray-reports-{directory}"
         _continuous_trial(
-            config, plan.storage, Attempt.of(spec, resume_checkpoint=resume or "", report_sink=sink)
+            config,
+            plan.storage,
+            Attempt.of(spec, trust=setup.checked.trust, resume_checkpoint=resume or "", report_sink=sink),
         )
 
 
@@ -136,8 +140,8 @@ class _Relay:
     each validation with that validation's verified checkpoint (what PBT clones). A restarted
     worker group re-reports the steps after its checkpoint: the later copy counts."""
 
-    def __init__(self, spec: RunSpec, storage: Storage, sink: Any) -> None:
-        self.spec, self.storage, self.sink = spec, storage, sink
+    def __init__(self, attempt: Attempt, storage: Storage, sink: Any) -> None:
+        self.spec, self.trust, self.storage, self.sink = attempt.spec, attempt.trust, storage, sink
         self.pending: dict[int, StepReport] = {}  # by step, since the last relayed validation
         self.relayed = 0  # the step of the last validation relayed
         self.places: dict[int, WorkerPlace] = {}
@@ -160,7 +164,7 @@ class _Relay:
         by (the report that went with it is in the checkpoint: the sink may have lost it when a
         worker died)."""
         self.take()
-        final = newest_verified_checkpoint(Path(self.spec.run_dir), self.spec.trust, self.storage)
+        final = newest_verified_checkpoint(Path(self.spec.run_dir), self.trust, self.storage)
         report = StepReport.parse(checkpoint_report(final)) if final is not None else None
         if report is None or report.step <= self.relayed:
             raise SearchError(f"the trial's run {self.spec.run_dir} ended without its last checkpoint")
@@ -172,7 +176,7 @@ class _Relay:
         from ray.train import Checkpoint
 
         storage = self.storage
-        present_checkpoint(folder, self.spec.trust, storage)
+        present_checkpoint(folder, self.trust, storage)
         reports = [self.pending[s] for s in sorted(self.pending) if s <= step]
         self.pending = {s: r for s, r in self.pending.items() if s > step}
         self.relayed = step
@@ -192,7 +196,7 @@ def _continuous_trial(config: ExperimentConfig, storage: Storage, attempt: Attem
     from govray.platform.run.runner import governed_trainer  # Ray Train's: N-worker trials only
 
     sink = open_sink(attempt.report_sink)  # rank 0's reports, for Tune
-    relay = _Relay(attempt.spec, storage, sink)
+    relay = _Relay(attempt, storage, sink)
     control = Path(attempt.spec.control_file)
     try:
         fit_polled(

@@ -158,10 +158,7 @@ def recorded_state(
     ``CheckpointError`` when either changed since the checkpoint was recorded."""
     manifest_path = directory / MANIFEST_FILE
     try:
-        if file_sha256(manifest_path) != manifest_digest:
-            raise CheckpointError(
-                f"{directory}: its manifest is not the one the tracking store recorded (changed since)"
-            )
+        refuse_unrecorded_manifest(directory, manifest_digest)
         if trust is not None:
             manifest, _ = signed_manifest(directory, trust)
         else:
@@ -173,6 +170,21 @@ def recorded_state(
         raise CheckpointError(f"{directory}: {error.filename} is missing") from None
     except ValidationError as error:
         raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+
+
+def refuse_unrecorded_manifest(directory: Path, manifest_digest: str) -> None:
+    """``CheckpointError`` unless the checkpoint's ``manifest.json`` is the one whose sha256 the
+    tracking store recorded when it was sealed (a manifest re-signed or put in its place since:
+    refused, even when the signature on it verifies)."""
+    try:
+        found = file_sha256(directory / MANIFEST_FILE)
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: {MANIFEST_FILE} is missing") from None
+    if found != manifest_digest:
+        raise CheckpointError(
+            f"{directory}: its manifest (sha256 {found}) is not the one the tracking store recorded when "
+            f"it was sealed ({manifest_digest}): changed since"
+        )
 
 
 def continued_history(history: list[tuple[int, int]], step: int, world: int) -> list[tuple[int, int]]:

@@ -90,7 +90,7 @@ class _RunDirectory:
     """What every session shares: the stop request, and checkpoints in the run directory."""
 
     def __init__(self, context: WorkerContext) -> None:
-        self.spec, self.attempt = context.spec, context.attempt
+        self.spec, self.attempt, self.trust = context.spec, context.attempt, context.trust
         self.directory = Path(context.spec.run_dir)  # the run's (a Tune trial's: a scratch folder)
         self.worker = context.worker
         self.storage = context.storage
@@ -121,7 +121,7 @@ class _RunDirectory:
     def _newest_verified(self, run_dir: Path) -> Path | None:
         """The resume rule, as the run's layout applies it (the ranks of a sharded run together);
         why newer checkpoints were passed over is kept."""
-        newest, refusals = self.layout.newest_verified(run_dir, self.spec.trust, self.storage, self.worker)
+        newest, refusals = self.layout.newest_verified(run_dir, self.trust, self.storage, self.worker)
         self.passed_over.extend(refusals)
         return newest
 

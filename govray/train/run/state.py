@@ -67,7 +67,7 @@ class TrialRun:
             context.parallel.sharding(),
             context.worker,
             context.storage,
-            spec.trust,
+            context.trust,
         )
         # [from_step, workers]: the world sizes the run trained on (summation order follows them).
         self.world_history: list[tuple[int, int]] = [(0, governed.worker.world_size)]
@@ -272,7 +272,7 @@ class TrialRun:
         both runs have) and its ledger — what reached the weights stays on the record. The
         optimizer starts fresh; the source is kept in every checkpoint of this run."""
         fetch_referenced(directory, self.storage)
-        loaded = load_checkpoint(directory, self.spec.trust)
+        loaded = load_checkpoint(directory, self.context.trust)
         try:
             self.governed.load_weights(directory, adapters_present_only=True)
         except RuntimeError as error:
