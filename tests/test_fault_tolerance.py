@@ -161,7 +161,7 @@ def test_rewritten_manifest_needs_the_platform_key(checkpoint_copy: Path) -> Non
     )
     manifest = Manifest.model_validate_json((checkpoint_copy / MANIFEST_FILE).read_text())
     files = {**manifest.files, STATE_FILE: file_sha256(checkpoint_copy / STATE_FILE)}
-    forged = Manifest(step=manifest.step, files=files, signed_at=manifest.signed_at).to_bytes()
+    forged = manifest.model_copy(update={"files": files}).to_bytes()
     (checkpoint_copy / MANIFEST_FILE).write_bytes(forged)
     with pytest.raises(CheckpointError, match="differs from the manifest its signature covers"):
         verify_checkpoint(checkpoint_copy, trust())

@@ -226,10 +226,20 @@ def test_a_changed_or_missing_base_file_is_refused_naming_it(lora_only: LoraOnly
 def test_a_reference_to_anything_but_the_base_by_its_sha256_is_no_manifest() -> None:
     with pytest.raises(ValueError, match="only model.safetensors"):
         Manifest(
-            step=1, files={MODEL_FILE: "../../etc/passwd"}, referenced=[MODEL_FILE], signed_at=signing_time()
+            run="r",
+            step=1,
+            files={MODEL_FILE: "../../etc/passwd"},
+            referenced=[MODEL_FILE],
+            signed_at=signing_time(),
         )
     with pytest.raises(ValueError, match="only model.safetensors"):
-        Manifest(step=1, files={"state.json": "0" * 64}, referenced=["state.json"], signed_at=signing_time())
+        Manifest(
+            run="r",
+            step=1,
+            files={"state.json": "0" * 64},
+            referenced=["state.json"],
+            signed_at=signing_time(),
+        )
 
 
 def test_resuming_from_a_referencing_checkpoint_is_bit_identical_to_the_uninterrupted_run(

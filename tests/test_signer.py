@@ -9,13 +9,20 @@ access to storage tries, and what the signer answers:
   own: refused (the signer hashes every file itself; a request has no field for digests);
 - a capability after the run was opened again (a resume) is revoked; a restarted signer keeps the
   live one (kept as its digest only) and still refuses the steps it sealed;
-- what it does seal verifies as a govray checkpoint under the platform's trust;
+- a file that is a FIFO or a device, or that changes while the signer reads it, and block digests
+  beside a file that are not the ones the signer computes in the same pass: refused (without
+  hanging); a second seal of a run while one is under way is refused, other runs' go on;
+- only the operator's OS users open a run (the kernel names the peer); a request nested too deep
+  and one connection too many are answered, not crashed on;
+- what it does seal verifies as a govray checkpoint under the platform's trust, and names its run:
+  another run's checkpoint put in a run's directory is not resumed from;
 - ``govray signer serve`` is its own process, with its key encrypted at rest, and loads neither
   torch nor Ray (measured in its memory map).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -28,15 +35,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from threading import Thread
+from typing import Any
 
 import pytest
 
 from govray.core.canonical import file_sha256
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
+from govray.signer import server as server_module
+from govray.signer import service
 from govray.signer.server import SignerClient, SignerServer
 from govray.signer.service import Signer
 from govray.signer.wire import receive, send
+from govray.train.checkpoints.blocks import blocks_name, write_blocks
+from govray.train.checkpoints.files import verify_checkpoint
+from govray.train.checkpoints.folders import checkpoint_candidates, newest_verified_checkpoint
 from govray.train.checkpoints.manifest import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -316,3 +329,151 @@ def test_another_spelling_or_a_link_of_a_run_directory_is_the_same_run(
         SignatureError, match="holds model.safetensors itself, and refers to it by digest too"
     ):
         client.seal(again, str(folder), 20, {MODEL_FILE: file_sha256(folder / MODEL_FILE)})
+
+
+def test_a_checkpoint_names_its_run_and_another_runs_put_in_its_directory_is_not_resumed_from(
+    signer_at: Path, tmp_path: Path
+) -> None:
+    client = SignerClient(signer_at)
+    mine, theirs = tmp_path / "ray" / "mine", tmp_path / "ray" / "theirs"
+    capability, _ = client.open_run(str(theirs))
+    sealed = seal_into(client, capability, checkpoint(theirs, 40, b"their weights"), 40)
+    assert sealed.run == "theirs"
+    capability, _ = client.open_run(str(mine))
+    seal_into(client, capability, checkpoint(mine, 10), 10)
+    shutil.copytree(theirs / "checkpoint_00000040", mine / "checkpoint_00000040")
+    verify_checkpoint(mine / "checkpoint_00000040", TRUST)  # signed, every digest right ...
+    (newest, refusal), *_ = checkpoint_candidates(mine, TRUST)
+    assert newest.name == "checkpoint_00000040" and refusal is not None
+    assert "a checkpoint of run 'theirs'" in refusal and "not of run 'mine'" in refusal
+    assert newest_verified_checkpoint(mine, TRUST) == mine / "checkpoint_00000010"  # ... yet not its
+
+
+def test_block_digests_beside_a_file_must_be_the_ones_the_signer_computes(
+    signer_at: Path, tmp_path: Path
+) -> None:
+    """What a ranged reader trusts for a byte range is the side file: a worker that wrote block
+    digests of other bytes (to swap the file after sealing) is refused at the seal."""
+    client = SignerClient(signer_at)
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = client.open_run(str(run_dir))
+    folder = checkpoint(run_dir, 10, bytes(range(256)) * 40)
+    honest = write_blocks(folder / MODEL_FILE, 1024)
+    (folder / "stale.bin.blocks.json").write_bytes((folder / blocks_name(MODEL_FILE)).read_bytes())
+    with pytest.raises(SignatureError, match="block digests of files it does not hold: stale.bin"):
+        client.seal(capability, str(folder), 10)
+    (folder / "stale.bin.blocks.json").unlink()
+    model = folder / MODEL_FILE
+    original = model.read_bytes()
+    model.write_bytes(b"other bytes" + original[11:])
+    write_blocks(model, 1024)  # block digests of the other bytes ...
+    model.write_bytes(original)  # ... beside the honest file
+    with pytest.raises(
+        SignatureError, match="not the block digests of model.safetensors as the signer read it"
+    ):
+        client.seal(capability, str(folder), 10)
+    write_blocks(model, 1024)
+    manifest = seal_into(client, capability, folder, 10)
+    assert {name: manifest.files[name] for name in honest} == honest
+
+
+def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_hanging(
+    short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = signer.open_run(str(run_dir))
+    folder = checkpoint(run_dir, 10)
+    os.mkfifo(folder / "adapter-pii.safetensors")  # a reader would block on it forever
+    with pytest.raises(SignatureError, match="adapter-pii.safetensors: not a regular file"):
+        signer.seal(capability, str(folder), 10, {})
+    (folder / "adapter-pii.safetensors").unlink()
+    (folder / "null").symlink_to("/dev/zero")
+    with pytest.raises(SignatureError, match="null: not a regular file the signer can open"):
+        signer.seal(capability, str(folder), 10, {})
+    (folder / "null").unlink()
+
+    class Growing:
+        """sha256 whose first update appends to the file being read: the file changes mid-read."""
+
+        def __init__(self, target: Path) -> None:
+            self.target, self.touched = target, False
+
+        def __call__(self, *data: bytes) -> Any:
+            if not self.touched and not data:
+                self.touched = True
+                with self.target.open("ab") as handle:
+                    handle.write(b"appended by the worker")
+            return hashlib.sha256(*data)
+
+    model = folder / MODEL_FILE
+    fake = type("fake_hashlib", (), {"sha256": staticmethod(Growing(model))})
+    monkeypatch.setattr(service, "hashlib", fake)
+    with pytest.raises(SignatureError, match="model.safetensors: changed while the signer read it"):
+        signer.seal(capability, str(folder), 10, {})
+    monkeypatch.undo()
+    assert signer.seal(capability, str(folder), 10, {}).manifest  # unchanged now: sealed
+
+
+def test_one_seal_per_run_at_a_time_while_other_runs_seal(
+    short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    mine, other = tmp_path / "ray" / "mine", tmp_path / "ray" / "other"
+    first, _ = signer.open_run(str(mine))
+    second, _ = signer.open_run(str(other))
+    checkpoint(mine, 20)
+    checkpoint(other, 5)
+    seen: list[str] = []
+
+    def meanwhile(*data: bytes) -> Any:
+        if not data and not seen:  # inside the first seal's hashing, of run mine
+            seen.append("hashing")
+            with pytest.raises(SignatureError, match="another checkpoint of this run is being sealed"):
+                signer.seal(first, str(mine / "checkpoint_00000020"), 20, {})
+            seen.append(
+                Manifest.model_validate_json(
+                    signer.seal(second, str(other / "checkpoint_00000005"), 5, {}).manifest
+                ).run
+            )
+        return hashlib.sha256(*data)
+
+    monkeypatch.setattr(service, "hashlib", type("fake_hashlib", (), {"sha256": staticmethod(meanwhile)}))
+    checkpoint(mine, 10)
+    signer.seal(first, str(mine / "checkpoint_00000010"), 10, {})
+    assert seen == ["hashing", "other"]
+
+
+def test_only_the_operators_os_users_open_runs(short_dir: Path, tmp_path: Path) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    server = SignerServer(signer, short_dir / "s.sock", open_uids=frozenset({os.getuid() + 4242}))
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = SignerClient(server.path)
+        with pytest.raises(SignatureError, match=f"OS user {os.getuid()} may seal .* not open a run"):
+            client.open_run(str(tmp_path / "ray" / "run-a"))
+        capability, _ = signer.open_run(str(tmp_path / "ray" / "run-a"))  # the launch, as the operator
+        seal_into(client, capability, checkpoint(tmp_path / "ray" / "run-a", 10), 10)  # a worker seals
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_request_nested_too_deep_and_one_connection_too_many_are_answered(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
+    server = SignerServer(Signer(KEY, short_dir / "state"), short_dir / "s.sock")
+    Thread(target=server.serve_forever, daemon=True).start()
+    deep = b"[" * 50_000 + b"]" * 50_000
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as held:
+            held.connect(str(server.path))
+            held.sendall(len(deep).to_bytes(4, "big") + deep)
+            assert "nests too deep" in str(receive(held)["error"])
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as another:  # the one slot is taken
+                another.connect(str(server.path))
+                assert receive(another) == {"ok": False, "error": "busy: 1 connections are open"}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -70,7 +70,7 @@ def sharded_checkpoint(
     (directory / "state.json").write_text("{}")
     key = key or SigningKey.generate(KeyRole.PLATFORM)
     files = {path.name: file_sha256(path) for path in sorted(directory.iterdir())}
-    manifest = Manifest(step=0, files=files, signed_at=signing_time())
+    manifest = Manifest(run=directory.resolve().parent.name, step=0, files=files, signed_at=signing_time())
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     envelope = sign_envelope(manifest.to_bytes(), MANIFEST_TYPE, key, manifest.signed_at)
     (directory / SIGNATURE_FILE).write_text(envelope.to_json())

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _manifest() -> bytes:
-    return Manifest(step=3, files={"state.json": "0" * 64}, signed_at=signing_time()).to_bytes()
+    return Manifest(run="run", step=3, files={"state.json": "0" * 64}, signed_at=signing_time()).to_bytes()
 
 
 @pytest.fixture

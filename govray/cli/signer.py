@@ -61,6 +61,9 @@ def serve(
         None, "--socket", help="The Unix socket (default DIR/signer.sock)."
     ),
     passphrase_file: Path | None = PassphraseFile,
+    open_uid: list[int] = typer.Option(
+        [], "--open-uid", help="An OS user who may open runs (repeatable; default: the signer's own)."
+    ),
 ) -> None:
     """Unlock the platform key and seal runs' checkpoints on a Unix socket until stopped."""
     from govray.signer.server import SignerServer
@@ -69,7 +72,8 @@ def serve(
     root = signer_dir(directory)
     key = SigningKey.load(root / f"{KEY_NAME}.key", passphrase(passphrase_file))
     path = socket_path if socket_path is not None else root / "signer.sock"
-    with SignerServer(Signer(key, root / "state"), path) as server:
+    opens = frozenset(open_uid) if open_uid else None
+    with SignerServer(Signer(key, root / "state"), path, opens) as server:
         console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
             server.serve_forever()

@@ -17,9 +17,12 @@ Example::
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
 import socketserver
+import struct
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,45 +40,85 @@ from govray.signer.wire import (
     send,
 )
 
+IDLE_TIMEOUT_S = 600.0  # a connection silent this long between frames is closed
+MAX_CONNECTIONS = 64  # served at once; one more is answered "busy" and closed
+
 
 class _Connection(socketserver.BaseRequestHandler):
     server: SignerServer
 
     def handle(self) -> None:
+        self.request.settimeout(IDLE_TIMEOUT_S)
+        uid = peer_uid(self.request)
         while True:
             try:
                 frame = receive_frame(self.request)
             except WireError as error:
                 send(self.request, {"ok": False, "error": str(error)})
                 return  # a frame it cannot delimit: the stream is lost
+            except OSError:
+                return  # idle too long, or the peer went away
             if frame is None:
                 return
-            send(self.request, self.server.answer(frame))
+            send(self.request, self.server.answer(frame, uid))
+
+
+def peer_uid(connection: socket.socket) -> int:
+    """The OS user of the process at the other end of a Unix socket (the kernel says, not it)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", credentials)[1])
 
 
 class SignerServer(socketserver.ThreadingUnixStreamServer):
-    """Serves ``signer`` on ``path`` (mode 0660; an old socket file there is replaced)."""
+    """Serves ``signer`` on ``path`` (mode 0660; an old socket file there is replaced). Only the
+    OS users in ``open_uids`` (by default the signer's own) may open a run; any peer that can
+    reach the socket may seal a checkpoint of a run it holds a capability for."""
 
     daemon_threads = True
 
-    def __init__(self, signer: Signer, path: Path) -> None:
+    def __init__(self, signer: Signer, path: Path, open_uids: frozenset[int] | None = None) -> None:
         self.signer, self.path = signer, Path(path)
+        self.open_uids = open_uids if open_uids is not None else frozenset({os.getuid()})
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_socket():
             self.path.unlink()
         super().__init__(str(self.path), _Connection)
         os.chmod(self.path, 0o660)
 
-    def answer(self, frame: bytes) -> dict[str, Any]:
-        """The answer to one request frame (a refusal says why, and loses nothing)."""
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, at most ``MAX_CONNECTIONS`` at once."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                send(request, {"ok": False, "error": f"busy: {MAX_CONNECTIONS} connections are open"})
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def answer(self, frame: bytes, uid: int) -> dict[str, Any]:
+        """The answer to one request frame from OS user ``uid`` (a refusal says why, and loses
+        nothing; a file the signer cannot read is a refusal too)."""
         try:
             request = parse_request(frame)
             if isinstance(request, OpenRunRequest):
+                if uid not in self.open_uids:
+                    raise SignatureError(
+                        f"OS user {uid} may seal the checkpoints of a run it holds a capability for, not "
+                        "open a run: the platform's launch opens runs"
+                    )
                 capability, after = self.signer.open_run(request.run_dir)
                 return {"ok": True, "capability": capability, "after_step": after}
             sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
         except SignatureError as error:
             return {"ok": False, "error": str(error)}
+        except OSError as error:
+            return {"ok": False, "error": f"the signer could not read what it was asked to seal: {error}"}
         return {
             "ok": True,
             "manifest": base64.b64encode(sealed.manifest).decode(),

@@ -13,22 +13,33 @@ that run and nothing else:
   (``RUN_DIR/base/SHA256.safetensors``) and must match it.
 
 Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it.
+
+Each file is opened relative to the folder's own descriptor, never following a link (a link, a
+directory, a FIFO or a device is refused), and refused if its size or modification time changed
+while the signer read it; a file's block digests (``NAME.blocks.json``, which a ranged reader
+trusts) must be those the signer computed in the same pass. The manifest names the run (its
+directory's name) it was sealed for. One seal per run at a time; the hashing holds no lock that
+another run's seal needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
+import stat
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from govray.core.canonical import file_sha256
 from govray.core.dsse import Envelope, sign_envelope, signing_time
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
+from govray.train.checkpoints.blocks import BLOCKS_SUFFIX, BlockDigests, blocks_name
 from govray.train.checkpoints.manifest import (
     BASE_STORE,
     CHECKPOINT_PREFIX,
@@ -40,6 +51,9 @@ from govray.train.checkpoints.manifest import (
 )
 
 RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its last sealed step
+HASH_CHUNK = 1 << 20  # bytes read at a time from a file without block digests
+MAX_SIDE_FILE = 64 << 20  # a side file of block digests: 64 bytes of hex a MiB block, and some
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class SealRefused(SignatureError):
@@ -65,7 +79,8 @@ class Signer:
         self.key = key
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the record of runs (held briefly, never while hashing)
+        self._sealing: dict[str, threading.Lock] = {}  # per run: the seal in progress
         self._runs: dict[str, dict[str, object]] = self._read_runs()
 
     def open_run(self, run_dir: str) -> tuple[str, int]:
@@ -83,25 +98,43 @@ class Signer:
             return capability, int(run["last_step"])  # type: ignore[call-overload]
 
     def seal(self, capability: str, folder: str, step: int, referenced: dict[str, str]) -> Sealed:
-        """Hash checkpoint ``folder`` of the capability's run at ``step`` and sign its manifest."""
+        """Hash checkpoint ``folder`` of the capability's run at ``step`` and sign its manifest.
+        One seal per run at a time; other runs' seals go on meanwhile (the hashing holds no lock
+        they need)."""
         with self._lock:
             run_dir = self._run_of(capability)
-            last = int(self._runs[run_dir]["last_step"])  # type: ignore[call-overload]
+            self._refuse_earlier(run_dir, folder, step)
+            sealing = self._sealing.setdefault(run_dir, threading.Lock())
+        if not sealing.acquire(blocking=False):
+            raise SealRefused(f"{folder}: another checkpoint of this run is being sealed (one at a time)")
+        try:
             directory = _checkpoint_folder(Path(run_dir), Path(folder), step)
-            if step <= last:
-                raise SealRefused(f"{folder}: step {step} is not after step {last}, the last this run sealed")
             files, refers = _hashed_files(directory), _referenced(Path(run_dir), referenced)
             if held := sorted(set(refers) & set(files)):
                 raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
-            files |= refers
             manifest = Manifest(
-                step=step, files=files, signed_at=signing_time(), referenced=sorted(referenced) or None
+                run=Path(run_dir).name,
+                step=step,
+                files=files | refers,
+                signed_at=signing_time(),
+                referenced=sorted(referenced) or None,
             )
             payload = manifest.to_bytes()
             envelope = sign_envelope(payload, MANIFEST_TYPE, self.key, manifest.signed_at)
-            self._runs[run_dir]["last_step"] = step
-            self._write_runs()
+            with self._lock:  # the run may have been opened again (or sealed further) meanwhile
+                if self._run_of(capability) != run_dir:
+                    raise SealRefused("the capability changed run while sealing")
+                self._refuse_earlier(run_dir, folder, step)
+                self._runs[run_dir]["last_step"] = step
+                self._write_runs()
             return Sealed(payload, envelope)
+        finally:
+            sealing.release()
+
+    def _refuse_earlier(self, run_dir: str, folder: str, step: int) -> None:
+        last = int(self._runs[run_dir]["last_step"])  # type: ignore[call-overload]
+        if step <= last:
+            raise SealRefused(f"{folder}: step {step} is not after step {last}, the last this run sealed")
 
     def _run_of(self, capability: str) -> str:
         digest = _digest(capability)
@@ -147,15 +180,33 @@ def _checkpoint_folder(run_dir: Path, folder: Path, step: int) -> Path:
 
 
 def _hashed_files(directory: Path) -> dict[str, str]:
-    """Every file of the checkpoint folder, hashed here (a stale manifest and signature aside)."""
-    files: dict[str, str] = {}
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if entry.name in (MANIFEST_FILE, SIGNATURE_FILE):
-            continue
-        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
-            raise SealRefused(f"{entry.path}: not a regular file; a checkpoint holds files only")
-        files[entry.name] = file_sha256(Path(entry.path))
-    return files
+    """Every file of the checkpoint folder, hashed here (a stale manifest and signature aside),
+    each opened without following a link (a link, a directory, a FIFO or a device is refused) and
+    refused if it changed while it was read. A tensor file's block digests (``NAME.blocks.json``,
+    what a ranged reader trusts) must be the ones computed in the same pass over the file."""
+    with _opened_folder(directory) as folder:
+        names = sorted(name for name in os.listdir(folder) if name not in (MANIFEST_FILE, SIGNATURE_FILE))
+        files: dict[str, str] = {}
+        claimed: dict[str, BlockDigests] = {}
+        for name in (name for name in names if name.endswith(BLOCKS_SUFFIX)):
+            content = _read_small(folder, directory / name)
+            files[name] = hashlib.sha256(content).hexdigest()
+            try:
+                claimed[name.removesuffix(BLOCKS_SUFFIX)] = BlockDigests.model_validate_json(content)
+            except ValueError:
+                raise SealRefused(f"{directory / name}: not the block digests of a file") from None
+        for name in (name for name in names if not name.endswith(BLOCKS_SUFFIX)):
+            blocks = claimed.pop(name, None)
+            files[name], computed = _hash_at(folder, directory / name, blocks.block_size if blocks else None)
+            if blocks is not None and blocks != computed:
+                raise SealRefused(
+                    f"{directory / blocks_name(name)}: not the block digests of {name} as the signer read it"
+                )
+        if claimed:
+            raise SealRefused(
+                f"{directory}: block digests of files it does not hold: {', '.join(sorted(claimed))}"
+            )
+        return files
 
 
 def _referenced(run_dir: Path, referenced: dict[str, str]) -> dict[str, str]:
@@ -164,12 +215,85 @@ def _referenced(run_dir: Path, referenced: dict[str, str]) -> dict[str, str]:
         if name != MODEL_FILE:
             raise SealRefused(f"only {MODEL_FILE} may be referenced by digest (not {name!r})")
         base = run_dir / BASE_STORE / f"{digest}.safetensors"
-        if (
-            base.is_symlink()
-            or not base.is_file()
-            or base.resolve().parent != (run_dir / BASE_STORE).resolve()
-        ):
+        if not _SHA256.match(digest) or base.is_symlink() or not base.is_file():
             raise SealRefused(f"{base}: the referenced base is not a file of the run's base store")
-        if file_sha256(base) != digest:
-            raise SealRefused(f"{base}: its sha256 is not the {digest} the checkpoint refers to")
+        with _opened_folder(run_dir / BASE_STORE) as store:
+            if _hash_at(store, base, None)[0] != digest:
+                raise SealRefused(f"{base}: its sha256 is not the {digest} the checkpoint refers to")
     return dict(referenced)
+
+
+@contextlib.contextmanager
+def _opened_folder(directory: Path) -> Iterator[int]:
+    """A descriptor of ``directory`` (a resolved path), opened without following a link, and
+    still that path once open (no component swapped for a link meanwhile)."""
+    try:
+        folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as error:
+        raise SealRefused(f"{directory}: not a folder the signer can open ({error.strerror})") from None
+    try:
+        if os.readlink(f"/proc/self/fd/{folder}") != str(directory):
+            raise SealRefused(f"{directory}: moved or replaced by a link while the signer opened it")
+        yield folder
+    finally:
+        os.close(folder)
+
+
+def _hash_at(folder: int, path: Path, block_size: int | None) -> tuple[str, BlockDigests | None]:
+    """The sha256 of file ``path.name`` in ``folder`` (and its block digests, with
+    ``block_size``): a regular file, not a link, unchanged while it was read."""
+    descriptor = _open_file(folder, path)
+    with os.fdopen(descriptor, "rb", buffering=0) as handle:
+        before = os.fstat(descriptor)
+        whole, blocks, size = hashlib.sha256(), list[str](), 0
+        chunk = block_size or HASH_CHUNK
+        buffer = bytearray(chunk)
+        view = memoryview(buffer)
+        while read := handle.readinto(buffer):
+            whole.update(view[:read])
+            if block_size:
+                blocks.append(hashlib.sha256(view[:read]).hexdigest())
+            size += read
+        after = os.fstat(descriptor)
+        if size != before.st_size or (before.st_size, before.st_mtime_ns) != (
+            after.st_size,
+            after.st_mtime_ns,
+        ):
+            raise SealRefused(f"{path}: changed while the signer read it")
+        digests = None
+        if block_size:
+            digests = BlockDigests(
+                block_size=block_size, size=size, blocks=blocks, header=_header(descriptor, size)
+            )
+        return whole.hexdigest(), digests
+
+
+def _open_file(folder: int, path: Path) -> int:
+    """A descriptor of regular file ``path.name`` in ``folder``: opened without following a link
+    and without blocking (a FIFO), and refused unless it is a regular file."""
+    try:
+        descriptor = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError as error:
+        raise SealRefused(f"{path}: not a regular file the signer can open ({error.strerror})") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise SealRefused(f"{path}: not a regular file; a checkpoint holds files only")
+    return descriptor
+
+
+def _header(descriptor: int, size: int) -> str | None:
+    """sha256 of a safetensors file's header (its 8-byte length and the JSON; None: not one)."""
+    prefix = os.pread(descriptor, 8, 0)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
+    if 8 + length > size:
+        return None
+    return hashlib.sha256(prefix + os.pread(descriptor, length, 8)).hexdigest()
+
+
+def _read_small(folder: int, path: Path) -> bytes:
+    """A small file's bytes (a side file of block digests), opened as ``_hash_at`` opens files."""
+    with os.fdopen(_open_file(folder, path), "rb") as handle:
+        content = handle.read(MAX_SIDE_FILE + 1)
+    if len(content) > MAX_SIDE_FILE:
+        raise SealRefused(f"{path}: larger than {MAX_SIDE_FILE} bytes: not block digests")
+    return content

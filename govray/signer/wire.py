@@ -70,6 +70,8 @@ def parse_request(frame: bytes) -> OpenRunRequest | SealRequest:
         document = json.loads(frame.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise WireError("the frame is not JSON: the signer reads JSON only") from None
+    except RecursionError:
+        raise WireError("the frame nests too deep to be a request") from None
     if not isinstance(document, dict):
         raise WireError("a request is a JSON object with an 'op'")
     if document.get("op") not in ("open_run", "seal"):

@@ -159,7 +159,11 @@ def seal_checkpoint(
         **(referenced or {}),
     }
     manifest = Manifest(
-        step=state.step, files=files, signed_at=signing_time(), referenced=sorted(referenced or {}) or None
+        run=directory.resolve().parent.name,
+        step=state.step,
+        files=files,
+        signed_at=signing_time(),
+        referenced=sorted(referenced or {}) or None,
     )
     payload = manifest.to_bytes()
     (directory / MANIFEST_FILE).write_bytes(payload)
@@ -211,6 +215,7 @@ def verify_checkpoint(
     rank: int | None = None,
     run_dir: Path | None = None,
     ranged: bool = False,
+    of_run: str | None = None,
 ) -> tuple[Manifest, str]:
     """Check signature, manifest and every digest (a referenced base file's too); returns
     (manifest, signer keyid). With ``rank``, the shard files of other ranks are neither read nor
@@ -218,8 +223,15 @@ def verify_checkpoint(
     shards). ``run_dir``: where the folder's run keeps its base store (by default the folder's
     parent; a folder staged for download is verified against the run it is fetched into).
     ``ranged``: the tensor files with block digests are not hashed here: their reader verifies
-    each block it reads (``train.ranged``; a resume on another layout)."""
+    each block it reads (``train.ranged``; a resume on another layout). ``of_run``: the run whose
+    state it must be (its signed manifest names the run it was sealed in): a checkpoint of another
+    run put in this run's directory is refused."""
     manifest, signer = signed_manifest(directory, trust)
+    if of_run is not None and manifest.run != of_run:
+        raise CheckpointError(
+            f"{directory}: a checkpoint of run '{manifest.run}' (its signed manifest says), not of run "
+            f"'{of_run}' whose directory holds it"
+        )
     present = {path.name for path in directory.iterdir() if path.is_file()} - {MANIFEST_FILE, SIGNATURE_FILE}
     for extra in sorted(present - set(manifest.files)):
         raise CheckpointError(f"{directory / extra}: not listed in the signed manifest")

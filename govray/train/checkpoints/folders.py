@@ -145,7 +145,7 @@ def checkpoint_candidates(
             continue  # no readable manifest: not a checkpoint (yet)
     for _, _, directory in sorted(candidates):
         try:
-            verify_checkpoint(directory, trust, rank)
+            verify_checkpoint(directory, trust, rank, of_run=run_dir.name)
         except CheckpointError as error:
             yield directory, str(error)
         else:

@@ -99,6 +99,9 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: str = CHECKPOINT_FORMAT
+    # Whose state this is: the name of the run directory the checkpoint was sealed in (the signer
+    # writes it, from the run its capability opened). A resume takes only its own run's.
+    run: str = Field(min_length=1)
     step: int
     files: dict[str, str]  # file name → sha256
     signed_at: dt.datetime

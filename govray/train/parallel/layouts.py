@@ -232,7 +232,7 @@ class ShardedLayout(WholeLayout):
             directory = Path(name)
             try:
                 fetch_part(directory, storage, rank)
-                verify_checkpoint(directory, trust, rank)
+                verify_checkpoint(directory, trust, rank, of_run=run_dir.name)
                 refusal = None
             except (CheckpointError, StorageError, OSError) as error:
                 refusal = str(error)
