@@ -46,6 +46,7 @@ class PolicySummary:
     version: str
     digest: str
     rules: list[tuple[str, str, str]]  # (rule name, what it matches, where it routes)
+    signer: str  # the policy envelope's signer keyid as attested, "unsigned", or "not attested"
     note: str = ""  # why the rules are missing, when they are
 
 
@@ -191,23 +192,26 @@ def _credential(record: CorpusRecord) -> dict[str, str]:
 
 
 def _policy(directory: Path, statement: dict[str, Any]) -> PolicySummary:
-    """The policy from the run spec beside the model files, else what the attestation names."""
+    """The policy from the run spec beside the model files, else what the attestation names; who
+    signed it as the (platform-signed) attestation states."""
+    attested = _external(statement).get("policy", {})
+    signer = str(attested.get("signer", "not attested")) if statement else "not attested"
     try:
         spec = run_spec_of(directory)
     except GovrayError as error:
-        attested = _external(statement).get("policy", {})
         return PolicySummary(
             name=str(attested.get("name", "unknown")),
             version=str(attested.get("version", "?")),
             digest=str(attested.get("sha256", "unknown")),
             rules=[],
+            signer=signer,
             note=f"rules unavailable: {error}",
         )
     policy = spec.policy
     rules = [(rule.name, _matches(rule.match), _route(rule.route)) for rule in policy.rules]
     if policy.default is not None:
         rules.append(("default", "anything else", _route(policy.default)))
-    return PolicySummary(policy.name, str(policy.version), spec.policy_digest or "unknown", rules)
+    return PolicySummary(policy.name, str(policy.version), spec.policy_digest or "unknown", rules, signer)
 
 
 def _matches(match: dict[str, Any]) -> str:

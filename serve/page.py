@@ -25,6 +25,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
 from govray.core.identifiers import ModelName, RecordId, Version
+from govray.governance.policy import UNSIGNED_POLICY
 from govray.queries import NotFoundError, StoreReader
 from serve.lineage_view import (
     CREDENTIAL_FIELDS,
@@ -186,10 +187,20 @@ def _policy(sheet: LineageSheet) -> str:
         '<section id="policy"><h2>Policy</h2><dl class="facts">'
         f'<dt>name</dt><dd id="policy-name">{escape(policy.name)}</dd>'
         f'<dt>version</dt><dd id="policy-version">{escape(policy.version)}</dd>'
-        f'<dt>sha256</dt><dd><code id="policy-digest">{escape(policy.digest)}</code></dd></dl>'
+        f'<dt>sha256</dt><dd><code id="policy-digest">{escape(policy.digest)}</code></dd>'
+        f"<dt>signed by</dt>{_policy_signer(policy.signer)}</dl>"
         '<table id="policy-rules"><thead><tr><th>rule</th><th>matches</th><th>may update</th></tr></thead>'
         f"<tbody>{rules or _empty_row(3, 'rules unavailable')}</tbody></table>{note}</section>"
     )
+
+
+def _policy_signer(signer: str) -> str:
+    if signer == UNSIGNED_POLICY:
+        return (
+            '<dd id="policy-signer" class="failed">UNSIGNED: nobody vouched for this policy '
+            "(the operator let the run through)</dd>"
+        )
+    return f'<dd id="policy-signer"><code>{escape(signer)}</code></dd>'
 
 
 def _memorization(sheet: LineageSheet) -> str:

@@ -153,6 +153,8 @@ def spec_for(routing: RoutingTable, hidden: int) -> RunSpec:
         settings=TrainingSettings().with_hyperparameters(hparams),
         policy=load_policy(REPO / "policies" / "digits.policy.yaml"),
         routing=routing,
+        policy_signer="unsigned",
+        policy_trust_sha256="",
         shard_root="/nonexistent",
         shards_sha256="0" * 64,
         eval_rows=10,

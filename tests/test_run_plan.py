@@ -3,6 +3,7 @@ and carried, the trial built once for the plan; the refusal check and the run sh
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import sys
@@ -115,7 +116,7 @@ def test_a_plan_refuses_a_start_checkpoint_its_trust_does_not_accept(
 ) -> None:
     """The start checkpoint is checked against the plan's trust, before anything is recorded."""
     final = find_checkpoints(planned_run.outcome.run_dir)[-1]
-    untrusting = CheckedPolicy(planned_run.checked.policy, planned_run.checked.routing, TrustConfig())
+    untrusting = dataclasses.replace(planned_run.checked, trust=TrustConfig())
     config = planned_run.plan.config
     with pytest.raises(CheckpointError, match="is not trusted for role 'platform'"):
         plan_run(config, untrusting, planned_run.plan.shard_root, start_checkpoint=final)

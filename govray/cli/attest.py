@@ -4,6 +4,7 @@ is and what trained it, checkable without govray's database."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -83,6 +84,8 @@ def verify(
     verified = verify_attestation(envelope, model_dir=model_dir, trust=trusted, policy=policy)
     subjects = ", ".join(subject["name"] for subject in verified.statement["subject"])
     console.print(f"verified: {verified.statement['predicateType']} signed by {verified.signer}; {subjects}")
+    if verified.statement["predicateType"] != COVERAGE_TYPE:
+        console.print(policy_line(verified.statement), highlight=False)
     if recompute:
         coverage = envelope
         if verified.statement["predicateType"] != COVERAGE_TYPE:
@@ -94,3 +97,17 @@ def verify(
         statement = verify_attestation(coverage, model_dir=model_dir, trust=trusted, expected_kind="coverage")
         entries = check_attested_ledger(statement.statement, model_dir, trusted)
         console.print(f"ledger recomputed from the schedule: all {entries} attested entries match")
+
+
+def policy_line(statement: dict[str, Any]) -> str:
+    """What a provenance statement says of the policy: name, version, digest, and who signed it
+    (an unsigned one is said so, loudly)."""
+    from govray.governance.policy import UNSIGNED_POLICY
+
+    policy = statement["predicate"]["buildDefinition"]["externalParameters"]["policy"]
+    named = f"policy: {policy.get('name')} v{policy.get('version')} (sha256 {policy.get('sha256')})"
+    signer = policy.get("signer")
+    if signer == UNSIGNED_POLICY:
+        return f"{named}, UNSIGNED: nobody vouched for it (the operator let the run through)"
+    root = (policy.get("trust_root") or {}).get("sha256") or "none"
+    return f"{named}, signed by {signer} (checked against the trust file with sha256 {root})"

@@ -145,7 +145,14 @@ def peft_adapter_command(
 
 def to_markdown(summary: EuSummary) -> str:
     """The summary as a Markdown document, section by section."""
+    from govray.governance.policy import UNSIGNED_POLICY
+
     g, p = summary.general, summary.processing
+    signed = (
+        "UNSIGNED: nobody vouched for it"
+        if g.policy_signer == UNSIGNED_POLICY
+        else f"signed by {g.policy_signer}"
+    )
     lines = [
         f"# Training-content summary: {g.model} version {g.version}",
         "",
@@ -154,7 +161,7 @@ def to_markdown(summary: EuSummary) -> str:
         f"- Provider: {g.provider or 'not stated'}; trained with {g.platform}",
         f"- Adapters: {', '.join(g.adapters) or 'none'}",
         f"- Started from: {g.started_from or 'random initialisation'}",
-        f"- Depth policy: {g.policy} (sha256 {g.policy_sha256})",
+        f"- Depth policy: {g.policy} (sha256 {g.policy_sha256}), {signed}",
         f"- Modalities: {', '.join(g.modalities) or 'none'}",
         f"- Data collected: {g.collection_period.start} to {g.collection_period.end}",
         f"- Trained: {_when(g.training_period)}, {g.step} steps",

@@ -2,6 +2,7 @@
 setting overridable by one documented environment variable, and a command-line option over both::
 
     trust: /etc/govray/trust.yaml                # GOVRAY_TRUST: the operator's trust (below)
+    unsigned_policies: [scratch-experiment]      # experiments whose unsigned-policy runs may be registered
     store:
       database_url: sqlite:///runs/tracking.db   # GOVRAY_DATABASE (CLI: --database)
     serve:
@@ -70,6 +71,10 @@ class Settings(BaseModel):
 
     trust: Path | None = Field(
         default=None, description="The operator's trust file: the platform keys every verification accepts."
+    )
+    unsigned_policies: list[str] = Field(
+        default_factory=list,
+        description="Experiments whose runs under a policy nobody signed may be registered (audited).",
     )
     store: StoreSettings = StoreSettings()
     serve: ServeSection = ServeSection()

@@ -261,6 +261,9 @@ class PolicySignature(BaseModel):
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+UNSIGNED_POLICY = "unsigned"  # who signed a policy nobody signed (a run the operator let through)
+
+
 class VerifiedPolicy(BaseModel):
     """A loaded policy with its digest and how it was authorised."""
 

@@ -62,6 +62,7 @@ def cyclonedx_bom(
                 "govray:base-model-sha256": general.base_model_sha256,
                 "govray:policy": general.policy,
                 "govray:policy-sha256": general.policy_sha256,
+                "govray:policy-signer": general.policy_signer,
                 "govray:step": general.step,
                 "govray:examples-in-model": general.examples,
                 "govray:provenance-attestation-sha256": attestation_sha256,

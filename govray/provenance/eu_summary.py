@@ -87,8 +87,9 @@ class GeneralInformation(_Document):
     base_model_sha256: str
     adapters: list[str]  # the adapter files this version holds
     started_from: str | None  # the checkpoint a fine-tuning run started from
-    policy: str  # name and version of the signed depth policy
+    policy: str  # name and version of the depth policy
     policy_sha256: str
+    policy_signer: str  # the policy envelope's signer keyid, or "unsigned" (the operator let it through)
     modalities: list[str]  # of the data that reached the model
     collection_period: Period
     training_period: Period | None  # the trial's start and end, when the tracking store knows them
@@ -229,6 +230,7 @@ def eu_summary(
         started_from=str(state.source["path"]) if state.source.get("path") else None,
         policy=f"{spec.policy.name} v{spec.policy.version}",
         policy_sha256=spec.policy_digest,
+        policy_signer=spec.policy_signer,
         **_periods_and_totals(corpora, trial),
     )
     processing = DataProcessing(

@@ -106,8 +106,22 @@ def _external_parameters(spec: RunSpec, excluded: list[str], derivation: Derivat
         "excluded_corpora": excluded,
         "removed_adapters": list(derivation.removed_adapters if derivation else ()),
         "config": {"sha256": spec.config_digest},
-        "policy": {"name": spec.policy.name, "version": spec.policy.version, "sha256": spec.policy_digest},
+        "policy": {
+            "name": spec.policy.name,
+            "version": spec.policy.version,
+            "sha256": spec.policy_digest,
+            # The policy envelope's signer keyid, or "unsigned" (a run the operator let through).
+            "signer": spec.policy_signer,
+            "trust_root": {"sha256": spec.policy_trust_sha256},
+        },
+        # The code the workers imported: the trial's snapshot, file by file.
+        "code": _code(spec.reproducibility),
     }
+
+
+def _code(reproducibility: dict[str, Any]) -> dict[str, Any]:
+    code = reproducibility.get("code") or {}
+    return {"module": code.get("module"), "sha256": code.get("digest"), "files": code.get("files", {})}
 
 
 def _dependencies(

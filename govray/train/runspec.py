@@ -77,6 +77,10 @@ class RunSpec(BaseModel):
     platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
     config_digest: str = ""
     policy_digest: str = ""
+    # Who vouched for the policy: its envelope's signer keyid, or ``unsigned`` (allowed at
+    # preflight, audited); and the sha256 of the trust file it was checked against ("": none).
+    policy_signer: str
+    policy_trust_sha256: str
     run_dir: str = ""  # in local mode (no Ray Train controller) checkpoints are written here
     reproducibility: dict[str, Any] = {}  # the trial's ReproducibilityRecord, kept in every checkpoint
     validation_period: int | None = None  # steps between validations (each saves a checkpoint)

@@ -28,8 +28,9 @@ from pathlib import Path
 from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
 from govray.core.keys import SigningKey, platform_key
-from govray.core.settings import operator_trust
+from govray.core.settings import load_settings, operator_trust, settings_path
 from govray.core.storage import open_storage
+from govray.governance.policy import UNSIGNED_POLICY
 from govray.platform.registry.versions import (
     RegisteredVersion,
     RegistryError,
@@ -86,13 +87,15 @@ def register(
     description = check(Description, description, "description", RegistryError)
     checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
+    unsigned = _refuse_unsigned_unless_allowed(store, record, checkpoint)
     # Verified against the operator's trust, and its manifest the one the store recorded when sealed.
     written = attest_checkpoint(
         checkpoint, key, model_signature=True, recorded_manifest=record.manifest_digest
     )
     version = _addregistered_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
-    _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint))
+    allowed = {"unsigned_policy_allowed_for": unsigned} if unsigned else {}
+    _audit(store, "register", version, checkpoint=record.uuid, path=str(checkpoint), **allowed)
     return resolve(store, version.ref)
 
 
@@ -238,6 +241,23 @@ def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointReco
     if record.state == CheckpointStatus.DELETED.value:
         raise RegistryError(f"{checkpoint}: deleted by checkpoint GC; register a kept one")
     return record
+
+
+def _refuse_unsigned_unless_allowed(store: TrackingStore, record: CheckpointRecord, checkpoint: Path) -> str:
+    """A checkpoint trained under a policy nobody signed is registered only when the operator
+    allows it for its experiment (settings ``unsigned_policies``); returns that experiment's name
+    then (the registration is audited as allowed, and its attestation says ``unsigned``), else "".
+    (The spec is read before the checkpoint is verified: a changed one is refused by the
+    verification that follows, before anything is written.)"""
+    if run_spec_of(checkpoint).policy_signer != UNSIGNED_POLICY:
+        return ""
+    experiment = store.get_experiment(store.get_trial(record.trial_id).experiment_id).name
+    if experiment not in load_settings().unsigned_policies:
+        raise RegistryError(
+            f"{checkpoint}: trained under a policy nobody signed (experiment '{experiment}'); the "
+            f"operator allows registering such runs per experiment: unsigned_policies in {settings_path()}"
+        )
+    return experiment
 
 
 def _addregistered_version(

@@ -170,6 +170,8 @@ def plan_run(
         recorded_code=code is not None,
         platform_key=str(platform_key_path()),
         policy_digest=checked.policy.digest,
+        policy_signer=checked.policy_signer,
+        policy_trust_sha256=checked.policy_trust_sha256,
         validation_period=config.min_validation_period or validation_period,
         recorded_decisions=recorded_decisions,
         start_checkpoint=str(start_checkpoint) if start_checkpoint is not None else "",

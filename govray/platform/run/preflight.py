@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from govray.config.experiment import ExperimentConfig
-from govray.core.canonical import canonical_json, sha256_hex
+from govray.core.canonical import canonical_json, file_sha256, sha256_hex
 from govray.core.errors import GovrayError, IngestError
 from govray.core.keys import TrustConfig, load_trust
 from govray.core.runtime import ensure_ray
 from govray.core.settings import operator_trust
 from govray.data.ingest import IngestResult, ingest
-from govray.governance.policy import VerifiedPolicy, load_verified_policy
+from govray.governance.policy import UNSIGNED_POLICY, VerifiedPolicy, load_verified_policy
 from govray.governance.routing import RoutingTable
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.drift import FingerprintChange, changed_corpora
@@ -46,6 +46,13 @@ class CheckedPolicy:
     # The platform keys whose checkpoints are accepted, and their revocations: the operator's
     # (``operator_trust``), never the experiment's trust file, which only checks the policy.
     trust: TrustConfig
+    policy_trust_sha256: str  # sha256 of the trust file the policy was checked against ("": none)
+
+    @property
+    def policy_signer(self) -> str:
+        """The policy envelope's signer keyid, or ``unsigned`` (allowed, and audited)."""
+        signature = self.policy.signature
+        return signature.keyid if signature is not None else UNSIGNED_POLICY
 
 
 def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsigned: bool) -> CheckedPolicy:
@@ -85,7 +92,10 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     hparams = config.default_hparams()
     trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     routing = resolve_trial_routes(verified.policy, trial)  # on the meta device: no weights allocated
-    return CheckedPolicy(policy=verified, routing=routing, trust=operator_trust())
+    trust_sha256 = file_sha256(ref.trust) if ref.trust is not None else ""
+    return CheckedPolicy(
+        policy=verified, routing=routing, trust=operator_trust(), policy_trust_sha256=trust_sha256
+    )
 
 
 def existing_experiment(config: ExperimentConfig, store: TrackingStore) -> Experiment | None:
