@@ -16,7 +16,6 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from govray.config.serve import ServeSettings
 from govray.core.dsse import Envelope
 from govray.core.identifiers import (
     EXACT_INTEGER,
@@ -29,11 +28,8 @@ from govray.core.identifiers import (
     RowNumber,
     Version,
 )
-from govray.core.keys import load_trust
-from govray.platform.run.ledgers import store_checkpoint_ledger
 from govray.provenance.row_reach import LineageError, RowReach, row_reach
 from govray.queries import DEFAULT_LIMIT, MAX_LIMIT, NotFoundError, Page, StoreReader, Window, changes
-from govray.queries.errors import LedgerNotStored
 from govray.queries.views import (
     AttestationView,
     AuditEventView,
@@ -184,7 +180,7 @@ async def version_lineage(
 ) -> Response:
     return await answer(
         request,
-        lambda reader: loading_ledgers(request, lambda: reader.version_lineage(name, version, layer)),
+        lambda reader: reader.version_lineage(name, version, layer),
         changes.lineage_reads,
     )
 
@@ -198,7 +194,7 @@ async def version_lineage(
 async def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer = None) -> Response:
     return await answer(
         request,
-        lambda reader: loading_ledgers(request, lambda: reader.checkpoint_lineage(checkpoint_id, layer)),
+        lambda reader: reader.checkpoint_lineage(checkpoint_id, layer),
         changes.lineage_reads,
     )
 
@@ -212,22 +208,9 @@ async def checkpoint_lineage(request: Request, checkpoint_id: Id, layer: Layer =
 async def trial_lineage(request: Request, trial_id: Id, layer: Layer = None) -> Response:
     return await answer(
         request,
-        lambda reader: loading_ledgers(request, lambda: reader.trial_lineage(trial_id, layer)),
+        lambda reader: reader.trial_lineage(trial_id, layer),
         changes.lineage_reads,
     )
-
-
-def loading_ledgers(request: Request, ask: Callable[[], Lineage]) -> Lineage:
-    """``ask()``, after storing the ledger of a checkpoint whose ledger could not be stored when it
-    was recorded (from its verified ``state.json``, once: the first request for it; a 409 says why
-    it cannot)."""
-    try:
-        return ask()
-    except LedgerNotStored as missing:
-        settings: ServeSettings = request.app.state.settings
-        trust = load_trust(settings.trust) if settings.trust is not None else None  # else: the store vouches
-        store_checkpoint_ledger(request.app.state.store, missing.checkpoint_id, trust)
-        return ask()
 
 
 @router.get(

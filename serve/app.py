@@ -33,6 +33,7 @@ from govray.config.serve import ServeSettings
 from govray.core.errors import GovrayError, TrackingError
 from govray.core.runtime import ensure_ray
 from govray.queries import NotFoundError, StoreFailure, StoreGeneration, StoreReader, read_only_engine
+from govray.queries.errors import LedgerNotStored
 from govray.tracking.store import TrackingStore, masked
 from govray.train.checkpoints.files import CheckpointError
 from serve import api, verify, writes
@@ -70,6 +71,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
 
 HANDLED: list[tuple[type[Exception], int]] = [
+    (LedgerNotStored, 409),  # recorded, its ledger not stored: a write stores it (no GET writes)
     (NotFoundError, 404),
     (CheckpointError, 409),  # a checkpoint on storage no longer matches what the store recorded
     (Unavailable, 503),

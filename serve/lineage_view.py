@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from govray.core.errors import GovrayError, SignatureError
+from govray.core.errors import ConfigError, GovrayError, SignatureError
 from govray.core.keys import load_trust
-from govray.provenance.locations import run_spec_of
+from govray.provenance.locations import signed_run_spec
 from govray.queries import NotFoundError, StoreReader, Window
 from govray.queries.ledger_rows import statement_of
 from govray.queries.views import Lineage
@@ -162,7 +162,7 @@ def _sheet(
         facts=facts,
         lineage=lineage,
         corpora=_corpora(reader, lineage, excluded),
-        policy=_policy(directory, statement),
+        policy=_policy(directory, statement, trust),
         memorization=_memorization(reader, lineage.trial_id, statement),
         verification=_verify(envelope, directory, trust),
     )
@@ -191,13 +191,16 @@ def _credential(record: CorpusRecord) -> dict[str, str]:
     return {name: str(credential.get(name, "per row")) for name in CREDENTIAL_FIELDS}
 
 
-def _policy(directory: Path, statement: dict[str, Any]) -> PolicySummary:
-    """The policy from the run spec beside the model files, else what the attestation names; who
-    signed it as the (platform-signed) attestation states."""
+def _policy(directory: Path, statement: dict[str, Any], trust: Path | None) -> PolicySummary:
+    """The policy from the run spec beside the model files (as their signed manifest lists it,
+    under the server's trust), else what the attestation names; who signed it as the
+    (platform-signed) attestation states."""
     attested = _external(statement).get("policy", {})
     signer = str(attested.get("signer", "not attested")) if statement else "not attested"
     try:
-        spec = run_spec_of(directory)
+        if trust is None:
+            raise ConfigError("the server has no trust file to check the run spec's signature with")
+        spec = signed_run_spec(directory, load_trust(trust))
     except GovrayError as error:
         return PolicySummary(
             name=str(attested.get("name", "unknown")),

@@ -1,8 +1,10 @@
-"""The write endpoints: register a checkpoint as a model version, replace a version's tags.
+"""The write endpoints: register a checkpoint as a model version, replace a version's tags, store
+a recorded checkpoint's ledger that could not be stored when it was recorded (no GET writes: a
+lineage request for such a checkpoint answers 409 naming this endpoint).
 
-Both go through ``govray.platform.registry.register`` (which verifies, attests and audits) and require
-``Authorization: Bearer TOKEN`` with the server's configured token: no token is a 401, a wrong one
-(or a server configured without one) a 403.
+Registry writes go through ``govray.platform.registry.register`` (which verifies, attests and
+audits). Every write requires ``Authorization: Bearer TOKEN`` with the server's configured token:
+no token is a 401, a wrong one (or a server configured without one) a 403.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from govray.config.serve import ServeSettings
 from govray.core.identifiers import Description, ModelName, RecordId, TagKey, TagValue, Version
+from govray.core.keys import load_trust
 from govray.platform.registry import register as registry
+from govray.platform.run.ledgers import store_checkpoint_ledger
 from govray.queries import StoreReader
 from govray.queries.views import ModelVersionView
 from govray.tracking.store import TrackingStore
@@ -70,6 +74,11 @@ class RegisterRequest(BaseModel):
     tags: Tags = Field(default_factory=dict)
 
 
+class StoredLedger(BaseModel):
+    checkpoint_id: int
+    rows: int = Field(description="Ledger rows written (0: they were stored already).")
+
+
 class TagsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -83,6 +92,19 @@ def register(request: Request, store: Writer, name: Name, body: RegisterRequest)
     checkpoint = reader.checkpoint(body.checkpoint_id)
     made = registry.register(store, name, Path(checkpoint.path), description=body.description, tags=body.tags)
     return reader.version(made.model, made.version)
+
+
+@router.post("/checkpoints/{checkpoint_id}/ledger", response_model=StoredLedger)
+def store_ledger(
+    request: Request, store: Writer, checkpoint_id: Annotated[RecordId, PathParam()]
+) -> StoredLedger:
+    """Store the ledger of recorded checkpoint ``checkpoint_id`` from its ``state.json`` and the
+    routing of its ``run.json``, both checked against the manifest the store recorded when it was
+    sealed (and its signature, under the server's trust); 409 when they do not check out."""
+    settings: ServeSettings = request.app.state.settings
+    trust = load_trust(settings.trust) if settings.trust is not None else None  # else: the store vouches
+    rows = store_checkpoint_ledger(store, checkpoint_id, trust)
+    return StoredLedger(checkpoint_id=checkpoint_id, rows=rows)
 
 
 @router.put("/models/{name}/versions/{version}/tags", response_model=ModelVersionView)

@@ -147,8 +147,9 @@ def manifest(directory: Path) -> Manifest:
 
 
 def copied_run(run: LoraOnlyRun, tmp_path: Path) -> Path:
-    """The run directory copied (its checkpoints and base store), for tests that change it."""
-    copy = tmp_path / "run"
+    """The run directory copied (its checkpoints and base store), for tests that change it: under
+    the run's own name (a checkpoint's signed manifest names its run; a resume takes only those)."""
+    copy = tmp_path / run.run_dir.name
     shutil.copytree(run.run_dir, copy)
     return copy
 

@@ -95,6 +95,10 @@ def test_a_planned_run_opens_its_storage_once_and_builds_its_trial_once(planned_
     assert planned_run.calls["make_trial"] == 2, planned_run.calls
 
 
+def trusted_keys(trust: TrustConfig) -> set[str]:
+    return {key.keyid for key in trust.keys}
+
+
 def test_the_trust_file_is_read_once_and_a_later_change_does_not_change_what_the_run_checks(
     planned_run: PlannedRun,
 ) -> None:
@@ -105,7 +109,8 @@ def test_the_trust_file_is_read_once_and_a_later_change_does_not_change_what_the
     assert platform_key().keyid in {entry.keyid for entry in keys.load_trust(planned_run.trust_file).revoked}
     recorded = json.loads(run_spec_path(planned_run.plan.storage, planned_run.outcome.run_name).read_text())
     assert "trust" not in recorded and "trust" not in RunSpec.model_fields
-    assert planned_run.checked.trust == planned_run.plan.trust == operator_trust()
+    assert planned_run.checked.trust == planned_run.plan.trust
+    assert trusted_keys(planned_run.plan.trust) == trusted_keys(operator_trust())
     assert not planned_run.plan.trust.revoked
     final = find_checkpoints(planned_run.outcome.run_dir)[-1]
     verify_checkpoint(final, planned_run.plan.trust)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from govray.core.errors import AttestationError
+from govray.core.keys import TrustConfig
 from govray.provenance.model_signature import SIGNATURE_SUFFIX
-from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
+from govray.train.checkpoints.manifest import listed_bytes, recorded_file, signed_manifest
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, parse_run_spec, read_run_spec
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
@@ -18,6 +20,21 @@ def run_spec_of(checkpoint: Path) -> RunSpec:
     if not path.is_file():
         raise AttestationError(f"{checkpoint}: no {RUN_SPEC_FILE} (not a checkpoint of a govray run?)")
     return read_run_spec(path)
+
+
+def signed_run_spec(checkpoint: Path, trust: TrustConfig) -> RunSpec:
+    """The run spec of ``checkpoint`` as its signed manifest lists it (``CheckpointError`` when
+    the signature or the file's digest does not check out): what a reader outside the run (the
+    lineage app) takes a run's routing and policy from."""
+    manifest, _ = signed_manifest(checkpoint, trust)
+    return parse_run_spec(listed_bytes(checkpoint, manifest, RUN_SPEC_FILE), checkpoint / RUN_SPEC_FILE)
+
+
+def recorded_run_spec(checkpoint: Path, manifest_digest: str, trust: TrustConfig | None = None) -> RunSpec:
+    """The run spec of a recorded checkpoint, checked against the manifest the tracking store
+    recorded when it was sealed (with ``trust``, its signature too)."""
+    content = recorded_file(checkpoint, RUN_SPEC_FILE, manifest_digest, trust)
+    return parse_run_spec(content, checkpoint / RUN_SPEC_FILE)
 
 
 def attestation_prefix(checkpoint: Path, spec: RunSpec) -> Path:

@@ -40,7 +40,7 @@ from govray.data.schedule import ScheduleSpec
 from govray.data.shards import ShardSet
 from govray.data.slots import row_slots
 from govray.governance.routing import RoutingTable, layer_label
-from govray.provenance.locations import run_spec_of
+from govray.provenance.locations import recorded_run_spec
 from govray.tracking.lineage import as_of, checkpoints
 from govray.tracking.registry import versions_of_checkpoints
 from govray.tracking.store import TrackingStore, masked
@@ -244,7 +244,7 @@ def _trial_reach(
         "checkpoints": [],
     }
     latest = _latest(recorded)
-    spec = _run_spec(experiment, trial, latest[0] if latest else None)
+    spec = _run_spec(experiment, trial, latest)
     if spec is None:
         note = f"no run spec: no checkpoint holds one, nor {experiment.storage_path}/runs"
         return TrialReach(**base, placement=None, **nothing, tensors=[], layers=[], note=note)
@@ -330,11 +330,14 @@ def _models(store: TrackingStore, checkpoint_ids: list[int], adapter: str | None
     return found
 
 
-def _run_spec(experiment: Experiment, trial: TrialRecord, checkpoint: Path | None) -> RunSpec | None:
-    """The run's spec: the one its latest checkpoint holds, else (no checkpoint yet)
-    ``STORAGE/runs/RUN.json``."""
-    if checkpoint is not None:
-        return run_spec_of(checkpoint)
+def _run_spec(
+    experiment: Experiment, trial: TrialRecord, latest: tuple[Path, CheckpointState, str] | None
+) -> RunSpec | None:
+    """The run's spec: the one its latest checkpoint holds (checked against the manifest the store
+    recorded), else (no checkpoint yet) ``STORAGE/runs/RUN.json``."""
+    if latest is not None:
+        checkpoint, _, manifest_digest = latest
+        return recorded_run_spec(checkpoint, manifest_digest)
     path = Path(experiment.storage_path) / "runs" / f"{trial.ray_run_name}.json"
     if trial.ray_run_name is None or not path.is_file():
         return None
@@ -344,13 +347,14 @@ def _run_spec(experiment: Experiment, trial: TrialRecord, checkpoint: Path | Non
         raise LineageError(f"trial {trial.id}: its run spec {path} is unreadable: {error}") from None
 
 
-def _latest(recorded: list[CheckpointRecord]) -> tuple[Path, CheckpointState] | None:
-    """The trial's latest checkpoint still on storage, and its state (its schedule has every event),
-    checked against the manifest the store recorded: a changed one raises ``CheckpointError``."""
+def _latest(recorded: list[CheckpointRecord]) -> tuple[Path, CheckpointState, str] | None:
+    """The trial's latest checkpoint still on storage, its state (its schedule has every event),
+    checked against the manifest the store recorded (a changed one raises ``CheckpointError``),
+    and that manifest's digest."""
     for record in reversed(recorded):
         path = Path(record.path)
         if (path / STATE_FILE).is_file():
-            return path, recorded_state(path, record.manifest_digest)
+            return path, recorded_state(path, record.manifest_digest), record.manifest_digest
     return None
 
 

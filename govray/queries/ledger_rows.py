@@ -265,7 +265,8 @@ def _not_stored(checkpoint: CheckpointRecord) -> NotFoundError:
         )
     return LedgerNotStored(
         f"{where} has no ledger in the tracking store: it could not be stored when the checkpoint "
-        "was recorded; its verified state.json holds it",
+        f"was recorded; POST /api/checkpoints/{checkpoint.id}/ledger (with the write token) stores it from "
+        "its verified state.json, or says why it cannot",
         checkpoint_id=checkpoint.id or 0,
     )
 

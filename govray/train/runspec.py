@@ -205,9 +205,14 @@ def read_run_spec(path: Path) -> RunSpec:
     file. A missing file, or one that is not a run spec this govray writes (a pre-release one, an
     edited one), is a ``CheckpointError`` naming the file and what is wrong."""
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except OSError as error:
         raise CheckpointError(f"{path}: no run spec ({error.strerror})") from None
+    return parse_run_spec(text, path)
+
+
+def parse_run_spec(text: bytes, path: Path) -> RunSpec:
+    """The run spec in ``text``, read from ``path`` (``CheckpointError`` naming it otherwise)."""
     try:
         return RunSpec.model_validate_json(text)
     except ValidationError as error:

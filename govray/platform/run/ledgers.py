@@ -14,13 +14,11 @@ must carry a trusted platform signature)::
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
-from govray.core.errors import AttestationError
 from govray.core.keys import TrustConfig
-from govray.provenance.locations import run_spec_of
+from govray.provenance.locations import recorded_run_spec
 from govray.tracking.lineage import (
     LedgerTuple,
     checkpoint_ledger_rows,
@@ -84,12 +82,7 @@ def _store(
         ledger = Ledger.from_json(state.ledger)
     except LedgerError as error:
         raise CheckpointError(f"{directory}: its state.json holds {error}") from None
-    rows = ledger_tuples(ledger, layers if layers is not None else _layers(directory))
+    if layers is None:  # the routing of the run's own spec, as its recorded manifest lists it
+        layers = recorded_run_spec(directory, record.manifest_digest, trust).routing.tensor_layers()
+    rows = ledger_tuples(ledger, layers)
     return record_ledger(store, record.trial_id, rows, checkpoint_id=record.id)
-
-
-def _layers(directory: Path) -> Layers:
-    """Tensor → layer of the run that wrote a checkpoint (none known: every layer index None)."""
-    with contextlib.suppress(AttestationError):
-        return run_spec_of(directory).routing.tensor_layers()
-    return {}

@@ -9,6 +9,7 @@ loads tensors, and imports torch); that module re-exports every name here.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -159,20 +160,40 @@ def recorded_state(
     it: the store vouches for the manifest, the manifest for ``state.json``; with ``trust`` the
     manifest's signature is checked too (still without reading the weight files). Raises
     ``CheckpointError`` when either changed since the checkpoint was recorded."""
-    manifest_path = directory / MANIFEST_FILE
+    content = recorded_file(directory, STATE_FILE, manifest_digest, trust)
+    try:
+        return CheckpointState.model_validate_json(content)
+    except ValidationError as error:
+        raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+
+
+def recorded_file(
+    directory: Path, name: str, manifest_digest: str, trust: TrustConfig | None = None
+) -> bytes:
+    """File ``name`` of a recorded checkpoint, read once, checked against the manifest whose
+    sha256 the tracking store recorded when it was sealed (with ``trust``, its signature too)."""
     try:
         refuse_unrecorded_manifest(directory, manifest_digest)
         if trust is not None:
             manifest, _ = signed_manifest(directory, trust)
         else:
-            manifest = Manifest.model_validate_json(manifest_path.read_bytes())
-        if file_sha256(directory / STATE_FILE) != manifest.files.get(STATE_FILE):
-            raise CheckpointError(f"{directory / STATE_FILE}: sha256 does not match its manifest (tampered)")
-        return CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
-    except FileNotFoundError as error:
-        raise CheckpointError(f"{directory}: {error.filename} is missing") from None
+            manifest = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
     except ValidationError as error:
         raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
+    return listed_bytes(directory, manifest, name)
+
+
+def listed_bytes(directory: Path, manifest: Manifest, name: str) -> bytes:
+    """File ``name`` of a checkpoint whose (verified) manifest is ``manifest``, read once and
+    refused unless its sha256 is the one the manifest lists."""
+    path = directory / name
+    try:
+        content = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: {name} is missing") from None
+    if name not in manifest.files or hashlib.sha256(content).hexdigest() != manifest.files[name]:
+        raise CheckpointError(f"{path}: sha256 does not match its manifest (tampered)")
+    return content
 
 
 def refuse_unrecorded_manifest(directory: Path, manifest_digest: str) -> None:
