@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from safetensors.torch import save_file
 
 from govray.config.serve import ServeSettings
@@ -113,13 +114,17 @@ class Live:
         return response.json(), response.headers["X-Govray-Cache"]
 
 
+TOKEN = "live-lineage-token"
+WRITE = {"Authorization": f"Bearer {TOKEN}"}
+
+
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[Live]:
     store = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
     experiment = store.create_experiment("live", "{}", "ab12", str(tmp_path / "storage"))
     assert experiment.id is not None
     save_trust(TRUST, tmp_path / "trust.yaml")
-    settings = ServeSettings(database_url=store.url, trust=tmp_path / "trust.yaml")
+    settings = ServeSettings(database_url=store.url, trust=tmp_path / "trust.yaml", token=SecretStr(TOKEN))
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield Live(store, client, tmp_path, experiment.id)
     store.close()
@@ -236,11 +241,16 @@ def checkpoints_without_ledgers(live: Live) -> tuple[int, list[int]]:
     return trial.id, ids
 
 
-def test_a_ledger_not_stored_at_recording_is_loaded_from_its_verified_state_on_first_request(
+def test_a_ledger_not_stored_at_recording_is_stored_by_a_write_from_its_verified_state_never_by_a_read(
     live: Live,
 ) -> None:
     _, (first, second) = checkpoints_without_ledgers(live)
     assert checkpoint_ledger_rows(live.store, first) == []
+    asked = live.client.get(f"/api/checkpoints/{first}/lineage")
+    assert asked.status_code == 409 and f"POST /api/checkpoints/{first}/ledger" in asked.json()["detail"]
+    assert checkpoint_ledger_rows(live.store, first) == []  # a GET writes nothing
+    written = live.client.post(f"/api/checkpoints/{first}/ledger", headers=WRITE)
+    assert written.status_code == 200 and written.json()["rows"] > 0, written.text
     lineage, _ = live.get(f"/api/checkpoints/{first}/lineage")
     assert lineage["step"] == 10 and lineage["ledger"] == "checkpoint"
     assert stored(checkpoint_ledger_rows(live.store, first)) == ledger_at(10)
@@ -250,7 +260,7 @@ def test_a_ledger_not_stored_at_recording_is_loaded_from_its_verified_state_on_f
     forged = json.loads(state.read_text())
     forged["ledger"]["entries"] = []  # "this checkpoint trained on nothing"
     state.write_text(json.dumps(forged))
-    response = live.client.get(f"/api/checkpoints/{second}/lineage")
+    response = live.client.post(f"/api/checkpoints/{second}/ledger", headers=WRITE)
     assert response.status_code == 409 and "does not match its manifest" in response.json()["detail"]
     assert checkpoint_ledger_rows(live.store, second) == []
 

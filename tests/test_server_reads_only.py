@@ -95,19 +95,26 @@ def test_a_run_spec_rewritten_to_name_a_planted_trial_is_refused_and_its_code_ne
     served: Served,
 ) -> None:
     spec_file = served.checkpoint / RUN_SPEC_FILE
-    document = json.loads(spec_file.read_text())
+    original = spec_file.read_text()
+    document = json.loads(original)
     document["trial"] = f"{PLANTED}:Planted"
     document["code_dir"] = str(served.marker.parent / "planted")
     spec_file.write_text(json.dumps(document))
     before = table_counts(served.database)
-    stored = served.client.post(
-        f"/api/checkpoints/{served.checkpoint_id}/ledger", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
+    write = {"Authorization": f"Bearer {TOKEN}"}
+    stored = served.client.post(f"/api/checkpoints/{served.checkpoint_id}/ledger", headers=write)
     assert stored.status_code == 409 and "run.json: sha256 does not match its manifest" in stored.text
-    page = served.client.get(f"/lineage/checkpoints/{served.checkpoint_id}")
-    assert page.status_code == 200
-    assert "rules unavailable" in page.text and "run.json: sha256 does not match its manifest" in page.text
+    assert table_counts(served.database) == before
     lineage = served.client.get(f"/api/checkpoints/{served.checkpoint_id}/lineage")
     assert lineage.status_code == 409
-    assert table_counts(served.database) == before
+    # With the ledger stored (from the run spec as signed), the page shows no rule of the rewrite.
+    spec_file.write_text(original)
+    assert (
+        served.client.post(f"/api/checkpoints/{served.checkpoint_id}/ledger", headers=write).status_code
+        == 200
+    )
+    spec_file.write_text(json.dumps(document))
+    page = served.client.get(f"/lineage/checkpoints/{served.checkpoint_id}")
+    assert page.status_code == 200, page.text
+    assert "rules unavailable" in page.text and "run.json: sha256 does not match its manifest" in page.text
     assert not served.marker.exists()  # nothing imported the planted module

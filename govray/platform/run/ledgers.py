@@ -1,7 +1,7 @@
 """A ledger per checkpoint in the tracking store: stored as each checkpoint is recorded, from its
 verified ``state.json``. A checkpoint whose ledger could not be stored then (its ``state.json`` did
-not verify: the recorder logs why) gets it on the first lineage request for it, or that request
-says why not.
+not verify: the recorder logs why) gets it from a write (the lineage app's
+``POST /api/checkpoints/N/ledger``; no read writes), or that write says why not.
 
 Lineage, influence and row lookups then answer for every recorded checkpoint, and for a running
 trial as of its latest one. Nothing is stored that was not verified: a checkpoint's ``state.json``
@@ -9,7 +9,7 @@ must match the manifest the store recorded for it (and, given a trust configurat
 must carry a trusted platform signature)::
 
     record = record_checkpoint_ledger(store, trial_id, path, step, layers, trust)  # the recorder
-    store_checkpoint_ledger(store, checkpoint_id, trust)   # one not stored then, on first request
+    store_checkpoint_ledger(store, checkpoint_id, trust)   # one not stored then, on a write
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from govray.tracking.lineage import (
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointRecord, CheckpointStatus
 from govray.train.checkpoints.files import CheckpointError, recorded_state
+from govray.train.checkpoints.manifest import recorded_manifest
+from govray.train.runspec import RUN_SPEC_FILE
 from govray.train.step.ledger import Ledger, LedgerError
 
 Layers = Mapping[str, int | None]  # tensor name → its layer index (None: outside the layers)
@@ -82,7 +84,15 @@ def _store(
         ledger = Ledger.from_json(state.ledger)
     except LedgerError as error:
         raise CheckpointError(f"{directory}: its state.json holds {error}") from None
-    if layers is None:  # the routing of the run's own spec, as its recorded manifest lists it
-        layers = recorded_run_spec(directory, record.manifest_digest, trust).routing.tensor_layers()
+    if layers is None:
+        layers = _layers(directory, record.manifest_digest, trust)
     rows = ledger_tuples(ledger, layers)
     return record_ledger(store, record.trial_id, rows, checkpoint_id=record.id)
+
+
+def _layers(directory: Path, manifest_digest: str, trust: TrustConfig | None) -> Layers:
+    """Tensor → layer from the run's own spec, as the checkpoint's recorded manifest lists it (a
+    changed one is refused); a checkpoint sealed without a spec: every layer index None."""
+    if RUN_SPEC_FILE not in recorded_manifest(directory, manifest_digest, trust).files:
+        return {}
+    return recorded_run_spec(directory, manifest_digest, trust).routing.tensor_layers()

@@ -172,15 +172,19 @@ def recorded_file(
 ) -> bytes:
     """File ``name`` of a recorded checkpoint, read once, checked against the manifest whose
     sha256 the tracking store recorded when it was sealed (with ``trust``, its signature too)."""
+    return listed_bytes(directory, recorded_manifest(directory, manifest_digest, trust), name)
+
+
+def recorded_manifest(directory: Path, manifest_digest: str, trust: TrustConfig | None = None) -> Manifest:
+    """A recorded checkpoint's manifest, refused unless its sha256 is the one the tracking store
+    recorded when it was sealed (with ``trust``, unless its signature verifies too)."""
     try:
         refuse_unrecorded_manifest(directory, manifest_digest)
         if trust is not None:
-            manifest, _ = signed_manifest(directory, trust)
-        else:
-            manifest = Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
+            return signed_manifest(directory, trust)[0]
+        return Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
     except ValidationError as error:
         raise CheckpointError(f"{directory}: unreadable: {describe_validation_error(error)}") from None
-    return listed_bytes(directory, manifest, name)
 
 
 def listed_bytes(directory: Path, manifest: Manifest, name: str) -> bytes:
