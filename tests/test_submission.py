@@ -26,11 +26,8 @@ from tests.helpers.builders import REPO
 
 @pytest.fixture
 def project(tmp_path: Path, example_copy: Path) -> Path:
-    """A project directory: govray's job entry points and the digits example with shared storage."""
+    """A project directory: the digits example (its trial, data and policy) with shared storage."""
     root = tmp_path / "project"
-    (root / "jobs").mkdir(parents=True)
-    for entry in ("train.py", "search.py"):
-        shutil.copy(REPO / "jobs" / entry, root / "jobs" / entry)
     shutil.copytree(example_copy.parent, root / "digits")
     raw = yaml.safe_load((root / "digits" / "experiment.yaml").read_text())
     raw["storage_path"] = str(tmp_path / "shared-storage")
@@ -40,7 +37,7 @@ def project(tmp_path: Path, example_copy: Path) -> Path:
 
 def test_a_submission_runs_the_job_entry_point_with_the_pins_in_its_environment(project: Path) -> None:
     planned = plan_submission(project / "digits" / "experiment.yaml", project)
-    assert planned.entrypoint == "python jobs/train.py --config digits/experiment.yaml"
+    assert planned.entrypoint == "govray job train --config digits/experiment.yaml"  # the installed govray
     assert planned.runtime_env["working_dir"] == str(project)
     assert ".git" in planned.runtime_env["excludes"]
     assert "pip" not in planned.runtime_env  # the cluster's nodes have the pins installed
@@ -52,9 +49,7 @@ def test_a_submission_runs_the_job_entry_point_with_the_pins_in_its_environment(
     search = plan_submission(
         project / "digits" / "experiment.yaml", project, search=True, allow_unsigned=True, submission_id="s1"
     )
-    assert (
-        search.entrypoint == "python jobs/search.py --config digits/experiment.yaml --allow-unsigned-policy"
-    )
+    assert search.entrypoint == "govray job search --config digits/experiment.yaml --allow-unsigned-policy"
     assert search.submission_id == "s1"
 
 
@@ -77,14 +72,25 @@ def test_a_relative_storage_path_is_refused_it_would_land_in_the_jobs_temporary_
     )
 
 
-def test_an_experiment_outside_the_working_dir_or_a_dir_without_jobs_is_refused(
+def test_an_experiment_outside_the_working_dir_or_a_dir_shipping_its_own_govray_is_refused(
     project: Path, tmp_path: Path
 ) -> None:
+    (project / "elsewhere").mkdir()
     with pytest.raises(ConfigError, match="lies outside the working directory"):
-        plan_submission(project / "digits" / "experiment.yaml", project / "jobs")
-    shutil.rmtree(project / "jobs")
-    with pytest.raises(ConfigError, match="has no jobs/train.py"):
-        plan_submission(project / "digits" / "experiment.yaml", project)
+        plan_submission(project / "digits" / "experiment.yaml", project / "elsewhere")
+    config = project / "digits" / "experiment.yaml"
+    for shipped in ("govray/__init__.py", "govray.py"):
+        (project / shipped).parent.mkdir(exist_ok=True)
+        (project / shipped).write_text("# a patched copy of govray\n")
+        with pytest.raises(ConfigError, match=rf"holds a govray package of its own \({shipped}\)"):
+            plan_submission(config, project)
+        (project / shipped).unlink()
+    shutil.copytree(REPO / "govray", project / "govray", dirs_exist_ok=True)  # govray's own tree, shipped
+    with pytest.raises(ConfigError, match="holds a govray package of its own"):
+        plan_submission(config, project)
+    assert (
+        main(["submit", str(config), "--address", "http://127.0.0.1:9", "--working-dir", str(project)]) == 2
+    )
 
 
 def test_a_job_refuses_packages_that_differ_from_its_pins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ SUBCOMMANDS = {
     ),
     "submit": Subcommand(
         "govray.cli.job:submit",
-        "Run the experiment as a Ray job on the cluster (jobs/train.py, or jobs/search.py).",
+        "Run the experiment as a Ray job on the cluster (govray job train, or govray job search).",
     ),
     "replay": Subcommand(
         "govray.cli.replay:replay",

@@ -1,5 +1,7 @@
-"""``govray submit`` and ``govray job logs | status | stop | list | verify-pins``: experiments as
-Ray jobs on a cluster, through the Ray Jobs API (the head's dashboard address, port 8265)."""
+"""``govray submit`` and ``govray job logs | status | stop | list | verify-pins | train | search``:
+experiments as Ray jobs on a cluster, through the Ray Jobs API (the head's dashboard address, port
+8265). ``job train`` and ``job search`` are what a submitted job runs on the cluster: the govray
+installed there, never a copy shipped with the job."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ def submit(
     working_dir: Path = typer.Option(
         Path("."),
         "--working-dir",
-        help="Project directory shipped to the cluster (holds jobs/, the trial's code and CONFIG).",
+        help="Project directory shipped to the cluster (the trial's code and CONFIG; never a govray copy).",
     ),
-    search: bool = typer.Option(False, "--search", help="Run the experiment's search (jobs/search.py)."),
+    search: bool = typer.Option(False, "--search", help="Run the experiment's search (govray job search)."),
     pip: bool = typer.Option(
         False, "--pip", help="Have Ray pip-install govray's pins in a per-job virtualenv on each node."
     ),
@@ -46,7 +48,7 @@ def submit(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Stream the job's logs until it ends."),
     allow_unsigned: bool = AllowUnsigned,
 ) -> None:
-    """Run the experiment as a Ray job on the cluster (jobs/train.py, or jobs/search.py).
+    """Run the experiment as a Ray job on the cluster (govray job train, or govray job search).
 
     Prints the job's id; with --wait (the default) streams its logs and exits 0 when it
     succeeded, 20 when it failed, 21 when it was stopped. Ctrl-C stops following, not the job.
@@ -105,7 +107,7 @@ def logs(
         False, "--follow", help="Stream until the job ends; exit 0, 20 (failed) or 21 (stopped)."
     ),
 ) -> None:
-    """The job's driver output so far (what ``python jobs/train.py`` printed)."""
+    """The job's driver output so far (what ``govray job train`` printed)."""
     from govray.platform.submission import RayJobs
 
     jobs = RayJobs.connect(address)
@@ -171,9 +173,37 @@ def list_jobs(address: str = Address) -> None:
 @app.command(name="verify-pins")
 def verify_pins_command() -> None:
     """Check this machine's packages against the pins a submitted job carries (exit 22 when they
-    differ); jobs/train.py and jobs/search.py run it first."""
+    differ); ``govray job train`` and ``govray job search`` run it first."""
     from govray.platform.submission import verify_pins
 
     checked = verify_pins()
     if checked:
         console.print(f"packages match the submission's {checked} pins", highlight=False)
+
+
+JobConfig = typer.Option(
+    ..., "--config", help="The experiment file (YAML), relative to the job's working dir."
+)
+
+
+@app.command(name="train")
+def train_job(config: Path = JobConfig, allow_unsigned_policy: bool = AllowUnsigned) -> None:
+    """A submitted job's entry point: check this node's packages against the job's pins (exit 22),
+    then run the experiment (``govray run CONFIG --resume-interrupted``: a resubmitted job
+    continues the trial its dead driver left behind)."""
+    from govray.cli import main
+
+    flags = ["--allow-unsigned-policy"] if allow_unsigned_policy else []
+    raise typer.Exit(
+        main(["job", "verify-pins"]) or main(["run", str(config), "--resume-interrupted", *flags])
+    )
+
+
+@app.command(name="search")
+def search_job(config: Path = JobConfig, allow_unsigned_policy: bool = AllowUnsigned) -> None:
+    """A submitted search job's entry point: check this node's packages against the job's pins
+    (exit 22), then run the search (``govray search CONFIG``; resubmitted, it resumes)."""
+    from govray.cli import main
+
+    flags = ["--allow-unsigned-policy"] if allow_unsigned_policy else []
+    raise typer.Exit(main(["job", "verify-pins"]) or main(["search", str(config), *flags]))

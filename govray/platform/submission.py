@@ -1,8 +1,11 @@
 """Experiments as Ray jobs, through the Ray Jobs API (``ray.job_submission.JobSubmissionClient``).
 
 A submission ships the project directory (``working_dir``: the trial's code, the experiment file,
-its policy and local corpora) and runs ``jobs/train.py`` (or ``jobs/search.py``) on the cluster,
-exactly as ``ray job submit --working-dir . -- python jobs/train.py --config EXPERIMENT`` would.
+its policy and local corpora) and runs ``govray job train`` (or ``govray job search``) on the
+cluster: the console script of the govray installed there. A working directory that holds a
+``govray`` package of its own is refused — on the cluster it would come first on the job's path.
+That is hygiene, not a control (trial code can still patch govray in its own process): the
+signer's checks are the control.
 govray's pinned packages travel with it: their pins are recorded in the job's environment
 (``GOVRAY_PINNED_PACKAGES``) and metadata, and the job refuses to train where the cluster's
 packages differ (``govray job verify-pins``); ``pip=True`` asks Ray to install them in a per-job
@@ -42,7 +45,7 @@ from govray.config.experiment import load_experiment
 from govray.core.errors import ConfigError, GovrayError
 
 PINS_ENV = "GOVRAY_PINNED_PACKAGES"  # JSON list of "name==version", set in the job's runtime_env
-JOB_SCRIPTS = {"train": "jobs/train.py", "search": "jobs/search.py"}
+JOB_COMMANDS = {"train": ("govray", "job", "train"), "search": ("govray", "job", "search")}
 # Never uploaded: history, caches, and local storage (a job writes to its own storage_path).
 EXCLUDES = [".git", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis"]
 # Ray refuses to install itself in a runtime_env; govray's code is the working_dir's.
@@ -129,9 +132,10 @@ def plan_submission(
     submission_id: str | None = None,
 ) -> Submission:
     """The job for one experiment file inside ``working_dir`` (the project root, where the trial's
-    module and ``jobs/`` lie). Refused (``ConfigError``) before anything is sent: a malformed
-    experiment, one outside the working dir, a working dir without the entry point, and a relative
-    ``storage_path`` (the job would write inside its temporary copy of the working dir)."""
+    module lies). Refused (``ConfigError``) before anything is sent: a malformed experiment, one
+    outside the working dir, a working dir holding its own ``govray`` package (the cluster runs its
+    installed govray), and a relative ``storage_path`` (the job would write inside its temporary
+    copy of the working dir)."""
     config = load_experiment(config_path)
     root = working_dir.resolve()
     try:
@@ -142,10 +146,10 @@ def plan_submission(
             "(pass --working-dir, the project directory that holds it)"
         ) from None
     kind = "search" if search else "train"
-    if not (root / JOB_SCRIPTS[kind]).is_file():
+    if shipped := own_govray(root):
         raise ConfigError(
-            f"{root} has no {JOB_SCRIPTS[kind]}: submit from govray's project directory "
-            "(or pass it as --working-dir)"
+            f"{root} holds a govray package of its own ({shipped}): a job runs the govray installed on "
+            "the cluster, never one shipped with it; submit the directory of your trial and experiment"
         )
     raw_storage = (yaml.safe_load(config_path.read_text()) or {}).get("storage_path", "./govray-storage")
     if "://" not in str(raw_storage) and not Path(str(raw_storage)).is_absolute():
@@ -163,7 +167,7 @@ def plan_submission(
     if pip:
         installable = [pin for pin in pins if Requirement(pin).name.lower() not in NOT_PIP_INSTALLED]
         runtime_env["pip"] = {"packages": installable, "pip_check": False}
-    command = ["python", JOB_SCRIPTS[kind], "--config", relative.as_posix()]
+    command = [*JOB_COMMANDS[kind], "--config", relative.as_posix()]
     if allow_unsigned:
         command.append("--allow-unsigned-policy")
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", config.name).strip("-") or "experiment"
@@ -178,6 +182,15 @@ def plan_submission(
             "kind": kind,
         },
     )
+
+
+def own_govray(root: Path) -> str:
+    """What in ``root`` Python would import as ``govray`` before the installed one ("": nothing)."""
+    for candidate in ("govray/__init__.py", "govray.py", "govray"):
+        path = root / candidate
+        if path.is_file() or (candidate == "govray" and path.is_dir() and any(path.glob("*.py"))):
+            return candidate
+    return ""
 
 
 def use_cluster_token() -> None:
