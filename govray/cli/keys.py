@@ -1,14 +1,17 @@
-"""``govray keys list | generate | rotate | revoke``: the two signing roles' keys in a trust file.
+"""``govray keys list | generate | rotate | revoke | trust-tsa``: the signing roles' keys in a trust
+file, and the time-stamping authorities whose timestamps give signatures their trusted time.
 
 Roles: ``policy-authority`` signs depth policies; ``platform`` signs checkpoints and attestations
 (Ed25519) and OpenSSF model signatures (ECDSA P-256, ``--keytype ecdsa``).
 Rotation adds a new key to the trust file (so signatures by the old key still verify) and, with
-``--revoke-old``, revokes the old one at once: every signature by a revoked key is refused from
-then on, whenever it was made.
+``--revoke-old``, revokes the old one at once. A revocation has a moment (``--at``: when the key
+was compromised, default now): a signature whose RFC 3161 timestamp (from an authority the trust
+file lists: ``trust-tsa``) is earlier stays valid, every other signature by the key is refused.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -104,12 +107,44 @@ def revoke(
     keyid: str = typer.Argument(..., help="Key id to revoke."),
     trust: Path = TrustFile,
     reason: str = typer.Option(..., "--reason", help="Why (kept in the trust file)."),
+    at: str | None = typer.Option(
+        None, "--at", help="When the key was compromised (ISO 8601; UTC without a zone; default now)."
+    ),
 ) -> None:
-    """Revoke a key: every signature it made is refused from now on."""
+    """Revoke a key as of a moment: its signatures stamped (RFC 3161) before it stay valid, every
+    other one it made is refused."""
+    moment = None
+    if at is not None:
+        try:
+            parsed = datetime.fromisoformat(at)
+        except ValueError:
+            raise typer.BadParameter(f"{at!r} is not an ISO 8601 moment", param_hint="--at") from None
+        moment = parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
     config = load_trust(trust)
-    config.revoke(keyid, reason=reason)
+    config.revoke(keyid, reason=reason, at=moment)
     save_trust(config, trust)
     console.print(f"revoked {keyid} in {trust} ({reason})")
+
+
+@app.command("trust-tsa")
+def trust_tsa(
+    certificate: Path = typer.Argument(..., help="The authority's root certificate (PEM)."),
+    trust: Path = TrustFile,
+) -> None:
+    """Trust an RFC 3161 time-stamping authority's root certificate: its timestamps give the
+    signatures they stamp a trusted time (what a revocation's moment is compared with)."""
+    from cryptography import x509
+
+    pem = certificate.read_text()
+    try:
+        loaded = x509.load_pem_x509_certificate(pem.encode())
+    except ValueError as error:
+        raise SignatureError(f"{certificate}: not a PEM certificate: {error}") from None
+    config = load_trust(trust)
+    if pem not in config.timestamp_authorities:
+        config.timestamp_authorities.append(pem)
+    save_trust(config, trust)
+    console.print(f"trusted time-stamping authority {loaded.subject.rfc4514_string()} in {trust}")
 
 
 def _require_role(config: TrustConfig, keyid: str, role: KeyRole) -> None:

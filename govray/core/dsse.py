@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from govray.core.errors import SignatureError, describe_validation_error
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
+from govray.core.timestamps import stamp, stamped_at
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -36,6 +37,9 @@ class EnvelopeSignature(BaseModel):
     # bytes (a policy signature's and a manifest's signed_at, a statement's finishedOn); this copy
     # is for readers and standard tools (securesystemslib keeps it as an unrecognised field).
     signed_at: dt.datetime | None = None
+    # An RFC 3161 timestamp of ``sig`` (base64 DER TimeStampResponse) from the time-stamping
+    # authority the signer's settings name: the signature's trusted time (``govray.core.timestamps``).
+    timestamp: str | None = None
 
 
 class Envelope(BaseModel):
@@ -66,12 +70,19 @@ def signing_time() -> dt.datetime:
 def sign_envelope(
     payload: bytes, payload_type: str, key: SigningKey, signed_at: dt.datetime | None = None
 ) -> Envelope:
-    """Sign ``payload`` (its PAE) with ``key``; the record carries ``signed_at`` (default: now)."""
+    """Sign ``payload`` (its PAE) with ``key``; the record carries ``signed_at`` (default: now)
+    and, when the settings name a time-stamping authority (``timestamping.url``), its RFC 3161
+    timestamp of the signature (``SignatureError`` when it cannot be had: nothing is signed
+    without the trusted time the operator asked for)."""
+    from govray.core.settings import load_settings
+
     signature = key.sign(pae(payload_type, payload))
+    authority = load_settings().timestamping.url
     record = EnvelopeSignature(
         keyid=key.keyid,
         sig=base64.b64encode(signature).decode(),
         signed_at=signed_at if signed_at is not None else signing_time(),
+        timestamp=base64.b64encode(stamp(signature, authority)).decode() if authority else None,
     )
     return Envelope(payload=base64.b64encode(payload).decode(), payloadType=payload_type, signatures=[record])
 
@@ -92,19 +103,35 @@ def verify_envelope(
     problems = []
     for entry in envelope.signatures:
         try:
-            key = trust.trusted_key(entry.keyid, role)
-        except SignatureError as error:
-            problems.append(str(error))
-            continue
-        try:
             raw = base64.b64decode(entry.sig, validate=True)
         except binascii.Error:
             problems.append(f"signature by key {entry.keyid} is not base64")
+            continue
+        try:
+            key = trust.trusted_key(entry.keyid, role, _stamped(entry, raw, trust))
+        except SignatureError as error:
+            problems.append(str(error))
             continue
         if key.verify(raw, message):
             return payload, entry.keyid
         problems.append(f"signature by key {entry.keyid} does not verify (tampered signature or payload)")
     raise SignatureError(f"{what}: " + "; ".join(problems))
+
+
+def _stamped(entry: EnvelopeSignature, raw: bytes, trust: TrustConfig) -> dt.datetime | None:
+    """The trusted time of a signature: its timestamp's, checked (None: it carries none).
+    ``SignatureError`` for a timestamp that does not verify: a signature with a forged or
+    borrowed stamp is refused, not taken as unstamped."""
+    if entry.timestamp is None:
+        return None
+    try:
+        token = base64.b64decode(entry.timestamp, validate=True)
+    except binascii.Error:
+        raise SignatureError(f"signature by key {entry.keyid}: its timestamp is not base64") from None
+    try:
+        return stamped_at(token, raw, trust.timestamp_authorities)
+    except SignatureError as error:
+        raise SignatureError(f"signature by key {entry.keyid}: {error}") from None
 
 
 def read_envelope(path: Path) -> Envelope:

@@ -247,14 +247,25 @@ class TrustConfig(BaseModel):
 
     keys: list[PublicKey] = Field(default_factory=list)
     revoked: list[Revocation] = Field(default_factory=list)
+    # PEM root certificates of the RFC 3161 time-stamping authorities whose timestamps give a
+    # signature its trusted time (what tells a signature made before a key's revocation from one
+    # made after it).
+    timestamp_authorities: list[str] = Field(default_factory=list)
 
-    def trusted_key(self, keyid: str, role: KeyRole) -> PublicKey:
-        """The trusted key ``keyid`` for ``role``; ``SignatureError`` if unknown or revoked."""
+    def trusted_key(self, keyid: str, role: KeyRole, stamped: dt.datetime | None = None) -> PublicKey:
+        """The trusted key ``keyid`` for ``role``; ``SignatureError`` if unknown, or revoked as of a
+        moment at or before ``stamped`` (the trusted time of the signature: its RFC 3161
+        timestamp; None, a signature without one, is refused once its key is revoked at all)."""
         for revocation in self.revoked:
-            if revocation.keyid == keyid:
+            if revocation.keyid == keyid and (stamped is None or stamped >= revocation.revoked_at):
                 reason = f" ({revocation.reason})" if revocation.reason else ""
+                when = (
+                    "and this signature carries no trusted timestamp from before then"
+                    if stamped is None
+                    else f"and this signature was stamped at {stamped.isoformat()}, not before then"
+                )
                 raise SignatureError(
-                    f"key {keyid} was revoked at {revocation.revoked_at.isoformat()}{reason}"
+                    f"key {keyid} was revoked at {revocation.revoked_at.isoformat()}{reason}, {when}"
                 )
         for key in self.keys:
             if key.keyid == keyid and key.role == role:
@@ -266,12 +277,13 @@ class TrustConfig(BaseModel):
             return
         self.keys.append(key)
 
-    def revoke(self, keyid: str, reason: str = "") -> None:
+    def revoke(self, keyid: str, reason: str = "", at: dt.datetime | None = None) -> None:
+        """Revoke ``keyid`` as of ``at`` (default now): signatures stamped before it stay valid."""
         if not any(key.keyid == keyid for key in self.keys):
             raise SignatureError(f"key {keyid} is not in the trust file")
         if not any(entry.keyid == keyid for entry in self.revoked):
-            now = dt.datetime.now(dt.UTC).replace(microsecond=0)
-            self.revoked.append(Revocation(keyid=keyid, revoked_at=now, reason=reason))
+            moment = at if at is not None else dt.datetime.now(dt.UTC).replace(microsecond=0)
+            self.revoked.append(Revocation(keyid=keyid, revoked_at=moment, reason=reason))
 
 
 def load_trust(path: Path) -> TrustConfig:
@@ -323,8 +335,13 @@ def platform_key(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -
 
 
 def platform_trust(key: SigningKey, extra: TrustConfig | None = None) -> TrustConfig:
-    """Trust for the platform role: this platform key plus any platform keys in ``extra``."""
-    trust = TrustConfig(keys=[key.public_key], revoked=list(extra.revoked) if extra else [])
+    """Trust for the platform role: this platform key plus any platform keys in ``extra`` (and its
+    revocations and time-stamping authorities)."""
+    trust = TrustConfig(
+        keys=[key.public_key],
+        revoked=list(extra.revoked) if extra else [],
+        timestamp_authorities=list(extra.timestamp_authorities) if extra else [],
+    )
     for public in extra.keys if extra else []:
         if public.role == KeyRole.PLATFORM:
             trust.add(public)

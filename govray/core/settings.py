@@ -9,6 +9,8 @@ setting overridable by one documented environment variable, and a command-line o
       token: s3cret                              # GOVRAY_SERVE_TOKEN: bearer token of the write endpoints
       host: 127.0.0.1                            # GOVRAY_SERVE_HOST
       port: 8000                                 # GOVRAY_SERVE_PORT
+    timestamping:
+      url: http://tsa.internal/                  # GOVRAY_TSA_URL: RFC 3161 stamps on every signature
     trial_hosts:
       enabled: true                              # GOVRAY_TRIAL_HOSTS (0 or 1)
       idle_s: 300                                # GOVRAY_TRIAL_HOST_IDLE_S
@@ -57,6 +59,16 @@ class ServeSection(BaseModel):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+class TimestampingSettings(BaseModel):
+    """Where signatures get their trusted time: an RFC 3161 time-stamping authority."""
+
+    model_config = _STRICT
+
+    url: str | None = Field(
+        default=None, description="The TSA's URL (RFC 3161 over HTTP): every signature made here is stamped."
+    )
+
+
 class TrialHostSettings(BaseModel):
     model_config = _STRICT
 
@@ -77,6 +89,7 @@ class Settings(BaseModel):
         description="Experiments whose runs under a policy nobody signed may be registered (audited).",
     )
     store: StoreSettings = StoreSettings()
+    timestamping: TimestampingSettings = TimestampingSettings()
     serve: ServeSection = ServeSection()
     trial_hosts: TrialHostSettings = TrialHostSettings()
     cache: Path = Field(default=Path("~/.cache/govray"), description="This node's cache of object storage.")
@@ -93,6 +106,7 @@ OVERRIDES: dict[str, tuple[str | None, str]] = {
     "GOVRAY_SERVE_TOKEN": ("serve", "token"),
     "GOVRAY_SERVE_HOST": ("serve", "host"),
     "GOVRAY_SERVE_PORT": ("serve", "port"),
+    "GOVRAY_TSA_URL": ("timestamping", "url"),
     "GOVRAY_TRIAL_HOSTS": ("trial_hosts", "enabled"),
     "GOVRAY_TRIAL_HOST_IDLE_S": ("trial_hosts", "idle_s"),
     "GOVRAY_CACHE": (None, "cache"),
