@@ -20,8 +20,8 @@ from govray.train.checkpoints.files import find_checkpoints
 from jobs.examples.digits.golden import GOLDEN_HPARAMS
 from jobs.examples.digits.golden import golden_example as golden_example_at
 from tests.helpers.golden import GoldenRun, golden_run_at
-from tests.helpers.lineage_server import free_port
 from tests.helpers.mlflow_server import mlflow_server
+from tests.helpers.ports import free_port
 
 PREFIX = "mirror-test/"
 

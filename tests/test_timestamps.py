@@ -25,7 +25,7 @@ from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_
 from govray.core.timestamps import stamped_at
 from govray.signer.service import Signer
 from govray.train.checkpoints.manifest import MANIFEST_TYPE
-from tests.helpers.lineage_server import free_port
+from tests.helpers.ports import free_port
 from tests.helpers.tsa import LocalTsa
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)

@@ -32,7 +32,7 @@ from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import golden_example as golden_example_at
 from tests.helpers.builders import REPO
 from tests.helpers.golden import golden_run_at
-from tests.helpers.local_ray import free_port
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.cluster
 

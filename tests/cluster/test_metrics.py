@@ -18,7 +18,8 @@ import pytest
 from govray.tracking.lineage import ledger_rows
 from tests.helpers.builders import REPO
 from tests.helpers.governed_job import digits_experiment, finished_run
-from tests.helpers.local_ray import LocalRayCluster, free_port
+from tests.helpers.local_ray import LocalRayCluster
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.cluster
 

@@ -32,7 +32,8 @@ from tests.helpers.governed_job import (
     kill_driver_when,
     query_one,
 )
-from tests.helpers.local_ray import LocalRayCluster, free_port
+from tests.helpers.local_ray import LocalRayCluster
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.cluster
 

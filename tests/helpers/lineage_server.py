@@ -4,7 +4,6 @@ talk to it over HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import shutil
-import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from govray.core.keys import platform_key, platform_trust, save_trust
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from tests.helpers.golden import GoldenRun
+from tests.helpers.ports import free_port
 
 
 @dataclass
@@ -40,12 +40,6 @@ class Served:
         response = self.call("GET", path, params=params)
         assert response.status_code == 200, f"GET {path} {params}: {response.status_code} {response.text}"
         return response.json()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def copy_store(golden: GoldenRun, destination: Path) -> TrackingStore:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import ray
 
 from govray.core.rayhead import processes_naming
 from tests.helpers.builders import REPO
+from tests.helpers.ports import free_port
 
 AUTH = {"RAY_AUTH_MODE": "token"}
 # `ray start --block` on SIGTERM marks its node draining and waits up to 30 s (Ray 2.60's default)
@@ -41,12 +41,6 @@ AUTH = {"RAY_AUTH_MODE": "token"}
 # teardown needs (a head that ran a job waited the whole 30 s). Tests that drain a node on
 # purpose use `ray drain-node`, which this does not change.
 NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

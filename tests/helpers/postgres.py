@@ -16,7 +16,6 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
+
+from tests.helpers.ports import free_port
 
 INSTALLER = Path(__file__).parents[1] / "cluster" / "install_postgres.sh"
 # A zone with a 45-minute offset that changes with daylight saving: a timestamp that lost or
@@ -50,12 +51,6 @@ def server_binaries() -> Path:
     if on_path is None:
         raise RuntimeError(f"{INSTALLER.name} ran but no initdb was found")
     return Path(on_path).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -1,0 +1,11 @@
+"""A free TCP port on 127.0.0.1 (the OS picks it; a test binds it right after)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
