@@ -307,7 +307,7 @@ def forge_manifest(folder: Path, key: SigningKey) -> None:
     state.write_text(state.read_text().replace('"step": 10', '"step": 11'))
     manifest = Manifest.model_validate_json((folder / MANIFEST_FILE).read_text())
     files = {**manifest.files, STATE_FILE: file_sha256(state)}
-    forged = Manifest(step=manifest.step, files=files, signed_at=manifest.signed_at).to_bytes()
+    forged = manifest.model_copy(update={"files": files}).to_bytes()
     (folder / MANIFEST_FILE).write_bytes(forged)
     (folder / SIGNATURE_FILE).write_text(sign_envelope(forged, MANIFEST_TYPE, key).to_json())
 
