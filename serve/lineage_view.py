@@ -157,14 +157,15 @@ def _sheet(
         ("model files", str(directory)),
         ("attestation", f"{envelope.id} (provenance)" if envelope is not None else "none stored"),
     ]
+    verification = _verify(envelope, directory, trust)
     return LineageSheet(
         title=title,
         facts=facts,
         lineage=lineage,
         corpora=_corpora(reader, lineage, excluded),
-        policy=_policy(directory, statement, trust),
+        policy=_policy(directory, statement if verification.verified else {}, trust),
         memorization=_memorization(reader, lineage.trial_id, statement),
-        verification=_verify(envelope, directory, trust),
+        verification=verification,
     )
 
 
@@ -195,8 +196,8 @@ def _policy(directory: Path, statement: dict[str, Any], trust: Path | None) -> P
     """The policy from the run spec beside the model files (as their signed manifest lists it,
     under the server's trust), else what the attestation names; who signed it as the
     (platform-signed) attestation states."""
-    attested = _external(statement).get("policy", {})
-    signer = str(attested.get("signer", "not attested")) if statement else "not attested"
+    attested = _external(statement).get("policy", {})  # ({} unless the attestation verified)
+    signer = str(attested.get("signer", "not attested")) if statement else "no verified attestation says"
     try:
         if trust is None:
             raise ConfigError("the server has no trust file to check the run spec's signature with")

@@ -34,7 +34,9 @@ from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
 from jobs.examples.digits.golden import golden_example
 from serve.app import create_app
 from tests.helpers.attest import statement_of
+from tests.helpers.builders import REPO
 from tests.helpers.golden import GoldenRun, golden_run_at
+from tests.helpers.lineage_server import copy_store
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,28 @@ def test_register_refuses_an_unsigned_policy_run_unless_the_operator_allows_it_t
     (allowed,) = [d for d in details if d.get("action") == "register" and d.get("model") == "digits-unsigned"]
     assert allowed["unsigned_policy_allowed_for"] == "digits-unsigned"
     # The page says so too, where a reviewer looks.
-    with TestClient(create_app(ServeSettings(database_url=store.url))) as client:
+    trust = operator_settings.parent / "serve-trust.yaml"
+    assert main(["keys", "trust-platform", "--trust", str(trust)]) == 0
+    with TestClient(create_app(ServeSettings(database_url=store.url, trust=trust))) as client:
         page = client.get(f"/lineage/models/digits-unsigned/{version.version}")
     assert page.status_code == 200
     assert 'id="policy-signer" class="failed">UNSIGNED' in page.text
+
+
+def test_register_refuses_a_policy_whose_signer_the_operators_trust_does_not_list(
+    golden_run: GoldenRun, tmp_path: Path, operator_settings: Path
+) -> None:
+    """The experiment's own trust file vouched for the policy at preflight; when the operator
+    names a trust file, its policy authorities decide what may be registered."""
+    store = copy_store(golden_run, tmp_path / "storage")
+    final = Path(checkpoints(store, golden_run.outcome.trial_id)[-1].path)
+    platform_only = tmp_path / "platform-only.yaml"
+    assert main(["keys", "trust-platform", "--trust", str(platform_only)]) == 0
+    operator_settings.write_text(yaml.safe_dump({"trust": str(platform_only)}))
+    with pytest.raises(RegistryError, match="does not list as a policy authority"):
+        register(store, "vouched", final)
+    with_authority = tmp_path / "with-authority.yaml"
+    committed = REPO / "policies" / "trust.yaml"
+    assert main(["keys", "trust-platform", "--trust", str(with_authority), "--from", str(committed)]) == 0
+    operator_settings.write_text(yaml.safe_dump({"trust": str(with_authority)}))
+    assert register(store, "vouched", final).version == 1

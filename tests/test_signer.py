@@ -44,6 +44,7 @@ from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
 from govray.signer import server as server_module
 from govray.signer import service
+from govray.signer import wire as wire_module
 from govray.signer.server import SignerClient, SignerServer
 from govray.signer.service import Signer
 from govray.signer.wire import receive, send
@@ -474,6 +475,31 @@ def test_a_request_nested_too_deep_and_one_connection_too_many_are_answered(
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as another:  # the one slot is taken
                 another.connect(str(server.path))
                 assert receive(another) == {"ok": False, "error": "busy: 1 connections are open"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_claimed_block_size_beyond_bounds_and_a_frame_that_trickles_in_are_refused(
+    short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = signer.open_run(str(run_dir))
+    folder = checkpoint(run_dir, 10)
+    (folder / blocks_name(MODEL_FILE)).write_text(
+        '{"block_size": 1073741824, "size": 7, "blocks": ["00"], "header": null}'
+    )
+    with pytest.raises(SignatureError, match="blocks of 1073741824 bytes"):  # no 1 GiB buffer made
+        signer.seal(capability, str(folder), 10, {})
+    monkeypatch.setattr(wire_module, "FRAME_DEADLINE_S", 0.5)
+    server = SignerServer(signer, short_dir / "s.sock")
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+            slow.connect(str(server.path))
+            slow.sendall((100).to_bytes(4, "big") + b'{"op": "se')  # and nothing more
+            assert "a frame of 100 bytes did not arrive within" in str(receive(slow)["error"])
     finally:
         server.shutdown()
         server.server_close()

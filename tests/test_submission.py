@@ -79,10 +79,14 @@ def test_an_experiment_outside_the_working_dir_or_a_dir_shipping_its_own_govray_
     with pytest.raises(ConfigError, match="lies outside the working directory"):
         plan_submission(project / "digits" / "experiment.yaml", project / "elsewhere")
     config = project / "digits" / "experiment.yaml"
-    for shipped in ("govray/__init__.py", "govray.py"):
+    for shipped, named in (
+        ("govray/__init__.pyc", "govray/"),
+        ("govray.py", "govray.py"),
+        ("sitecustomize.py", "sitecustomize.py"),
+    ):
         (project / shipped).parent.mkdir(exist_ok=True)
         (project / shipped).write_text("# a patched copy of govray\n")
-        with pytest.raises(ConfigError, match=rf"holds a govray package of its own \({shipped}\)"):
+        with pytest.raises(ConfigError, match=rf"holds a govray package of its own \({named}\)"):
             plan_submission(config, project)
         (project / shipped).unlink()
     shutil.copytree(REPO / "govray", project / "govray", dirs_exist_ok=True)  # govray's own tree, shipped

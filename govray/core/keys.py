@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from govray.core.canonical import canonical_text, sha256_hex
 from govray.core.errors import SignatureError, describe_validation_error
@@ -227,8 +227,13 @@ class Revocation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     keyid: str = Field(pattern=r"^[0-9a-f]{64}$")
-    revoked_at: dt.datetime
+    revoked_at: dt.datetime  # a moment without a zone (a hand-written trust file) is UTC
     reason: str = ""
+
+    @field_validator("revoked_at")
+    @classmethod
+    def _in_utc(cls, moment: dt.datetime) -> dt.datetime:
+        return moment if moment.tzinfo is not None else moment.replace(tzinfo=dt.UTC)
 
 
 # What a refusal by an untrusted key tells the user to do about it.

@@ -185,11 +185,21 @@ def plan_submission(
 
 
 def own_govray(root: Path) -> str:
-    """What in ``root`` Python would import as ``govray`` before the installed one ("": nothing)."""
-    for candidate in ("govray/__init__.py", "govray.py", "govray"):
-        path = root / candidate
-        if path.is_file() or (candidate == "govray" and path.is_dir() and any(path.glob("*.py"))):
-            return candidate
+    """What in ``root`` Python would import as ``govray`` before the installed one, or would run
+    at interpreter start-up (``sitecustomize``, ``usercustomize``): "" for nothing."""
+    package = root / "govray"
+    if package.is_dir() and (any(package.glob("*.py*")) or any(package.glob("*.so"))):
+        return "govray/"
+    for pattern in (
+        "govray.py",
+        "govray.pyc",
+        "govray.*.so",
+        "govray.so",
+        "sitecustomize.py*",
+        "usercustomize.py*",
+    ):
+        if found := sorted(root.glob(pattern)):
+            return found[0].name
     return ""
 
 

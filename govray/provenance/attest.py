@@ -41,7 +41,7 @@ from govray.core.dsse import sign_envelope, signing_time
 from govray.core.errors import AttestationError
 from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key
 from govray.core.settings import operator_trust
-from govray.provenance.locations import attestation_prefix, run_spec_of, signature_path
+from govray.provenance.locations import attestation_prefix, signature_path, signed_run_spec
 from govray.provenance.model_signature import sign_model
 from govray.provenance.predicates import Derivation, coverage, provenance
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
@@ -117,7 +117,6 @@ def attest_checkpoint(
     never the keys its own ``run.json`` lists; ``recorded_manifest``: the manifest's sha256 the
     tracking store recorded when it was sealed (a different manifest: ``CheckpointError``, exit 10)."""
     key = key if key is not None else platform_key()
-    spec = run_spec_of(checkpoint)
     if model_signature:  # the OpenSSF signature covers the folder's files: the base file among them
         materialize_base(checkpoint)
     trust = trust if trust is not None else operator_trust()
@@ -125,8 +124,11 @@ def attest_checkpoint(
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     try:
         loaded = load_checkpoint(checkpoint, trust)
+        spec = signed_run_spec(checkpoint, trust)  # the run spec as the verified manifest lists it
     except CheckpointError as error:
         raise AttestationError(f"refusing to attest: {error}") from None
+    if recorded_manifest is not None:  # (and still the recorded one, once verified)
+        refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     routing = spec.routing
     subjects = model_subjects(checkpoint, trust)
     moment = signing_time()

@@ -118,7 +118,9 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         except SignatureError as error:
             return {"ok": False, "error": str(error)}
         except OSError as error:
-            return {"ok": False, "error": f"the signer could not read what it was asked to seal: {error}"}
+            return {"ok": False, "error": f"the signer could not seal it (a file or its own record): {error}"}
+        except MemoryError:
+            return {"ok": False, "error": "the request would take more memory than the signer has"}
         return {
             "ok": True,
             "manifest": base64.b64encode(sealed.manifest).decode(),

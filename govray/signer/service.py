@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -53,6 +54,8 @@ from govray.train.checkpoints.manifest import (
 RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its last sealed step
 HASH_CHUNK = 1 << 20  # bytes read at a time from a file without block digests
 MAX_SIDE_FILE = 64 << 20  # a side file of block digests: 64 bytes of hex a MiB block, and some
+BLOCK_SIZES = (1 << 10, 64 << 20)  # the block sizes a side file may claim (what a buffer is sized by)
+MAX_HEADER = 100 << 20  # a safetensors header the signer hashes (a larger one is no tensor file)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -192,9 +195,14 @@ def _hashed_files(directory: Path) -> dict[str, str]:
             content = _read_small(folder, directory / name)
             files[name] = hashlib.sha256(content).hexdigest()
             try:
-                claimed[name.removesuffix(BLOCKS_SUFFIX)] = BlockDigests.model_validate_json(content)
+                digests = BlockDigests.model_validate_json(content)
             except ValueError:
                 raise SealRefused(f"{directory / name}: not the block digests of a file") from None
+            if not BLOCK_SIZES[0] <= digests.block_size <= BLOCK_SIZES[1]:
+                raise SealRefused(
+                    f"{directory / name}: blocks of {digests.block_size} bytes (at most {BLOCK_SIZES[1]})"
+                )
+            claimed[name.removesuffix(BLOCKS_SUFFIX)] = digests
         for name in (name for name in names if not name.endswith(BLOCKS_SUFFIX)):
             blocks = claimed.pop(name, None)
             files[name], computed = _hash_at(folder, directory / name, blocks.block_size if blocks else None)
@@ -249,16 +257,15 @@ def _hash_at(folder: int, path: Path, block_size: int | None) -> tuple[str, Bloc
         chunk = block_size or HASH_CHUNK
         buffer = bytearray(chunk)
         view = memoryview(buffer)
-        while read := handle.readinto(buffer):
-            whole.update(view[:read])
+        while filled := _fill(handle, view):  # whole blocks, however short each read is
+            whole.update(view[:filled])
             if block_size:
-                blocks.append(hashlib.sha256(view[:read]).hexdigest())
-            size += read
+                blocks.append(hashlib.sha256(view[:filled]).hexdigest())
+            size += filled
         after = os.fstat(descriptor)
-        if size != before.st_size or (before.st_size, before.st_mtime_ns) != (
-            after.st_size,
-            after.st_mtime_ns,
-        ):
+        # ctime and the inode too, which the file's owner cannot set back (mtime they can)
+        stamp = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")
+        if size != before.st_size or any(getattr(before, f) != getattr(after, f) for f in stamp):
             raise SealRefused(f"{path}: changed while the signer read it")
         digests = None
         if block_size:
@@ -281,11 +288,20 @@ def _open_file(folder: int, path: Path) -> int:
     return descriptor
 
 
+def _fill(handle: io.RawIOBase, view: memoryview) -> int:
+    """Read into ``view`` until it is full or the file ends; the bytes read."""
+    filled = 0
+    while filled < len(view) and (read := handle.readinto(view[filled:])):
+        filled += read
+    return filled
+
+
 def _header(descriptor: int, size: int) -> str | None:
-    """sha256 of a safetensors file's header (its 8-byte length and the JSON; None: not one)."""
+    """sha256 of a safetensors file's header (its 8-byte length and the JSON; None: not one, or a
+    header larger than ``MAX_HEADER``, which no tensor file the platform writes has)."""
     prefix = os.pread(descriptor, 8, 0)
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
-    if 8 + length > size:
+    if 8 + length > size or length > MAX_HEADER:
         return None
     return hashlib.sha256(prefix + os.pread(descriptor, length, 8)).hexdigest()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -28,6 +29,7 @@ from govray.core.canonical import canonical_json
 from govray.core.errors import SignatureError, describe_validation_error
 
 MAX_FRAME = 1 << 20  # bytes: a request names files, it never carries them
+FRAME_DEADLINE_S = 60.0  # a frame begun must be whole within this (no slow trickle holds a slot)
 PICKLE_PROTOCOL_MARK = 0x80  # the first byte of a pickle stream (protocol 2 and later)
 
 
@@ -99,7 +101,7 @@ def receive_frame(connection: socket.socket) -> bytes | None:
     (length,) = struct.unpack(">I", head)
     if length > MAX_FRAME:
         raise WireError(f"a frame of {length} bytes (at most {MAX_FRAME}): refused")
-    data = _read(connection, length)
+    data = _read(connection, length, deadline=time.monotonic() + FRAME_DEADLINE_S)
     if data is None:
         raise WireError("the connection closed inside a frame")
     return data
@@ -116,11 +118,24 @@ def receive(connection: socket.socket) -> dict[str, Any]:
     return document
 
 
-def _read(connection: socket.socket, count: int) -> bytes | None:
-    """Exactly ``count`` bytes, or None if the peer closed the connection first."""
+def _read(connection: socket.socket, count: int, deadline: float | None = None) -> bytes | None:
+    """Exactly ``count`` bytes, or None if the peer closed the connection first; with
+    ``deadline`` (``time.monotonic()``), ``WireError`` when they have not all come by then."""
     chunks, left = [], count
+    idle = connection.gettimeout()
+    late = WireError(f"a frame of {count} bytes did not arrive within {FRAME_DEADLINE_S:.0f} s")
     while left:
-        chunk = connection.recv(min(left, 1 << 16))
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise late
+            connection.settimeout(remaining if idle is None else min(idle, remaining))
+        try:
+            chunk = connection.recv(min(left, 1 << 16))
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise late from None
         if not chunk:
             return None
         chunks.append(chunk)

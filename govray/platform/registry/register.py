@@ -27,7 +27,7 @@ from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
-from govray.core.keys import SigningKey, platform_key
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key
 from govray.core.settings import load_settings, operator_trust, settings_path
 from govray.core.storage import open_storage
 from govray.governance.policy import UNSIGNED_POLICY
@@ -44,7 +44,7 @@ from govray.platform.registry.versions import (
 )
 from govray.platform.run.plan import PlanError, recorded_final_folder
 from govray.provenance.attest import Attestation, attest_checkpoint
-from govray.provenance.locations import run_spec_of
+from govray.provenance.locations import signed_run_spec
 from govray.provenance.predicates import Derivation
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
@@ -87,7 +87,7 @@ def register(
     description = check(Description, description, "description", RegistryError)
     checked_tags = _checked_tags(tags or {})
     record = _checkpoint_record(store, checkpoint)
-    unsigned = _refuse_unsigned_unless_allowed(store, record, checkpoint)
+    unsigned = _refuse_unvouched_policy(store, record, checkpoint)
     # Verified against the operator's trust, and its manifest the one the store recorded when sealed.
     written = attest_checkpoint(
         checkpoint, key, model_signature=True, recorded_manifest=record.manifest_digest
@@ -158,10 +158,10 @@ def remove_adapter(
             f"{source.ref} carries no adapter '{adapter}' (adapters: {', '.join(present) or 'none'})"
         )
     key = key if key is not None else platform_key()
-    spec = run_spec_of(source.directory)
     trust = operator_trust()
     try:
         loaded = load_checkpoint(source.directory, trust)
+        spec = signed_run_spec(source.directory, trust)
     except CheckpointError as error:
         raise RegistryError(f"refusing to derive from {source.ref}: {error}") from None
     ledger = Ledger.from_json(loaded.state.ledger)
@@ -243,13 +243,26 @@ def _checkpoint_record(store: TrackingStore, checkpoint: Path) -> CheckpointReco
     return record
 
 
-def _refuse_unsigned_unless_allowed(store: TrackingStore, record: CheckpointRecord, checkpoint: Path) -> str:
-    """A checkpoint trained under a policy nobody signed is registered only when the operator
-    allows it for its experiment (settings ``unsigned_policies``); returns that experiment's name
-    then (the registration is audited as allowed, and its attestation says ``unsigned``), else "".
-    (The spec is read before the checkpoint is verified: a changed one is refused by the
-    verification that follows, before anything is written.)"""
-    if run_spec_of(checkpoint).policy_signer != UNSIGNED_POLICY:
+def _refuse_unvouched_policy(store: TrackingStore, record: CheckpointRecord, checkpoint: Path) -> str:
+    """The policy a checkpoint trained under must be vouched for by the operator: signed by a
+    policy authority the operator's trust file lists (when the settings name one: without it, a
+    development machine, the experiment's own trust file stood for it at preflight), or, signed
+    by nobody, allowed for its experiment (settings ``unsigned_policies``). Returns that
+    experiment's name for an allowed unsigned run (the registration is audited as allowed, and
+    its attestation says ``unsigned``), else "". The run spec is read as the checkpoint's signed
+    manifest lists it, before anything is written."""
+    settings = load_settings()
+    try:
+        signer = signed_run_spec(checkpoint, operator_trust()).policy_signer
+    except CheckpointError as error:
+        raise RegistryError(f"refusing to register {checkpoint}: {error}") from None
+    if signer != UNSIGNED_POLICY:
+        if settings.trust is not None and signer not in _policy_authorities(load_trust(settings.trust)):
+            raise RegistryError(
+                f"{checkpoint}: its policy was signed by key {signer}, which the operator's trust "
+                f"({settings.trust}) does not list as a policy authority: only the experiment's own trust "
+                "file vouched for it"
+            )
         return ""
     experiment = store.get_experiment(store.get_trial(record.trial_id).experiment_id).name
     if experiment not in load_settings().unsigned_policies:
@@ -258,6 +271,11 @@ def _refuse_unsigned_unless_allowed(store: TrackingStore, record: CheckpointReco
             f"operator allows registering such runs per experiment: unsigned_policies in {settings_path()}"
         )
     return experiment
+
+
+def _policy_authorities(trust: TrustConfig) -> set[str]:
+    revoked = {entry.keyid for entry in trust.revoked}
+    return {key.keyid for key in trust.keys if key.role == KeyRole.POLICY_AUTHORITY} - revoked
 
 
 def _addregistered_version(
