@@ -22,6 +22,7 @@ from govray.core.errors import AttestationError
 from govray.core.keys import KeyRole, SigningKey, platform_key
 from govray.core.settings import operator_trust
 from govray.platform.registry.register import register
+from govray.platform.registry.versions import RegistryError
 from govray.provenance.attest import attest_checkpoint
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -117,7 +118,7 @@ def test_weights_resigned_by_an_engineers_own_key_are_refused_by_attest_register
     untrusted = rf"key {engineer.keyid} is not trusted for role 'platform'"
     with pytest.raises(AttestationError, match=untrusted):
         attest_checkpoint(folder)
-    with pytest.raises(AttestationError, match=untrusted):
+    with pytest.raises(RegistryError, match=untrusted):
         register(copied.store, "laundered", folder)
     assert version_count(copied.store) == versions
     # The registry's route: the same refusal, a 4xx, nothing written.
