@@ -237,7 +237,7 @@ def test_every_refusal_of_a_search_trials_replay_exits_11_in_one_line(
         "unknown corpus": "has no corpus no-such-corpus",
         "changed code": "changed since it was recorded",
         "changed adapter": ADAPTER_FILE,
-        "own key": "its manifest is not the one the tracking store recorded",
+        "own key": "is not the one the tracking store recorded when it was sealed",
         "changed corpus": "digits-writers",
         "changed corpus, again": "digits-writers",
         "other policy": "a replay needs the same policy",
