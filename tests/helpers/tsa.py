@@ -65,22 +65,17 @@ def make_authority(directory: Path, name: str = "govray test time-stamping autho
     config = directory / "openssl.cnf"
     config.write_text(CONFIG.format(dir=directory).replace("govray test time-stamping authority", name))
     (directory / "serial").write_text("01\n")
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-config", str(config))
     _openssl(
         "req",
         "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
+        *new_key,
         "-keyout",
         "root.key",
         "-out",
         "root.crt",
         "-days",
         "2",
-        "-config",
-        str(config),
         "-extensions",
         "root_extensions",
         "-subj",
@@ -90,17 +85,11 @@ def make_authority(directory: Path, name: str = "govray test time-stamping autho
     _openssl(
         "req",
         "-new",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
+        *new_key,
         "-keyout",
         "tsa.key",
         "-out",
         "tsa.csr",
-        "-config",
-        str(config),
         "-subj",
         f"/CN={name}",
         cwd=directory,

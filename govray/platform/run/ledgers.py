@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from govray.core.keys import TrustConfig
-from govray.provenance.locations import recorded_run_spec
 from govray.tracking.lineage import (
     LedgerTuple,
     checkpoint_ledger_rows,
@@ -29,8 +28,8 @@ from govray.tracking.lineage import (
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointRecord, CheckpointStatus
 from govray.train.checkpoints.files import CheckpointError, recorded_state
-from govray.train.checkpoints.manifest import recorded_manifest
-from govray.train.runspec import RUN_SPEC_FILE
+from govray.train.checkpoints.manifest import listed_bytes, recorded_manifest
+from govray.train.runspec import RUN_SPEC_FILE, parse_run_spec
 from govray.train.step.ledger import Ledger, LedgerError
 
 Layers = Mapping[str, int | None]  # tensor name → its layer index (None: outside the layers)
@@ -93,6 +92,8 @@ def _store(
 def _layers(directory: Path, manifest_digest: str, trust: TrustConfig | None) -> Layers:
     """Tensor → layer from the run's own spec, as the checkpoint's recorded manifest lists it (a
     changed one is refused); a checkpoint sealed without a spec: every layer index None."""
-    if RUN_SPEC_FILE not in recorded_manifest(directory, manifest_digest, trust).files:
+    manifest = recorded_manifest(directory, manifest_digest, trust)  # read and checked once
+    if RUN_SPEC_FILE not in manifest.files:
         return {}
-    return recorded_run_spec(directory, manifest_digest, trust).routing.tensor_layers()
+    spec = parse_run_spec(listed_bytes(directory, manifest, RUN_SPEC_FILE), directory / RUN_SPEC_FILE)
+    return spec.routing.tensor_layers()
