@@ -31,14 +31,20 @@ IGNORE = -100  # a target that is not predicted (padding)
 
 def _chunk_nll(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # The same ops, in the same order, as the whole-sequence loss: fp32 cross-entropy of the logits.
-    logits = head(hidden)
-    return F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=IGNORE, reduction="none")
+    return token_nll(head(hidden), targets)
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position NLL (nats) of ``targets`` ``[batch, length]`` under ``logits`` ``[batch,
-    length, vocab]``, computed in fp32; 0 where the target is ``IGNORE``."""
-    return F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=IGNORE, reduction="none")
+    length, vocab]``, computed in fp32; 0 where the target is ``IGNORE``.
+
+    One row per position, the vocabulary contiguous: log-softmax's fast path. (A ``[batch,
+    vocab, length]`` view, cross-entropy's K-dimensional form, makes it copy the logits and stride
+    across the vocabulary: a third of a 1B Llama's step on an H200, BENCHMARKS.md.)"""
+    batch, length = targets.shape
+    rows = logits.reshape(batch * length, logits.shape[-1]).float()
+    nll = F.cross_entropy(rows, targets.reshape(-1), ignore_index=IGNORE, reduction="none")
+    return nll.view(batch, length)
 
 
 def chunked_token_nll(
