@@ -42,6 +42,7 @@ import pytest
 from govray.core.canonical import file_sha256
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
+from govray.core.storage import IN_PLACE
 from govray.signer import server as server_module
 from govray.signer import service
 from govray.signer import wire as wire_module
@@ -55,9 +56,12 @@ from govray.train.checkpoints.manifest import (
     MANIFEST_FILE,
     MODEL_FILE,
     SIGNATURE_FILE,
+    CheckpointError,
     Manifest,
     signed_manifest,
 )
+from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout
+from govray.train.parallel.worker import Worker
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)
 TRUST = platform_trust(KEY)
@@ -348,6 +352,29 @@ def test_a_checkpoint_names_its_run_and_another_runs_put_in_its_directory_is_not
     assert newest.name == "checkpoint_00000040" and refusal is not None
     assert "a checkpoint of run 'theirs'" in refusal and "not of run 'mine'" in refusal
     assert newest_verified_checkpoint(mine, TRUST) == mine / "checkpoint_00000010"  # ... yet not its
+
+
+@pytest.mark.parametrize("layout", [WholeLayout(), ShardedLayout()], ids=["whole", "sharded"])
+def test_a_folder_chosen_to_resume_from_that_holds_another_runs_checkpoint_by_then_is_refused(
+    signer_at: Path, tmp_path: Path, layout: WholeLayout
+) -> None:
+    """The race after the choice: the folder the resume rule chose is replaced by another run's
+    signed checkpoint before the workers read it. Every layout's load (and a sharded run's roll
+    back) checks the run its signed manifest names, before reading any state."""
+    client = SignerClient(signer_at)
+    mine, theirs = tmp_path / "ray" / "mine", tmp_path / "ray" / "theirs"
+    capability, _ = client.open_run(str(theirs))
+    seal_into(client, capability, checkpoint(theirs, 40, b"their weights"), 40)
+    capability, _ = client.open_run(str(mine))
+    chosen = checkpoint(mine, 40)
+    seal_into(client, capability, chosen, 40)
+    shutil.rmtree(chosen)
+    shutil.copytree(theirs / "checkpoint_00000040", chosen)
+    # Only the storage and the trust are read before the refusal (no model, no optimizer).
+    sharding = {"world_size": 2} if isinstance(layout, ShardedLayout) else {}
+    parts = Parts(None, None, [], sharding, Worker(0, 1), IN_PLACE, TRUST)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="a checkpoint of run 'theirs'.*not of run 'mine'"):
+        layout.load(parts, chosen)
 
 
 def test_block_digests_beside_a_file_must_be_the_ones_the_signer_computes(

@@ -256,11 +256,14 @@ def rank_reads(name: str, rank: int, sharded: bool) -> bool:
     return shard_owner(name) in (None, rank) and not (sharded and name == MODEL_FILE)
 
 
-def load_checkpoint(directory: Path, trust: TrustConfig, rank: int | None = None) -> LoadedCheckpoint:
+def load_checkpoint(
+    directory: Path, trust: TrustConfig, rank: int | None = None, of_run: str | None = None
+) -> LoadedCheckpoint:
     """Verify, then read a checkpoint (safetensors and JSON only). Of a sharded checkpoint, a
     ``rank`` verifies the shared files and its own shards, and its optimizer state is its shards';
-    without a rank every file is verified (what reads all shards: a fork)."""
-    manifest, signer = verify_checkpoint(directory, trust, rank)
+    without a rank every file is verified (what reads all shards: a fork). ``of_run``: the run
+    whose checkpoint it must be (``verify_checkpoint``)."""
+    manifest, signer = verify_checkpoint(directory, trust, rank, of_run=of_run)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
         world = state.sharding.get("world_size")  # sharded: the rank's optimizer shard (rank 0's without one)

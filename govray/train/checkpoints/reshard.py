@@ -203,12 +203,14 @@ def load_resharded(
     model: GovernedModel,
     optimizer: torch.optim.Optimizer,
     parameters: Sequence[nn.Parameter],
+    of_run: str | None = None,
 ) -> LoadedCheckpoint:
     """A checkpoint written by another layout (unsharded, or sharded over another world size),
     as ``load_checkpoint`` returns one: the signature and the shared files verified, this rank's
     part of the optimizer state read by verified ranges (``parameters``: the run's trainable
-    tensors in the order it lists them). The weights are read by ``load_model_part``."""
-    manifest, signer = verify_checkpoint(directory, trust, rank, ranged=True)
+    tensors in the order it lists them). The weights are read by ``load_model_part``. ``of_run``:
+    the run whose checkpoint it must be (``verify_checkpoint``)."""
+    manifest, signer = verify_checkpoint(directory, trust, rank, ranged=True, of_run=of_run)
     try:
         state = CheckpointState.model_validate_json((directory / STATE_FILE).read_text())
         world, group = sharding_layout(state.sharding)

@@ -80,6 +80,13 @@ class CleanState:
     on_storage: bool = False
 
 
+def run_of(checkpoint: Path) -> str:
+    """The run a checkpoint folder must belong to: the run whose directory holds it. Resuming,
+    forking and rolling back read a folder a worker was pointed at; its signed manifest must name
+    that run, or another run's state (copied in after the folder was chosen) would be loaded."""
+    return checkpoint.parent.name
+
+
 @dataclass(frozen=True)
 class Parts:
     """What a layout writes and reads a checkpoint with: the worker's pieces, never the run."""
@@ -155,7 +162,7 @@ class WholeLayout:
         refers to is fetched from object storage first."""
         fetch_referenced(directory, parts.storage)
         if checkpoint_sharding(directory)[0] is None:  # (unverified: what is loaded is verified)
-            return load_checkpoint(directory, parts.trust)
+            return load_checkpoint(directory, parts.trust, of_run=run_of(directory))
         agreed(lambda: self._written_by(parts, directory), parts.worker, CheckpointError)
         return self._load_other_layout(parts, directory)  # FSDP -> DDP: every rank reads its part
 
@@ -176,7 +183,13 @@ class WholeLayout:
         its schedule on this world (``train.rounds``)."""
         loaded = agreed(
             lambda: load_resharded(
-                directory, parts.trust, parts.worker.rank, parts.model, parts.optimizer, parts.parameters
+                directory,
+                parts.trust,
+                parts.worker.rank,
+                parts.model,
+                parts.optimizer,
+                parts.parameters,
+                of_run=run_of(directory),
             ),
             parts.worker,
             CheckpointError,
@@ -286,7 +299,11 @@ class ShardedLayout(WholeLayout):
         written_by = agreed(lambda: self._written_by(parts, directory), worker, CheckpointError)
         if written_by != parts.own_layout:  # another world size or other HSDP shard groups
             return self._load_other_layout(parts, directory)
-        loaded = agreed(lambda: load_checkpoint(directory, parts.trust, worker.rank), worker, CheckpointError)
+        loaded = agreed(
+            lambda: load_checkpoint(directory, parts.trust, worker.rank, of_run=run_of(directory)),
+            worker,
+            CheckpointError,
+        )
         verified = sharding_layout(loaded.state.sharding)
         if verified != written_by:  # (the unverified read chose the layout: it must be the signed one)
             raise CheckpointError(
@@ -313,7 +330,7 @@ class ShardedLayout(WholeLayout):
 
         def verified() -> None:
             fetch_part(folder, parts.storage, worker.rank)
-            verify_checkpoint(folder, parts.trust, worker.rank)
+            verify_checkpoint(folder, parts.trust, worker.rank, of_run=run_of(folder))
 
         agreed(verified, worker, CheckpointError)
 
