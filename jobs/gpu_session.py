@@ -15,15 +15,12 @@ windows of 2048 tokens, bf16 autocast, activation checkpointing, one rank, two g
 1. ``memory`` (first): ``govray plan``'s figure (``plan_governed``, as the CLI calls it, and again
    with the frozen tensors in fp32, which is what the engine holds today) against
    ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over three real governed steps.
-2. ``throughput``: govray's governed step against an independent Hugging Face + PEFT loop written
-   here (``AutoModelForCausalLM.from_config``, PEFT's ``get_peft_model`` for the LoRA case,
-   ``gradient_checkpointing_enable``, the model's own loss, AdamW, clipping) on the same windows,
-   timed with CUDA events, one step of each in turn with the order flipping every pair. Tokens/s
-   per GPU and MFU against the peak dense bf16 FLOP/s of the GPU model (``PEAK_BF16``). FLOPs per
-   token, PaLM's accounting: ``6N + 12·L·d·S`` for a full fine-tune, ``4N + 12·L·d·S`` for a frozen
-   base (no weight gradients; attention's backward is still twice its forward); ``N`` counts the
-   weights of every matmul (the head included, the embedding lookup not), adapters are left out,
-   attention is counted whole (not halved for the causal mask) and recomputation is not counted.
+2. ``throughput``: govray's governed step against an independent Hugging Face + PEFT loop
+   (``jobs.gpu_measures.PlainLoop``: ``AutoModelForCausalLM.from_config``, PEFT's
+   ``get_peft_model`` for the LoRA case, ``gradient_checkpointing_enable``, the model's own loss,
+   AdamW, clipping) on the same windows, timed with CUDA events, one step of each in turn with the
+   order flipping every pair. Tokens/s per GPU and MFU against the peak dense bf16 FLOP/s of the
+   GPU model (``jobs.gpu_measures``: its table and PaLM's FLOP accounting).
 3. ``replay``: removal = replay bit for bit in deterministic mode on the GPU
    (``tests/test_gpu.py``'s deterministic test, through pytest).
 
@@ -45,12 +42,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+
+from jobs.gpu_measures import PROJECTIONS, PlainLoop, flops_per_token, peak_flops, timer
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -88,52 +86,11 @@ SMALL: dict[str, Any] = {
 # config, window, rows per step. "small" is the CPU's stand-in (a real vocabulary, short windows);
 # "tiny" checks this script itself.
 SHAPES = {"llama-1b": (LLAMA_1B, 2048, 8), "small": (SMALL, 512, 4), "tiny": (TINY, 128, 4)}
-# Peak dense (not sparse) bf16 tensor FLOP/s by GPU model, from NVIDIA's data sheets; matched
-# against torch's device name, longest name first.
-PEAK_BF16: dict[str, float] = {
-    "B200": 2250e12,
-    "H200": 989.4e12,
-    "GH200": 989.4e12,
-    "H100 PCIe": 756.5e12,
-    "H100 NVL": 835.5e12,
-    "H100": 989.4e12,
-    "A100": 312e12,
-    "L40S": 362.05e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-}
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Deadlines, seconds. On an H200 (2026-11-28) the phases took about 175, 240 (6 pairs a case) and
 # 67 s, most of it building the 1B model twice a phase on the host.
 PHASES: dict[str, int] = {"memory": 190, "throughput": 240, "replay": 90}
 WARMUP = 3
 CASES = ("lora", "full")
-
-
-def peak_flops(name: str) -> float | None:
-    """The peak dense bf16 FLOP/s of the GPU named ``name`` (None: not in the table)."""
-    for model in sorted(PEAK_BF16, key=len, reverse=True):
-        if model in name:
-            return PEAK_BF16[model]
-    return None
-
-
-def matmul_weights(shape: dict[str, Any]) -> int:
-    """Weights of every matmul of the model (the head included once, the embedding lookup not)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = {key: value for key, value in shape.items() if key != "model_type"}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **settings))
-    return sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
-
-
-def flops_per_token(shape: dict[str, Any], window: int, frozen_base: bool) -> float:
-    """PaLM's accounting (see the module's docstring)."""
-    weights = matmul_weights(shape)
-    attention = 12 * shape["num_hidden_layers"] * shape["hidden_size"] * window
-    return (4 if frozen_base else 6) * weights + attention
 
 
 def lora_policy(blocks: int) -> dict[str, Any]:
@@ -265,62 +222,6 @@ def memory_case(root: Path, case: str, shape_name: str, device: torch.device) ->
         "plan / measured allocated": round(planned.total / allocated, 3),
         "plan (frozen fp32) / measured allocated": round(planned_fp32.total / allocated, 3),
     }
-
-
-class PlainLoop:
-    """An independent Hugging Face (+ PEFT) training step over packed windows: nothing of govray."""
-
-    def __init__(
-        self, shape: dict[str, Any], lora: bool, lr: float, device: torch.device, bf16: bool
-    ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        settings = {key: value for key, value in shape.items() if key != "model_type"}
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **settings))
-        model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(
-                model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(PROJECTIONS))
-            )
-        self.model = model.to(device).train()
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr)
-        self.device, self.bf16 = device, bf16
-
-    def step(self, windows: Any) -> None:
-        ids = torch.tensor(windows["input_ids"].to_pylist(), dtype=torch.long)
-        real = torch.tensor(windows["tokens"].to_pylist(), dtype=torch.long)
-        labels = ids.masked_fill(torch.arange(ids.shape[1]) >= real[:, None], -100)
-        ids, labels = ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = self.model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.trainable, 1.0, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-
-def timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Seconds one call takes: CUDA events on a GPU, the wall clock elsewhere."""
-
-    def cuda(run: Callable[[], None]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    def wall(run: Callable[[], None]) -> float:
-        started = time.perf_counter()
-        run()
-        return time.perf_counter() - started
-
-    return cuda if device.type == "cuda" else wall
 
 
 def throughput_case(

@@ -4,6 +4,7 @@ they say what trained which tensors, and every kind of tampering is refused by n
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import shutil
@@ -20,7 +21,17 @@ from torch import nn
 from govray.cli import main
 from govray.core.canonical import canonical_json
 from govray.core.dsse import sign_envelope
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_key, platform_trust, save_trust
+from govray.core.keys import (
+    KeyRole,
+    SigningKey,
+    TrustConfig,
+    load_trust,
+    platform_key,
+    platform_trust,
+    save_trust,
+    trust_root_sha256,
+)
+from govray.core.settings import operator_trust
 from govray.data.shards import ShardSet
 from govray.provenance.attest import Attestation, AttestationError, attest_checkpoint
 from govray.provenance.locations import run_spec_of
@@ -152,6 +163,31 @@ def test_a_valid_attestation_verifies_on_the_command_line(
     for path in (written.provenance, written.coverage):
         command = ["verify", str(path), "--model-dir", str(model_dir), "--trust", str(trust)]
         assert main(command + (["--policy", str(policy)] if path == written.provenance else [])) == 0
+
+
+def test_the_attestation_cites_the_operators_exported_trust_root_and_verify_holds_it_to_it(
+    attested: tuple[Path, Attestation], model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A third party holding the root the operator exported verifies against the root the
+    attestation was made under; a trust file an engineer widened (their own platform key added)
+    is another root: said, and refused under --require-root."""
+    _, written = attested
+    root = tmp_path / "root.json"
+    assert main(["keys", "export-root", "--out", str(root)]) == 0
+    digest = hashlib.sha256(root.read_bytes()).hexdigest()
+    assert digest == trust_root_sha256(operator_trust())
+    internal = statement_of(written.provenance)["predicate"]["buildDefinition"]["internalParameters"]
+    assert internal["trust_root"] == {"sha256": digest}
+    command = ["verify", str(written.provenance), "--model-dir", str(model_dir), "--trust", str(root)]
+    capsys.readouterr()
+    assert main([*command, "--require-root"]) == 0
+    assert f"trust root: sha256 {digest}, the one this attestation was made under" in capsys.readouterr().out
+    widened = load_trust(root)
+    widened.add(SigningKey.generate(KeyRole.PLATFORM).public_key)
+    command[-1] = str(trust_file(tmp_path, widened))
+    assert main([*command, "--require-root"]) == AttestationError.exit_code
+    assert main(command) == 0  # without --require-root: verified, and the other root said
+    assert f"this attestation was made under sha256 {digest}" in capsys.readouterr().out
 
 
 def flip_byte(path: Path) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.gpu_session import LLAMA_1B, PEAK_BF16, flops_per_token, matmul_weights, peak_flops
+from jobs.gpu_measures import PEAK_BF16, flops_per_token, matmul_weights, peak_flops
+from jobs.gpu_session import LLAMA_1B
 from jobs.gpu_stage import IMAGE_PACKAGES, NOT_NEEDED, runtime_closure, unpack
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 
 from govray.cli import main
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, TrustConfig, load_trust
+from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, trust_root, trust_root_sha256
 from tests.helpers.builders import REPO
 
 
@@ -135,3 +135,24 @@ def test_a_refusal_by_an_untrusted_key_says_how_to_trust_one(role: KeyRole, reme
         TrustConfig().trusted_key("ab" * 32, role)
     assert str(refused.value).startswith(f"key {'ab' * 32} is not trusted for role '{role.value}' (")
     assert str(refused.value).endswith(f"{remedy})")
+
+
+def test_the_trust_root_is_the_keys_revocations_and_authorities_not_when_a_key_was_added(
+    tmp_path: Path,
+) -> None:
+    """What an attestation cites: the same root whenever its keys were loaded and in whatever
+    order listed; another key or a revocation is another root; the exported bytes are a trust file."""
+    platform, authority = (SigningKey.generate(role) for role in (KeyRole.PLATFORM, KeyRole.POLICY_AUTHORITY))
+    first = TrustConfig(keys=[platform.public_key, authority.public_key])
+    reloaded = [
+        key.model_copy(update={"added_at": None}) for key in (authority.public_key, platform.public_key)
+    ]
+    assert trust_root(TrustConfig(keys=reloaded)) == trust_root(first)
+    revoked = first.model_copy(deep=True)
+    revoked.revoke(authority.keyid, reason="leaked")
+    widened = first.model_copy(deep=True)
+    widened.add(SigningKey.generate(KeyRole.PLATFORM).public_key)
+    assert len({trust_root_sha256(trust) for trust in (first, revoked, widened)}) == 3
+    exported = tmp_path / "root.json"
+    exported.write_bytes(trust_root(revoked))
+    assert trust_root(load_trust(exported)) == exported.read_bytes()

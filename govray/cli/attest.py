@@ -4,11 +4,14 @@ is and what trained it, checkable without govray's database."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from govray.cli.common import Database, console, open_store
+
+if TYPE_CHECKING:
+    from govray.core.keys import TrustConfig
 
 
 def attest(
@@ -55,6 +58,12 @@ def verify(
     policy: Path | None = typer.Option(
         None, "--policy", help="Also check this policy file is the attested one."
     ),
+    require_root: bool = typer.Option(
+        False,
+        "--require-root",
+        help="Refuse an attestation made under another trust root than --trust's "
+        "(the operator's root: govray keys export-root).",
+    ),
     recompute: bool = typer.Option(
         False,
         "--recompute-ledger",
@@ -86,6 +95,10 @@ def verify(
     console.print(f"verified: {verified.statement['predicateType']} signed by {verified.signer}; {subjects}")
     if verified.statement["predicateType"] != COVERAGE_TYPE:
         console.print(policy_line(verified.statement), highlight=False)
+        line, same = root_line(verified.statement, trusted)
+        console.print(line, highlight=False)
+        if require_root and not same:
+            raise AttestationError(f"{envelope}: {line}")
     if recompute:
         coverage = envelope
         if verified.statement["predicateType"] != COVERAGE_TYPE:
@@ -97,6 +110,25 @@ def verify(
         statement = verify_attestation(coverage, model_dir=model_dir, trust=trusted, expected_kind="coverage")
         entries = check_attested_ledger(statement.statement, model_dir, trusted)
         console.print(f"ledger recomputed from the schedule: all {entries} attested entries match")
+
+
+def root_line(statement: dict[str, Any], trusted: TrustConfig) -> tuple[str, bool]:
+    """Whether a provenance statement was made under the trust root ``trusted`` is (the sha256 it
+    cites against ``core.keys.trust_root``'s): the line to print, and whether they are the same."""
+    from govray.core.keys import trust_root_sha256
+
+    internal = statement["predicate"]["buildDefinition"]["internalParameters"]
+    cited = (internal.get("trust_root") or {}).get("sha256")
+    held = trust_root_sha256(trusted)
+    if cited is None:
+        return "trust root: this attestation cites none (made before attestations cited one)", False
+    if cited == held:
+        return f"trust root: sha256 {held}, the one this attestation was made under", True
+    return (
+        f"trust root: this attestation was made under sha256 {cited}; the trust file given is {held} "
+        "(another root: ask the operator for theirs, govray keys export-root)",
+        False,
+    )
 
 
 def policy_line(statement: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
-"""``govray keys list | generate | rotate | revoke | trust-tsa``: the signing roles' keys in a trust
-file, and the time-stamping authorities whose timestamps give signatures their trusted time.
+"""``govray keys list | generate | rotate | revoke | trust-tsa | export-root``: the signing roles' keys
+in a trust file, the time-stamping authorities whose timestamps give signatures their trusted time,
+and the operator's public trust root that attestations cite.
 
 Roles: ``policy-authority`` signs depth policies; ``platform`` signs checkpoints and attestations
 (Ed25519) and OpenSSF model signatures (ECDSA P-256, ``--keytype ecdsa``).
@@ -145,6 +146,28 @@ def trust_tsa(
         config.timestamp_authorities.append(pem)
     save_trust(config, trust)
     console.print(f"trusted time-stamping authority {loaded.subject.rfc4514_string()} in {trust}")
+
+
+@app.command("export-root")
+def export_root(
+    out: Path | None = typer.Option(None, "--out", help="Write the root here (default: standard output)."),
+) -> None:
+    """Write the operator's public trust root: the platform keys, revocations and time-stamping
+    authorities every checkpoint and attestation here is verified against (this machine's platform
+    key and the settings' ``trust`` file), as canonical JSON. Attestations cite its sha256
+    (``internalParameters.trust_root``); hand the file to whoever verifies them (``govray verify
+    --trust FILE`` says whether it is the root an attestation was made under)."""
+    from govray.core.canonical import sha256_hex
+    from govray.core.keys import trust_root
+    from govray.core.settings import operator_trust
+
+    root = trust_root(operator_trust())
+    if out is None:
+        typer.echo(root.decode())
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(root)
+    console.print(f"wrote the operator's trust root to {out}: sha256 {sha256_hex(root)}", highlight=False)
 
 
 def _require_role(config: TrustConfig, keyid: str, role: KeyRole) -> None:

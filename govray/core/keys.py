@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from govray.core.canonical import canonical_text, sha256_hex
+from govray.core.canonical import canonical_json, canonical_text, sha256_hex
 from govray.core.errors import SignatureError, describe_validation_error
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
@@ -289,6 +289,29 @@ class TrustConfig(BaseModel):
         if not any(entry.keyid == keyid for entry in self.revoked):
             moment = at if at is not None else dt.datetime.now(dt.UTC).replace(microsecond=0)
             self.revoked.append(Revocation(keyid=keyid, revoked_at=moment, reason=reason))
+
+
+def trust_root(trust: TrustConfig) -> bytes:
+    """The public trust root ``trust`` is: canonical JSON of its keys (role, type, scheme, public
+    key, keyid; not when each was added), revocations and time-stamping authorities, each list in a
+    fixed order. ``govray keys export-root`` writes these bytes; an attestation cites their
+    sha256 (``trust_root_sha256``), so a third party checks it verifies against the same root.
+    The bytes are a trust file ``load_trust`` reads."""
+    keys = sorted(
+        (key.model_dump(mode="json", exclude={"added_at"}) for key in trust.keys),
+        key=lambda entry: (entry["keyid"], entry["role"]),
+    )
+    revoked = sorted(
+        (entry.model_dump(mode="json") for entry in trust.revoked), key=lambda entry: entry["keyid"]
+    )
+    return canonical_json(
+        {"keys": keys, "revoked": revoked, "timestamp_authorities": sorted(trust.timestamp_authorities)}
+    )
+
+
+def trust_root_sha256(trust: TrustConfig) -> str:
+    """The digest attestations cite of the root they were made under (``trust_root``)."""
+    return sha256_hex(trust_root(trust))
 
 
 def load_trust(path: Path) -> TrustConfig:

@@ -39,7 +39,7 @@ from typing import Any
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.errors import AttestationError
-from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key
+from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, trust_root_sha256
 from govray.core.settings import operator_trust
 from govray.provenance.locations import attestation_prefix, signature_path, signed_run_spec
 from govray.provenance.model_signature import sign_model
@@ -132,7 +132,15 @@ def attest_checkpoint(
     routing = spec.routing
     subjects = model_subjects(checkpoint, trust)
     moment = signing_time()
-    predicate = provenance(spec, loaded.state, routing, checkpoint, derivation, finished_on=moment)
+    predicate = provenance(
+        spec,
+        loaded.state,
+        routing,
+        checkpoint,
+        derivation,
+        finished_on=moment,
+        trust_root=trust_root_sha256(trust),
+    )
     statements = {
         "provenance": _statement(subjects, PROVENANCE_TYPE, predicate),
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),

@@ -5,7 +5,8 @@ wraps them in signed in-toto statements about the model files.
 
 Example::
 
-    predicate = provenance(spec, loaded.state, spec.routing, checkpoint, None, finished_on=moment)
+    root = trust_root_sha256(trust)
+    predicate = provenance(spec, loaded.state, spec.routing, checkpoint, finished_on=moment, trust_root=root)
     counts = coverage(loaded.state, spec.routing)
 """
 
@@ -54,8 +55,11 @@ def provenance(
     derivation: Derivation | None = None,
     *,
     finished_on: datetime,
+    trust_root: str,
 ) -> dict[str, Any]:
-    """The SLSA Provenance v1 predicate of a checkpoint (or of a model version derived from one)."""
+    """The SLSA Provenance v1 predicate of a checkpoint (or of a model version derived from one);
+    ``trust_root``: the sha256 of the trust root the checkpoint was verified against
+    (``core.keys.trust_root``), cited so a verifier checks it holds the same one."""
     manifest = ShardSet.open(Path(spec.shard_root)).manifest
     excluded = sorted({*spec.excluded_corpora, *(derivation.excluded_corpora if derivation else ())})
     matrix = coverage_matrix(Ledger.from_json(state.ledger), routing)
@@ -67,6 +71,8 @@ def provenance(
                 "step": state.step,
                 "epoch": state.epoch,
                 "schedule_sha256": state.schedule_digest,
+                # The operator's trust root the checkpoint verified against (govray keys export-root).
+                "trust_root": {"sha256": trust_root},
                 "shards": manifest.key,
                 "reproducibility": state.reproducibility,
                 # [[from_step, workers], ...]: the world sizes it trained on. Summation order follows
