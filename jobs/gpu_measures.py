@@ -69,7 +69,8 @@ class PlainLoop:
 
         settings = {key: value for key, value in shape.items() if key != "model_type"}
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **settings))
+        with device:  # initialised where it trains (a 1B model's init on the host takes tens of seconds)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **settings))
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:

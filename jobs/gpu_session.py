@@ -328,7 +328,7 @@ def session(out: Path, shape_name: str, pairs: int, phases: list[str], cases: li
     for name in phases:
         deadline = PHASES[name]
         command = [sys.executable, "-m", "jobs.gpu_session", str(out), "--phase", name, "--shape", shape_name,
-                   "--pairs", str(pairs), *(f"--case={case}" for case in cases or [])]  # fmt: skip
+                   "--pairs", str(pairs), "--child", *(f"--case={case}" for case in cases or [])]  # fmt: skip
         started = time.perf_counter()
         child = subprocess.Popen(command, cwd=REPO, start_new_session=True)
         try:
@@ -353,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     parser.add_argument("--pairs", type=int, default=6, help="timed pairs per case")
     parser.add_argument("--case", choices=CASES, action="append", help="only these cases (repeatable)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one phase, here
     args = parser.parse_args(argv)
-    os.environ.setdefault("GOVRAY_HOME", str(args.out / "govray-home"))
-    if args.phase and os.environ.get("GOVRAY_GPU_SESSION_CHILD"):
+    if args.child:
         (name,) = args.phase
         try:
             result = run_phase(name, args.shape, args.pairs, args.out, args.case)
@@ -366,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
         return 0
-    os.environ["GOVRAY_GPU_SESSION_CHILD"] = "1"
     return session(args.out, args.shape, args.pairs, args.phase or list(PHASES), args.case)
 
 
