@@ -13,7 +13,11 @@ would not fit beside the repository.
 On the GPU machine (``OUT`` carried)::
 
     mkdir -p /tmp/site && tar xJf .gpu/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python -e .
     python3 -m jobs.gpu_session $OUT/gpu
+
+(the editable install builds govray's C kernels there and gives it its entry points: the
+searchers, the lineage app).
 
 ``IMAGE_PACKAGES`` is the image's package list as last read on such a machine (2026-11-17); a
 package missing there shows as an ImportError in the session's first phase, named.

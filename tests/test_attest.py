@@ -188,6 +188,10 @@ def test_the_attestation_cites_the_operators_exported_trust_root_and_verify_hold
     assert main([*command, "--require-root"]) == AttestationError.exit_code
     assert main(command) == 0  # without --require-root: verified, and the other root said
     assert f"this attestation was made under sha256 {digest}" in capsys.readouterr().out
+    # The coverage statement cites no root: --require-root is refused there, not silently ignored.
+    coverage = ["verify", str(written.coverage), "--model-dir", str(model_dir), "--trust", str(root)]
+    assert main([*coverage, "--require-root"]) == 2
+    assert "--require-root checks a provenance statement" in capsys.readouterr().err
 
 
 def flip_byte(path: Path) -> None:

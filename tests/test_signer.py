@@ -60,7 +60,7 @@ from govray.train.checkpoints.manifest import (
     Manifest,
     signed_manifest,
 )
-from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout
+from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout, own_run
 from govray.train.parallel.worker import Worker
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)
@@ -373,8 +373,15 @@ def test_a_folder_chosen_to_resume_from_that_holds_another_runs_checkpoint_by_th
     # Only the storage and the trust are read before the refusal (no model, no optimizer).
     sharding = {"world_size": 2} if isinstance(layout, ShardedLayout) else {}
     parts = Parts(None, None, [], sharding, Worker(0, 1), IN_PLACE, TRUST)  # type: ignore[arg-type]
+    assert own_run(chosen, mine) == "mine"
     with pytest.raises(CheckpointError, match="a checkpoint of run 'theirs'.*not of run 'mine'"):
-        layout.load(parts, chosen)
+        layout.load(parts, chosen, own_run(chosen, mine))
+    # A folder handed over from elsewhere (a PBT donor's, a copy Tune persisted under a folder of
+    # its own naming) is another run's by design: no run is required of it.
+    handed_over = shutil.copytree(
+        theirs / "checkpoint_00000040", tmp_path / "tune_trial_0" / "checkpoint_00000040"
+    )
+    assert own_run(handed_over, mine) is None and own_run(chosen, mine.parent / "mine") == "mine"
 
 
 def test_block_digests_beside_a_file_must_be_the_ones_the_signer_computes(

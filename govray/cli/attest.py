@@ -83,14 +83,18 @@ def verify(
 
     trusted = load_trust(trust)
     if is_model_signature(envelope):
-        if policy is not None or recompute:
+        if policy is not None or recompute or require_root:
             raise typer.BadParameter(
-                "--policy and --recompute-ledger check attestations, not model signatures"
+                "--policy, --require-root and --recompute-ledger check attestations, not model signatures"
             )
         signed = verify_model_signature(envelope, model_dir, trusted)
         console.print(f"verified: model_signing signature by {signed.signer}; {len(signed.files)} files")
         return
     verified = verify_attestation(envelope, model_dir=model_dir, trust=trusted, policy=policy)
+    if require_root and verified.statement["predicateType"] == COVERAGE_TYPE:
+        raise typer.BadParameter(
+            "--require-root checks a provenance statement: the coverage one cites no root"
+        )
     subjects = ", ".join(subject["name"] for subject in verified.statement["subject"])
     console.print(f"verified: {verified.statement['predicateType']} signed by {verified.signer}; {subjects}")
     if verified.statement["predicateType"] != COVERAGE_TYPE:

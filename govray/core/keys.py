@@ -301,9 +301,7 @@ def trust_root(trust: TrustConfig) -> bytes:
         (key.model_dump(mode="json", exclude={"added_at"}) for key in trust.keys),
         key=lambda entry: (entry["keyid"], entry["role"]),
     )
-    revoked = sorted(
-        (entry.model_dump(mode="json") for entry in trust.revoked), key=lambda entry: entry["keyid"]
-    )
+    revoked = sorted((entry.model_dump(mode="json") for entry in trust.revoked), key=canonical_text)
     return canonical_json(
         {"keys": keys, "revoked": revoked, "timestamp_authorities": sorted(trust.timestamp_authorities)}
     )

@@ -80,11 +80,13 @@ class CleanState:
     on_storage: bool = False
 
 
-def run_of(checkpoint: Path) -> str:
-    """The run a checkpoint folder must belong to: the run whose directory holds it. Resuming,
-    forking and rolling back read a folder a worker was pointed at; its signed manifest must name
-    that run, or another run's state (copied in after the folder was chosen) would be loaded."""
-    return checkpoint.parent.name
+def own_run(folder: Path, run_dir: Path) -> str | None:
+    """The run a checkpoint folder to resume from must belong to: ``run_dir``'s, when the folder
+    lies in it (its signed manifest names the run directory it was sealed in, so another run's
+    checkpoint copied in after the resume rule chose the folder is refused); None for a folder
+    handed over from elsewhere (a PBT clone's donor, a checkpoint Tune persisted or restored: a copy
+    in a folder of Tune's naming, another run's state by design)."""
+    return run_dir.resolve().name if folder.resolve().parent == run_dir.resolve() else None
 
 
 @dataclass(frozen=True)
@@ -157,14 +159,15 @@ class WholeLayout:
         """What rank 0 stores of its ``optimizer.state_dict()``."""
         return state
 
-    def load(self, parts: Parts, directory: Path) -> LoadedCheckpoint:
+    def load(self, parts: Parts, directory: Path, of_run: str | None = None) -> LoadedCheckpoint:
         """Verify and read a checkpoint to resume from (refusing a sharded one); a base file it
-        refers to is fetched from object storage first."""
+        refers to is fetched from object storage first. ``of_run``: the run it must be of
+        (``own_run``)."""
         fetch_referenced(directory, parts.storage)
         if checkpoint_sharding(directory)[0] is None:  # (unverified: what is loaded is verified)
-            return load_checkpoint(directory, parts.trust, of_run=run_of(directory))
+            return load_checkpoint(directory, parts.trust, of_run=of_run)
         agreed(lambda: self._written_by(parts, directory), parts.worker, CheckpointError)
-        return self._load_other_layout(parts, directory)  # FSDP -> DDP: every rank reads its part
+        return self._load_other_layout(parts, directory, of_run)  # FSDP -> DDP: every rank reads its part
 
     def _written_by(self, parts: Parts, directory: Path) -> tuple[int | None, int | None]:
         """The world size a checkpoint is sharded over (None: unsharded) and its HSDP shard group
@@ -176,7 +179,7 @@ class WholeLayout:
         except (OSError, ValueError):
             return parts.own_layout  # unreadable: the verified load refuses it, naming the file
 
-    def _load_other_layout(self, parts: Parts, directory: Path) -> LoadedCheckpoint:
+    def _load_other_layout(self, parts: Parts, directory: Path, of_run: str | None) -> LoadedCheckpoint:
         """A checkpoint of another layout (DDP <-> FSDP, another world size): each rank verifies
         the shared files and reads its part of the optimizer state by verified ranges (its
         weights follow in ``load_weights``); every rank refuses if any did. The run continues
@@ -189,7 +192,7 @@ class WholeLayout:
                 parts.model,
                 parts.optimizer,
                 parts.parameters,
-                of_run=run_of(directory),
+                of_run=of_run,
             ),
             parts.worker,
             CheckpointError,
@@ -209,7 +212,9 @@ class WholeLayout:
             for step, (weights, optimizer) in load_clean_states(loaded).items()
         }
 
-    def roll_back(self, parts: Parts, clean: CleanState, latest: Latest) -> dict[str, Any]:
+    def roll_back(
+        self, parts: Parts, clean: CleanState, latest: Latest, of_run: str | None = None
+    ) -> dict[str, Any]:
         """Back to a clean state's weights (the copy kept in memory); returns its optimizer state
         (the caller loads it, with the clean state's ledger)."""
         parts.model.load_state_dict(clean.weights, strict=True)
@@ -290,7 +295,7 @@ class ShardedLayout(WholeLayout):
     def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return local_optimizer_state(state)  # rank 0's shards (every rank writes its own file)
 
-    def load(self, parts: Parts, directory: Path) -> LoadedCheckpoint:
+    def load(self, parts: Parts, directory: Path, of_run: str | None = None) -> LoadedCheckpoint:
         """Each rank verifies and reads what it needs (the shared files, its own shards); every
         rank refuses if any rank did, naming the files. A checkpoint of another layout (DDP,
         sharded over another world size or in other HSDP shard groups) is read by verified ranges
@@ -298,9 +303,9 @@ class ShardedLayout(WholeLayout):
         worker = parts.worker
         written_by = agreed(lambda: self._written_by(parts, directory), worker, CheckpointError)
         if written_by != parts.own_layout:  # another world size or other HSDP shard groups
-            return self._load_other_layout(parts, directory)
+            return self._load_other_layout(parts, directory, of_run)
         loaded = agreed(
-            lambda: load_checkpoint(directory, parts.trust, worker.rank, of_run=run_of(directory)),
+            lambda: load_checkpoint(directory, parts.trust, worker.rank, of_run=of_run),
             worker,
             CheckpointError,
         )
@@ -319,7 +324,9 @@ class ShardedLayout(WholeLayout):
             for step, ledger in loaded.state.clean_ledgers.items()
         }
 
-    def roll_back(self, parts: Parts, clean: CleanState, latest: Latest) -> dict[str, Any]:
+    def roll_back(
+        self, parts: Parts, clean: CleanState, latest: Latest, of_run: str | None = None
+    ) -> dict[str, Any]:
         """Back to a clean state from storage (no copy of it was kept in memory): the last
         checkpoint's own state, or the copy of it that checkpoint carries; each rank verifies and
         reads its own shards, and every rank refuses if one does. Returns this rank's optimizer
@@ -330,7 +337,7 @@ class ShardedLayout(WholeLayout):
 
         def verified() -> None:
             fetch_part(folder, parts.storage, worker.rank)
-            verify_checkpoint(folder, parts.trust, worker.rank, of_run=run_of(folder))
+            verify_checkpoint(folder, parts.trust, worker.rank, of_run=of_run)
 
         agreed(verified, worker, CheckpointError)
 

@@ -32,6 +32,7 @@ from govray.core.storage import StorageError
 from govray.train.context import OpenSession, WorkerContext
 from govray.train.control.preemption import PreemptionNotice
 from govray.train.control.validation import finished_clone_report, run_validation
+from govray.train.parallel.layouts import own_run
 from govray.train.parallel.worker import Worker, all_reduce_sums
 from govray.train.reproduce.snapshots import CodeSnapshot, use_recorded_code
 from govray.train.run.reports import StepReport
@@ -160,7 +161,7 @@ def _opened(context: WorkerContext) -> tuple[TrialRun, int, bool]:
         note(f"passed over a newer checkpoint that does not verify: {reason}")
     if resume is not None:
         with timings.part("restore"):
-            start = run.restore(resume)
+            start = run.restore(resume, of_run=own_run(resume, session.run_dir))
         worlds = ", ".join(f"{workers} from step {step}" for step, workers in run.world_history)
         note(f"workers so far: {worlds}")
         note(f"resumed from a verified checkpoint at step {start}")

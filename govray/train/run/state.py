@@ -53,6 +53,8 @@ class TrialRun:
         # The last checkpoint this run wrote or resumed from: under FSDP it holds the clean states
         # a rollback returns to (its own state, or the copies it carries of earlier ones).
         self.latest: tuple[Path, int] | None = None  # (folder, step)
+        # The run ``latest``'s signed manifest must name (None: a folder handed over, ``own_run``).
+        self.latest_run: str | None = None
         self.base = FrozenBase(spec.run_dir, context.storage)  # a frozen base is written once per run
         self.source: dict[str, Any] = {}  # the checkpoint a fork started from
         self.restored_from_run = ""  # the run that wrote the checkpoint this one resumed from
@@ -109,7 +111,7 @@ class TrialRun:
         since); the LR settings stay those in force now (a plateau cut is not undone)."""
         clean = self.control.rollback_target(decision)
         governed = self.governed
-        governed.load_optimizer_state(self.layout.roll_back(self.parts, clean, self.latest))
+        governed.load_optimizer_state(self.layout.roll_back(self.parts, clean, self.latest, self.latest_run))
         governed.ledger = Ledger.from_json(clean.ledger)
         governed.take_hyperparameters()
         if self.control.plateau is not None:
@@ -175,7 +177,7 @@ class TrialRun:
             earlier,
             self.latest,
         )
-        self.latest = (directory, steps_done)
+        self.latest, self.latest_run = (directory, steps_done), directory.resolve().parent.name
 
     def _seal(
         self,
@@ -218,10 +220,11 @@ class TrialRun:
                 f"{directory}: its schedule inputs differ from this run's (a different run?)"
             )
 
-    def restore(self, directory: Path) -> int:
+    def restore(self, directory: Path, of_run: str | None = None) -> int:
         """Resume from a verified checkpoint (as the run's layout reads it: under FSDP each rank
-        its own part, every rank refusing if any did); returns the steps it had completed."""
-        loaded = self.layout.load(self.parts, directory)
+        its own part, every rank refusing if any did); returns the steps it had completed.
+        ``of_run``: the run its signed manifest must name (``layouts.own_run``)."""
+        loaded = self.layout.load(self.parts, directory, of_run)
         self.control.restore(loaded.state)
         self._continue_world(loaded.state)
         self.rescheduled()
@@ -239,7 +242,7 @@ class TrialRun:
             governed.set_lr_scale(self.control.lr_scale)
         if loaded.state.memorization:
             self.last_report = MemorizationReport.model_validate(loaded.state.memorization)
-        self.latest = (directory, loaded.state.step)
+        self.latest, self.latest_run = (directory, loaded.state.step), of_run
         self.control.clean_states = self.layout.clean_states(loaded)
         if self.control.clean_step == loaded.state.step or self.control.replayed_rollbacks is not None:
             self.keep_clean(loaded.state.step)  # this checkpoint is itself the (or a recorded) target
