@@ -334,12 +334,11 @@ def session(out: Path, shape_name: str, pairs: int, phases: list[str], cases: li
         try:
             code: int | str = child.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
+            # Its Ray goes with its process group (never a machine-wide `ray stop`: that ends
+            # every Ray driver here, a test session sharing one Ray instance among them).
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             code = f"timed out after {deadline} s"
-        subprocess.run(
-            [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, check=False
-        )
         summary["phases"][name] = {"exit": code, "seconds": round(time.perf_counter() - started, 1)}
         print(f"== {name}: {summary['phases'][name]}", flush=True)
         (out / "session.json").write_text(json.dumps(summary, indent=2))
