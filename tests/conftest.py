@@ -18,8 +18,6 @@ from govray.core.keys import (
     KeyRole,
     SigningKey,
     TrustConfig,
-    platform_key,
-    platform_key_path,
     save_trust,
 )
 from govray.core.settings import OVERRIDES
@@ -48,6 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's development signer stopped (the runs' launches started it), its home removed."""
+    from govray.signer.local import stop_dev_signer
+
+    stop_dev_signer()
     shutil.rmtree(os.environ.pop(TESTS_HOME, ""), ignore_errors=True)
 
 
@@ -190,15 +192,13 @@ def golden_run(ray_session: None, golden_example: Path) -> GoldenRun:
 
 @pytest.fixture(scope="module")
 def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The golden run's spec, signing its checkpoints with a key of the test module's own (a module
-    that trains from it in a gloo group and reads the checkpoints back: FSDP's, HSDP's)."""
+    """The golden run's spec, its checkpoints in a directory of the test module's own (a module
+    that trains from it in a gloo group, sealing through the platform's signer
+    (``tests.helpers.signing``), and reads the checkpoints back: FSDP's, HSDP's)."""
     from tests.helpers.engine import run_spec  # imports torch: only for the modules that ask
 
     root = tmp_path_factory.mktemp("fsdp-checkpoints")
-    platform_key()  # the home's, which the operator's trust (every worker's default) lists
-    return run_spec(golden_run).model_copy(
-        update={"platform_key": str(platform_key_path()), "run_dir": str(root / "run")}
-    )
+    return run_spec(golden_run).model_copy(update={"run_dir": str(root / "run")})
 
 
 @pytest.fixture(scope="session")

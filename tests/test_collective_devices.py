@@ -53,15 +53,18 @@ def rank_main(rank: int, init_file: str, tasks: Any, results: Any) -> None:
 
 def audited_run(task: Task) -> tuple[list[Any], list[str]]:
     """A whole governed run of this rank (``train_worker`` in-process), audited."""
+    from govray.train.parallel.worker import Worker
     from govray.train.run.loop import train_worker
     from govray.train.run.session import LocalSession
     from govray.train.runspec import Attempt, RunSpec
+    from tests.helpers.signing import channel_for
 
     spec = RunSpec.model_validate_json(task.spec)
     device = torch.device(task.device, 0) if task.device == "cuda" else torch.device(task.device)
+    channel = channel_for(spec.run_dir, Worker.detect())  # the launch's (rank 0 opens it for both)
     with CollectiveAudit(device) as audit:
         train_worker(
-            Attempt.of(spec).model_dump(mode="json"),
+            Attempt.of(spec, signer=channel).model_dump(mode="json"),
             session=lambda context: LocalSession(context, lambda _: None),
         )
     return audit.calls, audit.violations
@@ -71,7 +74,7 @@ def audited_meta(task: Task, rank: int) -> tuple[list[Any], list[str]]:
     """The session's stop flag, the report sums and an agreed action of a worker whose device is
     ``meta``, audited against that device."""
     from govray.core.storage import IN_PLACE
-    from govray.train.checkpoints.signer import RunSigner
+    from govray.train.checkpoints.signer import NoSigner
     from govray.train.context import WorkerContext
     from govray.train.parallel.strategies import Single
     from govray.train.parallel.worker import Worker, agreed, all_reduce_sums
@@ -83,7 +86,7 @@ def audited_meta(task: Task, rank: int) -> tuple[list[Any], list[str]]:
         storage="", strategy=ParallelStrategy.DDP, control_period=5, control_file="", run_dir=""
     )
     worker = Worker(rank, WORLD, torch.device("meta"))
-    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), NoSigner())
     session = LocalSession(context, lambda _: None)
     with CollectiveAudit(worker.device) as audit:
         session.look_for_stop(spec.control_period - 1)

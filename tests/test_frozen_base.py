@@ -25,7 +25,7 @@ from securesystemslib.signer import SSlibKey
 from govray.config.experiment import load_experiment
 from govray.core.canonical import file_sha256
 from govray.core.dsse import signing_time
-from govray.core.keys import TrustConfig, platform_key, platform_key_path, platform_trust
+from govray.core.keys import TrustConfig, platform_key, platform_trust
 from govray.core.storage import open_storage
 from govray.governance.adapter_files import save_base
 from govray.governance.policy import DepthPolicy
@@ -59,6 +59,7 @@ from jobs.examples.digits.golden import golden_example
 from tests.helpers.builders import governed_step
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
+from tests.helpers.signing import channel_for
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = ("licensed-lora", "pii-lora", "public-lora")
@@ -124,13 +125,13 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
             "max_steps": 30,
             "run_dir": str(run_dir),
             "run_name": "lora-only",
-            "platform_key": str(platform_key_path()),
             "code_dir": str(REPO),
             "reproducibility": record.model_dump(mode="json"),
         }
     )
     train_worker(
-        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=lambda _: None)
+        Attempt.of(spec, signer=channel_for(run_dir)).model_dump(mode="json"),
+        session=partial(LocalSession, deliver=lambda _: None),
     )
     store = TrackingStore.open(f"sqlite:///{root / 'govray.db'}")
     experiment = store.create_experiment("lora-only", "{}", spec.config_digest, str(root / "storage"))
@@ -257,7 +258,8 @@ def test_resuming_from_a_referencing_checkpoint_is_bit_identical_to_the_uninterr
     spec = spec.model_copy(update={"run_dir": str(run_dir), "log_dir": "", "control_file": ""})
     reports: list[StepReport] = []
     train_worker(
-        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+        Attempt.of(spec, signer=channel_for(run_dir)).model_dump(mode="json"),
+        session=partial(LocalSession, deliver=reports.append),
     )
     assert [report.step for report in reports] == [20, 30]
     assert (run_dir / "checkpoint_00000010" / MANIFEST_FILE).read_bytes() == resumed_from  # not rewritten

@@ -18,6 +18,7 @@ from sqlmodel import select
 from govray.cli import main
 from govray.config.serve import ServeSettings
 from govray.core.canonical import file_sha256
+from govray.core.dsse import sign_envelope
 from govray.core.errors import AttestationError
 from govray.core.keys import KeyRole, SigningKey, platform_key
 from govray.core.settings import operator_trust
@@ -36,7 +37,7 @@ from govray.train.checkpoints.files import (
     verify_checkpoint,
 )
 from govray.train.checkpoints.folders import newest_verified_checkpoint
-from govray.train.checkpoints.signer import KeySigner
+from govray.train.checkpoints.manifest import MANIFEST_TYPE
 from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
 from serve.app import create_app
 from tests.helpers.golden import GoldenRun
@@ -76,11 +77,10 @@ def resealed(folder: Path, key: SigningKey) -> str:
         name: file_sha256(folder / name) if (folder / name).is_file() else d
         for name, d in manifest.files.items()
     }
-    payload = manifest.model_copy(update={"files": files}).to_bytes()
+    payload = manifest.model_copy(update={"files": files, "blocks": None}).to_bytes()
     (folder / MANIFEST_FILE).write_bytes(payload)
-    (folder / SIGNATURE_FILE).write_text(
-        KeySigner(key).sign_manifest(folder, payload, manifest.signed_at).to_json()
-    )
+    envelope = sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at)  # the forger's own signing
+    (folder / SIGNATURE_FILE).write_text(envelope.to_json())
     return file_sha256(folder / MANIFEST_FILE)
 
 

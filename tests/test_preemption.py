@@ -17,7 +17,6 @@ import torch
 from pydantic import TypeAdapter
 
 from govray.config.experiment import PlateauSchedule
-from govray.core.keys import platform_key, platform_key_path
 from govray.core.settings import operator_trust
 from govray.core.storage import IN_PLACE
 from govray.data.schedule import ScheduleSpec
@@ -26,7 +25,7 @@ from govray.data.shards import ShardSet
 from govray.platform.rerun.replay import recorded_decisions
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.files import CheckpointState, find_checkpoints, load_checkpoint
-from govray.train.checkpoints.signer import RunSigner
+from govray.train.checkpoints.signer import NoSigner
 from govray.train.context import WorkerContext
 from govray.train.control.controller import Controller
 from govray.train.control.decisions import LrDecision, PreemptedDecision, RecordedDecision
@@ -48,6 +47,7 @@ from govray.train.step.ledger import Ledger, recompute_ledger
 from govray.train.trial import make_trial
 from tests.helpers.engine import run_spec
 from tests.helpers.golden import GoldenRun
+from tests.helpers.signing import channel_for
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_MS = 1_800_000_000_000
@@ -86,7 +86,7 @@ def test_every_rank_asks_for_a_notice_only_at_the_control_period_and_acts_on_eac
 def test_off_ray_train_no_rank_asks_for_a_notice() -> None:
     spec = RunSpec.model_construct(storage="", strategy="ddp", control_period=1, control_file="", run_dir="")
     worker = Worker(0, 1, torch.device("cpu"))
-    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), RunSigner(None, Path()))
+    context = WorkerContext(Attempt.of(spec), worker, IN_PLACE, Single(worker), NoSigner())
     session = LocalSession(context, lambda _: None)
     assert session.preemption.ask is None  # Ray's local mode answers None; a Tune trial's call raises
     assert [session.look_for_preemption(step) for step in range(10)] == [None] * 10
@@ -198,12 +198,10 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, golden_local_epoch: GoldenRun
 ) -> None:
     stored = run_spec(golden_local_epoch)  # one worker in-process: its spec and shards
-    platform_key()  # the home's, which the operator's trust (the attempt's default) lists
     shards = Path(stored.shard_root)
     spec = stored.model_copy(
         update={
             "run_dir": str(tmp_path / "run"),
-            "platform_key": str(platform_key_path()),
             "code_dir": str(REPO),
             "max_steps": 6,
             "control_period": 3,
@@ -215,7 +213,8 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     reports: list[StepReport] = []
     with pytest.raises(Reclaimed):
         train_worker(
-            Attempt.of(spec).model_dump(mode="json"), session=partial(NoticedSession, deliver=reports.append)
+            Attempt.of(spec, signer=channel_for(spec.run_dir)).model_dump(mode="json"),
+            session=partial(NoticedSession, deliver=reports.append),
         )
     assert trained == [0, 1, 2]  # the notice read before step 2: sealed after it, nothing more
     preempted = PreemptedDecision(seq=0, step=3, deadline_ms=DEADLINE_MS, nodes={"node-a": [0]})
@@ -228,7 +227,8 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     # The restart (no notice now) resumes from the sealed checkpoint: no step is trained twice.
     trained.clear()
     train_worker(
-        Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+        Attempt.of(spec, signer=channel_for(spec.run_dir)).model_dump(mode="json"),
+        session=partial(LocalSession, deliver=reports.append),
     )
     assert trained == [3, 4, 5]
     final = load_checkpoint(find_checkpoints(Path(spec.run_dir))[-1], operator_trust()).state

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from govray.train.checkpoints.blocks import write_blocks
 from govray.train.checkpoints.files import MODEL_FILE, OPTIMIZER_TENSORS, CheckpointError, shard_file
+from govray.train.checkpoints.manifest import Manifest
 from govray.train.checkpoints.reshard import CheckpointTensors
 from govray.train.parallel.fsdp import SHARDS_KEY
 
@@ -66,6 +67,11 @@ def write_sharded(directory: Path, whole: dict[str, torch.Tensor], kind: str, wo
     return digests
 
 
+def listed(files: dict[str, str]) -> Manifest:
+    """A manifest listing ``files`` (with their side files of block digests, as a seed lists them)."""
+    return Manifest.model_construct(files=files)
+
+
 @pytest.fixture
 def sharded(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     files = write_sharded(tmp_path, model_tensors(), "model", SOURCE_WORLD)
@@ -80,7 +86,7 @@ def test_every_new_rank_reads_exactly_the_slices_of_the_whole_tensors(
     directory, files = sharded
     for kind, whole in (("model", model_tensors()), ("optimizer", optimizer_tensors())):
         for rank in range(world):
-            source = CheckpointTensors(directory, files, kind, SOURCE_WORLD)
+            source = CheckpointTensors(directory, listed(files), kind, SOURCE_WORLD)
             for name, tensor in whole.items():
                 start, stop = fsdp_rows(rank, world, tensor.shape[0]) if tensor.dim() else (0, 0)
                 part = source.part(name, tuple(tensor.shape), start, stop)
@@ -97,7 +103,7 @@ def test_an_unsharded_checkpoint_gives_each_rank_its_slices(tmp_path: Path) -> N
         files |= write_blocks(tmp_path / name, BLOCK)
     for kind, whole in (("model", model_tensors()), ("optimizer", optimizer_tensors())):
         for rank in range(2):
-            source = CheckpointTensors(tmp_path, files, kind, None)
+            source = CheckpointTensors(tmp_path, listed(files), kind, None)
             for name, tensor in whole.items():
                 start, stop = fsdp_rows(rank, 2, tensor.shape[0]) if tensor.dim() else (0, 0)
                 expected = tensor[start:stop] if tensor.dim() else tensor
@@ -113,7 +119,7 @@ def test_a_rank_reads_its_share_and_a_bounded_block_overhead(sharded: tuple[Path
     embed = model_tensors()["embed.weight"]
     row = embed.shape[1] * embed.element_size()
     for rank in range(3):
-        source = CheckpointTensors(directory, files, "model", SOURCE_WORLD)
+        source = CheckpointTensors(directory, listed(files), "model", SOURCE_WORLD)
         start, stop = fsdp_rows(rank, 3, embed.shape[0])
         source.part("embed.weight", tuple(embed.shape), start, stop)
         pieces = sum(
@@ -140,11 +146,11 @@ def test_a_flipped_byte_in_a_block_a_rank_reads_is_refused_naming_the_file(
     tampered = directory / shard_file("model", 1, SOURCE_WORLD)
     flip(tampered, tampered.stat().st_size - 10)
     shape = tuple(model_tensors()["embed.weight"].shape)
-    reader = CheckpointTensors(directory, files, "model", SOURCE_WORLD)
+    reader = CheckpointTensors(directory, listed(files), "model", SOURCE_WORLD)
     with pytest.raises(CheckpointError, match=rf"{tampered}: block \d+ does not match"):
         for name, tensor in model_tensors().items():  # the tail of the file holds norm.weight
             reader.part(name, tuple(tensor.shape), *fsdp_rows(0, 2, tensor.shape[0]))
-    other = CheckpointTensors(directory, files, "model", SOURCE_WORLD)
+    other = CheckpointTensors(directory, listed(files), "model", SOURCE_WORLD)
     assert other.part("embed.weight", shape, 500, 1000).shape == (500, 64)
 
 
@@ -155,11 +161,11 @@ def test_a_flipped_header_byte_and_a_tampered_block_list_are_refused(
     path = directory / shard_file("model", 0, SOURCE_WORLD)
     flip(path, 20)
     with pytest.raises(CheckpointError, match=rf"{path}: its header does not match its signed digest"):
-        CheckpointTensors(directory, files, "model", SOURCE_WORLD).names()
+        CheckpointTensors(directory, listed(files), "model", SOURCE_WORLD).names()
     side = directory / (shard_file("model", 2, SOURCE_WORLD) + ".blocks.json")
     side.write_text(side.read_text().replace('"blocks":["', '"blocks":["0'))
     with pytest.raises(CheckpointError, match=rf"{side}: sha256 does not match the signed manifest"):
-        CheckpointTensors(directory, files, "model", SOURCE_WORLD)
+        CheckpointTensors(directory, listed(files), "model", SOURCE_WORLD)
 
 
 def test_a_checkpoint_without_block_digests_is_verified_whole(tmp_path: Path) -> None:
@@ -167,11 +173,11 @@ def test_a_checkpoint_without_block_digests_is_verified_whole(tmp_path: Path) ->
     files = write_sharded(tmp_path, model_tensors(), "model", SOURCE_WORLD)
     for name in [name for name in files if name.endswith(".blocks.json")]:
         del files[name]
-    source = CheckpointTensors(tmp_path, files, "model", SOURCE_WORLD)
+    source = CheckpointTensors(tmp_path, listed(files), "model", SOURCE_WORLD)
     embed = model_tensors()["embed.weight"]
     assert torch.equal(source.part("embed.weight", tuple(embed.shape), 0, 334), embed[:334])
     tampered = tmp_path / shard_file("model", 3, SOURCE_WORLD)
     flip(tampered, tampered.stat().st_size - 10)
-    fresh = CheckpointTensors(tmp_path, files, "model", SOURCE_WORLD)
+    fresh = CheckpointTensors(tmp_path, listed(files), "model", SOURCE_WORLD)
     with pytest.raises(CheckpointError, match=rf"{tampered}: sha256 does not match the signed manifest"):
         fresh.part("embed.weight", tuple(embed.shape), 667, 1000)

@@ -120,6 +120,7 @@ def load(
     differently initialised model sharded over ``world``: ``("ok", (mismatches, bytes read, share
     bytes))`` or ``("refused", message)``."""
     from govray.train.checkpoints.files import CheckpointError
+    from govray.train.checkpoints.manifest import Manifest
     from govray.train.checkpoints.reshard import load_model_part, my_rows, resharded_optimizer_state
     from govray.train.parallel.fsdp import local, sharded_optimizer_state
     from govray.train.parallel.worker import Worker, agreed
@@ -128,9 +129,11 @@ def load(
     parameters = list(model.parameters())
 
     def read() -> tuple[Any, Any, dict[str, Any]]:
-        weights = load_model_part(model, directory, files, SOURCE_WORLD, shard_group)  # type: ignore[arg-type]
+        weights = load_model_part(
+            model, directory, Manifest.model_construct(files=files), SOURCE_WORLD, shard_group
+        )
         state, moments = resharded_optimizer_state(
-            directory, files, SOURCE_WORLD, optimizer, parameters, shard_group
+            directory, Manifest.model_construct(files=files), SOURCE_WORLD, optimizer, parameters, shard_group
         )
         return weights, moments, state
 

@@ -44,6 +44,7 @@ from tests.helpers.search_replays import (
     hparams_history,
     replayed_without_writers,
 )
+from tests.helpers.signing import channel_for
 
 # -- the mapping to Tune, no Ray needed ---------------------------------------------------------
 
@@ -252,7 +253,8 @@ def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path, report_sink: str 
     hparams = {**spec.hparams, "lr": spec.hparams["lr"] * 0.8}
     update = {"run_name": "clone", "run_dir": str(run_dir), "hparams": hparams}
     clone = spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
-    return donor, Attempt.of(clone, resume_checkpoint=str(donor), report_sink=report_sink)
+    channel = channel_for(run_dir)  # what the trial's launch opens
+    return donor, Attempt.of(clone, resume_checkpoint=str(donor), report_sink=report_sink, signer=channel)
 
 
 def assert_clone_of(donor: Path, report: StepReport, saved: Path, trust: Any) -> None:

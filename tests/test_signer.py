@@ -4,14 +4,17 @@ access to storage tries, and what the signer answers:
 
 - a pickled payload, bytes that are not JSON, an op it does not offer (an attestation, a tree
   head, bytes of their choosing): refused, saying why, and the connection stays usable;
-- another run's checkpoint, an earlier or the same step again, a file linked in from outside the
-  run, a folder linked out of it, a base that does not hash to its reference, digests of their
-  own: refused (the signer hashes every file itself; a request has no field for digests);
+- another run's checkpoint, an earlier or the same step again while the run's last sealed
+  checkpoint stands, a file linked in from outside the run, a folder linked out of it, a base that
+  does not hash to its reference, digests of their own: refused (the signer hashes every file
+  itself; a request has no field for digests); going back once the last checkpoint is gone or
+  changed (a resume retraining its steps) is sealed and kept in the signer's own record;
 - a capability after the run was opened again (a resume) is revoked; a restarted signer keeps the
   live one (kept as its digest only) and still refuses the steps it sealed;
-- a file that is a FIFO or a device, or that changes while the signer reads it, and block digests
-  beside a file that are not the ones the signer computes in the same pass: refused (without
-  hanging); a second seal of a run while one is under way is refused, other runs' go on;
+- a file that is a FIFO or a device, or that changes while the signer reads it: refused (without
+  hanging); block digests a worker writes beside a file are a file like any other, never what a
+  ranged reader trusts (the manifest's, which the signer computes in the same pass, are); a second
+  seal of a run while one is under way is refused, other runs' go on;
 - only the operator's OS users open a run (the kernel names the peer); a request nested too deep
   and one connection too many are answered, not crashed on;
 - what it does seal verifies as a govray checkpoint under the platform's trust, and names its run:
@@ -23,6 +26,7 @@ access to storage tries, and what the signer answers:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -39,17 +43,17 @@ from typing import Any
 
 import pytest
 
+from govray.core import signer_wire as wire_module
 from govray.core.canonical import file_sha256
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig, platform_trust
+from govray.core.signer_wire import receive, send
 from govray.core.storage import IN_PLACE
 from govray.signer import server as server_module
-from govray.signer import service
-from govray.signer import wire as wire_module
-from govray.signer.server import SignerClient, SignerServer
+from govray.signer.server import SignerServer
 from govray.signer.service import Signer
-from govray.signer.wire import receive, send
-from govray.train.checkpoints.blocks import blocks_name, write_blocks
+from govray.train.checkpoints import sealing
+from govray.train.checkpoints.blocks import BLOCK_SIZE, blocks_name, file_digests, write_blocks
 from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.folders import checkpoint_candidates, newest_verified_checkpoint
 from govray.train.checkpoints.manifest import (
@@ -60,6 +64,9 @@ from govray.train.checkpoints.manifest import (
     Manifest,
     signed_manifest,
 )
+from govray.train.checkpoints.ranged import verified_file
+from govray.train.checkpoints.sealing import Sealed
+from govray.train.checkpoints.signer import SignerClient
 from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout, own_run
 from govray.train.parallel.worker import Worker
 
@@ -102,6 +109,13 @@ def seal_into(client: SignerClient, capability: str, folder: Path, step: int, **
     return Manifest.model_validate_json(sealed.manifest)
 
 
+def written(sealed: Sealed, folder: Path) -> Sealed:
+    """The sealed manifest and signature written into the folder (what ``seal_checkpoint`` does)."""
+    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
+    return sealed
+
+
 def raw_answer(path: Path, frame: bytes) -> dict[str, object]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.connect(str(path))
@@ -118,7 +132,7 @@ def test_a_sealed_checkpoint_lists_what_the_signer_hashed_and_verifies_as_the_pl
     client = SignerClient(signer_at)
     run_dir = tmp_path / "ray" / "run-a"
     capability, after = client.open_run(str(run_dir))
-    assert after == 0
+    assert after == -1
     folder = checkpoint(run_dir, 10)
     manifest = seal_into(client, capability, folder, 10)
     assert manifest.step == 10
@@ -163,15 +177,42 @@ def test_a_capability_seals_its_own_runs_later_steps_only(signer_at: Path, tmp_p
     with pytest.raises(SignatureError, match="not this run's checkpoint folder"):
         client.seal(capability, str(checkpoint(theirs, 5)), 5)
     seal_into(client, capability, checkpoint(mine, 10), 10)
-    for step in (10, 5):  # the same step again (other bytes), an earlier one
+    for step in (10, 5):  # the same step again, an earlier one: while step 10's checkpoint stands
         folder = mine / f"checkpoint_{step:08d}"
         if not folder.exists():
-            checkpoint(mine, step)
-        (folder / "model.safetensors").write_bytes(b"forged")
-        with pytest.raises(SignatureError, match="is not after step 10"):
+            checkpoint(mine, step, b"forged")
+        with pytest.raises(SignatureError, match="is not after step 10, .* whose checkpoint stands"):
             client.seal(capability, str(folder), step)
     with pytest.raises(SignatureError, match="not this run's checkpoint folder of step 20"):
         client.seal(capability, str(checkpoint(mine, 21)), 20)  # a folder of another step
+
+
+def test_going_back_is_sealed_only_once_the_last_checkpoint_no_longer_stands_and_is_recorded(
+    short_dir: Path, tmp_path: Path
+) -> None:
+    """A worker killed between the seal and writing it, or a resume past a tampered checkpoint,
+    retrains steps the signer sealed: sealed again, and the signer's own record says which step
+    each going-back seal superseded."""
+    signer = Signer(KEY, short_dir / "state")
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = signer.open_run(str(run_dir))
+    written(signer.seal(capability, str(checkpoint(run_dir, 10)), 10, {}), run_dir / "checkpoint_00000010")
+    signer.seal(capability, str(checkpoint(run_dir, 20)), 20, {})  # killed before it wrote the seal
+    signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})  # the restart's: sealed again
+    written(signer.seal(capability, str(checkpoint(run_dir, 30)), 30, {}), run_dir / "checkpoint_00000030")
+    with pytest.raises(SignatureError, match="whose checkpoint stands"):
+        signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})
+    (run_dir / "checkpoint_00000030" / MODEL_FILE).write_bytes(b"tampered")  # refused at resume ...
+    sealed = signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})  # ... which retrains
+    record = [json.loads(line) for line in (short_dir / "state" / "seals.jsonl").read_text().splitlines()]
+    assert [(entry["step"], entry.get("superseded_step")) for entry in record] == [
+        (10, None),
+        (20, None),
+        (20, 20),
+        (30, None),
+        (20, 30),
+    ]
+    assert record[-1]["manifest_sha256"] == hashlib.sha256(sealed.manifest).hexdigest()
 
 
 def test_files_from_outside_the_run_are_refused(signer_at: Path, tmp_path: Path) -> None:
@@ -220,7 +261,7 @@ def test_opening_a_run_again_revokes_its_capability_and_a_restart_keeps_its_step
     run_dir = tmp_path / "ray" / "run-a"
     signer = Signer(KEY, short_dir / "state")
     first, _ = signer.open_run(str(run_dir))
-    signer.seal(first, str(checkpoint(run_dir, 10)), 10, {})
+    written(signer.seal(first, str(checkpoint(run_dir, 10)), 10, {}), run_dir / "checkpoint_00000010")
     second, after = signer.open_run(str(run_dir))  # a resume
     assert after == 10
     with pytest.raises(SignatureError, match="unknown or revoked capability"):
@@ -384,32 +425,31 @@ def test_a_folder_chosen_to_resume_from_that_holds_another_runs_checkpoint_by_th
     assert own_run(handed_over, mine) is None and own_run(chosen, mine.parent / "mine") == "mine"
 
 
-def test_block_digests_beside_a_file_must_be_the_ones_the_signer_computes(
+def test_the_block_digests_a_ranged_reader_trusts_are_the_ones_the_signer_computed(
     signer_at: Path, tmp_path: Path
 ) -> None:
-    """What a ranged reader trusts for a byte range is the side file: a worker that wrote block
-    digests of other bytes (to swap the file after sealing) is refused at the seal."""
+    """What a ranged reader trusts for a byte range is the signed manifest's block digests, which
+    the signer computes in the pass that hashes the file: a worker that writes block digests of
+    other bytes beside the file (to swap the file after sealing) gets a file like any other."""
     client = SignerClient(signer_at)
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = client.open_run(str(run_dir))
-    folder = checkpoint(run_dir, 10, bytes(range(256)) * 40)
-    honest = write_blocks(folder / MODEL_FILE, 1024)
-    (folder / "stale.bin.blocks.json").write_bytes((folder / blocks_name(MODEL_FILE)).read_bytes())
-    with pytest.raises(SignatureError, match="block digests of files it does not hold: stale.bin"):
-        client.seal(capability, str(folder), 10)
-    (folder / "stale.bin.blocks.json").unlink()
+    folder = checkpoint(run_dir, 10, bytes(range(256)) * 40_000)  # 10 MB: several blocks
     model = folder / MODEL_FILE
     original = model.read_bytes()
     model.write_bytes(b"other bytes" + original[11:])
     write_blocks(model, 1024)  # block digests of the other bytes ...
     model.write_bytes(original)  # ... beside the honest file
-    with pytest.raises(
-        SignatureError, match="not the block digests of model.safetensors as the signer read it"
-    ):
-        client.seal(capability, str(folder), 10)
-    write_blocks(model, 1024)
     manifest = seal_into(client, capability, folder, 10)
-    assert {name: manifest.files[name] for name in honest} == honest
+    assert manifest.blocks is not None and set(manifest.blocks) == {MODEL_FILE}
+    assert manifest.blocks[MODEL_FILE] == file_digests(model, BLOCK_SIZE)[1]
+    assert len(manifest.blocks[MODEL_FILE].blocks) == 10
+    reader = verified_file(folder, MODEL_FILE, manifest.files, manifest.blocks)
+    assert reader.read(5_000_000, 5_000_100) == original[5_000_000:5_000_100]
+    model.write_bytes(original[:5_000_000] + b"swapped" + original[5_000_007:])
+    with pytest.raises(CheckpointError, match="tampered"):
+        verified_file(folder, MODEL_FILE, manifest.files, manifest.blocks).read(5_000_000, 5_000_100)
+    assert blocks_name(MODEL_FILE) in manifest.files  # the worker's side file: listed, trusted by none
 
 
 def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_hanging(
@@ -424,7 +464,7 @@ def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_ha
         signer.seal(capability, str(folder), 10, {})
     (folder / "adapter-pii.safetensors").unlink()
     (folder / "null").symlink_to("/dev/zero")
-    with pytest.raises(SignatureError, match="null: not a regular file the signer can open"):
+    with pytest.raises(SignatureError, match="null: not a regular file the sealer can open"):
         signer.seal(capability, str(folder), 10, {})
     (folder / "null").unlink()
 
@@ -443,8 +483,8 @@ def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_ha
 
     model = folder / MODEL_FILE
     fake = type("fake_hashlib", (), {"sha256": staticmethod(Growing(model))})
-    monkeypatch.setattr(service, "hashlib", fake)
-    with pytest.raises(SignatureError, match="model.safetensors: changed while the signer read it"):
+    monkeypatch.setattr(sealing, "hashlib", fake)
+    with pytest.raises(SignatureError, match="model.safetensors: changed while the sealer read it"):
         signer.seal(capability, str(folder), 10, {})
     monkeypatch.undo()
     assert signer.seal(capability, str(folder), 10, {}).manifest  # unchanged now: sealed
@@ -473,7 +513,7 @@ def test_one_seal_per_run_at_a_time_while_other_runs_seal(
             )
         return hashlib.sha256(*data)
 
-    monkeypatch.setattr(service, "hashlib", type("fake_hashlib", (), {"sha256": staticmethod(meanwhile)}))
+    monkeypatch.setattr(sealing, "hashlib", type("fake_hashlib", (), {"sha256": staticmethod(meanwhile)}))
     checkpoint(mine, 10)
     signer.seal(first, str(mine / "checkpoint_00000010"), 10, {})
     assert seen == ["hashing", "other"]
@@ -514,18 +554,8 @@ def test_a_request_nested_too_deep_and_one_connection_too_many_are_answered(
         server.server_close()
 
 
-def test_a_claimed_block_size_beyond_bounds_and_a_frame_that_trickles_in_are_refused(
-    short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_frame_that_trickles_in_is_refused(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     signer = Signer(KEY, short_dir / "state")
-    run_dir = tmp_path / "ray" / "run-a"
-    capability, _ = signer.open_run(str(run_dir))
-    folder = checkpoint(run_dir, 10)
-    (folder / blocks_name(MODEL_FILE)).write_text(
-        '{"block_size": 1073741824, "size": 7, "blocks": ["00"], "header": null}'
-    )
-    with pytest.raises(SignatureError, match="blocks of 1073741824 bytes"):  # no 1 GiB buffer made
-        signer.seal(capability, str(folder), 10, {})
     monkeypatch.setattr(wire_module, "FRAME_DEADLINE_S", 0.5)
     server = SignerServer(signer, short_dir / "s.sock")
     Thread(target=server.serve_forever, daemon=True).start()

@@ -1,24 +1,30 @@
-"""A worker's context: what it may ask signed (its own run's checkpoint manifests, nothing else),
-storage that is never absent (a local twin and an object-store twin behind one interface), and the
-worker-side code that opens storage, builds the parallelism twin or loads a key in one place only."""
+"""A worker's context: what it may ask sealed (its own run's checkpoints, by the platform's signer
+over the channel its launch opened; it holds no key), storage that is never absent (a local twin
+and an object-store twin behind one interface), and the worker-side code that opens storage or
+builds the parallelism twin in one place only."""
 
 from __future__ import annotations
 
 import ast
-import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from threading import Thread
 
 import pyarrow.fs as pafs
 import pytest
 
 from govray.config.training import TrainingSettings
-from govray.core.dsse import read_envelope, signing_time, verify_envelope
+from govray.core.dsse import read_envelope, verify_envelope
 from govray.core.errors import ConfigError, SignatureError
 from govray.core.keys import KeyRole, SigningKey, TrustConfig
 from govray.core.storage import IN_PLACE, LocalStorage, ObjectStorage, StorageError, open_storage
+from govray.signer.server import SignerServer
+from govray.signer.service import Signer
 from govray.train.checkpoints.manifest import MANIFEST_TYPE, Manifest
-from govray.train.checkpoints.signer import KeySigner, RunSigner
+from govray.train.checkpoints.signer import ChannelSigner, KeySigner, NoSigner, SignerChannel, SignerClient
 from govray.train.context import WorkerContext
 from govray.train.parallel.strategies import Single
 from govray.train.parallel.worker import Worker
@@ -32,31 +38,50 @@ from tests.helpers.golden import GoldenRun
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _manifest() -> bytes:
-    return Manifest(run="run", step=3, files={"state.json": "0" * 64}, signed_at=signing_time()).to_bytes()
-
-
 @pytest.fixture
-def platform(tmp_path: Path) -> tuple[Path, TrustConfig]:
+def platform(tmp_path: Path) -> Iterator[tuple[Path, TrustConfig]]:
+    """The platform's signer on a socket (served in a thread here; the socket's path is short);
+    yields the socket and the trust its seals verify under."""
     key = SigningKey.generate(KeyRole.PLATFORM)
-    private, _ = key.save(tmp_path / "keys" / "platform")
-    return private, TrustConfig(keys=[key.public_key])
+    short = Path(tempfile.mkdtemp(prefix="gw-", dir="/tmp"))
+    server = SignerServer(Signer(key, tmp_path / "signer-state"), short / "s.sock")
+    Thread(target=server.serve_forever, daemon=True).start()
+    yield server.path, TrustConfig(keys=[key.public_key])
+    server.shutdown()
+    server.server_close()
+    shutil.rmtree(short, ignore_errors=True)
 
 
-def test_a_worker_signs_its_own_runs_checkpoint_manifests(
+def _channel(socket_path: Path, run_dir: Path) -> SignerChannel:
+    capability, _ = SignerClient(socket_path).open_run(str(run_dir))  # what the run's launch does
+    return SignerChannel(socket=str(socket_path), capability=capability, run_dir=str(run_dir))
+
+
+def _folder(run_dir: Path, step: int) -> Path:
+    folder = run_dir / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text("{}")
+    return folder
+
+
+def test_a_worker_has_its_own_runs_checkpoints_sealed_holding_no_key(
     tmp_path: Path, platform: tuple[Path, TrustConfig]
 ) -> None:
-    private, trust = platform
+    socket_path, trust = platform
     run_dir = tmp_path / "runs" / "run-1"
-    signer = RunSigner(private, run_dir)
-    payload = _manifest()
-    envelope = signer.sign_manifest(run_dir / "checkpoint_00000003", payload, signing_time())
+    signer = ChannelSigner(_channel(socket_path, run_dir))
+    signer.reach()
+    folder = _folder(run_dir, 3)
+    sealed = signer.seal(folder, 3, {})
     path = tmp_path / "manifest.sig"
-    path.write_text(envelope.to_json())
+    path.write_text(sealed.envelope.to_json())
     verified, keyid = verify_envelope(
         read_envelope(path), trust, KeyRole.PLATFORM, expected_type=MANIFEST_TYPE, what="manifest"
     )
-    assert verified == payload and keyid == trust.keys[0].keyid and signer.signs
+    manifest = Manifest.model_validate_json(verified)
+    assert verified == sealed.manifest and keyid == trust.keys[0].keyid and signer.signs
+    assert manifest.run == "run-1" and manifest.step == 3 and set(manifest.files) == {"state.json"}
+    assert "capability" not in repr(signer.channel) and signer.channel.capability not in str(signer.channel)
 
 
 @pytest.mark.parametrize(
@@ -68,74 +93,63 @@ def test_a_worker_signs_its_own_runs_checkpoint_manifests(
         "elsewhere/checkpoint_00000003",
     ],
 )
-def test_a_worker_cannot_have_another_folder_signed(
+def test_a_worker_cannot_have_another_folder_sealed(
     tmp_path: Path, platform: tuple[Path, TrustConfig], folder: str
 ) -> None:
-    """What trial code in the worker's process would try: point the signer at a checkpoint of
-    another run (to launder its weights) or at any folder but its own run's checkpoints."""
-    signer = RunSigner(platform[0], tmp_path / "runs" / "run-1")
-    with pytest.raises(SignatureError, match="signs its own run's checkpoints only"):
-        signer.sign_manifest(tmp_path / folder, _manifest(), signing_time())
+    """What trial code in the worker's process would try: point its channel at a checkpoint of
+    another run (to launder its weights) or at any folder but its own run's checkpoints; refused
+    by its channel, and by the signer when asked over the socket directly."""
+    socket_path, _ = platform
+    channel = _channel(socket_path, tmp_path / "runs" / "run-1")
+    target = tmp_path / folder
+    target.mkdir(parents=True)
+    (target / "state.json").write_text("{}")
+    with pytest.raises(SignatureError, match="seals its own run's checkpoints only"):
+        ChannelSigner(channel).seal(target, 3, {})
+    with pytest.raises(SignatureError, match="the signer refused: .*not"):
+        SignerClient(socket_path).seal(channel.capability, str(target), 3)
 
 
-@pytest.mark.parametrize(
-    "payload",
-    [
-        json.dumps({"_type": "https://in-toto.io/Statement/v1", "subject": []}).encode(),  # an attestation
-        b"name: digits\nversion: 9\n",  # a policy
-        json.dumps({"step": 3, "files": {}, "extra": "field"}).encode(),  # not a manifest either
-    ],
-)
-def test_a_worker_cannot_have_anything_but_a_manifest_signed(
-    tmp_path: Path, platform: tuple[Path, TrustConfig], payload: bytes
-) -> None:
-    run_dir = tmp_path / "runs" / "run-1"
-    signer = RunSigner(platform[0], run_dir)
-    with pytest.raises(SignatureError, match="no checkpoint manifest"):
-        signer.sign_manifest(run_dir / "checkpoint_00000003", payload, signing_time())
-
-
-def test_a_run_without_the_platform_key_signs_nothing_and_no_other_role_signs_checkpoints(
-    tmp_path: Path,
-) -> None:
-    unsigned = RunSigner(None, tmp_path)
+def test_a_worker_outside_any_run_seals_nothing_and_no_other_role_seals_checkpoints(tmp_path: Path) -> None:
+    unsigned = NoSigner()
     assert not unsigned.signs
-    with pytest.raises(SignatureError, match="signs no checkpoint"):
-        unsigned.sign_manifest(tmp_path / "checkpoint_00000001", _manifest(), signing_time())
+    with pytest.raises(SignatureError, match="no channel to the platform's signer"):
+        unsigned.seal(tmp_path / "checkpoint_00000001", 1, {})
     authority = SigningKey.generate(KeyRole.POLICY_AUTHORITY)
     with pytest.raises(SignatureError, match="policy-authority key; checkpoints need the platform key"):
         KeySigner(authority)
-    private, _ = authority.save(tmp_path / "authority")
-    with pytest.raises(SignatureError, match="checkpoints need the platform key"):
-        RunSigner(private, tmp_path).sign_manifest(
-            tmp_path / "checkpoint_00000001", _manifest(), signing_time()
-        )
 
 
-def test_the_rank_that_seals_refuses_a_missing_key_when_it_starts(tmp_path: Path) -> None:
-    """``WorkerContext.open`` loads the key on the rank that seals: a run whose key file is gone
-    stops before its first step, not at its first checkpoint."""
-    with pytest.raises(SignatureError, match="cannot read private key .*missing.key"):
-        RunSigner(tmp_path / "missing.key", tmp_path).load()
-
-
-def test_a_run_whose_platform_key_is_gone_stops_before_its_first_step(
+def test_a_run_whose_signer_is_not_there_stops_before_its_first_step(
     golden_run: GoldenRun, tmp_path: Path
 ) -> None:
+    """``WorkerContext.open`` reaches the signer on the rank that seals: a run whose signer is
+    gone stops before its first step, not at its first checkpoint."""
     spec = run_spec(golden_run).model_copy(
-        update={
-            "platform_key": str(tmp_path / "gone.key"),
-            "run_dir": str(tmp_path / "run"),
-            "log_dir": "",
-            "control_file": "",
-        }
+        update={"run_dir": str(tmp_path / "run"), "log_dir": "", "control_file": ""}
     )
+    gone = SignerChannel(socket=str(tmp_path / "gone.sock"), capability="x", run_dir=str(tmp_path / "run"))
     reports: list[StepReport] = []
-    with pytest.raises(SignatureError, match="cannot read private key"):
+    with pytest.raises(SignatureError, match="no signer at .*gone.sock"):
         train_worker(
-            Attempt.of(spec).model_dump(mode="json"), session=partial(LocalSession, deliver=reports.append)
+            Attempt.of(spec, signer=gone).model_dump(mode="json"),
+            session=partial(LocalSession, deliver=reports.append),
         )
     assert reports == [] and not (tmp_path / "run").exists()
+
+
+def test_a_channel_opened_for_another_directory_than_the_workers_is_refused(
+    golden_run: GoldenRun, tmp_path: Path, platform: tuple[Path, TrustConfig]
+) -> None:
+    spec = run_spec(golden_run).model_copy(
+        update={"run_dir": str(tmp_path / "run"), "log_dir": "", "control_file": ""}
+    )
+    elsewhere = _channel(platform[0], tmp_path / "another-run")
+    with pytest.raises(SignatureError, match="opened the signer for .*another-run"):
+        train_worker(
+            Attempt.of(spec, signer=elsewhere).model_dump(mode="json"),
+            session=partial(LocalSession, deliver=lambda _: None),
+        )
 
 
 def test_storage_is_never_absent_and_the_local_twin_leaves_files_where_they_lie(tmp_path: Path) -> None:
@@ -198,7 +212,6 @@ def test_the_context_builds_the_twin_once_and_refuses_what_cannot_run(tmp_path: 
         strategy="fsdp",
         shard_group=None,
         run_dir=str(tmp_path / "run"),
-        platform_key="",
     )
     spec = spec.model_copy(update={"settings": TrainingSettings()})
     with pytest.raises(ConfigError, match="needs workers >= 2"):
@@ -220,9 +233,10 @@ def _calls(path: Path, name: str) -> list[int]:
     ]
 
 
-def test_the_worker_opens_its_storage_builds_its_twin_and_loads_its_key_in_one_place() -> None:
-    """Below the worker context nothing opens the storage, builds a parallelism twin, loads a
-    signing key or tests for absent storage again (what ``WorkerContext`` exists to end)."""
+def test_the_worker_opens_its_storage_builds_its_twin_in_one_place_and_loads_no_key() -> None:
+    """Below the worker context nothing opens the storage, builds a parallelism twin or tests for
+    absent storage again (what ``WorkerContext`` exists to end), and nothing a worker runs loads a
+    signing key: its checkpoints are sealed by the platform's signer."""
     found = []
     for path in sorted(
         [*(REPO / "govray" / "train").rglob("*.py"), *(REPO / "govray" / "data").rglob("*.py")]
@@ -234,12 +248,12 @@ def test_the_worker_opens_its_storage_builds_its_twin_and_loads_its_key_in_one_p
         if relative != "govray/train/context.py":
             found += [f"{relative}:{line} open_storage" for line in _calls(path, "open_storage")]
             found += [f"{relative}:{line} parallelism" for line in _calls(path, "parallelism")]
-        if relative != "govray/train/checkpoints/signer.py":
-            found += [
-                f"{relative}:{line} SigningKey.load"
-                for line in _calls(path, "load")
-                if "SigningKey.load" in source.splitlines()[line - 1]
-            ]
+        found += [
+            f"{relative}:{line} {name}"
+            for name in ("load", "platform_key")
+            for line in _calls(path, name)
+            if name != "load" or "SigningKey.load" in source.splitlines()[line - 1]
+        ]
         for number, line in enumerate(source.splitlines(), 1):
             if "storage is None" in line or "storage is not None" in line or "is_remote" in line:
                 found.append(f"{relative}:{number} {line.strip()}")

@@ -31,7 +31,6 @@ import torch
 import yaml
 
 from govray.config.experiment import ExperimentConfig, ParallelStrategy
-from govray.core.keys import platform_key, platform_key_path
 from govray.core.settings import operator_trust
 from govray.platform.rerun.resume import on_workers
 from govray.train.checkpoints.files import shard_file
@@ -65,14 +64,22 @@ def trained_spec(spec_json: str, strategy: str) -> Any:
     )
 
 
-def opened(spec: Any, rank: int, world: int) -> Any:
-    from govray.train.context import WorkerContext
+def opened(spec: Any, rank: int, world: int, run_dir: Path | None = None) -> Any:
+    """The trial's state on this rank, its checkpoints sealed in ``run_dir`` (default the spec's)."""
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
+    from tests.helpers.signing import sealing_context
 
     worker = Worker.detect()
     assert (worker.rank, worker.world_size) == (rank, world)
-    return TrialRun.open(WorkerContext.of(spec, worker))
+    if run_dir is not None:
+        spec = spec.model_copy(update={"run_dir": str(run_dir)})
+    return TrialRun.open(sealing_context(spec, worker))
+
+
+def step_folder(run_dir: Path, step: int) -> Path:
+    """The checkpoint of ``step`` in ``run_dir`` (the signer seals a run's step-named folders)."""
+    return run_dir / f"checkpoint_{step:08d}"
 
 
 def fresh(folder: Path, rank: int, world: int) -> None:
@@ -85,23 +92,22 @@ def fresh(folder: Path, rank: int, world: int) -> None:
 
 
 def at_start(folder: Path) -> Path:
-    """Where ``original`` seals its starting state (a checkpoint at step 0)."""
-    return folder.parent / f"{folder.name}-at-0"
+    """Where ``original`` seals its starting state (a checkpoint at step 0 of run ``folder``)."""
+    return step_folder(folder, 0)
 
 
 def original(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
-    """The original world: a checkpoint at step 0 (``at_start``) and at RESUME_AT, then on to STEPS
-    uninterrupted:
+    """The original world, run in directory ``folder``: a checkpoint at step 0 (``at_start``) and
+    at RESUME_AT, then on to STEPS uninterrupted:
     ``("ok", (initial, final, ledger))`` on rank 0."""
     spec = trained_spec(spec_json, strategy)
     fresh(folder, rank, world)
-    run = opened(spec, rank, world)
+    run = opened(spec, rank, world, folder)
     initial = whole(run.governed.model)
-    fresh(at_start(folder), rank, world)
     run.save(at_start(folder), 0, {"step": 0})  # its starting state (a sharded run's step-0 one)
     for step in range(RESUME_AT):
         run.governed.step(step)
-    run.save(folder, RESUME_AT, {"step": RESUME_AT})
+    run.save(step_folder(folder, RESUME_AT), RESUME_AT, {"step": RESUME_AT})
     for step in range(RESUME_AT, STEPS):
         run.governed.step(step)
     final = whole(run.governed.model)
@@ -112,9 +118,10 @@ def continued(
     rank: int, world: int, spec_json: str, strategy: str, source: Path, start: int, again_at: int, again: Path
 ) -> tuple[str, Any]:
     """On this world: resumed from ``source`` (its checkpoint at ``start``) and trained to STEPS
-    uninterrupted; then resumed again, checkpointed into ``again`` at ``again_at``, resumed from
-    that and trained to STEPS: ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on
-    rank 0, or ``("refused", message)``."""
+    uninterrupted; then resumed again, checkpointed in run directory ``again`` at ``again_at``,
+    resumed from that and trained to STEPS:
+    ``("ok", (uninterrupted, interrupted, ledger, slots, history))`` on rank 0, or
+    ``("refused", message)``."""
     from govray.train.checkpoints.files import CheckpointError, load_checkpoint
 
     spec = trained_spec(spec_json, strategy)
@@ -127,17 +134,17 @@ def continued(
     for step in range(start, STEPS):
         reference.governed.step(step)
     uninterrupted = whole(reference.governed.model)
-    first = opened(spec, rank, world)
+    first = opened(spec, rank, world, again)
     first.restore(source)
     for step in range(start, again_at):
         first.governed.step(step)
-    first.save(again, again_at, {"step": again_at})
+    first.save(step_folder(again, again_at), again_at, {"step": again_at})
     second = opened(spec, rank, world)
-    assert second.restore(again) == again_at
+    assert second.restore(step_folder(again, again_at)) == again_at
     for step in range(again_at, STEPS):
         second.governed.step(step)
     interrupted = whole(second.governed.model)
-    history = load_checkpoint(again, operator_trust(), rank).state.world_history
+    history = load_checkpoint(step_folder(again, again_at), operator_trust(), rank).state.world_history
     slots = second.governed.schedule.world_size
     payload = (uninterrupted, interrupted, second.governed.ledger.to_json(), slots, history)
     return "ok", payload if rank == 0 else None
@@ -156,17 +163,19 @@ def started_on_slots(rank: int, world: int, spec_json: str, strategy: str, slots
 
 
 def resumed(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
-    """``continued`` from the original world's checkpoint at RESUME_AT, checkpointed again at
-    AGAIN_AT into ``FOLDER-again-WORLD``."""
+    """``continued`` from the original world's checkpoint at RESUME_AT (of run ``folder``),
+    checkpointed again at AGAIN_AT in run ``FOLDER-again-WORLD``."""
     again = folder.parent / f"{folder.name}-again-{world}"
-    return continued(rank, world, spec_json, strategy, folder, RESUME_AT, AGAIN_AT, again)
+    source = step_folder(folder, RESUME_AT)
+    return continued(rank, world, spec_json, strategy, source, RESUME_AT, AGAIN_AT, again)
 
 
 def regrown(rank: int, world: int, spec_json: str, strategy: str, again: Path) -> tuple[str, Any]:
-    """``continued`` on a world grown back from a smaller world's checkpoint ``again`` (at
-    AGAIN_AT), checkpointed again at BACK_AT."""
+    """``continued`` on a world grown back from a smaller world's checkpoint (at AGAIN_AT, of run
+    ``again``), checkpointed again at BACK_AT."""
     back = again.parent / f"{again.name}-back-{world}"
-    return continued(rank, world, spec_json, strategy, again, AGAIN_AT, BACK_AT, back)
+    source = step_folder(again, AGAIN_AT)
+    return continued(rank, world, spec_json, strategy, source, AGAIN_AT, BACK_AT, back)
 
 
 def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folder: Path) -> tuple[str, Any]:
@@ -180,21 +189,18 @@ def clean_checkpoint(rank: int, world: int, spec_json: str, strategy: str, folde
         update={"policy": spec.policy.model_copy(update={"memorization": thresholds}), "lr_schedule": None}
     )
     fresh(folder, rank, world)
-    run = opened(spec, rank, world)
+    run = opened(spec, rank, world, folder)
     for step in range(RESUME_AT):
         run.governed.step(step)
     run.keep_clean(RESUME_AT)  # a validation found it clean
-    run.save(folder, RESUME_AT, {"step": RESUME_AT})
+    run.save(step_folder(folder, RESUME_AT), RESUME_AT, {"step": RESUME_AT})
     return "ok", spec.model_dump_json()
 
 
 @pytest.fixture(scope="module")
 def signing_spec(golden_run: GoldenRun, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("world-resize")
-    platform_key()  # the home's, which the operator's trust (every worker's default) lists
-    return run_spec(golden_run).model_copy(
-        update={"platform_key": str(platform_key_path()), "run_dir": str(root / "run")}
-    )
+    return run_spec(golden_run).model_copy(update={"run_dir": str(root / "run")})
 
 
 def group(world: int, directory: Path) -> Any:
@@ -203,7 +209,7 @@ def group(world: int, directory: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def four_rank_fsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    folder = Path(signing_spec.run_dir) / "checkpoint_fsdp-4"  # (the signer signs checkpoint_* folders)
+    folder = Path(signing_spec.run_dir).parent / "fsdp-4"  # a run directory of its own
     with group(4, tmp_path_factory.mktemp("gloo4")) as run:
         answers = run((original, signing_spec.model_dump_json(), "fsdp", folder))
     assert all(status == "ok" for status, _ in answers.values()), answers
@@ -311,7 +317,7 @@ def test_a_step_0_checkpoint_resumed_on_two_ranks_trains_as_a_fresh_start_there_
 @pytest.fixture(scope="module")
 def four_rank_hsdp(signing_spec: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
     """The original world under HSDP: 2 shard groups of 2 on 4 ranks (every rank writes its files)."""
-    folder = Path(signing_spec.run_dir) / "checkpoint_hsdp-4"
+    folder = Path(signing_spec.run_dir).parent / "hsdp-4"
     spec_json = signing_spec.model_copy(update={"shard_group": 2}).model_dump_json()
     with group(4, tmp_path_factory.mktemp("gloo4")) as run:
         answers = run((original, spec_json, "hsdp", folder))
@@ -356,8 +362,8 @@ def test_a_flipped_byte_in_a_shard_one_rank_reads_is_refused_on_every_rank_namin
     source, _ = four_rank_fsdp
     _, run = smaller
     folder = tmp_path / "tampered"
-    shutil.copytree(source, folder)
-    tampered = folder / shard_file("model", 3, 4)
+    shutil.copytree(step_folder(source, RESUME_AT), step_folder(folder, RESUME_AT))
+    tampered = step_folder(folder, RESUME_AT) / shard_file("model", 3, 4)
     data = bytearray(tampered.read_bytes())
     data[-5] ^= 0x01
     tampered.write_bytes(bytes(data))
@@ -373,8 +379,8 @@ def test_a_ddp_checkpoint_continues_exactly_on_one_rank_fewer_and_one_more(
     """2 ranks -> 1 (two rounds a step) and 1 rank -> 2 (the second rank's slot always empty)."""
     spec = signing_spec.model_dump_json()
     pair, single = (
-        Path(signing_spec.run_dir) / "checkpoint_ddp-2",
-        Path(signing_spec.run_dir) / "checkpoint_ddp-1",
+        Path(signing_spec.run_dir).parent / "ddp-2",
+        Path(signing_spec.run_dir).parent / "ddp-1",
     )
     with group(2, tmp_path_factory.mktemp("gloo2")) as two, group(1, tmp_path_factory.mktemp("gloo1")) as one:
         written = {2: two((original, spec, "ddp", pair)), 1: one((original, spec, "ddp", single))}
@@ -452,7 +458,7 @@ def test_a_rollback_target_in_another_layout_is_refused_by_a_sharded_run_on_ever
     """A 1-worker checkpoint that is the run's clean state, resumed by 2 FSDP ranks: they could
     neither carry its shard files into their next checkpoint nor roll back to them, so both
     refuse it, saying why."""
-    folder = Path(signing_spec.run_dir) / "checkpoint_clean-1"
+    folder = Path(signing_spec.run_dir).parent / "clean-1"
     with group(1, tmp_path_factory.mktemp("gloo1")) as one:
         ((status, spec),) = one((clean_checkpoint, signing_spec.model_dump_json(), "ddp", folder)).values()
     assert status == "ok", spec

@@ -10,12 +10,13 @@ mounts) or is asked for; it is never an argument or an environment variable.
 from __future__ import annotations
 
 import contextlib
+import signal
 from pathlib import Path
 
 import typer
 
 from govray.cli.common import console
-from govray.core.keys import KeyRole, SigningKey, govray_home
+from govray.core.keys import KeyRole, SigningKey, govray_home, platform_key
 
 app = typer.Typer(
     help="The platform's signer: the one process that uses the platform's private keys.", no_args_is_help=True
@@ -26,6 +27,10 @@ Directory = typer.Option(None, "--dir", help="The signer's directory (default GO
 PassphraseFile = typer.Option(
     None, "--passphrase-file", help="A file holding the key's passphrase (default: asked for)."
 )
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def signer_dir(directory: Path | None) -> Path:
@@ -64,16 +69,29 @@ def serve(
     open_uid: list[int] = typer.Option(
         [], "--open-uid", help="An OS user who may open runs (repeatable; default: the signer's own)."
     ),
+    dev: bool = typer.Option(
+        False,
+        "--dev",
+        help="Development: this machine's platform key (GOVRAY_HOME/keys, unencrypted) instead of "
+        "DIR's encrypted one; what a launch starts when the settings name no signer.",
+    ),
+    idle_exit: float | None = typer.Option(
+        None, "--idle-exit", min=1.0, help="Exit after this many seconds without a connection."
+    ),
 ) -> None:
     """Unlock the platform key and seal runs' checkpoints on a Unix socket until stopped."""
     from govray.signer.server import SignerServer
     from govray.signer.service import Signer
 
     root = signer_dir(directory)
-    key = SigningKey.load(root / f"{KEY_NAME}.key", passphrase(passphrase_file))
+    if dev:
+        key, root = platform_key(), govray_home() / "signer-dev"
+    else:
+        key = SigningKey.load(root / f"{KEY_NAME}.key", passphrase(passphrase_file))
     path = socket_path if socket_path is not None else root / "signer.sock"
     opens = frozenset(open_uid) if open_uid else None
-    with SignerServer(Signer(key, root / "state"), path, opens) as server:
+    signal.signal(signal.SIGTERM, _interrupted)  # stopped: the socket file goes as on Ctrl-C
+    with SignerServer(Signer(key, root / "state"), path, opens, idle_exit) as server:
         console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
             server.serve_forever()

@@ -11,6 +11,8 @@ setting overridable by one documented environment variable, and a command-line o
       port: 8000                                 # GOVRAY_SERVE_PORT
     timestamping:
       url: http://tsa.internal/                  # GOVRAY_TSA_URL: RFC 3161 stamps on every signature
+    signer:
+      socket: /run/govray-signer/signer.sock     # GOVRAY_SIGNER_SOCKET: the platform's signer (below)
     trial_hosts:
       enabled: true                              # GOVRAY_TRIAL_HOSTS (0 or 1)
       idle_s: 300                                # GOVRAY_TRIAL_HOST_IDLE_S
@@ -20,6 +22,10 @@ setting overridable by one documented environment variable, and a command-line o
 checkpoint or attestation accepts — a resume, a replay, ``attest``, ``model register``, the
 lineage server. It is never read from an experiment file, a run spec or a checkpoint, which the
 engineer who runs them writes (``operator_trust``). Without it, this machine's platform key alone.
+
+``signer.socket`` is where each node's ``govray signer serve`` listens: a run's launch opens the
+run there and its workers have their checkpoints sealed over it, never holding a key. Without
+it, this machine's development signer (``govray.signer.local``).
 
 ``GOVRAY_HOME`` itself says where the file is (and this machine's keys, logs and Ray head record).
 Every section and key is optional; an unknown one is refused, naming the file. govray reads these
@@ -69,6 +75,18 @@ class TimestampingSettings(BaseModel):
     )
 
 
+class SignerSettings(BaseModel):
+    """Where the platform's signer listens (a Unix socket on every node of the cluster)."""
+
+    model_config = _STRICT
+
+    socket: Path | None = Field(
+        default=None,
+        description="The signer's Unix socket: runs' checkpoints are sealed there (none: this machine's "
+        "development signer).",
+    )
+
+
 class TrialHostSettings(BaseModel):
     model_config = _STRICT
 
@@ -90,6 +108,7 @@ class Settings(BaseModel):
     )
     store: StoreSettings = StoreSettings()
     timestamping: TimestampingSettings = TimestampingSettings()
+    signer: SignerSettings = SignerSettings()
     serve: ServeSection = ServeSection()
     trial_hosts: TrialHostSettings = TrialHostSettings()
     cache: Path = Field(default=Path("~/.cache/govray"), description="This node's cache of object storage.")
@@ -107,6 +126,7 @@ OVERRIDES: dict[str, tuple[str | None, str]] = {
     "GOVRAY_SERVE_HOST": ("serve", "host"),
     "GOVRAY_SERVE_PORT": ("serve", "port"),
     "GOVRAY_TSA_URL": ("timestamping", "url"),
+    "GOVRAY_SIGNER_SOCKET": ("signer", "socket"),
     "GOVRAY_TRIAL_HOSTS": ("trial_hosts", "enabled"),
     "GOVRAY_TRIAL_HOST_IDLE_S": ("trial_hosts", "idle_s"),
     "GOVRAY_CACHE": (None, "cache"),

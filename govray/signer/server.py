@@ -9,7 +9,7 @@ Example::
 
     with SignerServer(Signer(key, state_dir), socket_path) as server:   # the signer's process
         server.serve_forever()
-    client = SignerClient(socket_path)                                   # a run's driver, its rank 0
+    client = SignerClient(socket_path)       # a run's launch, then its rank 0 (train.checkpoints.signer)
     capability, after = client.open_run("/storage/ray/run-a")
     sealed = client.seal(capability, "/storage/ray/run-a/checkpoint_00000010", 10)
 """
@@ -23,22 +23,20 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
-from govray.signer.service import Sealed, Signer
-from govray.signer.wire import (
+from govray.core.signer_wire import (
     OpenRunRequest,
-    SealRequest,
     WireError,
     parse_request,
-    receive,
     receive_frame,
     send,
 )
+from govray.signer.service import Signer
 
 IDLE_TIMEOUT_S = 600.0  # a connection silent this long between frames is closed
 MAX_CONNECTIONS = 64  # served at once; one more is answered "busy" and closed
@@ -76,10 +74,20 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
 
     daemon_threads = True
 
-    def __init__(self, signer: Signer, path: Path, open_uids: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        signer: Signer,
+        path: Path,
+        open_uids: frozenset[int] | None = None,
+        idle_exit: float | None = None,
+    ) -> None:
         self.signer, self.path = signer, Path(path)
         self.open_uids = open_uids if open_uids is not None else frozenset({os.getuid()})
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._served = threading.Condition()  # connections open now, and when the last one closed
+        self._open, self._quiet_since = 0, time.monotonic()
+        if idle_exit is not None:  # (a development signer: nobody stops it when its launches end)
+            threading.Thread(target=self._exit_when_idle, args=(idle_exit,), daemon=True).start()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_socket():
             self.path.unlink()
@@ -96,10 +104,24 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._served:
+            self._open += 1
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            with self._served:
+                self._open -= 1
+                self._quiet_since = time.monotonic()
+
+    def _exit_when_idle(self, idle: float) -> None:
+        """Stop serving once no connection has been open for ``idle`` seconds."""
+        while True:
+            time.sleep(min(idle, 5.0))
+            with self._served:
+                if self._open == 0 and time.monotonic() - self._quiet_since >= idle:
+                    break
+        self.shutdown()
 
     def answer(self, frame: bytes, uid: int) -> dict[str, Any]:
         """The answer to one request frame from OS user ``uid`` (a refusal says why, and loses
@@ -132,38 +154,3 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
     ) -> None:
         super().__exit__(kind, error, trace)
         self.path.unlink(missing_ok=True)
-
-
-class SignerClient:
-    """A connection to the signer at ``path``: one request at a time."""
-
-    def __init__(self, path: Path, timeout: float = 120.0) -> None:
-        self.path, self.timeout = Path(path), timeout
-
-    def open_run(self, run_dir: str) -> tuple[str, int]:
-        """(a capability for the run's checkpoints, the last step the signer sealed for it)."""
-        answer = self._ask({"op": "open_run", "run_dir": run_dir})
-        return str(answer["capability"]), int(answer["after_step"])
-
-    def seal(
-        self, capability: str, folder: str, step: int, referenced: dict[str, str] | None = None
-    ) -> Sealed:
-        """The signer's manifest of checkpoint ``folder`` at ``step``, and its envelope."""
-        request = SealRequest(
-            op="seal", capability=capability, folder=folder, step=step, referenced=referenced or {}
-        )
-        answer = self._ask(request.model_dump())
-        return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
-
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.settimeout(self.timeout)
-            try:
-                connection.connect(str(self.path))
-            except OSError as error:
-                raise SignatureError(f"no signer at {self.path}: {error.strerror}") from None
-            send(connection, request)
-            answer = receive(connection)
-        if not answer.get("ok"):
-            raise SignatureError(f"the signer refused: {answer.get('error')}")
-        return answer

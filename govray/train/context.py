@@ -11,12 +11,12 @@ train); a govray worker gets the same from ``WorkerContext.open``, built once pe
   (``govray.core.storage``), opened once: never absent;
 - ``parallel``: the parallelism twin (single, DDP, FSDP, HSDP: ``govray.train.parallel``), built
   once, which answers everything that differs between them;
-- ``signer``: what the worker may ask signed (its own run's checkpoint manifests:
-  ``govray.train.checkpoints.signer``);
+- ``signer``: what the worker may ask sealed (its own run's checkpoints, by the platform's signer
+  over the channel its launch opened: ``govray.train.checkpoints.signer``; no key in the worker);
 - ``session``: where it runs (``govray.train.run.session``: in-process, Ray Train, Tune);
 - ``log`` and ``timings``: the rank's log file and where its wall time went.
 
-Nothing below it opens storage, builds a twin, loads a key or parses the spec again; a component
+Nothing below it opens storage, builds a twin, reaches the signer or parses the spec again; a component
 takes the parts it needs (``TrialRun`` the context, a checkpoint layout the model, optimizer,
 storage and worker), never the whole run.
 
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from govray.core.errors import SignatureError
 from govray.core.keys import TrustConfig
 from govray.core.logs import WorkerLog
 from govray.core.storage import Storage, open_storage
-from govray.train.checkpoints.signer import ManifestSigner, RunSigner
+from govray.train.checkpoints.signer import ChannelSigner, ManifestSigner, NoSigner
 from govray.train.parallel.strategies import Single, parallelism
 from govray.train.parallel.worker import Worker
 from govray.train.run.timings import WorkerTimings
@@ -72,14 +73,20 @@ class WorkerContext:
         return self.attempt.trust
 
     @classmethod
-    def of(cls, spec: RunSpec, worker: Worker, trust: TrustConfig | None = None) -> WorkerContext:
+    def of(
+        cls,
+        spec: RunSpec,
+        worker: Worker,
+        trust: TrustConfig | None = None,
+        signer: ManifestSigner | None = None,
+    ) -> WorkerContext:
         """The context of a worker outside any session: what a tool (or a test) that builds a
-        trial's state itself needs, its storage, twin and signer built as a run's are; it accepts
-        checkpoints under ``trust`` (by default the operator's)."""
+        trial's state itself needs, its storage and twin built as a run's are; it seals through
+        ``signer`` (by default nothing: no launch opened a channel for it) and accepts checkpoints
+        under ``trust`` (by default the operator's)."""
         storage = open_storage(spec.storage)
         parallel = parallelism(spec.strategy, worker, spec.settings.precision, spec.shard_group)
-        signer = RunSigner(_key_path(spec), Path(spec.run_dir))
-        return cls(Attempt.of(spec, trust=trust), worker, storage, parallel, signer)
+        return cls(Attempt.of(spec, trust=trust), worker, storage, parallel, signer or NoSigner())
 
     @classmethod
     def open(cls, attempt: Attempt, open_session: OpenSession, timings: WorkerTimings) -> WorkerContext:
@@ -96,11 +103,10 @@ class WorkerContext:
             path = Path(spec.log_dir) / f"rank-{context.worker.rank}.log"
             context.storage.pull_growing(path)  # a resumed run appends to what this rank wrote elsewhere
             log = WorkerLog(path, context.worker.rank)
-        # The session's run directory is where this worker's checkpoints are (a Tune trial's own).
-        signer = RunSigner(_key_path(spec), session.run_dir)
+        signer = _channel_signer(attempt, session.run_dir)
         opened = dataclasses.replace(context, session=session, log=log, signer=signer)
-        if opened.writes and opened.worker.rank == 0:
-            signer.load()  # the rank that seals: refused now, not at the first checkpoint
+        if isinstance(signer, ChannelSigner) and opened.writes and opened.worker.rank == 0:
+            signer.reach()  # the rank that seals: refused now, not at the first checkpoint
         return opened
 
     @property
@@ -122,5 +128,15 @@ class WorkerContext:
             self.log.write(message)
 
 
-def _key_path(spec: RunSpec) -> Path | None:
-    return Path(spec.platform_key) if spec.platform_key else None
+def _channel_signer(attempt: Attempt, run_dir: Path) -> ManifestSigner:
+    """The worker's signer: its attempt's channel, opened for the directory its session writes
+    checkpoints in (the session's run directory: a Tune trial's own); none: it seals nothing."""
+    channel = attempt.signer
+    if channel is None:
+        return NoSigner()
+    if Path(channel.run_dir).resolve() != Path(run_dir).resolve():
+        raise SignatureError(
+            f"the launch opened the signer for {channel.run_dir}, but this worker writes its "
+            f"checkpoints in {run_dir}"
+        )
+    return ChannelSigner(channel)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from govray.config.experiment import EarlyStoppingPolicy, PlateauSchedule
 from govray.config.resources import ParallelStrategy
@@ -30,6 +30,7 @@ from govray.governance.canaries import CanaryProbe
 from govray.governance.policy import DepthPolicy
 from govray.governance.routing import RoutingTable
 from govray.train.checkpoints.manifest import CheckpointError
+from govray.train.checkpoints.signer import SignerChannel
 from govray.train.control.decisions import RecordedDecision
 
 RUN_SPEC_FILE = "run.json"  # the spec's file name in every checkpoint
@@ -74,7 +75,6 @@ class RunSpec(BaseModel):
     code_dir: str = ""  # where the run was planned: the driver's working directory, or ...
     recorded_code: bool = False  # ... the recorded code snapshot of the trial it replays
     checkpoint_period: int = 100  # steps between signed checkpoints (and one at the end)
-    platform_key: str = ""  # path of the platform's private key on the worker's node (signs checkpoints)
     config_digest: str = ""
     policy_digest: str = ""
     # Who vouched for the policy: its envelope's signer keyid, or ``unsigned`` (allowed at
@@ -113,6 +113,15 @@ class RunSpec(BaseModel):
     @classmethod
     def _known_format(cls, found: str) -> str:
         return known_format(found, RUN_SPEC_FORMAT, "run.json")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_path(cls, document: Any) -> Any:
+        """A spec written before the platform's signer ran apart named the platform key's path
+        (``platform_key``): read, and dropped (nothing reads a key through a spec now)."""
+        if isinstance(document, dict) and "platform_key" in document:
+            return {name: value for name, value in document.items() if name != "platform_key"}
+        return document
 
     def check_routing(self, resolved: RoutingTable) -> None:
         """Refuse a worker whose model resolves to another routing table than the one the run was
@@ -159,6 +168,9 @@ class Attempt(BaseModel):
     # The driver's ReportSink actor (``govray.train.run.session``): where rank 0 sends its reports
     # without waiting (a run on Ray Train workers; empty in-process).
     report_sink: str = ""
+    # The run's channel to the platform's signer (its socket and the capability the launch opened
+    # for the directory this fit writes its checkpoints in); None: this fit seals nothing.
+    signer: SignerChannel | None = None
 
     @classmethod
     def of(
@@ -170,10 +182,12 @@ class Attempt(BaseModel):
         pause_at: int | None = None,
         report_sink: str = "",
         recorded_code_dir: str = "",
+        signer: SignerChannel | None = None,
     ) -> Attempt:
         """A fit of ``spec`` importing the trial as planned, or from ``recorded_code_dir`` (the
         run's recorded code snapshot: a resume runs the code the run started with). ``trust``: the
-        operator's (``operator_trust``) unless given (the trust a run's policy check read)."""
+        operator's (``operator_trust``) unless given (the trust a run's policy check read).
+        ``signer``: the channel the launch opened (``govray.signer.local.open_channel``)."""
         from govray.core.settings import operator_trust
 
         return cls(
@@ -184,6 +198,7 @@ class Attempt(BaseModel):
             resume_checkpoint=resume_checkpoint,
             pause_at=pause_at,
             report_sink=report_sink,
+            signer=signer,
         )
 
 

@@ -82,16 +82,16 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
     import torch.distributed as dist
 
     from govray.train.checkpoints.files import CheckpointError
-    from govray.train.context import WorkerContext
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
+    from tests.helpers.signing import sealing_context
 
     assert task.resume_at is not None
     folder = Path(spec.run_dir) / f"checkpoint_{task.resume_at:08d}"
-    if rank == 0 and folder.exists():  # an earlier task's (a session makes the folder fresh so)
-        shutil.rmtree(folder)
+    if rank == 0 and folder.parent.exists():  # an earlier task's run: this one starts afresh
+        shutil.rmtree(folder.parent)
     dist.barrier()
-    first = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
+    first = TrialRun.open(sealing_context(spec, Worker.detect()))
     for step in range(task.resume_at):
         first.governed.step(step)
     first.save(folder, task.resume_at, {"step": task.resume_at})
@@ -105,11 +105,11 @@ def resumed(spec: Any, task: Task, rank: int) -> tuple[str, Any]:
         (folder / task.tamper).write_bytes(bytes(data))
     dist.barrier()
     if task.resumed_as is None:
-        second = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
+        second = TrialRun.open(sealing_context(spec, Worker.detect()))
     else:  # a run that claims another strategy or world size
         strategy, world = task.resumed_as
         claimed = spec.model_copy(update={"strategy": ParallelStrategy(strategy)})
-        second = TrialRun.open(WorkerContext.of(claimed, Worker(rank, world)))
+        second = TrialRun.open(sealing_context(claimed, Worker(rank, world)))
     try:
         start = second.restore(folder)
     except CheckpointError as error:
@@ -133,10 +133,10 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
 
     from govray.governance.memorization import MemorizationThresholds
     from govray.train.checkpoints.files import CheckpointError
-    from govray.train.context import WorkerContext
     from govray.train.control.decisions import RollbackDecision
     from govray.train.parallel.worker import Worker
     from govray.train.run.state import TrialRun
+    from tests.helpers.signing import sealing_context
 
     thresholds = MemorizationThresholds(loss_gap=0.5, action="rollback")
     spec = spec.model_copy(
@@ -152,7 +152,7 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
         run.save(folder, step, {"step": step})
         return folder
 
-    run = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
+    run = TrialRun.open(sealing_context(spec, Worker.detect()))
     run.keep_clean(0)
     initial = whole(run.governed.model)
     checkpoint(run, 0)
@@ -183,7 +183,7 @@ def rolled_back(spec: Any, rank: int, tamper: str | None = None) -> tuple[str, A
         run.governed.step(step)
     folder = checkpoint(run, 8)  # carries the clean state of step 4
     carried = sorted(path.name for path in folder.iterdir() if path.name.startswith("clean-"))
-    resumed = TrialRun.open(WorkerContext.of(spec, Worker.detect()))
+    resumed = TrialRun.open(sealing_context(spec, Worker.detect()))
     resumed.restore(folder)
     resumed.roll_back(RollbackDecision(seq=1, step=8, to_step=4, corpora=["digits-licensed"], score=None))
     second = whole(resumed.governed.model)

@@ -26,7 +26,7 @@ from typing import Any
 from govray.config.experiment import ExperimentConfig, load_canaries
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.errors import ConfigError, GovrayError
-from govray.core.keys import TrustConfig, platform_key_path
+from govray.core.keys import TrustConfig
 from govray.core.logs import log_dir
 from govray.core.storage import Storage, open_storage
 from govray.data.ingest import IngestResult
@@ -168,7 +168,6 @@ def plan_run(
         threads=threads if threads is not None else default_threads(config.resources.cpus_per_worker),
         code_dir=str(code_directory(storage, code)) if code is not None else os.getcwd(),
         recorded_code=code is not None,
-        platform_key=str(platform_key_path()),
         policy_digest=checked.policy.digest,
         policy_signer=checked.policy_signer,
         policy_trust_sha256=checked.policy_trust_sha256,

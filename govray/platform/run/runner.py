@@ -34,6 +34,7 @@ from govray.platform.run.plan import RunPlan, code_directory, plan_run, run_spec
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.provenance.attest import attest_trial_end
+from govray.signer.local import open_channel
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, ExperimentState, TrialState
@@ -287,6 +288,7 @@ def train_run(
         pause_at=pause_at,
         report_sink=sink_name,
         recorded_code_dir=recorded_code_dir,
+        signer=open_channel(Path(spec.run_dir)),  # its workers seal through it, holding no key
     )
     trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage

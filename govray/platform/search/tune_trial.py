@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from govray.platform.run.fitting import fit_polled, pass_request
 from govray.platform.run.plan import plan_run
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.search.placement_guard import PLACES_KEY
+from govray.signer.local import open_channel
 from govray.train.checkpoints.base_file import materialize_base
 from govray.train.checkpoints.folders import (
     checkpoint_report,
@@ -111,8 +113,13 @@ def train_trial(
     if config.resources.max_workers == 1:
         # Ray 2.60 refuses Ray Train's session API inside Tune functions (also in Train V2 local
         # mode): the one worker trains here, with a Tune session.
+        # Its checkpoints go to a scratch folder Tune copies from (``TuneSession``), opened here.
+        scratch = Path(tempfile.mkdtemp(prefix="govray-trial-"))
         attempt = Attempt.of(
-            plan.named(name, setup.reproducibility), trust=setup.checked.trust, resume_checkpoint=resume or ""
+            plan.named(name, setup.reproducibility),
+            trust=setup.checked.trust,
+            resume_checkpoint=resume or "",
+            signer=open_channel(scratch),
         )
         train_worker(attempt.model_dump(mode="json"), session=session)
     else:
@@ -124,7 +131,13 @@ def train_trial(
         _continuous_trial(
             config,
             plan.storage,
-            Attempt.of(spec, trust=setup.checked.trust, resume_checkpoint=resume or "", report_sink=sink),
+            Attempt.of(
+                spec,
+                trust=setup.checked.trust,
+                resume_checkpoint=resume or "",
+                report_sink=sink,
+                signer=open_channel(Path(spec.run_dir)),
+            ),
         )
 
 

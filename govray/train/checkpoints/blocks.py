@@ -3,11 +3,12 @@ whole file.
 
 A file's sha256 in the signed manifest verifies the file only when every byte of it is read. A
 rank that resumes on another world size reads a few byte ranges of many files (``train.ranged``),
-so each tensor file a checkpoint's ranks may read by ranges (model and optimizer, whole or
-sharded) gets a side file ``NAME.blocks.json``: the sha256 of each ``block_size`` block of it. The
-side file is listed in the signed manifest like any file (its digest verified whole: it is small),
-so a block read and hashed is as trusted as the whole file. Written in the same pass that hashes
-the file. A frozen base a checkpoint refers to by digest has no side file: its readers verify it
+so for each tensor file a checkpoint's ranks may read by ranges (model and optimizer, whole or
+sharded) the signed manifest also lists the sha256 of each ``block_size`` block of it
+(``Manifest.blocks``), computed by the sealer in the pass that hashes the file
+(``train.checkpoints.sealing``): a block read and hashed is as trusted as the whole file. A seed
+checkpoint's file keeps them in a side file ``NAME.blocks.json`` its own manifest lists
+(``write_blocks``). A frozen base a checkpoint refers to by digest has none: its readers verify it
 whole.
 """
 

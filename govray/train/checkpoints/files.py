@@ -16,11 +16,12 @@ A checkpoint is a directory::
     clean-STEP-weights.safetensors, clean-STEP-optimizer.safetensors, clean-STEP-optimizer.json
                                  under a memorization rollback policy, the last clean state when
                                  it is an earlier step (what a rollback after a resume restores)
-    NAME.blocks.json             beside each model and optimizer tensor file (whole or shard):
-                                 sha256 of each 1 MiB block of it and of its header
-                                 (``train.blocks``), what a rank reading byte ranges verifies
-    manifest.json                sha256 of every file above
-    manifest.sig                 DSSE envelope over manifest.json, by the platform key
+    manifest.json                sha256 of every file above, and of each 1 MiB block of every
+                                 model and optimizer tensor file (whole or shard) and of its header
+                                 (``train.blocks``): what a rank reading byte ranges verifies
+    manifest.sig                 DSSE envelope over manifest.json, by the platform key: made by
+                                 the platform's signer, which hashes every file itself
+                                 (``govray.train.checkpoints.sealing``)
 
 The frozen base by reference: while no base tensor of a run trains (a LoRA-only run), the base
 never changes, so it is written once per run, into the run's base store
@@ -35,8 +36,9 @@ Under ``resources.strategy: fsdp`` the base model and the optimizer tensors are 
 of ``model.safetensors`` and ``optimizer.safetensors`` each rank writes and hashes its own
 ``model-shard-RRRRR-of-WWWWW.safetensors`` and ``optimizer-shard-RRRRR-of-WWWWW.safetensors`` (its
 shard of each tensor, with the tensor's global shape and offset in the file's metadata), and
-rank 0 signs one manifest listing every file's digest. A rank that resumes verifies the signature,
-the shared files and its own shards only (``verify_checkpoint(..., rank=R)``).
+rank 0 has the platform's signer seal one manifest, which hashes every rank's files. A rank that
+resumes verifies the signature, the shared files and its own shards only
+(``verify_checkpoint(..., rank=R)``).
 
 No pickle anywhere. Loading verifies the signature (a trusted, unrevoked platform key), that the
 envelope's payload is the manifest byte for byte, and every file's digest; any mismatch, missing
@@ -45,12 +47,13 @@ or extra file is refused, naming the file.
 Example::
 
     save_base(model, directory / MODEL_FILE)           # weights first (governance/adapter_files.py)
-    seal_checkpoint(directory, optimizer.state_dict(), state, KeySigner(platform_key))
+    seal_checkpoint(directory, optimizer.state_dict(), state, context.signer)
     loaded = load_checkpoint(directory, trust)        # CheckpointError names the culprit
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -63,9 +66,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from govray.core.canonical import file_sha256
-from govray.core.dsse import signing_time
 from govray.core.keys import TrustConfig
-from govray.train.checkpoints.blocks import blocks_name, write_blocks
 from govray.train.checkpoints.manifest import (
     BASE_STORE,
     MANIFEST_FILE,
@@ -131,45 +132,27 @@ def seal_checkpoint(
     optimizer_state: dict[str, Any],
     state: CheckpointState,
     signer: ManifestSigner,
-    shard_digests: Mapping[str, str] | None = None,
     referenced: Mapping[str, str] | None = None,
+    sharded: bool = False,
 ) -> str:
-    """Add optimizer state and ``state.json`` to a directory holding the weight files, then write
-    and sign the manifest over every file. Returns the manifest's sha256. ``referenced``: the
-    base file of the run's base store the checkpoint refers to instead of holding it
-    (``{MODEL_FILE: sha256}``, from ``govray.train.checkpoints.base_file.FrozenBase``).
-
-    A sharded checkpoint (``shard_digests``: every rank's shard files and the digests their ranks
-    computed) keeps its optimizer tensors in the shards: only ``optimizer.json`` is written here,
-    and the shard files are listed with their ranks' digests, not read again."""
+    """Add optimizer state and ``state.json`` to a directory holding the weight files, then have
+    ``signer`` hash every file and sign their manifest (the block digests of the tensor files a
+    resharding resume reads by ranges with it), and write both. Returns the manifest's sha256.
+    ``referenced``: the base file of the run's base store the checkpoint refers to instead of
+    holding it (``{MODEL_FILE: sha256}``, from ``govray.train.checkpoints.base_file.FrozenBase``).
+    ``sharded``: the optimizer tensors are in every rank's shard files (already written): only
+    ``optimizer.json`` is written here."""
     optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
-    if shard_digests is None:
+    if not sharded:
         save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
     (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
-    shards = dict(shard_digests or {})
-    blocked: dict[str, str] = {}  # the tensor files a resharding resume reads by ranges, and their blocks
-    for name in (MODEL_FILE, OPTIMIZER_TENSORS):
-        if name not in shards and (directory / name).is_file():
-            blocked |= write_blocks(directory / name)
-    names = sorted(path.name for path in directory.iterdir() if path.is_file() and path.name not in shards)
-    files = {
-        **{name: blocked.get(name) or file_sha256(directory / name) for name in names},
-        **shards,
-        **(referenced or {}),
-    }
-    manifest = Manifest(
-        run=directory.resolve().parent.name,
-        step=state.step,
-        files=files,
-        signed_at=signing_time(),
-        referenced=sorted(referenced or {}) or None,
-    )
-    payload = manifest.to_bytes()
-    (directory / MANIFEST_FILE).write_bytes(payload)
-    envelope = signer.sign_manifest(directory, payload, manifest.signed_at)
-    (directory / SIGNATURE_FILE).write_text(envelope.to_json())
-    return file_sha256(directory / MANIFEST_FILE)
+    for stale in (MANIFEST_FILE, SIGNATURE_FILE):  # (a killed attempt's, maybe a hard link)
+        (directory / stale).unlink(missing_ok=True)
+    sealed = signer.seal(directory, state.step, dict(referenced or {}))
+    (directory / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (directory / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
+    return hashlib.sha256(sealed.manifest).hexdigest()
 
 
 class LoadedCheckpoint(BaseModel):
@@ -240,7 +223,7 @@ def verify_checkpoint(
         path = listed_file(directory, manifest, name, run_dir)
         if rank is not None and not rank_reads(name, rank, sharded):
             continue  # another rank's shard, or the whole model put together: not what this rank reads
-        if ranged and blocks_name(name) in manifest.files:
+        if ranged and name in (manifest.blocks or {}):
             continue  # read by verified ranges
         if not path.is_file():
             why = f" (the base model {directory} refers to by sha256)" if path.parent != directory else ""

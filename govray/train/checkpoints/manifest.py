@@ -22,6 +22,7 @@ from govray.core.dsse import read_envelope, verify_envelope
 from govray.core.errors import GovrayError, SignatureError, describe_validation_error
 from govray.core.formats import known_format
 from govray.core.keys import KeyRole, TrustConfig
+from govray.train.checkpoints.blocks import BlockDigests
 
 CHECKPOINT_FORMAT = "govray-checkpoint-v1"
 REPORT_FILE = "report.json"
@@ -108,11 +109,21 @@ class Manifest(BaseModel):
     signed_at: dt.datetime
     # files (of ``files``) kept in the run's base store by their sha256, not in the folder
     referenced: list[str] | None = None
+    # The block digests of each tensor file a rank may read by byte ranges (``train.ranged``),
+    # computed by the sealer in the same pass as the file's sha256.
+    blocks: dict[str, BlockDigests] | None = None
 
     @field_validator("format")
     @classmethod
     def _known_format(cls, found: str) -> str:
         return known_format(found, CHECKPOINT_FORMAT, "manifest.json")
+
+    @model_validator(mode="after")
+    def _blocks_of_listed_files(self) -> Manifest:
+        for name in self.blocks or {}:
+            if name not in self.files or name in (self.referenced or ()):
+                raise ValueError(f"block digests of {name!r}, which the checkpoint does not hold")
+        return self
 
     @model_validator(mode="after")
     def _only_the_base_by_digest(self) -> Manifest:

@@ -169,12 +169,17 @@ class VerifiedFile:
         return value
 
 
-def verified_file(directory: Path, name: str, files: Mapping[str, str]) -> VerifiedFile:
-    """File ``name`` of a checkpoint whose signed manifest lists ``files`` (name → sha256), read
-    through its block digests when the manifest lists them (the side file checked whole here),
-    else verified whole on first read."""
+def verified_file(
+    directory: Path, name: str, files: Mapping[str, str], blocks: Mapping[str, BlockDigests] | None = None
+) -> VerifiedFile:
+    """File ``name`` of a checkpoint whose signed manifest lists ``files`` (name → sha256) and
+    ``blocks`` (the block digests it signed), read through its block digests when the manifest has
+    them (or lists a side file ``NAME.blocks.json`` holding them, checked whole here: a seed
+    file's), else verified whole on first read."""
     if name not in files:
         raise CheckpointError(f"{directory / name}: not listed in the signed manifest")
+    if blocks and name in blocks:
+        return VerifiedFile(directory / name, files[name], blocks[name])
     side = blocks_name(name)
     if side not in files:
         return VerifiedFile(directory / name, files[name], None)
@@ -186,7 +191,7 @@ def verified_file(directory: Path, name: str, files: Mapping[str, str]) -> Verif
     if hashlib.sha256(payload).hexdigest() != files[side]:
         raise CheckpointError(f"{path}: sha256 does not match the signed manifest (tampered)")
     try:
-        blocks = BlockDigests.model_validate_json(payload)
+        digests = BlockDigests.model_validate_json(payload)
     except ValidationError:
         raise CheckpointError(f"{path}: signed but unreadable") from None
-    return VerifiedFile(directory / name, files[name], blocks)
+    return VerifiedFile(directory / name, files[name], digests)

@@ -10,13 +10,13 @@ signed digest. A whole (unsharded) target reads every row: that is FSDP -> DDP.
 
 Example (the seed checkpoint a meta-device build loads, one verified tensor file)::
 
-    read = load_model_part(model, directory, manifest.files)   # manifest: signature-checked
+    read = load_model_part(model, directory, manifest)   # manifest: signature-checked
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class CheckpointTensors:
     def __init__(
         self,
         directory: Path,
-        files: Mapping[str, str],
+        manifest: Manifest,
         kind: str,
         world: int | None,
         shard_group: int | None = None,
@@ -62,7 +62,9 @@ class CheckpointTensors:
         whole = {"model": MODEL_FILE, "optimizer": OPTIMIZER_TENSORS}[kind]
         ranks = range(shard_group or world or 0)
         names = [whole] if world is None else [shard_file(kind, rank, world) for rank in ranks]
-        self.files: list[VerifiedFile] = [verified_file(directory, name, files) for name in names]
+        self.files: list[VerifiedFile] = [
+            verified_file(directory, name, manifest.files, manifest.blocks) for name in names
+        ]
 
     @property
     def bytes_read(self) -> int:
@@ -131,16 +133,16 @@ def my_rows(tensor: torch.Tensor) -> tuple[int, int]:
 def load_model_part(
     model: GovernedModel,
     directory: Path,
-    files: Mapping[str, str],
+    manifest: Manifest,
     world: int | None = None,
     shard_group: int | None = None,
 ) -> CheckpointTensors:
-    """This rank's part of every base tensor of checkpoint ``directory`` (listed by a verified
-    manifest's ``files``; ``world``: the ranks it is sharded over, None: one whole
+    """This rank's part of every base tensor of checkpoint ``directory`` (listed by its verified
+    manifest; ``world``: the ranks it is sharded over, None: one whole
     ``model.safetensors``; ``shard_group``: an HSDP checkpoint's), read by verified ranges;
     returns the reader (its ``bytes_read``). What a meta-device build calls to load its shards of
     a seed checkpoint."""
-    source = CheckpointTensors(directory, files, "model", world, shard_group)
+    source = CheckpointTensors(directory, manifest, "model", world, shard_group)
 
     def part(name: str, target: torch.Tensor) -> torch.Tensor:
         return source.part(name, tuple(target.shape), *my_rows(target)).to(local(target).device)
@@ -159,7 +161,7 @@ def optimizer_order(parameters: Sequence[nn.Parameter], whole: set[int], sharded
 
 def resharded_optimizer_state(
     directory: Path,
-    files: Mapping[str, str],
+    manifest: Manifest,
     world: int | None,
     optimizer: torch.optim.Optimizer,
     written_order: Sequence[nn.Parameter],
@@ -168,7 +170,7 @@ def resharded_optimizer_state(
     """This rank's part of the optimizer state of a checkpoint written by another layout, as this
     run's ``optimizer.state_dict()`` holds it (``written_order``: the parameters in the order
     the writing run's optimizer held them); returns it and the reader."""
-    source = CheckpointTensors(directory, files, "optimizer", world, shard_group)
+    source = CheckpointTensors(directory, manifest, "optimizer", world, shard_group)
     meta = json.loads((directory / OPTIMIZER_META).read_text())
     current = optimizer.state_dict()
     mine = [p for group in optimizer.param_groups for p in group["params"]]
@@ -217,7 +219,7 @@ def load_resharded(
         whole = {id(p) for adapter in model.adapter_names() for p in model.adapter_parameters(adapter)}
         written_order = optimizer_order(parameters, whole, sharded=world is not None)
         optimizer_state, _ = resharded_optimizer_state(
-            directory, manifest.files, world, optimizer, written_order, group
+            directory, manifest, world, optimizer, written_order, group
         )
     except (ValidationError, json.JSONDecodeError, KeyError, ValueError) as error:
         raise CheckpointError(f"{directory}: signed but unreadable: {error}") from None
@@ -230,7 +232,7 @@ def load_resharded(
     )
 
 
-def listed_files(directory: Path) -> dict[str, str]:
-    """The files a checkpoint's manifest lists (read unverified: call it on a verified checkpoint,
-    as ``checkpoint.model_file``)."""
-    return dict(Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes()).files)
+def listed_manifest(directory: Path) -> Manifest:
+    """A checkpoint's manifest (read unverified: call it on a verified checkpoint, as
+    ``checkpoint.model_file``)."""
+    return Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())

@@ -1,105 +1,167 @@
-"""Who signs a checkpoint's manifest: one interface, one method per thing a worker may ask signed.
+"""Who seals a checkpoint: one interface, one thing a worker may ask sealed.
 
-A worker asks for exactly one thing: the manifest of one of its own run's checkpoints. It never
-holds a signing function of its own to point at other bytes. ``RunSigner`` is the worker's slot
-(``govray.train.context.WorkerContext.signer``): it signs only a checkpoint manifest, of a
-checkpoint folder of its own run's directory. Until the platform's signer runs outside the
-trial's process (the wave-4 Evidence work), it loads the platform key in process, on first use;
-the interface is what that service will answer.
-``KeySigner`` is the platform's own commands' (``model register`` seals a registered version
-with the key the operator's process holds).
+A worker asks for exactly one thing: that one of its own run's checkpoint folders be sealed. It
+hands over no digests and no bytes to sign: the sealer lists and hashes the folder itself
+(``govray.train.checkpoints.sealing``). Three twins:
+
+- ``ChannelSigner`` is a worker's (``govray.train.context.WorkerContext.signer``): it asks the
+  platform's signer (``govray signer serve``, a separate process that holds the platform key and
+  never imports trial code) over its Unix socket, with the capability the run's launch opened for
+  this run (``SignerChannel``, in the ``Attempt``). The worker process never holds a key.
+- ``KeySigner`` is the platform's own commands' (``model register`` seals a registered version
+  with the key the operator's process holds); it runs the same sealing in that process.
+- ``NoSigner``: a worker built for a tool, outside any run, seals nothing (and so writes no
+  checkpoint).
 
 Example::
 
-    signer = RunSigner(Path(spec.platform_key), Path(spec.run_dir))
-    envelope = signer.sign_manifest(folder, manifest_bytes, signed_at)
+    signer = ChannelSigner(attempt.signer)          # SignerChannel(socket, capability, run_dir)
+    sealed = signer.seal(run_dir / "checkpoint_00000010", 10, referenced={})
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import base64
+import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from govray.core.dsse import Envelope, sign_envelope
+from pydantic import BaseModel, ConfigDict
+
+from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
-from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, MANIFEST_TYPE, Manifest
+from govray.core.signer_wire import SealRequest, receive, send
+from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX
+from govray.train.checkpoints.sealing import Sealed, base_store_of, seal_folder
 
 
 class ManifestSigner(Protocol):
-    """Signs a checkpoint's manifest (the bytes of its ``manifest.json``)."""
+    """Seals a checkpoint folder: hashes its files and signs their manifest."""
 
     @property
     def signs(self) -> bool:
-        """Whether this signer signs at all (a run without a platform key writes no checkpoint)."""
+        """Whether this signer seals at all (a worker outside any run writes no checkpoint)."""
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
-        """The DSSE envelope over the manifest ``payload`` of the checkpoint in ``directory``."""
+    def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
+        """The manifest of the checkpoint in ``directory`` at ``step`` and its envelope;
+        ``referenced``: the frozen base it refers to by sha256 (``{"model.safetensors": SHA}``)."""
+
+
+class SignerChannel(BaseModel):
+    """A run's channel to the platform's signer: its socket, and the capability the run's launch
+    opened for the run's directory ``run_dir`` (what a worker alone receives, in its ``Attempt``;
+    never in the run spec, never recorded)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket: str
+    capability: str
+    run_dir: str
+
+    def __repr__(self) -> str:  # a capability is a secret: never in a log line or a traceback
+        return f"SignerChannel(socket={self.socket!r}, run_dir={self.run_dir!r})"
+
+    __str__ = __repr__
+
+
+class SignerClient:
+    """A connection to the platform's signer at ``path``: one request at a time."""
+
+    def __init__(self, path: Path, timeout: float = 600.0) -> None:
+        self.path, self.timeout = Path(path), timeout
+
+    def open_run(self, run_dir: str) -> tuple[str, int]:
+        """(a capability for the run's checkpoints, the last step the signer sealed for it)."""
+        answer = self.ask({"op": "open_run", "run_dir": run_dir})
+        return str(answer["capability"]), int(answer["after_step"])
+
+    def seal(
+        self, capability: str, folder: str, step: int, referenced: Mapping[str, str] | None = None
+    ) -> Sealed:
+        """The signer's manifest of checkpoint ``folder`` at ``step``, and its envelope."""
+        request = SealRequest(
+            op="seal", capability=capability, folder=folder, step=step, referenced=dict(referenced or {})
+        )
+        answer = self.ask(request.model_dump())
+        return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One request's answer; ``SignatureError`` when the signer is not there or refused."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(self.timeout)
+            try:
+                connection.connect(str(self.path))
+            except OSError as error:
+                raise SignatureError(f"no signer at {self.path}: {error.strerror}") from None
+            send(connection, request)
+            answer = receive(connection)
+        if not answer.get("ok"):
+            raise SignatureError(f"the signer refused: {answer.get('error')}")
+        return answer
+
+
+class ChannelSigner:
+    """A worker's signer: its own run's checkpoint folders, sealed by the platform's signer."""
+
+    signs = True
+
+    def __init__(self, channel: SignerChannel) -> None:
+        self.channel = channel
+        self.client = SignerClient(Path(channel.socket))
+
+    def reach(self) -> None:
+        """Connect to the signer once (a run whose signer is not there stops before its first
+        step, not at its first checkpoint)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(10.0)
+            try:
+                connection.connect(self.channel.socket)
+            except OSError as error:
+                where = self.channel.socket
+                raise SignatureError(
+                    f"no signer at {where} ({error.strerror}): this run could seal no checkpoint"
+                ) from None
+
+    def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
+        directory = Path(directory)
+        run_dir = Path(self.channel.run_dir)
+        if directory.parent.resolve() != run_dir.resolve() or not directory.name.startswith(
+            CHECKPOINT_PREFIX
+        ):
+            raise SignatureError(
+                f"{directory}: not a checkpoint folder of this run ({run_dir}): a worker's channel "
+                "seals its own run's checkpoints only"
+            )
+        return self.client.seal(self.channel.capability, str(directory.resolve()), step, referenced)
 
 
 class KeySigner:
-    """A platform key its holder signs with (the operator's own process, not a worker's)."""
+    """A platform key its holder seals with (the operator's own process, never a worker's)."""
 
     signs = True
 
     def __init__(self, key: SigningKey) -> None:
-        _refuse_other_roles(key)
+        if key.role != KeyRole.PLATFORM:
+            raise SignatureError(
+                f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key"
+            )
         self.key = key
 
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
-        return sign_envelope(payload, MANIFEST_TYPE, self.key, signed_at)
+    def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
+        folder = Path(directory).resolve()
+        return seal_folder(
+            self.key, folder.parent.name, folder, step, referenced, base_store_of(folder.parent)
+        )
 
 
-class RunSigner:
-    """A worker's signer: manifests of its own run's checkpoints (folders of ``run_dir``) only.
-    ``key_path`` empty: the run signs nothing (and so writes no checkpoint)."""
+class NoSigner:
+    """Seals nothing: a worker built outside any run (a tool's) writes no checkpoint."""
 
-    def __init__(self, key_path: Path | None, run_dir: Path) -> None:
-        self.key_path = key_path
-        self.run_dir = Path(run_dir)
-        self._key: SigningKey | None = None
+    signs = False
 
-    @property
-    def signs(self) -> bool:
-        return self.key_path is not None
-
-    def load(self) -> None:
-        """Load the key now (the rank that seals checkpoints, when its run starts): a missing file
-        or another role's key is refused before any step trains, not at the first checkpoint."""
-        if self.key_path is None:
-            raise SignatureError("this run signs no checkpoint: it was planned without the platform key")
-        if self._key is None:
-            key = SigningKey.load(self.key_path)
-            _refuse_other_roles(key)
-            self._key = key
-
-    def sign_manifest(self, directory: Path, payload: bytes, signed_at: dt.datetime) -> Envelope:
-        directory = Path(directory)
-        if self.key_path is not None and (
-            directory.parent.resolve() != self.run_dir.resolve()
-            or not directory.name.startswith(CHECKPOINT_PREFIX)
-        ):
-            raise SignatureError(
-                f"{directory}: not a checkpoint folder of this run ({self.run_dir}): a worker signs "
-                "its own run's checkpoints only"
-            )
-        self.load()
-        _refuse_other_payloads(directory, payload)
-        assert self._key is not None
-        return sign_envelope(payload, MANIFEST_TYPE, self._key, signed_at)
-
-
-def _refuse_other_roles(key: SigningKey) -> None:
-    if key.role != KeyRole.PLATFORM:
-        raise SignatureError(f"key {key.keyid} is a {key.role.value} key; checkpoints need the platform key")
-
-
-def _refuse_other_payloads(directory: Path, payload: bytes) -> None:
-    """The payload is a checkpoint manifest: what gets signed is a checkpoint's."""
-    try:
-        Manifest.model_validate_json(payload)
-    except ValueError as error:
+    def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
         raise SignatureError(
-            f"{directory}: what was handed to sign is no checkpoint manifest: {error}"
-        ) from None
+            f"{directory}: this worker has no channel to the platform's signer; it seals nothing"
+        )

@@ -46,7 +46,6 @@ from torch import nn
 from govray.config.training import Precision
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor
-from govray.train.checkpoints.blocks import write_blocks
 from govray.train.checkpoints.files import CheckpointError, shard_file, split_optimizer_state
 
 if TYPE_CHECKING:
@@ -327,18 +326,18 @@ def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def write_shards(
     directory: Path, model: GovernedModel, optimizer: torch.optim.Optimizer, rank: int, world_size: int
-) -> dict[str, str]:
-    """Write this rank's shard files (base model, optimizer tensors) and their block digests
-    (``train.blocks``); returns every file's sha256 by name."""
+) -> list[str]:
+    """Write this rank's shard files (base model, optimizer tensors); returns their names (the
+    signer hashes them, and their block digests, when rank 0 seals the checkpoint)."""
     tensors, placement = _file_tensors(model.base_state())
     optimizer_tensors, _ = split_optimizer_state(local_optimizer_state(optimizer.state_dict()))
     optimizer_tensors = {name: tensor.cpu().contiguous() for name, tensor in optimizer_tensors.items()}
-    written: dict[str, str] = {}
+    written: list[str] = []
     for kind, contents, layout in (("model", tensors, placement), ("optimizer", optimizer_tensors, {})):
         name = shard_file(kind, rank, world_size)
         (directory / name).unlink(missing_ok=True)  # (a killed attempt's): never write through a link
         save_file(contents, str(directory / name), metadata={SHARDS_KEY: json.dumps(layout, sort_keys=True)})
-        written |= write_blocks(directory / name)  # and its block digests (ranged reads)
+        written.append(name)
     return written
 
 

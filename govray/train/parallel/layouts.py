@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,7 +64,8 @@ if TYPE_CHECKING:
 
 Layout = tuple[int | None, int | None]  # how checkpoints are sharded: (world size, HSDP shard group)
 Latest = tuple[Path, int] | None  # the last checkpoint the run wrote or resumed from: (folder, step)
-Seal = Callable[[Mapping[str, str] | None], None]  # rank 0 writes its files and signs all (shard digests)
+# Rank 0 writes its files and has them all sealed (every rank's shard files by name; None: unsharded).
+Seal = Callable[[Sequence[str] | None], None]
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class WholeLayout:
     def save(
         self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
-        """Write the checkpoint: ``seal(shard_digests)`` writes rank 0's files and signs them
+        """Write the checkpoint: ``seal(shard_names)`` writes rank 0's files and has them sealed
         (``earlier``: the clean states before this step, ``latest``: the last checkpoint)."""
         seal(None)
 
@@ -276,8 +277,8 @@ class ShardedLayout(WholeLayout):
     def save(
         self, parts: Parts, directory: Path, seal: Seal, earlier: list[tuple[int, CleanState]], latest: Latest
     ) -> None:
-        digests = self._save_shards(parts, directory, earlier, latest)
-        agreed(lambda: seal(digests), parts.worker, CheckpointError)
+        names = self._save_shards(parts, directory, earlier, latest)
+        agreed(lambda: seal(names), parts.worker, CheckpointError)
 
     def write_model(self, parts: Parts, base: FrozenBase, directory: Path) -> dict[str, str] | None:
         """Nothing: every rank wrote its model shard (``save``), the whole model is put together
@@ -359,12 +360,12 @@ class ShardedLayout(WholeLayout):
         earlier: list[tuple[int, CleanState]],
         latest: Latest,
         names: list[str],
-    ) -> dict[str, str]:
+    ) -> list[str]:
         """Into a new checkpoint, these files of every earlier clean state, hard-linked (or
         copied) from the last checkpoint, which holds each (its own, or carried), each checked
         against that checkpoint's signed manifest (a tampered file is never signed again);
-        returns the copies' sha256 by name."""
-        carried: dict[str, str] = {}
+        returns the copies' names."""
+        carried: list[str] = []
         if not earlier:
             return carried
         if latest is None:
@@ -378,27 +379,27 @@ class ShardedLayout(WholeLayout):
                 target = directory / clean_name(step, name)
                 target.unlink(missing_ok=True)  # (a killed attempt's): never write through a link
                 link_or_copy(origin, target)
-                carried[target.name] = file_sha256(target)
-                if carried[target.name] != signed.get(origin.name):
+                carried.append(target.name)
+                if file_sha256(target) != signed.get(origin.name):
                     raise CheckpointError(f"{origin}: sha256 does not match its signed manifest (tampered)")
         return carried
 
     def _save_shards(
         self, parts: Parts, directory: Path, earlier: list[tuple[int, CleanState]], latest: Latest
-    ) -> dict[str, str]:
-        """Every rank's shard files written (and on object storage) and hashed, all ranks' digests
-        gathered (every rank raises if any failed)."""
+    ) -> list[str]:
+        """Every rank's shard files written (and on object storage); returns every rank's file
+        names (every rank raises if any failed). The signer hashes them when rank 0 seals."""
         worker = parts.worker
 
-        def write() -> dict[str, str]:
+        def write() -> list[str]:
             rank, world = worker.rank, worker.world_size
             written = write_shards(directory, parts.model, parts.optimizer, rank, world)
             own = [shard_file(kind, rank, world) for kind in ("model", "optimizer")]
-            written |= self._carry_clean(parts, directory, earlier, latest, own)
+            written += self._carry_clean(parts, directory, earlier, latest, own)
             parts.storage.upload(*(directory / name for name in written))  # before rank 0 seals
             return written
 
         written = agreed(write, worker, CheckpointError)
         gathered: list[Any] = [None] * worker.world_size
         dist.all_gather_object(gathered, written, group=worker.host_group)
-        return {name: digest for part in gathered for name, digest in part.items()}
+        return [name for part in gathered for name in part]

@@ -60,7 +60,7 @@ from govray.train.checkpoints.files import (
     shard_file,
     sharding_layout,
 )
-from govray.train.checkpoints.reshard import listed_files, load_model_part
+from govray.train.checkpoints.reshard import listed_manifest, load_model_part
 from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
 from govray.train.parallel.fsdp import (
     ShardedGovernor,
@@ -227,8 +227,10 @@ class Single:
     def _load_part(self, model: GovernedModel, directory: Path, world: int | None, group: int | None) -> None:
         """This rank's part of the base tensors by verified ranges, every rank refusing if one
         read a tampered block (naming the file)."""
-        files = listed_files(directory)
-        agreed(lambda: load_model_part(model, directory, files, world, group), self.worker, CheckpointError)
+        manifest = listed_manifest(directory)
+        agreed(
+            lambda: load_model_part(model, directory, manifest, world, group), self.worker, CheckpointError
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state as read from a checkpoint, ready for ``load_state_dict``."""

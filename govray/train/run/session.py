@@ -306,8 +306,10 @@ class TuneSession(_RunDirectory):
 
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        # Its checkpoints go to a scratch folder Tune copies from: not the run's directory.
-        self.directory = Path(tempfile.mkdtemp(prefix="govray-trial-"))
+        # Its checkpoints go to a scratch folder Tune copies from, not the run's directory: the one
+        # the trial's launch opened the signer for (without a channel it seals nothing).
+        channel = context.attempt.signer
+        self.directory = Path(channel.run_dir if channel else tempfile.mkdtemp(prefix="govray-trial-"))
         self.pending: list[StepReport] = []
 
     def report(self, report: StepReport) -> None:

@@ -9,7 +9,7 @@ and ledger (fork, ``--from-checkpoint``).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +180,11 @@ class TrialRun:
         self.latest, self.latest_run = (directory, steps_done), directory.resolve().parent.name
 
     def _seal(
-        self,
-        directory: Path,
-        steps_done: int,
-        report: Mapping[str, Any],
-        shard_digests: Mapping[str, str] | None,
+        self, directory: Path, steps_done: int, report: Mapping[str, Any], shards: Sequence[str] | None
     ) -> None:
-        """Rank 0: everything but the shards, then the signed manifest."""
+        """Rank 0: everything but the shards, then the signed manifest (``shards``: every rank's
+        shard files, fetched here from object storage where this node lacks one: the signer
+        hashes every file of the checkpoint itself)."""
         if self.context.worker.rank != 0:
             return
         model = self.governed.model
@@ -198,14 +196,16 @@ class TrialRun:
         )
         (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
+        for name in shards or ():
+            self.context.storage.fetch(directory / name)
         optimizer = self.layout.optimizer_state(self.governed.optimizer.state_dict())
         seal_checkpoint(
             directory,
             optimizer,
             self.checkpoint_state(steps_done),
             self.context.signer,
-            shard_digests,
             referenced,
+            sharded=shards is not None,
         )
 
     def _check_schedule(self, directory: Path, state: CheckpointState) -> None:

@@ -12,7 +12,7 @@ tree head, no bytes a caller chose.
 Example::
 
     send(sock, {"op": "open_run", "run_dir": "/storage/ray/run-a"})
-    answer = receive(sock)   # {"ok": true, "capability": "...", "after_step": 0}
+    answer = receive(sock)   # {"ok": true, "capability": "...", "after_step": -1}
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from govray.core.canonical import canonical_json
 from govray.core.errors import SignatureError, describe_validation_error
 
 MAX_FRAME = 1 << 20  # bytes: a request names files, it never carries them
+MAX_ANSWER = 256 << 20  # bytes: an answer carries a manifest (a 1 MiB block's digest: 67 bytes)
 FRAME_DEADLINE_S = 60.0  # a frame begun must be whole within this (no slow trickle holds a slot)
 PICKLE_PROTOCOL_MARK = 0x80  # the first byte of a pickle stream (protocol 2 and later)
 
@@ -56,7 +57,7 @@ class SealRequest(BaseModel):
     op: Literal["seal"]
     capability: str
     folder: str
-    step: int = Field(ge=1)
+    step: int = Field(ge=0)
     referenced: dict[str, str] = Field(default_factory=dict)
 
 
@@ -93,14 +94,15 @@ def send(connection: socket.socket, document: dict[str, Any]) -> None:
     connection.sendall(struct.pack(">I", len(data)) + data)
 
 
-def receive_frame(connection: socket.socket) -> bytes | None:
-    """The next frame's bytes; None when the peer closed the connection before one began."""
+def receive_frame(connection: socket.socket, limit: int = MAX_FRAME) -> bytes | None:
+    """The next frame's bytes (at most ``limit``); None when the peer closed the connection
+    before one began."""
     head = _read(connection, 4)
     if head is None:
         return None
     (length,) = struct.unpack(">I", head)
-    if length > MAX_FRAME:
-        raise WireError(f"a frame of {length} bytes (at most {MAX_FRAME}): refused")
+    if length > limit:
+        raise WireError(f"a frame of {length} bytes (at most {limit}): refused")
     data = _read(connection, length, deadline=time.monotonic() + FRAME_DEADLINE_S)
     if data is None:
         raise WireError("the connection closed inside a frame")
@@ -108,8 +110,9 @@ def receive_frame(connection: socket.socket) -> bytes | None:
 
 
 def receive(connection: socket.socket) -> dict[str, Any]:
-    """The next frame as a JSON object (what a client reads back)."""
-    frame = receive_frame(connection)
+    """The next frame as a JSON object (what a client reads back: an answer, up to
+    ``MAX_ANSWER`` bytes)."""
+    frame = receive_frame(connection, MAX_ANSWER)
     if frame is None:
         raise WireError("the signer closed the connection without an answer")
     document = json.loads(frame)

@@ -1,0 +1,162 @@
+"""Where a run's launch finds the platform's signer, and the development signer of one machine.
+
+``open_channel(run_dir)`` is what a launch (``govray run``'s driver, a search trial's) calls
+before its workers start: it opens the run on the platform's signer and returns the channel the
+workers receive in their ``Attempt``. The signer is the one the settings name
+(``signer.socket``, ``GOVRAY_SIGNER_SOCKET``: a deployment's ``govray signer serve``, under its
+own OS user, its key in a file only it reads or in a token); without one, this machine's
+**development signer**: ``govray signer serve --dev`` started on first use (the machine's
+platform key from ``GOVRAY_HOME/keys``), one per ``GOVRAY_HOME``, shared by every launch on the
+machine, gone after ``DEV_IDLE_S`` without a connection. Either way the trial's processes never
+load a key: they hold a capability to have their own run's checkpoints sealed. (The development
+signer runs as the same OS user as the trials, so a trial could still read the key file: the
+separation that makes the key unreachable is the deployment's OS users, as ARCHITECTURE.md's
+threat model says.)
+
+The development signer's socket lies in a directory only this OS user may enter
+(``$XDG_RUNTIME_DIR/govray`` or ``/tmp/govray-UID``, mode 0700, refused when another user owns it),
+named by a digest of ``GOVRAY_HOME`` (a Unix socket's path is at most 107 bytes).
+
+Example::
+
+    channel = open_channel(Path(spec.run_dir))
+    attempt = Attempt.of(spec, signer=channel)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from govray.core.errors import SignatureError
+from govray.core.keys import govray_home
+from govray.core.settings import load_settings
+from govray.train.checkpoints.signer import SignerChannel, SignerClient
+
+DEV_IDLE_S = 900.0  # a development signer without a connection this long exits
+START_TIMEOUT_S = 60.0
+
+
+def open_channel(run_dir: Path) -> SignerChannel:
+    """A capability for the checkpoints written in ``run_dir``, from the settings' signer or this
+    machine's development signer (started if it is not running)."""
+    configured = load_settings().signer.socket
+    path = configured if configured is not None else dev_signer()
+    directory = Path(run_dir).resolve()
+    capability, _ = SignerClient(path).open_run(str(directory))
+    return SignerChannel(socket=str(path), capability=capability, run_dir=str(directory))
+
+
+def dev_signer() -> Path:
+    """The socket of ``GOVRAY_HOME``'s development signer, started now if none answers there."""
+    home = govray_home().resolve()
+    path = dev_socket(home)
+    if _answers(path):
+        return path
+    with _lock(path.with_suffix(".lock")):
+        if _answers(path):  # another launch started it meanwhile
+            return path
+        _start(home, path)
+    return path
+
+
+def dev_socket(home: Path) -> Path:
+    """Where ``home``'s development signer listens."""
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:16]
+    return _private_dir() / f"signer-{digest}.sock"
+
+
+def stop_dev_signer() -> bool:
+    """Stop ``GOVRAY_HOME``'s development signer if it runs; returns whether one did."""
+    try:
+        path = dev_socket(govray_home().resolve())
+        pid = int(path.with_suffix(".pid").read_text())
+    except (OSError, ValueError, SignatureError):  # (no private directory: none was started there)
+        return False
+    path.with_suffix(".pid").unlink(missing_ok=True)
+    try:  # (a pid file outliving its process may name another process by now: not stopped)
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if b"--dev" not in command or str(path).encode() not in command:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(200):
+            with contextlib.suppress(ChildProcessError):  # (reaped here when this process started it)
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            os.kill(pid, 0)  # ProcessLookupError once it is gone
+            time.sleep(0.05)
+    return True
+
+
+def _private_dir() -> Path:
+    """A directory only this OS user may enter (created 0700; another user's is refused)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    directory = Path(runtime) / "govray" if runtime else Path(tempfile.gettempdir()) / f"govray-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    found = os.lstat(directory)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise SignatureError(
+            f"{directory}: not a directory of this OS user's alone (owner {found.st_uid}, mode "
+            f"{oct(found.st_mode & 0o777)}): the development signer's socket would be reachable by others"
+        )
+    return directory
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(5.0)
+        try:
+            connection.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _start(home: Path, path: Path) -> None:
+    """Start the development signer of ``home`` on ``path`` and wait until it answers."""
+    log = home / "logs" / "signer-dev.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "govray", "signer", "serve", "--dev", "--socket", str(path)]
+    command += ["--idle-exit", str(DEV_IDLE_S)]
+    with open(log, "ab") as output:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # not in the launch's process group: a Ctrl-C there is not its
+            close_fds=True,
+        )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _answers(path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            tail = log.read_text(errors="replace")[-2000:]
+            raise SignatureError(f"the development signer did not start (its log, {log}):\n{tail}")
+        time.sleep(0.05)
+    path.with_suffix(".pid").write_text(str(process.pid))

@@ -1,0 +1,31 @@
+"""A worker's context that seals through the platform's signer, as a run's launch would open it:
+what a test that builds a trial's state itself (in-process, or in a gloo group) and saves
+checkpoints needs. The channel is opened by rank 0 (opening a run again revokes the last
+capability) and handed to the group's other ranks, as a launch hands it to every worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from govray.signer.local import open_channel
+from govray.train.checkpoints.signer import ChannelSigner, SignerChannel
+from govray.train.context import WorkerContext
+from govray.train.parallel.worker import Worker
+
+
+def channel_for(run_dir: Path | str, worker: Worker | None = None) -> SignerChannel:
+    """A channel for ``run_dir``: opened by rank 0 (this process without a group), broadcast to
+    the group's other ranks."""
+    import torch.distributed as dist
+
+    rank = worker.rank if worker is not None else 0
+    found: list[Any] = [open_channel(Path(run_dir)) if rank == 0 else None]
+    if dist.is_initialized() and worker is not None and worker.world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def sealing_context(spec: Any, worker: Worker) -> WorkerContext:
+    """``WorkerContext.of(spec, worker)`` whose checkpoints (in ``spec.run_dir``) are sealed."""
+    return WorkerContext.of(spec, worker, signer=ChannelSigner(channel_for(spec.run_dir, worker)))

@@ -1,0 +1,104 @@
+"""Where a run's launch finds the platform's signer (``govray.signer.local``): the settings'
+``signer.socket`` when named, else this machine's development signer — started once per
+``GOVRAY_HOME`` as a process of its own (``govray signer serve --dev``), shared by every launch,
+gone when idle — and never a socket in a directory another OS user could enter."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from govray.core.errors import SignatureError
+from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
+from govray.signer.local import dev_socket, open_channel, stop_dev_signer
+from govray.signer.server import SignerServer
+from govray.signer.service import Signer
+from govray.train.checkpoints.files import verify_checkpoint
+from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
+from govray.train.checkpoints.signer import ChannelSigner
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A ``GOVRAY_HOME`` of the test's own (its development signer stopped at the end)."""
+    monkeypatch.setenv("GOVRAY_HOME", str(tmp_path / "home"))
+    yield tmp_path / "home"
+    stop_dev_signer()
+
+
+def sealed_checkpoint(channel_signer: ChannelSigner, run_dir: Path, step: int) -> Path:
+    folder = run_dir / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text("{}")
+    sealed = channel_signer.seal(folder, step, {})
+    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
+    return folder
+
+
+def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it(
+    home: Path, tmp_path: Path
+) -> None:
+    first = open_channel(tmp_path / "runs" / "a")
+    second = open_channel(tmp_path / "runs" / "b")
+    assert first.socket == second.socket == str(dev_socket(home.resolve()))
+    assert first.capability != second.capability and first.run_dir == str((tmp_path / "runs" / "a").resolve())
+    pid = int(Path(first.socket).with_suffix(".pid").read_text())
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert pid != os.getpid() and b"--dev" in command and b"serve" in command
+    folder = sealed_checkpoint(ChannelSigner(first), tmp_path / "runs" / "a", 10)
+    assert verify_checkpoint(folder, platform_trust(platform_key()))[1] == platform_key().keyid
+    assert stop_dev_signer() and not Path(first.socket).exists()
+    third = open_channel(tmp_path / "runs" / "c")  # a later launch starts it again
+    assert int(Path(third.socket).with_suffix(".pid").read_text()) != pid
+
+
+def test_the_signer_the_settings_name_is_used_and_no_development_signer_starts(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
+    key = SigningKey.generate(KeyRole.PLATFORM)
+    server = SignerServer(Signer(key, tmp_path / "state"), short / "s.sock")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("GOVRAY_SIGNER_SOCKET", str(server.path))
+    try:
+        channel = open_channel(tmp_path / "runs" / "a")
+        assert channel.socket == str(server.path) and not dev_socket(home.resolve()).exists()
+        folder = sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 1)
+        assert verify_checkpoint(folder, platform_trust(key))[1] == key.keyid
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_signer_with_an_idle_exit_stops_once_nobody_has_connected_that_long(tmp_path: Path) -> None:
+    short = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
+    server = SignerServer(
+        Signer(SigningKey.generate(KeyRole.PLATFORM), tmp_path / "state"), short / "s.sock", idle_exit=1.0
+    )
+    began = time.monotonic()
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    serving.join(timeout=15)
+    assert not serving.is_alive() and time.monotonic() - began >= 1.0
+    server.server_close()
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_socket_directory_another_os_user_could_enter_is_refused(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = tmp_path / "runtime"
+    (runtime / "govray").mkdir(parents=True)
+    (runtime / "govray").chmod(0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    with pytest.raises(SignatureError, match="not a directory of this OS user's alone"):
+        open_channel(tmp_path / "runs" / "a")
