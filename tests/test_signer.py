@@ -160,6 +160,7 @@ def test_a_sealed_checkpoint_lists_what_the_signer_hashed_and_verifies_as_the_pl
             b' "files": {"model.safetensors": "00"}}',
             "malformed seal request",
         ),
+        (b'{"op": "open_run", "run_dir": "/runs/a\\u0000b"}', "cannot name a run or a folder"),
     ],
 )
 def test_what_is_not_a_request_it_offers_is_refused_and_the_connection_stays_usable(
@@ -187,32 +188,57 @@ def test_a_capability_seals_its_own_runs_later_steps_only(signer_at: Path, tmp_p
         client.seal(capability, str(checkpoint(mine, 21)), 20)  # a folder of another step
 
 
-def test_going_back_is_sealed_only_once_the_last_checkpoint_no_longer_stands_and_is_recorded(
+def test_going_back_is_sealed_only_once_no_later_checkpoint_stands_and_is_recorded(
     short_dir: Path, tmp_path: Path
 ) -> None:
     """A worker killed between the seal and writing it, or a resume past a tampered checkpoint,
-    retrains steps the signer sealed: sealed again, and the signer's own record says which step
-    each going-back seal superseded."""
+    retrains steps the signer sealed: sealed again once no checkpoint it sealed at or after that
+    step still stands — breaking the last one does not reopen an earlier one that stands — and the
+    signer's own record says which steps each going-back seal superseded."""
     signer = Signer(KEY, short_dir / "state")
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = signer.open_run(str(run_dir))
-    written(signer.seal(capability, str(checkpoint(run_dir, 10)), 10, {}), run_dir / "checkpoint_00000010")
-    signer.seal(capability, str(checkpoint(run_dir, 20)), 20, {})  # killed before it wrote the seal
-    signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})  # the restart's: sealed again
-    written(signer.seal(capability, str(checkpoint(run_dir, 30)), 30, {}), run_dir / "checkpoint_00000030")
-    with pytest.raises(SignatureError, match="whose checkpoint stands"):
-        signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})
-    (run_dir / "checkpoint_00000030" / MODEL_FILE).write_bytes(b"tampered")  # refused at resume ...
-    sealed = signer.seal(capability, str(run_dir / "checkpoint_00000020"), 20, {})  # ... which retrains
+
+    def sealed_at(step: int, write: bool = True) -> Sealed:
+        folder = run_dir / f"checkpoint_{step:08d}"
+        if not folder.exists():
+            checkpoint(run_dir, step)
+        sealed = signer.seal(capability, str(folder), step, {})
+        return written(sealed, folder) if write else sealed
+
+    sealed_at(0)  # a run's starting state
+    sealed_at(10)
+    sealed_at(20, write=False)  # killed before it wrote the seal
+    sealed_at(20)  # the restart's: sealed again
+    sealed_at(30)
+    with pytest.raises(SignatureError, match="not after step 30, .* whose checkpoint stands"):
+        sealed_at(20)
+    (run_dir / "checkpoint_00000030" / "report.json").write_text("{}")  # the last one broken ...
+    with pytest.raises(SignatureError, match="not after step 20, .* whose checkpoint stands"):
+        sealed_at(10)  # ... reopens nothing that stands before it
+    (run_dir / "checkpoint_00000030" / MANIFEST_FILE).unlink()
+    (run_dir / "checkpoint_00000030" / MANIFEST_FILE).symlink_to("/dev/zero")  # read as no manifest
+    (run_dir / "checkpoint_00000020" / MODEL_FILE).write_bytes(b"tampered")  # refused at resume ...
+    last = sealed_at(20)  # ... which retrains from step 10
     record = [json.loads(line) for line in (short_dir / "state" / "seals.jsonl").read_text().splitlines()]
-    assert [(entry["step"], entry.get("superseded_step")) for entry in record] == [
+    assert [(entry["step"], entry.get("superseded_steps")) for entry in record] == [
+        (0, None),
         (10, None),
         (20, None),
-        (20, 20),
+        (20, [20]),
         (30, None),
-        (20, 30),
+        (20, [20, 30]),
     ]
-    assert record[-1]["manifest_sha256"] == hashlib.sha256(sealed.manifest).hexdigest()
+    assert record[-1]["manifest_sha256"] == hashlib.sha256(last.manifest).hexdigest()
+
+
+def test_a_closed_run_seals_nothing_more(short_dir: Path, tmp_path: Path) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = signer.open_run(str(run_dir))
+    signer.close_run(str(run_dir))  # the fit ended
+    with pytest.raises(SignatureError, match="unknown or revoked capability"):
+        signer.seal(capability, str(checkpoint(run_dir, 1)), 1, {})
 
 
 def test_files_from_outside_the_run_are_refused(signer_at: Path, tmp_path: Path) -> None:
@@ -525,8 +551,10 @@ def test_only_the_operators_os_users_open_runs(short_dir: Path, tmp_path: Path) 
     Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = SignerClient(server.path)
-        with pytest.raises(SignatureError, match=f"OS user {os.getuid()} may seal .* not open a run"):
+        with pytest.raises(SignatureError, match=f"OS user {os.getuid()} may seal .* not open run"):
             client.open_run(str(tmp_path / "ray" / "run-a"))
+        with pytest.raises(SignatureError, match=f"OS user {os.getuid()} may seal .* not close run"):
+            client.close_run(str(tmp_path / "ray" / "run-a"))
         capability, _ = signer.open_run(str(tmp_path / "ray" / "run-a"))  # the launch, as the operator
         seal_into(client, capability, checkpoint(tmp_path / "ray" / "run-a", 10), 10)  # a worker seals
     finally:

@@ -5,7 +5,8 @@ A frame is 4 bytes of length (big-endian) and that many bytes of UTF-8 JSON: an 
 not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an op the signer does
 not offer, a field it does not know — with an answer saying why; the signer never unpickles.
 
-Ops: ``open_run`` (a capability for one run's checkpoints) and ``seal`` (one checkpoint of that
+Ops: ``open_run`` (a capability for one run's checkpoints), ``close_run`` (its revocation, when
+the fit ends; both the launch's, from the operator's OS users) and ``seal`` (one checkpoint of that
 run). The signer signs nothing else for a run's channel: no attestation, no model signature, no
 tree head, no bytes a caller chose.
 
@@ -47,6 +48,15 @@ class OpenRunRequest(BaseModel):
     run_dir: str
 
 
+class CloseRunRequest(BaseModel):
+    """Revoke the capability of the run in ``run_dir``: its fit ended."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["close_run"]
+    run_dir: str
+
+
 class SealRequest(BaseModel):
     """Seal checkpoint ``folder`` (``RUN_DIR/checkpoint_STEP``) at ``step``: the signer hashes its
     files and signs their manifest. ``referenced``: the frozen base the checkpoint refers to by its
@@ -61,11 +71,12 @@ class SealRequest(BaseModel):
     referenced: dict[str, str] = Field(default_factory=dict)
 
 
-Request = Annotated[OpenRunRequest | SealRequest, Field(discriminator="op")]
-_REQUEST: TypeAdapter[OpenRunRequest | SealRequest] = TypeAdapter(Request)
+AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest
+Request = Annotated[AnyRequest, Field(discriminator="op")]
+_REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 
 
-def parse_request(frame: bytes) -> OpenRunRequest | SealRequest:
+def parse_request(frame: bytes) -> AnyRequest:
     """The request in ``frame``, or ``WireError`` saying why it is refused."""
     if frame[:1] == bytes([PICKLE_PROTOCOL_MARK]):
         raise WireError("a pickled payload is refused: the signer reads JSON only")
@@ -77,7 +88,7 @@ def parse_request(frame: bytes) -> OpenRunRequest | SealRequest:
         raise WireError("the frame nests too deep to be a request") from None
     if not isinstance(document, dict):
         raise WireError("a request is a JSON object with an 'op'")
-    if document.get("op") not in ("open_run", "seal"):
+    if document.get("op") not in ("open_run", "close_run", "seal"):
         raise WireError(
             f"op {document.get('op')!r} is not offered: a run's channel opens a run and seals its "
             "checkpoints, nothing else (no attestation, model signature, tree head or other bytes)"

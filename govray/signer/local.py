@@ -7,7 +7,8 @@ workers receive in their ``Attempt``. The signer is the one the settings name
 own OS user, its key in a file only it reads or in a token); without one, this machine's
 **development signer**: ``govray signer serve --dev`` started on first use (the machine's
 platform key from ``GOVRAY_HOME/keys``), one per ``GOVRAY_HOME``, shared by every launch on the
-machine, gone after ``DEV_IDLE_S`` without a connection. Either way the trial's processes never
+machine, gone after ``DEV_IDLE_S`` without a request. ``close_channel`` revokes a run's capability
+when its fit ends. Either way the trial's processes never
 load a key: they hold a capability to have their own run's checkpoints sealed. (The development
 signer runs as the same OS user as the trials, so a trial could still read the key file: the
 separation that makes the key unreachable is the deployment's OS users, as ARCHITECTURE.md's
@@ -44,7 +45,7 @@ from govray.core.keys import govray_home
 from govray.core.settings import load_settings
 from govray.train.checkpoints.signer import SignerChannel, SignerClient
 
-DEV_IDLE_S = 900.0  # a development signer without a connection this long exits
+DEV_IDLE_S = 2 * 3600.0  # a development signer that heard no request this long exits
 START_TIMEOUT_S = 60.0
 
 
@@ -56,6 +57,13 @@ def open_channel(run_dir: Path) -> SignerChannel:
     directory = Path(run_dir).resolve()
     capability, _ = SignerClient(path).open_run(str(directory))
     return SignerChannel(socket=str(path), capability=capability, run_dir=str(directory))
+
+
+def close_channel(channel: SignerChannel) -> None:
+    """Revoke the run's capability (its fit ended); a signer gone meanwhile revokes nothing, and
+    is no reason to fail the run that ended."""
+    with contextlib.suppress(SignatureError):
+        SignerClient(Path(channel.socket), timeout=30.0).close_run(channel.run_dir)
 
 
 def dev_signer() -> Path:
@@ -91,15 +99,17 @@ def stop_dev_signer() -> bool:
         return False
     if b"--dev" not in command or str(path).encode() not in command:
         return False
-    with contextlib.suppress(ProcessLookupError):
+    try:
         os.kill(pid, signal.SIGTERM)
         for _ in range(200):
             with contextlib.suppress(ChildProcessError):  # (reaped here when this process started it)
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
+                    return True
             os.kill(pid, 0)  # ProcessLookupError once it is gone
             time.sleep(0.05)
-    return True
+    except ProcessLookupError:
+        return True
+    return False  # still there after 10 s
 
 
 def _private_dir() -> Path:
@@ -140,7 +150,8 @@ def _start(home: Path, path: Path) -> None:
     """Start the development signer of ``home`` on ``path`` and wait until it answers."""
     log = home / "logs" / "signer-dev.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "govray", "signer", "serve", "--dev", "--socket", str(path)]
+    # -P: the launch's working directory (the trial's code) is not on the signer's import path
+    command = [sys.executable, "-P", "-m", "govray", "signer", "serve", "--dev", "--socket", str(path)]
     command += ["--idle-exit", str(DEV_IDLE_S)]
     with open(log, "ab") as output:
         process = subprocess.Popen(
@@ -150,6 +161,7 @@ def _start(home: Path, path: Path) -> None:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # not in the launch's process group: a Ctrl-C there is not its
             close_fds=True,
+            cwd=home,
         )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _answers(path):
@@ -159,4 +171,6 @@ def _start(home: Path, path: Path) -> None:
             tail = log.read_text(errors="replace")[-2000:]
             raise SignatureError(f"the development signer did not start (its log, {log}):\n{tail}")
         time.sleep(0.05)
-    path.with_suffix(".pid").write_text(str(process.pid))
+    scratch = path.with_suffix(".pid.tmp")
+    scratch.write_text(str(process.pid))
+    os.replace(scratch, path.with_suffix(".pid"))  # whole, never half a number

@@ -30,6 +30,7 @@ from typing import Any
 
 from govray.core.errors import SignatureError
 from govray.core.signer_wire import (
+    CloseRunRequest,
     OpenRunRequest,
     WireError,
     parse_request,
@@ -58,6 +59,7 @@ class _Connection(socketserver.BaseRequestHandler):
                 return  # idle too long, or the peer went away
             if frame is None:
                 return
+            self.server.heard()
             send(self.request, self.server.answer(frame, uid))
 
 
@@ -114,8 +116,14 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                 self._open -= 1
                 self._quiet_since = time.monotonic()
 
+    def heard(self) -> None:
+        """A request came (what keeps an idle-exiting signer up)."""
+        with self._served:
+            self._quiet_since = time.monotonic()
+
     def _exit_when_idle(self, idle: float) -> None:
-        """Stop serving once no connection has been open for ``idle`` seconds."""
+        """Stop serving once no request has come, and no connection has been open, for ``idle``
+        seconds."""
         while True:
             time.sleep(min(idle, 5.0))
             with self._served:
@@ -128,12 +136,15 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         nothing; a file the signer cannot read is a refusal too)."""
         try:
             request = parse_request(frame)
-            if isinstance(request, OpenRunRequest):
+            if isinstance(request, OpenRunRequest | CloseRunRequest):
                 if uid not in self.open_uids:
                     raise SignatureError(
                         f"OS user {uid} may seal the checkpoints of a run it holds a capability for, not "
-                        "open a run: the platform's launch opens runs"
+                        f"{request.op.replace('_', ' ')}: the platform's launch opens and closes runs"
                     )
+                if isinstance(request, CloseRunRequest):
+                    self.signer.close_run(request.run_dir)
+                    return {"ok": True}
                 capability, after = self.signer.open_run(request.run_dir)
                 return {"ok": True, "capability": capability, "after_step": after}
             sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
@@ -143,6 +154,8 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
             return {"ok": False, "error": f"the signer could not seal it (a file or its own record): {error}"}
         except MemoryError:
             return {"ok": False, "error": "the request would take more memory than the signer has"}
+        except ValueError as error:  # (a path holding a NUL byte, a number out of range ...)
+            return {"ok": False, "error": f"the request cannot name a run or a folder: {error}"}
         return {
             "ok": True,
             "manifest": base64.b64encode(sealed.manifest).decode(),

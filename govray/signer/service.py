@@ -9,15 +9,18 @@ that run and nothing else:
   tensor files (``govray.train.checkpoints.sealing``); a worker's own digests are never read;
 - a frozen base the checkpoint refers to by digest is hashed in the run's base store
   (``RUN_DIR/base/SHA256.safetensors``) and must match it;
-- ``step`` is later than the last step the signer sealed for the run (kept on the signer's disk,
-  so a restart or a second capability never re-opens an earlier step) — unless that last
-  checkpoint no longer stands (its folder gone, or not the manifest the signer sealed, or a file
-  changed: a worker killed between the seal and writing it, a checkpoint refused as tampered), so a
-  resume that retrains the steps after the checkpoint it verified can seal them again. Every seal
-  is appended to the signer's own record (``seals.jsonl``: run, step, manifest sha256, and the step
-  a going-back seal superseded), which no worker can write.
+- ``step`` is later than every step the signer sealed for the run whose checkpoint still stands
+  (kept on the signer's disk, so a restart or a second capability never re-opens an earlier step):
+  a checkpoint the signer sealed stands while its folder holds the manifest it signed and every
+  file that manifest lists, unchanged. Once the later ones no longer stand (a worker killed
+  between the seal and writing it, a checkpoint refused as tampered, a folder gone), a resume that
+  retrains the steps after the checkpoint it verified can seal them again. Every seal is appended
+  to the signer's own record first (``seals.jsonl``: run, step, manifest sha256, and the steps a
+  going-back seal superseded; written and synced before the seal is answered), which no worker
+  can write: a run's sealed history, supersessions included, is read there.
 
-Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it.
+Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it;
+``close_run`` (the launch, when the fit ends) revokes it with nothing in its place.
 The manifest names the run (its directory's name) it was sealed for. One seal per run at a time;
 the hashing holds no lock that another run's seal needs.
 """
@@ -40,10 +43,13 @@ from govray.train.checkpoints.sealing import (
     SealRefused,
     base_store_of,
     hashed_files,
+    opened_folder,
+    read_small,
     seal_folder,
 )
 
-RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its last sealed step
+RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its sealed steps
+MAX_MANIFEST = 256 << 20  # bytes: a manifest the signer reads back (a 1 TiB checkpoint's: ~70 MB)
 SEALS_FILE = "seals.jsonl"  # every seal the signer made, one JSON object a line
 
 __all__ = ["SealRefused", "Sealed", "Signer"]
@@ -98,38 +104,49 @@ class Signer:
             with self._lock:  # the run may have been opened again meanwhile
                 if self._run_of(capability) != run_dir:
                     raise SealRefused("the capability changed run while sealing")
-                self._runs[run_dir].update(last_step=step, manifest=digest)
+                self._append_seal(run_dir, step, digest, superseded)  # the record first
+                run = self._runs[run_dir]
+                kept = {str(s): d for s, d in _sealed_steps(run).items() if s < step}
+                run.update(last_step=step, sealed=kept | {str(step): digest})
+                run.pop("manifest", None)  # (an older record's last manifest: in ``sealed`` now)
                 self._write_runs()
-                self._append_seal(run_dir, step, digest, superseded)
             return sealed
         finally:
             sealing.release()
 
-    def _going_back(self, run_dir: str, folder: str, step: int) -> int | None:
-        """None when ``step`` is after the run's last sealed step; else that last step, if its
-        checkpoint no longer stands (a going-back seal supersedes it); refused while it stands."""
-        run = self._runs[run_dir]
-        last = int(run["last_step"])  # type: ignore[call-overload]
-        if step > last:
-            return None
-        if _stands(Path(run_dir) / f"{CHECKPOINT_PREFIX}{last:08d}", run.get("manifest")):
-            raise SealRefused(
-                f"{folder}: step {step} is not after step {last}, the last this run sealed, whose "
-                "checkpoint stands"
-            )
-        return last
+    def close_run(self, run_dir: str) -> None:
+        """Revoke the run's capability (its fit ended); its record of sealed steps stays."""
+        directory = str(Path(run_dir).resolve())
+        with self._lock:
+            if directory in self._runs and self._runs[directory].pop("capability", None) is not None:
+                self._write_runs()
 
-    def _append_seal(self, run_dir: str, step: int, digest: str, superseded: int | None) -> None:
+    def _going_back(self, run_dir: str, folder: str, step: int) -> list[int]:
+        """The sealed steps at or after ``step`` (none: it is after them all), each checked to no
+        longer stand (a going-back seal supersedes them); refused while any of them stands."""
+        sealed = _sealed_steps(self._runs[run_dir])
+        later = sorted((s for s in sealed if s >= step), reverse=True)
+        for earlier in later:  # newest first: the usual case is one lost or refused checkpoint
+            if _stands(Path(run_dir) / f"{CHECKPOINT_PREFIX}{earlier:08d}", sealed[earlier]):
+                raise SealRefused(
+                    f"{folder}: step {step} is not after step {earlier}, which this run sealed and whose "
+                    "checkpoint stands"
+                )
+        return sorted(later)
+
+    def _append_seal(self, run_dir: str, step: int, digest: str, superseded: list[int]) -> None:
         entry: dict[str, object] = {
             "run_dir": run_dir,
             "step": step,
             "manifest_sha256": digest,
             "at": dt.datetime.now(dt.UTC).isoformat(),
         }
-        if superseded is not None:
-            entry["superseded_step"] = superseded
+        if superseded:
+            entry["superseded_steps"] = superseded
         with open(self.state_dir / SEALS_FILE, "a") as record:
             record.write(json.dumps(entry, sort_keys=True) + "\n")
+            record.flush()
+            os.fsync(record.fileno())
 
     def _run_of(self, capability: str) -> str:
         digest = _digest(capability)
@@ -155,7 +172,10 @@ class Signer:
     def _write_runs(self) -> None:
         path = self.state_dir / RUNS_FILE
         scratch = path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(self._runs, indent=1, sort_keys=True))
+        with open(scratch, "w") as handle:
+            handle.write(json.dumps(self._runs, indent=1, sort_keys=True))
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(scratch, path)  # whole, or the old record
 
 
@@ -174,14 +194,26 @@ def _checkpoint_folder(run_dir: Path, folder: Path, step: int) -> Path:
     return expected
 
 
-def _stands(folder: Path, recorded: object) -> bool:
+def _sealed_steps(run: dict[str, object]) -> dict[int, str | None]:
+    """A run's sealed steps and their manifests' sha256 (an older record kept only its last)."""
+    sealed = run.get("sealed")
+    if isinstance(sealed, dict):
+        return {int(step): str(digest) for step, digest in sealed.items()}
+    last = int(run.get("last_step", -1))  # type: ignore[call-overload]
+    manifest = run.get("manifest")
+    return {last: str(manifest) if manifest is not None else None} if last >= 0 else {}
+
+
+def _stands(folder: Path, recorded: str | None) -> bool:
     """Whether a checkpoint the signer sealed is still there as sealed: its manifest the one it
-    signed (``recorded``: that manifest's sha256; an older record has none) and every file it
-    holds as the manifest lists it."""
+    signed (``recorded``: that manifest's sha256; an older record may have none) and every file it
+    holds as the manifest lists it. Read as a seal reads: no link, no FIFO, a bounded manifest."""
     try:
-        payload = (folder / MANIFEST_FILE).read_bytes()
+        directory = folder.resolve()
+        with opened_folder(directory) as descriptor:
+            payload = read_small(descriptor, directory / MANIFEST_FILE, MAX_MANIFEST)
         manifest = Manifest.model_validate_json(payload)
-        files, _ = hashed_files(folder.resolve())
+        files, _ = hashed_files(directory)
     except (OSError, ValueError, SignatureError):
         return False
     if recorded is not None and hashlib.sha256(payload).hexdigest() != recorded:

@@ -34,7 +34,7 @@ from govray.platform.run.plan import RunPlan, code_directory, plan_run, run_spec
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.provenance.attest import attest_trial_end
-from govray.signer.local import open_channel
+from govray.signer.local import close_channel, open_channel
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, ExperimentState, TrialState
@@ -290,6 +290,7 @@ def train_run(
         recorded_code_dir=recorded_code_dir,
         signer=open_channel(Path(spec.run_dir)),  # its workers seal through it, holding no key
     )
+    assert attempt.signer is not None
     trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)
     recorder.settle()  # a resumed run: what its killed attempt (or its orphaned workers) left on storage
     recorder.rewrite_events()
@@ -308,6 +309,7 @@ def train_run(
         recorder.settle()
         raise TrainingFailed(f"trial {trial_id} ({run_name}) failed: {_worker_error(error)}") from error
     finally:
+        close_channel(attempt.signer)  # the fit ended: its capability seals nothing more
         control.unlink(missing_ok=True)
         store.request(experiment.id, None)
         events.publish(storage)  # written here

@@ -27,7 +27,7 @@ from govray.platform.run.fitting import fit_polled, pass_request
 from govray.platform.run.plan import plan_run
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.search.placement_guard import PLACES_KEY
-from govray.signer.local import open_channel
+from govray.signer.local import close_channel, open_channel
 from govray.train.checkpoints.base_file import materialize_base
 from govray.train.checkpoints.folders import (
     checkpoint_report,
@@ -115,30 +115,31 @@ def train_trial(
         # mode): the one worker trains here, with a Tune session.
         # Its checkpoints go to a scratch folder Tune copies from (``TuneSession``), opened here.
         scratch = Path(tempfile.mkdtemp(prefix="govray-trial-"))
+        channel = open_channel(scratch)
         attempt = Attempt.of(
             plan.named(name, setup.reproducibility),
             trust=setup.checked.trust,
             resume_checkpoint=resume or "",
-            signer=open_channel(scratch),
+            signer=channel,
         )
-        train_worker(attempt.model_dump(mode="json"), session=session)
+        try:
+            train_worker(attempt.model_dump(mode="json"), session=session)
+        finally:  # (Tune stopping the trial raises SystemExit here)
+            close_channel(channel)
     else:
         # Each life of the trial in this Tune actor (a restored trial, a PBT clone) is a Ray Train
         # run of its own, in a fresh directory.
         directory = f"{name}-{uuid.uuid4().hex[:6]}"
         spec = plan.named(name, setup.reproducibility, directory=directory)
         sink = f"govray-reports-{directory}"
-        _continuous_trial(
-            config,
-            plan.storage,
-            Attempt.of(
-                spec,
-                trust=setup.checked.trust,
-                resume_checkpoint=resume or "",
-                report_sink=sink,
-                signer=open_channel(Path(spec.run_dir)),
-            ),
+        channel = open_channel(Path(spec.run_dir))
+        attempt = Attempt.of(
+            spec, trust=setup.checked.trust, resume_checkpoint=resume or "", report_sink=sink, signer=channel
         )
+        try:
+            _continuous_trial(config, plan.storage, attempt)
+        finally:
+            close_channel(channel)
 
 
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:

@@ -163,6 +163,7 @@ class LoadedCheckpoint(BaseModel):
     optimizer_state: dict[str, Any]
     manifest_digest: str
     signer: str
+    manifest: Manifest  # the verified manifest (its block digests: what a ranged read checks)
 
 
 def base_store_file(run_dir: Path, digest: str) -> Path:
@@ -266,6 +267,7 @@ def load_checkpoint(
         optimizer_state=optimizer_state,
         manifest_digest=file_sha256(directory / MANIFEST_FILE),
         signer=signer,
+        manifest=manifest,
     )
 
 

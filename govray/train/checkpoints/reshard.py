@@ -229,6 +229,7 @@ def load_resharded(
         optimizer_state=optimizer_state,
         manifest_digest=file_sha256(directory / MANIFEST_FILE),
         signer=signer,
+        manifest=manifest,
     )
 
 

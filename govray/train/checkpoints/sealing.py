@@ -165,6 +165,16 @@ def hash_at(folder: int, path: Path, block_size: int | None) -> tuple[str, Block
         return whole.hexdigest(), digests
 
 
+def read_small(folder: int, path: Path, limit: int) -> bytes:
+    """A small file's bytes (at most ``limit``), opened as ``hash_at`` opens files: no link, no
+    FIFO, nothing but a regular file."""
+    with os.fdopen(_open_file(folder, path), "rb") as handle:
+        content = handle.read(limit + 1)
+    if len(content) > limit:
+        raise SealRefused(f"{path}: larger than {limit} bytes")
+    return content
+
+
 def _open_file(folder: int, path: Path) -> int:
     """A descriptor of regular file ``path.name`` in ``folder``: opened without following a link
     and without blocking (a FIFO), and refused unless it is a regular file."""

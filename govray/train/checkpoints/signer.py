@@ -69,13 +69,17 @@ class SignerChannel(BaseModel):
 class SignerClient:
     """A connection to the platform's signer at ``path``: one request at a time."""
 
-    def __init__(self, path: Path, timeout: float = 600.0) -> None:
-        self.path, self.timeout = Path(path), timeout
+    def __init__(self, path: Path, timeout: float = 4 * 3600.0) -> None:
+        self.path, self.timeout = Path(path), timeout  # (a seal hashes the whole checkpoint: ~1 GB/s)
 
     def open_run(self, run_dir: str) -> tuple[str, int]:
         """(a capability for the run's checkpoints, the last step the signer sealed for it)."""
         answer = self.ask({"op": "open_run", "run_dir": run_dir})
         return str(answer["capability"]), int(answer["after_step"])
+
+    def close_run(self, run_dir: str) -> None:
+        """Revoke the run's capability (the launch, when its fit ended)."""
+        self.ask({"op": "close_run", "run_dir": run_dir})
 
     def seal(
         self, capability: str, folder: str, step: int, referenced: Mapping[str, str] | None = None
@@ -95,8 +99,11 @@ class SignerClient:
                 connection.connect(str(self.path))
             except OSError as error:
                 raise SignatureError(f"no signer at {self.path}: {error.strerror}") from None
-            send(connection, request)
-            answer = receive(connection)
+            try:
+                send(connection, request)
+                answer = receive(connection)
+            except (TimeoutError, OSError) as error:
+                raise SignatureError(f"the signer at {self.path} did not answer: {error}") from None
         if not answer.get("ok"):
             raise SignatureError(f"the signer refused: {answer.get('error')}")
         return answer

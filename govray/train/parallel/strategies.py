@@ -55,12 +55,13 @@ from govray.governance.allreduce import GradientGovernor, governed_allreduce_hoo
 from govray.train.checkpoints.files import (
     MODEL_FILE,
     CheckpointError,
+    Manifest,
     checkpoint_sharding,
     model_file,
     shard_file,
     sharding_layout,
 )
-from govray.train.checkpoints.reshard import listed_manifest, load_model_part
+from govray.train.checkpoints.reshard import load_model_part
 from govray.train.checkpoints.seed import SeedCheckpoint, initial_model
 from govray.train.parallel.fsdp import (
     ShardedGovernor,
@@ -214,20 +215,22 @@ class Single:
             torch.cuda.current_stream(self.device).synchronize()
         return clean
 
-    def load_base(self, model: GovernedModel, directory: Path) -> None:
-        """The base weights of a (verified) checkpoint folder: its whole model, or a sharded
-        checkpoint's shards put together."""
+    def load_base(self, model: GovernedModel, directory: Path, manifest: Manifest) -> None:
+        """The base weights of a verified checkpoint folder (``manifest``: its verified manifest,
+        whose block digests a ranged read checks): its whole model, or a sharded checkpoint's
+        shards put together."""
         world, group = checkpoint_sharding(directory)
         if world is not None:  # FSDP/HSDP -> DDP: every tensor whole, read by verified ranges
-            self._load_part(model, directory, world, group)
+            self._load_part(model, directory, manifest, world, group)
             return
         whole = load_file(str(model_file(directory)))
         model.load_base_state({name: tensor.to(self.device) for name, tensor in whole.items()})
 
-    def _load_part(self, model: GovernedModel, directory: Path, world: int | None, group: int | None) -> None:
+    def _load_part(
+        self, model: GovernedModel, directory: Path, manifest: Manifest, world: int | None, group: int | None
+    ) -> None:
         """This rank's part of the base tensors by verified ranges, every rank refusing if one
         read a tampered block (naming the file)."""
-        manifest = listed_manifest(directory)
         agreed(
             lambda: load_model_part(model, directory, manifest, world, group), self.worker, CheckpointError
         )
@@ -327,7 +330,7 @@ class Sharded(Single):
         """No second copy in memory: the checkpoint of this step holds it."""
         return CleanState(steps_done, {}, {}, ledger, on_storage=True)
 
-    def load_base(self, model: GovernedModel, directory: Path) -> None:
+    def load_base(self, model: GovernedModel, directory: Path, manifest: Manifest) -> None:
         """A rank reads its own shard file; of a checkpoint sharded otherwise (another world
         size, other HSDP shard groups), or not at all (DDP, a fork's source), each rank reads
         only its rows, by verified ranges. (A base file referred to by digest, a frozen base, is
@@ -336,7 +339,7 @@ class Sharded(Single):
         if (world, group) == sharding_layout(self.sharding()):
             load_shards(model, directory / shard_file("model", rank, ranks))
         elif world is not None or model_file(directory) == directory / MODEL_FILE:
-            self._load_part(model, directory, world, group)
+            self._load_part(model, directory, manifest, world, group)
         else:
             load_whole(model, load_file(str(model_file(directory))), directory)
 

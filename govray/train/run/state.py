@@ -230,7 +230,7 @@ class TrialRun:
         self.rescheduled()
         self._check_schedule(directory, loaded.state)
         governed = self.governed
-        governed.load_weights(directory)
+        governed.load_weights(directory, loaded.manifest)
         self.base.resumed(directory, governed.model)
         governed.load_optimizer_state(loaded.optimizer_state)
         governed.take_hyperparameters()
@@ -277,7 +277,7 @@ class TrialRun:
         fetch_referenced(directory, self.storage)
         loaded = load_checkpoint(directory, self.context.trust)
         try:
-            self.governed.load_weights(directory, adapters_present_only=True)
+            self.governed.load_weights(directory, loaded.manifest, adapters_present_only=True)
         except RuntimeError as error:
             raise CheckpointError(
                 f"{directory / MODEL_FILE} does not fit this trial's model: {error}"

@@ -47,6 +47,7 @@ from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import parameters_by_name
 from govray.governance.memorization import MemorizationReport, MemorizationThresholds, memorization_report
 from govray.governance.routing import RoutingTable, resolve_routes
+from govray.train.checkpoints.manifest import Manifest
 from govray.train.context import WorkerContext
 from govray.train.control.probe import MemorizationProbe
 from govray.train.parallel.rounds import RoundSums, refuse_rounds
@@ -366,11 +367,11 @@ class GovernedStep:
         """Load an optimizer state (``optimizer.state_dict()``, this rank's shards under FSDP)."""
         self.optimizer.load_state_dict(self.parallel.optimizer_state(self.optimizer, state))
 
-    def load_weights(self, directory: Path, adapters_present_only: bool = False) -> None:
+    def load_weights(self, directory: Path, manifest: Manifest, adapters_present_only: bool = False) -> None:
         """Base and adapter weights of a (verified) checkpoint folder (``adapters_present_only``:
         those it has). Under FSDP a rank reads its own shard file; a checkpoint sharded otherwise,
         or not at all (a fork's source), is read whole and each rank keeps its part."""
-        self.parallel.load_base(self.model, directory)
+        self.parallel.load_base(self.model, directory, manifest)
         for adapter in self.model.adapter_names():
             path = directory / f"adapter-{adapter}.safetensors"
             if path.is_file() or not adapters_present_only:
