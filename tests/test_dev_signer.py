@@ -5,6 +5,7 @@ gone when idle — and never a socket in a directory another OS user could enter
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -36,7 +37,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def sealed_checkpoint(channel_signer: ChannelSigner, run_dir: Path, step: int) -> Path:
     folder = run_dir / f"checkpoint_{step:08d}"
     folder.mkdir(parents=True)
-    (folder / "state.json").write_text("{}")
+    (folder / "state.json").write_text(json.dumps({"step": step}))
     sealed = channel_signer.seal(folder, step, {})
     (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
     (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())

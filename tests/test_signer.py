@@ -232,6 +232,19 @@ def test_going_back_is_sealed_only_once_no_later_checkpoint_stands_and_is_record
     assert record[-1]["manifest_sha256"] == hashlib.sha256(last.manifest).hexdigest()
 
 
+def test_a_manifest_never_says_another_step_than_the_state_it_seals(short_dir: Path, tmp_path: Path) -> None:
+    signer = Signer(KEY, short_dir / "state")
+    run_dir = tmp_path / "ray" / "run-a"
+    capability, _ = signer.open_run(str(run_dir))
+    folder = checkpoint(run_dir, 10)
+    (folder / "state.json").write_text('{"step": 5}')  # a state of step 5 in step 10's folder
+    with pytest.raises(SignatureError, match="the state of step 5, not of step 10"):
+        signer.seal(capability, str(folder), 10, {})
+    (folder / "state.json").unlink()
+    with pytest.raises(SignatureError, match="holds no state.json"):
+        signer.seal(capability, str(folder), 10, {})
+
+
 def test_a_closed_run_seals_nothing_more(short_dir: Path, tmp_path: Path) -> None:
     signer = Signer(KEY, short_dir / "state")
     run_dir = tmp_path / "ray" / "run-a"

@@ -6,6 +6,7 @@ builds the parallelism twin in one place only."""
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ def _channel(socket_path: Path, run_dir: Path) -> SignerChannel:
 def _folder(run_dir: Path, step: int) -> Path:
     folder = run_dir / f"checkpoint_{step:08d}"
     folder.mkdir(parents=True)
-    (folder / "state.json").write_text("{}")
+    (folder / "state.json").write_text(json.dumps({"step": step}))
     return folder
 
 
@@ -103,7 +104,7 @@ def test_a_worker_cannot_have_another_folder_sealed(
     channel = _channel(socket_path, tmp_path / "runs" / "run-1")
     target = tmp_path / folder
     target.mkdir(parents=True)
-    (target / "state.json").write_text("{}")
+    (target / "state.json").write_text(json.dumps({"step": 3}))
     with pytest.raises(SignatureError, match="seals its own run's checkpoints only"):
         ChannelSigner(channel).seal(target, 3, {})
     with pytest.raises(SignatureError, match="the signer refused: .*not"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import re
 import stat
@@ -40,10 +41,12 @@ from govray.train.checkpoints.manifest import (
     MODEL_FILE,
     OPTIMIZER_TENSORS,
     SIGNATURE_FILE,
+    STATE_FILE,
     Manifest,
 )
 
 HASH_CHUNK = 1 << 20  # bytes read at a time from a file without block digests
+MAX_STATE = 256 << 20  # bytes: a checkpoint's state.json (its ledger grows with the model's tensors)
 MAX_HEADER = 100 << 20  # a safetensors header the sealer hashes (a larger one is no tensor file)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # The tensor files a resharding resume reads by ranges: whole, or one rank's shard.
@@ -71,6 +74,7 @@ def seal_folder(
     ``step`` with ``key``; ``referenced``: the frozen base it refers to by sha256 instead of holding
     it, hashed in ``base_store``."""
     files, blocks = hashed_files(folder)
+    _refuse_another_step(folder, files, step)
     refers = referenced_files(base_store, referenced)
     if held := sorted(set(refers) & set(files)):
         raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
@@ -84,6 +88,23 @@ def seal_folder(
     )
     payload = manifest.to_bytes()
     return Sealed(payload, sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at))
+
+
+def _refuse_another_step(folder: Path, files: Mapping[str, str], step: int) -> None:
+    """The folder's ``state.json`` is the state of ``step``, and the one just hashed: a manifest
+    never says one step while the state it seals says another."""
+    if STATE_FILE not in files:
+        raise SealRefused(f"{folder}: holds no {STATE_FILE}; a checkpoint holds its state")
+    with opened_folder(folder) as descriptor:
+        content = read_small(descriptor, folder / STATE_FILE, MAX_STATE)
+    if hashlib.sha256(content).hexdigest() != files[STATE_FILE]:
+        raise SealRefused(f"{folder / STATE_FILE}: changed while the sealer read it")
+    try:
+        found = json.loads(content).get("step")
+    except (ValueError, AttributeError):
+        found = None
+    if found != step:
+        raise SealRefused(f"{folder / STATE_FILE}: the state of step {found!r}, not of step {step}")
 
 
 def hashed_files(directory: Path) -> tuple[dict[str, str], dict[str, BlockDigests]]:
