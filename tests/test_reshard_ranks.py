@@ -83,19 +83,24 @@ def sharded(seed: int, world: int, shard_group: int | None = None) -> tuple[Plai
 
 
 def write(rank: int, world: int, directory: Path, shard_group: int | None = None) -> tuple[str, Any]:
-    """One AdamW step, then this rank's shard files; rank 0 also writes ``optimizer.json`` and
-    the whole tensors (``expected.safetensors``): every file's digest."""
+    """One AdamW step, then this rank's shard files and their block digests (side files a
+    manifest lists, as a seed's: the signer keeps a checkpoint's in its manifest); rank 0 also
+    writes ``optimizer.json`` and the whole tensors (``expected.safetensors``): every file's
+    digest."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from govray.core.canonical import file_sha256
+    from govray.train.checkpoints.blocks import write_blocks
     from govray.train.checkpoints.files import OPTIMIZER_META, split_optimizer_state
     from govray.train.parallel.fsdp import local_optimizer_state, write_shards
 
     model, optimizer = sharded(0, world, shard_group)
     model(torch.randn(5, 64, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     optimizer.step()
-    written = write_shards(directory, model, optimizer, rank, world)  # type: ignore[arg-type]
+    written: dict[str, str] = {}
+    for name in write_shards(directory, model, optimizer, rank, world):  # type: ignore[arg-type]
+        written |= write_blocks(directory / name)  # the digests a manifest lists (side files, as a seed's)
     names = {id(p): name for name, p in model.base.named_parameters()}
     expected = {f"model.{name}": t.full_tensor() for name, t in model.base_state().items()}
     for p, values in optimizer.state.items():
