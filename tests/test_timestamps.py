@@ -82,6 +82,7 @@ def test_the_signers_checkpoint_manifests_are_stamped_too(stamping: LocalTsa, tm
     folder = run_dir / "checkpoint_00000010"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "state.json").write_text('{"step": 10}')  # (the signer seals a state of that step only)
     sealed = signer.seal(capability, str(folder), 10, {})
     assert sealed.envelope.signatures[0].timestamp is not None
     verify_envelope(

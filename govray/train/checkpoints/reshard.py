@@ -231,9 +231,3 @@ def load_resharded(
         signer=signer,
         manifest=manifest,
     )
-
-
-def listed_manifest(directory: Path) -> Manifest:
-    """A checkpoint's manifest (read unverified: call it on a verified checkpoint, as
-    ``checkpoint.model_file``)."""
-    return Manifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
