@@ -136,10 +136,9 @@ def train_trial(
         attempt = Attempt.of(
             spec, trust=setup.checked.trust, resume_checkpoint=resume or "", report_sink=sink, signer=channel
         )
-        try:
-            _continuous_trial(config, plan.storage, attempt)
-        finally:
-            close_channel(channel)
+        # (Not closed when the run ends: a close in a ``finally`` here left a stopped ASHA trial's
+        # placement group behind in the slow tier; its directory is this life's alone.)
+        _continuous_trial(config, plan.storage, attempt)
 
 
 def ends_trial(trial_id: str, result: Mapping[str, Any]) -> bool:
