@@ -4,7 +4,7 @@ The public API is below; everything else is reached through its layer's package.
 bottom to top (a package imports only its own and lower ones; ``tests/test_layering.py`` holds the
 list and enforces it, and checks this docstring and README's layout against it):
 
-    core → governance → config → data → train → signer → tracking → provenance → platform → queries → cli
+    core → governance → config → data → train → tracking → provenance → signer → platform → queries → cli
 
 Names are imported on first use, so ``import govray`` stays cheap (no torch, no Ray). A run, as
 ``govray run`` does it::
@@ -45,7 +45,7 @@ PUBLIC_API = {
     "run_search": "govray.platform.search.driver",
     "replay_trial": "govray.platform.rerun.replay",
     # attesting and verifying; asking the store
-    "attest_checkpoint": "govray.provenance.attest",
+    "attest": "govray.signer.attesting",
     "verify_attestation": "govray.provenance.verify",
     "StoreReader": "govray.queries",
     "GovrayError": "govray.core.errors",
@@ -62,9 +62,9 @@ if TYPE_CHECKING:
     from govray.platform.run.preflight import check_policy, ingest_experiment
     from govray.platform.run.runner import run_trial
     from govray.platform.search.driver import run_search
-    from govray.provenance.attest import attest_checkpoint
     from govray.provenance.verify import verify_attestation
     from govray.queries import StoreReader
+    from govray.signer.attesting import attest
     from govray.tracking.store import TrackingStore
     from govray.train.trial import Batch, Predictions, ProbeHooks, Trial, scoring
 

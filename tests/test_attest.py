@@ -33,13 +33,14 @@ from govray.core.keys import (
 )
 from govray.core.settings import operator_trust
 from govray.data.shards import ShardSet
-from govray.provenance.attest import Attestation, AttestationError, attest_checkpoint
+from govray.provenance.attest import Attestation, AttestationError
 from govray.provenance.locations import run_spec_of
 from govray.provenance.predicates import world_history
 from govray.provenance.recompute import check_attested_ledger
 from govray.provenance.row_reach import row_reach
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE
 from govray.provenance.verify import verify_attestation
+from govray.signer.attesting import attest
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoints.files import CheckpointState
 from govray.train.step.ledger import Ledger
@@ -53,7 +54,7 @@ from tests.helpers.golden import GoldenRun, final_checkpoint
 @pytest.fixture(scope="module")
 def attested(golden_run: GoldenRun) -> tuple[Path, Attestation]:
     checkpoint = final_checkpoint(golden_run.outcome.run_dir)
-    return checkpoint, attest_checkpoint(checkpoint)
+    return checkpoint, attest(checkpoint)
 
 
 def test_securesystemslib_verifies_both_envelopes_by_key_id(attested: tuple[Path, Attestation]) -> None:
@@ -133,7 +134,7 @@ def test_run_json_holds_the_routing_table_and_attesting_or_looking_up_a_row_neve
     monkeypatch.setattr(DigitsTrial, "build_model", only_on_meta)
     with pytest.raises(AssertionError, match="full model"):  # the guard bites a real build
         make_trial(spec.trial, spec.hparams, spec.settings).build_model()
-    written = attest_checkpoint(checkpoint, destination=tmp_path / "again")
+    written = attest(checkpoint, destination=tmp_path / "again")
     assert statement_of(written.coverage)["predicate"]["ledger"]
     assert row_reach(golden_run.store, "digits-writers", 0).trials
 
@@ -313,7 +314,7 @@ def test_a_tampered_checkpoint_is_not_attested(attested: tuple[Path, Attestation
     with pytest.raises(
         AttestationError, match="refusing to attest: .*model.safetensors: sha256 does not match"
     ):
-        attest_checkpoint(copy)
+        attest(copy)
     assert not (tmp_path / "storage" / "attestations").exists()
 
 

@@ -18,7 +18,7 @@ from govray.config.training import Precision
 from govray.core.storage import open_storage
 from govray.platform.run.plan import plan_run
 from govray.platform.run.runner import governed_trainer, run_trial
-from govray.provenance.attest import attest_checkpoint
+from govray.signer.attesting import attest
 from govray.train.checkpoints.files import find_checkpoints
 from govray.train.reproduce.record import (
     DETERMINISTIC_ENV,
@@ -107,7 +107,7 @@ def test_the_record_and_the_attestation_say_deterministic_mode_was_on_and_replay
     spec = RunSpec.model_validate_json((checkpoint / "run.json").read_text())
     record = ReproducibilityRecord.model_validate(spec.reproducibility)
     assert record.deterministic and record.device == "cpu"
-    written = attest_checkpoint(checkpoint, destination=tmp_path / "attested")
+    written = attest(checkpoint, destination=tmp_path / "attested")
     internal = statement_of(written.provenance)["predicate"]["buildDefinition"]["internalParameters"]
     assert internal["reproducibility"]["deterministic"] is True
     assert internal["replay_equivalence"]["exact"] is True

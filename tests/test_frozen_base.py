@@ -32,8 +32,8 @@ from govray.governance.policy import DepthPolicy
 from govray.platform.gc import remove_checkpoint_directory
 from govray.platform.registry.peft_export import export_peft_adapter
 from govray.platform.registry.register import register, remove_adapter
-from govray.provenance.attest import attest_checkpoint
 from govray.provenance.verify import verify_attestation
+from govray.signer.attesting import attest
 from govray.tracking.lineage import record_checkpoint
 from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.base_file import FrozenBase
@@ -293,7 +293,7 @@ def test_registry_remove_adapter_export_and_attestations_follow_the_reference(
     digest = manifest(final).files[MODEL_FILE]
     # An attestation of a referencing checkpoint names the base by the referenced file's digest,
     # and verifies against the folder (the reference followed) and with securesystemslib.
-    written = attest_checkpoint(middle, destination=tmp_path / "attested" / "middle")
+    written = attest(middle, destination=tmp_path / "attested" / "middle")
     assert written.subjects[MODEL_FILE] == digest and not (middle / MODEL_FILE).exists()
     key = platform_key()
     sslib_key = SSlibKey.from_dict(key.keyid, key.public_key.sslib_dict())

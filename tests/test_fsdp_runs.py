@@ -24,7 +24,7 @@ from govray.core.runtime import train_worker_pids
 from govray.governance.adapter_files import save_base_tensors
 from govray.platform.registry.register import register, remove_adapter
 from govray.platform.rerun.replay import Replay, replay_trial
-from govray.provenance.attest import attest_checkpoint
+from govray.signer.attesting import attest
 from govray.tracking.lineage import attestations, checkpoints
 from govray.train.checkpoints.files import (
     MODEL_FILE,
@@ -96,7 +96,7 @@ def test_the_run_is_sharded_and_no_checkpoint_holds_the_whole_model(
     verify_checkpoint(found[-1], trust)  # every file, every rank's shards
     in_memory = save_base_tensors(consolidated(found[-1], 2), tmp_path / MODEL_FILE)
     assert whole_model_sha256(found[-1], trust) == in_memory
-    first = attest_checkpoint(found[0], destination=tmp_path / "first")
+    first = attest(found[0], destination=tmp_path / "first")
     assert first.subjects[MODEL_FILE] == save_base_tensors(consolidated(found[0], 2), tmp_path / "first.st")
     store = fsdp_runs.original.store
     last = checkpoints(store, fsdp_runs.original.outcome.trial_id)[-1]

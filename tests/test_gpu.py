@@ -25,8 +25,8 @@ from torch import nn
 from govray.governance.allreduce import GradientGovernor, governed_allreduce_hook
 from govray.platform.rerun.replay import replay_trial
 from govray.platform.run.runner import TrialOutcome, run_trial
-from govray.provenance.attest import attest_checkpoint
 from govray.provenance.locations import run_spec_of
+from govray.signer.attesting import attest
 from govray.train.checkpoints.files import MODEL_FILE, find_checkpoints
 from jobs.examples.digits.golden import opened
 from jobs.gpu_check import gpu_experiment
@@ -74,9 +74,9 @@ def removal_against_replay(root: Path, *, deterministic: bool) -> None:
         if all(tensor.startswith("adapter/") for found, tensor, _ in ledger.rows() if found == corpus)
     )
     assert adapter_corpora, "no corpus of the HF example reached only adapter tensors"
-    promise = statement_of(attest_checkpoint(checkpoint, destination=root / "attested").provenance)[
-        "predicate"
-    ]["buildDefinition"]["internalParameters"]["replay_equivalence"]
+    promise = statement_of(attest(checkpoint, destination=root / "attested").provenance)["predicate"][
+        "buildDefinition"
+    ]["internalParameters"]["replay_equivalence"]
     assert promise["exact"] is deterministic
     replayed = replay_trial(store, config.name, tuple(adapter_corpora), trial_id=outcome.trial_id)
     base = load_file(checkpoint / MODEL_FILE)

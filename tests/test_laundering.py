@@ -24,7 +24,7 @@ from govray.core.keys import KeyRole, SigningKey, platform_key
 from govray.core.settings import operator_trust
 from govray.platform.registry.register import register
 from govray.platform.registry.versions import RegistryError
-from govray.provenance.attest import attest_checkpoint
+from govray.signer.attesting import attest
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointRecord, ModelVersion
@@ -117,7 +117,7 @@ def test_weights_resigned_by_an_engineers_own_key_are_refused_by_attest_register
         session.commit()
     untrusted = rf"key {engineer.keyid} is not trusted for role 'platform'"
     with pytest.raises(AttestationError, match=untrusted):
-        attest_checkpoint(folder)
+        attest(folder)
     with pytest.raises(RegistryError, match=untrusted):
         register(copied.store, "laundered", folder)
     assert version_count(copied.store) == versions
@@ -140,7 +140,7 @@ def test_weights_resigned_by_an_engineers_own_key_are_refused_by_attest_register
     with pytest.raises(CheckpointError, match=rf"{RUN_SPEC_FILE}.*trust"):
         read_run_spec(folder / RUN_SPEC_FILE)
     with pytest.raises((AttestationError, CheckpointError)):
-        attest_checkpoint(folder)
+        attest(folder)
     assert not list((tmp_path / "storage" / "attestations").glob("**/*laundered*"))
 
 
@@ -157,6 +157,6 @@ def test_a_manifest_differing_from_the_one_recorded_when_sealed_is_refused_even_
         register(copied.store, "resealed", folder)
     assert version_count(copied.store) == versions
     with pytest.raises(CheckpointError, match=recorded_differs):
-        attest_checkpoint(folder, recorded_manifest=copied.recorded)
+        attest(folder, recorded_manifest=copied.recorded)
     assert main(["attest", str(folder), "--database", copied.store.url]) == CheckpointError.exit_code
     assert "not the one the tracking store recorded" in capsys.readouterr().err

@@ -24,10 +24,10 @@ def attest(
     database: str | None = Database,
 ) -> None:
     """Verify the checkpoint (under the operator's trust; its manifest the one the tracking store
-    recorded when it was sealed), then write its provenance and coverage statements, signed by the
-    platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model
-    signature that ``model_signing verify key`` checks)."""
-    from govray.provenance.attest import attest_checkpoint
+    recorded when it was sealed), then write its provenance and coverage statements, made and signed
+    by the platform's signer (this process holds no key), under STORAGE/attestations/RUN/ (and,
+    with --model-signing, an OpenSSF model signature that ``model_signing verify key`` checks)."""
+    from govray.signer.attesting import attest as attest_through_signer
     from govray.tracking.lineage import checkpoint_at
     from govray.train.checkpoints.manifest import CheckpointError
 
@@ -41,7 +41,7 @@ def attest(
             f"{checkpoint}: not a checkpoint the tracking store recorded: only a sealed checkpoint of a "
             "run is attested"
         )
-    written = attest_checkpoint(
+    written = attest_through_signer(
         checkpoint, model_signature=model_signing, recorded_manifest=record.manifest_digest
     )
     console.print(f"provenance: {written.provenance}\ncoverage:   {written.coverage}", highlight=False)

@@ -16,13 +16,14 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import console
-from govray.core.keys import KeyRole, SigningKey, govray_home, platform_key
+from govray.core.keys import KeyRole, KeyType, SigningKey, govray_home, platform_key
 
 app = typer.Typer(
     help="The platform's signer: the one process that uses the platform's private keys.", no_args_is_help=True
 )
 
 KEY_NAME = "platform"  # DIR/platform.key (encrypted), DIR/platform.pub
+MODEL_KEY_NAME = "platform-ecdsa"  # the model-signing key (ECDSA P-256), encrypted under the same passphrase
 Directory = typer.Option(None, "--dir", help="The signer's directory (default GOVRAY_HOME/signer).")
 PassphraseFile = typer.Option(
     None, "--passphrase-file", help="A file holding the key's passphrase (default: asked for)."
@@ -52,11 +53,17 @@ def passphrase(path: Path | None, confirm: bool = False) -> bytes:
 
 @app.command("init")
 def init(directory: Path | None = Directory, passphrase_file: Path | None = PassphraseFile) -> None:
-    """Create the platform key, encrypted under a passphrase, in the signer's directory; print its key id."""
+    """Create the platform keys (Ed25519 for checkpoints and attestations, ECDSA for model
+    signatures), encrypted under one passphrase, in the signer's directory; print their key ids."""
     root = signer_dir(directory)
-    key = SigningKey.generate(KeyRole.PLATFORM)
-    private, public = key.save(root / KEY_NAME, passphrase=passphrase(passphrase_file, confirm=True))
-    console.print(f"platform key {key.keyid}: {private} (encrypted), public half {public}", highlight=False)
+    secret = passphrase(passphrase_file, confirm=True)
+    for name, keytype in ((KEY_NAME, KeyType.ED25519), (MODEL_KEY_NAME, KeyType.ECDSA)):
+        key = SigningKey.generate(KeyRole.PLATFORM, keytype)
+        private, public = key.save(root / name, passphrase=secret)
+        console.print(
+            f"platform {keytype.value} key {key.keyid}: {private} (encrypted), public half {public}",
+            highlight=False,
+        )
 
 
 @app.command("serve")
@@ -84,14 +91,19 @@ def serve(
     from govray.signer.service import Signer
 
     root = signer_dir(directory)
+    model_key: SigningKey | None
     if dev:
         key, root = platform_key(), govray_home() / "signer-dev"
+        model_key = platform_key(keytype=KeyType.ECDSA)
     else:
-        key = SigningKey.load(root / f"{KEY_NAME}.key", passphrase(passphrase_file))
+        secret = passphrase(passphrase_file)
+        key = SigningKey.load(root / f"{KEY_NAME}.key", secret)
+        held = root / f"{MODEL_KEY_NAME}.key"  # (a signer made before it had one: no model signatures)
+        model_key = SigningKey.load(held, secret) if held.is_file() else None
     path = socket_path if socket_path is not None else root / "signer.sock"
     opens = frozenset(open_uid) if open_uid else None
     signal.signal(signal.SIGTERM, _interrupted)  # stopped: the socket file goes as on Ctrl-C
-    with SignerServer(Signer(key, root / "state"), path, opens, idle_exit) as server:
+    with SignerServer(Signer(key, root / "state", model_key), path, opens, idle_exit) as server:
         console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
             server.serve_forever()

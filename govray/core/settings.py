@@ -42,7 +42,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from govray.core.errors import ConfigError, describe_validation_error
-from govray.core.keys import TrustConfig, govray_home, load_trust, platform_key, platform_trust
+from govray.core.keys import SigningKey, TrustConfig, govray_home, load_trust, platform_key, platform_trust
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 SETTINGS_FILE = "config.yaml"
@@ -177,10 +177,12 @@ def _loaded(file: str, stamp: tuple[int, int] | None, variables: tuple[str, ...]
         raise ConfigError(f"settings from {where}: {describe_validation_error(error)}") from None
 
 
-def operator_trust(environ: Mapping[str, str] | None = None) -> TrustConfig:
-    """The operator's trust, the only one a checkpoint or an attestation is verified against: this
-    machine's platform key, and the platform keys and revocations of the settings' ``trust`` file.
-    Never keys or revocations an experiment file, a run spec or a checkpoint carries: the engineer
-    whose run is verified writes those (listing their own key there would launder their weights)."""
+def operator_trust(environ: Mapping[str, str] | None = None, key: SigningKey | None = None) -> TrustConfig:
+    """The operator's trust, the only one a checkpoint or an attestation is verified against: the
+    platform key (``key``, the signer's own; by default this machine's), and the platform keys and
+    revocations of the settings' ``trust`` file. Never keys or revocations an experiment file, a
+    run spec or a checkpoint carries: the engineer whose run is verified writes those (listing
+    their own key there would launder their weights)."""
     configured = load_settings(environ).trust
-    return platform_trust(platform_key(), load_trust(configured) if configured is not None else None)
+    platform = key if key is not None else platform_key()
+    return platform_trust(platform, load_trust(configured) if configured is not None else None)

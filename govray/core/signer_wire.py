@@ -6,9 +6,11 @@ not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an 
 not offer, a field it does not know — with an answer saying why; the signer never unpickles.
 
 Ops: ``open_run`` (a capability for one run's checkpoints), ``close_run`` (its revocation, when
-the fit ends; both the launch's, from the operator's OS users) and ``seal`` (one checkpoint of that
-run). The signer signs nothing else for a run's channel: no attestation, no model signature, no
-tree head, no bytes a caller chose.
+the fit ends), ``seal`` (one checkpoint of that run) and ``attest`` (the signed statements of a
+checkpoint that verifies, and its model signature: the signer verifies it, builds them from what
+verified and signs them). ``open_run``, ``close_run`` and ``attest`` are the operator's: only the
+OS users the signer was told (the launch's, the platform's commands') may ask. The signer signs
+nothing else, and for a run's channel nothing but that run's seals: no bytes a caller chose.
 
 Example::
 
@@ -71,7 +73,23 @@ class SealRequest(BaseModel):
     referenced: dict[str, str] = Field(default_factory=dict)
 
 
-AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest
+class AttestRequest(BaseModel):
+    """Attest ``checkpoint`` (an absolute path): the signer verifies it under the operator's
+    trust (and that its manifest is ``recorded_manifest``, the sha256 the tracking store recorded
+    when it was sealed, when given), builds its provenance and coverage statements and signs
+    them; with ``model_signature`` also an OpenSSF model signature of the folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["attest"]
+    checkpoint: str
+    recorded_manifest: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    model_signature: bool = False
+
+
+AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | AttestRequest
+OPS = ("open_run", "close_run", "seal", "attest")
+OPERATOR_OPS = ("open_run", "close_run", "attest")  # asked by the operator's OS users only
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 
@@ -88,10 +106,10 @@ def parse_request(frame: bytes) -> AnyRequest:
         raise WireError("the frame nests too deep to be a request") from None
     if not isinstance(document, dict):
         raise WireError("a request is a JSON object with an 'op'")
-    if document.get("op") not in ("open_run", "close_run", "seal"):
+    if document.get("op") not in OPS:
         raise WireError(
-            f"op {document.get('op')!r} is not offered: a run's channel opens a run and seals its "
-            "checkpoints, nothing else (no attestation, model signature, tree head or other bytes)"
+            f"op {document.get('op')!r} is not offered: the signer opens runs, seals their checkpoints "
+            "and attests verified ones, nothing else (no tree head, no bytes a caller chose)"
         )
     try:
         return _REQUEST.validate_python(document)

@@ -19,9 +19,11 @@ DSSE envelope signed with the platform's Ed25519 key (payload type
   and the schedule inputs it is recomputable from.
 
 Envelopes are written to ``STORAGE/attestations/RUN/CHECKPOINT.{provenance,coverage}.dsse.json``
-(beside the checkpoint: its own signed manifest admits no extra file)::
+(beside the checkpoint: its own signed manifest admits no extra file). The platform's signer makes
+them (``sign_attestation``, in its own process: ``govray.signer``); whoever asked writes them::
 
-    written = attest_checkpoint(checkpoint_dir)           # -> Attestation(provenance=..., coverage=...)
+    signed = sign_attestation(checkpoint_dir, key, trust)   # the signer: verify, build, sign
+    written = write_attestation(signed)                      # -> Attestation(provenance=..., coverage=...)
     verified = verify_attestation(written.provenance, model_dir=checkpoint_dir, trust=trust)
 
 On request (every registered version asks) the checkpoint directory also gets an OpenSSF model
@@ -32,6 +34,7 @@ Verifying them (signature, statement, every subject's digest) is :mod:`govray.pr
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,19 +42,16 @@ from typing import Any
 from govray.core.canonical import canonical_json, file_sha256
 from govray.core.dsse import sign_envelope, signing_time
 from govray.core.errors import AttestationError
-from govray.core.keys import KeyType, SigningKey, TrustConfig, platform_key, trust_root_sha256
+from govray.core.keys import SigningKey, TrustConfig, trust_root_sha256
 from govray.core.settings import operator_trust
 from govray.provenance.locations import attestation_prefix, signature_path, signed_run_spec
 from govray.provenance.model_signature import sign_model
 from govray.provenance.predicates import Derivation, coverage, provenance
 from govray.provenance.statement_types import COVERAGE_TYPE, PAYLOAD_TYPE, PROVENANCE_TYPE, STATEMENT_TYPE
-from govray.tracking.lineage import checkpoints, final_checkpoint_record, record_attestation
-from govray.tracking.store import TrackingStore
 from govray.train.checkpoints.base_file import materialize_base
 from govray.train.checkpoints.files import (
     MODEL_FILE,
     CheckpointError,
-    find_checkpoints,
     load_checkpoint,
     model_file,
 )
@@ -96,30 +96,33 @@ def model_subjects(directory: Path, trust: TrustConfig) -> list[dict[str, Any]]:
     ]
 
 
-def attest_checkpoint(
-    checkpoint: Path,
-    key: SigningKey | None = None,
-    trust: TrustConfig | None = None,
-    *,
-    derivation: Derivation | None = None,
-    destination: Path | None = None,
-    model_signature: bool = False,
-    recorded_manifest: str | None = None,
-) -> Attestation:
-    """Verify ``checkpoint`` (a tampered one is refused), build both statements and write them
-    signed by the platform key; returns the envelope paths. They go to
-    ``STORAGE/attestations/RUN/CHECKPOINT.KIND.dsse.json`` unless ``destination`` (a path prefix)
-    is given; ``derivation`` attests a model version made by removing adapters;
-    ``model_signature`` also signs the directory for ``model_signing`` (the platform's ECDSA key)
-    into ``DESTINATION.model-signing.sig``.
+@dataclass(frozen=True)
+class SignedAttestation:
+    """Both envelopes of one checkpoint (JSON text, as written), its subjects, the prefix their
+    files go to by default, and the OpenSSF model signature (a Sigstore bundle's JSON) when asked
+    for: what the platform's signer answers, nothing written yet."""
 
-    The checkpoint is verified against ``trust`` (by default the operator's: ``operator_trust``),
-    never the keys its own ``run.json`` lists; ``recorded_manifest``: the manifest's sha256 the
-    tracking store recorded when it was sealed (a different manifest: ``CheckpointError``, exit 10)."""
-    key = key if key is not None else platform_key()
-    if model_signature:  # the OpenSSF signature covers the folder's files: the base file among them
-        materialize_base(checkpoint)
-    trust = trust if trust is not None else operator_trust()
+    envelopes: dict[str, str]  # kind → envelope JSON
+    subjects: dict[str, str]
+    prefix: Path
+    model_signature: str | None = None
+
+
+def sign_attestation(
+    checkpoint: Path,
+    key: SigningKey,
+    trust: TrustConfig,
+    *,
+    model_key: SigningKey | None = None,
+    derivation: Derivation | None = None,
+    recorded_manifest: str | None = None,
+) -> SignedAttestation:
+    """Verify ``checkpoint`` under ``trust`` (a tampered one is refused; ``recorded_manifest``:
+    the manifest's sha256 the tracking store recorded when it was sealed, another manifest is
+    ``CheckpointError``, exit 10), build both statements from what verified and sign them with
+    ``key``; with ``model_key`` (the platform's ECDSA key) also sign the directory for
+    ``model_signing``. Writes nothing: the platform's signer runs this (``govray.signer``), and
+    every statement it signs is one it built from files it verified, never bytes a caller chose."""
     if recorded_manifest is not None:
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     try:
@@ -145,43 +148,66 @@ def attest_checkpoint(
         "provenance": _statement(subjects, PROVENANCE_TYPE, predicate),
         "coverage": _statement(subjects, COVERAGE_TYPE, coverage(loaded.state, routing)),
     }
-    if destination is None:
-        destination = attestation_prefix(checkpoint, spec)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for kind, statement in statements.items():
-        envelope = sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key, moment)
-        path = destination.with_name(f"{destination.name}.{kind}.dsse.json")
-        path.write_text(envelope.to_json())
-        paths[kind] = path
-    signature = None
-    if model_signature:
-        signature = sign_model(checkpoint, signature_path(destination), platform_key(keytype=KeyType.ECDSA))
-    return Attestation(
-        **paths, subjects={s["name"]: s["digest"]["sha256"] for s in subjects}, model_signature=signature
+    envelopes = {
+        kind: sign_envelope(canonical_json(statement), PAYLOAD_TYPE, key, moment).to_json()
+        for kind, statement in statements.items()
+    }
+    bundle = None
+    if model_key is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            bundle = sign_model(checkpoint, Path(scratch) / "model.sig", model_key).read_text()
+    return SignedAttestation(
+        envelopes,
+        {s["name"]: s["digest"]["sha256"] for s in subjects},
+        attestation_prefix(checkpoint, spec),
+        bundle,
     )
 
 
-def attest_trial_end(store: TrackingStore, trial_id: int, run_dir: Path | None = None) -> Attestation | None:
-    """Attest a finished trial's final checkpoint — the last under ``run_dir``, or (a search trial,
-    whose checkpoints Ray Tune keeps) the last active one the store recorded — and keep both
-    envelopes in the tracking store (``attestations``, by checkpoint and base-model digest); None
-    when the trial wrote no checkpoint."""
-    recorded = checkpoints(store, trial_id)
-    if run_dir is not None:
-        found = find_checkpoints(run_dir)
-        final = found[-1] if found else None
-    else:
-        kept = final_checkpoint_record(store, trial_id)
-        final = Path(kept.path) if kept is not None else None
-    if final is None:
-        return None
-    row = next((c for c in recorded if Path(c.path).resolve() == final.resolve()), None)
-    written = attest_checkpoint(final, recorded_manifest=row.manifest_digest if row is not None else None)
-    subject = written.subjects[MODEL_FILE]
-    for path in (written.provenance, written.coverage):
-        record_attestation(store, row.id if row is not None else None, subject, path.read_text())
-    return written
+def write_attestation(signed: SignedAttestation, destination: Path | None = None) -> Attestation:
+    """Write ``signed``'s envelopes to ``DESTINATION.KIND.dsse.json`` (by default its prefix,
+    ``STORAGE/attestations/RUN/CHECKPOINT``) and its model signature beside them."""
+    destination = destination if destination is not None else signed.prefix
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for kind in KINDS:
+        path = destination.with_name(f"{destination.name}.{kind}.dsse.json")
+        path.write_text(signed.envelopes[kind])
+        paths[kind] = path
+    signature = None
+    if signed.model_signature is not None:
+        signature = signature_path(destination)
+        signature.write_text(signed.model_signature)
+    return Attestation(**paths, subjects=dict(signed.subjects), model_signature=signature)
+
+
+def attest_checkpoint(
+    checkpoint: Path,
+    key: SigningKey,
+    trust: TrustConfig | None = None,
+    *,
+    model_key: SigningKey | None = None,
+    derivation: Derivation | None = None,
+    destination: Path | None = None,
+    recorded_manifest: str | None = None,
+) -> Attestation:
+    """Verify ``checkpoint`` (under ``trust``, by default the operator's: ``operator_trust``,
+    never the keys its own ``run.json`` lists), sign both statements with ``key`` in this process
+    and write them (``sign_attestation``, ``write_attestation``); with ``model_key`` also an
+    OpenSSF model signature of the directory. ``derivation`` attests a model version made by
+    removing adapters. A run's launch and the operator's commands attest through the platform's
+    signer instead (``govray.signer.attesting.attest``): they hold no key."""
+    if model_key is not None:  # the OpenSSF signature covers the folder's files: the base file among them
+        materialize_base(checkpoint)
+    signed = sign_attestation(
+        checkpoint,
+        key,
+        trust if trust is not None else operator_trust(),
+        model_key=model_key,
+        derivation=derivation,
+        recorded_manifest=recorded_manifest,
+    )
+    return write_attestation(signed, destination)
 
 
 def _statement(

@@ -52,11 +52,17 @@ START_TIMEOUT_S = 60.0
 def open_channel(run_dir: Path) -> SignerChannel:
     """A capability for the checkpoints written in ``run_dir``, from the settings' signer or this
     machine's development signer (started if it is not running)."""
-    configured = load_settings().signer.socket
-    path = configured if configured is not None else dev_signer()
+    path = signer_socket()
     directory = Path(run_dir).resolve()
     capability, _ = SignerClient(path).open_run(str(directory))
     return SignerChannel(socket=str(path), capability=capability, run_dir=str(directory))
+
+
+def signer_socket() -> Path:
+    """The platform's signer: the settings' ``signer.socket``, else this machine's development
+    signer (started if it is not running)."""
+    configured = load_settings().signer.socket
+    return configured if configured is not None else dev_signer()
 
 
 def close_channel(channel: SignerChannel) -> None:

@@ -28,8 +28,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from govray.core.errors import SignatureError
+from govray.core.errors import GovrayError, SignatureError
 from govray.core.signer_wire import (
+    OPERATOR_OPS,
+    AttestRequest,
     CloseRunRequest,
     OpenRunRequest,
     WireError,
@@ -71,8 +73,9 @@ def peer_uid(connection: socket.socket) -> int:
 
 class SignerServer(socketserver.ThreadingUnixStreamServer):
     """Serves ``signer`` on ``path`` (mode 0660; an old socket file there is replaced). Only the
-    OS users in ``open_uids`` (by default the signer's own) may open a run; any peer that can
-    reach the socket may seal a checkpoint of a run it holds a capability for."""
+    OS users in ``open_uids`` (by default the signer's own) may open or close a run or have a
+    checkpoint attested; any peer that can reach the socket may seal a checkpoint of a run it
+    holds a capability for."""
 
     daemon_threads = True
 
@@ -136,20 +139,22 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         nothing; a file the signer cannot read is a refusal too)."""
         try:
             request = parse_request(frame)
+            if request.op in OPERATOR_OPS and uid not in self.open_uids:
+                raise SignatureError(
+                    f"OS user {uid} may seal the checkpoints of a run it holds a capability for, not "
+                    f"{request.op.replace('_', ' ')}: the platform's launch and commands do that"
+                )
             if isinstance(request, OpenRunRequest | CloseRunRequest):
-                if uid not in self.open_uids:
-                    raise SignatureError(
-                        f"OS user {uid} may seal the checkpoints of a run it holds a capability for, not "
-                        f"{request.op.replace('_', ' ')}: the platform's launch opens and closes runs"
-                    )
                 if isinstance(request, CloseRunRequest):
                     self.signer.close_run(request.run_dir)
                     return {"ok": True}
                 capability, after = self.signer.open_run(request.run_dir)
                 return {"ok": True, "capability": capability, "after_step": after}
+            if isinstance(request, AttestRequest):
+                return self._attested(request)
             sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
-        except SignatureError as error:
-            return {"ok": False, "error": str(error)}
+        except GovrayError as error:  # (its kind travels: the client raises the same, exit code and all)
+            return {"ok": False, "error": str(error), "kind": type(error).__name__}
         except OSError as error:
             return {"ok": False, "error": f"the signer could not seal it (a file or its own record): {error}"}
         except MemoryError:
@@ -160,6 +165,16 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
             "ok": True,
             "manifest": base64.b64encode(sealed.manifest).decode(),
             "envelope": sealed.envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
+        }
+
+    def _attested(self, request: AttestRequest) -> dict[str, Any]:
+        signed = self.signer.attest(request.checkpoint, request.recorded_manifest, request.model_signature)
+        return {
+            "ok": True,
+            "envelopes": signed.envelopes,
+            "subjects": signed.subjects,
+            "prefix": str(signed.prefix),
+            "model_signature": signed.model_signature,
         }
 
     def __exit__(

@@ -19,6 +19,11 @@ that run and nothing else:
   going-back seal superseded; written and synced before the seal is answered), which no worker
   can write: a run's sealed history, supersessions included, is read there.
 
+``Signer.attest(checkpoint, ...)`` is the operator's (the server asks it only for the operator's OS
+users): the checkpoint is verified under the operator's trust, the statements are built from what
+verified (``govray.provenance.attest.sign_attestation``) and signed; nothing the caller wrote is
+signed. No trial code is imported: the routing comes from the signed run spec.
+
 Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it;
 ``close_run`` (the launch, when the fit ends) revokes it with nothing in its place.
 The manifest names the run (its directory's name) it was sealed for. One seal per run at a time;
@@ -34,9 +39,11 @@ import os
 import secrets
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
+from govray.core.settings import operator_trust
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, Manifest
 from govray.train.checkpoints.sealing import (
     Sealed,
@@ -48,6 +55,9 @@ from govray.train.checkpoints.sealing import (
     seal_folder,
 )
 
+if TYPE_CHECKING:
+    from govray.provenance.attest import SignedAttestation
+
 RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its sealed steps
 MAX_MANIFEST = 256 << 20  # bytes: a manifest the signer reads back (a 1 TiB checkpoint's: ~70 MB)
 SEALS_FILE = "seals.jsonl"  # every seal the signer made, one JSON object a line
@@ -58,12 +68,13 @@ __all__ = ["SealRefused", "Sealed", "Signer"]
 class Signer:
     """The platform key (role platform) and what it has sealed, per run (``state_dir``)."""
 
-    def __init__(self, key: SigningKey, state_dir: Path) -> None:
-        if key.role != KeyRole.PLATFORM:
-            raise SignatureError(
-                f"key {key.keyid} is a {key.role.value} key; the signer seals with the platform key"
-            )
-        self.key = key
+    def __init__(self, key: SigningKey, state_dir: Path, model_key: SigningKey | None = None) -> None:
+        for held in (key, model_key):
+            if held is not None and held.role != KeyRole.PLATFORM:
+                raise SignatureError(
+                    f"key {held.keyid} is a {held.role.value} key; the signer signs with the platform's keys"
+                )
+        self.key, self.model_key = key, model_key  # (model_key: ECDSA, for OpenSSF model signatures)
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # the record of runs (held briefly, never while hashing)
@@ -113,6 +124,30 @@ class Signer:
             return sealed
         finally:
             sealing.release()
+
+    def attest(
+        self, checkpoint: str, recorded_manifest: str | None = None, model_signature: bool = False
+    ) -> SignedAttestation:
+        """The signed statements of ``checkpoint`` (an absolute path), verified under the operator's
+        trust (this signer's key and the settings' trust file) and, when given, holding the manifest
+        ``recorded_manifest``; with ``model_signature`` also its OpenSSF model signature."""
+        given = Path(checkpoint)
+        if not given.is_absolute() or ".." in given.parts:
+            raise SealRefused(f"{checkpoint}: a checkpoint is named by an absolute path without '..'")
+        if model_signature and self.model_key is None:
+            raise SealRefused(
+                "this signer holds no model-signing key (govray signer init makes one): no model signature"
+            )
+        # (imported here: a signer that only seals never loads torch or Ray)
+        from govray.provenance.attest import sign_attestation
+
+        return sign_attestation(  # (a checkpoint that does not verify: its CheckpointError, AttestationError)
+            given,
+            self.key,
+            operator_trust(key=self.key),
+            model_key=self.model_key if model_signature else None,
+            recorded_manifest=recorded_manifest,
+        )
 
     def close_run(self, run_dir: str) -> None:
         """Revoke the run's capability (its fit ended); its record of sealed steps stays."""

@@ -19,8 +19,8 @@ import pytest
 
 from govray.core.keys import platform_key, platform_trust
 from govray.platform.lifecycle import request_kill
-from govray.provenance.attest import attest_checkpoint
 from govray.provenance.recompute import check_attested_ledger
+from govray.signer.attesting import attest
 from govray.train.checkpoints.files import STATE_FILE, checkpoint_step, find_checkpoints
 from govray.train.checkpoints.manifest import CheckpointState
 from govray.train.runspec import RUN_SPEC_FILE
@@ -134,7 +134,7 @@ def test_an_elastic_run_continues_on_two_workers_when_a_node_dies_and_grows_back
     assert state.step == trial.last_step and state.step > grown
 
     trust = platform_trust(platform_key())
-    written = attest_checkpoint(final)
+    written = attest(final)
     coverage = json.loads(base64.b64decode(json.loads(written.coverage.read_text())["payload"]))
     assert check_attested_ledger(coverage, final, trust) > 0  # recomputed from the schedule: equal
     provenance = json.loads(base64.b64decode(json.loads(written.provenance.read_text())["payload"]))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, platform_key
+from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, platform_key
 from govray.core.settings import load_settings, operator_trust, settings_path
 from govray.core.storage import open_storage
 from govray.governance.policy import UNSIGNED_POLICY
@@ -46,6 +46,7 @@ from govray.platform.run.plan import PlanError, recorded_final_folder
 from govray.provenance.attest import Attestation, attest_checkpoint
 from govray.provenance.locations import signed_run_spec
 from govray.provenance.predicates import Derivation
+from govray.signer.attesting import attest
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
 from govray.tracking.registry import (
@@ -78,7 +79,6 @@ def register(
     *,
     description: str = "",
     tags: Mapping[str, str] | None = None,
-    key: SigningKey | None = None,
 ) -> RegisteredVersion:
     """Register ``checkpoint`` (a checkpoint the store recorded, verified) as the next version of
     model ``name``; its attestation (made now if the trial end did not) is kept for the version.
@@ -89,9 +89,7 @@ def register(
     record = _checkpoint_record(store, checkpoint)
     unsigned = _refuse_unvouched_policy(store, record, checkpoint)
     # Verified against the operator's trust, and its manifest the one the store recorded when sealed.
-    written = attest_checkpoint(
-        checkpoint, key, model_signature=True, recorded_manifest=record.manifest_digest
-    )
+    written = attest(checkpoint, model_signature=True, recorded_manifest=record.manifest_digest)
     version = _addregistered_version(store, name, record, description, checked_tags)
     _record_attestations(store, version, written, record.id)
     allowed = {"unsigned_policy_allowed_for": unsigned} if unsigned else {}
@@ -106,7 +104,6 @@ def register_trial(
     *,
     description: str = "",
     tags: Mapping[str, str] | None = None,
-    key: SigningKey | None = None,
 ) -> RegisteredVersion:
     """Register trial ``trial_id``'s final checkpoint — a run's, or the copy Ray Tune keeps of a
     search trial's (at the step its scheduler stopped it, for an ASHA stop) — as ``name``'s next
@@ -119,7 +116,7 @@ def register_trial(
         final = recorded_final_folder(store, open_storage(config.storage_path), trial)
     except (PlanError, CheckpointError) as error:
         raise RegistryError(f"trial {trial_id}: {error}") from None
-    return register(store, name, final, description=description, tags=tags, key=key)
+    return register(store, name, final, description=description, tags=tags)
 
 
 def set_tags(
@@ -157,7 +154,7 @@ def remove_adapter(
         raise RegistryError(
             f"{source.ref} carries no adapter '{adapter}' (adapters: {', '.join(present) or 'none'})"
         )
-    key = key if key is not None else platform_key()
+    key = key if key is not None else platform_key()  # (not yet the signer's: a derived version's seal)
     trust = operator_trust()
     try:
         loaded = load_checkpoint(source.directory, trust)
@@ -199,9 +196,9 @@ def remove_adapter(
     written = attest_checkpoint(
         directory,
         key,
+        model_key=platform_key(keytype=KeyType.ECDSA),
         derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
         destination=derived_prefix(storage, source.model, number),
-        model_signature=True,
     )
     version = _addregistered_version(
         store,

@@ -33,7 +33,7 @@ from govray.platform.run.fitting import fit_polled, pass_request
 from govray.platform.run.plan import RunPlan, code_directory, plan_run, run_spec_path
 from govray.platform.run.preflight import CheckedPolicy
 from govray.platform.run.recorder import GcSettings, RunRecorder
-from govray.provenance.attest import attest_trial_end
+from govray.signer.attesting import attest_trial_end
 from govray.signer.local import close_channel, open_channel
 from govray.tracking.lineage import ledger_rows
 from govray.tracking.store import TrackingStore

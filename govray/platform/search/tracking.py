@@ -20,7 +20,7 @@ from govray.platform.run.recorder import GcSettings, RunRecorder
 from govray.platform.run.runner import last_step
 from govray.platform.search.placement_guard import PlacementGuard
 from govray.platform.search.tune_trial import trial_run_name
-from govray.provenance.attest import attest_trial_end
+from govray.signer.attesting import attest_trial_end
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import DecisionKind, TrialState
 from govray.tracking.tensorboard import TensorBoardLog, tensorboard_dir

@@ -30,11 +30,16 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from govray.core.dsse import Envelope
-from govray.core.errors import SignatureError
+from govray.core.errors import AttestationError, ConfigError, GovrayError, SignatureError
 from govray.core.keys import KeyRole, SigningKey
-from govray.core.signer_wire import SealRequest, receive, send
-from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX
+from govray.core.signer_wire import AttestRequest, SealRequest, receive, send
+from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, CheckpointError
 from govray.train.checkpoints.sealing import Sealed, base_store_of, seal_folder
+
+# The kinds of refusal a client raises as themselves (their exit codes): any other is a SignatureError.
+REFUSALS: dict[str, type[GovrayError]] = {
+    kind.__name__: kind for kind in (CheckpointError, AttestationError, ConfigError, SignatureError)
+}
 
 
 class ManifestSigner(Protocol):
@@ -91,8 +96,22 @@ class SignerClient:
         answer = self.ask(request.model_dump())
         return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
 
+    def attest(self, checkpoint: str, recorded_manifest: str | None, model_signature: bool) -> dict[str, Any]:
+        """The signer's signed statements of ``checkpoint`` (an absolute path): ``envelopes`` (kind →
+        JSON), ``subjects``, ``prefix`` and ``model_signature`` (``govray.signer.attesting`` writes
+        them). A checkpoint that does not verify raises what the signer raised (``CheckpointError``
+        for a tampered one: exit 10)."""
+        request = AttestRequest(
+            op="attest",
+            checkpoint=checkpoint,
+            recorded_manifest=recorded_manifest,
+            model_signature=model_signature,
+        )
+        return self.ask(request.model_dump())
+
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request's answer; ``SignatureError`` when the signer is not there or refused."""
+        """One request's answer; ``SignatureError`` when the signer is not there, or the error the
+        signer refused with (its kind: ``CheckpointError``, ``AttestationError`` ...)."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(self.timeout)
             try:
@@ -105,7 +124,8 @@ class SignerClient:
             except (TimeoutError, OSError) as error:
                 raise SignatureError(f"the signer at {self.path} did not answer: {error}") from None
         if not answer.get("ok"):
-            raise SignatureError(f"the signer refused: {answer.get('error')}")
+            kind = REFUSALS.get(str(answer.get("kind")), SignatureError)
+            raise kind(f"the signer refused: {answer.get('error')}")
         return answer
 
 
