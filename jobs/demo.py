@@ -1,6 +1,7 @@
 """The main demo: a governed 2-worker run of the digits example on local Ray + SQLite.
 
-It verifies the signed depth policy and shows which parameters each corpus may update, ingests
+It creates this machine's platform keys if it has none (``govray keys init``), verifies the signed
+depth policy and shows which parameters each corpus may update, ingests
 the three credentialed corpora with Ray Data into route-partitioned shards, trains on two Ray Train
 workers with the governance-aware allreduce (progress bar), prints validation accuracy and the
 per-corpus x per-layer ledger, and lists the experiment in the embedded tracking store. Then the
@@ -30,6 +31,7 @@ POLICY_TRUST = Path(__file__).resolve().parents[1] / "policies" / "trust.yaml"
 
 def demo() -> int:
     steps = [
+        ("this machine's platform keys, created once (explicitly)", ["keys", "init", "--exist-ok"]),
         ("the signed policy, resolved against the model", ["policy", "check", str(EXPERIMENT)]),
         ("ingest and governed training on 2 Ray Train workers", ["run", str(EXPERIMENT)]),
         ("the experiment in the tracking store", ["experiment", "list", "--config", str(EXPERIMENT)]),

@@ -18,6 +18,7 @@ from govray.core.keys import (
     KeyRole,
     SigningKey,
     TrustConfig,
+    init_platform_keys,
     save_trust,
 )
 from govray.core.settings import OVERRIDES
@@ -43,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["GOVRAY_HOME"] = os.environ[TESTS_HOME] = home
     for name in OVERRIDES:
         os.environ.pop(name, None)
+    init_platform_keys(Path(home))  # (`govray keys init`: nothing creates them on use)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
+from govray.core.keys import KeyRole, SigningKey, init_platform_keys, platform_key, platform_trust
 from govray.signer.local import dev_socket, open_channel, stop_dev_signer
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
@@ -28,8 +28,10 @@ from govray.train.checkpoints.signer import ChannelSigner
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A ``GOVRAY_HOME`` of the test's own (its development signer stopped at the end)."""
+    """A ``GOVRAY_HOME`` of the test's own, its platform keys created (its development signer
+    stopped at the end)."""
     monkeypatch.setenv("GOVRAY_HOME", str(tmp_path / "home"))
+    init_platform_keys(tmp_path / "home")
     yield tmp_path / "home"
     stop_dev_signer()
 

@@ -1,6 +1,7 @@
-"""``govray keys list | generate | rotate | revoke | trust-tsa | export-root``: the signing roles' keys
-in a trust file, the time-stamping authorities whose timestamps give signatures their trusted time,
-and the operator's public trust root that attestations cite.
+"""``govray keys init | list | generate | rotate | revoke | trust-tsa | export-root``: this machine's
+platform keys (created once, explicitly), the signing roles' keys in a trust file, the
+time-stamping authorities whose timestamps give signatures their trusted time, and the operator's
+public trust root that attestations cite.
 
 Roles: ``policy-authority`` signs depth policies; ``platform`` signs checkpoints and attestations
 (Ed25519) and OpenSSF model signatures (ECDSA P-256, ``--keytype ecdsa``).
@@ -20,11 +21,43 @@ import typer
 from govray.cli.common import console, table
 from govray.cli.policy import KeyTypeOption, keygen
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, platform_key, save_trust
+from govray.core.keys import (
+    KeyRole,
+    KeyType,
+    SigningKey,
+    TrustConfig,
+    init_platform_keys,
+    load_trust,
+    platform_key_path,
+    platform_public_key,
+    save_trust,
+)
 
 app = typer.Typer(help="Signing keys of the two roles, rotation and revocation.", no_args_is_help=True)
 app.command("generate")(keygen)
 TrustFile = typer.Option(..., "--trust", help="The trust file (YAML) to read and update.")
+
+
+@app.command("init")
+def init(
+    exist_ok: bool = typer.Option(
+        False, "--exist-ok", help="Keys there already are no error: print their key ids (for scripts)."
+    ),
+) -> None:
+    """Create this machine's platform keys under GOVRAY_HOME/keys (Ed25519 for checkpoints and
+    attestations, ECDSA for model signatures), once, recorded in GOVRAY_HOME/keys/audit.jsonl:
+    what the development signer signs with. Nothing creates them silently."""
+    held = [key for keytype in KeyType if (key := platform_public_key(keytype=keytype)) is not None]
+    if exist_ok and len(held) == len(KeyType):
+        for key in held:
+            console.print(f"platform {key.keytype.value} key [bold]{key.keyid}[/] exists", highlight=False)
+        return
+    for created in init_platform_keys():
+        path = platform_key_path(keytype=created.public_key.keytype)
+        console.print(
+            f"platform {created.public_key.keytype.value} key [bold]{created.keyid}[/] created: {path}",
+            highlight=False,
+        )
 
 
 @app.command("list")
@@ -84,8 +117,13 @@ def trust_platform(
     source = trust if trust.exists() else base
     config = load_trust(source) if source is not None else TrustConfig()
     for keytype in KeyType:
-        key = platform_key(keytype=keytype)
-        config.add(key.public_key)
+        key = platform_public_key(keytype=keytype)
+        if key is None:
+            raise SignatureError(
+                f"no platform {keytype.value} key on this machine ({platform_key_path(keytype=keytype)}): "
+                "`govray keys init` creates them"
+            )
+        config.add(key)
         console.print(f"platform {keytype.value} key [bold]{key.keyid}[/] trusted in {trust}")
     save_trust(config, trust)
 

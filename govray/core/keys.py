@@ -21,10 +21,12 @@ revocation is an entry in ``revoked`` (for either key type)::
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
+import json
 import os
+import pwd
 import re
+import socket
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -44,6 +46,7 @@ from govray.core.canonical import canonical_json, canonical_text, sha256_hex
 from govray.core.errors import SignatureError, describe_validation_error
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
+KEYS_AUDIT_FILE = "audit.jsonl"  # in HOME/keys: every creation of this machine's platform keys
 KEYTYPE = "ed25519"
 SCHEME = "ed25519"
 
@@ -343,15 +346,15 @@ def platform_key_path(home: Path | None = None, keytype: KeyType = KeyType.ED255
 
 
 def platform_key(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -> SigningKey:
-    """The platform's signing key of ``keytype``, created on first use at :func:`platform_key_path`.
-
-    On a cluster, provision the same file on every node (it signs checkpoints on rank 0).
-    """
+    """This machine's platform private key of ``keytype`` (:func:`platform_key_path`): what the
+    development signer signs with (a deployment's signer holds its own: ``govray signer init``).
+    Never created on use: ``govray keys init`` creates it (:func:`init_platform_keys`)."""
     private = platform_key_path(home, keytype)
-    prefix = private.with_suffix("")
     if not private.exists():
-        with contextlib.suppress(SignatureError):  # another process created it first
-            SigningKey.generate(KeyRole.PLATFORM, keytype).save(prefix)
+        raise SignatureError(
+            f"no platform key at {private}: create this machine's platform keys once with "
+            "`govray keys init` (or name a deployed signer in the settings: signer.socket)"
+        )
     key = SigningKey.load(private)
     if key.role != KeyRole.PLATFORM:
         raise SignatureError(f"{private} is a {key.role.value} key, not the platform key")
@@ -360,11 +363,66 @@ def platform_key(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -
     return key
 
 
-def platform_trust(key: SigningKey, extra: TrustConfig | None = None) -> TrustConfig:
-    """Trust for the platform role: this platform key plus any platform keys in ``extra`` (and its
-    revocations and time-stamping authorities)."""
+def platform_public_key(home: Path | None = None, keytype: KeyType = KeyType.ED25519) -> PublicKey | None:
+    """This machine's platform public key of ``keytype`` (``HOME/keys/platform.pub``), or None:
+    all that verifying needs (a verifier never reads a private key)."""
+    public = platform_key_path(home, keytype).with_suffix(".pub")
+    if not public.is_file():
+        return None
+    try:
+        text = read_text(public, SignatureError, "public key")
+        document = parse_yaml_mapping(text, str(public), SignatureError, "a public key")
+        key = PublicKey.model_validate(document)
+    except ValidationError as error:
+        raise SignatureError(f"{public}: not a public key ({describe_validation_error(error)})") from None
+    if key.role != KeyRole.PLATFORM or key.keytype != keytype:
+        raise SignatureError(
+            f"{public} is a {key.role.value} {key.keytype.value} key, not the platform's {keytype.value}"
+        )
+    return key
+
+
+def init_platform_keys(home: Path | None = None) -> list[SigningKey]:
+    """Create this machine's platform keys (Ed25519, and ECDSA for model signatures) under
+    ``HOME/keys``, once: an existing one is refused. Each creation is appended to
+    ``HOME/keys/audit.jsonl`` (when, which OS user on which host, the key ids)."""
+    home = home if home is not None else govray_home()
+    for keytype in KeyType:
+        if (held := platform_key_path(home, keytype)).exists():
+            raise SignatureError(
+                f"{held} exists: this machine's platform keys were created already "
+                "(rotate them with `govray keys rotate --role platform`)"
+            )
+    created = [SigningKey.generate(KeyRole.PLATFORM, keytype) for keytype in KeyType]
+    for key in created:
+        key.save(platform_key_path(home, key.public_key.keytype).with_suffix(""))
+    entry = {
+        "event": "platform_keys_created",
+        "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "uid": os.getuid(),
+        "user": _os_user(),
+        "host": socket.gethostname(),
+        "keys": {key.public_key.keytype.value: key.keyid for key in created},
+    }
+    with open(home / "keys" / KEYS_AUDIT_FILE, "a") as audit:
+        audit.write(json.dumps(entry, sort_keys=True) + "\n")
+    return created
+
+
+def _os_user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # (a uid without a passwd entry, as in some containers)
+        return str(os.getuid())
+
+
+def platform_trust(key: SigningKey | PublicKey | None, extra: TrustConfig | None = None) -> TrustConfig:
+    """Trust for the platform role: this platform key (its public half; None: none of this
+    machine's) plus any platform keys in ``extra`` (and its revocations and time-stamping
+    authorities)."""
+    public = key.public_key if isinstance(key, SigningKey) else key
     trust = TrustConfig(
-        keys=[key.public_key],
+        keys=[public] if public is not None else [],
         revoked=list(extra.revoked) if extra else [],
         timestamp_authorities=list(extra.timestamp_authorities) if extra else [],
     )

@@ -41,8 +41,17 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from govray.core.errors import ConfigError, describe_validation_error
-from govray.core.keys import SigningKey, TrustConfig, govray_home, load_trust, platform_key, platform_trust
+from govray.core.errors import ConfigError, SignatureError, describe_validation_error
+from govray.core.keys import (
+    KeyRole,
+    SigningKey,
+    TrustConfig,
+    govray_home,
+    load_trust,
+    platform_key_path,
+    platform_public_key,
+    platform_trust,
+)
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
 SETTINGS_FILE = "config.yaml"
@@ -179,10 +188,18 @@ def _loaded(file: str, stamp: tuple[int, int] | None, variables: tuple[str, ...]
 
 def operator_trust(environ: Mapping[str, str] | None = None, key: SigningKey | None = None) -> TrustConfig:
     """The operator's trust, the only one a checkpoint or an attestation is verified against: the
-    platform key (``key``, the signer's own; by default this machine's), and the platform keys and
+    platform key (``key``, the signer's own; by default this machine's public one: verifying reads
+    no private key), and the platform keys and
     revocations of the settings' ``trust`` file. Never keys or revocations an experiment file, a
     run spec or a checkpoint carries: the engineer whose run is verified writes those (listing
     their own key there would launder their weights)."""
     configured = load_settings(environ).trust
-    platform = key if key is not None else platform_key()
-    return platform_trust(platform, load_trust(configured) if configured is not None else None)
+    extra = load_trust(configured) if configured is not None else None
+    platform = key.public_key if key is not None else platform_public_key()
+    if platform is None and not any(k.role == KeyRole.PLATFORM for k in (extra.keys if extra else [])):
+        held = platform_key_path().with_suffix(".pub")
+        raise SignatureError(
+            f"no platform key to verify against: neither this machine's ({held}: `govray keys init`) "
+            "nor one in the settings' trust file"
+        )
+    return platform_trust(platform, extra)

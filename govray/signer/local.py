@@ -6,7 +6,8 @@ workers receive in their ``Attempt``. The signer is the one the settings name
 (``signer.socket``, ``GOVRAY_SIGNER_SOCKET``: a deployment's ``govray signer serve``, under its
 own OS user, its key in a file only it reads or in a token); without one, this machine's
 **development signer**: ``govray signer serve --dev`` started on first use (the machine's
-platform key from ``GOVRAY_HOME/keys``), one per ``GOVRAY_HOME``, shared by every launch on the
+platform keys from ``GOVRAY_HOME/keys``, which ``govray keys init`` created: it refuses to start
+without them), one per ``GOVRAY_HOME``, shared by every launch on the
 machine, gone after ``DEV_IDLE_S`` without a request. ``close_channel`` revokes a run's capability
 when its fit ends. Either way the trial's processes never
 load a key: they hold a capability to have their own run's checkpoints sealed. (The development
