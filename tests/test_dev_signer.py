@@ -59,6 +59,9 @@ def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it
     folder = sealed_checkpoint(ChannelSigner(first), tmp_path / "runs" / "a", 10)
     assert verify_checkpoint(folder, platform_trust(platform_key()))[1] == platform_key().keyid
     assert stop_dev_signer() and not Path(first.socket).exists()
+    # Nothing of it is left in the shared socket directory (its start lock lies in the home).
+    assert not Path(first.socket).with_suffix(".pid").exists()
+    assert not Path(first.socket).with_suffix(".lock").exists()
     third = open_channel(tmp_path / "runs" / "c")  # a later launch starts it again
     assert int(Path(third.socket).with_suffix(".pid").read_text()) != pid
 
@@ -92,6 +95,29 @@ def test_a_signer_with_an_idle_exit_stops_once_nobody_has_connected_that_long(tm
     serving.start()
     serving.join(timeout=15)
     assert not serving.is_alive() and time.monotonic() - began >= 1.0
+    server.server_close()
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_development_signer_ends_with_its_home(tmp_path: Path) -> None:
+    """A test session's (or any) ``GOVRAY_HOME`` removed: its development signer stops by itself
+    within seconds, however long its idle exit."""
+    short = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
+    home = tmp_path / "home"
+    home.mkdir()
+    server = SignerServer(
+        Signer(SigningKey.generate(KeyRole.PLATFORM), tmp_path / "state"),
+        short / "s.sock",
+        idle_exit=3600.0,
+        while_exists=home,
+    )
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    serving.join(timeout=1.0)
+    assert serving.is_alive()  # (the home is there)
+    home.rmdir()
+    serving.join(timeout=15)
+    assert not serving.is_alive()
     server.server_close()
     shutil.rmtree(short, ignore_errors=True)
 

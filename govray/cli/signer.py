@@ -10,6 +10,7 @@ mounts) or is asked for; it is never an argument or an environment variable.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from pathlib import Path
 
@@ -103,7 +104,15 @@ def serve(
     path = socket_path if socket_path is not None else root / "signer.sock"
     opens = frozenset(open_uid) if open_uid else None
     signal.signal(signal.SIGTERM, _interrupted)  # stopped: the socket file goes as on Ctrl-C
-    with SignerServer(Signer(key, root / "state", model_key), path, opens, idle_exit) as server:
-        console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
-            server.serve_forever()
+    home = govray_home().resolve() if dev else None  # a development signer ends with its GOVRAY_HOME
+    pid_file = path.with_suffix(".pid")
+    if dev:  # (before the socket answers: whoever started it finds its pid once it does)
+        pid_file.write_text(str(os.getpid()))
+    try:
+        with SignerServer(Signer(key, root / "state", model_key), path, opens, idle_exit, home) as server:
+            console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
+                server.serve_forever()
+    finally:
+        if dev and pid_file.is_file() and pid_file.read_text() == str(os.getpid()):
+            pid_file.unlink()

@@ -79,7 +79,7 @@ def dev_signer() -> Path:
     path = dev_socket(home)
     if _answers(path):
         return path
-    with _lock(path.with_suffix(".lock")):
+    with _lock(home / "signer-dev" / "start.lock"):  # (in the home: gone with it)
         if _answers(path):  # another launch started it meanwhile
             return path
         _start(home, path)
@@ -112,11 +112,21 @@ def stop_dev_signer() -> bool:
             with contextlib.suppress(ChildProcessError):  # (reaped here when this process started it)
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     return True
-            os.kill(pid, 0)  # ProcessLookupError once it is gone
+            if _gone(pid):  # (a zombie its parent, a Ray worker that started it, has not reaped: gone)
+                return True
             time.sleep(0.05)
     except ProcessLookupError:
         return True
     return False  # still there after 10 s
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (it is not there, or only its zombie is)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _private_dir() -> Path:
@@ -145,6 +155,7 @@ def _answers(path: Path) -> bool:
 
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -178,6 +189,3 @@ def _start(home: Path, path: Path) -> None:
             tail = log.read_text(errors="replace")[-2000:]
             raise SignatureError(f"the development signer did not start (its log, {log}):\n{tail}")
         time.sleep(0.05)
-    scratch = path.with_suffix(".pid.tmp")
-    scratch.write_text(str(process.pid))
-    os.replace(scratch, path.with_suffix(".pid"))  # whole, never half a number

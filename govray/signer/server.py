@@ -85,6 +85,7 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         path: Path,
         open_uids: frozenset[int] | None = None,
         idle_exit: float | None = None,
+        while_exists: Path | None = None,
     ) -> None:
         self.signer, self.path = signer, Path(path)
         self.open_uids = open_uids if open_uids is not None else frozenset({os.getuid()})
@@ -92,7 +93,8 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         self._served = threading.Condition()  # connections open now, and when the last one closed
         self._open, self._quiet_since = 0, time.monotonic()
         if idle_exit is not None:  # (a development signer: nobody stops it when its launches end)
-            threading.Thread(target=self._exit_when_idle, args=(idle_exit,), daemon=True).start()
+            watch = threading.Thread(target=self._exit_when_idle, args=(idle_exit, while_exists), daemon=True)
+            watch.start()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_socket():
             self.path.unlink()
@@ -124,11 +126,13 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         with self._served:
             self._quiet_since = time.monotonic()
 
-    def _exit_when_idle(self, idle: float) -> None:
+    def _exit_when_idle(self, idle: float, while_exists: Path | None) -> None:
         """Stop serving once no request has come, and no connection has been open, for ``idle``
-        seconds."""
+        seconds, or once ``while_exists`` (a development signer's ``GOVRAY_HOME``) is gone."""
         while True:
             time.sleep(min(idle, 5.0))
+            if while_exists is not None and not while_exists.exists():
+                break
             with self._served:
                 if self._open == 0 and time.monotonic() - self._quiet_since >= idle:
                     break
