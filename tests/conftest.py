@@ -78,17 +78,36 @@ def no_placement_group_left(request: pytest.FixtureRequest) -> Iterator[None]:
 
     if "ray_session" not in request.fixturenames or not ray.is_initialized():
         return  # (a cluster test's own Ray may be gone by now)
-    from govray.platform.search.placement_guard import held_groups, orphaned_groups, remove_group
+    from govray.platform.search.placement_guard import (
+        held_groups,
+        kill_actor,
+        live_controllers,
+        orphaned_groups,
+        remove_group,
+    )
 
     deadline = time.monotonic() + 10.0  # a controller Tune stopped at the test's end is still dying
-    while any(g.creator_alive for g in held_groups()) and time.monotonic() < deadline:
+    while (any(g.creator_alive for g in held_groups()) or live_controllers()) and time.monotonic() < deadline:
         time.sleep(0.25)
+    # A Train controller still alive now outlived its run: one waiting for CPUs would take them
+    # from the next test's run and retry its worker group forever. Killed (no restart), and named.
+    controllers = sorted(live_controllers())
+    for actor in controllers:
+        kill_actor(actor)
+    if controllers:
+        time.sleep(2.0)  # (a kill is asynchronous: its group is an orphan once it is dead)
     orphans = orphaned_groups()
     for group in orphans:
         remove_group(group)
     held = held_groups()
     holders = _cpus_left_held(timeout=30.0)
-    assert not orphans and not held and not holders, (request.node.nodeid, orphans, held, holders)
+    assert not controllers and not orphans and not held and not holders, (
+        request.node.nodeid,
+        controllers,
+        orphans,
+        held,
+        holders,
+    )
 
 
 def _cpus_left_held(timeout: float) -> list[str]:

@@ -20,6 +20,7 @@ from govray.core.keys import (
     platform_public_key,
 )
 from govray.core.settings import operator_trust
+from govray.signer.local import dev_signer
 
 
 @pytest.fixture
@@ -35,6 +36,11 @@ def test_nothing_creates_a_platform_key_on_use(fresh_home: Path) -> None:
             platform_key(keytype=keytype)
     with pytest.raises(SignatureError, match="no platform key to verify against.*govray keys init"):
         operator_trust()
+    # A run's launch finds no signer to start, and says how to make one; a check of the policy
+    # verifies no checkpoint and needs none.
+    with pytest.raises(SignatureError, match="no signer.*govray keys init"):
+        dev_signer()
+    assert operator_trust(required=False).keys == []
     assert not (fresh_home / "keys").exists()
 
 

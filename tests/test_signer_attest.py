@@ -86,6 +86,7 @@ def test_the_asking_process_loads_no_key_and_the_signers_statements_verify(
         verified = verify_attestation(path, model_dir=checkpoint, trust=trust, expected_kind=kind)
         assert verified.signer == platform_key().keyid
     assert written.model_signature is not None
+    trust.add(platform_key(keytype=KeyType.ECDSA).public_key)  # (the model-signing key)
     signed = verify_model_signature(written.model_signature, checkpoint, trust)
     assert signed.signer == platform_key(keytype=KeyType.ECDSA).keyid
 

@@ -65,9 +65,9 @@ SUBCOMMANDS = {
     "attest": Subcommand(
         "govray.cli.attest:attest",
         "Verify the checkpoint (under the operator's trust; its manifest the one the tracking store\n"
-        "recorded when it was sealed), then write its provenance and coverage statements, signed by the\n"
-        "platform key, under STORAGE/attestations/RUN/ (and, with --model-signing, an OpenSSF model\n"
-        "signature that ``model_signing verify key`` checks).",
+        "recorded when it was sealed), then write its provenance and coverage statements, made and signed\n"
+        "by the platform's signer (this process holds no key), under STORAGE/attestations/RUN/ (and,\n"
+        "with --model-signing, an OpenSSF model signature that ``model_signing verify key`` checks).",
     ),
     "verify": Subcommand(
         "govray.cli.attest:verify",

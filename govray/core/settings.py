@@ -186,17 +186,22 @@ def _loaded(file: str, stamp: tuple[int, int] | None, variables: tuple[str, ...]
         raise ConfigError(f"settings from {where}: {describe_validation_error(error)}") from None
 
 
-def operator_trust(environ: Mapping[str, str] | None = None, key: SigningKey | None = None) -> TrustConfig:
+def operator_trust(
+    environ: Mapping[str, str] | None = None, key: SigningKey | None = None, required: bool = True
+) -> TrustConfig:
     """The operator's trust, the only one a checkpoint or an attestation is verified against: the
     platform key (``key``, the signer's own; by default this machine's public one: verifying reads
     no private key), and the platform keys and
     revocations of the settings' ``trust`` file. Never keys or revocations an experiment file, a
     run spec or a checkpoint carries: the engineer whose run is verified writes those (listing
-    their own key there would launder their weights)."""
+    their own key there would launder their weights). No platform key anywhere is
+    ``SignatureError`` naming ``govray keys init``, or, not ``required``, a trust of none."""
     configured = load_settings(environ).trust
     extra = load_trust(configured) if configured is not None else None
     platform = key.public_key if key is not None else platform_public_key()
     if platform is None and not any(k.role == KeyRole.PLATFORM for k in (extra.keys if extra else [])):
+        if not required:  # (a policy check or an ingest verifies no checkpoint: it needs no key yet)
+            return platform_trust(None, extra)
         held = platform_key_path().with_suffix(".pub")
         raise SignatureError(
             f"no platform key to verify against: neither this machine's ({held}: `govray keys init`) "

@@ -6,10 +6,11 @@ not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an 
 not offer, a field it does not know — with an answer saying why; the signer never unpickles.
 
 Ops: ``open_run`` (a capability for one run's checkpoints), ``close_run`` (its revocation, when
-the fit ends), ``seal`` (one checkpoint of that run) and ``attest`` (the signed statements of a
+the fit ends), ``seal`` (one checkpoint of that run), ``attest`` (the signed statements of a
 checkpoint that verifies, and its model signature: the signer verifies it, builds them from what
-verified and signs them). ``open_run``, ``close_run`` and ``attest`` are the operator's: only the
-OS users the signer was told (the launch's, the platform's commands') may ask. The signer signs
+verified and signs them) and ``derive`` (a registered version without an adapter, sealed only if
+its folder holds exactly what the signer recomputes). All but ``seal`` are the operator's: only
+the OS users the signer was told (the launch's, the platform's commands') may ask. The signer signs
 nothing else, and for a run's channel nothing but that run's seals: no bytes a caller chose.
 
 Example::
@@ -87,9 +88,25 @@ class AttestRequest(BaseModel):
     model_signature: bool = False
 
 
-AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | AttestRequest
-OPS = ("open_run", "close_run", "seal", "attest")
-OPERATOR_OPS = ("open_run", "close_run", "attest")  # asked by the operator's OS users only
+class DeriveRequest(BaseModel):
+    """Seal ``directory`` (``STORAGE/models/NAME/VERSION``) as the version of ``source`` (a
+    registered version's folder) without adapter ``adapter``: the signer verifies the source and
+    ``source_attestation`` (its provenance envelope, JSON), recomputes every file the version must
+    hold and seals it only if it holds exactly those. ``source_uri``: ``govray:model/NAME/VERSION``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["derive"]
+    source: str
+    adapter: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    directory: str
+    source_uri: str = Field(pattern=r"^govray:model/[^/\s]+/[0-9]+$")
+    source_attestation: str
+
+
+AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | AttestRequest | DeriveRequest
+OPS = ("open_run", "close_run", "seal", "attest", "derive")
+OPERATOR_OPS = ("open_run", "close_run", "attest", "derive")  # asked by the operator's OS users only
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 

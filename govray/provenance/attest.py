@@ -35,6 +35,7 @@ Verifying them (signature, statement, every subject's digest) is :mod:`govray.pr
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,16 @@ def sign_attestation(
     model_key: SigningKey | None = None,
     derivation: Derivation | None = None,
     recorded_manifest: str | None = None,
+    derivations: Callable[[str], Derivation | None] | None = None,
 ) -> SignedAttestation:
     """Verify ``checkpoint`` under ``trust`` (a tampered one is refused; ``recorded_manifest``:
     the manifest's sha256 the tracking store recorded when it was sealed, another manifest is
     ``CheckpointError``, exit 10), build both statements from what verified and sign them with
     ``key``; with ``model_key`` (the platform's ECDSA key) also sign the directory for
     ``model_signing``. Writes nothing: the platform's signer runs this (``govray.signer``), and
-    every statement it signs is one it built from files it verified, never bytes a caller chose."""
+    every statement it signs is one it built from files it verified, never bytes a caller chose.
+    ``derivations``: the derivation the signer recorded when it sealed a derived version, by the
+    sha256 of its manifest (``Signer.derive``)."""
     if recorded_manifest is not None:
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     try:
@@ -132,6 +136,8 @@ def sign_attestation(
         raise AttestationError(f"refusing to attest: {error}") from None
     if recorded_manifest is not None:  # (and still the recorded one, once verified)
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
+    if derivation is None and derivations is not None:
+        derivation = derivations(loaded.manifest_digest)
     routing = spec.routing
     subjects = model_subjects(checkpoint, trust)
     moment = signing_time()

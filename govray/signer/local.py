@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from govray.core.errors import SignatureError
-from govray.core.keys import govray_home
+from govray.core.keys import govray_home, platform_key_path
 from govray.core.settings import load_settings
 from govray.train.checkpoints.signer import SignerChannel, SignerClient
 
@@ -79,6 +79,11 @@ def dev_signer() -> Path:
     path = dev_socket(home)
     if _answers(path):
         return path
+    if not platform_key_path(home).exists():
+        raise SignatureError(
+            f"no signer: the settings name none (signer.socket) and this machine has no platform key for "
+            f"a development signer ({platform_key_path(home)}): create it once with `govray keys init`"
+        )
     with _lock(home / "signer-dev" / "start.lock"):  # (in the home: gone with it)
         if _answers(path):  # another launch started it meanwhile
             return path

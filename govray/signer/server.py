@@ -33,6 +33,7 @@ from govray.core.signer_wire import (
     OPERATOR_OPS,
     AttestRequest,
     CloseRunRequest,
+    DeriveRequest,
     OpenRunRequest,
     WireError,
     parse_request,
@@ -40,6 +41,7 @@ from govray.core.signer_wire import (
     send,
 )
 from govray.signer.service import Signer
+from govray.train.checkpoints.sealing import Sealed
 
 IDLE_TIMEOUT_S = 600.0  # a connection silent this long between frames is closed
 MAX_CONNECTIONS = 64  # served at once; one more is answered "busy" and closed
@@ -156,6 +158,15 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                 return {"ok": True, "capability": capability, "after_step": after}
             if isinstance(request, AttestRequest):
                 return self._attested(request)
+            if isinstance(request, DeriveRequest):
+                sealed = self.signer.derive(
+                    request.source,
+                    request.adapter,
+                    request.directory,
+                    request.source_uri,
+                    request.source_attestation,
+                )
+                return _sealed_answer(sealed)
             sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
         except GovrayError as error:  # (its kind travels: the client raises the same, exit code and all)
             return {"ok": False, "error": str(error), "kind": type(error).__name__}
@@ -165,11 +176,7 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
             return {"ok": False, "error": "the request would take more memory than the signer has"}
         except ValueError as error:  # (a path holding a NUL byte, a number out of range ...)
             return {"ok": False, "error": f"the request cannot name a run or a folder: {error}"}
-        return {
-            "ok": True,
-            "manifest": base64.b64encode(sealed.manifest).decode(),
-            "envelope": sealed.envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
-        }
+        return _sealed_answer(sealed)
 
     def _attested(self, request: AttestRequest) -> dict[str, Any]:
         signed = self.signer.attest(request.checkpoint, request.recorded_manifest, request.model_signature)
@@ -186,3 +193,11 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
     ) -> None:
         super().__exit__(kind, error, trace)
         self.path.unlink(missing_ok=True)
+
+
+def _sealed_answer(sealed: Sealed) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "manifest": base64.b64encode(sealed.manifest).decode(),
+        "envelope": sealed.envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }

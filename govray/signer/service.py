@@ -57,10 +57,12 @@ from govray.train.checkpoints.sealing import (
 
 if TYPE_CHECKING:
     from govray.provenance.attest import SignedAttestation
+    from govray.provenance.predicates import Derivation
 
 RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its sealed steps
 MAX_MANIFEST = 256 << 20  # bytes: a manifest the signer reads back (a 1 TiB checkpoint's: ~70 MB)
 SEALS_FILE = "seals.jsonl"  # every seal the signer made, one JSON object a line
+DERIVED_FILE = "derived.jsonl"  # every version it sealed as derived from another, by manifest sha256
 
 __all__ = ["SealRefused", "Sealed", "Signer"]
 
@@ -80,6 +82,7 @@ class Signer:
         self._lock = threading.Lock()  # the record of runs (held briefly, never while hashing)
         self._sealing: dict[str, threading.Lock] = {}  # per run: the seal in progress
         self._runs: dict[str, dict[str, object]] = self._read_runs()
+        self._derived: dict[str, Derivation] = self._read_derived()  # manifest sha256 → derivation
 
     def open_run(self, run_dir: str) -> tuple[str, int]:
         """A new capability for the run in ``run_dir`` (an absolute path), and the last step the
@@ -147,7 +150,62 @@ class Signer:
             operator_trust(key=self.key),
             model_key=self.model_key if model_signature else None,
             recorded_manifest=recorded_manifest,
+            derivations=self._derived.get,
         )
+
+    def derive(self, source: str, adapter: str, directory: str, source_uri: str, envelope: str) -> Sealed:
+        """Seal ``directory`` as the version of verified ``source`` without ``adapter``, if it
+        holds exactly that version's files (``govray.provenance.derivation.expected_files``);
+        ``envelope``: the source's provenance attestation, whose removed adapters and excluded
+        corpora the derivation continues. The derivation is recorded by the manifest's sha256
+        (``derived.jsonl``): ``attest`` states it."""
+        from govray.provenance.derivation import (
+            DerivedRecord,
+            derivation_of,
+            derived_state,
+            expected_files,
+            verified_source_statement,
+        )
+        from govray.provenance.locations import signed_run_spec
+        from govray.train.checkpoints.files import load_checkpoint
+
+        paths = [Path(source), Path(directory)]
+        if any(not path.is_absolute() or ".." in path.parts for path in paths):
+            raise SealRefused("a source and a version's folder are named by absolute paths without '..'")
+        folder = paths[1].resolve()
+        if not folder.name.isdigit() or folder.parent.parent.name != "models":
+            raise SealRefused(
+                f"{directory}: a derived version's folder is STORAGE/models/NAME/VERSION "
+                "(never a run's checkpoint)"
+            )
+        trust = operator_trust(key=self.key)
+        loaded = load_checkpoint(paths[0], trust)
+        if adapter not in loaded.state.adapters:
+            raise SealRefused(f"{source} carries no adapter {adapter!r}")
+        spec = signed_run_spec(paths[0], trust)
+        statement = verified_source_statement(envelope.encode(), paths[0], trust)
+        state = derived_state(loaded.state, adapter)
+        expected = expected_files(paths[0], trust, spec, state, adapter)
+        sealed = seal_folder(
+            self.key, folder.parent.name, folder, state.step, {}, base_store_of(folder.parent)
+        )
+        held = Manifest.model_validate_json(sealed.manifest).files
+        if held != expected:
+            wrong = sorted(name for name in set(held) | set(expected) if held.get(name) != expected.get(name))
+            raise SealRefused(
+                f"{directory}: not {source} without adapter {adapter!r} "
+                f"(files that differ: {', '.join(wrong)})"
+            )
+        record = DerivedRecord(
+            hashlib.sha256(sealed.manifest).hexdigest(),
+            derivation_of(spec, loaded.state, adapter, statement, source_uri, envelope.encode()),
+        )
+        with self._lock, open(self.state_dir / DERIVED_FILE, "a") as kept:
+            kept.write(record.to_json() + "\n")
+            kept.flush()
+            os.fsync(kept.fileno())
+            self._derived[record.manifest_sha256] = record.derivation
+        return sealed
 
     def close_run(self, run_dir: str) -> None:
         """Revoke the run's capability (its fit ended); its record of sealed steps stays."""
@@ -189,6 +247,15 @@ class Signer:
             if secrets.compare_digest(str(run.get("capability", "")), digest):
                 return run_dir
         raise SealRefused("unknown or revoked capability: open the run again (a resume revokes the last)")
+
+    def _read_derived(self) -> dict[str, Derivation]:
+        path = self.state_dir / DERIVED_FILE
+        if not path.is_file():
+            return {}
+        from govray.provenance.derivation import DerivedRecord
+
+        records = [DerivedRecord.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+        return {record.manifest_sha256: record.derivation for record in records}
 
     def _read_runs(self) -> dict[str, dict[str, object]]:
         path = self.state_dir / RUNS_FILE

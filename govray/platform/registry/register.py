@@ -27,7 +27,7 @@ from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.identifiers import Description, Label, TagKey, TagValue, check
-from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, platform_key
+from govray.core.keys import KeyRole, TrustConfig, load_trust
 from govray.core.settings import load_settings, operator_trust, settings_path
 from govray.core.storage import open_storage
 from govray.governance.policy import UNSIGNED_POLICY
@@ -43,10 +43,11 @@ from govray.platform.registry.versions import (
     storage_of,
 )
 from govray.platform.run.plan import PlanError, recorded_final_folder
-from govray.provenance.attest import Attestation, attest_checkpoint
+from govray.provenance.attest import Attestation
+from govray.provenance.derivation import EMPTY_OPTIMIZER, derived_state
 from govray.provenance.locations import signed_run_spec
-from govray.provenance.predicates import Derivation
 from govray.signer.attesting import attest
+from govray.signer.local import signer_socket
 from govray.tracking.audit import AuditEventType, AuditLog
 from govray.tracking.lineage import checkpoint_at
 from govray.tracking.registry import (
@@ -64,9 +65,10 @@ from govray.train.checkpoints.files import (
     CheckpointError,
     load_checkpoint,
     model_file,
-    seal_checkpoint,
+    stage_checkpoint,
 )
-from govray.train.checkpoints.signer import KeySigner
+from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
+from govray.train.checkpoints.signer import SignerClient
 from govray.train.checkpoints.whole_file import shards_only, write_whole_model
 from govray.train.runspec import RUN_SPEC_FILE
 from govray.train.step.ledger import Ledger
@@ -138,9 +140,7 @@ def set_tags(
     return resolve(store, ref)
 
 
-def remove_adapter(
-    store: TrackingStore, ref: str, adapter: str, *, key: SigningKey | None = None
-) -> RegisteredVersion:
+def remove_adapter(store: TrackingStore, ref: str, adapter: str) -> RegisteredVersion:
     """A new version of ``ref``'s model without adapter ``adapter``: its file gone, its tensors out
     of the ledger, and an attestation listing the corpora that now reach no tensor at all."""
     adapter = check(Label, adapter, "adapter name", RegistryError)
@@ -154,7 +154,6 @@ def remove_adapter(
         raise RegistryError(
             f"{source.ref} carries no adapter '{adapter}' (adapters: {', '.join(present) or 'none'})"
         )
-    key = key if key is not None else platform_key()  # (not yet the signer's: a derived version's seal)
     trust = operator_trust()
     try:
         loaded = load_checkpoint(source.directory, trust)
@@ -182,24 +181,22 @@ def remove_adapter(
         if path != adapter_file:
             shutil.copy2(path, directory / path.name)
     (directory / RUN_SPEC_FILE).write_text(spec.model_dump_json(indent=1))
-    state = loaded.state.model_copy(
-        update={
-            "ledger": kept.to_json(),
-            "adapters": [name for name in loaded.state.adapters if name != adapter],
-            "clean_step": None,
-            "clean_ledgers": {},
-            "sharding": {},  # the version holds the whole model (a sharded source's, put together)
-        }
+    stage_checkpoint(directory, EMPTY_OPTIMIZER, derived_state(loaded.state, adapter))
+    # The signer recomputes every file of the version from the verified source and seals it only
+    # if the folder holds exactly those; it records the derivation, which its attestation states.
+    socket = signer_socket()
+    sealed = SignerClient(socket).derive(
+        str(source.directory.resolve()),
+        adapter,
+        str(directory.resolve()),
+        source.uri,
+        source_attestation.envelope_json,
     )
-    seal_checkpoint(directory, {"state": {}, "param_groups": []}, state, KeySigner(key))
+    (directory / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (directory / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
     removed = (*source.removed_adapters, adapter)
-    written = attest_checkpoint(
-        directory,
-        key,
-        model_key=platform_key(keytype=KeyType.ECDSA),
-        derivation=Derivation(removed, excluded, source.uri, envelope_sha256(source_attestation)),
-        destination=derived_prefix(storage, source.model, number),
-    )
+    destination = derived_prefix(storage, source.model, number)
+    written = attest(directory, model_signature=True, destination=destination, socket=socket)
     version = _addregistered_version(
         store,
         source.model,

@@ -127,6 +127,20 @@ def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict[str,
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def stage_checkpoint(
+    directory: Path, optimizer_state: dict[str, Any], state: CheckpointState, sharded: bool = False
+) -> None:
+    """Write the optimizer state and ``state.json`` into a directory holding the weight files (no
+    manifest: a stale one is removed), ready to be sealed; ``sharded``: only ``optimizer.json``."""
+    optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
+    if not sharded:
+        save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
+    (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
+    (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
+    for stale in (MANIFEST_FILE, SIGNATURE_FILE):  # (a killed attempt's, maybe a hard link)
+        (directory / stale).unlink(missing_ok=True)
+
+
 def seal_checkpoint(
     directory: Path,
     optimizer_state: dict[str, Any],
@@ -142,13 +156,7 @@ def seal_checkpoint(
     holding it (``{MODEL_FILE: sha256}``, from ``govray.train.checkpoints.base_file.FrozenBase``).
     ``sharded``: the optimizer tensors are in every rank's shard files (already written): only
     ``optimizer.json`` is written here."""
-    optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
-    if not sharded:
-        save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
-    (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
-    (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
-    for stale in (MANIFEST_FILE, SIGNATURE_FILE):  # (a killed attempt's, maybe a hard link)
-        (directory / stale).unlink(missing_ok=True)
+    stage_checkpoint(directory, optimizer_state, state, sharded)
     sealed = signer.seal(directory, state.step, dict(referenced or {}))
     (directory / MANIFEST_FILE).write_bytes(sealed.manifest)
     (directory / SIGNATURE_FILE).write_text(sealed.envelope.to_json())

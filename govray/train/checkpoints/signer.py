@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from govray.core.dsse import Envelope
 from govray.core.errors import AttestationError, ConfigError, GovrayError, SignatureError
 from govray.core.keys import KeyRole, SigningKey
-from govray.core.signer_wire import AttestRequest, SealRequest, receive, send
+from govray.core.signer_wire import AttestRequest, DeriveRequest, SealRequest, receive, send
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, CheckpointError
 from govray.train.checkpoints.sealing import Sealed, base_store_of, seal_folder
 
@@ -108,6 +108,22 @@ class SignerClient:
             model_signature=model_signature,
         )
         return self.ask(request.model_dump())
+
+    def derive(
+        self, source: str, adapter: str, directory: str, source_uri: str, source_attestation: str
+    ) -> Sealed:
+        """The signer's manifest of ``directory`` as the version of ``source`` without ``adapter``
+        (it checks every file against its own recomputation), and its envelope."""
+        request = DeriveRequest(
+            op="derive",
+            source=source,
+            adapter=adapter,
+            directory=directory,
+            source_uri=source_uri,
+            source_attestation=source_attestation,
+        )
+        answer = self.ask(request.model_dump())
+        return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request's answer; ``SignatureError`` when the signer is not there, or the error the
