@@ -22,8 +22,12 @@ from govray.core.dsse import sign_envelope
 from govray.core.errors import AttestationError
 from govray.core.keys import KeyRole, SigningKey, platform_key
 from govray.core.settings import operator_trust
+from govray.core.storage import open_storage
 from govray.platform.registry.register import register
 from govray.platform.registry.versions import RegistryError
+from govray.platform.rerun.resume import refuse_a_changed_run_spec
+from govray.platform.run.plan import run_spec_path
+from govray.platform.run.runner import TrainingFailed
 from govray.signer.attesting import attest
 from govray.tracking.lineage import checkpoints
 from govray.tracking.store import TrackingStore
@@ -160,3 +164,19 @@ def test_a_manifest_differing_from_the_one_recorded_when_sealed_is_refused_even_
         attest(folder, recorded_manifest=copied.recorded)
     assert main(["attest", str(folder), "--database", copied.store.url]) == CheckpointError.exit_code
     assert "not the one the tracking store recorded" in capsys.readouterr().err
+
+
+def test_a_run_spec_changed_on_storage_is_refused_by_a_resume(copied: Copied) -> None:
+    """``runs/RUN.json`` is what a resume rebuilds the run from, and the engineer can write it: a
+    resume trains on only if it is the spec the run's newest verified checkpoint sealed."""
+    storage = open_storage(str(copied.checkpoint.parents[2]))
+    run_name = copied.checkpoint.parent.name
+    refuse_a_changed_run_spec(storage, run_name, operator_trust())  # as sealed: resumes
+    path = run_spec_path(storage, run_name)
+    document = json.loads(path.read_text())
+    document["excluded_corpora"] = ["digits-writers"]  # a plan the checkpoints were never signed for
+    path.write_text(json.dumps(document, indent=1))
+    with pytest.raises(
+        TrainingFailed, match=r"runs/.*\.json is not the run spec the run's checkpoint checkpoint_"
+    ):
+        refuse_a_changed_run_spec(storage, run_name, operator_trust())

@@ -164,3 +164,31 @@ def test_a_tampered_checkpoint_is_refused_by_the_signer_with_its_own_kind(
     ):
         attest(copy)
     assert not (storage / "attestations").exists()
+
+
+def test_what_is_attested_is_what_verified_not_what_lies_there_a_moment_later(
+    golden_run: GoldenRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the signer's verification and its statement, the engineer (who can write the folder)
+    plants an adapter and flips a byte of the base: the statement names the files and digests that
+    verified, never the planted ones."""
+    from govray.provenance import attest as attest_module
+    from govray.provenance.attest import sign_attestation
+
+    checkpoint = copied(final_checkpoint(golden_run.outcome.run_dir), tmp_path / "storage")
+    verified = attest_module.load_checkpoint
+
+    def then_swapped(directory: Path, trust: object) -> object:
+        loaded = verified(directory, trust)  # type: ignore[arg-type]
+        (directory / "adapter-planted.safetensors").write_bytes(b"planted")
+        model = directory / "model.safetensors"
+        data = bytearray(model.read_bytes())
+        data[-1] ^= 1
+        model.write_bytes(bytes(data))
+        return loaded
+
+    monkeypatch.setattr(attest_module, "load_checkpoint", then_swapped)
+    listed = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    signed = sign_attestation(checkpoint, platform_key(), operator_trust())
+    assert "adapter-planted.safetensors" not in signed.subjects
+    assert signed.subjects == {name: listed[name] for name in signed.subjects}

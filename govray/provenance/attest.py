@@ -34,6 +34,7 @@ Verifying them (signature, statement, every subject's digest) is :mod:`govray.pr
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,10 +57,11 @@ from govray.train.checkpoints.files import (
     load_checkpoint,
     model_file,
 )
-from govray.train.checkpoints.manifest import refuse_unrecorded_manifest
+from govray.train.checkpoints.manifest import Manifest, refuse_unrecorded_manifest
 from govray.train.checkpoints.whole_file import shards_only, whole_model_sha256
 
 KINDS = ("provenance", "coverage")
+ADAPTER_FILE = re.compile(r"adapter-[^/]+\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,20 @@ class Attestation:
     model_signature: Path | None = None  # the OpenSSF model signature, when asked for
 
 
-def model_subjects(directory: Path, trust: TrustConfig) -> list[dict[str, Any]]:
+def model_subjects(
+    directory: Path, trust: TrustConfig, manifest: Manifest | None = None
+) -> list[dict[str, Any]]:
     """The model files of a checkpoint or model directory, by name and sha256: the base (the run's
     base file when the checkpoint refers to it: ``govray.train.checkpoints.base_file``; of a sharded
     checkpoint, the ``model.safetensors`` its shards, verified against ``trust``, put together,
-    hashed streaming and never written: ``govray.train.checkpoints.whole_file``), then each adapter in name
-    order."""
+    hashed streaming and never written: ``govray.train.checkpoints.whole_file``), then each adapter
+    in name order. With the folder's verified ``manifest``, the files and digests are the ones it
+    lists: nothing is read again after it verified (a file swapped or added since is not named)."""
+    listed = manifest.files if manifest is not None else None
     base = model_file(directory)
-    if shards_only(directory):
+    if listed is not None and MODEL_FILE in listed:
+        digest = listed[MODEL_FILE]
+    elif shards_only(directory):
         try:
             digest = whole_model_sha256(directory, trust)
         except CheckpointError as error:
@@ -90,10 +98,13 @@ def model_subjects(directory: Path, trust: TrustConfig) -> list[dict[str, Any]]:
         raise AttestationError(f"{base}: missing (the base model {directory} refers to by sha256)")
     else:
         raise AttestationError(f"{directory}: no {MODEL_FILE} (not a checkpoint or model directory)")
-    adapters = sorted(directory.glob("adapter-*.safetensors"))
+    if listed is not None:
+        adapters = {name: d for name, d in sorted(listed.items()) if ADAPTER_FILE.fullmatch(name)}
+    else:
+        adapters = {path.name: file_sha256(path) for path in sorted(directory.glob("adapter-*.safetensors"))}
     return [
         {"name": MODEL_FILE, "digest": {"sha256": digest}},
-        *({"name": path.name, "digest": {"sha256": file_sha256(path)}} for path in adapters),
+        *({"name": name, "digest": {"sha256": d}} for name, d in adapters.items()),
     ]
 
 
@@ -139,7 +150,7 @@ def sign_attestation(
     if derivation is None and derivations is not None:
         derivation = derivations(loaded.manifest_digest)
     routing = spec.routing
-    subjects = model_subjects(checkpoint, trust)
+    subjects = model_subjects(checkpoint, trust, loaded.manifest)  # (as verified: nothing read again)
     moment = signing_time()
     predicate = provenance(
         spec,

@@ -28,6 +28,7 @@ from govray.provenance.attest import model_subjects
 from govray.provenance.predicates import Derivation
 from govray.provenance.statement_types import PAYLOAD_TYPE, PROVENANCE_TYPE
 from govray.train.checkpoints.files import MODEL_FILE, CheckpointState, stage_checkpoint
+from govray.train.checkpoints.manifest import Manifest
 from govray.train.runspec import RUN_SPEC_FILE, RunSpec
 from govray.train.step.ledger import Ledger
 
@@ -77,7 +78,9 @@ def derivation_of(
     )
 
 
-def verified_source_statement(envelope: bytes, source: Path, trust: TrustConfig) -> dict[str, Any]:
+def verified_source_statement(
+    envelope: bytes, source: Path, trust: TrustConfig, manifest: Manifest
+) -> dict[str, Any]:
     """The provenance statement in ``envelope``, signed by a trusted platform key and about exactly
     the model files of ``source`` (by sha256); anything else is ``AttestationError``."""
     try:
@@ -91,19 +94,19 @@ def verified_source_statement(envelope: bytes, source: Path, trust: TrustConfig)
     if statement.get("predicateType") != PROVENANCE_TYPE:
         raise AttestationError("the source's attestation is not a provenance statement")
     attested = {s["name"]: s["digest"]["sha256"] for s in statement.get("subject", [])}
-    held = {s["name"]: s["digest"]["sha256"] for s in model_subjects(source, trust)}
+    held = {s["name"]: s["digest"]["sha256"] for s in model_subjects(source, trust, manifest)}
     if attested != held:
         raise AttestationError(f"the source's attestation is not about {source}'s model files")
     return statement
 
 
 def expected_files(
-    source: Path, trust: TrustConfig, spec: RunSpec, state: CheckpointState, adapter: str
+    source: Path, trust: TrustConfig, manifest: Manifest, spec: RunSpec, state: CheckpointState, adapter: str
 ) -> dict[str, str]:
     """Every file the derived version's folder holds, by sha256: the source's base and its other
-    adapters, its run spec as signed, and the derived state and (empty) optimizer as
-    ``stage_checkpoint`` writes them."""
-    subjects = {s["name"]: s["digest"]["sha256"] for s in model_subjects(source, trust)}
+    adapters (as its verified ``manifest`` lists them), its run spec as signed, and the derived
+    state and (empty) optimizer as ``stage_checkpoint`` writes them."""
+    subjects = {s["name"]: s["digest"]["sha256"] for s in model_subjects(source, trust, manifest)}
     files = {name: digest for name, digest in subjects.items() if name != adapter_file(adapter)}
     files[RUN_SPEC_FILE] = hashlib.sha256(spec.model_dump_json(indent=1).encode()).hexdigest()
     with tempfile.TemporaryDirectory() as scratch:

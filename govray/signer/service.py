@@ -183,9 +183,9 @@ class Signer:
         if adapter not in loaded.state.adapters:
             raise SealRefused(f"{source} carries no adapter {adapter!r}")
         spec = signed_run_spec(paths[0], trust)
-        statement = verified_source_statement(envelope.encode(), paths[0], trust)
+        statement = verified_source_statement(envelope.encode(), paths[0], trust, loaded.manifest)
         state = derived_state(loaded.state, adapter)
-        expected = expected_files(paths[0], trust, spec, state, adapter)
+        expected = expected_files(paths[0], trust, loaded.manifest, spec, state, adapter)
         sealed = seal_folder(
             self.key, folder.parent.name, folder, state.step, {}, base_store_of(folder.parent)
         )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from govray.config.experiment import ExperimentConfig
+from govray.core.keys import TrustConfig
 from govray.core.storage import Storage, open_storage
 from govray.platform.mlflow_mirror import mirrored
 from govray.platform.rerun.world_history import (
@@ -41,8 +42,9 @@ from govray.platform.search.began import search_began
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialRecord, TrialState
 from govray.train.checkpoints.files import checkpoint_step, find_checkpoints
+from govray.train.checkpoints.manifest import CheckpointError, listed_bytes, signed_manifest
 from govray.train.reproduce.snapshots import verify_input_digests
-from govray.train.runspec import RunSpec, read_run_spec
+from govray.train.runspec import RUN_SPEC_FILE, RunSpec, read_run_spec
 from govray.train.trial import make_trial
 
 # The spec a segment of a replay trains with, from the replay's own (named) spec.
@@ -120,6 +122,7 @@ def resume_trial(
     path = run_spec_path(storage, trial.ray_run_name)
     if not storage.fetch(path):
         raise TrainingFailed(f"trial {trial.id}: {path} is missing; the run cannot be rebuilt")
+    refuse_a_changed_run_spec(storage, trial.ray_run_name, checked.trust)
     spec = read_run_spec(path)
     if spec.policy_digest != checked.policy.digest:
         raise TrainingFailed(
@@ -140,6 +143,28 @@ def resume_trial(
     fit = Fit(checked, storage, experiment, store, trial.id, trial.ray_run_name, progress, code)
     with mirrored(store, config.tracking.mlflow, trial.experiment_id):
         return fit(config, spec) if left is None else _train_segments(fit, config, spec, left)
+
+
+def refuse_a_changed_run_spec(storage: Storage, run_name: str, trust: TrustConfig) -> None:
+    """The run spec on storage (``runs/RUN.json``: what a resume rebuilds the run from, and a file
+    the engineer can write) must be, byte for byte, the one the run's newest checkpoint that
+    verifies under ``trust`` sealed: a resume never trains another plan than the run's checkpoints
+    are signed for. A run with no such checkpoint yet starts over and has nothing to compare."""
+    path = run_spec_path(storage, run_name)
+    held = path.read_bytes()
+    for folder in reversed(find_checkpoints(storage.root / "ray" / run_name)):
+        try:
+            manifest, _ = signed_manifest(folder, trust)
+            sealed = listed_bytes(folder, manifest, RUN_SPEC_FILE)
+        except CheckpointError:
+            continue  # (the resume passes over it too)
+        if sealed != held:
+            raise TrainingFailed(
+                f"{path} is not the run spec the run's checkpoint {folder.name} sealed: resume refused "
+                "(a spec changed on storage would train another plan than the run's checkpoints are "
+                "signed for; put back the sealed one, its run.json)"
+            )
+        return
 
 
 def replay_segments_left(
