@@ -8,8 +8,8 @@ hands over no digests and no bytes to sign: the sealer lists and hashes the fold
   platform's signer (``govray signer serve``, a separate process that holds the platform key and
   never imports trial code) over its Unix socket, with the capability the run's launch opened for
   this run (``SignerChannel``, in the ``Attempt``). The worker process never holds a key.
-- ``KeySigner`` is the platform's own commands' (``model register`` seals a registered version
-  with the key the operator's process holds); it runs the same sealing in that process.
+- ``KeySigner`` seals in the process that holds the key: the signer service's own sealing runs
+  the same code (``sealing.seal_folder``); no platform command uses it any more (tests and tools do).
 - ``NoSigner``: a worker built for a tool, outside any run, seals nothing (and so writes no
   checkpoint).
 
@@ -181,7 +181,8 @@ class ChannelSigner:
 
 
 class KeySigner:
-    """A platform key its holder seals with (the operator's own process, never a worker's)."""
+    """A platform key its holder seals with, in process (tests and tools; never a worker's, and no
+    platform command's: those ask the signer)."""
 
     signs = True
 
