@@ -2,7 +2,7 @@
 everything its processes can reach — its environment, every readable process's environment and
 command line, every string on its stack (the worker's attempt, spec and signer channel among them),
 every file it can read below ``/tmp`` and its working directory (Ray's session, the storage, the
-checkpoints) — while rank 0's checkpoints are sealed by the platform's signer: none of it holds the
+checkpoints) written since the key was made (an older file cannot hold it) — while rank 0's checkpoints are sealed by the platform's signer: none of it holds the
 key, in any form (its PEM, its raw bytes, their hex or base64), and every checkpoint verifies
 under the operator's trust, signed by that key.
 
@@ -42,6 +42,12 @@ def key_forms() -> list[bytes]:
     return [body, raw, raw.hex().encode(), base64.b64encode(raw), base64.urlsafe_b64encode(raw).rstrip(b"=")]
 
 
+def key_made() -> float:
+    """When the platform key was written (seconds since the epoch, a second early for filesystems
+    with coarse timestamps): no file last written before then can hold it."""
+    return platform_key_path().stat().st_mtime - 1.0
+
+
 def holds_key(data: bytes, forms: list[bytes]) -> bool:
     return any(form in data for form in forms)
 
@@ -55,8 +61,14 @@ def searched_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) ->
         root,
         workers=2,
         max_length={"batches": 4},
-        hparams={**GOLDEN_HPARAMS, "probe_dir": str(probes)},
+        hparams={
+            **GOLDEN_HPARAMS,
+            "probe_dir": str(probes),
+            "probe_since": key_made(),
+            "probe_after": str(root / "storage" / "ray" / "*" / "checkpoint_00000002" / "manifest.sig"),
+        },
         lr_schedule=False,
+        checkpoint={"period": 2, "save_trial_latest": 10},  # sealed at step 2, searched in step 3
         trial="tests.helpers.key_search_trial:KeySearchingDigitsTrial",
     )
     config, store, checked, experiment, ingested = opened(example)
@@ -71,6 +83,7 @@ def test_a_trial_that_searches_all_it_can_reach_finds_no_platform_key_while_its_
     forms = key_forms()
     found = [json.loads(path.read_text()) for path in sorted(probes.glob("*.json"))]
     assert len({entry["pid"] for entry in found}) >= 3  # the driver's routing build and both workers'
+    assert len(found) >= 5  # ... and both workers again in step 3
     run_dir = Path(outcome.run_dir)  # type: ignore[attr-defined]
     checkpoints = find_checkpoints(run_dir)
     assert checkpoints
@@ -90,7 +103,8 @@ def test_a_trial_that_searches_all_it_can_reach_finds_no_platform_key_while_its_
     # storage's checkpoints ...
     stacks = "".join(text for entry in found for text in entry["stack"])
     assert re.search(r"""['"]capability['"]:\s*['"][A-Za-z0-9_-]{40,}['"]""", stacks)
-    assert any(path.endswith("manifest.sig") for path in searched_files)
+    sealed = {str(folder / "manifest.sig") for folder in checkpoints}
+    assert sealed & searched_files  # the step-2 checkpoint, which the step-3 searches reached
     # ... and found no key there: no file it could read holds one.
     holding = []
     for name in sorted(searched_files):
