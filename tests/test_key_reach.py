@@ -2,9 +2,10 @@
 everything its processes can reach — its environment, every readable process's environment and
 command line, every string on its stack (the worker's attempt, spec and signer channel among them),
 every file it can read below ``/tmp`` and its working directory (Ray's session, the storage, the
-checkpoints) written since the key was made (an older file cannot hold it) — while rank 0's checkpoints are sealed by the platform's signer: none of it holds the
-key, in any form (its PEM, its raw bytes, their hex or base64), and every checkpoint verifies
-under the operator's trust, signed by that key.
+checkpoints) written since the key was made (an older file cannot hold it), searched again once a
+checkpoint was sealed — while rank 0's checkpoints are sealed by the platform's signer: none of it
+holds the key, in any form (its PEM, its raw bytes, their hex or base64), and every checkpoint
+verifies under the operator's trust, signed by that key.
 
 ``GOVRAY_HOME`` is left out of the search: this machine's development signer runs as the test's
 own OS user, so its key file there is readable by design (the deployment's OS users close that:

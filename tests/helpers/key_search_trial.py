@@ -1,8 +1,8 @@
 """The digits trial, searching for the platform's key as a bad-faith engineer's trial would: every
 ``build_model`` call (on the driver's meta-device routing build and on each worker), and each
 worker's first ``loss`` call once a file matches the glob its hyperparameter ``probe_after`` names
-(a sealed checkpoint's signature), writes one JSON file into the directory its hyperparameter ``probe_dir`` names, holding
-everything the process could reach:
+(a sealed checkpoint's signature), writes one JSON file into the directory its hyperparameter
+``probe_dir`` names, holding everything the process could reach:
 
 - its environment, and the environment and command line of every process it can read
   (``/proc/*/environ``, ``/proc/*/cmdline``: Ray's workers, raylets, the driver, the signer);
