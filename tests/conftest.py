@@ -18,10 +18,11 @@ from govray.core.keys import (
     KeyRole,
     SigningKey,
     TrustConfig,
+    govray_home,
     init_platform_keys,
     save_trust,
 )
-from govray.core.settings import OVERRIDES
+from govray.core.settings import OVERRIDES, SETTINGS_FILE
 from govray.tracking.store import TrackingStore
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS, copy_example, save_experiment
 from jobs.examples.digits.golden import golden_example as golden_example_at
@@ -185,6 +186,17 @@ def trust_file(tmp_path: Path, trust: TrustConfig) -> Path:
     path = tmp_path / "trust.yaml"
     save_trust(trust, path)
     return path
+
+
+@pytest.fixture
+def operator_settings() -> Iterator[Path]:
+    """The operator's settings file (this session's GOVRAY_HOME has none), removed afterwards."""
+    path = govray_home() / SETTINGS_FILE
+    assert not path.exists()
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture

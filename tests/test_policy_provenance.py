@@ -7,7 +7,6 @@ register`` refuses it unless the operator allows it for that experiment — then
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,7 @@ from govray.cli import main
 from govray.cli.export import to_markdown
 from govray.config.serve import ServeSettings
 from govray.core.canonical import file_sha256
-from govray.core.keys import KeyRole, govray_home, load_trust
-from govray.core.settings import SETTINGS_FILE
+from govray.core.keys import KeyRole, load_trust
 from govray.governance.policy import UNSIGNED_POLICY
 from govray.platform.registry.register import register
 from govray.platform.registry.versions import RegistryError
@@ -75,17 +73,6 @@ def unsigned_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) ->
         },
     )
     return golden_run_at(path)
-
-
-@pytest.fixture
-def operator_settings() -> Iterator[Path]:
-    """The operator's settings file (this session's GOVRAY_HOME has none), removed afterwards."""
-    path = govray_home() / SETTINGS_FILE
-    assert not path.exists()
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def test_a_signed_runs_provenance_names_the_policy_signer_its_trust_root_and_the_code(

@@ -2,7 +2,7 @@
 setting overridable by one documented environment variable, and a command-line option over both::
 
     trust: /etc/govray/trust.yaml                # GOVRAY_TRUST: the operator's trust (below)
-    unsigned_policies: [scratch-experiment]      # experiments whose unsigned-policy runs may be registered
+    unsigned_policies: [scratch-experiment]      # experiments that may run (and register) unsigned policies
     store:
       database_url: sqlite:///runs/tracking.db   # GOVRAY_DATABASE (CLI: --database)
     serve:
@@ -22,6 +22,9 @@ setting overridable by one documented environment variable, and a command-line o
 checkpoint or attestation accepts — a resume, a replay, ``attest``, ``model register``, the
 lineage server. It is never read from an experiment file, a run spec or a checkpoint, which the
 engineer who runs them writes (``operator_trust``). Without it, this machine's platform key alone.
+Where it is set, its policy authorities are the only ones a run's policy may be signed by, and an
+unsigned policy runs only for an experiment ``unsigned_policies`` names
+(``platform/run/preflight.check_policy``).
 
 ``signer.socket`` is where each node's ``govray signer serve`` listens: a run's launch opens the
 run there and its workers have their checkpoints sealed over it, never holding a key. Without
@@ -113,7 +116,7 @@ class Settings(BaseModel):
     )
     unsigned_policies: list[str] = Field(
         default_factory=list,
-        description="Experiments whose runs under a policy nobody signed may be registered (audited).",
+        description="Experiments that may run, and register runs, under a policy nobody signed (audited).",
     )
     store: StoreSettings = StoreSettings()
     timestamping: TimestampingSettings = TimestampingSettings()

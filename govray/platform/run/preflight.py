@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, file_sha256, sha256_hex
-from govray.core.errors import GovrayError, IngestError
+from govray.core.errors import ConfigError, GovrayError, IngestError, SignatureError
 from govray.core.keys import TrustConfig, load_trust
 from govray.core.runtime import ensure_ray
-from govray.core.settings import operator_trust
+from govray.core.settings import load_settings, operator_trust, settings_path
 from govray.data.ingest import IngestResult, ingest
 from govray.governance.policy import UNSIGNED_POLICY, VerifiedPolicy, load_verified_policy
 from govray.governance.routing import RoutingTable
@@ -37,9 +38,9 @@ def config_digest(config: ExperimentConfig) -> str:
 
 @dataclass(frozen=True)
 class CheckedPolicy:
-    """A verified policy, resolved against the trial's model, with the trust it was verified
-    against: the experiment's trust file is read once, here, and everything after (the run's
-    checkpoints, a start checkpoint, a replay's comparison) is checked against the same keys."""
+    """A verified policy, resolved against the trial's model, with the trust its run's checkpoints
+    are verified against: read once, here, and everything after (the run's checkpoints, a start
+    checkpoint, a replay's comparison) is checked against the same keys."""
 
     policy: VerifiedPolicy
     routing: RoutingTable
@@ -59,23 +60,37 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     """Verify the policy's signature and resolve it against the trial's model (built on the meta
     device, with the default hyperparameters).
 
-    ``allow_unsigned`` (or ``policy.allow_unsigned`` in the config) lets an unsigned policy
-    through, and the audit log records that it did.
+    Who vouches for the policy is the operator's choice (:func:`policy_trust_file`): with a trust
+    file in the settings, the policy authorities it lists, and an unsigned policy only for an
+    experiment its ``unsigned_policies`` names; on a development machine with none, the
+    experiment's ``policy.trust``. ``allow_unsigned`` (or ``policy.allow_unsigned`` in the config)
+    asks to run an unsigned policy; the audit log records each run it let through.
     """
     audit = AuditLog(store)
     ref = config.policy
-    trust = load_trust(ref.trust) if ref.trust is not None else None
     try:
+        trust_path = policy_trust_file(config)
+        unsigned_asked = allow_unsigned or ref.allow_unsigned
         verified = load_verified_policy(
-            ref.file, ref.signature_path, trust, allow_unsigned=allow_unsigned or ref.allow_unsigned
+            ref.file,
+            ref.signature_path,
+            load_trust(trust_path) if trust_path is not None else None,
+            allow_unsigned=unsigned_asked and _operator_allows_unsigned(config),
         )
     except GovrayError as error:
         audit.append(AuditEventType.RUN_REFUSED, {"experiment": config.name, "reason": str(error)})
         raise
     if verified.signature is None:
+        operator = load_settings().trust is not None
         audit.append(
             AuditEventType.POLICY_UNSIGNED_ALLOWED,
-            {"experiment": config.name, "policy": verified.path, "policy_digest": verified.digest},
+            {
+                "experiment": config.name,
+                "policy": verified.path,
+                "policy_digest": verified.digest,
+                # who let it through: the operator's settings, or nobody's (a development machine)
+                "allowed_by": "unsigned_policies" if operator else "no operator trust",
+            },
         )
     else:
         audit.append(
@@ -92,13 +107,43 @@ def check_policy(config: ExperimentConfig, store: TrackingStore, *, allow_unsign
     hparams = config.default_hparams()
     trial = make_trial(config.trial, hparams, config.training.with_hyperparameters(hparams))
     routing = resolve_trial_routes(verified.policy, trial)  # on the meta device: no weights allocated
-    trust_sha256 = file_sha256(ref.trust) if ref.trust is not None else ""
     return CheckedPolicy(
         policy=verified,
         routing=routing,
         # (a policy check or an ingest needs no platform key: a run's launch says how to create one)
         trust=operator_trust(required=False),
-        policy_trust_sha256=trust_sha256,
+        policy_trust_sha256=file_sha256(trust_path) if trust_path is not None else "",
+    )
+
+
+def policy_trust_file(config: ExperimentConfig) -> Path | None:
+    """The trust file whose policy authorities may sign this experiment's policy: the operator's
+    (the settings' ``trust``) wherever the settings name one — an experiment naming another in
+    ``policy.trust`` is refused (ConfigError), the engineer does not choose who vouches for their
+    policy; else, on a development machine, the experiment's ``policy.trust`` (None: none)."""
+    operator = load_settings().trust
+    named = config.policy.trust
+    if operator is None:
+        return named
+    if named is not None and named.resolve() != operator.resolve():
+        raise ConfigError(
+            f"policy.trust ({named}) in experiment '{config.name}': this machine's settings "
+            f"({settings_path()}) name the operator's trust file ({operator}), and only the policy "
+            "authorities it lists vouch for a policy here; remove policy.trust from the experiment file"
+        )
+    return operator
+
+
+def _operator_allows_unsigned(config: ExperimentConfig) -> bool:
+    """Whether an unsigned policy may run for this experiment (when asked): always on a
+    development machine (no trust file in the settings); else only for an experiment the
+    settings' ``unsigned_policies`` names — SignatureError otherwise."""
+    settings = load_settings()
+    if settings.trust is None or config.name in settings.unsigned_policies:
+        return True
+    raise SignatureError(
+        f"experiment '{config.name}' asks to run an unsigned policy ({config.policy.file}); the operator's "
+        f"settings ({settings_path()}) allow that only for the experiments unsigned_policies lists"
     )
 
 
