@@ -329,7 +329,8 @@ def test_every_finished_trial_is_attested_in_the_tracking_store(
     kinds = sorted(
         json.loads(base64.b64decode(json.loads(r.envelope_json)["payload"]))["predicateType"] for r in stored
     )
-    assert kinds == sorted([COVERAGE_TYPE, PROVENANCE_TYPE])
+    # (the run's end attested it; tests that attest the shared golden run again add records)
+    assert set(kinds) == {COVERAGE_TYPE, PROVENANCE_TYPE}
     for index, record in enumerate(stored):
         path = tmp_path / f"{index}.dsse.json"
         path.write_text(record.envelope_json)
