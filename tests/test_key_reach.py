@@ -20,8 +20,10 @@ import re
 from pathlib import Path
 
 import pytest
+import ray
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from ray.train.v2._internal.state.state_actor import get_state_actor
 
 from govray.core.keys import platform_key, platform_key_path
 from govray.core.settings import operator_trust
@@ -73,7 +75,11 @@ def searched_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) ->
         trial="tests.helpers.key_search_trial:KeySearchingDigitsTrial",
     )
     config, store, checked, experiment, ingested = opened(example)
-    outcome = run_trial(config, checked, experiment, ingested.root, store)
+    # What the dashboard's Train page shows: Ray Train's state actor keeps each run's config
+    # (off by default; clusters that want the page turn it on).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+        outcome = run_trial(config, checked, experiment, ingested.root, store)
     return outcome, probes
 
 
@@ -103,7 +109,8 @@ def test_a_trial_that_searches_all_it_can_reach_finds_no_platform_key_while_its_
     # The search was not empty: it reached the worker's attempt (its channel's capability) and the
     # storage's checkpoints ...
     stacks = "".join(text for entry in found for text in entry["stack"])
-    assert re.search(r"""['"]capability['"]:\s*['"][A-Za-z0-9_-]{40,}['"]""", stacks)
+    capabilities = set(re.findall(r"""['"]capability['"]:\s*['"]([A-Za-z0-9_-]{40,})['"]""", stacks))
+    assert capabilities
     sealed = {str(folder / "manifest.sig") for folder in checkpoints}
     assert sealed & searched_files  # the step-2 checkpoint, which the step-3 searches reached
     # ... and found no key there: no file it could read holds one.
@@ -116,3 +123,22 @@ def test_a_trial_that_searches_all_it_can_reach_finds_no_platform_key_while_its_
         if holds_key(data, forms):
             holding.append(name)
     assert holding == []
+
+
+def test_ray_trains_state_shows_the_runs_attempt_without_its_signer_capability(
+    searched_run: tuple[object, Path],
+) -> None:
+    """What the dashboard's Train page shows of a run (Ray Train's state actor keeps each run's
+    ``train_loop_config`` when state tracking is on) names its signer channel, but not the
+    capability the workers held."""
+    outcome, probes = searched_run
+    stacks = "".join(text for path in probes.glob("*.json") for text in json.loads(path.read_text())["stack"])
+    capabilities = set(re.findall(r"""['"]capability['"]:\s*['"]([A-Za-z0-9_-]{40,})['"]""", stacks))
+    assert capabilities
+    actor = get_state_actor()
+    assert actor is not None
+    runs = ray.get(actor.get_train_runs.remote())
+    name = Path(outcome.run_dir).name  # type: ignore[attr-defined]
+    (shown,) = [run.model_dump_json() for run in runs.values() if run.name == name]
+    assert Path(outcome.run_dir).as_posix() in shown and '"signer"' in shown  # type: ignore[attr-defined]
+    assert not [capability for capability in capabilities if capability in shown]

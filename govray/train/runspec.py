@@ -202,6 +202,39 @@ class Attempt(BaseModel):
         )
 
 
+# ``train_loop_config``'s key for the Ray object holding the attempt's signer capability.
+CAPABILITY_REF = "signer_capability"
+
+
+def train_loop_config(attempt: Attempt) -> dict[str, Any]:
+    """``attempt`` as Ray Train's ``train_loop_config``, its signer capability out of band: Ray
+    Train hands that config to whoever reads its state (its state actor, which the dashboard's
+    Train page and export events serve), so the capability travels as a Ray object the config
+    names only by its reference, and each worker fetches it (:func:`attempt_of`). Reading it takes
+    a connection to the cluster, not a look at the dashboard."""
+    import ray
+
+    config = attempt.model_dump(mode="json")
+    if attempt.signer is not None:
+        config["signer"]["capability"] = ""
+        config[CAPABILITY_REF] = ray.put(attempt.signer.capability)
+    return config
+
+
+def attempt_of(config: dict[str, Any]) -> Attempt:
+    """The ``Attempt`` a ``train_loop_config`` (:func:`train_loop_config`) or an attempt's JSON
+    carries, its signer capability fetched from the object the config refers to."""
+    import ray
+
+    fields = dict(config)
+    reference = fields.pop(CAPABILITY_REF, None)
+    attempt = Attempt.model_validate(fields)
+    if reference is None or attempt.signer is None:
+        return attempt
+    channel = attempt.signer.model_copy(update={"capability": ray.get(reference)})
+    return attempt.model_copy(update={"signer": channel})
+
+
 def _shapes(table: RoutingTable) -> tuple[str, ...]:
     return tuple(f"{info.name} ({info.numel} elements)" for info in table.parameters)
 

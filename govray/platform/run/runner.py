@@ -46,7 +46,7 @@ from govray.train.reproduce.snapshots import CodeSnapshot
 from govray.train.run.loop import train_worker
 from govray.train.run.reports import StepReport
 from govray.train.run.session import LocalSession, open_sink, taken_reports
-from govray.train.runspec import Attempt, RunSpec
+from govray.train.runspec import Attempt, RunSpec, train_loop_config
 from govray.train.step.ledger import Ledger, LedgerEntry
 
 # (step, max_steps, latest metrics, workers: the world size that reported them, None if unknown)
@@ -76,7 +76,7 @@ def governed_trainer(
     loop = partial(train_worker, session=partial(LocalSession, deliver=deliver)) if deliver else train_worker
     return TorchTrainer(
         loop if local else train_worker,
-        train_loop_config=attempt.model_dump(mode="json"),
+        train_loop_config=train_loop_config(attempt),
         scaling_config=scaling_config_for(config, local),
         torch_config=TorchConfig(backend="nccl" if config.resources.use_gpu else "gloo"),
         run_config=RunConfig(

@@ -39,16 +39,17 @@ from govray.train.run.reports import StepReport
 from govray.train.run.session import RayTrainSession
 from govray.train.run.state import TrialRun
 from govray.train.run.timings import WorkerTimings
-from govray.train.runspec import Attempt
+from govray.train.runspec import attempt_of
 from govray.train.trial import importable
 
 
 def train_worker(config: dict[str, Any], session: OpenSession = RayTrainSession) -> None:
     """``train_loop_per_worker`` for Ray Train (and, with another ``session``, for one worker
-    in-process or in a Tune trial): ``config`` is the ``Attempt``'s JSON. Each rank logs to
+    in-process or in a Tune trial): ``config`` is the ``Attempt``'s JSON (its signer capability
+    out of band: ``runspec.train_loop_config``). Each rank logs to
     ``STORAGE/logs/RUN/rank-N.log`` (``govray trial logs``); a Ray Train worker also tees its
     stdout and stderr there."""
-    attempt = Attempt.model_validate(config)
+    attempt = attempt_of(config)
     spec = attempt.spec
     torch.set_num_threads(spec.threads)
     context = WorkerContext.open(attempt, session, WorkerTimings())
