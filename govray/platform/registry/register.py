@@ -44,7 +44,7 @@ from govray.platform.registry.versions import (
 )
 from govray.platform.run.plan import PlanError, recorded_final_folder
 from govray.provenance.attest import Attestation
-from govray.provenance.derivation import EMPTY_OPTIMIZER, derived_state
+from govray.provenance.derivation import EMPTY_OPTIMIZER, derived_state, verified_source_statement
 from govray.provenance.locations import signed_run_spec
 from govray.signer.attesting import attest
 from govray.signer.local import signer_socket
@@ -71,7 +71,6 @@ from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
 from govray.train.checkpoints.signer import SignerClient
 from govray.train.checkpoints.whole_file import shards_only, write_whole_model
 from govray.train.runspec import RUN_SPEC_FILE
-from govray.train.step.ledger import Ledger
 
 
 def register(
@@ -160,10 +159,6 @@ def remove_adapter(store: TrackingStore, ref: str, adapter: str) -> RegisteredVe
         spec = signed_run_spec(source.directory, trust)
     except CheckpointError as error:
         raise RegistryError(f"refusing to derive from {source.ref}: {error}") from None
-    ledger = Ledger.from_json(loaded.state.ledger)
-    kept = ledger.without_adapter(adapter)
-    reached = set(ledger.corpora())
-    excluded = tuple(sorted({*source.excluded_corpora, *(reached - set(kept.corpora()))}))
     source_attestation = provenance_record(store, source)
     number = next_version(store, source.model)
     storage = storage_of(source)
@@ -194,9 +189,15 @@ def remove_adapter(store: TrackingStore, ref: str, adapter: str) -> RegisteredVe
     )
     (directory / MANIFEST_FILE).write_bytes(sealed.manifest)
     (directory / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
-    removed = (*source.removed_adapters, adapter)
     destination = derived_prefix(storage, source.model, number)
     written = attest(directory, model_signature=True, destination=destination, socket=socket)
+    # The row says what the signer's statement about the version says (it computed the derivation
+    # from the verified source attestation): read back from the envelope, verified.
+    statement = verified_source_statement(
+        written.provenance.read_bytes(), directory, trust, load_checkpoint(directory, trust).manifest
+    )
+    external = statement["predicate"]["buildDefinition"]["externalParameters"]
+    removed, excluded = tuple(external["removed_adapters"]), tuple(external["excluded_corpora"])
     version = _addregistered_version(
         store,
         source.model,
