@@ -37,6 +37,7 @@ from govray.train.runspec import RUN_SPEC_FILE, Attempt, RunSpec
 from searchers.asha import grace_period
 from searchers.space import grid_points, grid_space
 from tests.helpers.golden import GoldenRun
+from tests.helpers.planted import planted_pickle
 from tests.helpers.processes import kill_driver_when
 from tests.helpers.search import SEARCH_HPARAMS, assert_recorded, plan_of, search_example, searched
 from tests.helpers.search_replays import (
@@ -346,6 +347,12 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
     store = TrackingStore.open(database)
     before = {t: len(store.metrics(t)) for t in finished}
     time.sleep(3)  # the dead driver's Tune trials die with it
+    # An engineer with storage write access plants a pickle of their own as Tune's state: the
+    # resume puts the state the signer sealed back before Tune unpickles anything.
+    (tuner_state,) = [p for p in tmp_path.rglob("tuner.pkl") if not p.parent.name.startswith("tune-state-")]
+    assert list(tuner_state.parent.glob("tune-state-*/manifest.sig"))
+    marker = tmp_path / "unpickled"
+    tuner_state.write_bytes(planted_pickle(marker))
     capfd.readouterr()
     again = (
         parse(["--config", str(path)])
@@ -353,6 +360,7 @@ def test_an_interrupted_search_resumes_without_rerunning_finished_trials(
         else ["resume", "1", "--database", database]
     )
     assert main(again) == 0
+    assert not marker.exists()
     trials = store.list_trials(1)
     assert len(trials) == 4 and all(t.state == "completed" for t in trials)
     # What `govray search` printed (no terminal here): progress lines, none of Tune's tables; the

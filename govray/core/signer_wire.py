@@ -6,12 +6,14 @@ not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an 
 not offer, a field it does not know — with an answer saying why; the signer never unpickles.
 
 Ops: ``open_run`` (a capability for one run's checkpoints), ``close_run`` (its revocation, when
-the fit ends), ``seal`` (one checkpoint of that run), ``attest`` (the signed statements of a
-checkpoint that verifies, and its model signature: the signer verifies it, builds them from what
-verified and signs them) and ``derive`` (a registered version without an adapter, sealed only if
-its folder holds exactly what the signer recomputes). All but ``seal`` are the operator's: only
-the OS users the signer was told (the launch's, the platform's commands') may ask. The signer signs
-nothing else, and for a run's channel nothing but that run's seals: no bytes a caller chose.
+the fit ends), ``seal`` (one checkpoint of that run), ``seal_state`` (a search driver's Tune
+state, copied into one folder of the search's directory, which a resume unpickles), ``attest``
+(the signed statements of a checkpoint that verifies, and its model signature: the signer
+verifies it, builds them from what verified and signs them) and ``derive`` (a registered version
+without an adapter, sealed only if its folder holds exactly what the signer recomputes). All but
+``seal`` and ``seal_state`` are the operator's: only the OS users the signer was told (the
+launch's, the platform's commands') may ask. The signer signs nothing else, and for a run's
+channel nothing but that run's seals: no bytes a caller chose.
 
 Example::
 
@@ -74,6 +76,19 @@ class SealRequest(BaseModel):
     referenced: dict[str, str] = Field(default_factory=dict)
 
 
+class SealStateRequest(BaseModel):
+    """Seal ``folder`` (``SEARCH/tune-state-SEQUENCE``, SEARCH the capability's directory) at
+    ``sequence``, later than any the signer sealed there: it hashes the files and signs their
+    digests (``govray.train.checkpoints.state_seals``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["seal_state"]
+    capability: str
+    folder: str
+    sequence: int = Field(ge=0)
+
+
 class AttestRequest(BaseModel):
     """Attest ``checkpoint`` (an absolute path): the signer verifies it under the operator's
     trust (and that its manifest is ``recorded_manifest``, the sha256 the tracking store recorded
@@ -104,8 +119,8 @@ class DeriveRequest(BaseModel):
     source_attestation: str
 
 
-AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | AttestRequest | DeriveRequest
-OPS = ("open_run", "close_run", "seal", "attest", "derive")
+AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | SealStateRequest | AttestRequest | DeriveRequest
+OPS = ("open_run", "close_run", "seal", "seal_state", "attest", "derive")
 OPERATOR_OPS = ("open_run", "close_run", "attest", "derive")  # asked by the operator's OS users only
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)

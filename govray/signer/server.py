@@ -35,6 +35,7 @@ from govray.core.signer_wire import (
     CloseRunRequest,
     DeriveRequest,
     OpenRunRequest,
+    SealStateRequest,
     WireError,
     parse_request,
     receive_frame,
@@ -167,6 +168,12 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                     request.source_attestation,
                 )
                 return _sealed_answer(sealed)
+            if isinstance(request, SealStateRequest):
+                envelope = self.signer.seal_state(request.capability, request.folder, request.sequence)
+                return {
+                    "ok": True,
+                    "envelope": envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
+                }
             sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
         except GovrayError as error:  # (its kind travels: the client raises the same, exit code and all)
             return {"ok": False, "error": str(error), "kind": type(error).__name__}

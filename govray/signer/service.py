@@ -41,6 +41,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
 from govray.core.settings import operator_trust
@@ -54,6 +55,7 @@ from govray.train.checkpoints.sealing import (
     read_small,
     seal_folder,
 )
+from govray.train.checkpoints.state_seals import seal_state_folder
 
 if TYPE_CHECKING:
     from govray.provenance.attest import SignedAttestation
@@ -206,6 +208,29 @@ class Signer:
             os.fsync(kept.fileno())
             self._derived[record.manifest_sha256] = record.derivation
         return sealed
+
+    def seal_state(self, capability: str, folder: str, sequence: int) -> Envelope:
+        """Sign the digests of the files of ``folder``, the capability's search state folder of
+        ``sequence`` (``SEARCH/tune-state-SEQUENCE``), which must be later than any this signer
+        sealed for it: what a resume of the search will unpickle (``state_seals``)."""
+        with self._lock:
+            run_dir = self._run_of(capability)
+            last = int(self._runs[run_dir].get("last_state", -1))  # type: ignore[call-overload]
+        if sequence <= last:
+            raise SealRefused(
+                f"{folder}: sequence {sequence} is not after {last}, the last state sealed here"
+            )
+        given = Path(folder)
+        if not given.is_absolute() or given.is_symlink():
+            raise SealRefused(f"{folder}: a state folder is named by an absolute path, not a link")
+        envelope = seal_state_folder(self.key, Path(run_dir), given.resolve(), sequence)
+        with self._lock:
+            if self._run_of(capability) != run_dir:
+                raise SealRefused("the capability changed run while sealing")
+            held = int(self._runs[run_dir].get("last_state", -1))  # type: ignore[call-overload]
+            self._runs[run_dir]["last_state"] = max(sequence, held)
+            self._write_runs()
+        return envelope
 
     def close_run(self, run_dir: str) -> None:
         """Revoke the run's capability (its fit ended); its record of sealed steps stays."""

@@ -47,6 +47,7 @@ from govray.platform.search.began import began_record, check_corpora, keep_recor
 from govray.platform.search.hosts import hosted_trial, hosts_enabled, trial_hosts
 from govray.platform.search.progress import SearchProgress, SearchState
 from govray.platform.search.tracking import SearchTracking
+from govray.platform.search.tune_state import StateSealer, restore_sealed_state
 from govray.platform.search.tune_trial import (
     TUNE_TRIAL_MEMORY,
     SearchError,
@@ -55,6 +56,7 @@ from govray.platform.search.tune_trial import (
     trial_run_name,
     tune_trial,
 )
+from govray.signer.local import close_channel, open_channel
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import Experiment, TrialKind
 from govray.train.reproduce.record import ReproducibilityRecord, build_record
@@ -140,6 +142,8 @@ def search_planned(
     path = search_path(storage, config, experiment)
     # Object storage: Tune keeps its state and the trials' checkpoints in the bucket.
     restoring = Tuner.can_restore(storage.ray_path(path), storage_filesystem=storage.filesystem)
+    # Tune unpickles its state on a resume: only the state the signer sealed goes back there.
+    restored = restore_sealed_state(storage, path, checked.trust) if restoring else -1
     # Every trial of the search imports this code snapshot and trains on these threads, and its
     # row keeps the record before it trains (as a run's does): a replay reruns exactly that. A
     # resumed search goes on with the code and threads it began with, on the same corpus bytes.
@@ -170,7 +174,8 @@ def search_planned(
         reproducibility=record.model_dump_json(),
     )
     trainable = _trainable(config, setup, record)
-    callbacks: list[ray.tune.Callback] = [tracking]
+    channel = open_channel(path)  # the driver's own, for the search's Tune state
+    callbacks: list[ray.tune.Callback] = [tracking, StateSealer(storage, path, channel, after=restored)]
     if progress is not None:
         callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))
     # Tune saves its experiment state at most this often: a trial finished before an interruption
@@ -193,6 +198,8 @@ def search_planned(
     except Exception:
         store.set_experiment_state(experiment.id, "errored")
         raise
+    finally:
+        close_channel(channel)
     return _outcome(store, experiment.id, config, results, plan)
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from govray.core.dsse import Envelope
 from govray.core.errors import AttestationError, ConfigError, GovrayError, SignatureError
 from govray.core.keys import KeyRole, SigningKey
-from govray.core.signer_wire import AttestRequest, DeriveRequest, SealRequest, receive, send
+from govray.core.signer_wire import AttestRequest, DeriveRequest, SealRequest, SealStateRequest, receive, send
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, CheckpointError
 from govray.train.checkpoints.sealing import Sealed, base_store_of, seal_folder
 
@@ -95,6 +95,11 @@ class SignerClient:
         )
         answer = self.ask(request.model_dump())
         return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
+
+    def seal_state(self, capability: str, folder: str, sequence: int) -> Envelope:
+        """The signer's envelope over the files of search-state ``folder`` at ``sequence``."""
+        request = SealStateRequest(op="seal_state", capability=capability, folder=folder, sequence=sequence)
+        return Envelope.model_validate(self.ask(request.model_dump())["envelope"])
 
     def attest(self, checkpoint: str, recorded_manifest: str | None, model_signature: bool) -> dict[str, Any]:
         """The signer's signed statements of ``checkpoint`` (an absolute path): ``envelopes`` (kind →
