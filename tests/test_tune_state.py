@@ -22,18 +22,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from threading import Thread
 
+import boto3
 import pytest
+from moto.server import ThreadedMotoServer
 
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, platform_trust
 from govray.core.storage import open_storage
-from govray.platform.search.tune_state import StateSealer, restore_sealed_state
+from govray.platform.search.tune_state import StateSealer, restore_sealed_state, tune_files
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
 from govray.train.checkpoints.manifest import CheckpointError
 from govray.train.checkpoints.signer import SignerChannel, SignerClient
 from govray.train.checkpoints.state_seals import STATE_SIGNATURE, seal_state_folder, state_folder
 from tests.helpers.planted import planted_pickle
+from tests.helpers.ports import free_port
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)
 TRUST = platform_trust(KEY)
@@ -156,3 +159,42 @@ def test_the_signer_seals_a_searchs_state_only_for_its_channel_and_only_forward(
     later.mkdir()
     with pytest.raises(SignatureError, match="not this search's state folder"):
         client.seal_state(run.capability, str(later.resolve()), 2)
+
+
+def test_on_object_storage_the_sealed_state_is_kept_in_the_bucket_and_put_back_there(
+    signer_socket: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search on ``s3://`` (moto's server): its sealed state is uploaded; the engineer replaces
+    ``tuner.pkl`` in the bucket and plants a pickle beside it; a resume on a node with an empty
+    cache verifies the sealed copy it downloads and leaves the bucket holding exactly it."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
+            "GOVRAY_CACHE": str(tmp_path / "driver-cache"),
+        }.items():
+            monkeypatch.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket="govray-test")
+        storage = open_storage("s3://govray-test/team")
+        search = storage.root / "tune" / "grid-1"
+        files = tune_state(search, trials=2)  # as Tune writes them: into the bucket
+        storage.upload(*(search / name for name in files))
+        assert StateSealer(storage, search, channel_for(signer_socket, search)).seal()
+        marker = tmp_path / "marker"
+        (search / "tuner.pkl").write_bytes(planted_pickle(marker))
+        (search / "searcher-state-planted.pkl").write_bytes(planted_pickle(marker))
+        storage.upload(search / "tuner.pkl", search / "searcher-state-planted.pkl")
+        monkeypatch.setenv("GOVRAY_CACHE", str(tmp_path / "another-node"))
+        resumed = open_storage("s3://govray-test/team")
+        assert resumed.root != storage.root
+        again = resumed.root / "tune" / "grid-1"
+        assert restore_sealed_state(resumed, again, TRUST) == 0
+        assert tune_files(resumed, again) == files  # (each downloaded from the bucket again)
+        assert not marker.exists()
+    finally:
+        server.stop()

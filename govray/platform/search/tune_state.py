@@ -119,6 +119,7 @@ def restore_sealed_state(storage: Storage, path: Path, trust: TrustConfig) -> in
             continue
         for stale in set(_tune_names(storage, path)) - set(held):
             storage.delete_file(path / stale)
+        path.mkdir(parents=True, exist_ok=True)  # (object storage: this node's cache may lack it)
         for file, data in held.items():
             (path / file).write_bytes(data)
             storage.upload(path / file)

@@ -67,8 +67,8 @@ def seal_state_folder(key: SigningKey, directory: Path, folder: Path, sequence: 
 
 def verified_state(folder: Path, trust: TrustConfig, directory: Path) -> StateStatement:
     """The statement sealing ``folder``, which holds exactly the files it names with the digests
-    it names, signed by a platform key ``trust`` accepts for the search in ``directory``; anything
-    else is ``CheckpointError`` (read before any of the files is unpickled)."""
+    it names, signed by a platform key ``trust`` accepts for the search in ``directory`` (by its
+    name); anything else is ``CheckpointError`` (read before any of the files is unpickled)."""
     what = f"the search state {folder}"
     try:
         envelope = read_envelope(folder / STATE_SIGNATURE)
@@ -79,7 +79,9 @@ def verified_state(folder: Path, trust: TrustConfig, directory: Path) -> StateSt
         held, _ = hashed_files(folder)
     except (SignatureError, ValidationError, ValueError, OSError) as error:
         raise CheckpointError(f"{what} is not sealed by the platform's signer: {error}") from None
-    if statement.directory != str(directory.resolve()):
+    # By the search's name, as a manifest names its run: on object storage each node's cache of the
+    # bucket lies elsewhere, and the name (experiment name and id) is the search's in its storage.
+    if Path(statement.directory).name != directory.name:
         raise CheckpointError(f"{what} was sealed for another search ({statement.directory})")
     if folder.name != state_folder(directory, statement.sequence).name:
         raise CheckpointError(f"{what} holds the seal of sequence {statement.sequence}, another folder's")
