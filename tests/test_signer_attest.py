@@ -26,8 +26,11 @@ from govray.signer.attesting import attest
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
 from govray.tracking.lineage import checkpoints
+from govray.train.checkpoints.files import verify_checkpoint
+from govray.train.checkpoints.manifest import CheckpointError
 from govray.train.checkpoints.signer import SignerClient
-from tests.helpers.golden import GoldenRun, final_checkpoint
+from tests.helpers.golden import GOLDEN_STEPS, GoldenRun, final_checkpoint
+from tests.helpers.signing import dev_signer_record
 
 
 @pytest.fixture
@@ -40,7 +43,8 @@ def short_dir() -> Iterator[Path]:
 
 def serving(directory: Path, open_uids: frozenset[int] | None = None) -> SignerServer:
     """A signer with this machine's platform keys on a socket in ``directory``, served by a thread."""
-    signer = Signer(platform_key(), directory / "state", platform_key(keytype=KeyType.ECDSA))
+    state = dev_signer_record(directory / "state")  # (it attests what the session's signer sealed)
+    signer = Signer(platform_key(), state, platform_key(keytype=KeyType.ECDSA))
     server = SignerServer(signer, directory / "s.sock", open_uids)
     Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -140,7 +144,7 @@ def test_the_signer_refuses_a_relative_checkpoint_and_a_model_signature_it_holds
     golden_run: GoldenRun, short_dir: Path
 ) -> None:
     checkpoint = final_checkpoint(golden_run.outcome.run_dir).resolve()
-    signer = Signer(platform_key(), short_dir / "state")  # no model-signing key
+    signer = Signer(platform_key(), dev_signer_record(short_dir / "state"))  # no model-signing key
     with pytest.raises(SignatureError, match="absolute path"):
         signer.attest(os.path.relpath(checkpoint))
     with pytest.raises(SignatureError, match="no model-signing key"):
@@ -192,3 +196,45 @@ def test_what_is_attested_is_what_verified_not_what_lies_there_a_moment_later(
     signed = sign_attestation(checkpoint, platform_key(), operator_trust())
     assert "adapter-planted.safetensors" not in signed.subjects
     assert signed.subjects == {name: listed[name] for name in signed.subjects}
+
+
+def test_the_signer_attests_only_checkpoints_it_sealed_that_still_stand_in_its_record(
+    golden_run: GoldenRun, short_dir: Path, tmp_path: Path
+) -> None:
+    """What verifies under the platform's key is not enough: a checkpoint sealed with that key
+    outside this signer (a copy of the key elsewhere, a tool's in-process seal), or one a later
+    going-back seal of its run superseded (the trial broke its checkpoint, had the step sealed
+    again, then put its kept copy of the old one back), is refused as exit 10; what it sealed and
+    still stands is attested."""
+    golden = final_checkpoint(golden_run.outcome.run_dir)
+    signer = Signer(platform_key(), short_dir / "state")  # a record of its own, empty
+    elsewhere = copied(golden, tmp_path / "elsewhere")  # sealed by the dev signer, not by this one
+    assert verify_checkpoint(elsewhere, operator_trust())[1] == platform_key().keyid
+    with pytest.raises(CheckpointError, match="is not one the platform's signer sealed"):
+        signer.attest(str(elsewhere))
+    # This signer seals the step itself, in a run of its own.
+    folder = copied(golden, tmp_path / "storage")
+    capability, _ = signer.open_run(str(folder.parent))
+    first = resealed(signer, capability, folder, GOLDEN_STEPS)
+    assert sorted(signer.attest(str(folder)).envelopes) == ["coverage", "provenance"]
+    kept = Path(shutil.copytree(folder, tmp_path / "kept"))
+    shutil.rmtree(folder)  # broken on purpose: the step may be sealed again
+    shutil.copytree(kept, folder)
+    (folder / "adapter-extra.safetensors").write_bytes(b"changed since")  # no longer stands
+    second = resealed(signer, capability, folder, GOLDEN_STEPS)
+    assert first != second
+    shutil.rmtree(folder)
+    shutil.copytree(kept, folder)  # the superseded one put back: it verifies, and is refused
+    assert verify_checkpoint(folder, operator_trust())[1] == platform_key().keyid
+    with pytest.raises(CheckpointError, match="or a later seal of its run superseded it"):
+        signer.attest(str(folder))
+
+
+def resealed(signer: Signer, capability: str, folder: Path, step: int) -> bytes:
+    """``folder`` sealed by ``signer`` at ``step`` (its old manifest and signature replaced)."""
+    for name in ("manifest.json", "manifest.sig"):
+        (folder / name).unlink(missing_ok=True)
+    sealed = signer.seal(capability, str(folder), step, {})
+    (folder / "manifest.json").write_bytes(sealed.manifest)
+    (folder / "manifest.sig").write_text(sealed.envelope.to_json())
+    return sealed.manifest

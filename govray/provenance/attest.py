@@ -129,6 +129,7 @@ def sign_attestation(
     derivation: Derivation | None = None,
     recorded_manifest: str | None = None,
     derivations: Callable[[str], Derivation | None] | None = None,
+    sealed_here: Callable[[str], bool] | None = None,
 ) -> SignedAttestation:
     """Verify ``checkpoint`` under ``trust`` (a tampered one is refused; ``recorded_manifest``:
     the manifest's sha256 the tracking store recorded when it was sealed, another manifest is
@@ -137,7 +138,9 @@ def sign_attestation(
     ``model_signing``. Writes nothing: the platform's signer runs this (``govray.signer``), and
     every statement it signs is one it built from files it verified, never bytes a caller chose.
     ``derivations``: the derivation the signer recorded when it sealed a derived version, by the
-    sha256 of its manifest (``Signer.derive``)."""
+    sha256 of its manifest (``Signer.derive``). ``sealed_here``: whether the signer's own record
+    holds a standing seal of a manifest (by sha256): another one is ``CheckpointError`` (exit 10),
+    however well it verifies."""
     if recorded_manifest is not None:
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
     try:
@@ -147,6 +150,11 @@ def sign_attestation(
         raise AttestationError(f"refusing to attest: {error}") from None
     if recorded_manifest is not None:  # (and still the recorded one, once verified)
         refuse_unrecorded_manifest(checkpoint, recorded_manifest)
+    if sealed_here is not None and not sealed_here(loaded.manifest_digest):
+        raise CheckpointError(
+            f"{checkpoint}: its manifest (sha256 {loaded.manifest_digest}) is not one the platform's "
+            "signer sealed, or a later seal of its run superseded it (the signer's own record): not attested"
+        )
     if derivation is None and derivations is not None:
         derivation = derivations(loaded.manifest_digest)
     routing = spec.routing

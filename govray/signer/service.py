@@ -20,9 +20,11 @@ that run and nothing else:
   can write: a run's sealed history, supersessions included, is read there.
 
 ``Signer.attest(checkpoint, ...)`` is the operator's (the server asks it only for the operator's OS
-users): the checkpoint is verified under the operator's trust, the statements are built from what
-verified (``govray.provenance.attest.sign_attestation``) and signed; nothing the caller wrote is
-signed. No trial code is imported: the routing comes from the signed run spec.
+users): the checkpoint is verified under the operator's trust and must be one this signer sealed
+that still stands in its record (a run's checkpoint no going-back seal superseded, or a derived
+version): a copy of the key used elsewhere, or an old checkpoint put back after its step was
+sealed again, is not attested. The statements are built from what verified
+(``govray.provenance.attest.sign_attestation``) and signed; nothing the caller wrote is signed. No trial code is imported: the routing comes from the signed run spec.
 
 Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it;
 ``close_run`` (the launch, when the fit ends) revokes it with nothing in its place.
@@ -153,7 +155,15 @@ class Signer:
             model_key=self.model_key if model_signature else None,
             recorded_manifest=recorded_manifest,
             derivations=self._derived.get,
+            sealed_here=self._sealed_here,
         )
+
+    def _sealed_here(self, manifest_sha256: str) -> bool:
+        """Whether this signer sealed that manifest and it still stands in its record: a run's
+        checkpoint (not superseded by a later going-back seal) or a derived version."""
+        with self._lock:
+            standing = {d for run in self._runs.values() for d in _sealed_steps(run).values() if d}
+        return manifest_sha256 in standing or manifest_sha256 in self._derived
 
     def derive(self, source: str, adapter: str, directory: str, source_uri: str, envelope: str) -> Sealed:
         """Seal ``directory`` as the version of verified ``source`` without ``adapter``, if it

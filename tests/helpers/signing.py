@@ -29,3 +29,14 @@ def channel_for(run_dir: Path | str, worker: Worker | None = None) -> SignerChan
 def sealing_context(spec: Any, worker: Worker) -> WorkerContext:
     """``WorkerContext.of(spec, worker)`` whose checkpoints (in ``spec.run_dir``) are sealed."""
     return WorkerContext.of(spec, worker, signer=ChannelSigner(channel_for(spec.run_dir, worker)))
+
+
+def dev_signer_record(state_dir: Path) -> Path:
+    """``state_dir`` holding a copy of this session's development signer's record (what it
+    sealed): a signer a test serves itself attests only what its record says it sealed."""
+    import shutil
+
+    from govray.core.keys import govray_home
+
+    shutil.copytree(govray_home() / "signer-dev" / "state", state_dir, dirs_exist_ok=True)
+    return state_dir
