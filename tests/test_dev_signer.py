@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,12 +20,13 @@ import pytest
 
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey, init_platform_keys, platform_key, platform_trust
+from govray.core.signer_wire import OPS
 from govray.signer.local import dev_socket, open_channel, stop_dev_signer
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
 from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
-from govray.train.checkpoints.signer import ChannelSigner
+from govray.train.checkpoints.signer import ChannelSigner, SignerClient
 
 
 @pytest.fixture
@@ -131,3 +134,51 @@ def test_a_socket_directory_another_os_user_could_enter_is_refused(
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     with pytest.raises(SignatureError, match="not a directory of this OS user's alone"):
         open_channel(tmp_path / "runs" / "a")
+
+
+# A signer from a govray that offers none of today's ops (as one from before ``offers`` answers):
+# every request refused as an op it does not offer. Its command line names the socket and --dev,
+# as a development signer's does.
+OLDER_SIGNER = """
+import json, os, socket, struct, sys
+path, pid_file = sys.argv[1], sys.argv[2]
+open(pid_file, "w").write(str(os.getpid()))
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen()
+while True:
+    connection, _ = server.accept()
+    with connection:
+        head = connection.recv(4)
+        if len(head) < 4:  # (a connection only looking whether it answers)
+            continue
+        (length,) = struct.unpack(">I", head)
+        op = json.loads(connection.recv(length))["op"]
+        answer = json.dumps({"ok": False, "error": f"op {op!r} is not offered: the signer opens runs"})
+        connection.sendall(struct.pack(">I", len(answer)) + answer.encode())
+"""
+
+
+def test_a_development_signer_from_an_older_govray_is_replaced_and_a_deployed_one_is_named(
+    home: Path, tmp_path: Path
+) -> None:
+    path = dev_socket(home.resolve())
+    older = subprocess.Popen(
+        [sys.executable, "-c", OLDER_SIGNER, str(path), str(path.with_suffix(".pid")), "--dev"]
+    )
+    try:
+        for _ in range(100):
+            if path.exists():
+                break
+            time.sleep(0.05)
+        # Asked what it lacks, the client says what is wrong, not only that the op is refused.
+        with pytest.raises(SignatureError, match="does not offer 'seal_state': it runs an older govray"):
+            SignerClient(path).seal_state("capability", str(tmp_path / "tune-state-00000000"), 0)
+        channel = open_channel(tmp_path / "runs" / "a")  # the launch replaces it
+        assert older.wait(timeout=10) is not None
+        assert int(path.with_suffix(".pid").read_text()) != older.pid
+        assert set(OPS) <= set(SignerClient(Path(channel.socket)).offers())
+        assert sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 10).is_dir()
+    finally:
+        if older.poll() is None:
+            older.kill()

@@ -10,8 +10,9 @@ the fit ends), ``seal`` (one checkpoint of that run), ``seal_state`` (a search d
 state, copied into one folder of the search's directory, which a resume unpickles), ``attest``
 (the signed statements of a checkpoint that verifies, and its model signature: the signer
 verifies it, builds them from what verified and signs them) and ``derive`` (a registered version
-without an adapter, sealed only if its folder holds exactly what the signer recomputes). All but
-``seal`` and ``seal_state`` are the operator's: only the OS users the signer was told (the
+without an adapter, sealed only if its folder holds exactly what the signer recomputes), and
+``offers`` (the ops a signer offers: a client finds an older signer out). All but ``seal``,
+``seal_state`` and ``offers`` are the operator's: only the OS users the signer was told (the
 launch's, the platform's commands') may ask. The signer signs nothing else, and for a run's
 channel nothing but that run's seals: no bytes a caller chose.
 
@@ -89,6 +90,14 @@ class SealStateRequest(BaseModel):
     sequence: int = Field(ge=0)
 
 
+class OffersRequest(BaseModel):
+    """What this signer offers: its ops (a client built for more finds an older signer out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["offers"]
+
+
 class AttestRequest(BaseModel):
     """Attest ``checkpoint`` (an absolute path): the signer verifies it under the operator's
     trust (and that its manifest is ``recorded_manifest``, the sha256 the tracking store recorded
@@ -119,8 +128,16 @@ class DeriveRequest(BaseModel):
     source_attestation: str
 
 
-AnyRequest = OpenRunRequest | CloseRunRequest | SealRequest | SealStateRequest | AttestRequest | DeriveRequest
-OPS = ("open_run", "close_run", "seal", "seal_state", "attest", "derive")
+AnyRequest = (
+    OpenRunRequest
+    | CloseRunRequest
+    | SealRequest
+    | SealStateRequest
+    | AttestRequest
+    | DeriveRequest
+    | OffersRequest
+)
+OPS = ("open_run", "close_run", "seal", "seal_state", "attest", "derive", "offers")
 OPERATOR_OPS = ("open_run", "close_run", "attest", "derive")  # asked by the operator's OS users only
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)

@@ -44,6 +44,7 @@ from pathlib import Path
 from govray.core.errors import SignatureError
 from govray.core.keys import govray_home, platform_key_path
 from govray.core.settings import load_settings
+from govray.core.signer_wire import OPS
 from govray.train.checkpoints.signer import SignerChannel, SignerClient
 
 DEV_IDLE_S = 2 * 3600.0  # a development signer that heard no request this long exits
@@ -77,7 +78,7 @@ def dev_signer() -> Path:
     """The socket of ``GOVRAY_HOME``'s development signer, started now if none answers there."""
     home = govray_home().resolve()
     path = dev_socket(home)
-    if _answers(path):
+    if _answers(path) and _current(path):
         return path
     if not platform_key_path(home).exists():
         raise SignatureError(
@@ -85,8 +86,13 @@ def dev_signer() -> Path:
             f"a development signer ({platform_key_path(home)}): create it once with `govray keys init`"
         )
     with _lock(home / "signer-dev" / "start.lock"):  # (in the home: gone with it)
-        if _answers(path):  # another launch started it meanwhile
+        if _answers(path) and _current(path):  # another launch started it meanwhile
             return path
+        if _answers(path) and not stop_dev_signer():  # one from an older govray: replaced
+            raise SignatureError(
+                f"the development signer at {path} runs an older govray (it lacks ops this one asks for) "
+                "and could not be stopped: stop it, and the next launch starts a current one"
+            )
         _start(home, path)
     return path
 
@@ -146,6 +152,15 @@ def _private_dir() -> Path:
             f"{oct(found.st_mode & 0o777)}): the development signer's socket would be reachable by others"
         )
     return directory
+
+
+def _current(path: Path) -> bool:
+    """Whether the signer at ``path`` offers every op this govray asks for (one from an older
+    govray answers the question itself as an op it does not offer)."""
+    try:
+        return set(OPS) <= set(SignerClient(path, timeout=10.0).offers())
+    except SignatureError as error:  # (another failure is no reason to stop a signer runs may be using)
+        return "does not offer" not in str(error)
 
 
 def _answers(path: Path) -> bool:

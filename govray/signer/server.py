@@ -31,9 +31,11 @@ from typing import Any
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.signer_wire import (
     OPERATOR_OPS,
+    OPS,
     AttestRequest,
     CloseRunRequest,
     DeriveRequest,
+    OffersRequest,
     OpenRunRequest,
     SealStateRequest,
     WireError,
@@ -168,6 +170,8 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                     request.source_attestation,
                 )
                 return _sealed_answer(sealed)
+            if isinstance(request, OffersRequest):
+                return {"ok": True, "ops": list(OPS)}
             if isinstance(request, SealStateRequest):
                 envelope = self.signer.seal_state(request.capability, request.folder, request.sequence)
                 return {

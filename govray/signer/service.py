@@ -24,7 +24,8 @@ users): the checkpoint is verified under the operator's trust and must be one th
 that still stands in its record (a run's checkpoint no going-back seal superseded, or a derived
 version): a copy of the key used elsewhere, or an old checkpoint put back after its step was
 sealed again, is not attested. The statements are built from what verified
-(``govray.provenance.attest.sign_attestation``) and signed; nothing the caller wrote is signed. No trial code is imported: the routing comes from the signed run spec.
+(``govray.provenance.attest.sign_attestation``) and signed; nothing the caller wrote is signed.
+No trial code is imported: the routing comes from the signed run spec.
 
 Opening a run again (a resume) revokes its earlier capability: one attempt at a time writes it;
 ``close_run`` (the launch, when the fit ends) revokes it with nothing in its place.

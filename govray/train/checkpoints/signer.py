@@ -145,9 +145,18 @@ class SignerClient:
             except (TimeoutError, OSError) as error:
                 raise SignatureError(f"the signer at {self.path} did not answer: {error}") from None
         if not answer.get("ok"):
+            if " is not offered" in str(answer.get("error")):
+                raise SignatureError(
+                    f"the signer at {self.path} does not offer {request.get('op')!r}: it runs an older "
+                    "govray than this one; restart it with this version"
+                )
             kind = REFUSALS.get(str(answer.get("kind")), SignatureError)
             raise kind(f"the signer refused: {answer.get('error')}")
         return answer
+
+    def offers(self) -> tuple[str, ...]:
+        """The ops the signer offers (one from before ``offers`` existed: ``SignatureError``)."""
+        return tuple(str(op) for op in self.ask({"op": "offers"})["ops"])
 
 
 class ChannelSigner:
