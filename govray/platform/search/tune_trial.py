@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,8 +112,11 @@ def train_trial(
     if config.resources.max_workers == 1:
         # Ray 2.60 refuses Ray Train's session API inside Tune functions (also in Train V2 local
         # mode): the one worker trains here, with a Tune session.
-        # Its checkpoints go to a scratch folder Tune copies from (``TuneSession``), opened here.
-        scratch = Path(tempfile.mkdtemp(prefix="govray-trial-"))
+        # Its checkpoints go to a scratch folder Tune copies from (``TuneSession``), opened here:
+        # in the storage (named after the trial's run), where a signer running as another OS user
+        # reads it as it reads every run's checkpoints (a private temporary folder it could not).
+        scratch = plan.storage.root / "scratch" / f"{name}-{uuid.uuid4().hex[:8]}"
+        scratch.mkdir(parents=True)
         channel = open_channel(scratch)
         attempt = Attempt.of(
             plan.named(name, setup.reproducibility),
