@@ -47,7 +47,7 @@ from govray.train.step.ledger import Ledger
 from govray.train.trial import make_trial, resolve_trial_routes
 from jobs.examples.digits.golden import GOLDEN_HPARAMS, GOLDEN_STEPS
 from jobs.examples.digits.trial import DigitsTrial
-from tests.helpers.attest import statement_of
+from tests.helpers.attest import copied_checkpoint, statement_of
 from tests.helpers.golden import GoldenRun, final_checkpoint
 
 
@@ -303,13 +303,7 @@ def test_a_revoked_or_untrusted_platform_key_is_refused(
 
 def test_a_tampered_checkpoint_is_not_attested(attested: tuple[Path, Attestation], tmp_path: Path) -> None:
     checkpoint, _ = attested
-    run = tmp_path / "storage" / "ray" / checkpoint.parent.name
-    copy = Path(shutil.copytree(checkpoint, run / checkpoint.name))
-    (tmp_path / "storage" / "runs").mkdir(parents=True)
-    shutil.copy(
-        checkpoint.parent.parent.parent / "runs" / f"{checkpoint.parent.name}.json",
-        tmp_path / "storage" / "runs" / f"{checkpoint.parent.name}.json",
-    )
+    copy = copied_checkpoint(checkpoint, tmp_path / "storage")
     flip_byte(copy / "model.safetensors")
     with pytest.raises(
         AttestationError, match="refusing to attest: .*model.safetensors: sha256 does not match"

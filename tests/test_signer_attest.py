@@ -29,6 +29,7 @@ from govray.tracking.lineage import checkpoints
 from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.manifest import CheckpointError
 from govray.train.checkpoints.signer import SignerClient
+from tests.helpers.attest import copied_checkpoint
 from tests.helpers.golden import GOLDEN_STEPS, GoldenRun, final_checkpoint
 from tests.helpers.signing import dev_signer_record
 
@@ -50,15 +51,6 @@ def serving(directory: Path, open_uids: frozenset[int] | None = None) -> SignerS
     return server
 
 
-def copied(checkpoint: Path, storage: Path) -> Path:
-    """``checkpoint`` and its run's spec copied into ``storage`` as a run of its own writes them."""
-    copy = Path(shutil.copytree(checkpoint, storage / "ray" / checkpoint.parent.name / checkpoint.name))
-    (storage / "runs").mkdir(parents=True)
-    run_json = checkpoint.parent.parent.parent / "runs" / f"{checkpoint.parent.name}.json"
-    shutil.copy(run_json, storage / "runs" / run_json.name)
-    return copy
-
-
 def test_the_asking_process_loads_no_key_and_the_signers_statements_verify(
     golden_run: GoldenRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -72,7 +64,7 @@ def test_the_asking_process_loads_no_key_and_the_signers_statements_verify(
         for c in checkpoints(golden_run.store, golden_run.outcome.trial_id)
         if Path(c.path).resolve() == golden.resolve()
     )
-    checkpoint = copied(golden, tmp_path / "storage")  # (a model signature may add the base file)
+    checkpoint = copied_checkpoint(golden, tmp_path / "storage")  # (a model signature may add the base file)
 
     def no_key(*args: object, **kwargs: object) -> None:
         raise AssertionError("the asking process loaded a private key")
@@ -158,7 +150,7 @@ def test_a_tampered_checkpoint_is_refused_by_the_signer_with_its_own_kind(
     """The refusal crosses the socket as what it is (``AttestationError``: its exit code), and
     nothing is written."""
     storage = tmp_path / "storage"
-    copy = copied(final_checkpoint(golden_run.outcome.run_dir), storage)
+    copy = copied_checkpoint(final_checkpoint(golden_run.outcome.run_dir), storage)
     model = copy / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[-1] ^= 1
@@ -179,7 +171,7 @@ def test_what_is_attested_is_what_verified_not_what_lies_there_a_moment_later(
     from govray.provenance import attest as attest_module
     from govray.provenance.attest import sign_attestation
 
-    checkpoint = copied(final_checkpoint(golden_run.outcome.run_dir), tmp_path / "storage")
+    checkpoint = copied_checkpoint(final_checkpoint(golden_run.outcome.run_dir), tmp_path / "storage")
     verified = attest_module.load_checkpoint
 
     def then_swapped(directory: Path, trust: object) -> object:
@@ -208,12 +200,12 @@ def test_the_signer_attests_only_checkpoints_it_sealed_that_still_stand_in_its_r
     still stands is attested."""
     golden = final_checkpoint(golden_run.outcome.run_dir)
     signer = Signer(platform_key(), short_dir / "state")  # a record of its own, empty
-    elsewhere = copied(golden, tmp_path / "elsewhere")  # sealed by the dev signer, not by this one
+    elsewhere = copied_checkpoint(golden, tmp_path / "elsewhere")  # sealed by the dev signer, not by this one
     assert verify_checkpoint(elsewhere, operator_trust())[1] == platform_key().keyid
     with pytest.raises(CheckpointError, match="is not one the platform's signer sealed"):
         signer.attest(str(elsewhere))
     # This signer seals the step itself, in a run of its own.
-    folder = copied(golden, tmp_path / "storage")
+    folder = copied_checkpoint(golden, tmp_path / "storage")
     capability, _ = signer.open_run(str(folder.parent))
     first = resealed(signer, capability, folder, GOLDEN_STEPS)
     assert sorted(signer.attest(str(folder)).envelopes) == ["coverage", "provenance"]
