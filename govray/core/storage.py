@@ -358,3 +358,29 @@ def _put(file: Path, key: str, filesystem: pafs.FileSystem) -> None:
 
     local = pafs.LocalFileSystem()
     pafs.copy_files(str(file), key, source_filesystem=local, destination_filesystem=filesystem)
+
+
+def shared_staging(parent: Path, prefix: str) -> Path:
+    """A new staging folder below ``parent`` (a folder of the storage) that Ray workers write
+    into: created as the storage's other folders are — the umask decides, not ``mkdtemp``'s 0700
+    — since the workers may run as another OS user than the driver (a deployment that keeps the
+    platform's signer, the operator and the trials apart)."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    staging.chmod(0o777 & ~_umask())
+    return staging
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, racing threads)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    return 0o022
+
+
+def as_created(path: Path) -> Path:
+    """Give ``path`` the mode the umask gives any file this process creates: safetensors writes
+    its files 0600, and the platform's signer, running as another OS user than the workers (a
+    deployment's), must read every file of a checkpoint it seals."""
+    Path(path).chmod(0o666 & ~_umask())
+    return Path(path)

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from govray.config.experiment import ExperimentConfig
 from govray.core.canonical import canonical_json, sha256_hex
 from govray.core.errors import CredentialError, GovrayError, IngestError, PolicyError
 from govray.core.runtime import stop_tasks
-from govray.core.storage import open_storage
+from govray.core.storage import open_storage, shared_staging
 from govray.data.fingerprint import corpus_files, fingerprint_files
 from govray.data.rowhash import ROW_HASH_VERSION
 from govray.data.shards import (
@@ -317,7 +316,7 @@ def ingest(
     shards = storage.root / "shards"
     shards.mkdir(parents=True, exist_ok=True)
     # Unit tasks write here as they go; it becomes STORAGE/shards/KEY once every row is valid.
-    staging = Path(tempfile.mkdtemp(prefix=".ingest-", dir=shards))
+    staging = shared_staging(shards, ".ingest-")
     launched: list[ray.ObjectRef] = []
     try:
         corpora = [

@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ import ray
 from govray.core.canonical import file_sha256
 from govray.core.errors import GovrayError, IngestError
 from govray.core.runtime import stop_tasks
-from govray.core.storage import IN_PLACE, Storage
+from govray.core.storage import IN_PLACE, Storage, shared_staging
 from govray.data.packed import (
     PACKED_DIRECTORY,
     TOKEN_DTYPE,
@@ -84,7 +83,7 @@ def pack_shards(
     if (root / MANIFEST).exists() and not force:
         return PackedStore.open(root, verify=True)
     root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=root.parent)) / key
+    staging = shared_staging(root.parent, f".{key[:12]}-") / key
     try:
         staging.mkdir()
         manifest = _build(shards, staging, key, seq_len, tokenize, tokenizer)

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from govray.core.canonical import file_sha256
+from govray.core.storage import as_created
 from govray.governance.adapters import AdapterError, GovernedModel
 from govray.governance.routing import adapter_tensor_names
 
@@ -34,6 +35,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata:
     metadata always give equal bytes.
     """
     save_file(dict(tensors), str(path), metadata=metadata)
+    as_created(path)  # (safetensors writes 0600)
     with open(path, "r+b") as handle:
         length = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(length))

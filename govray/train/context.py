@@ -93,8 +93,9 @@ class WorkerContext:
         """The worker's context for ``attempt``, its session opened (in ``timings``' "open" part)
         and its log (``LOG_DIR/rank-N.log``, continuing what this rank wrote on another node) ready."""
         spec = attempt.spec
+        # (the attempt's trust, the operator's as the launch read it: a worker reads no settings)
         context = dataclasses.replace(
-            cls.of(spec, Worker.detect(spec.use_gpu)), attempt=attempt, timings=timings
+            cls.of(spec, Worker.detect(spec.use_gpu), attempt.trust), attempt=attempt, timings=timings
         )
         with timings.part("open"):
             session = open_session(context)

@@ -51,6 +51,7 @@ class KeySearchingDigitsTrial(DigitsTrial):
     def _search(self) -> None:
         found = {
             "pid": os.getpid(),
+            "uid": os.getuid(),
             "environ": dict(os.environ),
             "processes": _processes(),
             "stack": _stack_strings(),

@@ -54,6 +54,16 @@ class RayNodeView:
     started_at: float  # seconds since the epoch
 
 
+@dataclass(frozen=True)
+class OsUser:
+    """An OS user a node runs as: its ids, supplementary groups, and a home it owns."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: Path
+
+
 @dataclass
 class RayNodeProcess:
     name: str
@@ -91,9 +101,11 @@ class LocalRayCluster:
         env: dict[str, str] | None = None,
         dashboard_port: int | None = None,
         metrics_export_port: int | None = None,
+        user: OsUser | None = None,
     ) -> None:
         """The head; with ``dashboard_port`` its dashboard (the Jobs API) on 127.0.0.1, with
-        ``metrics_export_port`` its Prometheus endpoint."""
+        ``metrics_export_port`` its Prometheus endpoint; with ``user``, its processes (and every
+        worker) run as that OS user."""
         args = [
             "--head",
             f"--port={self.port}",
@@ -106,15 +118,22 @@ class LocalRayCluster:
             args.append(f"--metrics-export-port={metrics_export_port}")
         if autoscaling_config is not None:
             args.append(f"--autoscaling-config={autoscaling_config}")
-        self._start("head", num_cpus, args, env or {})
+        self._start("head", num_cpus, args, env or {}, user)
 
     def add_node(self, num_cpus: int, *, env: dict[str, str] | None = None) -> None:
         self._start(f"node{len(self.nodes)}", num_cpus, [f"--address={self.address}"], env or {})
 
-    def _start(self, name: str, num_cpus: int, args: list[str], env: dict[str, str]) -> None:
+    def _start(
+        self, name: str, num_cpus: int, args: list[str], env: dict[str, str], user: OsUser | None = None
+    ) -> None:
         temp_dir = Path(tempfile.mkdtemp(prefix=f"govray-{name}-", dir="/tmp"))
+        as_user: dict[str, Any] = {}
+        if user is not None:
+            os.chown(temp_dir, user.uid, user.gid)
+            as_user = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "umask": 0}
+            env = {**env, "HOME": str(user.home)}
         command = [
-            "ray",
+            "ray" if user is None else str(Path(sys.executable).parent / "ray"),  # (not a pyenv shim)
             "start",
             "--block",
             *args,
@@ -133,6 +152,7 @@ class LocalRayCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                **as_user,
             )
         self.nodes.append(RayNodeProcess(name, temp_dir, process))
 

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from govray.core.storage import as_created
 from govray.train.checkpoints.files import (
     CheckpointError,
     LoadedCheckpoint,
@@ -39,6 +40,8 @@ def save_clean_state(
         str(directory / _clean(step, "weights.safetensors")),
     )
     save_file(optimizer_tensors, str(directory / _clean(step, "optimizer.safetensors")))
+    for name in ("weights.safetensors", "optimizer.safetensors"):
+        as_created(directory / _clean(step, name))  # (safetensors writes 0600)
     (directory / _clean(step, "optimizer.json")).write_text(
         json.dumps(optimizer_meta, indent=1, sort_keys=True)
     )

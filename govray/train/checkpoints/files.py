@@ -67,6 +67,7 @@ from safetensors.torch import load_file, save_file
 
 from govray.core.canonical import file_sha256
 from govray.core.keys import TrustConfig
+from govray.core.storage import as_created
 from govray.train.checkpoints.manifest import (
     BASE_STORE,
     MANIFEST_FILE,
@@ -135,6 +136,7 @@ def stage_checkpoint(
     optimizer_tensors, optimizer_meta = split_optimizer_state(optimizer_state)
     if not sharded:
         save_file(optimizer_tensors, str(directory / OPTIMIZER_TENSORS))
+        as_created(directory / OPTIMIZER_TENSORS)  # (safetensors writes 0600)
     (directory / OPTIMIZER_META).write_text(json.dumps(optimizer_meta, indent=1, sort_keys=True))
     (directory / STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=1, sort_keys=True))
     for stale in (MANIFEST_FILE, SIGNATURE_FILE):  # (a killed attempt's, maybe a hard link)

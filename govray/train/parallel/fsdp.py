@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from govray.config.training import Precision
+from govray.core.storage import as_created
 from govray.governance.adapters import GovernedModel
 from govray.governance.allreduce import GradientGovernor
 from govray.train.checkpoints.files import CheckpointError, shard_file, split_optimizer_state
@@ -337,6 +338,7 @@ def write_shards(
         name = shard_file(kind, rank, world_size)
         (directory / name).unlink(missing_ok=True)  # (a killed attempt's): never write through a link
         save_file(contents, str(directory / name), metadata={SHARDS_KEY: json.dumps(layout, sort_keys=True)})
+        as_created(directory / name)  # (safetensors writes 0600)
         written.append(name)
     return written
 
