@@ -9,7 +9,9 @@ everything: the search that counts is the workers', as their own user.
 
 Creating the two OS users needs root (CI runs as root; elsewhere the test is skipped, saying so).
 The interpreter and the repository must be reachable by the workers' user: each directory above
-them that lacks it is given ``o+x`` (traverse, not list) for the test and set back after.
+them that lacks it is given ``o+x`` (traverse, not list) for the test and set back after. The
+driver and the Ray node run with umask 0 so both users write the storage (a deployment would use a
+shared group); the signer's home stays 0700 and its socket 0660, the workers in its group.
 """
 
 from __future__ import annotations
