@@ -198,3 +198,22 @@ def test_on_object_storage_the_sealed_state_is_kept_in_the_bucket_and_put_back_t
         assert not marker.exists()
     finally:
         server.stop()
+
+
+def test_a_resumed_driver_seals_past_a_folder_an_earlier_one_died_before_signing(
+    sealed_search: tuple[Path, StateSealer, dict[str, bytes]], tmp_path: Path, signer_socket: Path
+) -> None:
+    """The earlier driver had sequence 2 sealed and died before writing its signature: the resume
+    restores sequence 1, and its own sealer goes past 2 (the signer refuses a sequence it has seen)."""
+    search, sealer, _ = sealed_search
+    tune_state(search, trials=3)
+    unsigned = state_folder(search, 2)
+    unsigned.mkdir()
+    (unsigned / "tuner.pkl").write_bytes((search / "tuner.pkl").read_bytes())
+    SignerClient(signer_socket).seal_state(sealer.channel.capability, str(unsigned.resolve()), 2)
+    assert restore_sealed_state(open_storage(tmp_path / "storage"), search, TRUST) == 1
+    channel = channel_for(signer_socket, search)  # (the resumed driver opens the search again)
+    resumed = StateSealer(open_storage(tmp_path / "storage"), search, channel, after=1)
+    tune_state(search, trials=4)
+    assert resumed.seal() and resumed.sequence == 3
+    assert restore_sealed_state(open_storage(tmp_path / "storage"), search, TRUST) == 3

@@ -84,7 +84,11 @@ class StateSealer(Callback):
         self._seen = seen
         if digests == self._sealed:
             return False
-        sequence = self.sequence + 1
+        # After every folder there (one a crash left unsigned included: the signer may have recorded
+        # its sequence, and only moves forward).
+        held = self.storage.subdirectories(self.path, STATE_PREFIX)
+        numbers = [int(name[len(STATE_PREFIX) :]) for name in held if name[len(STATE_PREFIX) :].isdigit()]
+        sequence = max([self.sequence, *numbers]) + 1
         folder = state_folder(self.path, sequence)
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
