@@ -29,7 +29,8 @@ from govray.core.keys import platform_key, platform_key_path
 from govray.core.settings import operator_trust
 from govray.platform.run.runner import run_trial
 from govray.train.checkpoints.files import find_checkpoints, verify_checkpoint
-from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example, opened
+from jobs.examples.digits.golden import opened
+from tests.helpers.key_search_trial import key_search_example
 
 
 def key_forms() -> list[bytes]:
@@ -60,20 +61,7 @@ def searched_run(ray_session: None, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("key-reach")
     probes = root / "found"
     probes.mkdir()
-    example = golden_example(
-        root,
-        workers=2,
-        max_length={"batches": 4},
-        hparams={
-            **GOLDEN_HPARAMS,
-            "probe_dir": str(probes),
-            "probe_since": key_made(),
-            "probe_after": str(root / "storage" / "ray" / "*" / "checkpoint_00000002" / "manifest.sig"),
-        },
-        lr_schedule=False,
-        checkpoint={"period": 2, "save_trial_latest": 10},  # sealed at step 2, searched in step 3
-        trial="tests.helpers.key_search_trial:KeySearchingDigitsTrial",
-    )
+    example = key_search_example(root, probes, key_made())
     config, store, checked, experiment, ingested = opened(example)
     # What the dashboard's Train page shows: Ray Train's state actor keeps each run's config
     # (off by default; clusters that want the page turn it on).

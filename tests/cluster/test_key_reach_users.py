@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from govray.core.keys import SigningKey, TrustConfig, load_trust, save_trust
 from govray.train.checkpoints.files import find_checkpoints, verify_checkpoint
-from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example
 from tests.helpers.builders import REPO
+from tests.helpers.key_search_trial import key_search_example
 from tests.helpers.local_ray import LocalRayCluster, OsUser
 
 pytestmark = pytest.mark.cluster
@@ -163,19 +163,10 @@ def test_workers_running_as_their_own_user_reach_no_key_nor_passphrase_while_the
     probes = root / "found"
     probes.mkdir()
     probes.chmod(0o777)
-    example = golden_example(
+    example = key_search_example(
         root,
-        workers=2,
-        max_length={"batches": 4},
-        hparams={
-            **GOLDEN_HPARAMS,
-            "probe_dir": str(probes),
-            "probe_since": (home / "platform.key").stat().st_mtime - 1.0,
-            "probe_after": str(root / "storage" / "ray" / "*" / "checkpoint_00000002" / "manifest.sig"),
-        },
-        lr_schedule=False,
-        trial="tests.helpers.key_search_trial:KeySearchingDigitsTrial",
-        checkpoint={"period": 2, "save_trial_latest": 10},
+        probes,
+        (home / "platform.key").stat().st_mtime - 1.0,
         policy={"file": "policies/digits.policy.yaml"},  # vouched for by the operator's trust
     )
     # The operator's trust: the signer's platform key and the example's policy authority.

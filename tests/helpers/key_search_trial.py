@@ -27,6 +27,7 @@ import os
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,3 +108,26 @@ def _readable_files(since: float) -> list[str]:
                 if stat.S_ISREG(held.st_mode) and held.st_mtime >= since and os.access(path, os.R_OK):
                     found.append(path)
     return found
+
+
+def key_search_example(root: Path, probes: Path, since: float, **overrides: Any) -> Path:
+    """The digits example under ``root`` on 2 workers with this trial: 4 steps, a checkpoint
+    sealed at step 2 and searched for in step 3, probes written to ``probes``, files written since
+    ``since`` searched. ``overrides``: further top-level keys of the experiment file."""
+    from jobs.examples.digits.golden import GOLDEN_HPARAMS, golden_example
+
+    return golden_example(
+        root,
+        workers=2,
+        max_length={"batches": 4},
+        hparams={
+            **GOLDEN_HPARAMS,
+            "probe_dir": str(probes),
+            "probe_since": since,
+            "probe_after": str(root / "storage" / "ray" / "*" / "checkpoint_00000002" / "manifest.sig"),
+        },
+        lr_schedule=False,
+        checkpoint={"period": 2, "save_trial_latest": 10},  # sealed at step 2, searched in step 3
+        trial="tests.helpers.key_search_trial:KeySearchingDigitsTrial",
+        **overrides,
+    )

@@ -67,7 +67,7 @@ from govray.train.checkpoints.files import (
     model_file,
     stage_checkpoint,
 )
-from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
+from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
 from govray.train.checkpoints.signer import SignerClient
 from govray.train.checkpoints.whole_file import shards_only, write_whole_model
 from govray.train.runspec import RUN_SPEC_FILE
@@ -192,9 +192,10 @@ def remove_adapter(store: TrackingStore, ref: str, adapter: str) -> RegisteredVe
     destination = derived_prefix(storage, source.model, number)
     written = attest(directory, model_signature=True, destination=destination, socket=socket)
     # The row says what the signer's statement about the version says (it computed the derivation
-    # from the verified source attestation): read back from the envelope, verified.
+    # from the verified source attestation): read back from the envelope, verified against the
+    # manifest the signer just sealed (the version is not hashed again).
     statement = verified_source_statement(
-        written.provenance.read_bytes(), directory, trust, load_checkpoint(directory, trust).manifest
+        written.provenance.read_bytes(), directory, trust, Manifest.model_validate_json(sealed.manifest)
     )
     external = statement["predicate"]["buildDefinition"]["externalParameters"]
     removed, excluded = tuple(external["removed_adapters"]), tuple(external["excluded_corpora"])
