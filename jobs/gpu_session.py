@@ -322,7 +322,8 @@ def machine() -> dict[str, Any]:
 
 def session(out: Path, shape_name: str, pairs: int, phases: list[str], cases: list[str] | None = None) -> int:
     """Every phase in its own process under its deadline; ``session.json`` says how each ended."""
-    from govray.core.keys import init_platform_keys, platform_public_key
+    from govray.core.key_creation import init_platform_keys
+    from govray.core.keys import platform_public_key
 
     out.mkdir(parents=True, exist_ok=True)
     if platform_public_key() is None:  # a fresh GOVRAY_HOME (the device's): `govray keys init`

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from govray.core.key_creation import init_platform_keys
 from govray.core.keys import (
     KeyRole,
     SigningKey,
     TrustConfig,
     govray_home,
-    init_platform_keys,
     save_trust,
 )
 from govray.core.settings import OVERRIDES, SETTINGS_FILE

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, SigningKey, init_platform_keys, platform_key, platform_trust
+from govray.core.key_creation import init_platform_keys
+from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
 from govray.core.signer_wire import OPS
 from govray.signer.local import dev_socket, open_channel, stop_dev_signer
 from govray.signer.server import SignerServer

@@ -350,7 +350,7 @@ def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_
         capture_output=True,
         text=True,
     )
-    assert again.returncode != 0 and "refusing to overwrite" in again.stdout + again.stderr
+    assert again.returncode != 0 and "made already" in again.stdout + again.stderr
     (short_dir / "wrong").write_text("wrong horse\n")
     wrong = subprocess.run(
         [*govray, "signer", "serve", "--passphrase-file", str(short_dir / "wrong")],

@@ -21,12 +21,12 @@ import typer
 from govray.cli.common import console, table
 from govray.cli.policy import KeyTypeOption, keygen
 from govray.core.errors import SignatureError
+from govray.core.key_creation import init_platform_keys
 from govray.core.keys import (
     KeyRole,
     KeyType,
     SigningKey,
     TrustConfig,
-    init_platform_keys,
     load_trust,
     platform_key_path,
     platform_public_key,

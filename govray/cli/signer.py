@@ -1,10 +1,12 @@
 """``govray signer init | serve``: the platform's signer, the one process that uses its keys.
 
-``init`` creates the platform key, encrypted under a passphrase, in the signer's directory (never
-silently: an existing key is refused). ``serve`` unlocks it and answers on a Unix socket: a run's
-channel seals that run's checkpoints, later steps only, over files the signer hashes itself
-(``govray.signer``). The passphrase comes from ``--passphrase-file`` (e.g. a secret the deployment
-mounts) or is asked for; it is never an argument or an environment variable.
+``init`` creates the platform keys in a key backend (``govray.signer.backends``: files encrypted
+under a passphrase, a PKCS#11 token, a KMS plugin), never silently: existing keys are refused, and
+the creation is audited in the signer's directory. ``serve`` unlocks them and answers on a Unix
+socket: a run's channel seals that run's checkpoints, later steps only, over files the signer
+hashes itself (``govray.signer``). The secret (the passphrase, the token's PIN) comes from
+``--passphrase-file`` (e.g. a secret the deployment mounts) or is asked for; it is never an
+argument or an environment variable.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from pathlib import Path
 import typer
 
 from govray.cli.common import console
-from govray.core.keys import KeyRole, KeyType, SigningKey, govray_home, platform_key
+from govray.core.keys import KeyType, SigningKey, govray_home, platform_key
 
 app = typer.Typer(
     help="The platform's signer: the one process that uses the platform's private keys.", no_args_is_help=True
 )
 
-KEY_NAME = "platform"  # DIR/platform.key (encrypted), DIR/platform.pub
-MODEL_KEY_NAME = "platform-ecdsa"  # the model-signing key (ECDSA P-256), encrypted under the same passphrase
 Directory = typer.Option(None, "--dir", help="The signer's directory (default GOVRAY_HOME/signer).")
 PassphraseFile = typer.Option(
-    None, "--passphrase-file", help="A file holding the key's passphrase (default: asked for)."
+    None,
+    "--passphrase-file",
+    help="A file holding the keys' secret: the passphrase, or the token's user PIN (default: asked for).",
 )
 
 
@@ -53,18 +55,40 @@ def passphrase(path: Path | None, confirm: bool = False) -> bytes:
 
 
 @app.command("init")
-def init(directory: Path | None = Directory, passphrase_file: Path | None = PassphraseFile) -> None:
+def init(
+    directory: Path | None = Directory,
+    passphrase_file: Path | None = PassphraseFile,
+    backend: str = typer.Option(
+        "file", "--backend", help="Where the keys are held: file, pkcs11, a plugin's name or MODULE:CLASS."
+    ),
+    option: list[str] = typer.Option(
+        [], "--option", help="A backend option KEY=VALUE (repeatable; pkcs11: module, token, label)."
+    ),
+) -> None:
     """Create the platform keys (Ed25519 for checkpoints and attestations, ECDSA for model
-    signatures), encrypted under one passphrase, in the signer's directory; print their key ids."""
+    signatures) in a key backend, once, audited in the signer's directory; print their key ids."""
+    from govray.signer.backends import backend_named, create_keys
+
     root = signer_dir(directory)
-    secret = passphrase(passphrase_file, confirm=True)
-    for name, keytype in ((KEY_NAME, KeyType.ED25519), (MODEL_KEY_NAME, KeyType.ECDSA)):
-        key = SigningKey.generate(KeyRole.PLATFORM, keytype)
-        private, public = key.save(root / name, passphrase=secret)
-        console.print(
-            f"platform {keytype.value} key {key.keyid}: {private} (encrypted), public half {public}",
-            highlight=False,
-        )
+    options = dict(_option(entry) for entry in option)
+    needed = getattr(backend_named(backend), "needs_secret", True)
+    secret = passphrase(passphrase_file, confirm=True) if needed else None
+    keys, _ = create_keys(root, backend, options, secret)
+    for key in (keys.platform, keys.model):
+        if key is not None:
+            held = "in the token" if backend == "pkcs11" else f"in {backend}"
+            console.print(
+                f"platform {key.public_key.keytype.value} key {key.keyid}: held {held}, "
+                f"public half in {root}",
+                highlight=False,
+            )
+
+
+def _option(entry: str) -> tuple[str, str]:
+    key, equals, value = entry.partition("=")
+    if not equals or not key:
+        raise typer.BadParameter(f"{entry!r}: an option is KEY=VALUE", param_hint="--option")
+    return key, value
 
 
 @app.command("serve")
@@ -87,7 +111,7 @@ def serve(
         None, "--idle-exit", min=1.0, help="Exit after this many seconds without a connection."
     ),
 ) -> None:
-    """Unlock the platform key and seal runs' checkpoints on a Unix socket until stopped."""
+    """Unlock the platform keys and seal runs' checkpoints on a Unix socket until stopped."""
     from govray.signer.server import SignerServer
     from govray.signer.service import Signer
 
@@ -97,10 +121,11 @@ def serve(
         key, root = platform_key(), govray_home() / "signer-dev"
         model_key = platform_key(keytype=KeyType.ECDSA)
     else:
-        secret = passphrase(passphrase_file)
-        key = SigningKey.load(root / f"{KEY_NAME}.key", secret)
-        held = root / f"{MODEL_KEY_NAME}.key"  # (a signer made before it had one: no model signatures)
-        model_key = SigningKey.load(held, secret) if held.is_file() else None
+        from govray.signer.backends import needs_secret, unlock_keys
+
+        secret = passphrase(passphrase_file) if needs_secret(root) else None
+        keys = unlock_keys(root, secret)  # (no model key: a signer made before it had one)
+        key, model_key = keys.platform, keys.model
     path = socket_path if socket_path is not None else root / "signer.sock"
     opens = frozenset(open_uid) if open_uid else None
     signal.signal(signal.SIGTERM, _interrupted)  # stopped: the socket file goes as on Ctrl-C

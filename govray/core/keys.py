@@ -22,15 +22,12 @@ revocation is an entry in ``revoked`` (for either key type)::
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
-import pwd
 import re
-import socket
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from cryptography.exceptions import InvalidSignature
@@ -46,7 +43,6 @@ from govray.core.canonical import canonical_json, canonical_text, sha256_hex
 from govray.core.errors import SignatureError, describe_validation_error
 from govray.core.yaml_files import parse_yaml_mapping, read_text
 
-KEYS_AUDIT_FILE = "audit.jsonl"  # in HOME/keys: every creation of this machine's platform keys
 KEYTYPE = "ed25519"
 SCHEME = "ed25519"
 
@@ -64,7 +60,19 @@ class KeyType(StrEnum):
 
 
 SCHEMES = {KeyType.ED25519: SCHEME, KeyType.ECDSA: "ecdsa-sha2-nistp256"}
-PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+
+
+class HeldKey(Protocol):
+    """A private key held where it cannot be read (a PKCS#11 token, a cloud KMS): it signs, and
+    says its public half. ``sign`` answers what ``cryptography`` would: Ed25519's 64 raw bytes, or
+    an ECDSA P-256 signature over SHA-256 of ``data`` in DER."""
+
+    def public_key(self) -> Ed25519PublicKey | ec.EllipticCurvePublicKey: ...
+
+    def sign(self, data: bytes) -> bytes: ...
+
+
+PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey | HeldKey
 
 
 def compute_keyid(public: str, keytype: KeyType = KeyType.ED25519) -> str:
@@ -135,13 +143,17 @@ def _public_text(public: Ed25519PublicKey | ec.EllipticCurvePublicKey) -> str:
 class SigningKey:
     """A private key of one role: Ed25519, or (the platform's model-signing key) ECDSA P-256.
     Stored as PKCS#8 PEM (mode 0600) beside a ``.pub`` (and, for ECDSA, a ``.pub.pem`` that
-    ``model_signing verify key --public_key`` reads)."""
+    ``model_signing verify key --public_key`` reads) — or held by a token or a KMS
+    (:class:`HeldKey`: it signs there and is never written anywhere)."""
 
     def __init__(self, private: PrivateKey, role: KeyRole) -> None:
         self._private = private
         self.role = role
-        keytype = KeyType.ED25519 if isinstance(private, Ed25519PrivateKey) else KeyType.ECDSA
-        public = _public_text(private.public_key())
+        held_public = private.public_key()
+        if isinstance(held_public, ec.EllipticCurvePublicKey) and held_public.curve.name != "secp256r1":
+            raise SignatureError(f"an ecdsa key is a NIST P-256 key, not {held_public.curve.name}")
+        keytype = KeyType.ED25519 if isinstance(held_public, Ed25519PublicKey) else KeyType.ECDSA
+        public = _public_text(held_public)
         self.public_key = PublicKey(
             role=role,
             keytype=keytype,
@@ -161,34 +173,52 @@ class SigningKey:
             return cls(ec.generate_private_key(ec.SECP256R1()), role)
         return cls(Ed25519PrivateKey.generate(), role)
 
+    @property
+    def held(self) -> bool:
+        """Whether the private key is held by a token or a KMS (it cannot be saved nor read)."""
+        return not isinstance(self._private, Ed25519PrivateKey | ec.EllipticCurvePrivateKey)
+
     def sign(self, data: bytes) -> bytes:
         if isinstance(self._private, Ed25519PrivateKey):
             return self._private.sign(data)
-        return self._private.sign(data, ec.ECDSA(hashes.SHA256()))
+        if isinstance(self._private, ec.EllipticCurvePrivateKey):
+            return self._private.sign(data, ec.ECDSA(hashes.SHA256()))
+        return self._private.sign(data)
 
     def save(self, prefix: Path, passphrase: bytes | None = None) -> tuple[Path, Path]:
         """Write ``PREFIX.key`` (private, 0600; encrypted under ``passphrase`` when given: the
         signer's key file) and ``PREFIX.pub`` (public, YAML; an ECDSA key also ``PREFIX.pub.pem``);
         refuse to overwrite."""
-        private_path, public_path = prefix.with_suffix(".key"), prefix.with_suffix(".pub")
-        pem_path = prefix.with_suffix(".pub.pem")
-        for path in (private_path, public_path, pem_path):
-            if path.exists():
-                raise SignatureError(f"{path} exists; refusing to overwrite a key")
-        prefix.parent.mkdir(parents=True, exist_ok=True)
+        if self.held:
+            raise SignatureError(f"key {self.keyid} is held by a token or a KMS: never written to a file")
+        private_path = prefix.with_suffix(".key")
+        if private_path.exists():
+            raise SignatureError(f"{private_path} exists; refusing to overwrite a key")
+        assert isinstance(self._private, Ed25519PrivateKey | ec.EllipticCurvePrivateKey)
         pem = self._private.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption(),
         )
+        public_path = self.save_public(prefix)
         header = f"# govray {self.role.value} key {self.keyid}\n".encode()
         descriptor = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(header + pem)
+        return private_path, public_path
+
+    def save_public(self, prefix: Path) -> Path:
+        """Write the public half only: ``PREFIX.pub`` (YAML; an ECDSA key also ``PREFIX.pub.pem``,
+        what ``model_signing verify key`` reads); refuse to overwrite."""
+        public_path, pem_path = prefix.with_suffix(".pub"), prefix.with_suffix(".pub.pem")
+        for path in (public_path, pem_path):
+            if path.exists():
+                raise SignatureError(f"{path} exists; refusing to overwrite a key")
+        prefix.parent.mkdir(parents=True, exist_ok=True)
         public_path.write_text(yaml.safe_dump(self.public_key.model_dump(mode="json"), sort_keys=True))
         if self.public_key.keytype == KeyType.ECDSA:
             pem_path.write_text(self.public_key.public)
-        return private_path, public_path
+        return public_path
 
     @classmethod
     def load(cls, path: Path, passphrase: bytes | None = None) -> SigningKey:
@@ -380,40 +410,6 @@ def platform_public_key(home: Path | None = None, keytype: KeyType = KeyType.ED2
             f"{public} is a {key.role.value} {key.keytype.value} key, not the platform's {keytype.value}"
         )
     return key
-
-
-def init_platform_keys(home: Path | None = None) -> list[SigningKey]:
-    """Create this machine's platform keys (Ed25519, and ECDSA for model signatures) under
-    ``HOME/keys``, once: an existing one is refused. Each creation is appended to
-    ``HOME/keys/audit.jsonl`` (when, which OS user on which host, the key ids)."""
-    home = home if home is not None else govray_home()
-    for keytype in KeyType:
-        if (held := platform_key_path(home, keytype)).exists():
-            raise SignatureError(
-                f"{held} exists: this machine's platform keys were created already "
-                "(rotate them with `govray keys rotate --role platform`)"
-            )
-    created = [SigningKey.generate(KeyRole.PLATFORM, keytype) for keytype in KeyType]
-    for key in created:
-        key.save(platform_key_path(home, key.public_key.keytype).with_suffix(""))
-    entry = {
-        "event": "platform_keys_created",
-        "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "uid": os.getuid(),
-        "user": _os_user(),
-        "host": socket.gethostname(),
-        "keys": {key.public_key.keytype.value: key.keyid for key in created},
-    }
-    with open(home / "keys" / KEYS_AUDIT_FILE, "a") as audit:
-        audit.write(json.dumps(entry, sort_keys=True) + "\n")
-    return created
-
-
-def _os_user() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:  # (a uid without a passwd entry, as in some containers)
-        return str(os.getuid())
 
 
 def platform_trust(key: SigningKey | PublicKey | None, extra: TrustConfig | None = None) -> TrustConfig:

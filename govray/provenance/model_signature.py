@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.keys import KeyRole, KeyType, PublicKey, SigningKey, TrustConfig
@@ -46,21 +47,42 @@ class VerifiedModelSignature:
 
 
 def sign_model(directory: Path, signature: Path, key: SigningKey) -> Path:
-    """Sign every file of ``directory`` with ``key`` (an ECDSA P-256 platform key) into
-    ``signature`` (outside the directory: a checkpoint's signed manifest admits no extra file)."""
+    """Sign every file of ``directory`` with ``key`` (an ECDSA P-256 platform key, in a file or held
+    by a token or a KMS) into ``signature`` (outside the directory: a checkpoint's signed manifest
+    admits no extra file). ``model_signing``'s own elliptic-key signer builds the bundle; its
+    private-key operations are ``key``'s (the key is never written anywhere)."""
     if key.public_key.keytype != KeyType.ECDSA or key.role != KeyRole.PLATFORM:
         raise ModelSignatureError(
             f"key {key.keyid} is a {key.role.value} {key.public_key.keytype.value} key; model signatures "
             "take the platform's ecdsa key (model_signing verifies elliptic-curve keys only)"
         )
     signature.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:  # mode 0700: the PEM never lies readable
-        private = Path(scratch) / "platform-ecdsa.key"
-        key.save(private.with_suffix(""))
-        import model_signing  # Sigstore's stack, ~1 s at import: only where a model is signed
+    import model_signing  # Sigstore's stack, ~1 s at import: only where a model is signed
 
-        model_signing.signing.Config().use_elliptic_key_signer(private_key=private).sign(directory, signature)
+    config = model_signing.signing.Config()
+    config._signer = _held_key_signer(key)  # (the one signer model_signing lets a caller choose by key)
+    config.sign(directory, signature)
     return signature
+
+
+def _held_key_signer(key: SigningKey) -> Any:
+    """``model_signing``'s elliptic-key signer whose private-key operations are ``key.sign``."""
+    from model_signing._signing import sign_ec_key
+
+    class _Operations:  # what that signer asks of a ``cryptography`` private key
+        def public_key(self) -> ec.EllipticCurvePublicKey:
+            loaded = serialization.load_pem_public_key(key.public_key.public.encode())
+            assert isinstance(loaded, ec.EllipticCurvePublicKey)
+            return loaded
+
+        def sign(self, data: bytes, algorithm: ec.ECDSA) -> bytes:
+            if not isinstance(algorithm.algorithm, hashes.SHA256):
+                raise ModelSignatureError(f"a P-256 key signs SHA-256, not {algorithm.algorithm!r}")
+            return key.sign(data)
+
+    signer = sign_ec_key.Signer.__new__(sign_ec_key.Signer)  # (its __init__ reads a PEM file)
+    signer._private_key = _Operations()  # type: ignore[assignment]
+    return signer
 
 
 def verify_model_signature(signature: Path, model_dir: Path, trust: TrustConfig) -> VerifiedModelSignature:
