@@ -28,6 +28,8 @@ from govray.signer.service import Signer
 from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
 from govray.train.checkpoints.signer import ChannelSigner, SignerClient
+from tests.helpers.golden import GoldenRun
+from tests.helpers.signing import training_state
 
 
 @pytest.fixture
@@ -40,10 +42,17 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     stop_dev_signer()
 
 
-def sealed_checkpoint(channel_signer: ChannelSigner, run_dir: Path, step: int) -> Path:
+def sealed_checkpoint(
+    channel_signer: ChannelSigner, run_dir: Path, step: int, golden: GoldenRun | None = None
+) -> Path:
+    """A checkpoint folder of ``step`` sealed through ``channel_signer``: the golden run's training
+    state of that step (its ledger recomputed by a signer that checks it), or a bare step."""
     folder = run_dir / f"checkpoint_{step:08d}"
-    folder.mkdir(parents=True)
-    (folder / "state.json").write_text(json.dumps({"step": step}))
+    if golden is not None:
+        training_state(folder, golden.outcome.run_dir, step)
+    else:
+        folder.mkdir(parents=True)
+        (folder / "state.json").write_text(json.dumps({"step": step}))
     sealed = channel_signer.seal(folder, step, {})
     (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
     (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
@@ -51,7 +60,7 @@ def sealed_checkpoint(channel_signer: ChannelSigner, run_dir: Path, step: int) -
 
 
 def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it(
-    home: Path, tmp_path: Path
+    home: Path, tmp_path: Path, golden_run: GoldenRun
 ) -> None:
     first = open_channel(tmp_path / "runs" / "a")
     second = open_channel(tmp_path / "runs" / "b")
@@ -60,7 +69,7 @@ def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it
     pid = int(Path(first.socket).with_suffix(".pid").read_text())
     command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert pid != os.getpid() and b"--dev" in command and b"serve" in command
-    folder = sealed_checkpoint(ChannelSigner(first), tmp_path / "runs" / "a", 10)
+    folder = sealed_checkpoint(ChannelSigner(first), tmp_path / "runs" / "a", 10, golden_run)
     assert verify_checkpoint(folder, platform_trust(platform_key()))[1] == platform_key().keyid
     assert stop_dev_signer() and not Path(first.socket).exists()
     # Nothing of it is left in the shared socket directory (its start lock lies in the home).
@@ -75,7 +84,7 @@ def test_the_signer_the_settings_name_is_used_and_no_development_signer_starts(
 ) -> None:
     short = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
     key = SigningKey.generate(KeyRole.PLATFORM)
-    server = SignerServer(Signer(key, tmp_path / "state"), short / "s.sock")
+    server = SignerServer(Signer(key, tmp_path / "state", check_ledgers=False), short / "s.sock")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("GOVRAY_SIGNER_SOCKET", str(server.path))
     try:
@@ -161,7 +170,7 @@ while True:
 
 
 def test_a_development_signer_from_an_older_govray_is_replaced_and_a_deployed_one_is_named(
-    home: Path, tmp_path: Path
+    home: Path, tmp_path: Path, golden_run: GoldenRun
 ) -> None:
     path = dev_socket(home.resolve())
     older = subprocess.Popen(
@@ -179,7 +188,7 @@ def test_a_development_signer_from_an_older_govray_is_replaced_and_a_deployed_on
         assert older.wait(timeout=10) is not None
         assert int(path.with_suffix(".pid").read_text()) != older.pid
         assert set(OPS) <= set(SignerClient(Path(channel.socket)).offers())
-        assert sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 10).is_dir()
+        assert sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 10, golden_run).is_dir()
     finally:
         if older.poll() is None:
             older.kill()

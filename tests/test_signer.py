@@ -21,6 +21,10 @@ access to storage tries, and what the signer answers:
   another run's checkpoint put in a run's directory is not resumed from;
 - ``govray signer serve`` is its own process, with its key encrypted at rest, and loads neither
   torch nor Ray (measured in its memory map).
+
+The folders here hold a step's ``state.json`` and no training state, so these signers skip the
+ledger recomputation (``check_ledgers=False``); ``tests/test_signer_ledger.py`` tests it on a real
+checkpoint, and every run of the suite seals through it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ from govray.train.checkpoints.sealing import Sealed
 from govray.train.checkpoints.signer import SignerClient
 from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout, own_run
 from govray.train.parallel.worker import Worker
+from tests.helpers.golden import GoldenRun
+from tests.helpers.signing import training_state
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)
 TRUST = platform_trust(KEY)
@@ -85,7 +91,7 @@ def short_dir() -> Iterator[Path]:
 @pytest.fixture
 def signer_at(short_dir: Path) -> Iterator[Path]:
     """A signer serving on a socket in a thread of this process; yields the socket's path."""
-    server = SignerServer(Signer(KEY, short_dir / "state"), short_dir / "s.sock")
+    server = SignerServer(Signer(KEY, short_dir / "state", check_ledgers=False), short_dir / "s.sock")
     thread = Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server.path
@@ -93,11 +99,16 @@ def signer_at(short_dir: Path) -> Iterator[Path]:
     server.server_close()
 
 
-def checkpoint(run_dir: Path, step: int, weights: bytes = b"weights") -> Path:
+def checkpoint(run_dir: Path, step: int, weights: bytes = b"weights", golden: Path | None = None) -> Path:
+    """A checkpoint folder of ``step``: a bare step's state, or (``golden``: a golden run's directory)
+    that run's training state of the step, whose ledger a signer that checks it recomputes."""
     folder = run_dir / f"checkpoint_{step:08d}"
-    folder.mkdir(parents=True)
+    if golden is not None:
+        training_state(folder, golden, step)
+    else:
+        folder.mkdir(parents=True)
+        (folder / "state.json").write_text(f'{{"step": {step}}}')
     (folder / "model.safetensors").write_bytes(weights)
-    (folder / "state.json").write_text(f'{{"step": {step}}}')
     return folder
 
 
@@ -195,7 +206,7 @@ def test_going_back_is_sealed_only_once_no_later_checkpoint_stands_and_is_record
     retrains steps the signer sealed: sealed again once no checkpoint it sealed at or after that
     step still stands — breaking the last one does not reopen an earlier one that stands — and the
     signer's own record says which steps each going-back seal superseded."""
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = signer.open_run(str(run_dir))
 
@@ -233,7 +244,7 @@ def test_going_back_is_sealed_only_once_no_later_checkpoint_stands_and_is_record
 
 
 def test_a_manifest_never_says_another_step_than_the_state_it_seals(short_dir: Path, tmp_path: Path) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = signer.open_run(str(run_dir))
     folder = checkpoint(run_dir, 10)
@@ -246,7 +257,7 @@ def test_a_manifest_never_says_another_step_than_the_state_it_seals(short_dir: P
 
 
 def test_a_closed_run_seals_nothing_more(short_dir: Path, tmp_path: Path) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = signer.open_run(str(run_dir))
     signer.close_run(str(run_dir))  # the fit ended
@@ -298,14 +309,15 @@ def test_opening_a_run_again_revokes_its_capability_and_a_restart_keeps_its_step
     short_dir: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "ray" / "run-a"
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     first, _ = signer.open_run(str(run_dir))
     written(signer.seal(first, str(checkpoint(run_dir, 10)), 10, {}), run_dir / "checkpoint_00000010")
     second, after = signer.open_run(str(run_dir))  # a resume
     assert after == 10
     with pytest.raises(SignatureError, match="unknown or revoked capability"):
         signer.seal(first, str(checkpoint(run_dir, 20)), 20, {})
-    restarted = Signer(KEY, short_dir / "state")  # the run's workers keep their capability
+    # The run's workers keep their capability:
+    restarted = Signer(KEY, short_dir / "state", check_ledgers=False)
     with pytest.raises(SignatureError, match="unknown or revoked capability"):
         restarted.seal(first, str(run_dir / "checkpoint_00000020"), 20, {})
     with pytest.raises(SignatureError, match="is not after step 10"):
@@ -315,7 +327,7 @@ def test_opening_a_run_again_revokes_its_capability_and_a_restart_keeps_its_step
 
 
 def test_a_run_directory_is_an_absolute_path(short_dir: Path) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     for run_dir in ("ray/run-a", "/storage/ray/../../etc"):
         with pytest.raises(SignatureError, match="absolute path without"):
             signer.open_run(run_dir)
@@ -327,7 +339,7 @@ def test_the_signer_takes_the_platform_key_only(short_dir: Path) -> None:
 
 
 def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_no_torch_or_ray(
-    short_dir: Path, tmp_path: Path
+    short_dir: Path, tmp_path: Path, golden_run: GoldenRun
 ) -> None:
     secret = short_dir / "passphrase"
     secret.write_text("correct horse\n")
@@ -380,7 +392,7 @@ def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_
         client = SignerClient(socket_path)
         run_dir = tmp_path / "ray" / "run-a"
         capability, _ = client.open_run(str(run_dir))
-        folder = checkpoint(run_dir, 10)
+        folder = checkpoint(run_dir, 10, golden=golden_run.outcome.run_dir)  # (its ledger recomputed)
         seal_into(client, capability, folder, 10)
         public = SigningKey.load(key_file, b"correct horse").public_key
         assert signed_manifest(folder, TrustConfig(keys=[public]))[1] == public.keyid
@@ -494,7 +506,7 @@ def test_the_block_digests_a_ranged_reader_trusts_are_the_ones_the_signer_comput
 def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_hanging(
     short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     run_dir = tmp_path / "ray" / "run-a"
     capability, _ = signer.open_run(str(run_dir))
     folder = checkpoint(run_dir, 10)
@@ -532,7 +544,7 @@ def test_a_fifo_a_device_or_a_file_that_changes_while_read_is_refused_without_ha
 def test_one_seal_per_run_at_a_time_while_other_runs_seal(
     short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     mine, other = tmp_path / "ray" / "mine", tmp_path / "ray" / "other"
     first, _ = signer.open_run(str(mine))
     second, _ = signer.open_run(str(other))
@@ -559,7 +571,7 @@ def test_one_seal_per_run_at_a_time_while_other_runs_seal(
 
 
 def test_only_the_operators_os_users_open_runs(short_dir: Path, tmp_path: Path) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     server = SignerServer(signer, short_dir / "s.sock", open_uids=frozenset({os.getuid() + 4242}))
     Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -579,7 +591,7 @@ def test_a_request_nested_too_deep_and_one_connection_too_many_are_answered(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 1)
-    server = SignerServer(Signer(KEY, short_dir / "state"), short_dir / "s.sock")
+    server = SignerServer(Signer(KEY, short_dir / "state", check_ledgers=False), short_dir / "s.sock")
     Thread(target=server.serve_forever, daemon=True).start()
     deep = b"[" * 50_000 + b"]" * 50_000
     try:
@@ -596,7 +608,7 @@ def test_a_request_nested_too_deep_and_one_connection_too_many_are_answered(
 
 
 def test_a_frame_that_trickles_in_is_refused(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    signer = Signer(KEY, short_dir / "state")
+    signer = Signer(KEY, short_dir / "state", check_ledgers=False)
     monkeypatch.setattr(wire_module, "FRAME_DEADLINE_S", 0.5)
     server = SignerServer(signer, short_dir / "s.sock")
     Thread(target=server.serve_forever, daemon=True).start()

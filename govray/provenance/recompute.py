@@ -14,7 +14,6 @@ version made by removing adapters leaves those adapters' tensors out.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,12 @@ from govray.data.shards import ShardSet
 from govray.provenance.locations import run_spec_of
 from govray.provenance.statement_types import COVERAGE_TYPE
 from govray.train.checkpoints.files import CheckpointError, load_checkpoint
+from govray.train.checkpoints.ledger_check import expected_ledger, ledger_differences
 from govray.train.parallel.worker import RouteRows
-from govray.train.step.ledger import Ledger, LedgerEntry, recompute_ledger
+from govray.train.step.ledger import Ledger, LedgerEntry
 from govray.train.trial import make_trial
 
-MAX_REPORTED = 5  # differences named in the error
+SHOWN = 5  # differences named in the error
 
 
 def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: TrustConfig) -> int:
@@ -56,17 +56,16 @@ def check_attested_ledger(statement: dict[str, Any], model_dir: Path, trust: Tru
     trial = make_trial(spec.trial, spec.hparams, spec.settings)
     packed = PackedStore.open(Path(spec.packed_root), verify=True) if spec.packed_root else None
     counts = RouteRows(ShardReader(ShardSet.open(Path(spec.shard_root))), packed).counts(trial)
-    recomputed = recompute_ledger(schedule, routing, int(predicate["steps"]), counts)
-    if loaded.state.source:
-        recomputed = _source_ledger(loaded.state.source, trust).merge(recomputed)
+    source = _source_ledger(loaded.state.source, trust) if loaded.state.source else None
+    recomputed = expected_ledger(schedule, routing, int(predicate["steps"]), counts, source)
     removed = sorted(set(routing.adapter_names.values()) - set(loaded.state.adapters))
     for adapter in removed:
         recomputed = recomputed.without_adapter(adapter)
     attested = _attested(predicate.get("ledger", []))
-    problems = _differences(attested, recomputed)
+    problems = ledger_differences(attested, recomputed, said="attested")
     if problems:
-        shown = "; ".join(problems[:MAX_REPORTED])
-        more = f" (and {len(problems) - MAX_REPORTED} more)" if len(problems) > MAX_REPORTED else ""
+        shown = "; ".join(problems[:SHOWN])
+        more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise AttestationError(
             f"the attested ledger differs from the one recomputed from the schedule: {shown}{more}"
         )
@@ -96,20 +95,3 @@ def _attested(entries: list[dict[str, Any]]) -> dict[tuple[str, str], LedgerEntr
         }
     except (KeyError, TypeError, ValueError) as error:
         raise AttestationError(f"an attested ledger entry is malformed: {error}") from None
-
-
-def _differences(attested: dict[tuple[str, str], LedgerEntry], recomputed: Ledger) -> list[str]:
-    problems = []
-    for key in sorted(set(attested) | set(recomputed.entries)):
-        claimed, computed = attested.get(key), recomputed.entries.get(key)
-        if claimed != computed:
-            problems.append(
-                f"{key[0]} → {key[1]}: attested {_counts(claimed)}, recomputed {_counts(computed)}"
-            )
-    return problems
-
-
-def _counts(entry: LedgerEntry | None) -> str:
-    if entry is None:
-        return "nothing"
-    return json.dumps({"examples": entry.examples, "tokens": entry.tokens, "steps": entry.steps})

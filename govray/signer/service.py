@@ -9,6 +9,10 @@ that run and nothing else:
   tensor files (``govray.train.checkpoints.sealing``); a worker's own digests are never read;
 - a frozen base the checkpoint refers to by digest is hashed in the run's base store
   (``RUN_DIR/base/SHA256.safetensors``) and must match it;
+- the ledger the folder's ``state.json`` claims must be the one recomputed from that state's
+  schedule and the routing of the run spec in the folder (``run.json``), after the ledger of the
+  checkpoint the run started from, if any (``govray.train.checkpoints.ledger_check``; no trial
+  code: token counts are compared where they are data, in a packed store);
 - ``step`` is later than every step the signer sealed for the run whose checkpoint still stands
   (kept on the signer's disk, so a restart or a second capability never re-opens an earlier step):
   a checkpoint the signer sealed stands while its folder holds the manifest it signed and every
@@ -48,6 +52,7 @@ from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
 from govray.core.settings import operator_trust
+from govray.train.checkpoints.ledger_check import LedgerCheck
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, Manifest
 from govray.train.checkpoints.sealing import (
     Sealed,
@@ -75,7 +80,16 @@ __all__ = ["SealRefused", "Sealed", "Signer"]
 class Signer:
     """The platform key (role platform) and what it has sealed, per run (``state_dir``)."""
 
-    def __init__(self, key: SigningKey, state_dir: Path, model_key: SigningKey | None = None) -> None:
+    def __init__(
+        self,
+        key: SigningKey,
+        state_dir: Path,
+        model_key: SigningKey | None = None,
+        *,
+        check_ledgers: bool = True,
+    ) -> None:
+        """``check_ledgers``: recompute each checkpoint's ledger before sealing it (always, but in
+        unit tests whose folders hold no training state: ``LedgerCheck`` has its own)."""
         for held in (key, model_key):
             if held is not None and held.role != KeyRole.PLATFORM:
                 raise SignatureError(
@@ -88,6 +102,7 @@ class Signer:
         self._sealing: dict[str, threading.Lock] = {}  # per run: the seal in progress
         self._runs: dict[str, dict[str, object]] = self._read_runs()
         self._derived: dict[str, Derivation] = self._read_derived()  # manifest sha256 → derivation
+        self._ledgers = LedgerCheck(lambda: operator_trust(key=self.key)) if check_ledgers else None
 
     def open_run(self, run_dir: str) -> tuple[str, int]:
         """A new capability for the run in ``run_dir`` (an absolute path), and the last step the
@@ -117,7 +132,13 @@ class Signer:
             superseded = self._going_back(run_dir, folder, step)
             directory = _checkpoint_folder(Path(run_dir), Path(folder), step)
             sealed = seal_folder(
-                self.key, Path(run_dir).name, directory, step, referenced, base_store_of(Path(run_dir))
+                self.key,
+                Path(run_dir).name,
+                directory,
+                step,
+                referenced,
+                base_store_of(Path(run_dir)),
+                self._ledgers,
             )
             digest = hashlib.sha256(sealed.manifest).hexdigest()
             with self._lock:  # the run may have been opened again meanwhile

@@ -40,3 +40,16 @@ def dev_signer_record(state_dir: Path) -> Path:
 
     shutil.copytree(govray_home() / "signer-dev" / "state", state_dir, dirs_exist_ok=True)
     return state_dir
+
+
+def training_state(folder: Path, run_dir: Path | str, step: int) -> Path:
+    """``folder`` made to hold the ``state.json`` and ``run.json`` of the checkpoint at ``step`` in
+    ``run_dir`` (a golden run's): a training state whose ledger the signer recomputes before it
+    seals (a step's bare ``{"step": N}`` it refuses)."""
+    import shutil
+
+    source = Path(run_dir) / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("state.json", "run.json"):
+        shutil.copy(source / name, folder / name)
+    return folder

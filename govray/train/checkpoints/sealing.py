@@ -26,7 +26,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,14 +67,27 @@ class Sealed:
     envelope: Envelope
 
 
+# What else a sealer checks of a folder before signing it: (folder, its files by the sha256 just
+# computed, a reader of one of its files' bytes) → None, or SealRefused (the signer's ledger check).
+FolderCheck = Callable[[Path, Mapping[str, str], Callable[[str], bytes]], None]
+
+
 def seal_folder(
-    key: SigningKey, run: str, folder: Path, step: int, referenced: Mapping[str, str], base_store: Path
+    key: SigningKey,
+    run: str,
+    folder: Path,
+    step: int,
+    referenced: Mapping[str, str],
+    base_store: Path,
+    check: FolderCheck | None = None,
 ) -> Sealed:
     """Hash every file of ``folder`` (a resolved path) and sign the manifest of run ``run`` at
     ``step`` with ``key``; ``referenced``: the frozen base it refers to by sha256 instead of holding
-    it, hashed in ``base_store``."""
+    it, hashed in ``base_store``; ``check``: refuses a folder it finds wrong before anything is signed."""
     files, blocks = hashed_files(folder)
     _refuse_another_step(folder, files, step)
+    if check is not None:
+        check(folder, files, lambda name: _read_listed(folder, name))
     refers = referenced_files(base_store, referenced)
     if held := sorted(set(refers) & set(files)):
         raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
@@ -105,6 +118,11 @@ def _refuse_another_step(folder: Path, files: Mapping[str, str], step: int) -> N
         found = None
     if found != step:
         raise SealRefused(f"{folder / STATE_FILE}: the state of step {found!r}, not of step {step}")
+
+
+def _read_listed(folder: Path, name: str) -> bytes:
+    with opened_folder(folder) as descriptor:
+        return read_small(descriptor, folder / name, MAX_STATE)
 
 
 def hashed_files(directory: Path) -> tuple[dict[str, str], dict[str, BlockDigests]]:
