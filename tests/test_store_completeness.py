@@ -145,6 +145,41 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
     store.close()
 
 
+def test_a_checkpoint_recorded_without_its_ledger_has_it_stored_when_the_run_settles(
+    golden_run: GoldenRun, run_copy: Path, tmp_path: Path
+) -> None:
+    """A driver killed between recording a checkpoint and storing its ledger left a record without
+    rows: the run's next start (or end) stores them from the verified state, and the trial's
+    ledger is the golden run's."""
+    store = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
+    storage_path = str(tmp_path / "storage")
+    experiment = store.create_experiment("no-ledger", golden_run.config.model_dump_json(), "d", storage_path)
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    folders = by_step(run_copy)
+    for step, folder in folders.items():
+        record_checkpoint(store, trial.id, str(folder), step)  # (killed before the ledger went in)
+    assert ledger_rows(store, trial.id) == []
+    recorder = RunRecorder(
+        store,
+        trial.id,
+        golden_run.checked.routing.tensor_layers(),
+        GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
+        storage=open_storage(storage_path),
+        run_dir=str(run_copy),
+        trust=trust(),
+    )
+    assert recorder.reconcile().recorded == ()  # nothing new recorded ...
+    ledger = {(r.corpus_id, r.parameter, r.examples, r.steps) for r in ledger_rows(store, trial.id)}
+    golden = {
+        (r.corpus_id, r.parameter, r.examples, r.steps)
+        for r in ledger_rows(golden_run.store, golden_run.outcome.trial_id)
+    }
+    assert ledger == golden and ledger  # ... and the ledger stored
+    store.close()
+
+
 def test_a_folder_gc_deleted_but_left_on_storage_is_deleted_again(
     golden_run: GoldenRun, run_copy: Path, tmp_path: Path
 ) -> None:

@@ -13,6 +13,8 @@ storage (rank 0 uploads it before reporting). A killed worker may also leave a p
 - a folder that does not verify (a partial upload, a tampered file) is removed, naming why
   (``checkpoint.removed``);
 - a folder whose record GC marked deleted but which is still there is deleted again.
+- a recorded checkpoint without its ledger rows (a driver killed between recording it and
+  storing them) has its ledger stored from its verified state.
 
 It runs when a run (re)starts and when it ends (the driver: removals allowed, nothing writes),
 and at every checkpoint a live run reports (the controller: only recording, only below the
@@ -34,9 +36,9 @@ from typing import Any
 
 from govray.core.keys import TrustConfig
 from govray.core.storage import Storage
-from govray.platform.run.ledgers import Layers, record_checkpoint_ledger
+from govray.platform.run.ledgers import Layers, record_checkpoint_ledger, store_checkpoint_ledger
 from govray.tracking.audit import AuditEventType, AuditLog
-from govray.tracking.lineage import checkpoints
+from govray.tracking.lineage import checkpoint_ledger_rows, checkpoints
 from govray.tracking.store import TrackingStore
 from govray.tracking.tables import CheckpointStatus
 from govray.train.checkpoints.files import CheckpointError
@@ -91,6 +93,8 @@ def reconcile_run(
         if known is not None:
             if known.state == CheckpointStatus.DELETED.value and not live:
                 remove(directory, "deleted by GC, still on storage", checkpoint_id=known.id)
+            elif not live and known.id is not None and not checkpoint_ledger_rows(store, known.id):
+                _store_missing_ledger(store, known.id, directory, trust, storage)
             continue
         try:
             step = present_checkpoint(directory, trust, storage).step
@@ -115,3 +119,16 @@ def reconcile_run(
         )
         recorded.append(step)
     return Reconciliation(tuple(recorded), tuple(removed))
+
+
+def _store_missing_ledger(
+    store: TrackingStore, checkpoint_id: int, directory: Path, trust: TrustConfig, storage: Storage
+) -> None:
+    """The ledger of a recorded checkpoint whose rows a driver killed between recording it and
+    storing them left out, stored from its verified state (left alone when it no longer verifies:
+    the run's end falls back to an earlier checkpoint's)."""
+    try:
+        present_checkpoint(directory, trust, storage)  # (fetched into this node's cache if only there)
+        store_checkpoint_ledger(store, checkpoint_id, trust)
+    except CheckpointError:
+        return

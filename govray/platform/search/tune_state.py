@@ -8,9 +8,11 @@ credentials. So:
 
 - while the search runs, ``StateSealer`` (a Tune callback, in the driver) copies those files into
   ``SEARCH/tune-state-SEQUENCE`` whenever Tune has saved a new state (each file read whole: a
-  pickle that ends with its STOP opcode, a JSON document that parses), and the platform's signer seals
-  the folder over the search's own channel (``seal_state``: it hashes the files itself; the
-  sequence only moves forward); older folders go;
+  pickle that ends with its STOP opcode, a JSON document that parses; on object storage, read
+  where Tune writes it first, the driver's staging directory: Tune syncs it up on its own
+  schedule, and a state older than the trials' checkpoints may name one GC deleted), and the
+  platform's signer seals the folder over the search's own channel (``seal_state``: it hashes the
+  files itself; the sequence only moves forward); older folders go;
 - before ``Tuner.restore``, ``restore_sealed_state`` takes the newest folder whose seal the
   operator's trust verifies for this search's directory and puts exactly its files (the bytes it
   verified) where Tune reads them; every other ``*.json`` or ``*.pkl`` there goes. A search with
@@ -24,6 +26,7 @@ the storage could still swap a file in the moment between this module's write an
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,9 +64,13 @@ class StateSealer(Callback):
         self._sealed: dict[str, str] = {}  # name → sha256 of the last state sealed
         self._seen: object = None  # what the files looked like when last read (local storage)
         self._looked = 0.0
+        self._staging: Path | None = None  # the driver's staging copy of Tune's state (object storage)
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
-        if self.storage.is_remote and time.monotonic() - self._looked < REMOTE_PERIOD_S:
+        if self._staging is None and trials:  # (object storage: where Tune writes its state first)
+            self._staging = Path(trials[0].local_experiment_path)
+        throttled = self.storage.is_remote and self._staging is None
+        if throttled and time.monotonic() - self._looked < REMOTE_PERIOD_S:
             return
         self.seal()
 
@@ -74,10 +81,11 @@ class StateSealer(Callback):
         """Seal Tune's state if it changed since the last seal and every file was read whole;
         returns whether it sealed."""
         self._looked = time.monotonic()
-        seen = _stat(self.path) if not self.storage.is_remote else None
+        local = self._staging if self.storage.is_remote else self.path
+        seen = _stat(local) if local is not None else None
         if seen is not None and seen == self._seen:
             return False
-        files = tune_files(self.storage, self.path)
+        files = tune_files(self.storage, self.path, self._staging)
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         if not files or not all(_whole(data) for data in files.values()):
             return False  # (looked at again next step: a file half written is being written)
@@ -135,28 +143,37 @@ def restore_sealed_state(storage: Storage, path: Path, trust: TrustConfig) -> in
     )
 
 
-def tune_files(storage: Storage, path: Path) -> dict[str, bytes]:
-    """The ``*.json`` and ``*.pkl`` at the top of ``path``, as the storage holds them now."""
+def tune_files(storage: Storage, path: Path, staging: Path | None = None) -> dict[str, bytes]:
+    """The ``*.json`` and ``*.pkl`` at the top of ``path``, as the storage holds them now; on object
+    storage, with ``staging`` (the driver's directory Tune writes its state into before it syncs
+    it up, on its own schedule), the files there as Tune last wrote them, and from the storage
+    only those it does not hold (``tuner.pkl``, an earlier session's state)."""
     files = {}
+    if storage.is_remote and staging is not None:
+        for name in _local_names(staging):
+            with contextlib.suppress(OSError):  # (replaced while listing: the next look reads it)
+                files[name] = (staging / name).read_bytes()
     for name in _tune_names(storage, path):
+        if name in files:
+            continue
         local = path / name
         if storage.is_remote:
             local.unlink(missing_ok=True)  # (the cache's copy is an older state)
             storage.fetch(local)
-        try:
+        with contextlib.suppress(OSError):
             files[name] = local.read_bytes()
-        except OSError:
-            continue  # (replaced while listing: the next look reads it)
     return files
 
 
 def _tune_names(storage: Storage, path: Path) -> list[str]:
-    if storage.is_remote:
-        names = storage.list_files(path)
-    else:
-        names = (
-            [p.name for p in path.iterdir() if p.is_file() and not p.is_symlink()] if path.is_dir() else []
-        )
+    if not storage.is_remote:
+        return _local_names(path)
+    names = storage.list_files(path)
+    return sorted(name for name in names if name.endswith(TUNE_STATE) and name not in RESERVED)
+
+
+def _local_names(path: Path) -> list[str]:
+    names = [p.name for p in path.iterdir() if p.is_file() and not p.is_symlink()] if path.is_dir() else []
     return sorted(name for name in names if name.endswith(TUNE_STATE) and name not in RESERVED)
 
 
