@@ -48,6 +48,29 @@ def run_copy(golden_run: GoldenRun, tmp_path: Path) -> Path:
     return copy
 
 
+def fresh_recorder(
+    golden_run: GoldenRun, run_copy: Path, tmp_path: Path, name: str
+) -> tuple[TrackingStore, int, int, RunRecorder]:
+    """A store of the test's own with one experiment and trial, and the run's recorder over
+    ``run_copy``: (store, experiment id, trial id, recorder)."""
+    store = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
+    storage_path = str(tmp_path / "storage")
+    experiment = store.create_experiment(name, golden_run.config.model_dump_json(), "d", storage_path)
+    assert experiment.id is not None
+    trial = store.create_trial(experiment.id, "{}", seed=0)
+    assert trial.id is not None
+    recorder = RunRecorder(
+        store,
+        trial.id,
+        golden_run.checked.routing.tensor_layers(),
+        GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
+        storage=open_storage(storage_path),
+        run_dir=str(run_copy),
+        trust=trust(),
+    )
+    return store, experiment.id, trial.id, recorder
+
+
 def test_every_checkpoint_carries_the_report_it_was_reported_with(golden_run: GoldenRun) -> None:
     store, trial_id = golden_run.store, golden_run.outcome.trial_id
     for step, directory in by_step(golden_run.outcome.run_dir).items():
@@ -78,28 +101,12 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
 ) -> None:
     """Ray delivered only the step-10 report; the step-20 and step-30 reports died with a worker
     (their folders are on storage), a partial and a duplicate folder lie beside them."""
-    store = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
-    storage_path = str(tmp_path / "storage")
-    experiment = store.create_experiment(
-        "lost-reports", golden_run.config.model_dump_json(), "d", storage_path
-    )
-    assert experiment.id is not None
-    trial = store.create_trial(experiment.id, "{}", seed=0)
-    assert trial.id is not None
+    store, experiment_id, trial_id, callback = fresh_recorder(golden_run, run_copy, tmp_path, "lost-reports")
     folders = by_step(run_copy)
     partial, duplicate = run_copy / "checkpoint_zz-partial", run_copy / "checkpoint_zz-duplicate"
     shutil.copytree(folders[30], partial)
     (partial / MODEL_FILE).unlink()
     shutil.copytree(folders[10], duplicate)
-    callback = RunRecorder(
-        store,
-        trial.id,
-        golden_run.checked.routing.tensor_layers(),
-        GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
-        storage=open_storage(storage_path),
-        run_dir=str(run_copy),
-        trust=trust(),
-    )
     delivered = StepReport.parse(json.loads((folders[10] / REPORT_FILE).read_text()))
     callback.record(delivered.model_copy(update={"checkpoint": str(folders[10])}))
 
@@ -119,25 +126,25 @@ def test_reconciliation_records_lost_reports_and_removes_partial_and_duplicate_f
     assert sorted(path.name for path in checkpoint_directories(run_copy)) == sorted(
         folder.name for folder in folders.values()
     )
-    assert [(c.step, Path(c.path).name) for c in checkpoints(store, trial.id)] == [
+    assert [(c.step, Path(c.path).name) for c in checkpoints(store, trial_id)] == [
         (step, folders[step].name) for step in REPORTED_STEPS
     ]
     # The lost reports are stored from the checkpoints, exactly what the golden run stored.
     original = golden_run.store
     for name in ("training_loss", "validation_loss", "examples", "objective"):
-        mine = [(m.step, m.value) for m in store.metrics(trial.id, name)]
+        mine = [(m.step, m.value) for m in store.metrics(trial_id, name)]
         theirs = [(m.step, m.value) for m in original.metrics(golden_run.outcome.trial_id, name)]
         assert mine == theirs, name
-    ledger = {(r.corpus_id, r.parameter, r.examples, r.steps) for r in ledger_rows(store, trial.id)}
+    ledger = {(r.corpus_id, r.parameter, r.examples, r.steps) for r in ledger_rows(store, trial_id)}
     golden = {
         (r.corpus_id, r.parameter, r.examples, r.steps)
         for r in ledger_rows(original, golden_run.outcome.trial_id)
     }
     assert ledger == golden and ledger
     log = AuditLog(store)
-    recovered = log.list(experiment.id, AuditEventType.CHECKPOINT_RECOVERED)
+    recovered = log.list(experiment_id, AuditEventType.CHECKPOINT_RECOVERED)
     assert [json.loads(event.payload_json)["step"] for event in recovered] == [20, 30]
-    assert len(log.list(experiment.id, AuditEventType.CHECKPOINT_REMOVED)) == 2
+    assert len(log.list(experiment_id, AuditEventType.CHECKPOINT_REMOVED)) == 2
     # Settled: a second reconciliation changes nothing.
     again = callback.reconcile()
     assert again.recorded == () and again.removed == ()
@@ -151,27 +158,12 @@ def test_a_checkpoint_recorded_without_its_ledger_has_it_stored_when_the_run_set
     """A driver killed between recording a checkpoint and storing its ledger left a record without
     rows: the run's next start (or end) stores them from the verified state, and the trial's
     ledger is the golden run's."""
-    store = TrackingStore.open(f"sqlite:///{tmp_path / 'tracking.db'}")
-    storage_path = str(tmp_path / "storage")
-    experiment = store.create_experiment("no-ledger", golden_run.config.model_dump_json(), "d", storage_path)
-    assert experiment.id is not None
-    trial = store.create_trial(experiment.id, "{}", seed=0)
-    assert trial.id is not None
-    folders = by_step(run_copy)
-    for step, folder in folders.items():
-        record_checkpoint(store, trial.id, str(folder), step)  # (killed before the ledger went in)
-    assert ledger_rows(store, trial.id) == []
-    recorder = RunRecorder(
-        store,
-        trial.id,
-        golden_run.checked.routing.tensor_layers(),
-        GcSettings(experiment.id, "validation_loss", smaller_is_better=True),
-        storage=open_storage(storage_path),
-        run_dir=str(run_copy),
-        trust=trust(),
-    )
+    store, _, trial_id, recorder = fresh_recorder(golden_run, run_copy, tmp_path, "no-ledger")
+    for step, folder in by_step(run_copy).items():
+        record_checkpoint(store, trial_id, str(folder), step)  # (killed before the ledger went in)
+    assert ledger_rows(store, trial_id) == []
     assert recorder.reconcile().recorded == ()  # nothing new recorded ...
-    ledger = {(r.corpus_id, r.parameter, r.examples, r.steps) for r in ledger_rows(store, trial.id)}
+    ledger = {(r.corpus_id, r.parameter, r.examples, r.steps) for r in ledger_rows(store, trial_id)}
     golden = {
         (r.corpus_id, r.parameter, r.examples, r.steps)
         for r in ledger_rows(golden_run.store, golden_run.outcome.trial_id)

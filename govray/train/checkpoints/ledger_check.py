@@ -19,6 +19,7 @@ is hashed once per signer).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -121,12 +122,9 @@ class LedgerCheck:
         if schedule.digest() != state.schedule_digest:
             raise LedgerMismatch(f"{folder}: its state's schedule does not hash to its schedule_digest")
         source = self._source(state)
-        if spec.packed_root:
-            counts: RowCounts | None = self._packed(spec.packed_root, spec.packed_sha256)
-            with self._reading:  # (a store's part maps are opened on first read)
-                computed = expected_ledger(schedule, spec.routing, state.step, counts, source)
-        else:
-            counts = None
+        counts = self._packed(spec.packed_root, spec.packed_sha256) if spec.packed_root else None
+        # (a packed store's part maps are opened on first read: one seal reads it at a time)
+        with self._reading if counts is not None else contextlib.nullcontext():
             computed = expected_ledger(schedule, spec.routing, state.step, counts, source)
         claimed = Ledger.from_json(state.ledger).entries
         if problems := ledger_differences(claimed, computed, tokens=counts is not None):

@@ -85,9 +85,9 @@ def seal_folder(
     ``step`` with ``key``; ``referenced``: the frozen base it refers to by sha256 instead of holding
     it, hashed in ``base_store``; ``check``: refuses a folder it finds wrong before anything is signed."""
     files, blocks = hashed_files(folder)
-    _refuse_another_step(folder, files, step)
-    if check is not None:
-        check(folder, files, lambda name: _read_listed(folder, name))
+    state = _refuse_another_step(folder, files, step)
+    if check is not None:  # (state.json as just read: read once)
+        check(folder, files, lambda name: state if name == STATE_FILE else _read_listed(folder, name))
     refers = referenced_files(base_store, referenced)
     if held := sorted(set(refers) & set(files)):
         raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
@@ -103,9 +103,9 @@ def seal_folder(
     return Sealed(payload, sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at))
 
 
-def _refuse_another_step(folder: Path, files: Mapping[str, str], step: int) -> None:
+def _refuse_another_step(folder: Path, files: Mapping[str, str], step: int) -> bytes:
     """The folder's ``state.json`` is the state of ``step``, and the one just hashed: a manifest
-    never says one step while the state it seals says another."""
+    never says one step while the state it seals says another. Returns its bytes."""
     if STATE_FILE not in files:
         raise SealRefused(f"{folder}: holds no {STATE_FILE}; a checkpoint holds its state")
     with opened_folder(folder) as descriptor:
@@ -118,6 +118,7 @@ def _refuse_another_step(folder: Path, files: Mapping[str, str], step: int) -> N
         found = None
     if found != step:
         raise SealRefused(f"{folder / STATE_FILE}: the state of step {found!r}, not of step {step}")
+    return content
 
 
 def _read_listed(folder: Path, name: str) -> bytes:
