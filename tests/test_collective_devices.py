@@ -61,7 +61,7 @@ def audited_run(task: Task) -> tuple[list[Any], list[str]]:
 
     spec = RunSpec.model_validate_json(task.spec)
     device = torch.device(task.device, 0) if task.device == "cuda" else torch.device(task.device)
-    channel = channel_for(spec.run_dir, Worker.detect())  # the launch's (rank 0 opens it for both)
+    channel = channel_for(spec, Worker.detect())  # the launch's (rank 0 opens it for both)
     with CollectiveAudit(device) as audit:
         train_worker(
             Attempt.of(spec, signer=channel).model_dump(mode="json"),

@@ -21,7 +21,7 @@ import pytest
 from govray.core.errors import SignatureError
 from govray.core.key_creation import init_platform_keys
 from govray.core.keys import KeyRole, SigningKey, platform_key, platform_trust
-from govray.core.signer_wire import OPS
+from govray.core.signer_wire import OPS, WIRE_REVISION
 from govray.signer.local import dev_socket, open_channel, stop_dev_signer
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
@@ -29,7 +29,7 @@ from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
 from govray.train.checkpoints.signer import ChannelSigner, SignerClient
 from tests.helpers.golden import GoldenRun
-from tests.helpers.signing import training_state
+from tests.helpers.signing import run_spec_at, training_state
 
 
 @pytest.fixture
@@ -62,8 +62,8 @@ def sealed_checkpoint(
 def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it(
     home: Path, tmp_path: Path, golden_run: GoldenRun
 ) -> None:
-    first = open_channel(tmp_path / "runs" / "a")
-    second = open_channel(tmp_path / "runs" / "b")
+    first = open_channel(tmp_path / "runs" / "a", run_spec_at(golden_run.outcome.run_dir, 10))
+    second = open_channel(tmp_path / "runs" / "b", None)
     assert first.socket == second.socket == str(dev_socket(home.resolve()))
     assert first.capability != second.capability and first.run_dir == str((tmp_path / "runs" / "a").resolve())
     pid = int(Path(first.socket).with_suffix(".pid").read_text())
@@ -75,7 +75,7 @@ def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it
     # Nothing of it is left in the shared socket directory (its start lock lies in the home).
     assert not Path(first.socket).with_suffix(".pid").exists()
     assert not Path(first.socket).with_suffix(".lock").exists()
-    third = open_channel(tmp_path / "runs" / "c")  # a later launch starts it again
+    third = open_channel(tmp_path / "runs" / "c", None)  # a later launch starts it again
     assert int(Path(third.socket).with_suffix(".pid").read_text()) != pid
 
 
@@ -88,7 +88,7 @@ def test_the_signer_the_settings_name_is_used_and_no_development_signer_starts(
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("GOVRAY_SIGNER_SOCKET", str(server.path))
     try:
-        channel = open_channel(tmp_path / "runs" / "a")
+        channel = open_channel(tmp_path / "runs" / "a", None)  # (a bare step: that signer checks no ledger)
         assert channel.socket == str(server.path) and not dev_socket(home.resolve()).exists()
         folder = sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 1)
         assert verify_checkpoint(folder, platform_trust(key))[1] == key.keyid
@@ -143,15 +143,17 @@ def test_a_socket_directory_another_os_user_could_enter_is_refused(
     (runtime / "govray").chmod(0o755)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     with pytest.raises(SignatureError, match="not a directory of this OS user's alone"):
-        open_channel(tmp_path / "runs" / "a")
+        open_channel(tmp_path / "runs" / "a", None)
 
 
-# A signer from a govray that offers none of today's ops (as one from before ``offers`` answers):
-# every request refused as an op it does not offer. Its command line names the socket and --dev,
-# as a development signer's does.
+# A signer from an older govray (its command line names the socket and --dev, as a development
+# signer's does): "before-offers" offers none of today's ops (as one from before ``offers``
+# answers: every request refused as an op it does not offer); "wire-1" offers every op but binds
+# no run spec (it refuses the field, as the last govray's did).
 OLDER_SIGNER = """
 import json, os, socket, struct, sys
-path, pid_file = sys.argv[1], sys.argv[2]
+path, pid_file, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+OPS = json.loads(sys.argv[4])
 open(pid_file, "w").write(str(os.getpid()))
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
@@ -164,30 +166,48 @@ while True:
             continue
         (length,) = struct.unpack(">I", head)
         op = json.loads(connection.recv(length))["op"]
-        answer = json.dumps({"ok": False, "error": f"op {op!r} is not offered: the signer opens runs"})
-        connection.sendall(struct.pack(">I", len(answer)) + answer.encode())
+        if mode == "wire-1" and op == "offers":
+            answer = {"ok": True, "ops": OPS}
+        elif mode == "wire-1":
+            answer = {"ok": False, "error": "run_spec: extra inputs are not permitted"}
+        else:
+            answer = {"ok": False, "error": f"op {op!r} is not offered: the signer opens runs"}
+        connection.sendall(struct.pack(">I", len(json.dumps(answer))) + json.dumps(answer).encode())
 """
 
 
+@pytest.mark.parametrize("older_mode", ["before-offers", "wire-1"])
 def test_a_development_signer_from_an_older_govray_is_replaced_and_a_deployed_one_is_named(
-    home: Path, tmp_path: Path, golden_run: GoldenRun
+    home: Path, tmp_path: Path, golden_run: GoldenRun, older_mode: str
 ) -> None:
     path = dev_socket(home.resolve())
     older = subprocess.Popen(
-        [sys.executable, "-c", OLDER_SIGNER, str(path), str(path.with_suffix(".pid")), "--dev"]
+        [
+            sys.executable,
+            "-c",
+            OLDER_SIGNER,
+            str(path),
+            str(path.with_suffix(".pid")),
+            older_mode,
+            json.dumps(OPS),
+            "--dev",
+        ]
     )
     try:
         for _ in range(100):
             if path.exists():
                 break
             time.sleep(0.05)
-        # Asked what it lacks, the client says what is wrong, not only that the op is refused.
-        with pytest.raises(SignatureError, match="does not offer 'seal_state': it runs an older govray"):
-            SignerClient(path).seal_state("capability", str(tmp_path / "tune-state-00000000"), 0)
-        channel = open_channel(tmp_path / "runs" / "a")  # the launch replaces it
+        if older_mode == "before-offers":
+            # Asked what it lacks, the client says what is wrong, not only that the op is refused.
+            with pytest.raises(SignatureError, match="does not offer 'seal_state': it runs an older govray"):
+                SignerClient(path).seal_state("capability", str(tmp_path / "tune-state-00000000"), 0)
+        channel = open_channel(tmp_path / "runs" / "a", run_spec_at(golden_run.outcome.run_dir, 10))
+        # (the launch replaced it)
         assert older.wait(timeout=10) is not None
         assert int(path.with_suffix(".pid").read_text()) != older.pid
-        assert set(OPS) <= set(SignerClient(Path(channel.socket)).offers())
+        ops, wire = SignerClient(Path(channel.socket)).offers()
+        assert set(OPS) <= set(ops) and wire == WIRE_REVISION
         assert sealed_checkpoint(ChannelSigner(channel), tmp_path / "runs" / "a", 10, golden_run).is_dir()
     finally:
         if older.poll() is None:

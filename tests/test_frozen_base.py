@@ -130,7 +130,7 @@ def lora_only(tmp_path_factory: pytest.TempPathFactory, golden_local_epoch: Gold
         }
     )
     train_worker(
-        Attempt.of(spec, signer=channel_for(run_dir)).model_dump(mode="json"),
+        Attempt.of(spec, signer=channel_for(spec)).model_dump(mode="json"),
         session=partial(LocalSession, deliver=lambda _: None),
     )
     store = TrackingStore.open(f"sqlite:///{root / 'govray.db'}")
@@ -258,7 +258,7 @@ def test_resuming_from_a_referencing_checkpoint_is_bit_identical_to_the_uninterr
     spec = spec.model_copy(update={"run_dir": str(run_dir), "log_dir": "", "control_file": ""})
     reports: list[StepReport] = []
     train_worker(
-        Attempt.of(spec, signer=channel_for(run_dir)).model_dump(mode="json"),
+        Attempt.of(spec, signer=channel_for(spec)).model_dump(mode="json"),
         session=partial(LocalSession, deliver=reports.append),
     )
     assert [report.step for report in reports] == [20, 30]

@@ -213,7 +213,7 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     reports: list[StepReport] = []
     with pytest.raises(Reclaimed):
         train_worker(
-            Attempt.of(spec, signer=channel_for(spec.run_dir)).model_dump(mode="json"),
+            Attempt.of(spec, signer=channel_for(spec)).model_dump(mode="json"),
             session=partial(NoticedSession, deliver=reports.append),
         )
     assert trained == [0, 1, 2]  # the notice read before step 2: sealed after it, nothing more
@@ -227,7 +227,7 @@ def test_a_noticed_run_seals_its_boundary_trains_no_more_and_resumes_there_with_
     # The restart (no notice now) resumes from the sealed checkpoint: no step is trained twice.
     trained.clear()
     train_worker(
-        Attempt.of(spec, signer=channel_for(spec.run_dir)).model_dump(mode="json"),
+        Attempt.of(spec, signer=channel_for(spec)).model_dump(mode="json"),
         session=partial(LocalSession, deliver=reports.append),
     )
     assert trained == [3, 4, 5]

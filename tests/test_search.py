@@ -254,7 +254,7 @@ def _clone_of_final_checkpoint(donor_run: Path, run_dir: Path, report_sink: str 
     hparams = {**spec.hparams, "lr": spec.hparams["lr"] * 0.8}
     update = {"run_name": "clone", "run_dir": str(run_dir), "hparams": hparams}
     clone = spec.model_copy(update={**update, "log_dir": "", "control_file": ""})
-    channel = channel_for(run_dir)  # what the trial's launch opens
+    channel = channel_for(clone)  # what the trial's launch opens
     return donor, Attempt.of(clone, resume_checkpoint=str(donor), report_sink=report_sink, signer=channel)
 
 

@@ -74,7 +74,7 @@ from govray.train.checkpoints.signer import SignerClient
 from govray.train.parallel.layouts import Parts, ShardedLayout, WholeLayout, own_run
 from govray.train.parallel.worker import Worker
 from tests.helpers.golden import GoldenRun
-from tests.helpers.signing import training_state
+from tests.helpers.signing import run_spec_at, training_state
 
 KEY = SigningKey.generate(KeyRole.PLATFORM)
 TRUST = platform_trust(KEY)
@@ -391,8 +391,8 @@ def test_govray_signer_serve_is_a_process_of_its_own_with_its_key_encrypted_and_
         assert oct(socket_path.stat().st_mode & 0o777) == "0o660"
         client = SignerClient(socket_path)
         run_dir = tmp_path / "ray" / "run-a"
-        capability, _ = client.open_run(str(run_dir))
         folder = checkpoint(run_dir, 10, golden=golden_run.outcome.run_dir)  # (its ledger recomputed)
+        capability, _ = client.open_run(str(run_dir), run_spec_at(golden_run.outcome.run_dir, 10).sha256())
         seal_into(client, capability, folder, 10)
         public = SigningKey.load(key_file, b"correct horse").public_key
         assert signed_manifest(folder, TrustConfig(keys=[public]))[1] == public.keyid

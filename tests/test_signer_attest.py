@@ -16,6 +16,7 @@ from threading import Thread
 import pytest
 
 from govray.core import keys as keys_module
+from govray.core.canonical import file_sha256
 from govray.core.errors import AttestationError, SignatureError
 from govray.core.keys import KeyType, platform_key
 from govray.core.settings import operator_trust
@@ -206,7 +207,7 @@ def test_the_signer_attests_only_checkpoints_it_sealed_that_still_stand_in_its_r
         signer.attest(str(elsewhere))
     # This signer seals the step itself, in a run of its own.
     folder = copied_checkpoint(golden, tmp_path / "storage")
-    capability, _ = signer.open_run(str(folder.parent))
+    capability, _ = signer.open_run(str(folder.parent), file_sha256(folder / "run.json"))
     first = resealed(signer, capability, folder, GOLDEN_STEPS)
     assert sorted(signer.attest(str(folder)).envelopes) == ["coverage", "provenance"]
     kept = Path(shutil.copytree(folder, tmp_path / "kept"))

@@ -5,20 +5,20 @@ A frame is 4 bytes of length (big-endian) and that many bytes of UTF-8 JSON: an 
 not JSON (a pickle stream begins with ``0x80``), JSON that is not an object, an op the signer does
 not offer, a field it does not know — with an answer saying why; the signer never unpickles.
 
-Ops: ``open_run`` (a capability for one run's checkpoints), ``close_run`` (its revocation, when
-the fit ends), ``seal`` (one checkpoint of that run), ``seal_state`` (a search driver's Tune
-state, copied into one folder of the search's directory, which a resume unpickles), ``attest``
-(the signed statements of a checkpoint that verifies, and its model signature: the signer
-verifies it, builds them from what verified and signs them) and ``derive`` (a registered version
-without an adapter, sealed only if its folder holds exactly what the signer recomputes), and
-``offers`` (the ops a signer offers: a client finds an older signer out). All but ``seal``,
-``seal_state`` and ``offers`` are the operator's: only the OS users the signer was told (the
-launch's, the platform's commands') may ask. The signer signs nothing else, and for a run's
+Ops: ``open_run`` (a capability for one run's checkpoints, bound to its run spec), ``close_run``
+(its revocation, when the fit ends), ``seal`` (one checkpoint of that run), ``seal_state`` (a
+search driver's Tune state, copied into one folder of the search's directory, which a resume
+unpickles), ``attest`` (the signed statements of a checkpoint that verifies, and its model
+signature: the signer verifies it, builds them from what verified and signs them) and ``derive`` (a
+registered version without an adapter, sealed only if its folder holds exactly what the signer
+recomputes), and ``offers`` (the ops a signer offers: a client finds an older signer out). All but
+``seal``, ``seal_state`` and ``offers`` are the operator's: only the OS users the signer was told
+(the launch's, the platform's commands') may ask. The signer signs nothing else, and for a run's
 channel nothing but that run's seals: no bytes a caller chose.
 
 Example::
 
-    send(sock, {"op": "open_run", "run_dir": "/storage/ray/run-a"})
+    send(sock, {"op": "open_run", "run_dir": "/storage/ray/run-a", "run_spec": SHA256})
     answer = receive(sock)   # {"ok": true, "capability": "...", "after_step": -1}
 """
 
@@ -46,12 +46,15 @@ class WireError(SignatureError):
 
 
 class OpenRunRequest(BaseModel):
-    """A capability for the checkpoints of the run in ``run_dir`` (an absolute path)."""
+    """A capability for the checkpoints of the run in ``run_dir`` (an absolute path), each holding
+    the run spec whose sha256 is ``run_spec`` (the launch's ``RunSpec.sha256()``). None: a channel
+    that seals no checkpoint (a search driver's, for its Tune state)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     op: Literal["open_run"]
     run_dir: str
+    run_spec: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
 class CloseRunRequest(BaseModel):
@@ -138,6 +141,9 @@ AnyRequest = (
     | OffersRequest
 )
 OPS = ("open_run", "close_run", "seal", "seal_state", "attest", "derive", "offers")
+# The wire's revision, in the answer to ``offers``: 2 binds a run's capability to its run spec (a
+# signer answering with none, or an older one, is from an older govray).
+WIRE_REVISION = 2
 OPERATOR_OPS = ("open_run", "close_run", "attest", "derive")  # asked by the operator's OS users only
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _REQUEST: TypeAdapter[AnyRequest] = TypeAdapter(Request)

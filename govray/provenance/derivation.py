@@ -108,7 +108,7 @@ def expected_files(
     state and (empty) optimizer as ``stage_checkpoint`` writes them."""
     subjects = {s["name"]: s["digest"]["sha256"] for s in model_subjects(source, trust, manifest)}
     files = {name: digest for name, digest in subjects.items() if name != adapter_file(adapter)}
-    files[RUN_SPEC_FILE] = hashlib.sha256(spec.model_dump_json(indent=1).encode()).hexdigest()
+    files[RUN_SPEC_FILE] = spec.sha256()
     with tempfile.TemporaryDirectory() as scratch:
         stage_checkpoint(Path(scratch), EMPTY_OPTIMIZER, state)
         files |= {path.name: file_sha256(path) for path in Path(scratch).iterdir()}

@@ -1,6 +1,6 @@
 """Where a run's launch finds the platform's signer, and the development signer of one machine.
 
-``open_channel(run_dir)`` is what a launch (``govray run``'s driver, a search trial's) calls
+``open_channel(run_dir, spec)`` is what a launch (``govray run``'s driver, a search trial's) calls
 before its workers start: it opens the run on the platform's signer and returns the channel the
 workers receive in their ``Attempt``. The signer is the one the settings name
 (``signer.socket``, ``GOVRAY_SIGNER_SOCKET``: a deployment's ``govray signer serve``, under its
@@ -21,7 +21,7 @@ named by a digest of ``GOVRAY_HOME`` (a Unix socket's path is at most 107 bytes)
 
 Example::
 
-    channel = open_channel(Path(spec.run_dir))
+    channel = open_channel(Path(spec.run_dir), spec)
     attempt = Attempt.of(spec, signer=channel)
 """
 
@@ -40,23 +40,28 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from govray.core.errors import SignatureError
 from govray.core.keys import govray_home, platform_key_path
 from govray.core.settings import load_settings
-from govray.core.signer_wire import OPS
+from govray.core.signer_wire import OPS, WIRE_REVISION
 from govray.train.checkpoints.signer import SignerChannel, SignerClient
+
+if TYPE_CHECKING:
+    from govray.train.runspec import RunSpec
 
 DEV_IDLE_S = 2 * 3600.0  # a development signer that heard no request this long exits
 START_TIMEOUT_S = 60.0
 
 
-def open_channel(run_dir: Path) -> SignerChannel:
-    """A capability for the checkpoints written in ``run_dir``, from the settings' signer or this
-    machine's development signer (started if it is not running)."""
+def open_channel(run_dir: Path, spec: RunSpec | None) -> SignerChannel:
+    """A capability for the checkpoints written in ``run_dir``, each holding ``spec`` as its
+    ``run.json`` (None: a channel that seals no checkpoint, a search driver's for its Tune state),
+    from the settings' signer or this machine's development signer (started if it is not running)."""
     path = signer_socket()
     directory = Path(run_dir).resolve()
-    capability, _ = SignerClient(path).open_run(str(directory))
+    capability, _ = SignerClient(path).open_run(str(directory), spec.sha256() if spec is not None else None)
     return SignerChannel(socket=str(path), capability=capability, run_dir=str(directory))
 
 
@@ -155,10 +160,11 @@ def _private_dir() -> Path:
 
 
 def _current(path: Path) -> bool:
-    """Whether the signer at ``path`` offers every op this govray asks for (one from an older
-    govray answers the question itself as an op it does not offer)."""
+    """Whether the signer at ``path`` offers every op this govray asks for, at its wire revision
+    (one from an older govray answers the question itself as an op it does not offer)."""
     try:
-        return set(OPS) <= set(SignerClient(path, timeout=10.0).offers())
+        ops, wire = SignerClient(path, timeout=10.0).offers()
+        return set(OPS) <= set(ops) and wire >= WIRE_REVISION
     except SignatureError as error:  # (another failure is no reason to stop a signer runs may be using)
         return "does not offer" not in str(error)
 

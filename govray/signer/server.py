@@ -32,6 +32,7 @@ from govray.core.errors import GovrayError, SignatureError
 from govray.core.signer_wire import (
     OPERATOR_OPS,
     OPS,
+    WIRE_REVISION,
     AttestRequest,
     CloseRunRequest,
     DeriveRequest,
@@ -157,7 +158,7 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                 if isinstance(request, CloseRunRequest):
                     self.signer.close_run(request.run_dir)
                     return {"ok": True}
-                capability, after = self.signer.open_run(request.run_dir)
+                capability, after = self.signer.open_run(request.run_dir, request.run_spec)
                 return {"ok": True, "capability": capability, "after_step": after}
             if isinstance(request, AttestRequest):
                 return self._attested(request)
@@ -171,7 +172,7 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                 )
                 return _sealed_answer(sealed)
             if isinstance(request, OffersRequest):
-                return {"ok": True, "ops": list(OPS)}
+                return {"ok": True, "ops": list(OPS), "wire": WIRE_REVISION}
             if isinstance(request, SealStateRequest):
                 envelope = self.signer.seal_state(request.capability, request.folder, request.sequence)
                 return {

@@ -1,17 +1,20 @@
 """What the signer signs, and for whom: checkpoints of one run, moving forward, files it hashed.
 
-``Signer.open_run(run_dir)`` hands out a capability for one run (a random token; the signer keeps
-only its sha256). ``Signer.seal(capability, folder, step, referenced)`` then signs a checkpoint of
-that run and nothing else:
+``Signer.open_run(run_dir, run_spec)`` hands out a capability for one run (a random token; the
+signer keeps only its sha256, with the run spec's). ``Signer.seal(capability, folder, step,
+referenced)`` then signs a checkpoint of that run and nothing else:
 
 - ``folder`` is ``RUN_DIR/checkpoint_STEP`` itself (no symbolic link out of the run);
 - the signer lists and hashes every file of the folder itself, with the block digests of its
   tensor files (``govray.train.checkpoints.sealing``); a worker's own digests are never read;
 - a frozen base the checkpoint refers to by digest is hashed in the run's base store
   (``RUN_DIR/base/SHA256.safetensors``) and must match it;
+- the folder's run spec (``run.json``) must be the one the launch opened the run with (its
+  sha256, given to ``open_run``): rank 0 writes it, so a trial could otherwise rewrite the routing
+  the ledger is recomputed with, and the policy signer the provenance cites;
 - the ledger the folder's ``state.json`` claims must be the one recomputed from that state's
-  schedule and the routing of the run spec in the folder (``run.json``), after the ledger of the
-  checkpoint the run started from, if any (``govray.train.checkpoints.ledger_check``; no trial
+  schedule and the routing of that run spec, after the ledger of the checkpoint the run started
+  from, if any (``govray.train.checkpoints.ledger_check``; no trial
   code: token counts are compared where they are data, in a packed store);
 - ``step`` is later than every step the signer sealed for the run whose checkpoint still stands
   (kept on the signer's disk, so a restart or a second capability never re-opens an earlier step):
@@ -45,6 +48,7 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +59,7 @@ from govray.core.settings import operator_trust
 from govray.train.checkpoints.ledger_check import LedgerCheck
 from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, Manifest
 from govray.train.checkpoints.sealing import (
+    FolderCheck,
     Sealed,
     SealRefused,
     base_store_of,
@@ -64,6 +69,7 @@ from govray.train.checkpoints.sealing import (
     seal_folder,
 )
 from govray.train.checkpoints.state_seals import seal_state_folder
+from govray.train.runspec import RUN_SPEC_FILE
 
 if TYPE_CHECKING:
     from govray.provenance.attest import SignedAttestation
@@ -104,10 +110,12 @@ class Signer:
         self._derived: dict[str, Derivation] = self._read_derived()  # manifest sha256 → derivation
         self._ledgers = LedgerCheck(lambda: operator_trust(key=self.key)) if check_ledgers else None
 
-    def open_run(self, run_dir: str) -> tuple[str, int]:
+    def open_run(self, run_dir: str, run_spec: str | None = None) -> tuple[str, int]:
         """A new capability for the run in ``run_dir`` (an absolute path), and the last step the
         signer sealed for it (-1: none yet; a run may seal its step 0); an earlier capability of
-        the run is revoked."""
+        the run is revoked. ``run_spec``: the sha256 of the ``run.json`` each checkpoint sealed
+        through it must hold, the launch's spec (None: it seals no checkpoint, unless the signer
+        checks no ledgers)."""
         given = Path(run_dir)
         if not given.is_absolute() or ".." in given.parts:
             raise SealRefused(f"{run_dir}: a run directory is an absolute path without '..'")
@@ -116,6 +124,7 @@ class Signer:
         with self._lock:
             run = self._runs.setdefault(str(directory), {"last_step": -1})
             run["capability"] = _digest(capability)
+            run["run_spec"] = run_spec
             self._write_runs()
             return capability, int(run["last_step"])  # type: ignore[call-overload]
 
@@ -126,6 +135,7 @@ class Signer:
         with self._lock:
             run_dir = self._run_of(capability)
             sealing = self._sealing.setdefault(run_dir, threading.Lock())
+            check = self._checks(self._runs[run_dir].get("run_spec"))
         if not sealing.acquire(blocking=False):
             raise SealRefused(f"{folder}: another checkpoint of this run is being sealed (one at a time)")
         try:
@@ -138,7 +148,7 @@ class Signer:
                 step,
                 referenced,
                 base_store_of(Path(run_dir)),
-                self._ledgers,
+                check,
             )
             digest = hashlib.sha256(sealed.manifest).hexdigest()
             with self._lock:  # the run may have been opened again meanwhile
@@ -153,6 +163,29 @@ class Signer:
             return sealed
         finally:
             sealing.release()
+
+    def _checks(self, run_spec: object) -> FolderCheck | None:
+        """What a folder sealed through a capability bound to ``run_spec`` (a sha256, or None)
+        must pass besides its files: it holds that run spec, and the ledger recomputed with it."""
+        if run_spec is None:
+            if self._ledgers is None:
+                return None  # (unit tests' bare folders)
+            raise SealRefused(
+                "this run's capability was opened without its run spec: it seals no checkpoint "
+                "(a launch binds every run it opens to the run spec its workers receive)"
+            )
+        ledgers = self._ledgers
+
+        def check(folder: Path, files: Mapping[str, str], read: Callable[[str], bytes]) -> None:
+            if (found := files.get(RUN_SPEC_FILE)) != run_spec:
+                raise SealRefused(
+                    f"{folder}: its {RUN_SPEC_FILE} is not the run spec this run was launched with "
+                    f"(sha256 {run_spec}); the folder's: {found or 'none'}"
+                )
+            if ledgers is not None:
+                ledgers(folder, files, read)
+
+        return check
 
     def attest(
         self, checkpoint: str, recorded_manifest: str | None = None, model_signature: bool = False

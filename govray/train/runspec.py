@@ -15,6 +15,7 @@ the same table.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,15 @@ class RunSpec(BaseModel):
     smaller_is_better: bool = True
     memorization_lambda: float = 0.0
     canaries: dict[str, CanaryProbe] = Field(default_factory=dict)  # corpus → its canaries
+
+    def file_bytes(self) -> bytes:
+        """The spec as every checkpoint holds it (``run.json``): what the launch binds a run's
+        signer capability to (``sha256``) and rank 0 writes."""
+        return self.model_dump_json(indent=1).encode()
+
+    def sha256(self) -> str:
+        """The sha256 of ``file_bytes``: the run spec a run's checkpoints must hold to be sealed."""
+        return hashlib.sha256(self.file_bytes()).hexdigest()
 
     @field_validator("format")
     @classmethod

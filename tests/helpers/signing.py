@@ -12,23 +12,24 @@ from govray.signer.local import open_channel
 from govray.train.checkpoints.signer import ChannelSigner, SignerChannel
 from govray.train.context import WorkerContext
 from govray.train.parallel.worker import Worker
+from govray.train.runspec import RunSpec
 
 
-def channel_for(run_dir: Path | str, worker: Worker | None = None) -> SignerChannel:
-    """A channel for ``run_dir``: opened by rank 0 (this process without a group), broadcast to
-    the group's other ranks."""
+def channel_for(spec: RunSpec, worker: Worker | None = None) -> SignerChannel:
+    """A channel for the run of ``spec`` (in ``spec.run_dir``, bound to the spec): opened by rank 0
+    (this process without a group), broadcast to the group's other ranks."""
     import torch.distributed as dist
 
     rank = worker.rank if worker is not None else 0
-    found: list[Any] = [open_channel(Path(run_dir)) if rank == 0 else None]
+    found: list[Any] = [open_channel(Path(spec.run_dir), spec) if rank == 0 else None]
     if dist.is_initialized() and worker is not None and worker.world_size > 1:
         dist.broadcast_object_list(found, src=0)
     return found[0]
 
 
-def sealing_context(spec: Any, worker: Worker) -> WorkerContext:
+def sealing_context(spec: RunSpec, worker: Worker) -> WorkerContext:
     """``WorkerContext.of(spec, worker)`` whose checkpoints (in ``spec.run_dir``) are sealed."""
-    return WorkerContext.of(spec, worker, signer=ChannelSigner(channel_for(spec.run_dir, worker)))
+    return WorkerContext.of(spec, worker, signer=ChannelSigner(channel_for(spec, worker)))
 
 
 def dev_signer_record(state_dir: Path) -> Path:
@@ -53,3 +54,11 @@ def training_state(folder: Path, run_dir: Path | str, step: int) -> Path:
     for name in ("state.json", "run.json"):
         shutil.copy(source / name, folder / name)
     return folder
+
+
+def run_spec_at(run_dir: Path | str, step: int) -> RunSpec:
+    """The run spec of the checkpoint at ``step`` in ``run_dir`` (a golden run's): what a launch
+    binds the channel of a run sealing that training state (``training_state``) to."""
+    from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
+
+    return read_run_spec(Path(run_dir) / f"checkpoint_{step:08d}" / RUN_SPEC_FILE)

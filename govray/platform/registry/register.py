@@ -175,7 +175,7 @@ def remove_adapter(store: TrackingStore, ref: str, adapter: str) -> RegisteredVe
     for path in sorted(source.directory.glob("adapter-*.safetensors")):
         if path != adapter_file:
             shutil.copy2(path, directory / path.name)
-    (directory / RUN_SPEC_FILE).write_text(spec.model_dump_json(indent=1))
+    (directory / RUN_SPEC_FILE).write_bytes(spec.file_bytes())
     stage_checkpoint(directory, EMPTY_OPTIMIZER, derived_state(loaded.state, adapter))
     # The signer recomputes every file of the version from the verified source and seals it only
     # if the folder holds exactly those; it records the derivation, which its attestation states.

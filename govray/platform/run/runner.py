@@ -288,7 +288,7 @@ def train_run(
         pause_at=pause_at,
         report_sink=sink_name,
         recorded_code_dir=recorded_code_dir,
-        signer=open_channel(Path(spec.run_dir)),  # its workers seal through it, holding no key
+        signer=open_channel(Path(spec.run_dir), spec),  # its workers seal through it, holding no key
     )
     assert attempt.signer is not None
     trainer = governed_trainer(config, attempt, storage, deliver=recorder.record)

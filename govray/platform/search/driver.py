@@ -174,7 +174,7 @@ def search_planned(
         reproducibility=record.model_dump_json(),
     )
     trainable = _trainable(config, setup, record)
-    channel = open_channel(path)  # the driver's own, for the search's Tune state
+    channel = open_channel(path, None)  # the driver's own, for the search's Tune state: no checkpoint
     callbacks: list[ray.tune.Callback] = [tracking, StateSealer(storage, path, channel, after=restored)]
     if progress is not None:
         callbacks.append(SearchProgress(progress, config, tracking.row, plan.notes.get("rungs")))

@@ -117,9 +117,10 @@ def train_trial(
         # reads it as it reads every run's checkpoints (a private temporary folder it could not).
         scratch = plan.storage.root / "scratch" / f"{name}-{uuid.uuid4().hex[:8]}"
         scratch.mkdir(parents=True)
-        channel = open_channel(scratch)
+        spec = plan.named(name, setup.reproducibility)
+        channel = open_channel(scratch, spec)
         attempt = Attempt.of(
-            plan.named(name, setup.reproducibility),
+            spec,
             trust=setup.checked.trust,
             resume_checkpoint=resume or "",
             signer=channel,
@@ -134,7 +135,7 @@ def train_trial(
         directory = f"{name}-{uuid.uuid4().hex[:6]}"
         spec = plan.named(name, setup.reproducibility, directory=directory)
         sink = f"govray-reports-{directory}"
-        channel = open_channel(Path(spec.run_dir))
+        channel = open_channel(Path(spec.run_dir), spec)
         attempt = Attempt.of(
             spec, trust=setup.checked.trust, resume_checkpoint=resume or "", report_sink=sink, signer=channel
         )

@@ -77,9 +77,11 @@ class SignerClient:
     def __init__(self, path: Path, timeout: float = 4 * 3600.0) -> None:
         self.path, self.timeout = Path(path), timeout  # (a seal hashes the whole checkpoint: ~1 GB/s)
 
-    def open_run(self, run_dir: str) -> tuple[str, int]:
-        """(a capability for the run's checkpoints, the last step the signer sealed for it)."""
-        answer = self.ask({"op": "open_run", "run_dir": run_dir})
+    def open_run(self, run_dir: str, run_spec: str | None = None) -> tuple[str, int]:
+        """(a capability for the run's checkpoints, the last step the signer sealed for it).
+        ``run_spec``: the sha256 of the ``run.json`` every checkpoint of the run must hold (None: a
+        channel that seals no checkpoint)."""
+        answer = self.ask({"op": "open_run", "run_dir": run_dir, "run_spec": run_spec})
         return str(answer["capability"]), int(answer["after_step"])
 
     def close_run(self, run_dir: str) -> None:
@@ -154,9 +156,11 @@ class SignerClient:
             raise kind(f"the signer refused: {answer.get('error')}")
         return answer
 
-    def offers(self) -> tuple[str, ...]:
-        """The ops the signer offers (one from before ``offers`` existed: ``SignatureError``)."""
-        return tuple(str(op) for op in self.ask({"op": "offers"})["ops"])
+    def offers(self) -> tuple[tuple[str, ...], int]:
+        """The ops the signer offers and its wire revision (1: it says none; a signer from before
+        ``offers`` existed: ``SignatureError``)."""
+        answer = self.ask({"op": "offers"})
+        return tuple(str(op) for op in answer["ops"]), int(answer.get("wire", 1))
 
 
 class ChannelSigner:

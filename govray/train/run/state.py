@@ -194,7 +194,7 @@ class TrialRun:
         self.layout.write_clean_states(
             self.parts, directory, self.control.earlier_clean_states(steps_done), self.latest
         )
-        (directory / RUN_SPEC_FILE).write_text(self.spec.model_dump_json(indent=1))
+        (directory / RUN_SPEC_FILE).write_bytes(self.spec.file_bytes())
         (directory / REPORT_FILE).write_text(json.dumps(dict(report), indent=1, sort_keys=True))
         for name in shards or ():
             self.context.storage.fetch(directory / name)
