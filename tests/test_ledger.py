@@ -199,3 +199,30 @@ def test_discarded_steps_reach_nothing_and_two_rollbacks_compose() -> None:
         expected.record_step(step_slots(SPEC, step), TABLE)  # the slots themselves are unchanged
     assert recompute_ledger(spec, TABLE, steps=12) == expected
     assert recompute_ledger(spec, TABLE, steps=12) != recompute_ledger(SPEC, TABLE, steps=12)
+
+
+def test_a_ledger_extended_under_an_agreeing_schedule_is_the_one_recomputed_from_step_0() -> None:
+    """The signer keeps the ledger of the last steps it checked and recomputes only the later ones
+    when the new schedule agrees on the earlier steps (``ScheduleSpec.agrees_before``). Extended
+    that way, the ledger is the one recomputed from step 0; where the schedules disagree on an
+    earlier step — a rollback reaching back before it, a gate before it, other inputs — the
+    extended ledger would be wrong, and ``agrees_before`` says so."""
+    gated = replace(SPEC, events=(ScheduleEvent(step=7, kind="gate", corpus_id="news"),))
+    rolled = replace(gated, events=(*gated.events, ScheduleEvent(step=11, kind="rollback", to_step=9)))
+
+    def extended(old: ScheduleSpec, before: int, new: ScheduleSpec, steps: int) -> Ledger:
+        return recompute_ledger(old, TABLE, before).merge(recompute_ledger(new, TABLE, steps, start=before))
+
+    agreeing = [(SPEC, 4, SPEC, 9), (SPEC, 7, gated, 12), (gated, 9, rolled, 14), (rolled, 14, rolled, 14)]
+    for old, before, new, steps in agreeing:
+        assert old.agrees_before(new, before)
+        assert extended(old, before, new, steps) == recompute_ledger(new, TABLE, steps)
+    disagreeing = [
+        (SPEC, 8, gated, 12),  # the gate took effect at step 7, before 8
+        (gated, 10, rolled, 14),  # the rollback discarded step 9
+        (SPEC, 4, replace(SPEC, seed=6), 9),
+        (SPEC, 4, replace(SPEC, excluded_corpora=frozenset({"news"})), 9),
+    ]
+    for old, before, new, steps in disagreeing:
+        assert not old.agrees_before(new, before)
+        assert extended(old, before, new, steps) != recompute_ledger(new, TABLE, steps)

@@ -271,6 +271,29 @@ class ScheduleSpec:
             for event in self.events
         )
 
+    def agrees_before(self, other: ScheduleSpec, step: int) -> bool:
+        """Whether global steps ``0..step-1`` read the same rows under ``other`` and were kept or
+        discarded alike (a ledger of them computed under one holds for the other): the same
+        inputs but events, and the same gates taking effect before ``step`` and rollbacks reaching
+        back before it (a later gate or rollback changes only later steps)."""
+
+        def early(spec: ScheduleSpec) -> set[ScheduleEvent]:
+            return {
+                event
+                for event in spec.events
+                if (event.kind == "gate" and event.step < step)
+                or (event.kind == "rollback" and event.to_step is not None and event.to_step < step)
+            }
+
+        same_inputs = (self.version, self.seed, self.world_size, self.batch_size, self.routes) == (
+            other.version,
+            other.seed,
+            other.world_size,
+            other.batch_size,
+            other.routes,
+        )
+        return same_inputs and self.excluded_corpora == other.excluded_corpora and early(self) == early(other)
+
     def to_json(self) -> dict[str, Any]:
         """The spec as a JSON document (stable ordering); ``from_json`` reads it back."""
         return {

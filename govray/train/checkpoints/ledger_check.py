@@ -13,8 +13,12 @@ windows), not where the trial's ``tokens`` hook counted them — those are check
 verify --recompute-ledger``, which runs the trial, and by re-execution.
 
 The state and run spec read here are the bytes the manifest lists (read again and refused if their
-sha256 differs from the hashing pass's). ``LedgerCheck`` keeps each packed store it opened (a part
-is hashed once per signer).
+sha256 differs from the hashing pass's); the run spec is the one the run was launched with (the
+signer compares its sha256 with the one its capability was opened with before this check runs).
+``LedgerCheck`` keeps each packed store it opened (a part is hashed once per signer) and, per run
+spec, the ledger of the last steps it recomputed: a run's next seal recomputes only the steps after
+them when the new schedule agrees on the earlier ones (``ScheduleSpec.agrees_before``: no gate or
+rollback reaching back before them), so sealing a run costs its length once, not at every seal.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import contextlib
 import hashlib
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -41,6 +47,16 @@ from govray.train.runspec import RUN_SPEC_FILE, parse_run_spec
 from govray.train.step.ledger import Ledger, LedgerEntry, RowCounts, recompute_ledger
 
 MAX_REPORTED = 3  # differences named in a refusal
+MAX_RUNS_KEPT = 256  # runs whose last recomputed ledger the check keeps (a few kB each)
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """The ledger of steps ``0..steps-1`` of a run (no source merged), under ``schedule``."""
+
+    schedule: ScheduleSpec
+    steps: int
+    ledger: Ledger
 
 
 class LedgerMismatch(SealRefused):
@@ -96,6 +112,7 @@ class LedgerCheck:
         self._lock = threading.Lock()
         self._reading = threading.Lock()
         self._stores: dict[tuple[str, str], PackedStore] = {}
+        self._last: OrderedDict[str, _Computed] = OrderedDict()  # by run spec sha256, latest last
 
     def __call__(self, folder: Path, files: Mapping[str, str], read: Callable[[str], bytes]) -> None:
         try:
@@ -123,9 +140,9 @@ class LedgerCheck:
             raise LedgerMismatch(f"{folder}: its state's schedule does not hash to its schedule_digest")
         source = self._source(state)
         counts = self._packed(spec.packed_root, spec.packed_sha256) if spec.packed_root else None
-        # (a packed store's part maps are opened on first read: one seal reads it at a time)
-        with self._reading if counts is not None else contextlib.nullcontext():
-            computed = expected_ledger(schedule, spec.routing, state.step, counts, source)
+        computed = self._recomputed(files[RUN_SPEC_FILE], schedule, spec.routing, state.step, counts)
+        if source is not None:
+            computed = source.merge(computed)
         claimed = Ledger.from_json(state.ledger).entries
         if problems := ledger_differences(claimed, computed, tokens=counts is not None):
             shown = "; ".join(problems[:MAX_REPORTED])
@@ -134,6 +151,33 @@ class LedgerCheck:
                 f"{folder}: its ledger is not the one recomputed from its schedule and the run's "
                 f"routing: {shown}{more}"
             )
+
+    def _recomputed(
+        self,
+        spec_sha256: str,
+        schedule: ScheduleSpec,
+        routing: RoutingTable,
+        steps: int,
+        counts: RowCounts | None,
+    ) -> Ledger:
+        """The ledger of steps ``0..steps-1`` under ``schedule``: the steps after the last one this
+        check computed under the same run spec, merged into that ledger, when the schedules agree
+        on the steps before it (a run's seals move forward; a rollback reaching back, or a
+        checkpoint of an earlier step, is recomputed from step 0)."""
+        with self._lock:
+            last = self._last.get(spec_sha256)
+        start, before = 0, Ledger()
+        if last is not None and last.steps <= steps and last.schedule.agrees_before(schedule, last.steps):
+            start, before = last.steps, last.ledger
+        # (a packed store's part maps are opened on first read: one seal reads it at a time)
+        with self._reading if counts is not None else contextlib.nullcontext():
+            computed = before.merge(recompute_ledger(schedule, routing, steps, counts, start=start))
+        with self._lock:
+            self._last[spec_sha256] = _Computed(schedule, steps, computed)
+            self._last.move_to_end(spec_sha256)
+            while len(self._last) > MAX_RUNS_KEPT:
+                self._last.popitem(last=False)
+        return computed
 
     def _source(self, state: CheckpointState) -> Ledger | None:
         if not state.source:

@@ -354,13 +354,15 @@ def recompute_ledger(
     table: RoutingTable,
     steps: int,
     tokens: Mapping[str, Sequence[int] | np.ndarray] | RowCounts | None = None,
+    start: int = 0,
 ) -> Ledger:
-    """The ledger of global steps ``0..steps-1``, from the schedule and the routing table alone
+    """The ledger of global steps ``start..steps-1``, from the schedule and the routing table alone
     (steps a rollback discarded reached nothing); ``tokens``: per route, each row's tokens, or what
-    each position holds (``RowCounts``)."""
+    each position holds (``RowCounts``). Ledgers of adjacent ranges under one schedule merge into
+    the ledger of both (``Ledger.merge``)."""
     ledger = Ledger()
     counts = TokensPerRow(tokens) if isinstance(tokens, Mapping) else tokens
-    for global_step in range(steps):
+    for global_step in range(start, steps):
         if spec.reverted(global_step):
             continue
         ledger.record_rows(step_rows(spec, global_step), table, counts)
