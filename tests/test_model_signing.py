@@ -17,9 +17,16 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from securesystemslib.signer import SSlibKey
 
 from govray.cli import main
+from govray.core.canonical import file_sha256
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, platform_key, save_trust
 from govray.platform.registry.versions import RegisteredVersion, model_signature_of
-from govray.provenance.model_signature import PREDICATE_TYPE, read_bundle, signed_files
+from govray.provenance.model_signature import (
+    PREDICATE_TYPE,
+    ModelSignatureError,
+    read_bundle,
+    sign_model,
+    signed_files,
+)
 from tests.helpers.golden import RegisteredPair
 
 MODEL_SIGNING = [sys.executable, "-m", "model_signing"]
@@ -124,3 +131,35 @@ def test_the_ecdsa_platform_key_has_the_keyid_securesystemslib_computes(tmp_path
     assert (tmp_path / "platform-ecdsa.pub.pem").read_text() == key.public_key.public
     signature = key.sign(b"payload")
     assert key.public_key.verify(signature, b"payload") and not key.public_key.verify(signature, b"other")
+
+
+def test_a_folder_changed_between_its_verification_and_model_signings_hashing_is_not_signed(
+    tmp_path: Path,
+) -> None:
+    """``model_signing`` hashes the folder again after the signer verified it: a file swapped in
+    between, one added or one removed makes no model signature (the bundle is checked against
+    the files as verified, and nothing is returned)."""
+    key = SigningKey.generate(KeyRole.PLATFORM, KeyType.ECDSA)
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"verified weights")
+    (folder / "manifest.sig").write_text("{}")
+    verified: dict[str, str | None] = {"model.safetensors": file_sha256(folder / "model.safetensors")}
+    verified["manifest.sig"] = None  # (any bytes)
+    signature = tmp_path / "model.sig"
+    assert signed_files(read_bundle(sign_model(folder, signature, key, verified))) == (
+        "manifest.sig",
+        "model.safetensors",
+    )
+    (folder / "model.safetensors").write_bytes(b"swapped weights")
+    with pytest.raises(ModelSignatureError, match=r"changed after it was verified \(model.safetensors\)"):
+        sign_model(folder, signature, key, verified)
+    assert not signature.exists()
+    (folder / "model.safetensors").write_bytes(b"verified weights")
+    (folder / "extra.bin").write_bytes(b"added")
+    with pytest.raises(ModelSignatureError, match=r"changed after it was verified \(extra.bin\)"):
+        sign_model(folder, signature, key, verified)
+    (folder / "extra.bin").unlink()
+    (folder / "manifest.sig").unlink()
+    with pytest.raises(ModelSignatureError, match=r"changed after it was verified \(manifest.sig\)"):
+        sign_model(folder, signature, key, verified)

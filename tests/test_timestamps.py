@@ -2,13 +2,15 @@
 settings name (``openssl ts`` answers here, behind a local HTTP server), so revoking a key as of
 the moment it leaked keeps its earlier signatures valid and refuses later ones. A stamp from an
 authority the trust does not list, one moved from another signature, or a signature made when
-the authority cannot be reached: refused, never taken for trusted time."""
+the authority cannot be reached: refused, never taken for trusted time. OpenSSF model signatures
+(Sigstore bundles) carry the same stamp."""
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +23,9 @@ from securesystemslib.signer import SSlibKey
 from govray.cli import main
 from govray.core.dsse import Envelope, sign_envelope, verify_envelope
 from govray.core.errors import SignatureError
-from govray.core.keys import KeyRole, SigningKey, TrustConfig, load_trust, save_trust
+from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, save_trust
 from govray.core.timestamps import stamped_at
+from govray.provenance.model_signature import ModelSignatureError, sign_model, verify_model_signature
 from govray.signer.service import Signer
 from govray.train.checkpoints.manifest import MANIFEST_TYPE
 from tests.helpers.ports import free_port
@@ -160,3 +163,56 @@ def test_the_cli_trusts_an_authority_and_revokes_a_key_as_of_a_moment(tsa: Local
     assert yaml.safe_load(trust.read_text())["revoked"][0]["reason"] == "laptop stolen"
     (tmp_path / "not-a-certificate.pem").write_text("-----BEGIN CERTIFICATE-----\nnope\n")
     assert main(["keys", "trust-tsa", str(tmp_path / "not-a-certificate.pem"), "--trust", str(trust)]) != 0
+
+
+def test_model_signatures_are_stamped_and_a_revoked_keys_earlier_ones_still_verify(
+    stamping: LocalTsa, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OpenSSF model signature (a Sigstore bundle) carries the authority's timestamp where a
+    bundle keeps one; ``model_signing`` still verifies it, and govray checks the stamp: a model
+    signature stamped before its key's revocation verifies, a later one is refused, a stamp taken
+    from another bundle is refused, and an unstamped one is refused once the key is revoked."""
+    model_key = SigningKey.generate(KeyRole.PLATFORM, keytype=KeyType.ECDSA)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    earlier = sign_model(model, tmp_path / "earlier.sig", model_key)
+    timestamps = json.loads(earlier.read_text())["verificationMaterial"]["timestampVerificationData"]
+    token = base64.b64decode(timestamps["rfc3161Timestamps"][0]["signedTimestamp"])
+    leaked_at = stamped_at(token, _bundle_signature(earlier), [stamping.root_pem]) + dt.timedelta(seconds=1)
+    while dt.datetime.now(dt.UTC) < leaked_at + dt.timedelta(seconds=1):
+        time.sleep(0.1)
+    later = sign_model(model, tmp_path / "later.sig", model_key)
+    monkeypatch.delenv("GOVRAY_TSA_URL")
+    unstamped = sign_model(model, tmp_path / "unstamped.sig", model_key)
+    assert "timestampVerificationData" not in json.loads(unstamped.read_text())["verificationMaterial"]
+    public = tmp_path / "platform-ecdsa.pub.pem"
+    public.write_text(model_key.public_key.public)
+    tool = [
+        "model_signing",
+        "verify",
+        "key",
+        "--signature",
+        str(earlier),
+        "--public_key",
+        str(public),
+        str(model),
+    ]
+    assert subprocess.run(tool, capture_output=True, text=True).returncode == 0
+    trust = TrustConfig(keys=[model_key.public_key], timestamp_authorities=[stamping.root_pem])
+    assert verify_model_signature(later, model, trust).signer == model_key.keyid
+    trust.revoke(model_key.keyid, reason="leaked", at=leaked_at)
+    assert verify_model_signature(earlier, model, trust).files == ("model.safetensors",)
+    with pytest.raises(ModelSignatureError, match="was revoked at .*stamped at .*not before then"):
+        verify_model_signature(later, model, trust)
+    with pytest.raises(ModelSignatureError, match="carries no trusted timestamp from before then"):
+        verify_model_signature(unstamped, model, trust)
+    moved = json.loads(later.read_text())
+    moved["verificationMaterial"]["timestampVerificationData"] = timestamps
+    (tmp_path / "moved.sig").write_text(json.dumps(moved))
+    with pytest.raises(ModelSignatureError, match="its timestamp does not verify under a trusted authority"):
+        verify_model_signature(tmp_path / "moved.sig", model, trust)
+
+
+def _bundle_signature(bundle: Path) -> bytes:
+    return base64.b64decode(json.loads(bundle.read_text())["dsseEnvelope"]["signatures"][0]["sig"])

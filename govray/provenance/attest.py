@@ -57,7 +57,12 @@ from govray.train.checkpoints.files import (
     load_checkpoint,
     model_file,
 )
-from govray.train.checkpoints.manifest import Manifest, refuse_unrecorded_manifest
+from govray.train.checkpoints.manifest import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    Manifest,
+    refuse_unrecorded_manifest,
+)
 from govray.train.checkpoints.whole_file import shards_only, whole_model_sha256
 
 KINDS = ("provenance", "coverage")
@@ -180,13 +185,23 @@ def sign_attestation(
     bundle = None
     if model_key is not None:
         with tempfile.TemporaryDirectory() as scratch:
-            bundle = sign_model(checkpoint, Path(scratch) / "model.sig", model_key).read_text()
+            verified = _verified_files(loaded.manifest, loaded.manifest_digest)
+            bundle = sign_model(checkpoint, Path(scratch) / "model.sig", model_key, verified).read_text()
     return SignedAttestation(
         envelopes,
         {s["name"]: s["digest"]["sha256"] for s in subjects},
         attestation_prefix(checkpoint, spec),
         bundle,
     )
+
+
+def _verified_files(manifest: Manifest, manifest_digest: str) -> dict[str, str | None]:
+    """The files a verified checkpoint folder holds, by sha256: those its manifest lists (but the
+    ones kept in the run's base store), the manifest itself, and its signature (any bytes: a
+    signature is checked by whoever reads it)."""
+    referenced = set(manifest.referenced or ())
+    held: dict[str, str | None] = {n: d for n, d in manifest.files.items() if n not in referenced}
+    return held | {MANIFEST_FILE: manifest_digest, SIGNATURE_FILE: None}
 
 
 def write_attestation(signed: SignedAttestation, destination: Path | None = None) -> Attestation:

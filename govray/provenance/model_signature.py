@@ -10,15 +10,21 @@ platform role like the Ed25519 keys. Anyone verifies it without govray::
     model_signing verify key --signature SIG --public_key platform-ecdsa.pub.pem MODEL_DIR
 
 ``verify_model_signature`` does the same and also asks the trust file: the key must be trusted
-for the platform role and not revoked.
+for the platform role and not revoked — as of the signature's trusted time: where the settings name
+a time-stamping authority, the bundle carries its RFC 3161 timestamp of the signature (where a
+Sigstore bundle keeps one), so a key revoked as of a moment keeps the model signatures stamped
+before it.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import datetime as dt
 import hashlib
 import json
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.keys import KeyRole, KeyType, PublicKey, SigningKey, TrustConfig
+from govray.core.settings import load_settings
+from govray.core.timestamps import stamp, stamped_at
 
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle"  # followed by .v0.3+json (any version)
@@ -46,11 +54,16 @@ class VerifiedModelSignature:
     files: tuple[str, ...]  # every signed file, relative to the model directory
 
 
-def sign_model(directory: Path, signature: Path, key: SigningKey) -> Path:
+def sign_model(
+    directory: Path, signature: Path, key: SigningKey, expected: Mapping[str, str | None] | None = None
+) -> Path:
     """Sign every file of ``directory`` with ``key`` (an ECDSA P-256 platform key, in a file or held
     by a token or a KMS) into ``signature`` (outside the directory: a checkpoint's signed manifest
     admits no extra file). ``model_signing``'s own elliptic-key signer builds the bundle; its
-    private-key operations are ``key``'s (the key is never written anywhere)."""
+    private-key operations are ``key``'s (the key is never written anywhere). ``expected``: the
+    files the folder held when it was verified, by sha256 (None: any bytes): ``model_signing``
+    hashes the folder again, and a bundle over other files or other bytes (one swapped after the
+    verification) is refused, not returned."""
     if key.public_key.keytype != KeyType.ECDSA or key.role != KeyRole.PLATFORM:
         raise ModelSignatureError(
             f"key {key.keyid} is a {key.role.value} {key.public_key.keytype.value} key; model signatures "
@@ -62,7 +75,42 @@ def sign_model(directory: Path, signature: Path, key: SigningKey) -> Path:
     config = model_signing.signing.Config()
     config._signer = _held_key_signer(key)  # (the one signer model_signing lets a caller choose by key)
     config.sign(directory, signature)
+    if expected is not None:
+        _refuse_other_files(signature, directory, expected)
+    authority = load_settings().timestamping.url
+    if authority:
+        _stamp_bundle(signature, authority)
     return signature
+
+
+def _refuse_other_files(signature: Path, directory: Path, expected: Mapping[str, str | None]) -> None:
+    statement = json.loads(base64.b64decode(read_bundle(signature)["dsseEnvelope"]["payload"]))
+    signed = {str(r["name"]): str(r["digest"]) for r in statement["predicate"]["resources"]}
+    differing = sorted(
+        name
+        for name in set(signed) | set(expected)
+        if name not in signed or name not in expected or expected[name] not in (None, signed[name])
+    )
+    if differing:
+        signature.unlink()
+        raise ModelSignatureError(
+            f"{directory}: its files changed after it was verified ({', '.join(differing)}): no model "
+            "signature is made over them"
+        )
+
+
+def _stamp_bundle(signature: Path, authority: str) -> None:
+    """Add the authority's RFC 3161 timestamp of the bundle's signature where a Sigstore bundle
+    carries one (``verificationMaterial.timestampVerificationData.rfc3161Timestamps``): the
+    signature's trusted time, as a DSSE envelope's ``timestamp`` is (``model_signing`` keeps
+    verifying the bundle; ``verify_model_signature`` checks the stamp)."""
+    bundle = read_bundle(signature)
+    token = stamp(_raw_signature(bundle, signature), authority)
+    material = bundle.setdefault("verificationMaterial", {})
+    material["timestampVerificationData"] = {
+        "rfc3161Timestamps": [{"signedTimestamp": base64.b64encode(token).decode()}]
+    }
+    signature.write_text(json.dumps(bundle))
 
 
 def _held_key_signer(key: SigningKey) -> Any:
@@ -89,7 +137,7 @@ def verify_model_signature(signature: Path, model_dir: Path, trust: TrustConfig)
     """Check ``signature`` with ``model_signing``'s verifier against ``model_dir`` (any changed,
     added or removed file is refused) under a trusted, unrevoked platform ECDSA key."""
     bundle = read_bundle(signature)
-    key = _signing_key(bundle, trust, signature)
+    key = _signing_key(bundle, trust, signature, _stamped(bundle, trust, signature))
     with tempfile.TemporaryDirectory() as scratch:
         public = Path(scratch) / "platform.pub.pem"
         public.write_text(key.public)
@@ -139,12 +187,41 @@ def key_hint(key: PublicKey) -> str:
     return hashlib.sha256(pem).hexdigest()
 
 
-def _signing_key(bundle: dict[str, Any], trust: TrustConfig, path: Path) -> PublicKey:
+def _raw_signature(bundle: dict[str, Any], path: Path) -> bytes:
+    try:
+        return base64.b64decode(bundle["dsseEnvelope"]["signatures"][0]["sig"], validate=True)
+    except (KeyError, IndexError, TypeError, binascii.Error):
+        raise ModelSignatureError(f"{path}: its DSSE envelope holds no readable signature") from None
+
+
+def _stamped(bundle: dict[str, Any], trust: TrustConfig, path: Path) -> dt.datetime | None:
+    """The trusted time of the bundle's signature: its RFC 3161 timestamp's, checked (None: it
+    carries none). A stamp that does not verify is refused, never taken as no stamp."""
+    material = bundle.get("verificationMaterial")
+    timestamps = material.get("timestampVerificationData") if isinstance(material, dict) else None
+    if not timestamps:
+        return None
+    try:
+        (entry,) = timestamps["rfc3161Timestamps"]
+        token = base64.b64decode(entry["signedTimestamp"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        raise ModelSignatureError(
+            f"model signature {path}: its timestamp is not one readable stamp"
+        ) from None
+    try:
+        return stamped_at(token, _raw_signature(bundle, path), trust.timestamp_authorities)
+    except SignatureError as error:
+        raise ModelSignatureError(f"model signature {path}: {error}") from None
+
+
+def _signing_key(
+    bundle: dict[str, Any], trust: TrustConfig, path: Path, stamped: dt.datetime | None
+) -> PublicKey:
     hint = bundle.get("verificationMaterial", {}).get("publicKey", {}).get("hint", "")
     for candidate in trust.keys:
         if candidate.keytype == KeyType.ECDSA and key_hint(candidate) == hint:
             try:
-                return trust.trusted_key(candidate.keyid, KeyRole.PLATFORM)
+                return trust.trusted_key(candidate.keyid, KeyRole.PLATFORM, stamped)
             except SignatureError as error:
                 raise ModelSignatureError(f"model signature {path}: {error}") from None
     raise ModelSignatureError(
