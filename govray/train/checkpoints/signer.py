@@ -182,7 +182,9 @@ class ChannelSigner:
             except OSError as error:
                 where = self.channel.socket
                 raise SignatureError(
-                    f"no signer at {where} ({error.strerror}): this run could seal no checkpoint"
+                    f"no signer at {where} on node {socket.gethostname()} ({error.strerror}): this run "
+                    "could seal no checkpoint (the signer that opened this run serves its own node: "
+                    "rank 0 must run on the launch's node until signers across nodes land)"
                 ) from None
 
     def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
