@@ -110,6 +110,10 @@ SUBCOMMANDS = {
     ),
     "export": Subcommand("govray.cli.export:app", "Export documents for reviewers and regulators."),
     "job": Subcommand("govray.cli.job:app", "Ray jobs on a cluster: logs, status, stop, list."),
+    "schema": Subcommand(
+        "govray.cli.schema:schema",
+        "Print the JSON Schema of a file you write (experiment, policy, trust, settings, serve).",
+    ),
 }
 
 
