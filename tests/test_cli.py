@@ -123,3 +123,44 @@ def test_changed_row_warns_and_strict_refuses_naming_the_corpus(
     out = capsys.readouterr().out
     assert "warning:" in out and "corpus 'digits-licensed' changed" in out
     assert "digits-public" not in out.split("warning:")[1].splitlines()[0]
+
+
+def test_policy_check_names_every_credential_no_rule_takes_before_ray_starts(
+    example_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``policy check`` is the whole check: a corpus-level credential and a per-row value set that
+    no rule takes are both named (with their rows and the closest rule), exit 4, and Ray is never
+    started (``ray.init`` fails this test if called)."""
+    import ray
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("policy check started Ray")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    policies = example_copy.parent / "policies"
+    (policies / "digits.policy.yaml.sig").unlink()
+    policy = policies / "digits.policy.yaml"
+    text = policy.read_text()
+    text = text.replace("sensitivity: [public, internal, confidential]", "sensitivity: [public, internal]")
+    text = text.replace(
+        "match: {sensitivity: [pii, special-category]}", "match: {sensitivity: [pii], jurisdiction: [DE, FR]}"
+    )
+    policy.write_text(text)
+    assert main(["policy", "check", str(example_copy), "--allow-unsigned-policy"]) == 4
+    said = " ".join(capsys.readouterr().err.split())
+    assert "2 credential(s) of the data would be refused by ingest" in said
+    assert (
+        "corpus 'digits-licensed' matches no rule in policy 'digits' v1; closest rule 'licensed' "
+        "(sensitivity: 'confidential' is not one of public, internal)"
+    ) in said
+    assert (
+        "corpus 'digits-writers' (rows with jurisdiction 'NL', sensitivity 'pii': 132 rows) matches no "
+        "rule in policy 'digits' v1; closest rule 'pii' (jurisdiction: 'NL' is not one of DE, FR)"
+    ) in said
+    assert "digits-public" not in said  # (its credential is taken)
+    policy.write_text(
+        text.replace("jurisdiction: [DE, FR]", "jurisdiction: [DE, FR, NL]").replace(
+            "sensitivity: [public, internal]", "sensitivity: [public, internal, confidential]"
+        )
+    )
+    assert main(["policy", "check", str(example_copy), "--allow-unsigned-policy"]) == 0

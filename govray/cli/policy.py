@@ -8,6 +8,7 @@ import typer
 
 from govray.cli.common import AllowUnsigned, ConfigArgument, console, open_experiment, table
 from govray.core.dsse import read_envelope
+from govray.core.errors import PolicyError
 from govray.core.keys import KeyRole, KeyType, SigningKey, TrustConfig, load_trust, save_trust
 
 app = typer.Typer(help="Manage signed depth policies.", no_args_is_help=True)
@@ -76,12 +77,19 @@ def verify(
 
 @app.command()
 def check(config_path: Path = ConfigArgument, allow_unsigned: bool = AllowUnsigned) -> None:
-    """Verify the experiment's policy and resolve it against the trial's model."""
+    """Verify the experiment's policy, resolve it against the trial's model and match every
+    credential of the data against it (each corpus's, and each distinct value set of its
+    credential columns), before Ray starts: everything no rule takes is named, with the closest
+    rule; exits 4 then."""
+    from govray.data.credential_check import unmatched_credentials
     from govray.platform.run.preflight import check_policy
 
     config, store = open_experiment(config_path)
     checked = check_policy(config, store, allow_unsigned=allow_unsigned)
     policy, routing = checked.policy, checked.routing
+    if problems := unmatched_credentials(config.data.corpora, policy.policy):
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        raise PolicyError(f"{len(problems)} credential(s) of the data would be refused by ingest:\n{listed}")
     state = f"signed by {policy.signature.keyid[:16]}…" if policy.signature else "[yellow]UNSIGNED[/]"
     layers = ", ".join(routing.layers)
     console.print(f"policy '{policy.policy.name}' v{policy.policy.version} ({state}); layers: {layers}")

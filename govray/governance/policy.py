@@ -153,15 +153,22 @@ class Rule(BaseModel):
         return match
 
     def matches(self, credential: Credential) -> bool:
+        return not self.mismatches(credential)
+
+    def mismatches(self, credential: Credential) -> list[str]:
+        """The fields of ``match`` that ``credential`` does not meet, each said as ``FIELD: 'VALUE'
+        is not one of A, B`` (empty: the rule matches)."""
+        found = []
         for field, wanted in self.match.items():
             values = wanted if isinstance(wanted, list) else [wanted]
             actual = credential.field_value(field)
             if field == "corpus_id":
-                if not any(fnmatch.fnmatchcase(actual, str(pattern)) for pattern in values):
-                    return False
-            elif not any(_same(actual, item) for item in values):
-                return False
-        return True
+                met = any(fnmatch.fnmatchcase(actual, str(pattern)) for pattern in values)
+            else:
+                met = any(_same(actual, item) for item in values)
+            if not met:
+                found.append(f"{field}: {actual!r} is not one of {', '.join(str(v) for v in values)}")
+        return found
 
 
 def _same(actual: Any, wanted: Any) -> bool:
@@ -217,7 +224,24 @@ class DepthPolicy(BaseModel):
         if self.default is not None:
             return DEFAULT_ROUTE
         raise PolicyError(
-            f"corpus '{credential.corpus_id}'{where} matches no rule in policy '{self.name}' v{self.version}"
+            f"corpus '{credential.corpus_id}'{where} matches no rule in policy '{self.name}' "
+            f"v{self.version}{self.closest_rule(credential)}"
+        )
+
+    def closest_rule(self, credential: Credential) -> str:
+        """What to say of a credential no rule matches: the rule it misses by the fewest fields
+        (of those, the one it meets in the most; then the first), what it misses, and how to let it
+        in."""
+        if not self.rules:
+            return "; the policy has no rule: add one, or a default route"
+        scores = []
+        for index, rule in enumerate(self.rules):
+            missed = len(rule.mismatches(credential))
+            scores.append((missed, -(len(rule.match) - missed), index))
+        closest = self.rules[min(scores)[2]]
+        return (
+            f"; closest rule '{closest.name}' ({'; '.join(closest.mismatches(credential))}): widen its "
+            "match, add a rule for this credential, or give the policy a default route"
         )
 
     @property
