@@ -243,10 +243,13 @@ def _tensors(ledger: Ledger, corpus: str) -> list[str]:
 
 
 def test_the_row_lookup_names_the_versions_that_still_carry_a_pii_row(
-    golden_local_epoch: GoldenRun, registered: RegisteredVersion, without_pii: RegisteredVersion
+    golden_local_epoch: GoldenRun,
+    registered: RegisteredVersion,
+    without_pii: RegisteredVersion,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """An erasure request's answer: the version with the PII adapter carries the row, the one
-    without that adapter does not."""
+    without that adapter does not — in the CLI's table too, not only its JSON."""
     store = golden_local_epoch.store
     trial_id = golden_local_epoch.outcome.trial_id
     for row in range(20):
@@ -257,3 +260,9 @@ def test_the_row_lookup_names_the_versions_that_still_carry_a_pii_row(
         pytest.fail("none of the first 20 PII rows reached a step of a whole epoch")
     carried = {(m.model, m.version): m.carries_row for m in reach.models if m.model == MODEL}
     assert carried == {(MODEL, registered.version): True, (MODEL, without_pii.version): False}
+    database = ["--database", golden_local_epoch.config.database_url]
+    assert main(["lineage", "row", "digits-writers", str(row), *database]) == 0
+    shown = capsys.readouterr().out
+    assert f"{MODEL}:{registered.version} carries it" in shown
+    assert f"{MODEL}:{without_pii.version} not: removed {ADAPTER}" in shown
+    assert f"trial {trial_id} updated: adapter/{ADAPTER}/hidden: lora_A, lora_B" in " ".join(shown.split())

@@ -36,7 +36,7 @@ def row(
     if as_json:
         typer.echo(reach.model_dump_json(indent=2))
         return
-    listing = table("experiment", "trial", "placement", "steps", "checkpoints", "tensors")
+    listing = table("experiment", "trial", "placement", "steps", "checkpoints", "model versions")
     for trial in reach.trials:
         listing.add_row(
             escape(f"{trial.experiment} ({trial.experiment_id})"),
@@ -44,13 +44,41 @@ def row(
             escape(_placement(trial)),
             escape(_steps(trial)),
             escape("\n".join(f"{c.id} @ step {c.step} ({c.state})" for c in trial.checkpoints) or "-"),
-            escape("\n".join(trial.tensors) or "-"),
+            escape(_versions(trial)),
         )
     reached = sum(1 for trial in reach.trials if trial.reached)
     console.print(
         f"row {number} of corpus '{escape(corpus)}' reached {reached} of {len(reach.trials)} trials"
     )
     console.print(listing)
+    for trial in reach.trials:  # (below the table: a tensor name is never folded inside a cell)
+        if trial.tensors:
+            console.print(f"trial {trial.trial_id} updated: {escape(_tensors(trial))}", highlight=False)
+
+
+def _versions(trial: TrialReach) -> str:
+    """Each registered version of a checkpoint the row reached, and whether it still carries the
+    row (a version that removed the row's adapter does not): what an erasure request asks."""
+    lines = [
+        f"{m.model}:{m.version} "
+        + ("carries it" if m.carries_row else f"not: removed {', '.join(m.removed_adapters)}")
+        for m in trial.models
+    ]
+    return "\n".join(lines) or "-"
+
+
+def _tensors(trial: TrialReach) -> str:
+    """The tensors, grouped by module (``hidden.weight, hidden.bias`` as ``hidden: weight, bias``)."""
+    modules: dict[str, list[str]] = {}
+    for tensor in trial.tensors:
+        module, _, leaf = tensor.rpartition(".")
+        modules.setdefault(module or tensor, []).append(leaf if module else "")
+    return (
+        "\n".join(
+            f"{m}: {', '.join(filter(None, leaves))}" if any(leaves) else m for m, leaves in modules.items()
+        )
+        or "-"
+    )
 
 
 def _placement(trial: TrialReach) -> str:
