@@ -56,27 +56,33 @@ from govray.core.dsse import Envelope
 from govray.core.errors import SignatureError
 from govray.core.keys import KeyRole, SigningKey
 from govray.core.settings import operator_trust
+from govray.signer.records import (
+    capability_digest,
+    checkpoint_folder,
+    folder_check,
+    refuse_another_run_spec,
+    sealed_steps,
+    stands_in,
+)
 from govray.train.checkpoints.ledger_check import LedgerCheck
-from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, Manifest
+from govray.train.checkpoints.manifest import CHECKPOINT_PREFIX, Manifest
 from govray.train.checkpoints.sealing import (
     FolderCheck,
+    HashedFolder,
     Sealed,
     SealRefused,
     base_store_of,
-    hashed_files,
-    opened_folder,
-    read_small,
+    hash_folder,
     seal_folder,
+    sign_hashed,
 )
 from govray.train.checkpoints.state_seals import seal_state_folder
-from govray.train.runspec import RUN_SPEC_FILE
 
 if TYPE_CHECKING:
     from govray.provenance.attest import SignedAttestation
     from govray.provenance.predicates import Derivation
 
 RUNS_FILE = "runs.json"  # in the signer's state directory: per run, its sealed steps
-MAX_MANIFEST = 256 << 20  # bytes: a manifest the signer reads back (a 1 TiB checkpoint's: ~70 MB)
 SEALS_FILE = "seals.jsonl"  # every seal the signer made, one JSON object a line
 DERIVED_FILE = "derived.jsonl"  # every version it sealed as derived from another, by manifest sha256
 
@@ -123,7 +129,7 @@ class Signer:
         capability = secrets.token_urlsafe(32)
         with self._lock:
             run = self._runs.setdefault(str(directory), {"last_step": -1})
-            run["capability"] = _digest(capability)
+            run["capability"] = capability_digest(capability)
             run["run_spec"] = run_spec
             self._write_runs()
             return capability, int(run["last_step"])  # type: ignore[call-overload]
@@ -132,60 +138,75 @@ class Signer:
         """Hash checkpoint ``folder`` of the capability's run at ``step`` and sign its manifest.
         One seal per run at a time; other runs' seals go on meanwhile (the hashing holds no lock
         they need)."""
+
+        def hashed(run_dir: Path, check: FolderCheck | None) -> HashedFolder:
+            directory = checkpoint_folder(run_dir, Path(folder), step)
+            return hash_folder(directory, step, referenced, base_store_of(run_dir), check)
+
+        return self._seal(capability, folder, step, hashed, lambda run_dir, s, d: stands_in(run_dir, s, d))
+
+    def sealed_after(self, capability: str, step: int) -> tuple[str, str | None, dict[int, str | None]]:
+        """For a node's signer agent about to seal ``step``: the capability's run directory, the
+        sha256 of the run spec it is bound to, and the steps sealed at or after ``step`` (with
+        their manifests' sha256), whose standing the agent checks on its node."""
+        with self._lock:
+            run_dir = self._run_of(capability)
+            run = self._runs[run_dir]
+            later = {s: d for s, d in sealed_steps(run).items() if s >= step}
+            spec = run.get("run_spec")
+            return run_dir, str(spec) if spec is not None else None, later
+
+    def seal_hashed(
+        self, capability: str, step: int, hashed: HashedFolder, standing: Mapping[int, bool]
+    ) -> Sealed:
+        """Sign the manifest of a checkpoint a node's signer agent hashed and checked (its state's
+        step, its ledger, its base: ``govray.signer.agent``), at ``step`` of the capability's run.
+        Checked here: the capability, the run spec it is bound to (by the files' digests), and that
+        ``step`` is after every sealed step the agent did not report no longer standing."""
+
+        def given(run_dir: Path, check: FolderCheck | None) -> HashedFolder:
+            if check is not None:
+                spec = self._runs[str(run_dir)].get("run_spec")
+                refuse_another_run_spec(run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", hashed.files, str(spec))
+            return hashed
+
+        def stood(run_dir: Path, later: int, recorded: str | None) -> bool:
+            if later not in standing:
+                raise SealRefused(f"step {later} of this run was sealed meanwhile: seal step {step} again")
+            return standing[later]
+
+        return self._seal(capability, f"step {step}", step, given, stood)
+
+    def _seal(
+        self,
+        capability: str,
+        folder: str,
+        step: int,
+        hashed: Callable[[Path, FolderCheck | None], HashedFolder],
+        stands: Callable[[Path, int, str | None], bool],
+    ) -> Sealed:
         with self._lock:
             run_dir = self._run_of(capability)
             sealing = self._sealing.setdefault(run_dir, threading.Lock())
-            check = self._checks(self._runs[run_dir].get("run_spec"))
+            check = folder_check(self._runs[run_dir].get("run_spec"), self._ledgers)
         if not sealing.acquire(blocking=False):
             raise SealRefused(f"{folder}: another checkpoint of this run is being sealed (one at a time)")
         try:
-            superseded = self._going_back(run_dir, folder, step)
-            directory = _checkpoint_folder(Path(run_dir), Path(folder), step)
-            sealed = seal_folder(
-                self.key,
-                Path(run_dir).name,
-                directory,
-                step,
-                referenced,
-                base_store_of(Path(run_dir)),
-                check,
-            )
+            superseded = self._going_back(run_dir, folder, step, stands)
+            sealed = sign_hashed(self.key, Path(run_dir).name, step, hashed(Path(run_dir), check))
             digest = hashlib.sha256(sealed.manifest).hexdigest()
             with self._lock:  # the run may have been opened again meanwhile
                 if self._run_of(capability) != run_dir:
                     raise SealRefused("the capability changed run while sealing")
                 self._append_seal(run_dir, step, digest, superseded)  # the record first
                 run = self._runs[run_dir]
-                kept = {str(s): d for s, d in _sealed_steps(run).items() if s < step}
+                kept = {str(s): d for s, d in sealed_steps(run).items() if s < step}
                 run.update(last_step=step, sealed=kept | {str(step): digest})
                 run.pop("manifest", None)  # (an older record's last manifest: in ``sealed`` now)
                 self._write_runs()
             return sealed
         finally:
             sealing.release()
-
-    def _checks(self, run_spec: object) -> FolderCheck | None:
-        """What a folder sealed through a capability bound to ``run_spec`` (a sha256, or None)
-        must pass besides its files: it holds that run spec, and the ledger recomputed with it."""
-        if run_spec is None:
-            if self._ledgers is None:
-                return None  # (unit tests' bare folders)
-            raise SealRefused(
-                "this run's capability was opened without its run spec: it seals no checkpoint "
-                "(a launch binds every run it opens to the run spec its workers receive)"
-            )
-        ledgers = self._ledgers
-
-        def check(folder: Path, files: Mapping[str, str], read: Callable[[str], bytes]) -> None:
-            if (found := files.get(RUN_SPEC_FILE)) != run_spec:
-                raise SealRefused(
-                    f"{folder}: its {RUN_SPEC_FILE} is not the run spec this run was launched with "
-                    f"(sha256 {run_spec}); the folder's: {found or 'none'}"
-                )
-            if ledgers is not None:
-                ledgers(folder, files, read)
-
-        return check
 
     def attest(
         self, checkpoint: str, recorded_manifest: str | None = None, model_signature: bool = False
@@ -217,7 +238,7 @@ class Signer:
         """Whether this signer sealed that manifest and it still stands in its record: a run's
         checkpoint (not superseded by a later going-back seal) or a derived version."""
         with self._lock:
-            standing = {d for run in self._runs.values() for d in _sealed_steps(run).values() if d}
+            standing = {d for run in self._runs.values() for d in sealed_steps(run).values() if d}
         return manifest_sha256 in standing or manifest_sha256 in self._derived
 
     def derive(self, source: str, adapter: str, directory: str, source_uri: str, envelope: str) -> Sealed:
@@ -304,13 +325,15 @@ class Signer:
             if directory in self._runs and self._runs[directory].pop("capability", None) is not None:
                 self._write_runs()
 
-    def _going_back(self, run_dir: str, folder: str, step: int) -> list[int]:
+    def _going_back(
+        self, run_dir: str, folder: str, step: int, stands: Callable[[Path, int, str | None], bool]
+    ) -> list[int]:
         """The sealed steps at or after ``step`` (none: it is after them all), each checked to no
         longer stand (a going-back seal supersedes them); refused while any of them stands."""
-        sealed = _sealed_steps(self._runs[run_dir])
+        sealed = sealed_steps(self._runs[run_dir])
         later = sorted((s for s in sealed if s >= step), reverse=True)
         for earlier in later:  # newest first: the usual case is one lost or refused checkpoint
-            if _stands(Path(run_dir) / f"{CHECKPOINT_PREFIX}{earlier:08d}", sealed[earlier]):
+            if stands(Path(run_dir), earlier, sealed[earlier]):
                 raise SealRefused(
                     f"{folder}: step {step} is not after step {earlier}, which this run sealed and whose "
                     "checkpoint stands"
@@ -332,7 +355,7 @@ class Signer:
             os.fsync(record.fileno())
 
     def _run_of(self, capability: str) -> str:
-        digest = _digest(capability)
+        digest = capability_digest(capability)
         for run_dir, run in self._runs.items():
             if secrets.compare_digest(str(run.get("capability", "")), digest):
                 return run_dir
@@ -369,48 +392,3 @@ class Signer:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(scratch, path)  # whole, or the old record
-
-
-def _digest(capability: str) -> str:
-    return hashlib.sha256(capability.encode()).hexdigest()
-
-
-def _checkpoint_folder(run_dir: Path, folder: Path, step: int) -> Path:
-    """The run's checkpoint folder of ``step`` (``run_dir`` is resolved), if ``folder`` is it: a
-    folder, not a link, however the caller spells the path to it."""
-    expected = run_dir / f"{CHECKPOINT_PREFIX}{step:08d}"
-    if folder.is_symlink() or not folder.is_dir():
-        raise SealRefused(f"{folder}: not a folder inside the run directory {run_dir}")
-    if folder.resolve() != expected:
-        raise SealRefused(f"{folder}: not this run's checkpoint folder of step {step} ({expected})")
-    return expected
-
-
-def _sealed_steps(run: dict[str, object]) -> dict[int, str | None]:
-    """A run's sealed steps and their manifests' sha256 (an older record kept only its last)."""
-    sealed = run.get("sealed")
-    if isinstance(sealed, dict):
-        return {int(step): str(digest) for step, digest in sealed.items()}
-    last = int(run.get("last_step", -1))  # type: ignore[call-overload]
-    manifest = run.get("manifest")
-    return {last: str(manifest) if manifest is not None else None} if last >= 0 else {}
-
-
-def _stands(folder: Path, recorded: str | None) -> bool:
-    """Whether a checkpoint the signer sealed is still there as sealed: its manifest the one it
-    signed (``recorded``: that manifest's sha256; an older record may have none) and every file it
-    holds as the manifest lists it. Read as a seal reads: no link, no FIFO, a bounded manifest."""
-    try:
-        directory = folder.resolve()
-        with opened_folder(directory) as descriptor:
-            payload = read_small(descriptor, directory / MANIFEST_FILE, MAX_MANIFEST)
-        manifest = Manifest.model_validate_json(payload)
-        files, _ = hashed_files(directory)
-    except (OSError, ValueError, SignatureError):
-        return False
-    if recorded is not None and hashlib.sha256(payload).hexdigest() != recorded:
-        return False
-    held = {
-        name: digest for name, digest in manifest.files.items() if name not in (manifest.referenced or ())
-    }
-    return files == held

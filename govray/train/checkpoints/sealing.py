@@ -72,6 +72,17 @@ class Sealed:
 FolderCheck = Callable[[Path, Mapping[str, str], Callable[[str], bytes]], None]
 
 
+@dataclass(frozen=True)
+class HashedFolder:
+    """What a sealer read of a checkpoint folder: every file's sha256, the block digests of its
+    tensor files, and the frozen base it refers to (by sha256, hashed in the run's base store).
+    A signer agent sends it to the key-holding signer (``govray.signer.agent``)."""
+
+    files: dict[str, str]
+    blocks: dict[str, BlockDigests]
+    refers: dict[str, str]
+
+
 def seal_folder(
     key: SigningKey,
     run: str,
@@ -84,6 +95,13 @@ def seal_folder(
     """Hash every file of ``folder`` (a resolved path) and sign the manifest of run ``run`` at
     ``step`` with ``key``; ``referenced``: the frozen base it refers to by sha256 instead of holding
     it, hashed in ``base_store``; ``check``: refuses a folder it finds wrong before anything is signed."""
+    return sign_hashed(key, run, step, hash_folder(folder, step, referenced, base_store, check))
+
+
+def hash_folder(
+    folder: Path, step: int, referenced: Mapping[str, str], base_store: Path, check: FolderCheck | None = None
+) -> HashedFolder:
+    """Everything ``seal_folder`` reads of ``folder`` (its state that of ``step``; ``check`` passed)."""
     files, blocks = hashed_files(folder)
     state = _refuse_another_step(folder, files, step)
     if check is not None:  # (state.json as just read: read once)
@@ -91,13 +109,18 @@ def seal_folder(
     refers = referenced_files(base_store, referenced)
     if held := sorted(set(refers) & set(files)):
         raise SealRefused(f"{folder}: holds {', '.join(held)} itself, and refers to it by digest too")
+    return HashedFolder(files, blocks, refers)
+
+
+def sign_hashed(key: SigningKey, run: str, step: int, hashed: HashedFolder) -> Sealed:
+    """The manifest of run ``run`` at ``step`` over ``hashed``, signed with ``key``."""
     manifest = Manifest(
         run=run,
         step=step,
-        files=files | refers,
+        files=hashed.files | hashed.refers,
         signed_at=signing_time(),
-        referenced=sorted(refers) or None,
-        blocks=blocks or None,
+        referenced=sorted(hashed.refers) or None,
+        blocks=hashed.blocks or None,
     )
     payload = manifest.to_bytes()
     return Sealed(payload, sign_envelope(payload, MANIFEST_TYPE, key, manifest.signed_at))
