@@ -1,4 +1,5 @@
-"""``govray signer init | serve``: the platform's signer, the one process that uses its keys.
+"""``govray signer init | serve | tls-init | agent``: the platform's signer, the one process that uses
+its keys, and its agents on other nodes.
 
 ``init`` creates the platform keys in a key backend (``govray.signer.backends``: files encrypted
 under a passphrase, a PKCS#11 token, a KMS plugin), never silently: existing keys are refused, and
@@ -14,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -30,6 +34,13 @@ PassphraseFile = typer.Option(
     None,
     "--passphrase-file",
     help="A file holding the keys' secret: the passphrase, or the token's user PIN (default: asked for).",
+)
+
+
+TlsDirectory = typer.Option(
+    None,
+    "--tls",
+    help="The directory `govray signer tls-init` wrote (ca.pem, and this process's certificate).",
 )
 
 
@@ -110,6 +121,12 @@ def serve(
     idle_exit: float | None = typer.Option(
         None, "--idle-exit", min=1.0, help="Exit after this many seconds without a connection."
     ),
+    listen: str | None = typer.Option(
+        None,
+        "--listen",
+        help="HOST:PORT: also answer other nodes' signer agents there, over mutual TLS (--tls).",
+    ),
+    tls: Path | None = TlsDirectory,
 ) -> None:
     """Unlock the platform keys and seal runs' checkpoints on a Unix socket until stopped."""
     from govray.signer.server import SignerServer
@@ -136,8 +153,83 @@ def serve(
     try:
         with SignerServer(Signer(key, root / "state", model_key), path, opens, idle_exit, home) as server:
             console.print(f"signer: platform key {key.keyid} on {path}", highlight=False)
-            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the socket file is removed on the way out
+            # (Ctrl-C: the socket file goes on the way out)
+            with _agents_listener(server, listen, tls), contextlib.suppress(KeyboardInterrupt):
                 server.serve_forever()
     finally:
         if dev and pid_file.is_file() and pid_file.read_text() == str(os.getpid()):
             pid_file.unlink()
+
+
+@contextlib.contextmanager
+def _agents_listener(server: Any, listen: str | None, tls: Path | None) -> Iterator[None]:
+    """``server`` also answering other nodes' signer agents on ``listen`` (mutual TLS), meanwhile."""
+    if listen is None:
+        yield
+        return
+    if tls is None:
+        raise typer.BadParameter("--listen needs the certificates of --tls", param_hint="--tls")
+    from govray.signer.tls import TlsListener, parse_address
+
+    listener = TlsListener(server, parse_address(listen), tls)
+    threading.Thread(target=listener.serve_forever, daemon=True).start()
+    console.print(f"signer: agents over TLS on {listen} (port {listener.port})", highlight=False)
+    try:
+        yield
+    finally:
+        listener.shutdown()
+        listener.server_close()
+
+
+@app.command("tls-init")
+def tls_init(
+    tls: Path = typer.Argument(..., help="The directory to write the CA and the two certificates to."),
+    host: list[str] = typer.Option(
+        ..., "--host", help="A name or address agents reach the signer by (repeatable)."
+    ),
+) -> None:
+    """Create the certificates the signer and its nodes' agents authenticate each other with.
+
+    DIR gets a certificate authority of this deployment's own (ca.pem, ca.key), the signer's
+    certificate for the hosts named (signer.pem, signer.key) and the agents' (agent.pem,
+    agent.key); private keys 0600. Give the signer's node ca.pem and signer.*, every other node
+    ca.pem and agent.*; keep ca.key off the nodes.
+    """
+    from govray.signer.tls import make_certificates
+
+    for path in make_certificates(tls, host):
+        console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("agent")
+def agent(
+    head: str = typer.Option(
+        ..., "--head", help="HOST:PORT of the signer that holds the keys (its --listen)."
+    ),
+    tls: Path = typer.Option(..., "--tls", help="The directory holding ca.pem, agent.pem and agent.key."),
+    socket_path: Path = typer.Option(
+        ..., "--socket", help="This node's Unix socket (the settings' signer.socket)."
+    ),
+    open_uid: list[int] = typer.Option(
+        [], "--open-uid", help="An OS user who may open runs (repeatable; default: the agent's own)."
+    ),
+) -> None:
+    """Serve this node's signer socket without the platform's keys: checkpoints read here, signed there.
+
+    A node's rank 0 seals through it: it hashes and checks the folder on this node (its run spec,
+    its ledger, its base) and has the signer at --head sign what it read, over mutual TLS.
+    """
+    from govray.signer.agent import AgentSigner
+    from govray.signer.server import SignerServer
+    from govray.signer.tls import HeadLink
+
+    link = HeadLink(head, tls)
+    link.ask({"op": "offers"})  # (the signer answers, and takes this agent's certificate, or it stops here)
+    opens = frozenset(open_uid) if open_uid else None
+    signal.signal(signal.SIGTERM, _interrupted)
+    with SignerServer(
+        AgentSigner(link, log=lambda line: console.print(line, highlight=False)), socket_path, opens
+    ) as server:
+        console.print(f"signer agent: {socket_path}, signed by {head}", highlight=False)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()

@@ -93,6 +93,36 @@ class SealStateRequest(BaseModel):
     sequence: int = Field(ge=0)
 
 
+class SealedAfterRequest(BaseModel):
+    """A node's signer agent, about to seal ``step`` of the capability's run: the run's directory,
+    the sha256 of its run spec, and the steps sealed at or after ``step`` (whose standing it
+    checks on its node). Only over the agents' TLS link (``govray.signer.tls``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["sealed_after"]
+    capability: str
+    step: int = Field(ge=0)
+
+
+class SealHashedRequest(BaseModel):
+    """A node's signer agent's seal: the checkpoint of ``step`` of the capability's run, as the
+    agent hashed and checked it on its node (``files``: every file's sha256; ``blocks``: the block
+    digests of its tensor files, as ``BlockDigests`` JSON; ``refers``: the frozen base by sha256;
+    ``standing``: for each step ``sealed_after`` named, whether its checkpoint still stands). Only
+    over the agents' TLS link: a worker never hands the signer digests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: Literal["seal_hashed"]
+    capability: str
+    step: int = Field(ge=0)
+    files: dict[str, str]
+    blocks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    refers: dict[str, str] = Field(default_factory=dict)
+    standing: dict[int, bool] = Field(default_factory=dict)
+
+
 class OffersRequest(BaseModel):
     """What this signer offers: its ops (a client built for more finds an older signer out)."""
 
@@ -139,8 +169,24 @@ AnyRequest = (
     | AttestRequest
     | DeriveRequest
     | OffersRequest
+    | SealedAfterRequest
+    | SealHashedRequest
 )
-OPS = ("open_run", "close_run", "seal", "seal_state", "attest", "derive", "offers")
+OPS = (
+    "open_run",
+    "close_run",
+    "seal",
+    "seal_state",
+    "attest",
+    "derive",
+    "offers",
+    "sealed_after",
+    "seal_hashed",
+)
+AGENT_OPS = ("sealed_after", "seal_hashed")  # a node's signer agent's, over mutual TLS only
+# What a signer agent may ask over TLS: open and close its node's launches' runs (it checked their
+# OS users), and seal what it hashed.
+TLS_OPS = ("open_run", "close_run", "offers", *AGENT_OPS)
 # The wire's revision, in the answer to ``offers``: 2 binds a run's capability to its run spec (a
 # signer answering with none, or an older one, is from an older govray).
 WIRE_REVISION = 2

@@ -30,22 +30,28 @@ from typing import Any
 
 from govray.core.errors import GovrayError, SignatureError
 from govray.core.signer_wire import (
+    AGENT_OPS,
     OPERATOR_OPS,
     OPS,
+    TLS_OPS,
     WIRE_REVISION,
     AttestRequest,
     CloseRunRequest,
     DeriveRequest,
     OffersRequest,
     OpenRunRequest,
+    SealedAfterRequest,
+    SealHashedRequest,
     SealStateRequest,
     WireError,
     parse_request,
     receive_frame,
     send,
 )
+from govray.signer.agent import AgentSigner
 from govray.signer.service import Signer
-from govray.train.checkpoints.sealing import Sealed
+from govray.train.checkpoints.blocks import BlockDigests
+from govray.train.checkpoints.sealing import HashedFolder, Sealed
 
 IDLE_TIMEOUT_S = 600.0  # a connection silent this long between frames is closed
 MAX_CONNECTIONS = 64  # served at once; one more is answered "busy" and closed
@@ -87,7 +93,7 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
 
     def __init__(
         self,
-        signer: Signer,
+        signer: Signer | AgentSigner,
         path: Path,
         open_uids: frozenset[int] | None = None,
         idle_exit: float | None = None,
@@ -144,42 +150,28 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
                     break
         self.shutdown()
 
-    def answer(self, frame: bytes, uid: int) -> dict[str, Any]:
-        """The answer to one request frame from OS user ``uid`` (a refusal says why, and loses
-        nothing; a file the signer cannot read is a refusal too)."""
+    def answer(self, frame: bytes, uid: int | None) -> dict[str, Any]:
+        """The answer to one request frame from OS user ``uid`` (None: a node's signer agent over
+        the TLS listener, ``govray.signer.tls``); a refusal says why, and loses nothing; a file the
+        signer cannot read is a refusal too."""
         try:
             request = parse_request(frame)
-            if request.op in OPERATOR_OPS and uid not in self.open_uids:
+            if uid is None and request.op not in TLS_OPS:
+                raise SignatureError(
+                    f"a signer agent may open and close runs and seal what it hashed, not "
+                    f"{request.op.replace('_', ' ')}: ask it on the signer's own node"
+                )
+            if uid is not None and request.op in AGENT_OPS:
+                raise SignatureError(
+                    f"{request.op.replace('_', ' ')} is a node's signer agent's, over the signer's TLS "
+                    "listener: a worker never hands the signer digests"
+                )
+            if uid is not None and request.op in OPERATOR_OPS and uid not in self.open_uids:
                 raise SignatureError(
                     f"OS user {uid} may seal the checkpoints of a run it holds a capability for, not "
                     f"{request.op.replace('_', ' ')}: the platform's launch and commands do that"
                 )
-            if isinstance(request, OpenRunRequest | CloseRunRequest):
-                if isinstance(request, CloseRunRequest):
-                    self.signer.close_run(request.run_dir)
-                    return {"ok": True}
-                capability, after = self.signer.open_run(request.run_dir, request.run_spec)
-                return {"ok": True, "capability": capability, "after_step": after}
-            if isinstance(request, AttestRequest):
-                return self._attested(request)
-            if isinstance(request, DeriveRequest):
-                sealed = self.signer.derive(
-                    request.source,
-                    request.adapter,
-                    request.directory,
-                    request.source_uri,
-                    request.source_attestation,
-                )
-                return _sealed_answer(sealed)
-            if isinstance(request, OffersRequest):
-                return {"ok": True, "ops": list(OPS), "wire": WIRE_REVISION}
-            if isinstance(request, SealStateRequest):
-                envelope = self.signer.seal_state(request.capability, request.folder, request.sequence)
-                return {
-                    "ok": True,
-                    "envelope": envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
-                }
-            sealed = self.signer.seal(request.capability, request.folder, request.step, request.referenced)
+            return self._dispatch(request)
         except GovrayError as error:  # (its kind travels: the client raises the same, exit code and all)
             return {"ok": False, "error": str(error), "kind": type(error).__name__}
         except OSError as error:
@@ -188,7 +180,50 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
             return {"ok": False, "error": "the request would take more memory than the signer has"}
         except ValueError as error:  # (a path holding a NUL byte, a number out of range ...)
             return {"ok": False, "error": f"the request cannot name a run or a folder: {error}"}
-        return _sealed_answer(sealed)
+
+    def _dispatch(self, request: Any) -> dict[str, Any]:
+        if isinstance(request, OpenRunRequest):
+            capability, after = self.signer.open_run(request.run_dir, request.run_spec)
+            return {"ok": True, "capability": capability, "after_step": after}
+        if isinstance(request, CloseRunRequest):
+            self.signer.close_run(request.run_dir)
+            return {"ok": True}
+        if isinstance(request, AttestRequest):
+            return self._attested(request)
+        if isinstance(request, DeriveRequest):
+            sealed = self.signer.derive(
+                request.source,
+                request.adapter,
+                request.directory,
+                request.source_uri,
+                request.source_attestation,
+            )
+            return _sealed_answer(sealed)
+        if isinstance(request, OffersRequest):
+            return {"ok": True, "ops": list(OPS), "wire": WIRE_REVISION}
+        if isinstance(request, SealStateRequest):
+            envelope = self.signer.seal_state(request.capability, request.folder, request.sequence)
+            return {
+                "ok": True,
+                "envelope": envelope.model_dump(mode="json", by_alias=True, exclude_none=True),
+            }
+        if isinstance(request, SealedAfterRequest):
+            run_dir, run_spec, later = self.signer.sealed_after(request.capability, request.step)
+            return {
+                "ok": True,
+                "run_dir": run_dir,
+                "run_spec": run_spec,
+                "later": {str(k): v for k, v in later.items()},
+            }
+        if isinstance(request, SealHashedRequest):
+            blocks = {name: BlockDigests.model_validate(found) for name, found in request.blocks.items()}
+            hashed = HashedFolder(dict(request.files), blocks, dict(request.refers))
+            return _sealed_answer(
+                self.signer.seal_hashed(request.capability, request.step, hashed, request.standing)
+            )
+        return _sealed_answer(
+            self.signer.seal(request.capability, request.folder, request.step, request.referenced)
+        )
 
     def _attested(self, request: AttestRequest) -> dict[str, Any]:
         signed = self.signer.attest(request.checkpoint, request.recorded_manifest, request.model_signature)

@@ -169,8 +169,15 @@ class ChannelSigner:
     signs = True
 
     def __init__(self, channel: SignerChannel) -> None:
+        from govray.core.settings import load_settings
+
         self.channel = channel
-        self.client = SignerClient(Path(channel.socket))
+        # This node's signer: the settings' socket where they name one (on a node without the
+        # platform's keys, its signer agent: govray.signer.agent), else the one the launch opened
+        # the run on (the development signer of the launch's machine).
+        configured = load_settings().signer.socket
+        self.socket = str(configured) if configured is not None else channel.socket
+        self.client = SignerClient(Path(self.socket))
 
     def reach(self) -> None:
         """Connect to the signer once (a run whose signer is not there stops before its first
@@ -178,13 +185,13 @@ class ChannelSigner:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(10.0)
             try:
-                connection.connect(self.channel.socket)
+                connection.connect(self.socket)
             except OSError as error:
-                where = self.channel.socket
+                where = self.socket
                 raise SignatureError(
                     f"no signer at {where} on node {socket.gethostname()} ({error.strerror}): this run "
-                    "could seal no checkpoint (the signer that opened this run serves its own node: "
-                    "rank 0 must run on the launch's node until signers across nodes land)"
+                    "could seal no checkpoint (a node other than the launch's needs a signer agent: "
+                    "`govray signer agent`, at the settings' signer.socket)"
                 ) from None
 
     def seal(self, directory: Path, step: int, referenced: Mapping[str, str]) -> Sealed:
