@@ -185,23 +185,16 @@ def sign_attestation(
     bundle = None
     if model_key is not None:
         with tempfile.TemporaryDirectory() as scratch:
-            verified = _verified_files(loaded.manifest, loaded.manifest_digest)
-            bundle = sign_model(checkpoint, Path(scratch) / "model.sig", model_key, verified).read_text()
+            verified = {**loaded.manifest.files, MANIFEST_FILE: loaded.manifest_digest, SIGNATURE_FILE: None}
+            kept_aside = loaded.manifest.referenced or ()  # (a frozen base: in the folder when materialized)
+            signature = sign_model(checkpoint, Path(scratch) / "model.sig", model_key, verified, kept_aside)
+            bundle = signature.read_text()
     return SignedAttestation(
         envelopes,
         {s["name"]: s["digest"]["sha256"] for s in subjects},
         attestation_prefix(checkpoint, spec),
         bundle,
     )
-
-
-def _verified_files(manifest: Manifest, manifest_digest: str) -> dict[str, str | None]:
-    """The files a verified checkpoint folder holds, by sha256: those its manifest lists (but the
-    ones kept in the run's base store), the manifest itself, and its signature (any bytes: a
-    signature is checked by whoever reads it)."""
-    referenced = set(manifest.referenced or ())
-    held: dict[str, str | None] = {n: d for n, d in manifest.files.items() if n not in referenced}
-    return held | {MANIFEST_FILE: manifest_digest, SIGNATURE_FILE: None}
 
 
 def write_attestation(signed: SignedAttestation, destination: Path | None = None) -> Attestation:

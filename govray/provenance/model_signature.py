@@ -24,7 +24,7 @@ import datetime as dt
 import hashlib
 import json
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,11 @@ class VerifiedModelSignature:
 
 
 def sign_model(
-    directory: Path, signature: Path, key: SigningKey, expected: Mapping[str, str | None] | None = None
+    directory: Path,
+    signature: Path,
+    key: SigningKey,
+    expected: Mapping[str, str | None] | None = None,
+    optional: Collection[str] = (),
 ) -> Path:
     """Sign every file of ``directory`` with ``key`` (an ECDSA P-256 platform key, in a file or held
     by a token or a KMS) into ``signature`` (outside the directory: a checkpoint's signed manifest
@@ -63,7 +67,8 @@ def sign_model(
     private-key operations are ``key``'s (the key is never written anywhere). ``expected``: the
     files the folder held when it was verified, by sha256 (None: any bytes): ``model_signing``
     hashes the folder again, and a bundle over other files or other bytes (one swapped after the
-    verification) is refused, not returned."""
+    verification) is refused, not returned; ``optional``: those of them the folder may lack (a
+    frozen base kept in the run's base store, put in the folder only when it is signed)."""
     if key.public_key.keytype != KeyType.ECDSA or key.role != KeyRole.PLATFORM:
         raise ModelSignatureError(
             f"key {key.keyid} is a {key.role.value} {key.public_key.keytype.value} key; model signatures "
@@ -76,20 +81,24 @@ def sign_model(
     config._signer = _held_key_signer(key)  # (the one signer model_signing lets a caller choose by key)
     config.sign(directory, signature)
     if expected is not None:
-        _refuse_other_files(signature, directory, expected)
+        _refuse_other_files(signature, directory, expected, frozenset(optional))
     authority = load_settings().timestamping.url
     if authority:
         _stamp_bundle(signature, authority)
     return signature
 
 
-def _refuse_other_files(signature: Path, directory: Path, expected: Mapping[str, str | None]) -> None:
+def _refuse_other_files(
+    signature: Path, directory: Path, expected: Mapping[str, str | None], optional: frozenset[str]
+) -> None:
     statement = json.loads(base64.b64decode(read_bundle(signature)["dsseEnvelope"]["payload"]))
     signed = {str(r["name"]): str(r["digest"]) for r in statement["predicate"]["resources"]}
     differing = sorted(
         name
         for name in set(signed) | set(expected)
-        if name not in signed or name not in expected or expected[name] not in (None, signed[name])
+        if name not in expected
+        or (name not in signed and name not in optional)
+        or (name in signed and expected[name] not in (None, signed[name]))
     )
     if differing:
         signature.unlink()
