@@ -165,6 +165,8 @@ def test_only_a_certificate_the_deployments_ca_issued_to_agents_reaches_the_list
             raise ConnectionError("closed unanswered")
     with pytest.raises(SignatureError, match="did not answer"):
         HeadLink(f"127.0.0.1:{deployment.port}", other).ask({"op": "offers"})
+    with pytest.raises(SignatureError, match="cannot load ca.pem, agent.pem and agent.key"):
+        HeadLink(f"127.0.0.1:{deployment.port}", tmp_path / "no-such-directory")
     with pytest.raises(SignatureError, match="holds a certificate authority already"):
         make_certificates(deployment.tls, hosts=["127.0.0.1"])
     assert all(oct(path.stat().st_mode & 0o777) == "0o600" for path in deployment.tls.glob("*.key"))

@@ -137,18 +137,26 @@ def _write(
 
 def server_context(directory: Path) -> ssl.SSLContext:
     """The key-holding signer's: its certificate, and a client certificate the CA issued required."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(directory / f"{CA}.pem"))
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_cert_chain(directory / f"{SIGNER}.pem", directory / f"{SIGNER}.key")
+    context = _context(ssl.Purpose.CLIENT_AUTH, directory, SIGNER)
     context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
 def client_context(directory: Path) -> ssl.SSLContext:
     """An agent's: its certificate, and the signer's checked against the CA and the host name."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(directory / f"{CA}.pem"))
+    return _context(ssl.Purpose.SERVER_AUTH, directory, AGENT)
+
+
+def _context(purpose: ssl.Purpose, directory: Path, holder: str) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(purpose, cafile=str(directory / f"{CA}.pem"))
+        context.load_cert_chain(directory / f"{holder}.pem", directory / f"{holder}.key")
+    except (OSError, ssl.SSLError) as error:  # (a missing file, or not a certificate or key)
+        raise SignatureError(
+            f"{directory}: cannot load {CA}.pem, {holder}.pem and {holder}.key ({error}); "
+            "`govray signer tls-init` writes them"
+        ) from None
     context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_cert_chain(directory / f"{AGENT}.pem", directory / f"{AGENT}.key")
     return context
 
 
