@@ -262,7 +262,9 @@ def test_the_row_lookup_names_the_versions_that_still_carry_a_pii_row(
     carried = {(m.model, m.version): m.carries_row for m in reach.models if m.model == MODEL}
     assert carried == {(MODEL, registered.version): True, (MODEL, without_pii.version): False}
     database = ["--database", golden_local_epoch.config.database_url]
-    monkeypatch.setenv("COLUMNS", "250")  # (a terminal wide enough that no cell folds)
+    from govray.cli.common import console
+
+    monkeypatch.setattr(console, "width", 250)  # (a terminal wide enough that no cell folds)
     assert main(["lineage", "row", "digits-writers", str(row), *database]) == 0
     shown = capsys.readouterr().out
     assert f"{MODEL}:{registered.version} carries it" in shown
