@@ -11,7 +11,7 @@ import yaml
 
 from govray.config.data import CorpusFormat
 from govray.config.experiment import load_canaries, load_experiment
-from govray.config.hyperparameters import LogHP
+from govray.config.hyperparameters import CategoricalHP, ConstHP, IntHP, LogHP, default_point_said
 from govray.config.searcher import searcher_model
 from govray.config.training import OptimizerConfig, OptimizerName, TrainingSettings
 from govray.core.errors import ConfigError
@@ -32,6 +32,14 @@ def test_example_experiment_loads_with_paths_relative_to_the_file() -> None:
     assert config.policy.signature_path.name == "digits.policy.yaml.sig"
     assert isinstance(config.hyperparameters["lr"], LogHP)
     assert config.default_hparams() == {"hidden": 64, "dropout": 0.1, "lr": 10**-2.5, "batch_size": 32}
+    # What `govray run` prints of it: only what was not fixed, and where each value comes from.
+    assert default_point_said(config.hyperparameters) == "lr=0.00316228 (the lower end: 10^-2.5)"
+    space = {
+        "width": IntHP(type="int", minval=8, maxval=64),
+        "act": CategoricalHP(type="categorical", vals=["gelu", "relu"]),
+    }
+    assert default_point_said(space) == "width=8 (the lower end), act='gelu' (the first choice)"
+    assert default_point_said({"lr": ConstHP(val=0.1)}) == ""
     assert config.database_url == f"sqlite:///{EXAMPLE_CONFIG.parents[3] / 'govray-storage' / 'govray.db'}"
 
 

@@ -50,6 +50,7 @@ def run(
     ),
 ) -> None:
     """Verify the policy, ingest, and train the experiment's trial under governance."""
+    from govray.config.hyperparameters import default_point_said
     from govray.platform.registry.register import start_reference
     from govray.platform.registry.versions import resolve
     from govray.platform.rerun.resume import interrupted_trial, resume_trial
@@ -76,6 +77,8 @@ def run(
         f"policy '{policy.name}' v{policy.version}, shards {ingested.manifest.key[:12]} "
         f"(row hash v{ingested.manifest.row_hash_version})"
     )
+    if point := default_point_said(config.hyperparameters):
+        console.print(f"hyperparameters at the space's default point (a search samples it): {point}")
     if resume_interrupted and (trial := interrupted_trial(store, experiment)) is not None:
         console.print(f"continuing interrupted trial {trial.id} ({trial.ray_run_name})")
         with progress_bar() as update:

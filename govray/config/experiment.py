@@ -157,7 +157,11 @@ class ExperimentConfig(BaseModel):
     trial: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:Class"
     # Optimizer, batch size, clipping; a hyperparameter of a setting's name overrides it.
     training: TrainingSettings = Field(default_factory=TrainingSettings)
-    hyperparameters: dict[str, Hyperparameter] = Field(default_factory=dict)
+    hyperparameters: dict[str, Hyperparameter] = Field(
+        default_factory=dict,
+        description="Name → a constant, a range (int, double, log) or a choice list; a bare value is a "
+        "constant. A run that samples nothing takes each range's lower end and each list's first value.",
+    )
     data: DataConfig
     policy: PolicyRef
     resources: Resources = Field(default_factory=Resources)

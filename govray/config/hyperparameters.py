@@ -1,7 +1,10 @@
 """Hyperparameters, Determined's types: a constant, an int / double / log range, or a choice.
 
 A bare value in the experiment file is a constant (``lr: 0.01`` reads as ``{type: const, val:
-0.01}``); ``count`` on a range gives grid search its points.
+0.01}``); ``count`` on a range gives grid search its points. A run that samples nothing (``govray
+run``, the ``single`` searcher) takes the space's **default point** (``default_value``): each
+constant, each choice list's first value, each range's lower end (``base ** minval`` for a log
+range); ``govray run`` prints it (``default_point_said``).
 """
 
 from __future__ import annotations
@@ -78,3 +81,22 @@ def extremes(hp: ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP) -> list[Any
     if isinstance(hp, LogHP):
         return [hp.base**hp.minval, hp.base**hp.maxval]
     return [hp.minval, hp.maxval]
+
+
+def default_point_said(space: dict[str, ConstHP | IntHP | DoubleHP | LogHP | CategoricalHP]) -> str:
+    """The default point of ``space``'s ranges and choices, said with where each value comes from
+    ("" when the space holds constants only): what ``govray run`` prints before it trains."""
+    said = []
+    for name, hp in space.items():
+        if isinstance(hp, ConstHP):
+            continue
+        value = default_value(hp)
+        shown = f"{value:.6g}" if isinstance(value, float) else repr(value)
+        if isinstance(hp, CategoricalHP):
+            where = "the first choice"
+        elif isinstance(hp, LogHP):
+            where = f"the lower end: {hp.base:g}^{hp.minval:g}"
+        else:
+            where = "the lower end"
+        said.append(f"{name}={shown} ({where})")
+    return ", ".join(said)
