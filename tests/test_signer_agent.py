@@ -29,6 +29,7 @@ from govray.signer.service import Signer
 from govray.signer.tls import HeadLink, TlsListener, make_certificates
 from govray.train.checkpoints.files import verify_checkpoint
 from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE, STATE_FILE
+from govray.train.checkpoints.sealing import HashedFolder, SealRefused
 from govray.train.checkpoints.signer import ChannelSigner, SignerChannel, SignerClient
 from tests.helpers.golden import GoldenRun
 from tests.helpers.signing import run_spec_at, training_state
@@ -106,6 +107,9 @@ def test_an_agent_seals_its_nodes_checkpoints_through_the_key_holding_signer(
         worker.seal(last, 30, {})
     training_state(last, source, 30)
     assert verify_checkpoint(_sealed(worker, last, 30), trust)[0].step == 30
+    # An agent's report on a checkpoint sealed again since it looked (another manifest) is stale.
+    with pytest.raises(SealRefused, match="step 30 of this run was sealed meanwhile"):
+        deployment.head.seal_hashed(capability, 30, HashedFolder({}, {}, {}), {30: ("0" * 64, False)})
 
 
 def test_the_key_holding_signers_socket_refuses_the_agents_ops_and_its_listener_everything_else(

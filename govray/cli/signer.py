@@ -219,12 +219,18 @@ def agent(
     A node's rank 0 seals through it: it hashes and checks the folder on this node (its run spec,
     its ledger, its base) and has the signer at --head sign what it read, over mutual TLS.
     """
+    from govray.core.errors import SignatureError
+    from govray.core.signer_wire import WIRE_REVISION
     from govray.signer.agent import AgentSigner
     from govray.signer.server import SignerServer
     from govray.signer.tls import HeadLink
 
     link = HeadLink(head, tls)
-    link.ask({"op": "offers"})  # (the signer answers, and takes this agent's certificate, or it stops here)
+    offered = link.ask(
+        {"op": "offers"}
+    )  # (it answers and takes this agent's certificate, or this stops here)
+    if "seal_hashed" not in offered.get("ops", ()) or int(offered.get("wire", 1)) < WIRE_REVISION:
+        raise SignatureError(f"the signer at {head} runs an older govray than this agent: upgrade it first")
     opens = frozenset(open_uid) if open_uid else None
     signal.signal(signal.SIGTERM, _interrupted)
     with SignerServer(

@@ -109,7 +109,8 @@ class SealHashedRequest(BaseModel):
     """A node's signer agent's seal: the checkpoint of ``step`` of the capability's run, as the
     agent hashed and checked it on its node (``files``: every file's sha256; ``blocks``: the block
     digests of its tensor files, as ``BlockDigests`` JSON; ``refers``: the frozen base by sha256;
-    ``standing``: for each step ``sealed_after`` named, whether its checkpoint still stands). Only
+    ``standing``: for each step ``sealed_after`` named, whether its checkpoint still stands, and
+    ``checked``: the manifest sha256 it named for it, which the standing was checked against). Only
     over the agents' TLS link: a worker never hands the signer digests."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -121,6 +122,9 @@ class SealHashedRequest(BaseModel):
     blocks: dict[str, dict[str, Any]] = Field(default_factory=dict)
     refers: dict[str, str] = Field(default_factory=dict)
     standing: dict[int, bool] = Field(default_factory=dict)
+    checked: dict[int, str | None] = Field(
+        default_factory=dict
+    )  # the manifest sha256 each was checked against
 
 
 class OffersRequest(BaseModel):

@@ -64,13 +64,18 @@ class AgentSigner:
         check = folder_check(known["run_spec"], self._ledgers)
         directory = checkpoint_folder(run_dir, Path(folder), step)
         hashed = hash_folder(directory, step, referenced, base_store_of(run_dir), check)
-        sealed = self._signed(capability, step, hashed, standing)
+        sealed = self._signed(capability, step, hashed, standing, later)
         if self.log is not None:
             self.log(f"sealed {directory} (step {step}) by {self.head.address}")
         return sealed
 
     def _signed(
-        self, capability: str, step: int, hashed: HashedFolder, standing: Mapping[int, bool]
+        self,
+        capability: str,
+        step: int,
+        hashed: HashedFolder,
+        standing: Mapping[int, bool],
+        checked: Mapping[int, str | None],
     ) -> Sealed:
         answer = self.head.ask(
             {
@@ -81,6 +86,7 @@ class AgentSigner:
                 "blocks": {name: found.model_dump(mode="json") for name, found in hashed.blocks.items()},
                 "refers": hashed.refers,
                 "standing": {str(s): stood for s, stood in standing.items()},
+                "checked": {str(s): digest for s, digest in checked.items()},
             }
         )
         return Sealed(base64.b64decode(answer["manifest"]), Envelope.model_validate(answer["envelope"]))
@@ -100,7 +106,11 @@ class AgentSigner:
         _elsewhere("an agent's question")
 
     def seal_hashed(
-        self, capability: str, step: int, hashed: HashedFolder, standing: Mapping[int, bool]
+        self,
+        capability: str,
+        step: int,
+        hashed: HashedFolder,
+        standing: Mapping[int, tuple[str | None, bool]],
     ) -> Sealed:
         _elsewhere("an agent's seal")
 

@@ -95,11 +95,11 @@ def stands(folder: Path, recorded: str | None) -> bool:
         directory = folder.resolve()
         with opened_folder(directory) as descriptor:
             payload = read_small(descriptor, directory / MANIFEST_FILE, MAX_MANIFEST)
+        if recorded is not None and hashlib.sha256(payload).hexdigest() != recorded:
+            return False  # (before hashing the files: another manifest is no standing seal)
         manifest = Manifest.model_validate_json(payload)
         files, _ = hashed_files(directory)
     except (OSError, ValueError, SignatureError):
-        return False
-    if recorded is not None and hashlib.sha256(payload).hexdigest() != recorded:
         return False
     held = {
         name: digest for name, digest in manifest.files.items() if name not in (manifest.referenced or ())

@@ -218,9 +218,8 @@ class SignerServer(socketserver.ThreadingUnixStreamServer):
         if isinstance(request, SealHashedRequest):
             blocks = {name: BlockDigests.model_validate(found) for name, found in request.blocks.items()}
             hashed = HashedFolder(dict(request.files), blocks, dict(request.refers))
-            return _sealed_answer(
-                self.signer.seal_hashed(request.capability, request.step, hashed, request.standing)
-            )
+            standing = {step: (request.checked.get(step), stood) for step, stood in request.standing.items()}
+            return _sealed_answer(self.signer.seal_hashed(request.capability, request.step, hashed, standing))
         return _sealed_answer(
             self.signer.seal(request.capability, request.folder, request.step, request.referenced)
         )

@@ -157,25 +157,33 @@ class Signer:
             return run_dir, str(spec) if spec is not None else None, later
 
     def seal_hashed(
-        self, capability: str, step: int, hashed: HashedFolder, standing: Mapping[int, bool]
+        self,
+        capability: str,
+        step: int,
+        hashed: HashedFolder,
+        standing: Mapping[int, tuple[str | None, bool]],
     ) -> Sealed:
         """Sign the manifest of a checkpoint a node's signer agent hashed and checked (its state's
         step, its ledger, its base: ``govray.signer.agent``), at ``step`` of the capability's run.
         Checked here: the capability, the run spec it is bound to (by the files' digests), and that
-        ``step`` is after every sealed step the agent did not report no longer standing."""
+        ``step`` is after every sealed step the agent did not report no longer standing (``standing``:
+        per step, the manifest sha256 it checked against and whether that checkpoint stands; one
+        sealed again since is refused, to be sealed again)."""
+        with self._lock:
+            spec = self._runs[self._run_of(capability)].get("run_spec")
 
         def given(run_dir: Path, check: FolderCheck | None) -> HashedFolder:
             if check is not None:
-                spec = self._runs[str(run_dir)].get("run_spec")
                 refuse_another_run_spec(run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", hashed.files, str(spec))
             return hashed
 
         def stood(run_dir: Path, later: int, recorded: str | None) -> bool:
-            if later not in standing:
+            checked, stands = standing.get(later, (None, False))
+            if later not in standing or checked != recorded:
                 raise SealRefused(f"step {later} of this run was sealed meanwhile: seal step {step} again")
-            return standing[later]
+            return stands
 
-        return self._seal(capability, f"step {step}", step, given, stood)
+        return self._seal(capability, f"{CHECKPOINT_PREFIX}{step:08d}", step, given, stood)
 
     def _seal(
         self,

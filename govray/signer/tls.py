@@ -29,6 +29,7 @@ import os
 import socket
 import socketserver
 import ssl
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,7 +54,8 @@ class Answering(Protocol):
 
 CA, SIGNER, AGENT = "ca", "signer", "agent"  # DIR/NAME.pem (and NAME.key: the private key, 0600)
 AGENT_NAME = "govray signer agent"
-HANDSHAKE_TIMEOUT_S = 30.0
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_AGENT_CONNECTIONS = 64  # at once; one more is closed before its handshake (no thread, no wait)
 AGENT_IDLE_S = 600.0  # an agent's connection silent this long between frames is closed
 VALID_DAYS = 3650
 
@@ -111,6 +113,24 @@ def _certificate(
         .add_extension(
             x509.BasicConstraints(ca=authority, path_length=0 if authority else None), critical=True
         )
+    )
+    builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+    builder = builder.add_extension(
+        x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False
+    )
+    builder = builder.add_extension(
+        x509.KeyUsage(
+            digital_signature=not authority,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=authority,
+            crl_sign=authority,
+            encipher_only=False,
+            decipher_only=False,
+        ),
+        critical=True,
     )
     if usage is not None:
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=True)
@@ -187,7 +207,11 @@ class HeadLink:
             ):
                 send(connection, request)
                 answer = receive(connection)
-        except (OSError, WireError) as error:  # (ssl.SSLError is an OSError)
+        except (
+            OSError,
+            WireError,
+            ValueError,
+        ) as error:  # (ssl.SSLError is an OSError; ValueError: not JSON)
             raise SignatureError(f"the platform's signer at {self.address} did not answer: {error}") from None
         if not answer.get("ok"):
             kind = REFUSALS.get(str(answer.get("kind")), SignatureError)
@@ -233,7 +257,22 @@ class TlsListener(socketserver.ThreadingTCPServer):
     def __init__(self, inner: Answering, address: tuple[str, int], directory: Path) -> None:
         self.inner, self.inner_idle = inner, AGENT_IDLE_S
         self.context = server_context(directory)
+        self._slots = threading.BoundedSemaphore(MAX_AGENT_CONNECTIONS)
         super().__init__(address, _Agent)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, at most ``MAX_AGENT_CONNECTIONS`` at once (anyone who reaches
+        the port can connect before the handshake refuses them)."""
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def port(self) -> int:
