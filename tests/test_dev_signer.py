@@ -26,10 +26,9 @@ from govray.signer.local import dev_socket, open_channel, stop_dev_signer
 from govray.signer.server import SignerServer
 from govray.signer.service import Signer
 from govray.train.checkpoints.files import verify_checkpoint
-from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
 from govray.train.checkpoints.signer import ChannelSigner, SignerClient
 from tests.helpers.golden import GoldenRun
-from tests.helpers.signing import run_spec_at, training_state
+from tests.helpers.signing import run_spec_at, sealed_into, training_state
 
 
 @pytest.fixture
@@ -53,10 +52,7 @@ def sealed_checkpoint(
     else:
         folder.mkdir(parents=True)
         (folder / "state.json").write_text(json.dumps({"step": step}))
-    sealed = channel_signer.seal(folder, step, {})
-    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
-    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
-    return folder
+    return sealed_into(channel_signer, folder, step)
 
 
 def test_launches_start_one_development_signer_a_process_of_its_own_and_share_it(

@@ -28,11 +28,11 @@ from govray.signer.server import SignerServer
 from govray.signer.service import Signer
 from govray.signer.tls import HeadLink, TlsListener, make_certificates
 from govray.train.checkpoints.files import verify_checkpoint
-from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE, STATE_FILE
+from govray.train.checkpoints.manifest import STATE_FILE
 from govray.train.checkpoints.sealing import HashedFolder, SealRefused
 from govray.train.checkpoints.signer import ChannelSigner, SignerChannel, SignerClient
 from tests.helpers.golden import GoldenRun
-from tests.helpers.signing import run_spec_at, training_state
+from tests.helpers.signing import run_spec_at, sealed_into, training_state
 
 
 @dataclass
@@ -66,13 +66,6 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
     shutil.rmtree(short, ignore_errors=True)
 
 
-def _sealed(signer: ChannelSigner, folder: Path, step: int) -> Path:
-    sealed = signer.seal(folder, step, {})
-    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
-    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
-    return folder
-
-
 def test_an_agent_seals_its_nodes_checkpoints_through_the_key_holding_signer(
     deployment: Deployment, golden_run: GoldenRun, tmp_path: Path
 ) -> None:
@@ -86,14 +79,14 @@ def test_an_agent_seals_its_nodes_checkpoints_through_the_key_holding_signer(
     )
     trust = TrustConfig(keys=[deployment.key.public_key])
     for step in (10, 20):
-        folder = _sealed(worker, training_state(run_dir / f"checkpoint_{step:08d}", source, step), step)
+        folder = sealed_into(worker, training_state(run_dir / f"checkpoint_{step:08d}", source, step), step)
         assert verify_checkpoint(folder, trust)[1] == deployment.key.keyid
     assert deployment.head.sealed_after(capability, 0)[2].keys() == {10, 20}  # the head's record
     with pytest.raises(SignatureError, match="step 10 is not after step 20, which this run sealed"):
         worker.seal(run_dir / "checkpoint_00000010", 10, {})
     # The agent reports a later checkpoint that no longer stands: its step is sealed again.
     (run_dir / "checkpoint_00000020" / "report.json").write_text("{}")
-    _sealed(worker, run_dir / "checkpoint_00000020", 20)
+    sealed_into(worker, run_dir / "checkpoint_00000020", 20)
     # The agent recomputes the ledger, and the head checks the run spec by its digest.
     last = training_state(run_dir / "checkpoint_00000030", source, 30)
     state = json.loads((last / STATE_FILE).read_text())
@@ -106,7 +99,7 @@ def test_an_agent_seals_its_nodes_checkpoints_through_the_key_holding_signer(
     with pytest.raises(SignatureError, match="run.json is not the run spec this run was launched with"):
         worker.seal(last, 30, {})
     training_state(last, source, 30)
-    assert verify_checkpoint(_sealed(worker, last, 30), trust)[0].step == 30
+    assert verify_checkpoint(sealed_into(worker, last, 30), trust)[0].step == 30
     # An agent's report on a checkpoint sealed again since it looked (another manifest) is stale.
     with pytest.raises(SealRefused, match="step 30 of this run was sealed meanwhile"):
         deployment.head.seal_hashed(capability, 30, HashedFolder({}, {}, {}), {30: ("0" * 64, False)})

@@ -165,14 +165,7 @@ def test_a_run_sealed_attested_and_model_signed_through_a_pkcs11_token_verifies_
         cluster.start_head(num_cpus=2, env={"GOVRAY_SIGNER_SOCKET": str(socket)})
         cluster.wait_for_nodes(1)
         driver = {"GOVRAY_SIGNER_SOCKET": str(socket), "GOVRAY_TRUST": str(trust)}
-        run = subprocess.run(
-            [sys.executable, "-m", "govray", "run", str(example)],
-            env=cluster.environment(RAY_ADDRESS=cluster.address, **driver),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = cluster.govray("run", str(example), env=driver)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
         cluster.stop()

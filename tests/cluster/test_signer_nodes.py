@@ -109,14 +109,7 @@ def test_rank_0_on_a_node_without_keys_seals_through_its_agent_and_the_heads_sig
         (head,) = [node for node in nodes if node.is_head]
         (worker_node,) = [node for node in nodes if not node.is_head]
         driver = {"GOVRAY_SIGNER_SOCKET": str(head_socket), "GOVRAY_TRUST": str(trust)}
-        run = subprocess.run(
-            [sys.executable, "-m", "govray", "run", str(example)],
-            env=cluster.environment(RAY_ADDRESS=cluster.address, **driver),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = cluster.govray("run", str(example), env=driver)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
         cluster.stop()

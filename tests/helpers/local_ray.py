@@ -186,11 +186,14 @@ class LocalRayCluster:
             time.sleep(0.5)
         raise TimeoutError(f"{count} Ray nodes were not up after {timeout:.0f} s: {self.alive_nodes()}")
 
-    def govray(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """``python -m govray ARGS`` as a driver of this cluster (``RAY_ADDRESS``), from the repo."""
+    def govray(
+        self, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m govray ARGS`` as a driver of this cluster (``RAY_ADDRESS``), from the repo;
+        ``env``: more of the driver's environment (its settings: the signer's socket, the trust)."""
         return subprocess.run(
             [sys.executable, "-m", "govray", *args],
-            env=self.environment(RAY_ADDRESS=self.address, RAY_DEDUP_LOGS="0"),
+            env=self.environment(RAY_ADDRESS=self.address, RAY_DEDUP_LOGS="0", **(env or {})),
             cwd=REPO,
             capture_output=True,
             text=True,

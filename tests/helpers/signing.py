@@ -62,3 +62,14 @@ def run_spec_at(run_dir: Path | str, step: int) -> RunSpec:
     from govray.train.runspec import RUN_SPEC_FILE, read_run_spec
 
     return read_run_spec(Path(run_dir) / f"checkpoint_{step:08d}" / RUN_SPEC_FILE)
+
+
+def sealed_into(signer: ChannelSigner, folder: Path, step: int) -> Path:
+    """``folder`` sealed at ``step`` through ``signer``, its manifest and envelope written there
+    (what rank 0 does after the signer answers)."""
+    from govray.train.checkpoints.manifest import MANIFEST_FILE, SIGNATURE_FILE
+
+    sealed = signer.seal(folder, step, {})
+    (folder / MANIFEST_FILE).write_bytes(sealed.manifest)
+    (folder / SIGNATURE_FILE).write_text(sealed.envelope.to_json())
+    return folder
